@@ -1,0 +1,12 @@
+"""Golden fixtures for attn-parity: the float64 NumPy reference, the fixture format and loader,
+the declarative case list and the regeneration script."""
+
+from golden.fixture import FIXTURE_DIR, FORMAT_VERSION, Fixture, FixtureError, load
+
+
+def names() -> list[str]:
+    """Names of the shipped fixtures, sorted."""
+    return sorted(p.stem for p in FIXTURE_DIR.glob("*.npz"))
+
+
+__all__ = ["FIXTURE_DIR", "FORMAT_VERSION", "Fixture", "FixtureError", "load", "names"]

@@ -1,0 +1,69 @@
+"""``attn-parity check``: every fixture through the reference, PyTorch and JAX, as a table."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import golden
+from golden.tolerances import compare
+from golden.regenerate import FORWARD, BACKWARD
+
+
+def run_reference(fixture, dtype="float64") -> dict:
+    """Recompute the fixture from its stored inputs with the float64 reference."""
+    inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
+              for n, a in fixture.inputs.items()}
+    out, weights, cache = FORWARD[fixture.variant](fixture.config, inputs, fixture.params)
+    cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
+    return {"output": out, "weights": weights,
+            "grads": BACKWARD[fixture.variant](cache, cot["output"], cot["weights"])}
+
+
+def runners():
+    """(framework, dtype, run_fixture) for every row of the table."""
+    from jax_attn.parity import run_fixture as run_jax
+    from torch_attn.parity import run_fixture as run_torch
+
+    return [("reference", "float64", run_reference),
+            ("torch", "float32", run_torch), ("torch", "float64", run_torch),
+            ("jax", "float32", run_jax), ("jax", "float64", run_jax)]
+
+
+def compare_all(fixture, result, dtype):
+    """Comparisons of output, weights and every gradient; None where a gradient is missing."""
+    pairs = [("output", result["output"], fixture.expected["output"]),
+             ("weights", result["weights"], fixture.expected["weights"])]
+    pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
+    return {what: (compare(a, e, dtype, terms=_terms(fixture, what)) if a is not None else None)
+            for what, a, e in pairs}
+
+
+def _terms(fixture, what) -> int:
+    """How many weight entries feed each element of a broadcast input's gradient (else 1)."""
+    name = what.removeprefix("grad ")
+    if what == name or name not in fixture.inputs or name in ("query", "key", "value"):
+        return 1
+    return max(1, fixture.expected["weights"].size // fixture.inputs[name].size)
+
+
+def main(names=None, log=print) -> int:
+    import jax
+
+    log(f"JAX backend: {jax.default_backend()}; devices: {', '.join(map(str, jax.devices()))}")
+    header = f"{'fixture':28} {'framework':9} {'dtype':7} {'max abs err':>11} {'max rel err':>11}  result"
+    log(header)
+    log("-" * len(header))
+    passed = failed = 0
+    for name in names or golden.names():
+        fixture = golden.load(name)
+        for framework, dtype, run in runners():
+            comps = compare_all(fixture, run(fixture, dtype), dtype)
+            ok = all(c is not None and c.ok for c in comps.values())
+            worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
+            worst_rel = max(c.max_rel if c else np.inf for c in comps.values())
+            bad = [w for w, c in comps.items() if c is None or not c.ok]
+            log(f"{name:28} {framework:9} {dtype:7} {worst_abs:11.2e} {worst_rel:11.2e}  "
+                f"{'pass' if ok else 'FAIL ' + ', '.join(bad)}")
+            passed, failed = passed + ok, failed + (not ok)
+    log(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0

@@ -1,0 +1,80 @@
+"""Rebuild every fixture from ``golden.cases.CASES`` with the float64 reference.
+
+``python -m golden`` or ``attn-parity regenerate`` writes; ``--check`` compares in memory and
+exits non-zero on any difference. Unchanged cases produce byte-identical files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from golden import reference
+from golden.cases import CASES, SDPA, Case
+from golden.fixture import FIXTURE_DIR, Fixture, to_bytes, write_atomic
+
+
+def draw(spec, rng):
+    """One input array from its spec (see golden.cases)."""
+    kind, shape = spec[0], tuple(spec[1])
+    if kind == "normal":
+        return rng.standard_normal(shape).astype(np.float32)
+    if kind == "ints":
+        return rng.integers(-spec[2], spec[2] + 1, shape).astype(np.float32)
+    if kind == "mask":
+        mask = rng.random(shape) < spec[2]
+        for row in spec[3]:
+            mask[row] = False
+        return mask
+    if kind == "keep":
+        return rng.random(shape) >= spec[2]
+    raise ValueError(f"unknown input spec kind {kind!r} in {spec!r}")
+
+
+def _sdpa_forward(config, inputs, params):
+    return reference.sdpa_forward(**inputs, **config)
+
+
+FORWARD = {SDPA: _sdpa_forward}
+BACKWARD = {SDPA: reference.sdpa_backward}
+
+
+def build(case: Case) -> Fixture:
+    """Draw the case's inputs and cotangents, run the reference forward and backward."""
+    rng = np.random.default_rng(case.seed)
+    inputs = {name: draw(spec, rng) for name, spec in case.inputs.items()}
+    params = {}
+    out, weights, cache = FORWARD[case.variant](case.config, inputs, params)
+    cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
+           "weights": rng.standard_normal(weights.shape).astype(np.float32)}
+    grads = BACKWARD[case.variant](cache, cot["output"].astype(np.float64),
+                                   cot["weights"].astype(np.float64))
+    return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
+                   inputs=inputs, params=params, cotangents=cot,
+                   expected={"output": out, "weights": weights}, grads=grads)
+
+
+def regenerate(check: bool = False, directory=FIXTURE_DIR, log=print) -> int:
+    """Write (or with check=True only compare) every fixture; return the number that differ."""
+    directory.mkdir(parents=True, exist_ok=True)
+    wanted = {c.name + ".npz" for c in CASES}
+    differ = 0
+    for case in CASES:
+        path = directory / (case.name + ".npz")
+        data = to_bytes(build(case))
+        if path.exists() and path.read_bytes() == data:
+            continue
+        differ += 1
+        if check:
+            log(f"differs: {path.name} ({'changed' if path.exists() else 'missing'})")
+        else:
+            write_atomic(path, data)
+            log(f"wrote {path.name}")
+    for stale in sorted(p for p in directory.glob("*.npz") if p.name not in wanted):
+        differ += 1
+        if check:
+            log(f"differs: {stale.name} (no such case)")
+        else:
+            stale.unlink()
+            log(f"removed {stale.name} (no such case)")
+    log(f"{len(CASES)} cases, {differ} {'differ' if check else 'updated'}")
+    return differ
