@@ -1,0 +1,133 @@
+"""The fixture file: deterministic bytes, atomic writes, and rejection of bad files."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+
+import numpy as np
+import pytest
+
+import golden
+from golden import fixture as fx
+from golden.cases import CASES
+from golden.regenerate import build, regenerate
+
+SOME = CASES[0]
+
+
+def _rewrite(src, dst, edit):
+    """Copy a fixture's members through ``edit(members)`` into a new plain zip."""
+    with np.load(src, allow_pickle=False) as z:
+        members = {k: z[k] for k in z.files}
+    edit(members)
+    with zipfile.ZipFile(dst, "w") as zf:
+        for k, a in members.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, a, allow_pickle=True)
+            zf.writestr(k + ".npy", buf.getvalue())
+    return dst
+
+
+def test_build_is_deterministic_and_per_case():
+    assert fx.to_bytes(build(SOME)) == fx.to_bytes(build(SOME))
+    assert fx.to_bytes(build(SOME)) == (fx.FIXTURE_DIR / f"{SOME.name}.npz").read_bytes()
+
+
+def test_inputs_are_float32_exact_and_expectations_float64():
+    f = golden.load(SOME.name)
+    assert all(a.dtype in (np.float32, np.bool_) for a in f.inputs.values())
+    assert all(a.dtype == np.float64 for a in {**f.expected, **f.grads}.values())
+
+
+def test_load_by_path_and_name_agree(tmp_path):
+    by_name = golden.load(SOME.name)
+    by_path = golden.load(str(fx.FIXTURE_DIR / f"{SOME.name}.npz"))
+    assert by_name.config == by_path.config
+    np.testing.assert_array_equal(by_name.expected["output"], by_path.expected["output"])
+
+
+def test_missing_fixture_is_named():
+    with pytest.raises(FileNotFoundError, match="no_such_case"):
+        golden.load("no_such_case")
+
+
+def test_corrupt_file_rejected(tmp_path):
+    p = tmp_path / "garbage.npz"
+    p.write_bytes(b"this is not a zip file at all")
+    with pytest.raises(golden.FixtureError, match="garbage.npz: not a readable fixture"):
+        golden.load(p)
+
+
+def test_truncated_file_rejected(tmp_path):
+    data = (fx.FIXTURE_DIR / f"{SOME.name}.npz").read_bytes()
+    p = tmp_path / "truncated.npz"
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(golden.FixtureError, match="truncated.npz: not a readable fixture"):
+        golden.load(p)
+
+
+def test_foreign_npz_rejected(tmp_path):
+    p = tmp_path / "foreign.npz"
+    np.savez(p, x=np.arange(3))
+    with pytest.raises(golden.FixtureError, match="foreign.npz: no 'meta' member"):
+        golden.load(p)
+
+
+def test_pickled_member_rejected_without_unpickling(tmp_path):
+    src = fx.FIXTURE_DIR / f"{SOME.name}.npz"
+
+    def add_object(m):
+        m["inputs/query"] = np.array([{"evil": 1}], dtype=object)
+
+    p = _rewrite(src, tmp_path / "pickled.npz", add_object)
+    with pytest.raises(golden.FixtureError, match="pickled.npz: not a readable fixture.*pickle"):
+        golden.load(p)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.__setitem__("meta", np.array(json.dumps({**json.loads(str(m["meta"][()])),
+                                                           "format_version": 99}))),
+     "format_version should be 1, got 99"),
+    (lambda m: m.__setitem__("meta", np.array(json.dumps({**json.loads(str(m["meta"][()])),
+                                                           "format": "other"}))),
+     "'meta.format' should be 'attn-parity-fixture'"),
+    (lambda m: m.__setitem__("meta", np.array("{not json")), "'meta' is not valid JSON"),
+    (lambda m: m.pop("grads/key"), r"members do not match meta: missing \['grads/key'\]"),
+    (lambda m: m.__setitem__("grads/key", m["grads/key"][..., :-1]),
+     "grads/key shape .* does not match"),
+    (lambda m: m.update({n: m[n][..., :-1, :] for n in ("inputs/value", "grads/value")}),
+     r"inputs inconsistent with config: value shape should be \(B, H, Lk, Dv\)"),
+    (lambda m: m.__setitem__("expected/output", m["expected/output"].astype(np.float32)),
+     "expected/output should be finite float64"),
+])
+def test_inconsistent_fixture_rejected(tmp_path, edit, message):
+    p = _rewrite(fx.FIXTURE_DIR / f"{SOME.name}.npz", tmp_path / "bad.npz", edit)
+    with pytest.raises(golden.FixtureError, match="bad.npz: " + message):
+        golden.load(p)
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    p = tmp_path / "f.npz"
+    p.write_bytes(b"old")
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        fx.write_atomic(p, b"new contents")
+    assert p.read_bytes() == b"old"
+    assert [q.name for q in tmp_path.iterdir()] == ["f.npz"], "a temporary file was left behind"
+
+
+def test_regenerate_writes_then_check_passes(tmp_path):
+    lines = []
+    assert regenerate(directory=tmp_path, log=lines.append) == len(CASES)
+    (tmp_path / "stale.npz").write_bytes(b"x")
+    assert regenerate(check=True, directory=tmp_path, log=lines.append) == 1
+    assert any("stale.npz (no such case)" in line for line in lines)
+    assert regenerate(directory=tmp_path, log=lines.append) == 1  # removes the stale file
+    assert regenerate(check=True, directory=tmp_path, log=lines.append) == 0
