@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SDPA = "scaled_dot_product_attention"
+from golden.variants import SDPA
+
 B, H, LQ, LK, DK, DV = 2, 3, 5, 7, 4, 6
 
 
@@ -59,4 +60,53 @@ CASES = [
     Case("sdpa_large_logits", SDPA, 116,
          {"query": ("ints", (B, H, LQ, 4), 40), "key": ("ints", (B, H, LK, 4), 40),
           "value": ("normal", (B, H, LK, DV))}),
+]
+
+# Module variants. Every dimension a different size within a case: B=2, L=7 (or Lq=6, Lk=7),
+# feature widths 3 to 5, heads 1 or 3, head widths 2 or 4. Weights are drawn from the case's
+# seed after the inputs (golden.regenerate.draw_params).
+CASES += [
+    Case("simple_self_attention_batched", "simple_self_attention", 201,
+         {"x": ("normal", (2, 7, 3))}),
+    Case("simple_self_attention_unbatched_mask", "simple_self_attention", 202,
+         {"x": ("normal", (6, 4)), "mask": ("mask", (6, 6), 0.7, ())}),
+    Case("self_attention_unbatched", "self_attention", 211,
+         {"x": ("normal", (7, 5))}, {"d_in": 5, "d_k": 4, "d_v": 6}),
+    Case("self_attention_batched_bias_mask", "self_attention", 212,
+         {"x": ("normal", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.7, ((1, 3),))},
+         {"d_in": 5, "d_k": 4, "d_v": 3, "qkv_bias": True}),
+    Case("causal_self_attention_batched", "causal_self_attention", 221,
+         {"x": ("normal", (2, 7, 5))}, {"d_in": 5, "d_k": 4, "d_v": 6}),
+    Case("causal_self_attention_dropout", "causal_self_attention", 222,
+         {"x": ("normal", (2, 7, 5)), "dropout_mask": ("keep", (2, 7, 7), 0.3)},
+         {"d_in": 5, "d_k": 3, "dropout": 0.3, "qkv_bias": True}),
+    Case("causal_self_attention_unbatched_eval", "causal_self_attention", 223,
+         {"x": ("normal", (6, 5)), "mask": ("mask", (6, 6), 0.8, ())},
+         {"d_in": 5, "d_k": 4, "dropout": 0.5}),
+    Case("cross_attention_kv", "cross_attention", 231,
+         {"x_q": ("normal", (2, 6, 5)), "x_kv": ("normal", (2, 7, 3)),
+          "mask": ("mask", (2, 6, 7), 0.7, ())},
+         {"d_q_in": 5, "d_kv_in": 3, "d_k": 4, "d_v": 8}),
+    Case("cross_attention_separate_values", "cross_attention", 232,
+         {"x_q": ("normal", (6, 5)), "x_kv": ("normal", (7, 3)), "x_v": ("normal", (7, 3))},
+         {"d_q_in": 5, "d_kv_in": 3, "d_k": 4, "qkv_bias": True}),
+    Case("multi_head_attention_wrapper_one_head", "multi_head_attention_wrapper", 241,
+         {"x": ("normal", (2, 7, 5))}, {"d_in": 5, "d_head": 4, "num_heads": 1}),
+    Case("multi_head_attention_wrapper_causal_proj_dropout", "multi_head_attention_wrapper", 242,
+         {"x": ("normal", (2, 7, 5)), "dropout_mask": ("keep", (2, 3, 7, 7), 0.2)},
+         {"d_in": 5, "d_head": 4, "num_heads": 3, "causal": True, "dropout": 0.2,
+          "qkv_bias": True, "out_proj": True}),
+    Case("multi_head_attention_wrapper_unbatched_mask", "multi_head_attention_wrapper", 243,
+         {"x": ("normal", (6, 5)), "mask": ("mask", (6, 6), 0.7, ())},
+         {"d_in": 5, "d_head": 2, "num_heads": 3}),
+    Case("multi_head_attention_causal", "multi_head_attention", 251,
+         {"x": ("normal", (2, 7, 5))}, {"d_in": 5, "d_out": 12, "num_heads": 3, "causal": True}),
+    Case("multi_head_attention_unbatched_qkv_bias_mask", "multi_head_attention", 252,
+         {"x": ("normal", (7, 5)), "mask": ("mask", (7, 7), 0.7, ())},
+         {"d_in": 5, "d_out": 6, "num_heads": 3, "qkv_bias": True, "out_bias": False}),
+    Case("multi_head_attention_one_head", "multi_head_attention", 253,
+         {"x": ("normal", (2, 7, 5))}, {"d_in": 5, "d_out": 4, "num_heads": 1}),
+    Case("multi_head_attention_dropout", "multi_head_attention", 254,
+         {"x": ("normal", (2, 5, 7)), "dropout_mask": ("keep", (2, 3, 5, 5), 0.25)},
+         {"d_in": 7, "d_out": 12, "num_heads": 3, "dropout": 0.25}),
 ]

@@ -34,16 +34,20 @@ def compare_all(fixture, result, dtype):
     pairs = [("output", result["output"], fixture.expected["output"]),
              ("weights", result["weights"], fixture.expected["weights"])]
     pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
-    return {what: (compare(a, e, dtype, terms=_terms(fixture, what)) if a is not None else None)
+    return {what: None if a is None else compare(
+                a, e, dtype, "grad" if what.startswith("grad ") else "value",
+                terms=_terms(fixture, what))
             for what, a, e in pairs}
 
 
 def _terms(fixture, what) -> int:
-    """How many weight entries feed each element of a broadcast input's gradient (else 1)."""
+    """How many partial gradients each element of a gradient sums (see golden.tolerances)."""
     name = what.removeprefix("grad ")
-    if what == name or name not in fixture.inputs or name in ("query", "key", "value"):
-        return 1
-    return max(1, fixture.expected["weights"].size // fixture.inputs[name].size)
+    if name in fixture.params:  # one term per position of the longest input sequence
+        return max(a.size // a.shape[-1] for a in fixture.inputs.values() if a.dtype.kind == "f")
+    if name in fixture.inputs and name not in ("query", "key", "value"):  # broadcast inputs
+        return max(1, fixture.expected["weights"].size // fixture.inputs[name].size)
+    return 1
 
 
 def main(names=None, log=print) -> int:

@@ -97,3 +97,185 @@ def sdpa_backward(cache, d_output, d_weights):
     if cache["bias_shape"] is not None:
         grads["bias"] = unbroadcast(g_scores, cache["bias_shape"])
     return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules. Legend as above, plus L sequence length, N heads, d_* feature widths.
+# One block covers every variant: project, split heads, attend, merge heads, project out:
+#     Q = x_q W_q + b_q, K = x_k W_k + b_k, V = x_v W_v + b_v      (..., L, N·D)
+#     O = attention(split(Q), split(K), split(V))                   (..., N, Lq, Dv)
+#     y = merge(O) W_out + b_out   (or merge(O) when there is no output projection)
+# ---------------------------------------------------------------------------------------------
+
+
+def linear(x, w, b=None):
+    """x W + b with W of shape (in, out)."""
+    y = x @ w
+    return y if b is None else y + b
+
+
+def linear_backward(x, w, g_y, grads, names):
+    """Accumulate dL/dW and dL/db into ``grads``; return dL/dx."""
+    w_name, b_name = names
+    grads[w_name] = x.reshape(-1, x.shape[-1]).T @ g_y.reshape(-1, g_y.shape[-1])  # Σ xᵀ g
+    if b_name is not None:
+        grads[b_name] = g_y.reshape(-1, g_y.shape[-1]).sum(axis=0)
+    return g_y @ w.T
+
+
+def split_heads(y, num_heads):
+    """(..., L, N·D) -> (..., N, L, D): head n owns the n-th contiguous block of features."""
+    y = y.reshape(y.shape[:-1] + (num_heads, y.shape[-1] // num_heads))  # (..., L, N, D)
+    return np.swapaxes(y, -2, -3)
+
+
+def merge_heads(y):
+    """(..., N, L, D) -> (..., L, N·D)."""
+    y = np.swapaxes(y, -2, -3)  # (..., L, N, D)
+    return y.reshape(y.shape[:-2] + (-1,))
+
+
+def block_forward(x_q, x_k, x_v, p, *, num_heads, is_causal=False, mask=None, scale=None,
+                  dropout_rate=0.0, dropout_mask=None):
+    """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out."""
+    x_q, x_k, x_v = (np.asarray(a, dtype=np.float64) for a in (x_q, x_k, x_v))
+    p = {n: np.asarray(a, dtype=np.float64) for n, a in p.items()}
+    q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), num_heads)
+               for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
+    head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
+    out, weights, attn = sdpa_forward(q, k, v, head_mask, is_causal=is_causal, scale=scale,
+                                      dropout_rate=dropout_rate, dropout_mask=dropout_mask)
+    merged = merge_heads(out)  # (..., Lq, N·Dv)
+    y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
+    cache = dict(x=(x_q, x_k, x_v), p=p, num_heads=num_heads, merged=merged, attn=attn)
+    return y, weights, cache
+
+
+def block_backward(cache, d_y, d_weights):
+    """Gradients of Σ y⊙dy + Σ A⊙dA: keys x_query, x_key, x_value and every parameter name."""
+    p, grads = cache["p"], {}
+    g_merged = d_y
+    if "W_out" in p:
+        g_merged = linear_backward(cache["merged"], p["W_out"], d_y, grads,
+                                   ("W_out", "b_out" if "b_out" in p else None))
+    g = sdpa_backward(cache["attn"], split_heads(g_merged, cache["num_heads"]), d_weights)
+    for x, n in zip(cache["x"], ("query", "key", "value")):
+        grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
+                                          (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants: forward(config, inputs, params) -> (output, weights, cache) and
+# backward(cache, d_output, d_weights) -> {input or parameter name: gradient}.
+# Dropout is active exactly when the inputs hold a keep-mask (the module is in training mode).
+# ---------------------------------------------------------------------------------------------
+
+
+def _sdpa(config, inputs, params):
+    return sdpa_forward(**inputs, **config)
+
+
+def _simple(config, inputs, params):
+    x = inputs["x"]  # softmax(X Xᵀ) X: no weights, no scaling
+    out, weights, attn = sdpa_forward(x, x, x, inputs.get("mask"), scale=1.0)
+    return out, weights, attn
+
+
+def _simple_backward(attn, d_out, d_weights):
+    g = sdpa_backward(attn, d_out, d_weights)
+    return {"x": g["query"] + g["key"] + g["value"]}
+
+
+def _one_head(config, inputs, params, x_q, x_k, x_v, is_causal):
+    """A single head: the block with N = 1, the head axis removed from the weights."""
+    keep = inputs.get("dropout_mask")
+    y, weights, cache = block_forward(
+        x_q, x_k, x_v, params, num_heads=1, is_causal=is_causal, mask=inputs.get("mask"),
+        dropout_rate=config.get("dropout", 0.0) if keep is not None else 0.0,
+        dropout_mask=None if keep is None else keep[..., None, :, :])
+    return y, weights[..., 0, :, :], cache
+
+
+def _self(config, inputs, params):
+    x = inputs["x"]
+    return _one_head(config, inputs, params, x, x, x, is_causal=False)
+
+
+def _causal(config, inputs, params):
+    x = inputs["x"]
+    return _one_head(config, inputs, params, x, x, x, is_causal=True)
+
+
+def _self_backward(cache, d_y, d_weights):
+    g = block_backward(cache, d_y, d_weights[..., None, :, :])
+    g["x"] = g.pop("x_query") + g.pop("x_key") + g.pop("x_value")
+    return g
+
+
+def _cross(config, inputs, params):
+    x_v = inputs.get("x_v", inputs["x_kv"])
+    y, weights, cache = _one_head(config, inputs, params, inputs["x_q"], inputs["x_kv"], x_v,
+                                  is_causal=False)
+    cache["separate_values"] = "x_v" in inputs
+    return y, weights, cache
+
+
+def _cross_backward(cache, d_y, d_weights):
+    g = block_backward(cache, d_y, d_weights[..., None, :, :])
+    g["x_q"], g["x_kv"] = g.pop("x_query"), g.pop("x_key")
+    if cache["separate_values"]:
+        g["x_v"] = g.pop("x_value")
+    else:
+        g["x_kv"] = g["x_kv"] + g.pop("x_value")
+    return g
+
+
+def _multi_head(config, inputs, params):
+    x = inputs["x"]
+    train = "dropout_mask" in inputs
+    return block_forward(x, x, x, params, num_heads=config["num_heads"],
+                         is_causal=config.get("causal", False), mask=inputs.get("mask"),
+                         dropout_rate=config.get("dropout", 0.0) if train else 0.0,
+                         dropout_mask=inputs.get("dropout_mask"))
+
+
+def _multi_head_backward(cache, d_y, d_weights):
+    g = block_backward(cache, d_y, d_weights)
+    g["x"] = g.pop("x_query") + g.pop("x_key") + g.pop("x_value")
+    return g
+
+
+def _stacked_to_fused(name, a):
+    """Wrapper layout -> block layout: W (N, in, Dh) -> (in, N·Dh); b (N, Dh) -> (N·Dh,)."""
+    if name.startswith("W_") and name != "W_out":
+        return np.swapaxes(a, 0, 1).reshape(a.shape[1], -1)
+    return a.reshape(-1) if name.startswith("b_") and name != "b_out" else a
+
+
+def _fused_to_stacked(name, g, num_heads):
+    """The inverse of _stacked_to_fused, for gradients."""
+    if name.startswith("W_") and name != "W_out":
+        return np.swapaxes(g.reshape(g.shape[0], num_heads, -1), 0, 1)
+    return g.reshape(num_heads, -1) if name.startswith("b_") and name != "b_out" else g
+
+
+def _wrapper(config, inputs, params):
+    fused = {n: _stacked_to_fused(n, np.asarray(a, dtype=np.float64)) for n, a in params.items()}
+    return _multi_head(config, inputs, fused)
+
+
+def _wrapper_backward(cache, d_y, d_weights):
+    g = _multi_head_backward(cache, d_y, d_weights)
+    return {n: _fused_to_stacked(n, a, cache["num_heads"]) for n, a in g.items()}
+
+
+VARIANTS = {
+    "scaled_dot_product_attention": (_sdpa, sdpa_backward),
+    "simple_self_attention": (_simple, _simple_backward),
+    "self_attention": (_self, _self_backward),
+    "causal_self_attention": (_causal, _self_backward),
+    "cross_attention": (_cross, _cross_backward),
+    "multi_head_attention_wrapper": (_wrapper, _wrapper_backward),
+    "multi_head_attention": (_multi_head, _multi_head_backward),
+}

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from golden import reference
-from golden.cases import CASES, SDPA, Case
+from golden.cases import CASES, Case
+from golden.variants import param_shapes
 from golden.fixture import FIXTURE_DIR, Fixture, to_bytes, write_atomic
 
 
@@ -30,19 +31,22 @@ def draw(spec, rng):
     raise ValueError(f"unknown input spec kind {kind!r} in {spec!r}")
 
 
-def _sdpa_forward(config, inputs, params):
-    return reference.sdpa_forward(**inputs, **config)
+def draw_params(variant, config, rng):
+    """Weights N(0, 1/fan_in) and biases N(0, 1), rounded to float32, in sorted name order."""
+    shapes = sorted(param_shapes(variant, config).items())
+    return {name: (rng.standard_normal(shape) / np.sqrt(shape[-2] if name.startswith("W_") else 1))
+            .astype(np.float32) for name, shape in shapes}
 
 
-FORWARD = {SDPA: _sdpa_forward}
-BACKWARD = {SDPA: reference.sdpa_backward}
+FORWARD = {name: fwd for name, (fwd, _) in reference.VARIANTS.items()}
+BACKWARD = {name: bwd for name, (_, bwd) in reference.VARIANTS.items()}
 
 
 def build(case: Case) -> Fixture:
     """Draw the case's inputs and cotangents, run the reference forward and backward."""
     rng = np.random.default_rng(case.seed)
     inputs = {name: draw(spec, rng) for name, spec in case.inputs.items()}
-    params = {}
+    params = draw_params(case.variant, case.config, rng)
     out, weights, cache = FORWARD[case.variant](case.config, inputs, params)
     cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
            "weights": rng.standard_normal(weights.shape).astype(np.float32)}

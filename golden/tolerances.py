@@ -6,10 +6,15 @@ An array passes when both hold:
 The bounds are the tightest the arithmetic allows on this machine's CPUs (see the README's
 figures for the errors actually seen); loosening one needs a reason written beside it.
 
-One widening, by rule rather than by case: the gradient of an array that was broadcast (a bias
-of shape (Lk,) against weights (B, H, Lq, Lk), say) is a sum of ``terms`` = B·H·Lq partial
-gradients. Its rounding error grows like √terms times the summands' scale while the sum itself
-may cancel to a small number, so its elementwise ``atol`` is multiplied by √terms.
+Two rules widen the elementwise bound, the same for every case, and why:
+- atol is relative to the array's scale, max(1, max |e|): an element near zero that is computed
+  from operands of the array's scale carries their absolute rounding error, not its own.
+- a gradient that sums ``terms`` partial gradients (a parameter's over every position, a
+  broadcast bias's over B·H·Lq) has rounding error growing like √terms while the sum may cancel
+  to a small number, so atol is also multiplied by √terms.
+The relative error norm is not applied to an array that is zero at that resolution
+(‖e‖ ≤ atol·√size), such as the gradient of a key-projection bias, which is exactly zero in exact
+arithmetic (softmax is unchanged by a constant added to a row): there it measures only noise.
 """
 
 from __future__ import annotations
@@ -26,9 +31,14 @@ class Tolerance:
     atol: float
 
 
-TOLERANCES = {
-    "float32": Tolerance(rel_norm=1e-6, rtol=1e-5, atol=1e-6),
-    "float64": Tolerance(rel_norm=1e-12, rtol=1e-12, atol=1e-14),
+TOLERANCES = {  # (dtype, "value" for outputs and weights | "grad" for gradients)
+    ("float32", "value"): Tolerance(rel_norm=1e-6, rtol=1e-5, atol=1e-6),
+    # Gradients go through the softmax backward P ⊙ (g − Σ g ⊙ P), whose subtraction cancels,
+    # and then through sums over positions; float32 gradients of the module cases reach a
+    # relative error norm of 1.1e-6 (torch, multi_head_attention_dropout, W_key), hence 2e-6.
+    ("float32", "grad"): Tolerance(rel_norm=2e-6, rtol=1e-5, atol=1e-6),
+    ("float64", "value"): Tolerance(rel_norm=1e-12, rtol=1e-12, atol=1e-14),
+    ("float64", "grad"): Tolerance(rel_norm=1e-12, rtol=1e-12, atol=1e-14),
 }
 
 
@@ -40,18 +50,19 @@ class Comparison:
     ok: bool
 
 
-def compare(actual, expected, dtype: str, terms: int = 1) -> Comparison:
+def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1) -> Comparison:
     """Compare to the float64 expectation; ``terms`` = summands per element (see above)."""
-    tol = TOLERANCES[dtype]
-    atol = tol.atol * float(np.sqrt(terms))
+    tol = TOLERANCES[dtype, kind]
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     if a.shape != e.shape:
         return Comparison(np.inf, np.inf, np.inf, False)
     diff = np.abs(a - e)
     max_abs = float(diff.max(initial=0.0))
     scale, norm = float(np.abs(e).max(initial=0.0)), float(np.linalg.norm(e))
+    atol = tol.atol * max(1.0, scale) * float(np.sqrt(terms))
+    negligible = norm <= atol * np.sqrt(e.size)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
     rel_norm = float(np.linalg.norm(a - e)) / norm if norm > 0 else (0.0 if max_abs == 0 else np.inf)
-    ok = bool(np.all(np.isfinite(a))) and rel_norm <= tol.rel_norm and bool(
+    ok = bool(np.all(np.isfinite(a))) and (negligible or rel_norm <= tol.rel_norm) and bool(
         np.all(diff <= atol + tol.rtol * np.abs(e)))
     return Comparison(max_abs, max_rel, rel_norm, ok)

@@ -87,3 +87,41 @@ def check_attention_args(
             raise ValueError("dropout_mask was given but dropout_rate is 0.0; set dropout_rate")
         _expect_broadcastable("dropout_mask", dropout_mask, letters, target, "bool")
     return target
+
+
+def check_sequence(arg, x, width_name, width, lead=None) -> tuple[int, ...]:
+    """A module input (B, L, d) or (L, d) with d = width; ``lead`` = the batch shape it must share.
+
+    Returns the leading (batch) shape.
+    """
+    shape = tuple(x.shape)
+    if len(shape) not in (2, 3):
+        raise ValueError(f"{arg} should have rank 2 or 3: (L, {width_name}) or "
+                         f"(B, L, {width_name}), got shape {_fmt(shape)}")
+    _expect_float(arg, x)
+    letters = ("B", "L", width_name) if len(shape) == 3 else ("L", width_name)
+    want = (None, None, width) if len(shape) == 3 else (None, width)
+    if lead is not None:
+        letters = ("B", "L", width_name) if lead else ("L", width_name)
+        want = tuple(lead) + (None, width)
+    _expect_shape(arg, shape, letters, want)
+    return shape[:-2]
+
+
+def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0) -> None:
+    """A module's mask against (B, Lq, Lk); its keep-mask against its weights (B, [N,] Lq, Lk).
+
+    ``lead`` is the batch shape (empty when unbatched), ``heads`` N for multi-head modules and
+    ``rate`` the dropout rate in force (0 in eval mode).
+    """
+    batch = ("B",) * len(lead)
+    if mask is not None:
+        _expect_broadcastable("mask", mask, batch + ("Lq", "Lk"), tuple(lead) + (lq, lk), "bool")
+    if dropout_mask is None:
+        return
+    if rate == 0.0:
+        raise ValueError("dropout_mask was given but dropout is inactive (eval mode or "
+                         "dropout=0.0); train a module built with dropout > 0")
+    head = () if heads is None else (heads,)
+    _expect_broadcastable("dropout_mask", dropout_mask, batch + ("N",) * len(head) + ("Lq", "Lk"),
+                          tuple(lead) + head + (lq, lk), "bool")

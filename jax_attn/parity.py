@@ -5,29 +5,53 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from golden.variants import SDPA, call_args
 from jax_attn.functional import scaled_dot_product_attention
+from jax_attn.params import build, export_params
 
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
     """Return {'output', 'weights', 'grads': {name: array}} as NumPy arrays.
 
     float64 runs inside ``jax.enable_x64(True)``, so the setting does not leak to the caller.
+    Modules are built from the fixture's parameters cast to ``dtype``, in training mode when the
+    fixture holds a dropout keep-mask and in eval mode otherwise.
     """
-    if fixture.variant != "scaled_dot_product_attention":
-        raise ValueError(f"variant should be scaled_dot_product_attention, got {fixture.variant!r}")
     with jax.enable_x64(dtype == "float64"):
         arrays = {n: jnp.asarray(a, dtype=dtype if a.dtype.kind == "f" else a.dtype)
                   for n, a in fixture.inputs.items()}
         floats = {n: a for n, a in arrays.items() if a.dtype.kind == "f"}
-        others = {n: a for n, a in arrays.items() if n not in floats}
         d_out, d_w = (jnp.asarray(fixture.cotangents[n], dtype=dtype) for n in ("output", "weights"))
+        call, params, merge = _callable(fixture, dtype, train="dropout_mask" in arrays)
 
-        def loss(floats):
-            out, weights = scaled_dot_product_attention(**floats, **others, **fixture.config,
-                                                        return_weights=True)
+        def loss(floats, params):
+            args, kwargs = call_args(fixture.variant, {**arrays, **floats})
+            out, weights = call(params, *args, **kwargs)
             return jnp.sum(out * d_out) + jnp.sum(weights * d_w), (out, weights)
 
-        grads, (out, weights) = jax.grad(loss, has_aux=True)(floats)
-        return {"output": np.asarray(out), "weights": np.asarray(weights),
-                "grads": {n: np.asarray(g) for n, g in grads.items()}}
+        (g_in, g_params), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+            floats, params)
+        grads = {n: np.asarray(g) for n, g in g_in.items()}
+        if merge is not None:
+            grads.update(export_params(merge(g_params)))  # a module whose weights are the grads
+        return {"output": np.asarray(out), "weights": np.asarray(weights), "grads": grads}
+
+
+def _callable(fixture, dtype, train):
+    """(call(params, *args, **kwargs), params, merge) for the core or a built module."""
+    if fixture.variant == SDPA:
+        def call(params, *args, **kwargs):
+            return scaled_dot_product_attention(*args, **kwargs, **fixture.config,
+                                                return_weights=True)
+        return call, {}, None
+    params = {n: a.astype(dtype) for n, a in fixture.params.items()}
+    module = build(fixture.variant, fixture.config, params)
+    module.train() if train else module.eval()
+    graphdef, weights, rest = nnx.split(module, nnx.Param, ...)
+
+    def call(weights, *args, **kwargs):
+        return nnx.merge(graphdef, weights, rest)(*args, **kwargs, return_weights=True)
+
+    return call, weights, lambda w: nnx.merge(graphdef, w, rest)

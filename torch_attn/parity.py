@@ -5,24 +5,38 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from golden.variants import SDPA, call_args
 from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.params import build, export_grads
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
-    """Return {'output', 'weights', 'grads': {name: array}} as NumPy arrays."""
+    """Return {'output', 'weights', 'grads': {name: array}} as NumPy arrays.
+
+    Modules are built from the fixture's parameters cast to ``dtype``, in training mode when the
+    fixture holds a dropout keep-mask and in eval mode otherwise.
+    """
     dt = _DTYPES[dtype]
     inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
-    if fixture.variant != "scaled_dot_product_attention":
-        raise ValueError(f"variant should be scaled_dot_product_attention, got {fixture.variant!r}")
-    out, weights = scaled_dot_product_attention(**inputs, **fixture.config, return_weights=True)
+    args, kwargs = call_args(fixture.variant, inputs)
+    module = None
+    if fixture.variant == SDPA:
+        out, weights = scaled_dot_product_attention(*args, **kwargs, **fixture.config,
+                                                    return_weights=True)
+    else:
+        params = {n: a.astype(dtype) for n, a in fixture.params.items()}
+        module = build(fixture.variant, fixture.config, params)
+        module.train("dropout_mask" in inputs)
+        out, weights = module(*args, **kwargs, return_weights=True)
     loss = (out * _tensor(fixture.cotangents["output"], dt)).sum() + (
         weights * _tensor(fixture.cotangents["weights"], dt)).sum()
-    leaves = {n: t for n, t in inputs.items() if t.requires_grad}
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    return {"output": out.detach().numpy(), "weights": weights.detach().numpy(),
-            "grads": {n: g.numpy() for n, g in zip(leaves, grads)}}
+    loss.backward()
+    grads = {n: t.grad.numpy() for n, t in inputs.items() if t.requires_grad}
+    if module is not None:
+        grads.update(export_grads(module))
+    return {"output": out.detach().numpy(), "weights": weights.detach().numpy(), "grads": grads}
 
 
 def _tensor(array, dtype):

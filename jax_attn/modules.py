@@ -1,0 +1,216 @@
+"""Flax NNX attention variants, twins of ``torch_attn.modules``. Each computes attention through
+``jax_attn.scaled_dot_product_attention``; they differ only in how they make q, k, v and what
+they do with the result.
+
+Shape legend: B batch, L sequence length (Lq queries, Lk keys), N heads, Dh head width,
+d_* feature widths. Inputs are (B, L, d) or (L, d). Masks are bool, True = may attend, and
+broadcast to (B, Lq, Lk); multi-head modules apply them to every head.
+Parameters are ``nnx.Linear`` layers named W_query, W_key, W_value (and out_proj); their kernels
+are already in the neutral (in, out) layout. Dropout is active unless ``deterministic`` is True
+(``module.eval()``); it draws from the ``dropout`` stream of the ``rngs`` given at construction.
+The constructors take the PyTorch twin's arguments plus ``rngs`` and ``precision`` (keyword-only;
+``precision`` reaches every dot, projections included).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from golden.validate import check_module_masks, check_sequence
+from golden.variants import param_shapes
+from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+
+
+def _linear(d_in, d_out, bias, rngs, precision):
+    return nnx.Linear(d_in, d_out, use_bias=bias, precision=precision, rngs=rngs)
+
+
+class _Dropout(nnx.Module):
+    """Holds the dropout rate, the train/eval switch and the random stream of a module."""
+
+    def _init_dropout(self, dropout, rngs):
+        self.dropout = dropout
+        self.deterministic = False
+        self.dropout_rngs = rngs["dropout"].fork() if dropout > 0 else nnx.data(None)
+
+    def _dropout_args(self, dropout_mask):
+        """(rate, rng key or None) for the core; the key is drawn only when it is needed."""
+        rate = 0.0 if self.deterministic else self.dropout
+        key = self.dropout_rngs() if rate > 0 and dropout_mask is None else None
+        return rate, key
+
+
+class SimpleSelfAttention(nnx.Module):
+    """softmax(X Xᵀ) X: no parameters, no scaling (notebook 001 §1)."""
+
+    variant = "simple_self_attention"
+
+    def __init__(self, *, rngs=None, precision=DEFAULT_PRECISION):
+        self.config = {}
+        self.precision = precision
+
+    def __call__(self, x, mask=None, *, return_weights=False):
+        lead = check_sequence("x", x, "d_in", None)
+        check_module_masks(lead, x.shape[-2], x.shape[-2], mask)
+        return scaled_dot_product_attention(x, x, x, mask, scale=1.0,
+                                            return_weights=return_weights,
+                                            precision=self.precision)
+
+
+class SelfAttention(nnx.Module):
+    """One head with trainable query, key and value projections."""
+
+    variant = "self_attention"
+
+    def __init__(self, d_in, d_k, d_v=None, qkv_bias=False, *, rngs, precision=DEFAULT_PRECISION):
+        self.config = dict(d_in=d_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        param_shapes(self.variant, self.config)  # checks the sizes
+        self.d_in, self.d_k, self.d_v = d_in, d_k, d_v or d_k
+        self.precision = precision
+        self.W_query = _linear(d_in, d_k, qkv_bias, rngs, precision)
+        self.W_key = _linear(d_in, d_k, qkv_bias, rngs, precision)
+        self.W_value = _linear(d_in, self.d_v, qkv_bias, rngs, precision)
+
+    def project(self, x):
+        """x (B, L, d_in) -> q, k (B, L, d_k) and v (B, L, d_v)."""
+        check_sequence("x", x, "d_in", self.d_in)
+        return self.W_query(x), self.W_key(x), self.W_value(x)
+
+    def __call__(self, x, mask=None, *, return_weights=False):
+        q, k, v = self.project(x)
+        check_module_masks(tuple(x.shape[:-2]), x.shape[-2], x.shape[-2], mask)
+        return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights,
+                                            precision=self.precision)
+
+
+class CausalSelfAttention(SelfAttention, _Dropout):
+    """Self-attention where position i sees positions ≤ i, with dropout on the weights."""
+
+    variant = "causal_self_attention"
+
+    def __init__(self, d_in, d_k, d_v=None, dropout=0.0, qkv_bias=False, *, rngs,
+                 precision=DEFAULT_PRECISION):
+        super().__init__(d_in, d_k, d_v, qkv_bias, rngs=rngs, precision=precision)
+        self.config = dict(d_in=d_in, d_k=d_k, d_v=d_v, dropout=dropout, qkv_bias=qkv_bias)
+        param_shapes(self.variant, self.config)
+        self._init_dropout(dropout, rngs)
+
+    def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
+        q, k, v = self.project(x)
+        rate, key = self._dropout_args(dropout_mask)
+        check_module_masks(tuple(x.shape[:-2]), x.shape[-2], x.shape[-2], mask, dropout_mask,
+                           rate=rate)
+        return scaled_dot_product_attention(q, k, v, mask, is_causal=True, dropout_rate=rate,
+                                            dropout_mask=dropout_mask, dropout_rng=key,
+                                            return_weights=return_weights,
+                                            precision=self.precision)
+
+
+class CrossAttention(nnx.Module):
+    """Queries from x_q (B, Lq, d_q_in); keys and values from x_kv (B, Lk, d_kv_in), or keys
+    from x_kv and values from x_v of the same length."""
+
+    variant = "cross_attention"
+
+    def __init__(self, d_q_in, d_kv_in, d_k, d_v=None, qkv_bias=False, *, rngs,
+                 precision=DEFAULT_PRECISION):
+        self.config = dict(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        param_shapes(self.variant, self.config)
+        self.d_q_in, self.d_kv_in, self.d_k, self.d_v = d_q_in, d_kv_in, d_k, d_v or d_k
+        self.precision = precision
+        self.W_query = _linear(d_q_in, d_k, qkv_bias, rngs, precision)
+        self.W_key = _linear(d_kv_in, d_k, qkv_bias, rngs, precision)
+        self.W_value = _linear(d_kv_in, self.d_v, qkv_bias, rngs, precision)
+
+    def __call__(self, x_q, x_kv, x_v=None, mask=None, *, return_weights=False):
+        lead = check_sequence("x_q", x_q, "d_q_in", self.d_q_in)
+        check_sequence("x_kv", x_kv, "d_kv_in", self.d_kv_in, lead=lead)
+        x_v = x_kv if x_v is None else x_v
+        if tuple(x_v.shape) != tuple(x_kv.shape):
+            raise ValueError(f"x_v shape should equal x_kv's {tuple(x_kv.shape)}, "
+                             f"got {tuple(x_v.shape)}")
+        check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
+        q, k, v = self.W_query(x_q), self.W_key(x_kv), self.W_value(x_v)
+        return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights,
+                                            precision=self.precision)
+
+
+class MultiHeadAttentionWrapper(_Dropout):
+    """num_heads independent single-head modules, outputs concatenated on the feature axis
+    (B, L, N·Dh), optionally followed by an output projection; weights (B, N, Lq, Lk)."""
+
+    variant = "multi_head_attention_wrapper"
+
+    def __init__(self, d_in, d_head, num_heads, causal=False, dropout=0.0, qkv_bias=False,
+                 out_proj=False, *, rngs, precision=DEFAULT_PRECISION):
+        self.config = dict(d_in=d_in, d_head=d_head, num_heads=num_heads, causal=causal,
+                           dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
+        param_shapes(self.variant, self.config)
+        self.d_in, self.num_heads, self.causal = d_in, num_heads, causal
+        self.precision = precision
+        self._init_dropout(dropout, rngs)
+        self.heads = nnx.List([SelfAttention(d_in, d_head, qkv_bias=qkv_bias, rngs=rngs,
+                                             precision=precision) for _ in range(num_heads)])
+        width = num_heads * d_head
+        self.out_proj = _linear(width, width, True, rngs, precision) if out_proj else None
+
+    def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
+        rate, key = self._dropout_args(dropout_mask)
+        lead, length = check_sequence("x", x, "d_in", self.d_in), x.shape[-2]
+        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, rate)
+        outs, weights = [], []
+        for h, head in enumerate(self.heads):
+            q, k, v = head.project(x)
+            keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
+            head_key = None if key is None else jax.random.fold_in(key, h)
+            o, w = scaled_dot_product_attention(
+                q, k, v, mask, is_causal=self.causal, dropout_rate=rate, dropout_mask=keep,
+                dropout_rng=head_key, return_weights=True, precision=self.precision)
+            outs.append(o)      # (B, L, Dh)
+            weights.append(w)   # (B, Lq, Lk)
+        y = jnp.concatenate(outs, axis=-1)  # (B, L, N·Dh)
+        if self.out_proj is not None:
+            y = self.out_proj(y)
+        return (y, jnp.stack(weights, axis=-3)) if return_weights else y
+
+
+class MultiHeadAttention(_Dropout):
+    """Fused heads: one projection each for Q, K, V (B, L, d_out) split into N contiguous blocks
+    of Dh = d_out / N, attention per head, heads merged, output projection."""
+
+    variant = "multi_head_attention"
+
+    def __init__(self, d_in, d_out, num_heads, causal=False, dropout=0.0, qkv_bias=False,
+                 out_bias=True, *, rngs, precision=DEFAULT_PRECISION):
+        self.config = dict(d_in=d_in, d_out=d_out, num_heads=num_heads, causal=causal,
+                           dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
+        param_shapes(self.variant, self.config)
+        self.d_in, self.d_out, self.num_heads, self.causal = d_in, d_out, num_heads, causal
+        self.precision = precision
+        self._init_dropout(dropout, rngs)
+        self.W_query = _linear(d_in, d_out, qkv_bias, rngs, precision)
+        self.W_key = _linear(d_in, d_out, qkv_bias, rngs, precision)
+        self.W_value = _linear(d_in, d_out, qkv_bias, rngs, precision)
+        self.out_proj = _linear(d_out, d_out, out_bias, rngs, precision)
+
+    def _split(self, y):
+        """(B, L, d_out) -> (B, N, L, Dh)."""
+        y = y.reshape(y.shape[:-1] + (self.num_heads, -1))  # (B, L, N, Dh)
+        return jnp.swapaxes(y, -2, -3)
+
+    def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
+        lead = check_sequence("x", x, "d_in", self.d_in)
+        rate, key = self._dropout_args(dropout_mask)
+        length = x.shape[-2]
+        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, rate)
+        q, k, v = (self._split(proj(x)) for proj in (self.W_query, self.W_key, self.W_value))
+        head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, Lq, Lk)
+        o, w = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
+                                            dropout_rate=rate, dropout_mask=dropout_mask,
+                                            dropout_rng=key, return_weights=True,
+                                            precision=self.precision)
+        merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
+        y = self.out_proj(merged.reshape(merged.shape[:-2] + (-1,)))  # (B, L, d_out)
+        return (y, w) if return_weights else y
