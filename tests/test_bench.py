@@ -1,0 +1,32 @@
+"""The benchmark harness runs end to end on its tiny grid and writes both reports. Speed is never
+asserted here: only that the numbers exist and the files have the expected structure."""
+
+from __future__ import annotations
+
+import json
+
+from bench.attention import IMPLS, main
+
+
+def test_quick_run_writes_both_reports(tmp_path):
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert {"machine", "grid", "ceilings", "results", "targets", "skipped", "wall_s"} <= set(report)
+    assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
+    assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
+        ("jax", "float32"), ("torch", "float32")}
+    rows = report["results"]
+    assert {r["impl"] for r in rows} == set(IMPLS)
+    assert {r["pass"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert {r["causal"] for r in rows} == {False, True}
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    for r in rows:
+        assert {"shape", "median_ms", "gflop_s", "pct_ceiling", "compile_ms", "first_call_ms",
+                "rss_peak_growth_mb", "xla_memory", "jax_core_speedup",
+                "torch_core_speedup"} <= set(r)
+        assert r["median_ms"] > 0 and r["repeats"] >= 1
+        assert (r["xla_memory"] is not None) == (r["framework"] == "jax")
+    assert [t["ratio"] is not None for t in report["targets"]] == [True] * 3
+    md = (tmp_path / "latest.md").read_text()
+    assert "| impl |" in md and "jax_core×" in md and "## Targets" in md
+    assert not list(tmp_path.glob("*.tmp"))
