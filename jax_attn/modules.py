@@ -10,9 +10,18 @@ are already in the neutral (in, out) layout. Dropout is active unless ``determin
 (``module.eval()``); it draws from the ``dropout`` stream of the ``rngs`` given at construction.
 The constructors take the PyTorch twin's arguments plus ``rngs`` and ``precision`` (keyword-only;
 ``precision`` reaches every dot, projections included).
+
+Execution: ``__call__`` checks its arguments and draws the dropout key eagerly, then runs the
+module's ``_forward`` under ``jax.jit`` through NNX's functional API (``nnx.split`` outside,
+``nnx.merge`` inside): the module's structure and settings are static, its weights and the inputs
+traced, and nothing is written back, so the modules also work inside a caller's own
+``jax.grad``/``jax.vmap`` (train mode without a keep-mask draws from the module's random
+stream, which NNX allows only outside such a transformation: use ``nnx.grad``/``nnx.vmap`` there).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -27,45 +36,71 @@ def _linear(d_in, d_out, bias, rngs, precision):
     return nnx.Linear(d_in, d_out, use_bias=bias, precision=precision, rngs=rngs)
 
 
-class _Dropout(nnx.Module):
-    """Holds the dropout rate, the train/eval switch and the random stream of a module."""
+@partial(jax.jit, static_argnums=(0, 2, 4))
+def _apply(graphdef, state, method, arrays, static):
+    """Rebuild the module inside the trace and run one of its methods."""
+    return getattr(nnx.merge(graphdef, state), method)(*arrays, **dict(static))
+
+
+def _frozen(**config):
+    """Constructor arguments as a hashable tuple: module attributes are static under jit."""
+    return tuple(sorted(config.items()))
+
+
+class _Jitted(nnx.Module):
+    """Runs ``_forward`` compiled; holds the dropout rate, switch and stream where there is one."""
+
+    dropout = 0.0
+
+    @property
+    def config(self) -> dict:
+        """The constructor arguments (what ``build`` needs besides the parameters)."""
+        return dict(self._config)
+
+    def _run(self, *arrays, **static):
+        graphdef, state = nnx.split(self)
+        return _apply(graphdef, state, "_forward", arrays, tuple(sorted(static.items())))
 
     def _init_dropout(self, dropout, rngs):
         self.dropout = dropout
         self.deterministic = False
         self.dropout_rngs = rngs["dropout"].fork() if dropout > 0 else nnx.data(None)
 
-    def _dropout_args(self, dropout_mask):
-        """(rate, rng key or None) for the core; the key is drawn only when it is needed."""
-        rate = 0.0 if self.deterministic else self.dropout
-        key = self.dropout_rngs() if rate > 0 and dropout_mask is None else None
-        return rate, key
+    def _rate(self) -> float:
+        return 0.0 if getattr(self, "deterministic", True) else self.dropout
+
+    def _dropout_key(self, dropout_mask):
+        """A fresh key when dropout is active and no keep-mask is given, else None."""
+        return self.dropout_rngs() if self._rate() > 0 and dropout_mask is None else None
 
 
-class SimpleSelfAttention(nnx.Module):
+class SimpleSelfAttention(_Jitted):
     """softmax(X Xᵀ) X: no parameters, no scaling (notebook 001 §1)."""
 
     variant = "simple_self_attention"
 
     def __init__(self, *, rngs=None, precision=DEFAULT_PRECISION):
-        self.config = {}
+        self._config = ()
         self.precision = precision
 
     def __call__(self, x, mask=None, *, return_weights=False):
         lead = check_sequence("x", x, "d_in", None)
         check_module_masks(lead, x.shape[-2], x.shape[-2], mask)
+        return self._run(x, mask, return_weights=return_weights)
+
+    def _forward(self, x, mask, *, return_weights):
         return scaled_dot_product_attention(x, x, x, mask, scale=1.0,
                                             return_weights=return_weights,
                                             precision=self.precision)
 
 
-class SelfAttention(nnx.Module):
+class SelfAttention(_Jitted):
     """One head with trainable query, key and value projections."""
 
     variant = "self_attention"
 
     def __init__(self, d_in, d_k, d_v=None, qkv_bias=False, *, rngs, precision=DEFAULT_PRECISION):
-        self.config = dict(d_in=d_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        self._config = _frozen(d_in=d_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
         param_shapes(self.variant, self.config)  # checks the sizes
         self.d_in, self.d_k, self.d_v = d_in, d_k, d_v or d_k
         self.precision = precision
@@ -79,13 +114,17 @@ class SelfAttention(nnx.Module):
         return self.W_query(x), self.W_key(x), self.W_value(x)
 
     def __call__(self, x, mask=None, *, return_weights=False):
+        lead = check_sequence("x", x, "d_in", self.d_in)
+        check_module_masks(lead, x.shape[-2], x.shape[-2], mask)
+        return self._run(x, mask, return_weights=return_weights)
+
+    def _forward(self, x, mask, *, return_weights):
         q, k, v = self.project(x)
-        check_module_masks(tuple(x.shape[:-2]), x.shape[-2], x.shape[-2], mask)
         return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights,
                                             precision=self.precision)
 
 
-class CausalSelfAttention(SelfAttention, _Dropout):
+class CausalSelfAttention(SelfAttention):
     """Self-attention where position i sees positions ≤ i, with dropout on the weights."""
 
     variant = "causal_self_attention"
@@ -93,22 +132,25 @@ class CausalSelfAttention(SelfAttention, _Dropout):
     def __init__(self, d_in, d_k, d_v=None, dropout=0.0, qkv_bias=False, *, rngs,
                  precision=DEFAULT_PRECISION):
         super().__init__(d_in, d_k, d_v, qkv_bias, rngs=rngs, precision=precision)
-        self.config = dict(d_in=d_in, d_k=d_k, d_v=d_v, dropout=dropout, qkv_bias=qkv_bias)
+        self._config = _frozen(d_in=d_in, d_k=d_k, d_v=d_v, dropout=dropout, qkv_bias=qkv_bias)
         param_shapes(self.variant, self.config)
         self._init_dropout(dropout, rngs)
 
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
+        lead = check_sequence("x", x, "d_in", self.d_in)
+        check_module_masks(lead, x.shape[-2], x.shape[-2], mask, dropout_mask, rate=self._rate())
+        return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
+                         return_weights=return_weights)
+
+    def _forward(self, x, mask, dropout_mask, key, *, return_weights):
         q, k, v = self.project(x)
-        rate, key = self._dropout_args(dropout_mask)
-        check_module_masks(tuple(x.shape[:-2]), x.shape[-2], x.shape[-2], mask, dropout_mask,
-                           rate=rate)
-        return scaled_dot_product_attention(q, k, v, mask, is_causal=True, dropout_rate=rate,
-                                            dropout_mask=dropout_mask, dropout_rng=key,
-                                            return_weights=return_weights,
+        return scaled_dot_product_attention(q, k, v, mask, is_causal=True,
+                                            dropout_rate=self._rate(), dropout_mask=dropout_mask,
+                                            dropout_rng=key, return_weights=return_weights,
                                             precision=self.precision)
 
 
-class CrossAttention(nnx.Module):
+class CrossAttention(_Jitted):
     """Queries from x_q (B, Lq, d_q_in); keys and values from x_kv (B, Lk, d_kv_in), or keys
     from x_kv and values from x_v of the same length."""
 
@@ -116,7 +158,7 @@ class CrossAttention(nnx.Module):
 
     def __init__(self, d_q_in, d_kv_in, d_k, d_v=None, qkv_bias=False, *, rngs,
                  precision=DEFAULT_PRECISION):
-        self.config = dict(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        self._config = _frozen(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
         param_shapes(self.variant, self.config)
         self.d_q_in, self.d_kv_in, self.d_k, self.d_v = d_q_in, d_kv_in, d_k, d_v or d_k
         self.precision = precision
@@ -132,12 +174,15 @@ class CrossAttention(nnx.Module):
             raise ValueError(f"x_v shape should equal x_kv's {tuple(x_kv.shape)}, "
                              f"got {tuple(x_v.shape)}")
         check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
+        return self._run(x_q, x_kv, x_v, mask, return_weights=return_weights)
+
+    def _forward(self, x_q, x_kv, x_v, mask, *, return_weights):
         q, k, v = self.W_query(x_q), self.W_key(x_kv), self.W_value(x_v)
         return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights,
                                             precision=self.precision)
 
 
-class MultiHeadAttentionWrapper(_Dropout):
+class MultiHeadAttentionWrapper(_Jitted):
     """num_heads independent single-head modules, outputs concatenated on the feature axis
     (B, L, N·Dh), optionally followed by an output projection; weights (B, N, Lq, Lk)."""
 
@@ -145,7 +190,7 @@ class MultiHeadAttentionWrapper(_Dropout):
 
     def __init__(self, d_in, d_head, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_proj=False, *, rngs, precision=DEFAULT_PRECISION):
-        self.config = dict(d_in=d_in, d_head=d_head, num_heads=num_heads, causal=causal,
+        self._config = _frozen(d_in=d_in, d_head=d_head, num_heads=num_heads, causal=causal,
                            dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
         param_shapes(self.variant, self.config)
         self.d_in, self.num_heads, self.causal = d_in, num_heads, causal
@@ -157,17 +202,20 @@ class MultiHeadAttentionWrapper(_Dropout):
         self.out_proj = _linear(width, width, True, rngs, precision) if out_proj else None
 
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
-        rate, key = self._dropout_args(dropout_mask)
         lead, length = check_sequence("x", x, "d_in", self.d_in), x.shape[-2]
-        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, rate)
+        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, self._rate())
+        return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
+                         return_weights=return_weights)
+
+    def _forward(self, x, mask, dropout_mask, key, *, return_weights):
         outs, weights = [], []
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
             keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
-            head_key = None if key is None else jax.random.fold_in(key, h)
             o, w = scaled_dot_product_attention(
-                q, k, v, mask, is_causal=self.causal, dropout_rate=rate, dropout_mask=keep,
-                dropout_rng=head_key, return_weights=True, precision=self.precision)
+                q, k, v, mask, is_causal=self.causal, dropout_rate=self._rate(),
+                dropout_mask=keep, dropout_rng=None if key is None else jax.random.fold_in(key, h),
+                return_weights=True, precision=self.precision)
             outs.append(o)      # (B, L, Dh)
             weights.append(w)   # (B, Lq, Lk)
         y = jnp.concatenate(outs, axis=-1)  # (B, L, N·Dh)
@@ -176,7 +224,7 @@ class MultiHeadAttentionWrapper(_Dropout):
         return (y, jnp.stack(weights, axis=-3)) if return_weights else y
 
 
-class MultiHeadAttention(_Dropout):
+class MultiHeadAttention(_Jitted):
     """Fused heads: one projection each for Q, K, V (B, L, d_out) split into N contiguous blocks
     of Dh = d_out / N, attention per head, heads merged, output projection."""
 
@@ -184,7 +232,7 @@ class MultiHeadAttention(_Dropout):
 
     def __init__(self, d_in, d_out, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_bias=True, *, rngs, precision=DEFAULT_PRECISION):
-        self.config = dict(d_in=d_in, d_out=d_out, num_heads=num_heads, causal=causal,
+        self._config = _frozen(d_in=d_in, d_out=d_out, num_heads=num_heads, causal=causal,
                            dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
         param_shapes(self.variant, self.config)
         self.d_in, self.d_out, self.num_heads, self.causal = d_in, d_out, num_heads, causal
@@ -201,14 +249,16 @@ class MultiHeadAttention(_Dropout):
         return jnp.swapaxes(y, -2, -3)
 
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
-        lead = check_sequence("x", x, "d_in", self.d_in)
-        rate, key = self._dropout_args(dropout_mask)
-        length = x.shape[-2]
-        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, rate)
+        lead, length = check_sequence("x", x, "d_in", self.d_in), x.shape[-2]
+        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, self._rate())
+        return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
+                         return_weights=return_weights)
+
+    def _forward(self, x, mask, dropout_mask, key, *, return_weights):
         q, k, v = (self._split(proj(x)) for proj in (self.W_query, self.W_key, self.W_value))
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, Lq, Lk)
         o, w = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
-                                            dropout_rate=rate, dropout_mask=dropout_mask,
+                                            dropout_rate=self._rate(), dropout_mask=dropout_mask,
                                             dropout_rng=key, return_weights=True,
                                             precision=self.precision)
         merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
