@@ -6,6 +6,12 @@ An input spec is a tuple naming how the array is drawn from the case's generator
     ("mask", shape, p, dead_rows)     bool, True with probability p; rows listed as index tuples
                                       of the leading axes plus the query index are all False
     ("keep", shape, rate)             dropout keep-mask: True with probability 1 − rate
+    ("grid", shape)                   standard normal rounded to a multiple of 1/64 in [-4, 4]:
+                                      exact in bfloat16 and float16 too
+
+``dtypes`` lists the dtypes the frameworks run the case at. A case that lists float16 or bfloat16
+draws grid inputs, and its parameters are rounded to the same grid, so that every dtype starts
+from the same exact numbers and only the arithmetic differs.
 
 Shape legend: B=2 batch, H=3 heads, Lq=5 query length, Lk=7 key length, Dk=4, Dv=6.
 """
@@ -26,6 +32,7 @@ class Case:
     seed: int
     inputs: dict
     config: dict = field(default_factory=dict)
+    dtypes: tuple = ("float32", "float64")
 
 
 def _qkv(lead=(B, H), lq=LQ, lk=LK, dk=DK, dv=DV):
@@ -109,4 +116,22 @@ CASES += [
     Case("multi_head_attention_dropout", "multi_head_attention", 254,
          {"x": ("normal", (2, 5, 7)), "dropout_mask": ("keep", (2, 3, 5, 5), 0.25)},
          {"d_in": 7, "d_out": 12, "num_heads": 3, "dropout": 0.25}),
+]
+
+# Low precision: the same fixtures run at bfloat16 and float16 (softmax accumulates in float32).
+LOW = ("float32", "float64", "bfloat16", "float16")
+CASES += [
+    Case("sdpa_low_precision", SDPA, 301,
+         {"query": ("grid", (B, H, LQ, 8)), "key": ("grid", (B, H, LK, 8)),
+          "value": ("grid", (B, H, LK, DV))}, dtypes=LOW),
+    Case("sdpa_low_precision_causal_mask", SDPA, 302,
+         {"query": ("grid", (B, H, LK, DK)), "key": ("grid", (B, H, LK, DK)),
+          "value": ("grid", (B, H, LK, DV)), "mask": ("mask", (B, 1, LK, LK), 0.8, ())},
+         {"is_causal": True}, dtypes=LOW),
+    Case("multi_head_attention_low_precision", "multi_head_attention", 303,
+         {"x": ("grid", (2, 7, 5))}, {"d_in": 5, "d_out": 12, "num_heads": 3, "causal": True,
+                                      "qkv_bias": True}, dtypes=LOW),
+    Case("cross_attention_low_precision", "cross_attention", 304,
+         {"x_q": ("grid", (2, 6, 5)), "x_kv": ("grid", (2, 7, 3))},
+         {"d_q_in": 5, "d_kv_in": 3, "d_k": 4, "d_v": 8}, dtypes=LOW),
 ]

@@ -19,14 +19,14 @@ def run_reference(fixture, dtype="float64") -> dict:
             "grads": BACKWARD[fixture.variant](cache, cot["output"], cot["weights"])}
 
 
-def runners():
-    """(framework, dtype, run_fixture) for every row of the table."""
+def runners(fixture):
+    """(framework, dtype, run_fixture) for every row of the fixture's table."""
     from jax_attn.parity import run_fixture as run_jax
     from torch_attn.parity import run_fixture as run_torch
 
-    return [("reference", "float64", run_reference),
-            ("torch", "float32", run_torch), ("torch", "float64", run_torch),
-            ("jax", "float32", run_jax), ("jax", "float64", run_jax)]
+    return [("reference", "float64", run_reference)] + [
+        (name, dtype, run) for name, run in (("torch", run_torch), ("jax", run_jax))
+        for dtype in fixture.dtypes]
 
 
 def compare_all(fixture, result, dtype):
@@ -60,7 +60,7 @@ def main(names=None, log=print) -> int:
     passed = failed = 0
     for name in names or golden.names():
         fixture = golden.load(name)
-        for framework, dtype, run in runners():
+        for framework, dtype, run in runners(fixture):
             comps = compare_all(fixture, run(fixture, dtype), dtype)
             ok = all(c is not None and c.ok for c in comps.values())
             worst_abs = max(c.max_abs if c else np.inf for c in comps.values())

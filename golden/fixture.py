@@ -3,7 +3,8 @@
 A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pickle=False)``):
 
     meta                 0-d unicode array holding JSON: format, format_version, name, variant,
-                         seed, config, and the names listed under inputs, params and grads
+                         seed, config, dtypes (those the frameworks run it at), and the names
+                         listed under inputs, params and grads
     inputs/<name>        arrays fed to the variant (floats stored as float32, masks as bool)
     params/<name>        module weights in the neutral layout (y = x W + b, W is (in, out))
     cotangents/output    dO, cotangents/weights dA: the fixed loss is Σ O⊙dO + Σ A⊙dA
@@ -25,6 +26,7 @@ import numpy as np
 
 FORMAT = "attn-parity-fixture"
 FORMAT_VERSION = 1
+DTYPES = ("float32", "float64", "bfloat16", "float16")
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps make the bytes reproducible
 
@@ -40,6 +42,7 @@ class Fixture:
     seed: int
     config: dict
     inputs: dict
+    dtypes: list = field(default_factory=lambda: ["float32", "float64"])
     params: dict = field(default_factory=dict)
     cotangents: dict = field(default_factory=dict)
     expected: dict = field(default_factory=dict)
@@ -50,6 +53,7 @@ class Fixture:
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION, "name": self.name,
             "variant": self.variant, "seed": self.seed, "config": self.config,
+            "dtypes": self.dtypes,
             "inputs": sorted(self.inputs), "params": sorted(self.params), "grads": sorted(self.grads),
         }
 
@@ -124,6 +128,10 @@ def _from_members(path, members) -> Fixture:
         fail(f"'meta.format' should be {FORMAT!r}; this is not an attn-parity fixture")
     if meta.get("format_version") != FORMAT_VERSION:
         fail(f"format_version should be {FORMAT_VERSION}, got {meta.get('format_version')!r}")
+    unknown = set(meta.get("dtypes", ())) - set(DTYPES)
+    if not meta.get("dtypes") or unknown:
+        fail(f"meta.dtypes should be a non-empty list drawn from {DTYPES}, "
+             f"got {meta.get('dtypes')!r}")
     required = {"meta", "cotangents/output", "cotangents/weights", "expected/output",
                  "expected/weights"}
     for group in ("inputs", "params", "grads"):
@@ -135,7 +143,7 @@ def _from_members(path, members) -> Fixture:
               for g in ("inputs", "params", "cotangents", "expected", "grads")}
     _check_consistency(fail, meta, groups)
     return Fixture(name=meta["name"], variant=meta["variant"], seed=meta["seed"],
-                   config=meta["config"], path=Path(path), **groups)
+                   config=meta["config"], dtypes=meta["dtypes"], path=Path(path), **groups)
 
 
 def _check_consistency(fail, meta, groups) -> None:

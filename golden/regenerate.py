@@ -28,14 +28,23 @@ def draw(spec, rng):
         return mask
     if kind == "keep":
         return rng.random(shape) >= spec[2]
+    if kind == "grid":
+        return to_grid(rng.standard_normal(shape))
     raise ValueError(f"unknown input spec kind {kind!r} in {spec!r}")
 
 
-def draw_params(variant, config, rng):
-    """Weights N(0, 1/fan_in) and biases N(0, 1), rounded to float32, in sorted name order."""
+def to_grid(a):
+    """Round to a multiple of 1/64 in [-4, 4]: at most 8 significant bits, exact in bfloat16."""
+    return (np.clip(np.round(a * 64), -256, 256) / 64).astype(np.float32)
+
+
+def draw_params(variant, config, rng, grid=False):
+    """Weights N(0, 1/fan_in) and biases N(0, 1), rounded to float32 (or to the grid), in sorted
+    name order."""
     shapes = sorted(param_shapes(variant, config).items())
-    return {name: (rng.standard_normal(shape) / np.sqrt(shape[-2] if name.startswith("W_") else 1))
-            .astype(np.float32) for name, shape in shapes}
+    params = {name: rng.standard_normal(shape) / np.sqrt(shape[-2] if name.startswith("W_") else 1)
+              for name, shape in shapes}
+    return {n: to_grid(a) if grid else a.astype(np.float32) for n, a in params.items()}
 
 
 FORWARD = {name: fwd for name, (fwd, _) in reference.VARIANTS.items()}
@@ -46,13 +55,15 @@ def build(case: Case) -> Fixture:
     """Draw the case's inputs and cotangents, run the reference forward and backward."""
     rng = np.random.default_rng(case.seed)
     inputs = {name: draw(spec, rng) for name, spec in case.inputs.items()}
-    params = draw_params(case.variant, case.config, rng)
+    low = {"bfloat16", "float16"} & set(case.dtypes)
+    params = draw_params(case.variant, case.config, rng, grid=bool(low))
     out, weights, cache = FORWARD[case.variant](case.config, inputs, params)
     cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
            "weights": rng.standard_normal(weights.shape).astype(np.float32)}
     grads = BACKWARD[case.variant](cache, cot["output"].astype(np.float64),
                                    cot["weights"].astype(np.float64))
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
+                   dtypes=list(case.dtypes),
                    inputs=inputs, params=params, cotangents=cot,
                    expected={"output": out, "weights": weights}, grads=grads)
 

@@ -13,7 +13,8 @@ from jax_attn.params import build, export_params
 
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
-    """Return {'output', 'weights', 'grads': {name: array}} as NumPy arrays.
+    """Return {'output', 'weights', 'grads': {name: array}} as float64 NumPy arrays, and under
+    'dtype' the dtype the output was computed in.
 
     float64 runs inside ``jax.enable_x64(True)``, so the setting does not leak to the caller.
     Modules are built from the fixture's parameters cast to ``dtype``, in training mode when the
@@ -22,7 +23,7 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
     with jax.enable_x64(dtype == "float64"):
         arrays = {n: jnp.asarray(a, dtype=dtype if a.dtype.kind == "f" else a.dtype)
                   for n, a in fixture.inputs.items()}
-        floats = {n: a for n, a in arrays.items() if a.dtype.kind == "f"}
+        floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
         d_out, d_w = (jnp.asarray(fixture.cotangents[n], dtype=dtype) for n in ("output", "weights"))
         call, params, merge = _callable(fixture, dtype, train="dropout_mask" in arrays)
 
@@ -33,10 +34,15 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
 
         (g_in, g_params), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
             floats, params)
-        grads = {n: np.asarray(g) for n, g in g_in.items()}
-        if merge is not None:
-            grads.update(export_params(merge(g_params)))  # a module whose weights are the grads
-        return {"output": np.asarray(out), "weights": np.asarray(weights), "grads": grads}
+        grads = {n: _numpy(g) for n, g in g_in.items()}
+        if merge is not None:  # a module whose weights are the gradients, exported
+            grads.update({n: _numpy(g) for n, g in export_params(merge(g_params)).items()})
+        return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
+                "dtype": str(out.dtype)}
+
+
+def _numpy(a):
+    return np.asarray(a).astype(np.float64)
 
 
 def _callable(fixture, dtype, train):
@@ -46,7 +52,7 @@ def _callable(fixture, dtype, train):
             return scaled_dot_product_attention(*args, **kwargs, **fixture.config,
                                                 return_weights=True)
         return call, {}, None
-    params = {n: a.astype(dtype) for n, a in fixture.params.items()}
+    params = {n: jnp.asarray(a, dtype=dtype) for n, a in fixture.params.items()}
     module = build(fixture.variant, fixture.config, params)
     module.train() if train else module.eval()
     graphdef, weights, rest = nnx.split(module, nnx.Param, ...)

@@ -22,8 +22,8 @@ def test_check_fails_on_a_wrong_fixture(tmp_path, capsys, monkeypatch):
 
     real = golden.check.runners
 
-    def broken():
-        rows = real()
+    def broken(fixture):
+        rows = real(fixture)
         name, dtype, run = rows[1]
         return [rows[0], (name, dtype, lambda f, d: {**run(f, d), "output": run(f, d)["output"] + 1e-3})]
 

@@ -49,10 +49,16 @@ def _export(module, get) -> dict:
     out = {}
     for role, layers in _linears(module).items():
         pick = np.stack if _stacked(module, role) else (lambda arrays: arrays[0])
-        out[f"W_{role}"] = pick([get(lin.weight).cpu().numpy().T for lin in layers])
+        out[f"W_{role}"] = pick([_numpy(get(lin.weight)).T for lin in layers])
         if layers[0].bias is not None:
-            out[f"b_{role}"] = pick([get(lin.bias).cpu().numpy() for lin in layers])
+            out[f"b_{role}"] = pick([_numpy(get(lin.bias)) for lin in layers])
     return out
+
+
+def _numpy(t):
+    """NumPy has no bfloat16: low-precision tensors are exported as float32 (exactly)."""
+    t = t.cpu()
+    return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
 
 
 def load_params(module, params) -> None:

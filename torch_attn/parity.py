@@ -9,11 +9,13 @@ from golden.variants import SDPA, call_args
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.params import build, export_grads
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
 
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
-    """Return {'output', 'weights', 'grads': {name: array}} as NumPy arrays.
+    """Return {'output', 'weights', 'grads': {name: array}} as float64 NumPy arrays, and under
+    'dtype' the dtype the output was computed in.
 
     Modules are built from the fixture's parameters cast to ``dtype``, in training mode when the
     fixture holds a dropout keep-mask and in eval mode otherwise.
@@ -26,17 +28,21 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
         out, weights = scaled_dot_product_attention(*args, **kwargs, **fixture.config,
                                                     return_weights=True)
     else:
-        params = {n: a.astype(dtype) for n, a in fixture.params.items()}
-        module = build(fixture.variant, fixture.config, params)
+        module = build(fixture.variant, fixture.config, fixture.params).to(dt)
         module.train("dropout_mask" in inputs)
         out, weights = module(*args, **kwargs, return_weights=True)
     loss = (out * _tensor(fixture.cotangents["output"], dt)).sum() + (
         weights * _tensor(fixture.cotangents["weights"], dt)).sum()
     loss.backward()
-    grads = {n: t.grad.numpy() for n, t in inputs.items() if t.requires_grad}
+    grads = {n: _numpy(t.grad) for n, t in inputs.items() if t.requires_grad}
     if module is not None:
-        grads.update(export_grads(module))
-    return {"output": out.detach().numpy(), "weights": weights.detach().numpy(), "grads": grads}
+        grads.update({n: g.astype(np.float64) for n, g in export_grads(module).items()})
+    return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
+            "dtype": str(out.dtype).removeprefix("torch.")}
+
+
+def _numpy(t):
+    return t.detach().to(torch.float64).numpy()
 
 
 def _tensor(array, dtype):
