@@ -212,10 +212,11 @@ class MultiHeadAttentionWrapper(_Jitted):
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
             keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
-            o, w = scaled_dot_product_attention(
+            o = scaled_dot_product_attention(
                 q, k, v, mask, is_causal=self.causal, dropout_rate=self._rate(),
                 dropout_mask=keep, dropout_rng=None if key is None else jax.random.fold_in(key, h),
-                return_weights=True, precision=self.precision)
+                return_weights=return_weights, precision=self.precision)
+            o, w = o if return_weights else (o, None)
             outs.append(o)      # (B, L, Dh)
             weights.append(w)   # (B, Lq, Lk)
         y = jnp.concatenate(outs, axis=-1)  # (B, L, N·Dh)
@@ -257,10 +258,11 @@ class MultiHeadAttention(_Jitted):
     def _forward(self, x, mask, dropout_mask, key, *, return_weights):
         q, k, v = (self._split(proj(x)) for proj in (self.W_query, self.W_key, self.W_value))
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, Lq, Lk)
-        o, w = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
-                                            dropout_rate=self._rate(), dropout_mask=dropout_mask,
-                                            dropout_rng=key, return_weights=True,
-                                            precision=self.precision)
+        o = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
+                                         dropout_rate=self._rate(), dropout_mask=dropout_mask,
+                                         dropout_rng=key, return_weights=return_weights,
+                                         precision=self.precision)
+        o, w = o if return_weights else (o, None)
         merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
         y = self.out_proj(merged.reshape(merged.shape[:-2] + (-1,)))  # (B, L, d_out)
         return (y, w) if return_weights else y

@@ -65,3 +65,35 @@ def test_float64_run_does_not_leak_x64():
 def test_regenerate_check_is_clean():
     lines = []
     assert regenerate(check=True, log=lines.append) == 0, "\n".join(lines)
+
+
+FUSED_RUNS = [(n, d) for n, d in RUNS if "dropout_mask" not in golden.load(n).inputs]
+
+
+@pytest.mark.parametrize("fixture_name, dtype", FUSED_RUNS, ids=[f"{n}-{d}" for n, d in FUSED_RUNS])
+def test_torch_fused_forward_matches_fixture(fixture_name, dtype, monkeypatch):
+    """A forward pass that needs neither weights nor gradients runs torch's fused kernel."""
+    import torch
+    import torch.nn.functional as F
+
+    import torch_attn
+    from golden.tolerances import compare
+    from golden.variants import SDPA, call_args
+
+    calls = []
+    fused = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fixture = golden.load(fixture_name)
+    dt = getattr(torch, dtype)
+    inputs = {n: torch.from_numpy(a).to(dt) if a.dtype.kind == "f" else torch.from_numpy(a)
+              for n, a in fixture.inputs.items()}
+    args, kwargs = call_args(fixture.variant, inputs)
+    if fixture.variant == SDPA:
+        call, kwargs = torch_attn.scaled_dot_product_attention, {**kwargs, **fixture.config}
+    else:
+        call = torch_attn.build(fixture.variant, fixture.config, fixture.params).to(dt).eval()
+    with torch.no_grad():
+        out = call(*args, **kwargs)
+    assert calls, "the fused kernel did not run"
+    assert compare(out.double().numpy(), fixture.expected["output"], dtype).ok

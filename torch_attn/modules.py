@@ -136,9 +136,10 @@ class MultiHeadAttentionWrapper(nn.Module):
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
             keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
-            o, w = scaled_dot_product_attention(q, k, v, mask, is_causal=self.causal,
-                                                dropout_rate=rate, dropout_mask=keep,
-                                                return_weights=True)
+            o = scaled_dot_product_attention(q, k, v, mask, is_causal=self.causal,
+                                             dropout_rate=rate, dropout_mask=keep,
+                                             return_weights=return_weights)
+            o, w = o if return_weights else (o, None)
             outs.append(o)      # (B, L, Dh)
             weights.append(w)   # (B, Lq, Lk)
         y = torch.cat(outs, dim=-1)  # (B, L, N·Dh)
@@ -177,8 +178,9 @@ class MultiHeadAttention(nn.Module):
         check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, rate)
         q, k, v = (self._split(proj(x)) for proj in (self.W_query, self.W_key, self.W_value))
         head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, Lq, Lk)
-        o, w = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
-                                            dropout_rate=rate, dropout_mask=dropout_mask,
-                                            return_weights=True)
+        o = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
+                                         dropout_rate=rate, dropout_mask=dropout_mask,
+                                         return_weights=return_weights)
+        o, w = o if return_weights else (o, None)
         y = self.out_proj(o.transpose(-2, -3).flatten(-2))  # (B, L, N·Dh) -> (B, L, d_out)
         return (y, w) if return_weights else y
