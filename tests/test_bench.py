@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
-from bench.attention import IMPLS, main
+from bench.attention import IMPLS
+from golden.cli import main
 
 
 def test_quick_run_writes_both_reports(tmp_path):
-    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # as attn-parity bench
     report = json.loads((tmp_path / "latest.json").read_text())
     assert {"machine", "grid", "ceilings", "results", "targets", "skipped", "wall_s"} <= set(report)
     assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])

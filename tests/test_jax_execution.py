@@ -103,8 +103,33 @@ def test_vmapped_core_equals_python_loop():
                 np.testing.assert_allclose(w[b, h], w1, rtol=1e-14, err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 4, 5])
+def test_chunked_and_plain_vmap_agree(chunk):
+    # CPU runs (batch, head) pairs in chunks; accelerators vmap them all at once.
+    rng, seed = fresh_rng()
+    q, k, v, mask, bias = _core_inputs(rng)
+    keep = jnp.asarray(rng.random((2, 3, 1, 7)) < 0.8)
+    kw = dict(scale=0.5, is_causal=True, dropout_rate=0.2, precision=jax.lax.Precision.HIGHEST,
+              return_weights=True)
+    plain = functional._attention(q, k, v, mask, bias, keep, None, chunk=None, **kw)
+    chunked = functional._attention(q, k, v, mask, bias, keep, None, chunk=chunk, **kw)
+    for a, b in zip(plain, chunked):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7,
+                                   err_msg=f"seed {seed}")
+
+
+def test_cpu_runs_chunks():
+    assert functional.heads_per_step() == functional.CPU_HEADS_PER_STEP  # this machine: CPU
+    rng, _ = fresh_rng()
+    text = functional._attention.lower(
+        *_core_inputs(rng), None, None, scale=0.5, is_causal=True, dropout_rate=0.0,
+        precision=jax_attn.DEFAULT_PRECISION, return_weights=False,
+        chunk=functional.heads_per_step()).as_text()
+    assert "stablehlo.while" in text and "batching_dims = [0] x [0]" in text
+
+
 def test_core_lowers_to_one_batched_program():
-    # The one-head core is vmapped: the compiled program has batched dots, no per-head copies.
+    # Without chunks (accelerators) the one-head core is vmapped over heads and batch at once.
     rng, _ = fresh_rng()
     args = _core_inputs(rng)
     text = functional._attention.lower(

@@ -45,7 +45,8 @@ def scaled_dot_product_attention(
     scores = scale * torch.matmul(query, key.transpose(-2, -1)).to(compute)  # (..., Lq, Lk)
     if bias is not None:
         scores = scores + bias.to(compute)
-    weights = _masked_softmax(scores, _allowed(shape, mask, is_causal, query.device))
+    weights = _masked_softmax(scores, _allowed(shape, mask, is_causal, query.device),
+                              may_empty=mask is not None)
     if dropout_rate > 0.0:
         if dropout_mask is None:
             draw = torch.rand(shape, generator=dropout_rng, device=query.device)
@@ -85,9 +86,10 @@ def _allowed(shape, mask, is_causal, device):
     return allowed
 
 
-def _masked_softmax(scores, allowed):
-    """Softmax over keys; masked entries are exactly 0 and an all-masked row is all 0."""
+def _masked_softmax(scores, allowed, may_empty):
+    """Softmax over keys; masked entries are exactly 0 and, where ``may_empty`` (a mask was
+    given: a causal row always keeps key 0), an all-masked row is all 0."""
     if allowed is None:
         return torch.softmax(scores, dim=-1)
-    filled = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return torch.softmax(filled, dim=-1) * allowed.any(dim=-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
+    return weights * allowed.any(dim=-1, keepdim=True) if may_empty else weights

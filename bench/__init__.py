@@ -1,0 +1,1 @@
+"""Benchmarks for attn-parity. ``python -m bench.attention --help``."""

@@ -1,0 +1,447 @@
+"""Attention benchmark on CPU: the twins (``jax_core``, ``torch_core``) against each framework's own
+attention (``*_peer``) and a plain matmul-softmax-matmul (``*_naive``), forward and
+forward+backward (gradient of sum(output) w.r.t. q, k, v), causal and not.
+
+    python -m bench.attention [--quick] [--out DIR] [--repeats N]
+
+Writes DIR/latest.md (Markdown tables) and DIR/latest.json (every raw number), each atomically,
+and prints the Markdown to stdout; progress goes to stderr. Nothing here sets environment
+variables or thread counts: the run measures the machine as configured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import jax_attn
+import torch_attn
+
+IMPLS = ("jax_core", "jax_peer", "jax_naive", "torch_core", "torch_peer", "torch_naive")
+OURS = ("jax_core", "torch_core")
+STEADY_S = 0.5  # aim for about this much steady-state time per measurement (at least 3 calls)
+MIN_REPEATS = 3
+NOISY_PCT = 10.0  # other processes using more of the cores than this: flag a target as unreliable
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+
+    @property
+    def name(self) -> str:
+        length = f"L={self.Lq}" if self.Lq == self.Lk else f"Lq={self.Lq},Lk={self.Lk}"
+        return f"B={self.B},H={self.H},{length},D={self.D}"
+
+    def flops(self, causal: bool, backward: bool) -> float:
+        """4·B·H·Lq·Lk·D forward, halved when causal; forward+backward is 3.5× forward."""
+        forward = 4 * self.B * self.H * self.Lq * self.Lk * self.D / (2 if causal else 1)
+        return forward * (3.5 if backward else 1.0)
+
+
+@dataclass(frozen=True)
+class Grid:
+    shapes: tuple[Shape, ...]
+    bf16_shape: Shape  # the one shape also run in bfloat16 (forward only); also the target shape
+    matmul_n: int      # ceiling: (n, n) @ (n, n)
+    repeats: int       # most steady calls per measurement
+    budget_s: float    # skip a forward+backward block predicted to end the run past this
+
+
+def _self(L, B=4, H=8, D=64):
+    return Shape(B, H, L, L, D)
+
+
+# Self-attention smallest first, then cross-attention; the costly L=2048 last, so that the
+# budget check decides about its forward+backward with everything else already measured.
+FULL = Grid(shapes=(_self(128), _self(512), _self(1024), Shape(4, 8, 256, 1024, 64), _self(2048)),
+            bf16_shape=_self(1024), matmul_n=2048, repeats=10, budget_s=200.0)
+QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
+             bf16_shape=_self(64, B=1, H=2, D=16), matmul_n=256, repeats=3, budget_s=60.0)
+
+
+# --- implementations: f(q, k, v, *, is_causal), all (B, H, L, D) except jax_peer ----------------
+
+def _jax_peer(q, k, v, *, is_causal):
+    """jax.nn.dot_product_attention; takes (B, L, H, D), transposed outside the timed region."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def _jax_naive(q, k, v, *, is_causal):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if is_causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], dtype=bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _torch_naive(q, k, v, *, is_causal):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+ATTENTION = {
+    "jax_core": jax_attn.scaled_dot_product_attention,  # jitted inside
+    "jax_peer": _jax_peer,
+    "jax_naive": _jax_naive,
+    "torch_core": torch_attn.scaled_dot_product_attention,
+    "torch_peer": torch.nn.functional.scaled_dot_product_attention,
+    "torch_naive": _torch_naive,
+}
+
+
+def framework(impl: str) -> str:
+    return impl.split("_")[0]
+
+
+def build(impl: str, causal: bool, backward: bool):
+    """The callable to time, f(q, k, v), and the jitted function behind it (JAX) or None."""
+    f = partial(ATTENTION[impl], is_causal=causal)
+    if framework(impl) == "jax":
+        if backward:
+            grad = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))
+            return grad, grad
+        jitted = jax.jit(f)
+        return (f if impl == "jax_core" else jitted), jitted
+    if backward:
+        return (lambda q, k, v: torch.autograd.grad(f(q, k, v).sum(), (q, k, v))), None
+
+    def forward(q, k, v):
+        with torch.no_grad():
+            return f(q, k, v)
+    return forward, None
+
+
+def make_inputs(shape: Shape, dtype: str, impl: str, backward: bool, host: list[np.ndarray]):
+    """q, k, v for impl from the float32 NumPy arrays ``host`` (created outside any timing)."""
+    if impl == "jax_peer":
+        host = [a.transpose(0, 2, 1, 3) for a in host]  # (B, L, H, D)
+    if framework(impl) == "jax":
+        return [jax.block_until_ready(jnp.asarray(a, dtype=dtype)) for a in host]
+    torch_dtype = getattr(torch, dtype)
+    return [torch.from_numpy(a).to(torch_dtype).requires_grad_(backward) for a in host]
+
+
+def random_qkv(shape: Shape, rng: np.random.Generator) -> list[np.ndarray]:
+    B, H, D = shape.B, shape.H, shape.D
+    return [rng.standard_normal((B, H, L, D), dtype=np.float32)
+            for L in (shape.Lq, shape.Lk, shape.Lk)]
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+def _call(fn, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))  # waits for JAX; passes torch tensors through
+    return time.perf_counter() - start
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, including hypervisor steal; of this process)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait
+    except OSError:
+        return None
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return busy, own.user + own.system
+
+
+def other_cpu(since: tuple[float, float] | None, wall_s: float) -> float | None:
+    """Percent of the machine's cores that other processes kept busy since ``since``; None for
+    windows under 0.5 s, too short for the kernel's 10 ms accounting ticks."""
+    if since is None or wall_s < 0.5:
+        return None
+    busy, own = _cpu_seconds()
+    other = (busy - since[0]) - (own - since[1])
+    return min(100.0, max(0.0, 100 * other / (wall_s * (os.cpu_count() or 1))))
+
+
+def measure(fn, args, repeats: int) -> dict:
+    """First call, then steady calls (fewer when slow); peak RSS growth over the last call."""
+    first = _call(fn, args)
+    cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
+    times = [_call(fn, args)]
+    n = max(1, min(repeats, max(MIN_REPEATS, round(STEADY_S / times[0]))))
+    times += [_call(fn, args) for _ in range(n - 2)]
+    rss = None
+    if _reset_peak_rss():
+        before = _status_kb("VmRSS")
+        times.append(_call(fn, args))
+        rss = (_status_kb("VmHWM") - before) / 1024
+    elif n > 1:
+        times.append(_call(fn, args))
+    median = statistics.median(times)
+    return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "repeats": len(times),
+            "times_ms": [t * 1e3 for t in times], "first_call_ms": first * 1e3,
+            "compile_ms": (first - median) * 1e3, "rss_peak_growth_mb": rss,
+            "other_cpu_pct": other_cpu(cpu_start, time.perf_counter() - wall_start)}
+
+
+def xla_memory(jitted, args) -> dict | None:
+    """XLA's memory analysis of the compiled program (JAX only): every *_in_bytes field. The
+    compile is a cache hit after the timed calls, so this costs no second compilation."""
+    stats = jitted.lower(*args).compile().memory_analysis()
+    if stats is None:
+        return None
+    return {name: getattr(stats, name) for name in dir(stats) if name.endswith("_in_bytes")}
+
+
+def ceiling(fw: str, n: int, dtype: str, repeats: int, rng) -> dict:
+    """GFLOP/s of an (n, n) @ (n, n) product: the framework's practical ceiling on this CPU."""
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    if fw == "jax":
+        args = [jax.block_until_ready(jnp.asarray(x, dtype=dtype)) for x in (a, b)]
+        fn = jax.jit(jnp.matmul)
+    else:
+        args = [torch.from_numpy(x).to(getattr(torch, dtype)) for x in (a, b)]
+        fn = torch.matmul
+    with torch.no_grad():
+        m = measure(fn, args, repeats)
+    return {"framework": fw, "dtype": dtype, "n": n, **m,
+            "gflop_s": 2 * n**3 / (m["median_ms"] * 1e-3) / 1e9}
+
+
+def run_block(shape, dtype, causal, backward, host, grid, ceilings) -> list[dict]:
+    """Every implementation on one (shape, dtype, causal, pass)."""
+    rows = []
+    for impl in IMPLS:
+        fn, jitted = build(impl, causal, backward)
+        args = make_inputs(shape, dtype, impl, backward, host)
+        m = measure(fn, args, grid.repeats)
+        flops = shape.flops(causal, backward)
+        gflop_s = flops / (m["median_ms"] * 1e-3) / 1e9
+        row = {"shape": shape.name, **asdict(shape), "dtype": dtype, "causal": causal,
+               "pass": "fwd+bwd" if backward else "fwd", "impl": impl,
+               "framework": framework(impl), "gflop": flops / 1e9, "gflop_s": gflop_s,
+               "pct_ceiling": 100 * gflop_s / ceilings[framework(impl), dtype]["gflop_s"], **m,
+               "xla_memory": xla_memory(jitted, args) if jitted is not None else None}
+        if framework(impl) == "torch":
+            row["compile_ms"] = None  # no compilation; first_call_ms keeps the warm-up cost
+        rows.append(row)
+        print(f"  {shape.name} {dtype} causal={causal} {row['pass']:7} {impl:11} "
+              f"{m['median_ms']:9.2f} ms ×{m['repeats']}", file=sys.stderr, flush=True)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """row[f"{ours}_speedup"] = time(row) / time(ours) in the same block; > 1: ours is faster."""
+    blocks = {}
+    for r in rows:
+        blocks.setdefault((r["shape"], r["dtype"], r["causal"], r["pass"]), {})[r["impl"]] = r
+    for block in blocks.values():
+        for r in block.values():
+            for ours in OURS:
+                r[f"{ours}_speedup"] = r["median_ms"] / block[ours]["median_ms"]
+
+
+def predicted_backward_s(rows: list[dict], shape: Shape) -> float:
+    """Forward+backward cost of a shape from its float32 forward medians: 3.5× each, for the
+    first call and MIN_REPEATS steady calls, plus one call of margin."""
+    fwd = [r["median_ms"] * 1e-3 for r in rows
+           if r["shape"] == shape.name and r["pass"] == "fwd" and r["dtype"] == "float32"]
+    return sum(fwd) * 3.5 * (MIN_REPEATS + 2)
+
+
+def run(grid: Grid) -> dict:
+    start, rng, rows, skipped = time.perf_counter(), np.random.default_rng(), [], []
+    info, cpu_start = machine(), _cpu_seconds()
+    dtypes = ("float32", "bfloat16")
+    ceilings = {(fw, dt): ceiling(fw, grid.matmul_n, dt, grid.repeats, rng)
+                for fw in ("jax", "torch") for dt in dtypes}
+    for shape in grid.shapes:
+        host = random_qkv(shape, rng)  # fresh per shape, shared by every implementation
+        for causal in (False, True):
+            rows += run_block(shape, "float32", causal, False, host, grid, ceilings)
+        if shape == grid.bf16_shape:
+            for causal in (False, True):
+                rows += run_block(shape, "bfloat16", causal, False, host, grid, ceilings)
+        elapsed, predicted = time.perf_counter() - start, predicted_backward_s(rows, shape)
+        if elapsed + predicted > grid.budget_s:
+            why = (f"{shape.name} forward+backward skipped: predicted {predicted:.0f} s from its "
+                   f"forward times, after {elapsed:.0f} s elapsed, exceeds the "
+                   f"{grid.budget_s:.0f} s budget; forward only")
+            skipped.append(why)
+            print("  " + why, file=sys.stderr, flush=True)
+            continue
+        for causal in (False, True):
+            rows += run_block(shape, "float32", causal, True, host, grid, ceilings)
+    add_ratios(rows)
+    wall_s = time.perf_counter() - start
+    return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
+            "ceilings": list(ceilings.values()), "results": rows,
+            "targets": targets(rows, grid.bf16_shape), "skipped": skipped,
+            "wall_s": wall_s}
+
+
+# --- reporting ---------------------------------------------------------------------------------
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "jax": jax.__version__, "numpy": np.__version__,
+            "python": platform.python_version(), "jax_backend": jax.default_backend(),
+            "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+TARGETS = (  # name, numerator impl, denominator impl, target: time(numerator) / time(denominator)
+    ("jax_core vs jax_peer (jax_peer time / jax_core time)", "jax_peer", "jax_core", 1.5),
+    ("jax_core vs torch_peer (torch_peer time / jax_core time)", "torch_peer", "jax_core", 0.5),
+    ("torch_core vs torch_peer (torch_peer time / torch_core time)", "torch_peer", "torch_core",
+     1 / 1.2),
+)
+
+
+def targets(rows: list[dict], shape: Shape) -> list[dict]:
+    """The three target ratios at ``shape``, float32 forward non-causal."""
+    at = {r["impl"]: r for r in rows if r["shape"] == shape.name
+          and r["dtype"] == "float32" and r["pass"] == "fwd" and not r["causal"]}
+    out = []
+    for name, num, den, target in TARGETS:
+        measured = num in at and den in at
+        ratio = at[num]["median_ms"] / at[den]["median_ms"] if measured else None
+        others = [at[i]["other_cpu_pct"] for i in (num, den) if i in at]
+        out.append({"name": name, "shape": shape.name, "ratio": ratio, "target": target,
+                    "met": None if ratio is None else ratio >= target,
+                    "other_cpu_pct": max((o for o in others if o is not None), default=None)})
+    return out
+
+
+def _f(x, fmt="{:.2f}"):
+    return "—" if x is None else fmt.format(x)
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        "# Attention benchmark (CPU)", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
+        f"torch {m['torch']}, jax {m['jax']} ({m['jax_backend']}), numpy {m['numpy']}, "
+        f"Python {m['python']}; OPENBLAS_CORETYPE={m['OPENBLAS_CORETYPE']}; {m['date']}; "
+        f"wall time {report['wall_s']:.0f} s; other processes kept "
+        f"{_f(report['other_cpu_pct'], '{:.0f}')}% of the cores busy during the run (per "
+        "measurement: the others % column; high values mean noisy timings).", "",
+        "## Matmul ceiling", "",
+        "| framework | dtype | n | median ms | GFLOP/s |", "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [f"| {c['framework']} | {c['dtype']} | {c['n']} | {c['median_ms']:.2f} | "
+              f"{c['gflop_s']:.1f} |" for c in report["ceilings"]]
+    lines += [
+        "", "## Attention", "",
+        "- **jax_core× / torch_core×: time of this row ÷ time of jax_core / torch_core in the "
+        "same block; > 1 means ours is faster than this row.**",
+        "- FLOPs: forward 4·B·H·Lq·Lk·D, halved when causal (every implementation still "
+        "computes the full score matrix); fwd+bwd (gradient of sum(output) w.r.t. q, k, v) = "
+        "3.5 × forward. % ceiling: against the same framework's matmul in the same dtype.",
+        f"- bfloat16: forward only, at {Shape(**report['grid']['bf16_shape']).name}.",
+        "- n: steady calls in the median (fewer for slow cases). compile ms (JAX): first call − "
+        "median (negative = noise).",
+        "- peak RSS: growth of the process's resident memory during one steady call (VmHWM after "
+        "a reset through /proc/self/clear_refs), every implementation; pages already resident "
+        "(buffers reused from earlier calls) do not count.",
+        "- XLA temp (JAX): `memory_analysis().temp_size_in_bytes` of the compiled program; the "
+        "CPU runtime can allocate outside it (0 for some forwards whose RSS grows by the score "
+        "matrix).",
+        "- others %: share of the cores other processes kept busy during the steady calls "
+        "(— under 0.5 s); above ~10% the row's timing is unreliable.", "",
+        "| shape | dtype | causal | pass | impl | median ms | n | GFLOP/s | % ceiling "
+        "| jax_core× | torch_core× | compile ms | peak RSS MB | XLA temp MB | others % |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |",
+    ]
+    for r in report["results"]:
+        xla = r["xla_memory"]["temp_size_in_bytes"] / 2**20 if r["xla_memory"] else None
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['pass']} "
+            f"| {r['impl']} | {r['median_ms']:.2f} | {r['repeats']} | {r['gflop_s']:.1f} "
+            f"| {r['pct_ceiling']:.0f} | {r['jax_core_speedup']:.2f} "
+            f"| {r['torch_core_speedup']:.2f} | {_f(r['compile_ms'], '{:.0f}')} "
+            f"| {_f(r['rss_peak_growth_mb'], '{:.0f}')} | {_f(xla, '{:.0f}')} "
+            f"| {_f(r['other_cpu_pct'], '{:.0f}')} |")
+    lines += ["", "## Targets (float32, forward, non-causal)", ""]
+    for t in report["targets"]:
+        met = {None: "not measured", True: "met", False: "MISSED"}[t["met"]]
+        noisy = t["other_cpu_pct"] is not None and t["other_cpu_pct"] > NOISY_PCT
+        lines.append(f"- {t['shape']}: {t['name']} = {_f(t['ratio'])} "
+                     f"(target ≥ {t['target']:.2f}): {met}" + (
+                         f" (unreliable: other processes kept {t['other_cpu_pct']:.0f}% of the "
+                         "cores busy while it was measured)" if noisy else ""))
+    if report["skipped"]:
+        lines += ["", "## Skipped", ""] + [f"- {s}" for s in report["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny grid (for tests), seconds")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
+                        help="output directory (default: bench/results)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="most steady calls per measurement (default 10, quick 3); "
+                             "slow cases use fewer, down to 3")
+    args = parser.parse_args(argv)
+    grid = QUICK if args.quick else FULL
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error("--repeats should be at least 1")
+        grid = replace(grid, repeats=args.repeats)
+    report = run(grid)
+    text = markdown(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "latest.json", json.dumps(report, indent=1) + "\n")
+    write_atomic(args.out / "latest.md", text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
