@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 import golden
+from golden.regenerate import BACKWARD, FORWARD
 from golden.tolerances import compare
-from golden.regenerate import FORWARD, BACKWARD
 
 
 def run_reference(fixture, dtype="float64") -> dict:
@@ -54,11 +54,14 @@ def main(names=None, log=print) -> int:
     import jax
 
     log(f"JAX backend: {jax.default_backend()}; devices: {', '.join(map(str, jax.devices()))}")
-    header = f"{'fixture':28} {'framework':9} {'dtype':7} {'max abs err':>11} {'max rel err':>11}  result"
+    names = names or golden.names()
+    width = max(len("fixture"), *map(len, names))
+    header = (f"{'fixture':{width}} {'framework':9} {'dtype':8} {'max abs err':>11} "
+              f"{'max rel err':>11}  result")
     log(header)
     log("-" * len(header))
     passed = failed = 0
-    for name in names or golden.names():
+    for name in names:
         fixture = golden.load(name)
         for framework, dtype, run in runners(fixture):
             comps = compare_all(fixture, run(fixture, dtype), dtype)
@@ -66,7 +69,7 @@ def main(names=None, log=print) -> int:
             worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
             worst_rel = max(c.max_rel if c else np.inf for c in comps.values())
             bad = [w for w, c in comps.items() if c is None or not c.ok]
-            log(f"{name:28} {framework:9} {dtype:7} {worst_abs:11.2e} {worst_rel:11.2e}  "
+            log(f"{name:{width}} {framework:9} {dtype:8} {worst_abs:11.2e} {worst_rel:11.2e}  "
                 f"{'pass' if ok else 'FAIL ' + ', '.join(bad)}")
             passed, failed = passed + ok, failed + (not ok)
     log(f"{passed} passed, {failed} failed")

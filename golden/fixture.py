@@ -54,7 +54,8 @@ class Fixture:
             "format": FORMAT, "format_version": FORMAT_VERSION, "name": self.name,
             "variant": self.variant, "seed": self.seed, "config": self.config,
             "dtypes": self.dtypes,
-            "inputs": sorted(self.inputs), "params": sorted(self.params), "grads": sorted(self.grads),
+            "inputs": sorted(self.inputs), "params": sorted(self.params),
+            "grads": sorted(self.grads),
         }
 
     def arrays(self) -> dict:

@@ -10,8 +10,8 @@ import numpy as np
 
 from golden import reference
 from golden.cases import CASES, Case
-from golden.variants import param_shapes
 from golden.fixture import FIXTURE_DIR, Fixture, to_bytes, write_atomic
+from golden.variants import param_shapes
 
 
 def draw(spec, rng):

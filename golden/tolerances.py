@@ -71,7 +71,8 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1) -
     atol = tol.atol * max(1.0, scale) * float(np.sqrt(terms))
     negligible = norm <= atol * np.sqrt(e.size)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
-    rel_norm = float(np.linalg.norm(a - e)) / norm if norm > 0 else (0.0 if max_abs == 0 else np.inf)
+    rel_norm = (float(np.linalg.norm(a - e)) / norm if norm > 0
+                else (0.0 if max_abs == 0 else np.inf))
     ok = bool(np.all(np.isfinite(a))) and (negligible or rel_norm <= tol.rel_norm) and bool(
         np.all(diff <= atol + tol.rtol * np.abs(e)))
     return Comparison(max_abs, max_rel, rel_norm, ok)

@@ -108,6 +108,24 @@ def check_sequence(arg, x, width_name, width, lead=None) -> tuple[int, ...]:
     return shape[:-2]
 
 
+def check_self_inputs(x, d_in, mask=None, dropout_mask=None, *, heads=None, rate=0.0) -> None:
+    """A self-attention module's input x (B, L, d_in) or (L, d_in) (d_in None: any width), its
+    mask and its keep-mask (see check_module_masks)."""
+    lead = check_sequence("x", x, "d_in", d_in)
+    check_module_masks(lead, x.shape[-2], x.shape[-2], mask, dropout_mask, heads, rate)
+
+
+def check_cross_inputs(x_q, x_kv, x_v, d_q_in, d_kv_in, mask=None) -> None:
+    """Cross attention: x_q (B, Lq, d_q_in), x_kv (B, Lk, d_kv_in), x_v (None or x_kv's shape)
+    and a mask broadcastable to (B, Lq, Lk)."""
+    lead = check_sequence("x_q", x_q, "d_q_in", d_q_in)
+    check_sequence("x_kv", x_kv, "d_kv_in", d_kv_in, lead=lead)
+    if x_v is not None and tuple(x_v.shape) != tuple(x_kv.shape):
+        raise ValueError(f"x_v shape should equal x_kv's {tuple(x_kv.shape)}, "
+                         f"got {tuple(x_v.shape)}")
+    check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
+
+
 def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0) -> None:
     """A module's mask against (B, Lq, Lk); its keep-mask against its weights (B, [N,] Lq, Lk).
 

@@ -8,6 +8,8 @@ columns h·Dh … (h+1)·Dh − 1); the wrapper's independent heads are stacked 
 
 from __future__ import annotations
 
+import numpy as np
+
 SDPA = "scaled_dot_product_attention"
 
 CLASS_NAMES = {
@@ -102,3 +104,54 @@ def check_params(variant: str, config: dict, params: dict) -> None:
         got = tuple(params[name].shape)
         if got != tuple(shape):
             raise ValueError(f"parameter {name} shape should be {tuple(shape)}, got {got}")
+
+
+# ---- Walking a module's projections: the twins name their layers alike -----------------------
+
+ROLES = ("query", "key", "value")
+
+
+def projections(module) -> dict:
+    """{role: [layer, ...]} for a module of either framework: W_query, W_key, W_value (one layer,
+    or one per head in the wrapper's ``heads``) and ``out_proj`` under the role "out"."""
+    if getattr(module, "variant", None) not in CLASS_NAMES:
+        raise ValueError(f"module should be a torch_attn or jax_attn variant, "
+                         f"got {type(module).__name__}")
+    if module.variant == "multi_head_attention_wrapper":
+        found = {r: [getattr(h, f"W_{r}") for h in module.heads] for r in ROLES}
+    else:
+        found = {r: [getattr(module, f"W_{r}")] for r in ROLES if hasattr(module, f"W_{r}")}
+    if getattr(module, "out_proj", None) is not None:
+        found["out"] = [module.out_proj]
+    return found
+
+
+def _stacked(module, role) -> bool:
+    """The wrapper's per-head layers are stacked on a leading axis; everything else is one."""
+    return module.variant == "multi_head_attention_wrapper" and role != "out"
+
+
+def export_layers(module, weight, bias) -> dict:
+    """Neutral-layout parameters: ``weight(layer)`` gives W as (in, out), ``bias(layer)`` gives
+    b or None; per-head arrays of the wrapper are stacked."""
+    out = {}
+    for role, layers in projections(module).items():
+        pick = np.stack if _stacked(module, role) else (lambda arrays: arrays[0])
+        out[f"W_{role}"] = pick([weight(layer) for layer in layers])
+        biases = [bias(layer) for layer in layers]
+        if biases[0] is not None:
+            out[f"b_{role}"] = pick(biases)
+    return out
+
+
+def load_layers(module, params, set_weight, set_bias) -> None:
+    """Check ``params`` against the module's configuration, then hand each layer its slice:
+    ``set_weight(layer, W (in, out))`` and ``set_bias(layer, b)``."""
+    layers_by_role = projections(module)
+    check_params(module.variant, module.config, params)
+    for role, layers in layers_by_role.items():
+        for i, layer in enumerate(layers):
+            pick = (lambda a: np.asarray(a)[i]) if _stacked(module, role) else np.asarray
+            set_weight(layer, pick(params[f"W_{role}"]))
+            if f"b_{role}" in params:
+                set_bias(layer, pick(params[f"b_{role}"]))

@@ -32,8 +32,8 @@ def scaled_dot_product_attention(
     Returns the output (..., Lq, Dv), and with ``return_weights`` also the applied weights
     (..., Lq, Lk), after masking and dropout, in the query's dtype.
     """
-    shape = check_attention_args(query, key, value, mask, bias, scale=scale,
-                                 dropout_rate=dropout_rate, dropout_mask=dropout_mask)
+    check_attention_args(query, key, value, mask, bias, scale=scale,
+                         dropout_rate=dropout_rate, dropout_mask=dropout_mask)
     if dropout_rate > 0.0 and dropout_mask is None and dropout_rng is None:
         raise ValueError("dropout_rng should be a jax.random key when dropout_rate > 0 and no "
                          "dropout_mask is given, got None")

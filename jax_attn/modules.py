@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from golden.validate import check_module_masks, check_sequence
+from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
 from golden.variants import param_shapes
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 
@@ -84,8 +84,7 @@ class SimpleSelfAttention(_Jitted):
         self.precision = precision
 
     def __call__(self, x, mask=None, *, return_weights=False):
-        lead = check_sequence("x", x, "d_in", None)
-        check_module_masks(lead, x.shape[-2], x.shape[-2], mask)
+        check_self_inputs(x, None, mask)
         return self._run(x, mask, return_weights=return_weights)
 
     def _forward(self, x, mask, *, return_weights):
@@ -114,8 +113,7 @@ class SelfAttention(_Jitted):
         return self.W_query(x), self.W_key(x), self.W_value(x)
 
     def __call__(self, x, mask=None, *, return_weights=False):
-        lead = check_sequence("x", x, "d_in", self.d_in)
-        check_module_masks(lead, x.shape[-2], x.shape[-2], mask)
+        check_self_inputs(x, self.d_in, mask)
         return self._run(x, mask, return_weights=return_weights)
 
     def _forward(self, x, mask, *, return_weights):
@@ -137,8 +135,7 @@ class CausalSelfAttention(SelfAttention):
         self._init_dropout(dropout, rngs)
 
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
-        lead = check_sequence("x", x, "d_in", self.d_in)
-        check_module_masks(lead, x.shape[-2], x.shape[-2], mask, dropout_mask, rate=self._rate())
+        check_self_inputs(x, self.d_in, mask, dropout_mask, rate=self._rate())
         return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
                          return_weights=return_weights)
 
@@ -158,7 +155,8 @@ class CrossAttention(_Jitted):
 
     def __init__(self, d_q_in, d_kv_in, d_k, d_v=None, qkv_bias=False, *, rngs,
                  precision=DEFAULT_PRECISION):
-        self._config = _frozen(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        self._config = _frozen(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v,
+                               qkv_bias=qkv_bias)
         param_shapes(self.variant, self.config)
         self.d_q_in, self.d_kv_in, self.d_k, self.d_v = d_q_in, d_kv_in, d_k, d_v or d_k
         self.precision = precision
@@ -167,13 +165,8 @@ class CrossAttention(_Jitted):
         self.W_value = _linear(d_kv_in, self.d_v, qkv_bias, rngs, precision)
 
     def __call__(self, x_q, x_kv, x_v=None, mask=None, *, return_weights=False):
-        lead = check_sequence("x_q", x_q, "d_q_in", self.d_q_in)
-        check_sequence("x_kv", x_kv, "d_kv_in", self.d_kv_in, lead=lead)
+        check_cross_inputs(x_q, x_kv, x_v, self.d_q_in, self.d_kv_in, mask)
         x_v = x_kv if x_v is None else x_v
-        if tuple(x_v.shape) != tuple(x_kv.shape):
-            raise ValueError(f"x_v shape should equal x_kv's {tuple(x_kv.shape)}, "
-                             f"got {tuple(x_v.shape)}")
-        check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
         return self._run(x_q, x_kv, x_v, mask, return_weights=return_weights)
 
     def _forward(self, x_q, x_kv, x_v, mask, *, return_weights):
@@ -202,8 +195,7 @@ class MultiHeadAttentionWrapper(_Jitted):
         self.out_proj = _linear(width, width, True, rngs, precision) if out_proj else None
 
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
-        lead, length = check_sequence("x", x, "d_in", self.d_in), x.shape[-2]
-        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, self._rate())
+        check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=self._rate())
         return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
                          return_weights=return_weights)
 
@@ -250,8 +242,7 @@ class MultiHeadAttention(_Jitted):
         return jnp.swapaxes(y, -2, -3)
 
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
-        lead, length = check_sequence("x", x, "d_in", self.d_in), x.shape[-2]
-        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, self._rate())
+        check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=self._rate())
         return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
                          return_weights=return_weights)
 

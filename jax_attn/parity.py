@@ -24,7 +24,8 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
         arrays = {n: jnp.asarray(a, dtype=dtype if a.dtype.kind == "f" else a.dtype)
                   for n, a in fixture.inputs.items()}
         floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
-        d_out, d_w = (jnp.asarray(fixture.cotangents[n], dtype=dtype) for n in ("output", "weights"))
+        d_out, d_w = (jnp.asarray(fixture.cotangents[n], dtype=dtype)
+                      for n in ("output", "weights"))
         call, params, merge = _callable(fixture, dtype, train="dropout_mask" in arrays)
 
         def loss(floats, params):

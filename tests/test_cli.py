@@ -25,7 +25,11 @@ def test_check_fails_on_a_wrong_fixture(tmp_path, capsys, monkeypatch):
     def broken(fixture):
         rows = real(fixture)
         name, dtype, run = rows[1]
-        return [rows[0], (name, dtype, lambda f, d: {**run(f, d), "output": run(f, d)["output"] + 1e-3})]
+        def off(f, d):  # a framework whose output is off by 1e-3
+            result = run(f, d)
+            return {**result, "output": result["output"] + 1e-3}
+
+        return [rows[0], (name, dtype, off)]
 
     monkeypatch.setattr(golden.check, "runners", broken)
     assert main(["check", "sdpa_plain"]) == 1

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import golden
-from golden.check import compare_all, run_reference
 from golden.cases import CASES
+from golden.check import compare_all, run_reference
 from golden.regenerate import regenerate
 from tests.conftest import DTYPES, FRAMEWORKS
 

@@ -111,7 +111,8 @@ def test_module_built_from_other_framework_agrees(variant, source, dtype):
     export = (torch_attn if source == "torch" else jax_attn).export_params(origin)
     params = {n: a.astype(dtype) for n, a in export.items()}
     with jax.enable_x64(dtype == "float64"):
-        twin = (jax_attn if target == "jax" else torch_attn).build(variant, CONFIGS[variant], params)
+        lib = jax_attn if target == "jax" else torch_attn
+        twin = lib.build(variant, CONFIGS[variant], params)
         if source == "torch" and dtype == "float64":
             origin = origin.double()
         inputs = random_inputs(variant, rng, dtype)
@@ -224,7 +225,8 @@ def test_bad_configuration(framework, cls, config, message):
 
 
 BAD_INPUT = [
-    ("multi_head_attention", {"x": (2, 7, 4)}, "x shape should be (B, L, d_in) = (?, ?, 5), got (2, 7, 4)"),
+    ("multi_head_attention", {"x": (2, 7, 4)},
+     "x shape should be (B, L, d_in) = (?, ?, 5), got (2, 7, 4)"),
     ("multi_head_attention", {"x": (7, 4)}, "x shape should be (L, d_in) = (?, 5), got (7, 4)"),
     ("self_attention", {"x": (1, 2, 7, 5)},
      "x should have rank 2 or 3: (L, d_in) or (B, L, d_in), got shape (1, 2, 7, 5)"),

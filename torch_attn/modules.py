@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from golden.validate import check_module_masks, check_sequence
+from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
 from golden.variants import param_shapes
 from torch_attn.functional import scaled_dot_product_attention
 
@@ -32,8 +32,7 @@ class SimpleSelfAttention(nn.Module):
         self.config = {}
 
     def forward(self, x, mask=None, *, return_weights=False):
-        lead = check_sequence("x", x, "d_in", None)
-        check_module_masks(lead, x.shape[-2], x.shape[-2], mask)
+        check_self_inputs(x, None, mask)
         return scaled_dot_product_attention(x, x, x, mask, scale=1.0,
                                             return_weights=return_weights)
 
@@ -58,8 +57,8 @@ class SelfAttention(nn.Module):
         return self.W_query(x), self.W_key(x), self.W_value(x)
 
     def forward(self, x, mask=None, *, return_weights=False):
+        check_self_inputs(x, self.d_in, mask)
         q, k, v = self.project(x)
-        check_module_masks(tuple(x.shape[:-2]), x.shape[-2], x.shape[-2], mask)
         return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights)
 
 
@@ -75,9 +74,9 @@ class CausalSelfAttention(SelfAttention):
         self.dropout = dropout
 
     def forward(self, x, mask=None, *, dropout_mask=None, return_weights=False):
-        q, k, v = self.project(x)
         rate = _dropout_rate(self)
-        check_module_masks(tuple(x.shape[:-2]), x.shape[-2], x.shape[-2], mask, dropout_mask, rate=rate)
+        check_self_inputs(x, self.d_in, mask, dropout_mask, rate=rate)
+        q, k, v = self.project(x)
         return scaled_dot_product_attention(q, k, v, mask, is_causal=True, dropout_rate=rate,
                                             dropout_mask=dropout_mask,
                                             return_weights=return_weights)
@@ -99,13 +98,8 @@ class CrossAttention(nn.Module):
         self.W_value = nn.Linear(d_kv_in, self.d_v, bias=qkv_bias)
 
     def forward(self, x_q, x_kv, x_v=None, mask=None, *, return_weights=False):
-        lead = check_sequence("x_q", x_q, "d_q_in", self.d_q_in)
-        check_sequence("x_kv", x_kv, "d_kv_in", self.d_kv_in, lead=lead)
+        check_cross_inputs(x_q, x_kv, x_v, self.d_q_in, self.d_kv_in, mask)
         x_v = x_kv if x_v is None else x_v
-        if tuple(x_v.shape) != tuple(x_kv.shape):
-            raise ValueError(f"x_v shape should equal x_kv's {tuple(x_kv.shape)}, "
-                             f"got {tuple(x_v.shape)}")
-        check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
         q, k, v = self.W_query(x_q), self.W_key(x_kv), self.W_value(x_v)
         return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights)
 
@@ -130,8 +124,7 @@ class MultiHeadAttentionWrapper(nn.Module):
 
     def forward(self, x, mask=None, *, dropout_mask=None, return_weights=False):
         rate = _dropout_rate(self)
-        lead, length = check_sequence("x", x, "d_in", self.d_in), x.shape[-2]
-        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, rate)
+        check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=rate)
         outs, weights = [], []
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
@@ -172,10 +165,8 @@ class MultiHeadAttention(nn.Module):
         return y.unflatten(-1, (self.num_heads, -1)).transpose(-2, -3)
 
     def forward(self, x, mask=None, *, dropout_mask=None, return_weights=False):
-        lead = check_sequence("x", x, "d_in", self.d_in)
         rate = _dropout_rate(self)
-        length = x.shape[-2]
-        check_module_masks(lead, length, length, mask, dropout_mask, self.num_heads, rate)
+        check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=rate)
         q, k, v = (self._split(proj(x)) for proj in (self.W_query, self.W_key, self.W_value))
         head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, Lq, Lk)
         o = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
