@@ -160,9 +160,15 @@ def _check_consistency(fail, meta, groups) -> None:
         for n, a in groups[group].items():
             if a.dtype != np.float64 or not np.all(np.isfinite(a)):
                 fail(f"{group}/{n} should be finite float64, got {a.dtype}")
-    if meta["variant"] == "scaled_dot_product_attention":
-        from golden.validate import check_attention_args
+    from golden.validate import check_attention_args
+    from golden.variants import SDPA, check_params, param_shapes
 
+    try:
+        param_shapes(meta["variant"], meta["config"])  # a known variant with a valid config
+        check_params(meta["variant"], meta["config"], groups["params"])
+    except (ValueError, KeyError, TypeError) as e:
+        fail(f"variant, config and params disagree: {e}")
+    if meta["variant"] == SDPA:
         i = groups["inputs"]
         try:
             shape = check_attention_args(i["query"], i["key"], i["value"], i.get("mask"),

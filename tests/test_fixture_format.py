@@ -112,6 +112,22 @@ def test_inconsistent_fixture_rejected(tmp_path, edit, message):
         golden.load(p)
 
 
+def _edit_meta(members, **changes):
+    members["meta"] = np.array(json.dumps({**json.loads(str(members["meta"][()])), **changes}))
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("self_attention_unbatched", lambda m: _edit_meta(m, variant="flash_attention"),
+     "variant, config and params disagree: variant should be one of"),
+    ("self_attention_unbatched", lambda m: _edit_meta(m, config={"d_in": 5, "d_k": 4}),
+     r"variant, config and params disagree: parameter W_value shape should be \(5, 4\)"),
+])
+def test_module_fixture_params_checked(tmp_path, name, edit, message):
+    p = _rewrite(fx.FIXTURE_DIR / f"{name}.npz", tmp_path / "bad.npz", edit)
+    with pytest.raises(golden.FixtureError, match="bad.npz: " + message):
+        golden.load(p)
+
+
 def test_write_is_atomic(tmp_path, monkeypatch):
     p = tmp_path / "f.npz"
     p.write_bytes(b"old")
