@@ -67,7 +67,8 @@ def main(names=None, log=print) -> int:
             comps = compare_all(fixture, run(fixture, dtype), dtype)
             ok = all(c is not None and c.ok for c in comps.values())
             worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
-            worst_rel = max(c.max_rel if c else np.inf for c in comps.values())
+            worst_rel = max((c.max_rel if c else np.inf for c in comps.values()
+                             if not (c and c.zero)), default=0.0)
             bad = [w for w, c in comps.items() if c is None or not c.ok]
             log(f"{name:{width}} {framework:9} {dtype:8} {worst_abs:11.2e} {worst_rel:11.2e}  "
                 f"{'pass' if ok else 'FAIL ' + ', '.join(bad)}")

@@ -57,6 +57,7 @@ class Comparison:
     max_rel: float   # max |a − e| / max |e|: the error relative to the array's scale
     rel_norm: float  # ‖a − e‖₂ / ‖e‖₂
     ok: bool
+    zero: bool = False  # e is zero at the tolerance's resolution: relative errors mean nothing
 
 
 def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1) -> Comparison:
@@ -69,10 +70,10 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1) -
     max_abs = float(diff.max(initial=0.0))
     scale, norm = float(np.abs(e).max(initial=0.0)), float(np.linalg.norm(e))
     atol = tol.atol * max(1.0, scale) * float(np.sqrt(terms))
-    negligible = norm <= atol * np.sqrt(e.size)
+    zero = norm <= atol * np.sqrt(e.size)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
     rel_norm = (float(np.linalg.norm(a - e)) / norm if norm > 0
                 else (0.0 if max_abs == 0 else np.inf))
-    ok = bool(np.all(np.isfinite(a))) and (negligible or rel_norm <= tol.rel_norm) and bool(
+    ok = bool(np.all(np.isfinite(a))) and (zero or rel_norm <= tol.rel_norm) and bool(
         np.all(diff <= atol + tol.rtol * np.abs(e)))
-    return Comparison(max_abs, max_rel, rel_norm, ok)
+    return Comparison(max_abs, max_rel, rel_norm, ok, zero)
