@@ -184,7 +184,7 @@ class MultiHeadAttentionWrapper(_Jitted):
     def __init__(self, d_in, d_head, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_proj=False, *, rngs, precision=DEFAULT_PRECISION):
         self._config = _frozen(d_in=d_in, d_head=d_head, num_heads=num_heads, causal=causal,
-                           dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
+                               dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
         param_shapes(self.variant, self.config)
         self.d_in, self.num_heads, self.causal = d_in, num_heads, causal
         self.precision = precision
@@ -201,6 +201,9 @@ class MultiHeadAttentionWrapper(_Jitted):
 
     def _forward(self, x, mask, dropout_mask, key, *, return_weights):
         outs, weights = [], []
+        if dropout_mask is not None:  # (B, N, Lq, Lk): one keep-mask per head
+            dropout_mask = jnp.broadcast_to(dropout_mask, x.shape[:-2] + (self.num_heads,) +
+                                            2 * x.shape[-2:-1])
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
             keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
@@ -226,7 +229,7 @@ class MultiHeadAttention(_Jitted):
     def __init__(self, d_in, d_out, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_bias=True, *, rngs, precision=DEFAULT_PRECISION):
         self._config = _frozen(d_in=d_in, d_out=d_out, num_heads=num_heads, causal=causal,
-                           dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
+                               dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
         param_shapes(self.variant, self.config)
         self.d_in, self.d_out, self.num_heads, self.causal = d_in, d_out, num_heads, causal
         self.precision = precision

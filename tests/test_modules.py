@@ -274,3 +274,22 @@ def test_bad_params_are_named(framework):
             lib.build("multi_head_attention", config, params)
     with pytest.raises(ValueError, match="variant should be one of .*got 'flash_attention'"):
         lib.build("flash_attention", config, good)
+
+
+@pytest.mark.parametrize("variant", ["multi_head_attention_wrapper", "multi_head_attention"])
+def test_keep_mask_broadcast_over_heads(variant):
+    # A keep-mask without a head axis applies to every head, in both frameworks and the reference.
+    rng, seed = fresh_rng()
+    params = jax_attn.export_params(make("jax", variant, CONFIGS[variant], seed))
+    x = rng.standard_normal((2, 7, 5))
+    keep = rng.random((7, 7)) < 0.7
+    ref, _, _ = reference.VARIANTS[variant][0](CONFIGS[variant], {"x": x, "dropout_mask": keep},
+                                               params)
+    with jax.enable_x64(True):
+        for lib, conv in ((torch_attn, torch.from_numpy), (jax_attn, jax.numpy.asarray)):
+            module = lib.build(variant, CONFIGS[variant],
+                               {n: a.astype(np.float64) for n, a in params.items()})
+            module.train()
+            out = module(conv(x), dropout_mask=conv(keep))
+            out = out.detach().numpy() if lib is torch_attn else np.asarray(out)
+            assert compare(out, ref, "float64").ok, f"{lib.__name__}, seed {seed}"

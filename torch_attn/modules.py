@@ -126,6 +126,9 @@ class MultiHeadAttentionWrapper(nn.Module):
         rate = _dropout_rate(self)
         check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=rate)
         outs, weights = [], []
+        if dropout_mask is not None:  # (B, N, Lq, Lk): one keep-mask per head
+            dropout_mask = dropout_mask.expand(x.shape[:-2] + (self.num_heads,) +
+                                               2 * x.shape[-2:-1])
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
             keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
