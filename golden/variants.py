@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from golden.validate import FLOAT_DTYPES, dtype_name
+
 SDPA = "scaled_dot_product_attention"
 
 CLASS_NAMES = {
@@ -104,6 +106,9 @@ def check_params(variant: str, config: dict, params: dict) -> None:
         got = tuple(params[name].shape)
         if got != tuple(shape):
             raise ValueError(f"parameter {name} shape should be {tuple(shape)}, got {got}")
+        if dtype_name(params[name].dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"parameter {name} dtype should be one of {', '.join(FLOAT_DTYPES)}, "
+                             f"got {dtype_name(params[name].dtype)}")
 
 
 # ---- Walking a module's projections: the twins name their layers alike -----------------------

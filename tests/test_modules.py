@@ -268,7 +268,10 @@ def test_bad_params_are_named(framework):
               "parameter W_key is missing: expected shape (5, 12)"),
              ({**good, "W_extra": good["W_key"]}, "parameter W_extra is unexpected"),
              ({**good, "b_out": good["b_out"][:-1]},
-              "parameter b_out shape should be (12,), got (11,)")]
+              "parameter b_out shape should be (12,), got (11,)"),
+             ({**good, "W_out": good["W_out"].astype(np.int32)},
+              "parameter W_out dtype should be one of float16, bfloat16, float32, float64, "
+              "got int32")]
     for params, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             lib.build("multi_head_attention", config, params)
