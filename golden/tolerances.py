@@ -37,8 +37,10 @@ TOLERANCES = {  # (dtype, "value" for outputs and weights | "grad" for gradients
     # and then through sums over positions; float32 gradients of the module cases reach a
     # relative error norm of 1.1e-6 (torch, multi_head_attention_dropout, W_key), hence 2e-6.
     ("float32", "grad"): Tolerance(rel_norm=2e-6, rtol=1e-5, atol=1e-6),
-    ("float64", "value"): Tolerance(rel_norm=1e-12, rtol=1e-12, atol=1e-14),
-    ("float64", "grad"): Tolerance(rel_norm=1e-12, rtol=1e-12, atol=1e-14),
+    # float64: the largest seen is a relative error norm of 2.1e-15 (jax, sdpa_large_logits);
+    # 1e-13 leaves room for other BLAS builds while still catching any float32 step.
+    ("float64", "value"): Tolerance(rel_norm=1e-13, rtol=1e-13, atol=1e-14),
+    ("float64", "grad"): Tolerance(rel_norm=1e-13, rtol=1e-13, atol=1e-14),
     # Low precision, in units of the unit roundoff u (bfloat16 2⁻⁹, float16 2⁻¹¹): inputs and
     # weights are exact on both grids, so this is the arithmetic alone. Projections and the
     # products with V run in the low dtype, softmax in float32. Largest seen on this machine
