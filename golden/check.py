@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import golden
-from golden.regenerate import BACKWARD, FORWARD
+from golden.reference import VARIANTS
 from golden.tolerances import compare
 
 
@@ -13,10 +13,11 @@ def run_reference(fixture, dtype="float64") -> dict:
     """Recompute the fixture from its stored inputs with the float64 reference."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
-    out, weights, cache = FORWARD[fixture.variant](fixture.config, inputs, fixture.params)
+    forward, backward = VARIANTS[fixture.variant]
+    out, weights, cache = forward(fixture.config, inputs, fixture.params)
     cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
     return {"output": out, "weights": weights,
-            "grads": BACKWARD[fixture.variant](cache, cot["output"], cot["weights"])}
+            "grads": backward(cache, cot["output"], cot["weights"])}
 
 
 def runners(fixture):

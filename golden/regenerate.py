@@ -47,20 +47,17 @@ def draw_params(variant, config, rng, grid=False):
     return {n: to_grid(a) if grid else a.astype(np.float32) for n, a in params.items()}
 
 
-FORWARD = {name: fwd for name, (fwd, _) in reference.VARIANTS.items()}
-BACKWARD = {name: bwd for name, (_, bwd) in reference.VARIANTS.items()}
-
-
 def build(case: Case) -> Fixture:
     """Draw the case's inputs and cotangents, run the reference forward and backward."""
     rng = np.random.default_rng(case.seed)
     inputs = {name: draw(spec, rng) for name, spec in case.inputs.items()}
     low = {"bfloat16", "float16"} & set(case.dtypes)
     params = draw_params(case.variant, case.config, rng, grid=bool(low))
-    out, weights, cache = FORWARD[case.variant](case.config, inputs, params)
+    forward, backward = reference.VARIANTS[case.variant]
+    out, weights, cache = forward(case.config, inputs, params)
     cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
            "weights": rng.standard_normal(weights.shape).astype(np.float32)}
-    grads = BACKWARD[case.variant](cache, cot["output"].astype(np.float64),
+    grads = backward(cache, cot["output"].astype(np.float64),
                                    cot["weights"].astype(np.float64))
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
                    dtypes=list(case.dtypes),

@@ -191,15 +191,20 @@ def test_jax_grad_through_module(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_no_host_round_trip_and_device_kept(variant):
-    rng, _ = fresh_rng()
-    module = make("jax", variant, CONFIGS[variant])
-    module.eval()
-    inputs = {n: jnp.asarray(a) for n, a in random_inputs(variant, rng, "float32").items()}
-    args, kwargs = call_args(variant, inputs)
+    module, args, kwargs = _eval_module_and_args(variant)
     module(*args, **kwargs)  # compile first: constants are moved once, at compile time
     with jax.transfer_guard("disallow"):
         out = module(*args, **kwargs)
     assert out.devices() == args[0].devices()
+
+
+def _eval_module_and_args(variant):
+    """A module in eval mode and fresh float32 arguments for it."""
+    rng, _ = fresh_rng()
+    module = make("jax", variant, CONFIGS[variant])
+    module.eval()
+    inputs = {n: jnp.asarray(a) for n, a in random_inputs(variant, rng, "float32").items()}
+    return (module, *call_args(variant, inputs))
 
 
 def _dots(text):
@@ -220,11 +225,7 @@ def test_precision_reaches_every_core_dot(precision, word):
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "simple_self_attention"])
 def test_precision_reaches_every_module_dot(variant):
-    rng, _ = fresh_rng()
-    module = make("jax", variant, CONFIGS[variant])
-    module.eval()
-    inputs = {n: jnp.asarray(a) for n, a in random_inputs(variant, rng, "float32").items()}
-    args, kwargs = call_args(variant, inputs)
+    module, args, kwargs = _eval_module_and_args(variant)
     text = jax.jit(lambda *a: module(*a, **kwargs)).lower(*args).as_text()
     dots = _dots(text)
     assert len(dots) >= 5  # three projections and the two dots of attention

@@ -116,8 +116,7 @@ def test_module_built_from_other_framework_agrees(variant, source, dtype):
         if source == "torch" and dtype == "float64":
             origin = origin.double()
         inputs = random_inputs(variant, rng, dtype)
-        ref = reference.VARIANTS[variant][0](
-            CONFIGS[variant], {n: a for n, a in inputs.items()}, params)
+        ref = reference.VARIANTS[variant][0](CONFIGS[variant], inputs, params)
         a = run_module(source, origin, inputs, dtype)
         b = run_module(target, twin, inputs, dtype)
     for i, what in enumerate(("output", "weights")):
