@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
+import sys
+
 import numpy as np
 
 import golden
-from golden.reference import VARIANTS
+from golden import runners
 from golden.tolerances import compare
-
-
-def run_reference(fixture, dtype="float64") -> dict:
-    """Recompute the fixture from its stored inputs with the float64 reference."""
-    inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
-              for n, a in fixture.inputs.items()}
-    forward, backward = VARIANTS[fixture.variant]
-    out, weights, cache = forward(fixture.config, inputs, fixture.params)
-    cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
-    return {"output": out, "weights": weights,
-            "grads": backward(cache, cot["output"], cot["weights"])}
-
-
-def runners(fixture):
-    """(framework, dtype, run_fixture) for every row of the fixture's table."""
-    from jax_attn.parity import run_fixture as run_jax
-    from torch_attn.parity import run_fixture as run_torch
-
-    return [("reference", "float64", run_reference)] + [
-        (name, dtype, run) for name, run in (("torch", run_torch), ("jax", run_jax))
-        for dtype in fixture.dtypes]
 
 
 def compare_all(fixture, result, dtype):
@@ -51,28 +33,82 @@ def _terms(fixture, what) -> int:
     return 1
 
 
-def main(names=None, log=print) -> int:
-    import jax
+def rows(fixture, frameworks, dtypes):
+    """(framework, dtype) pairs of the fixture's table: the reference at float64, then each
+    framework at each of the fixture's dtypes, as filtered."""
+    pairs = [("reference", "float64")] + [(fw, d) for fw in ("torch", "jax")
+                                          for d in fixture.dtypes]
+    return [(fw, d) for fw, d in pairs
+            if (not frameworks or fw in frameworks) and (not dtypes or d in dtypes)]
 
-    log(f"JAX backend: {jax.default_backend()}; devices: {', '.join(map(str, jax.devices()))}")
-    names = names or golden.names()
-    width = max(len("fixture"), *map(len, names))
+
+def select(names, pattern):
+    """Names matching ``pattern``: a glob when it has wildcards, else a substring."""
+    if not pattern:
+        return names
+    wild = any(c in pattern for c in "*?[")
+    return [n for n in names if (fnmatch.fnmatch(n, pattern) if wild else pattern in n)]
+
+
+def available(frameworks, log) -> list[str]:
+    """The frameworks whose runner imports; each one that does not is reported on ``log``."""
+    found = []
+    for fw in frameworks:
+        try:
+            runners.get(fw)
+            found.append(fw)
+        except ImportError as e:
+            log(f"skipped {fw}: {e}")
+    return found
+
+
+def main(names=None, *, frameworks=(), dtypes=(), pattern=None, log=print, progress=None) -> int:
+    """Print the table; return 1 if any row failed, 2 if nothing was selected."""
+    names = select(list(names or golden.names()), pattern)
+    use = available(list(frameworks) or list(runners.FRAMEWORKS), log)
+    if "jax" in use:
+        import jax
+
+        log(f"JAX backend: {jax.default_backend()}; devices: {', '.join(map(str, jax.devices()))}")
+    fixtures = [golden.load(n) for n in names]
+    work = [(f, fw, d) for f in fixtures for fw, d in rows(f, use, dtypes)]
+    if not work:
+        log("nothing selected: check the names, -k, --framework and --dtype")
+        return 2
+    width = max(len("fixture"), *(len(f.name) for f, _, _ in work))
     header = (f"{'fixture':{width}} {'framework':9} {'dtype':8} {'max abs err':>11} "
               f"{'max rel err':>11}  result")
     log(header)
     log("-" * len(header))
     passed = failed = 0
-    for name in names:
-        fixture = golden.load(name)
-        for framework, dtype, run in runners(fixture):
-            comps = compare_all(fixture, run(fixture, dtype), dtype)
-            ok = all(c is not None and c.ok for c in comps.values())
-            worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
-            worst_rel = max((c.max_rel if c else np.inf for c in comps.values()
-                             if not (c and c.zero)), default=0.0)
-            bad = [w for w, c in comps.items() if c is None or not c.ok]
-            log(f"{name:{width}} {framework:9} {dtype:8} {worst_abs:11.2e} {worst_rel:11.2e}  "
-                f"{'pass' if ok else 'FAIL ' + ', '.join(bad)}")
-            passed, failed = passed + ok, failed + (not ok)
+    work, log = _progress(work, progress, log)
+    for fixture, framework, dtype in work:
+        comps = compare_all(fixture, runners.get(framework)(fixture, dtype), dtype)
+        ok = all(c is not None and c.ok for c in comps.values())
+        worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
+        worst_rel = max((c.max_rel if c else np.inf for c in comps.values()
+                         if not (c and c.zero)), default=0.0)
+        bad = [w for w, c in comps.items() if c is None or not c.ok]
+        log(f"{fixture.name:{width}} {framework:9} {dtype:8} {worst_abs:11.2e} {worst_rel:11.2e}  "
+            f"{'pass' if ok else 'FAIL ' + ', '.join(bad)}")
+        passed, failed = passed + ok, failed + (not ok)
     log(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
+
+
+def _progress(work, progress, log):
+    """(work, log): ``work`` wrapped in a tqdm bar on stderr when stderr is a terminal (or
+    ``progress`` is True), and ``log`` writing its lines around the bar."""
+    show = sys.stderr.isatty() if progress is None else progress
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a convenience of the [all] extra, not a requirement
+        show = False
+    if not show:
+        return work, log
+
+    def write(line):
+        with tqdm.external_write_mode(file=sys.stderr):
+            log(line)
+
+    return tqdm(work, desc="check", unit="run", file=sys.stderr, leave=False), write

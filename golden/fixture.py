@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from golden import variants
+
 FORMAT = "attn-parity-fixture"
 FORMAT_VERSION = 1
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -160,22 +162,17 @@ def _check_consistency(fail, meta, groups) -> None:
         for n, a in groups[group].items():
             if a.dtype != np.float64 or not np.all(np.isfinite(a)):
                 fail(f"{group}/{n} should be finite float64, got {a.dtype}")
-    from golden.validate import check_attention_args
-    from golden.variants import SDPA, check_params, param_shapes
-
     try:
-        param_shapes(meta["variant"], meta["config"])  # a known variant with a valid config
-        check_params(meta["variant"], meta["config"], groups["params"])
+        variant = variants.get(meta["variant"])
+        config = variant.config(meta["config"])
+        variant.check_params(config, groups["params"])
     except (ValueError, KeyError, TypeError) as e:
         fail(f"variant, config and params disagree: {e}")
-    if meta["variant"] == SDPA:
-        i = groups["inputs"]
-        try:
-            shape = check_attention_args(i["query"], i["key"], i["value"], i.get("mask"),
-                                         i.get("bias"), scale=meta["config"].get("scale"),
-                                         dropout_rate=meta["config"].get("dropout_rate", 0.0),
-                                         dropout_mask=i.get("dropout_mask"))
-        except (ValueError, KeyError) as e:
-            fail(f"inputs inconsistent with config: {e}")
-        if groups["expected"]["weights"].shape != tuple(shape):
-            fail(f"expected/weights shape {groups['expected']['weights'].shape} should be {shape}")
+    inputs = groups["inputs"]
+    rate = config.get("dropout", 0.0) if "dropout_mask" in inputs else 0.0
+    try:
+        shape = variant.check_inputs(config, inputs, rate)
+    except (ValueError, KeyError) as e:
+        fail(f"inputs inconsistent with config: {e}")
+    if groups["expected"]["weights"].shape != tuple(shape):
+        fail(f"expected/weights shape {groups['expected']['weights'].shape} should be {shape}")

@@ -1,6 +1,9 @@
 """The float64 NumPy reference: the maths written out plainly, with analytic gradients.
 
-Nothing here imports torch or JAX. Every function is loop-free and works on any number of leading
+Nothing here imports torch or JAX. Every contraction is ``np.einsum`` (NumPy's own loops, no
+BLAS), so the fixtures' bytes do not depend on which BLAS kernel the CPU selects: OpenBLAS picks
+different float64 kernels on Intel and AMD processors, whose results differ in the last bit.
+Every function is loop-free and works on any number of leading
 axes (``...``), so the unbatched (Lq, Dk), per-head (H, Lq, Dk) and batched (B, H, Lq, Dk) layouts
 share one code path.
 
@@ -110,17 +113,18 @@ def sdpa_backward(cache, d_output, d_weights):
 
 def linear(x, w, b=None):
     """x W + b with W of shape (in, out)."""
-    y = x @ w
+    y = np.einsum("...i,io->...o", x, w)
     return y if b is None else y + b
 
 
 def linear_backward(x, w, g_y, grads, names):
     """Accumulate dL/dW and dL/db into ``grads``; return dL/dx."""
     w_name, b_name = names
-    grads[w_name] = x.reshape(-1, x.shape[-1]).T @ g_y.reshape(-1, g_y.shape[-1])  # Σ xᵀ g
+    x2, g2 = x.reshape(-1, x.shape[-1]), g_y.reshape(-1, g_y.shape[-1])  # (positions, width)
+    grads[w_name] = np.einsum("ni,no->io", x2, g2)  # Σ over positions of xᵀ g
     if b_name is not None:
-        grads[b_name] = g_y.reshape(-1, g_y.shape[-1]).sum(axis=0)
-    return g_y @ w.T
+        grads[b_name] = g2.sum(axis=0)
+    return np.einsum("...o,io->...i", g_y, w)
 
 
 def split_heads(y, num_heads):

@@ -11,7 +11,7 @@ import numpy as np
 from golden import reference
 from golden.cases import CASES, Case
 from golden.fixture import FIXTURE_DIR, Fixture, to_bytes, write_atomic
-from golden.variants import param_shapes
+from golden import variants
 
 
 def draw(spec, rng):
@@ -41,7 +41,7 @@ def to_grid(a):
 def draw_params(variant, config, rng, grid=False):
     """Weights N(0, 1/fan_in) and biases N(0, 1), rounded to float32 (or to the grid), in sorted
     name order."""
-    shapes = sorted(param_shapes(variant, config).items())
+    shapes = sorted(variants.get(variant).param_shapes(config).items())
     params = {name: rng.standard_normal(shape) / np.sqrt(shape[-2] if name.startswith("W_") else 1)
               for name, shape in shapes}
     return {n: to_grid(a) if grid else a.astype(np.float32) for n, a in params.items()}

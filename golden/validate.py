@@ -108,38 +108,40 @@ def check_sequence(arg, x, width_name, width, lead=None) -> tuple[int, ...]:
     return shape[:-2]
 
 
-def check_self_inputs(x, d_in, mask=None, dropout_mask=None, *, heads=None, rate=0.0) -> None:
+def check_self_inputs(x, d_in, mask=None, dropout_mask=None, *, heads=None, rate=0.0):
     """A self-attention module's input x (B, L, d_in) or (L, d_in) (d_in None: any width), its
-    mask and its keep-mask (see check_module_masks)."""
+    mask and its keep-mask (see check_module_masks). Returns the weights' shape."""
     lead = check_sequence("x", x, "d_in", d_in)
-    check_module_masks(lead, x.shape[-2], x.shape[-2], mask, dropout_mask, heads, rate)
+    return check_module_masks(lead, x.shape[-2], x.shape[-2], mask, dropout_mask, heads, rate)
 
 
-def check_cross_inputs(x_q, x_kv, x_v, d_q_in, d_kv_in, mask=None) -> None:
+def check_cross_inputs(x_q, x_kv, x_v, d_q_in, d_kv_in, mask=None):
     """Cross attention: x_q (B, Lq, d_q_in), x_kv (B, Lk, d_kv_in), x_v (None or x_kv's shape)
-    and a mask broadcastable to (B, Lq, Lk)."""
+    and a mask broadcastable to (B, Lq, Lk). Returns the weights' shape (B, Lq, Lk)."""
     lead = check_sequence("x_q", x_q, "d_q_in", d_q_in)
     check_sequence("x_kv", x_kv, "d_kv_in", d_kv_in, lead=lead)
     if x_v is not None and tuple(x_v.shape) != tuple(x_kv.shape):
         raise ValueError(f"x_v shape should equal x_kv's {tuple(x_kv.shape)}, "
                          f"got {tuple(x_v.shape)}")
-    check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
+    return check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
 
 
-def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0) -> None:
+def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0):
     """A module's mask against (B, Lq, Lk); its keep-mask against its weights (B, [N,] Lq, Lk).
 
     ``lead`` is the batch shape (empty when unbatched), ``heads`` N for multi-head modules and
-    ``rate`` the dropout rate in force (0 in eval mode).
+    ``rate`` the dropout rate in force (0 in eval mode). Returns the weights' shape.
     """
     batch = ("B",) * len(lead)
+    head = () if heads is None else (heads,)
+    weights = tuple(lead) + head + (lq, lk)
     if mask is not None:
         _expect_broadcastable("mask", mask, batch + ("Lq", "Lk"), tuple(lead) + (lq, lk), "bool")
     if dropout_mask is None:
-        return
+        return weights
     if rate == 0.0:
         raise ValueError("dropout_mask was given but dropout is inactive (eval mode or "
                          "dropout=0.0); train a module built with dropout > 0")
-    head = () if heads is None else (heads,)
     _expect_broadcastable("dropout_mask", dropout_mask, batch + ("N",) * len(head) + ("Lq", "Lk"),
-                          tuple(lead) + head + (lq, lk), "bool")
+                          weights, "bool")
+    return weights

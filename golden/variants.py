@@ -1,147 +1,310 @@
-"""What every attention variant is, independent of any framework: its name, its constructor's
-arguments and their checks, and its parameters' names and shapes in the neutral layout.
+"""Every attention variant described once, independent of any framework.
+
+A :class:`Variant` says what a variant is: its name and class name, its constructor arguments and
+their checks, its parameters' names and shapes in the neutral layout, where the module keeps the
+layers holding them, how it is called, and a small sample configuration for tests. Building and
+exporting modules, the fixture loader's checks, the fixture runners, the command line and the
+tests' parametrisation all read these descriptions; nothing else branches on a variant's name.
 
 Neutral layout: a projection is y = x W + b with W of shape (in, out) and b of shape (out,).
 Multi-head projections keep the heads as contiguous blocks of the output axis (head h owns
 columns h·Dh … (h+1)·Dh − 1); the wrapper's independent heads are stacked on a leading axis.
+
+Shape legend: B batch, L sequence length (Lq queries, Lk keys), N heads, d_* feature widths.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
 import numpy as np
 
-from golden.validate import FLOAT_DTYPES, dtype_name
+from golden.validate import (
+    FLOAT_DTYPES,
+    check_attention_args,
+    check_cross_inputs,
+    check_self_inputs,
+    dtype_name,
+)
 
-SDPA = "scaled_dot_product_attention"
-
-CLASS_NAMES = {
-    "simple_self_attention": "SimpleSelfAttention",
-    "self_attention": "SelfAttention",
-    "causal_self_attention": "CausalSelfAttention",
-    "cross_attention": "CrossAttention",
-    "multi_head_attention_wrapper": "MultiHeadAttentionWrapper",
-    "multi_head_attention": "MultiHeadAttention",
-}
+REQUIRED = object()  # the default of an argument that has none
 
 
-POSITIONAL = {SDPA: ("query", "key", "value", "mask", "bias"),
-              "cross_attention": ("x_q", "x_kv", "x_v", "mask")}
+def _positive(name, n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"{name} should be a positive int, got {n!r}")
 
 
-def call_args(variant: str, inputs: dict):
-    """(positional arguments, keyword arguments) for calling a variant on a fixture's inputs."""
-    names = POSITIONAL.get(variant, ("x", "mask"))
-    args = [inputs.get(n) for n in names]
-    while args and args[-1] is None:
-        args.pop()
-    kwargs = {n: a for n, a in inputs.items() if n not in names}
-    return args, kwargs
+def _positive_or_none(name, n) -> None:
+    if n is not None:
+        _positive(name, n)
 
 
-def _positive(**sizes) -> None:
-    for name, n in sizes.items():
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"{name} should be a positive int, got {n!r}")
+def _rate(name, p) -> None:
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):
+        raise ValueError(f"{name} should be in [0, 1), got {p!r}")
 
 
-def _rate(dropout) -> None:
-    if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
-        raise ValueError(f"dropout should be in [0, 1), got {dropout!r}")
+def _flag(name, b) -> None:
+    if not isinstance(b, bool):
+        raise ValueError(f"{name} should be True or False, got {b!r}")
 
 
-def _qkv(prefix_shape, d_q_in, d_kv_in, d_k, d_v, qkv_bias):
+def _scale(name, s) -> None:
+    if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
+                          or not math.isfinite(s)):
+        raise ValueError(f"{name} should be a finite number or None, got {s!r}")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A constructor argument: its name, its check (raises ValueError) and its default."""
+
+    name: str
+    check: Callable[[str, object], None]
+    default: object = REQUIRED
+
+
+@dataclass(frozen=True)
+class Input:
+    """An array the variant is called with, before ``mask``: its name, the configuration key of
+    its feature width (None: any width), and whether it is on the query or the key side."""
+
+    name: str
+    width: str | None
+    side: str = "query"  # "query" (length Lq) or "key" (length Lk)
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str                          # snake_case of the class name: fixtures, build, the CLI
+    class_name: str | None             # None for the core function itself
+    args: tuple[Arg, ...]              # constructor arguments in order (the core: its settings)
+    shapes: Callable[[dict], dict]     # full configuration -> {parameter: shape}, neutral layout
+    check_inputs: Callable             # (config, {name: array}, dropout rate) -> weights shape
+    inputs: tuple[Input, ...] = (Input("x", "d_in"),)
+    call_names: tuple[str, ...] = ()  # positional inputs of the core beyond inputs and mask
+    dropout: bool = False              # the call takes ``dropout_mask=`` (training mode)
+    layers: dict = field(default_factory=dict)  # role -> attribute path; "*" = one per head
+    sample: dict = field(default_factory=dict)  # small configuration for tests, sizes distinct
+
+    @property
+    def is_module(self) -> bool:
+        return self.class_name is not None
+
+    @property
+    def positional(self) -> tuple[str, ...]:
+        """The call's positional argument names, in order."""
+        return tuple(i.name for i in self.inputs) + ("mask",) + self.call_names
+
+    def config(self, given: dict) -> dict:
+        """Check a configuration; return it complete, defaults filled in, in argument order."""
+        known = {a.name for a in self.args}
+        for name in given:
+            if name not in known:
+                raise ValueError(f"{name} is not an argument of {self.class_name or self.name}; "
+                                 f"it takes {', '.join(a.name for a in self.args) or 'none'}")
+        full = {}
+        for a in self.args:
+            if a.name not in given and a.default is REQUIRED:
+                raise ValueError(f"{a.name} is required by {self.class_name or self.name}")
+            full[a.name] = given.get(a.name, a.default)
+            a.check(a.name, full[a.name])
+        return full
+
+    def param_shapes(self, config: dict) -> dict:
+        """Check the configuration; return {parameter name: shape} in the neutral layout."""
+        return self.shapes(self.config(config))
+
+    def check_params(self, config: dict, params: dict) -> None:
+        """Raise ValueError naming a missing, unexpected or wrongly shaped parameter."""
+        want = self.param_shapes(config)
+        for name in sorted(set(want) - set(params)):
+            raise ValueError(f"parameter {name} is missing: expected shape {want[name]}")
+        for name in sorted(set(params) - set(want)):
+            raise ValueError(f"parameter {name} is unexpected for {self.name} with config "
+                             f"{config}")
+        for name, shape in want.items():
+            got = tuple(params[name].shape)
+            if got != tuple(shape):
+                raise ValueError(f"parameter {name} shape should be {tuple(shape)}, got {got}")
+            if dtype_name(params[name].dtype) not in FLOAT_DTYPES:
+                raise ValueError(f"parameter {name} dtype should be one of "
+                                 f"{', '.join(FLOAT_DTYPES)}, got {dtype_name(params[name].dtype)}")
+
+    def call_args(self, arrays: dict):
+        """(positional arguments, keyword arguments) for calling the variant on named arrays."""
+        args = [arrays.get(n) for n in self.positional]
+        while args and args[-1] is None:
+            args.pop()
+        kwargs = {n: a for n, a in arrays.items() if n not in self.positional}
+        return args, kwargs
+
+
+# ---- parameter shapes -------------------------------------------------------------------------
+
+def _qkv(prefix, d_q_in, d_kv_in, d_k, d_v, qkv_bias):
     """Shapes of the query, key and value projections (weights, then biases)."""
-    shapes = {"W_query": prefix_shape + (d_q_in, d_k), "W_key": prefix_shape + (d_kv_in, d_k),
-              "W_value": prefix_shape + (d_kv_in, d_v)}
+    shapes = {"W_query": prefix + (d_q_in, d_k), "W_key": prefix + (d_kv_in, d_k),
+              "W_value": prefix + (d_kv_in, d_v)}
     if qkv_bias:
-        shapes.update({"b_query": prefix_shape + (d_k,), "b_key": prefix_shape + (d_k,),
-                       "b_value": prefix_shape + (d_v,)})
+        shapes.update({"b_query": prefix + (d_k,), "b_key": prefix + (d_k,),
+                       "b_value": prefix + (d_v,)})
     return shapes
 
 
-def param_shapes(variant: str, config: dict) -> dict:
-    """Check a variant's configuration; return {parameter name: shape} in the neutral layout."""
-    c = dict(config)
-    if variant in (SDPA, "simple_self_attention"):
-        return {}
-    if variant in ("self_attention", "causal_self_attention"):
-        d_v = c.get("d_v") or c["d_k"]
-        _positive(d_in=c["d_in"], d_k=c["d_k"], d_v=d_v)
-        _rate(c.get("dropout", 0.0))
-        return _qkv((), c["d_in"], c["d_in"], c["d_k"], d_v, c.get("qkv_bias", False))
-    if variant == "cross_attention":
-        d_v = c.get("d_v") or c["d_k"]
-        _positive(d_q_in=c["d_q_in"], d_kv_in=c["d_kv_in"], d_k=c["d_k"], d_v=d_v)
-        return _qkv((), c["d_q_in"], c["d_kv_in"], c["d_k"], d_v, c.get("qkv_bias", False))
-    if variant == "multi_head_attention_wrapper":
-        n, d_in, d_head = c["num_heads"], c["d_in"], c["d_head"]
-        _positive(d_in=d_in, d_head=d_head, num_heads=n)
-        _rate(c.get("dropout", 0.0))
-        shapes = _qkv((n,), d_in, d_in, d_head, d_head, c.get("qkv_bias", False))
-        if c.get("out_proj", False):
-            shapes.update({"W_out": (n * d_head, n * d_head), "b_out": (n * d_head,)})
-        return shapes
-    if variant == "multi_head_attention":
-        n, d_in, d_out = c["num_heads"], c["d_in"], c["d_out"]
-        _positive(d_in=d_in, d_out=d_out, num_heads=n)
-        if d_out % n:
-            raise ValueError(f"d_out should be divisible by num_heads = {n}, got {d_out}")
-        _rate(c.get("dropout", 0.0))
-        shapes = _qkv((), d_in, d_in, d_out, d_out, c.get("qkv_bias", False))
-        shapes["W_out"] = (d_out, d_out)
-        if c.get("out_bias", True):
-            shapes["b_out"] = (d_out,)
-        return shapes
-    raise ValueError(f"variant should be one of {', '.join([SDPA, *CLASS_NAMES])}, got {variant!r}")
+def _d_v(c) -> int:
+    """The value width: d_v, which defaults to d_k."""
+    return c["d_k"] if c["d_v"] is None else c["d_v"]
 
 
-def check_params(variant: str, config: dict, params: dict) -> None:
-    """Raise ValueError naming a missing, unexpected or wrongly shaped parameter."""
-    want = param_shapes(variant, config)
-    for name in sorted(set(want) - set(params)):
-        raise ValueError(f"parameter {name} is missing: expected shape {want[name]}")
-    for name in sorted(set(params) - set(want)):
-        raise ValueError(f"parameter {name} is unexpected for {variant} with config {config}")
-    for name, shape in want.items():
-        got = tuple(params[name].shape)
-        if got != tuple(shape):
-            raise ValueError(f"parameter {name} shape should be {tuple(shape)}, got {got}")
-        if dtype_name(params[name].dtype) not in FLOAT_DTYPES:
-            raise ValueError(f"parameter {name} dtype should be one of {', '.join(FLOAT_DTYPES)}, "
-                             f"got {dtype_name(params[name].dtype)}")
+def _one_head_shapes(c):
+    return _qkv((), c["d_in"], c["d_in"], c["d_k"], _d_v(c), c["qkv_bias"])
 
 
-# ---- Walking a module's projections: the twins name their layers alike -----------------------
+def _cross_shapes(c):
+    return _qkv((), c["d_q_in"], c["d_kv_in"], c["d_k"], _d_v(c), c["qkv_bias"])
 
-ROLES = ("query", "key", "value")
+
+def _wrapper_shapes(c):
+    n, d_head = c["num_heads"], c["d_head"]
+    shapes = _qkv((n,), c["d_in"], c["d_in"], d_head, d_head, c["qkv_bias"])
+    if c["out_proj"]:
+        shapes.update({"W_out": (n * d_head, n * d_head), "b_out": (n * d_head,)})
+    return shapes
+
+
+def _multi_head_shapes(c):
+    n, d_out = c["num_heads"], c["d_out"]
+    if d_out % n:
+        raise ValueError(f"d_out should be divisible by num_heads = {n}, got {d_out}")
+    shapes = _qkv((), c["d_in"], c["d_in"], d_out, d_out, c["qkv_bias"])
+    shapes["W_out"] = (d_out, d_out)
+    if c["out_bias"]:
+        shapes["b_out"] = (d_out,)
+    return shapes
+
+
+# ---- input checks: (config, arrays, dropout rate in force) -> weights shape ------------------
+
+def _core_inputs(c, i, rate):
+    return check_attention_args(i["query"], i["key"], i["value"], i.get("mask"), i.get("bias"),
+                                scale=c["scale"], dropout_rate=c["dropout_rate"],
+                                dropout_mask=i.get("dropout_mask"))
+
+
+def _self_inputs(c, i, rate):
+    return check_self_inputs(i["x"], c.get("d_in"), i.get("mask"), i.get("dropout_mask"),
+                             heads=c.get("num_heads"), rate=rate)
+
+
+def _cross_inputs(c, i, rate):
+    return check_cross_inputs(i["x_q"], i["x_kv"], i.get("x_v"), c["d_q_in"], c["d_kv_in"],
+                              i.get("mask"))
+
+
+# ---- the variants -----------------------------------------------------------------------------
+
+SDPA = "scaled_dot_product_attention"
+QKV_LAYERS = {"query": "W_query", "key": "W_key", "value": "W_value"}
+
+_VARIANTS = [
+    Variant(SDPA, None,
+            (Arg("is_causal", _flag, False), Arg("scale", _scale, None),
+             Arg("dropout_rate", _rate, 0.0)),
+            shapes=lambda c: {}, check_inputs=_core_inputs,
+            inputs=(Input("query", None), Input("key", None, "key"),
+                    Input("value", None, "key")),
+            call_names=("bias",), dropout=True),
+    Variant("simple_self_attention", "SimpleSelfAttention", (),
+            shapes=lambda c: {}, check_inputs=_self_inputs, inputs=(Input("x", None),)),
+    Variant("self_attention", "SelfAttention",
+            (Arg("d_in", _positive), Arg("d_k", _positive), Arg("d_v", _positive_or_none, None),
+             Arg("qkv_bias", _flag, False)),
+            shapes=_one_head_shapes, check_inputs=_self_inputs, layers=QKV_LAYERS,
+            sample=dict(d_in=5, d_k=4, d_v=6, qkv_bias=True)),
+    Variant("causal_self_attention", "CausalSelfAttention",
+            (Arg("d_in", _positive), Arg("d_k", _positive), Arg("d_v", _positive_or_none, None),
+             Arg("dropout", _rate, 0.0), Arg("qkv_bias", _flag, False)),
+            shapes=_one_head_shapes, check_inputs=_self_inputs, dropout=True, layers=QKV_LAYERS,
+            sample=dict(d_in=5, d_k=3, d_v=4, dropout=0.3)),
+    Variant("cross_attention", "CrossAttention",
+            (Arg("d_q_in", _positive), Arg("d_kv_in", _positive), Arg("d_k", _positive),
+             Arg("d_v", _positive_or_none, None), Arg("qkv_bias", _flag, False)),
+            shapes=_cross_shapes, check_inputs=_cross_inputs,
+            inputs=(Input("x_q", "d_q_in"), Input("x_kv", "d_kv_in", "key"),
+                    Input("x_v", "d_kv_in", "key", optional=True)),
+            layers=QKV_LAYERS, sample=dict(d_q_in=5, d_kv_in=3, d_k=4, d_v=6, qkv_bias=True)),
+    Variant("multi_head_attention_wrapper", "MultiHeadAttentionWrapper",
+            (Arg("d_in", _positive), Arg("d_head", _positive), Arg("num_heads", _positive),
+             Arg("causal", _flag, False), Arg("dropout", _rate, 0.0),
+             Arg("qkv_bias", _flag, False), Arg("out_proj", _flag, False)),
+            shapes=_wrapper_shapes, check_inputs=_self_inputs, dropout=True,
+            layers={"query": "heads.*.W_query", "key": "heads.*.W_key",
+                    "value": "heads.*.W_value", "out": "out_proj"},
+            sample=dict(d_in=5, d_head=2, num_heads=3, causal=True, dropout=0.1, qkv_bias=True,
+                        out_proj=True)),
+    Variant("multi_head_attention", "MultiHeadAttention",
+            (Arg("d_in", _positive), Arg("d_out", _positive), Arg("num_heads", _positive),
+             Arg("causal", _flag, False), Arg("dropout", _rate, 0.0),
+             Arg("qkv_bias", _flag, False), Arg("out_bias", _flag, True)),
+            shapes=_multi_head_shapes, check_inputs=_self_inputs, dropout=True,
+            layers={**QKV_LAYERS, "out": "out_proj"},
+            sample=dict(d_in=5, d_out=12, num_heads=3, causal=True, dropout=0.2, qkv_bias=True)),
+]
+
+VARIANTS = {v.name: v for v in _VARIANTS}
+MODULES = [v for v in _VARIANTS if v.is_module]  # the variants that are classes
+
+
+def get(name) -> Variant:
+    """The description of a variant by name; ValueError listing the known ones otherwise."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant should be one of {', '.join(VARIANTS)}, got {name!r}")
+    return VARIANTS[name]
+
+
+def module_variant(name) -> Variant:
+    """Like ``get``, for a variant that is a module class (what ``build`` makes)."""
+    if name not in VARIANTS or not VARIANTS[name].is_module:
+        raise ValueError(f"variant should be one of {', '.join(v.name for v in MODULES)}, "
+                         f"got {name!r}")
+    return VARIANTS[name]
+
+
+# ---- a module's layers, for either framework --------------------------------------------------
+
+def _resolve(module, path):
+    """The layers at an attribute path: [layer], [] when it is None, one per head for "*"."""
+    found = [module]
+    for part in path.split("."):
+        found = [x for f in found for x in f] if part == "*" else [getattr(f, part) for f in found]
+    return [f for f in found if f is not None]
 
 
 def projections(module) -> dict:
-    """{role: [layer, ...]} for a module of either framework: W_query, W_key, W_value (one layer,
-    or one per head in the wrapper's ``heads``) and ``out_proj`` under the role "out"."""
-    if getattr(module, "variant", None) not in CLASS_NAMES:
+    """{role: ([layer, ...], stacked)} for a torch_attn or jax_attn module."""
+    variant = getattr(module, "variant", None)
+    if variant not in VARIANTS or not VARIANTS[variant].is_module:
         raise ValueError(f"module should be a torch_attn or jax_attn variant, "
                          f"got {type(module).__name__}")
-    if module.variant == "multi_head_attention_wrapper":
-        found = {r: [getattr(h, f"W_{r}") for h in module.heads] for r in ROLES}
-    else:
-        found = {r: [getattr(module, f"W_{r}")] for r in ROLES if hasattr(module, f"W_{r}")}
-    if getattr(module, "out_proj", None) is not None:
-        found["out"] = [module.out_proj]
-    return found
-
-
-def _stacked(module, role) -> bool:
-    """The wrapper's per-head layers are stacked on a leading axis; everything else is one."""
-    return module.variant == "multi_head_attention_wrapper" and role != "out"
+    out = {}
+    for role, path in VARIANTS[variant].layers.items():
+        layers = _resolve(module, path)
+        if layers:
+            out[role] = (layers, "*" in path)
+    return out
 
 
 def export_layers(module, weight, bias) -> dict:
     """Neutral-layout parameters: ``weight(layer)`` gives W as (in, out), ``bias(layer)`` gives
     b or None; per-head arrays of the wrapper are stacked."""
     out = {}
-    for role, layers in projections(module).items():
-        pick = np.stack if _stacked(module, role) else (lambda arrays: arrays[0])
+    for role, (layers, stacked) in projections(module).items():
+        pick = np.stack if stacked else (lambda arrays: arrays[0])
         out[f"W_{role}"] = pick([weight(layer) for layer in layers])
         biases = [bias(layer) for layer in layers]
         if biases[0] is not None:
@@ -152,11 +315,11 @@ def export_layers(module, weight, bias) -> dict:
 def load_layers(module, params, set_weight, set_bias) -> None:
     """Check ``params`` against the module's configuration, then hand each layer its slice:
     ``set_weight(layer, W (in, out))`` and ``set_bias(layer, b)``."""
-    layers_by_role = projections(module)
-    check_params(module.variant, module.config, params)
-    for role, layers in layers_by_role.items():
+    found = projections(module)
+    VARIANTS[module.variant].check_params(module.config, params)
+    for role, (layers, stacked) in found.items():
         for i, layer in enumerate(layers):
-            pick = (lambda a: np.asarray(a)[i]) if _stacked(module, role) else np.asarray
+            pick = (lambda a: np.asarray(a)[i]) if stacked else np.asarray
             set_weight(layer, pick(params[f"W_{role}"]))
             if f"b_{role}" in params:
                 set_bias(layer, pick(params[f"b_{role}"]))

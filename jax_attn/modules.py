@@ -11,97 +11,95 @@ are already in the neutral (in, out) layout. Dropout is active unless ``determin
 The constructors take the PyTorch twin's arguments plus ``rngs`` and ``precision`` (keyword-only;
 ``precision`` reaches every dot, projections included).
 
-Execution: ``__call__`` checks its arguments and draws the dropout key eagerly, then runs the
-module's ``_forward`` under ``jax.jit`` through NNX's functional API (``nnx.split`` outside,
-``nnx.merge`` inside): the module's structure and settings are static, its weights and the inputs
-traced, and nothing is written back, so the modules also work inside a caller's own
-``jax.grad``/``jax.vmap`` (train mode without a keep-mask draws from the module's random
-stream, which NNX allows only outside such a transformation: use ``nnx.grad``/``nnx.vmap`` there).
+Execution: every ``__call__`` is plain code from the projections to the core, compiled with
+``nnx.jit(graph=False)``: an eager call runs one compiled program (the module's arrays traced,
+its settings static), and whatever the call changes in the module (the dropout stream's counter)
+is written back. Inside a caller's ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` or optax step the
+inner ``jit`` is inlined and NNX carries the same updates through.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
-from golden.variants import param_shapes
+from golden.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+
+__all__ = ["CausalSelfAttention", "CrossAttention", "MultiHeadAttention",
+           "MultiHeadAttentionWrapper", "SelfAttention", "SimpleSelfAttention"]
+
+# Compiles a module's __call__: the module is a pytree (graph=False, the fast path: no shared
+# submodules here), ``return_weights`` changes the program's outputs, so it is static.
+compiled_call = nnx.jit(graph=False, static_argnames="return_weights")
 
 
 def _linear(d_in, d_out, bias, rngs, precision):
     return nnx.Linear(d_in, d_out, use_bias=bias, precision=precision, rngs=rngs)
 
 
-@partial(jax.jit, static_argnums=(0, 2, 4))
-def _apply(graphdef, state, method, arrays, static):
-    """Rebuild the module inside the trace and run one of its methods."""
-    return getattr(nnx.merge(graphdef, state), method)(*arrays, **dict(static))
+class _Variant(nnx.Module):
+    """What every variant shares: its checked configuration and its dropout stream."""
 
-
-def _frozen(**config):
-    """Constructor arguments as a hashable tuple: module attributes are static under jit."""
-    return tuple(sorted(config.items()))
-
-
-class _Jitted(nnx.Module):
-    """Runs ``_forward`` compiled; holds the dropout rate, switch and stream where there is one."""
-
+    variant: str
     dropout = 0.0
+
+    def _configure(self, **given) -> None:
+        """Check the constructor arguments (golden.variants); kept as a hashable tuple, because
+        a module's plain attributes are static under jit."""
+        self._config = tuple(VARIANTS[self.variant].config(given).items())
 
     @property
     def config(self) -> dict:
         """The constructor arguments (what ``build`` needs besides the parameters)."""
         return dict(self._config)
 
-    def _run(self, *arrays, **static):
-        graphdef, state = nnx.split(self)
-        return _apply(graphdef, state, "_forward", arrays, tuple(sorted(static.items())))
-
     def _init_dropout(self, dropout, rngs):
         self.dropout = dropout
         self.deterministic = False
-        self.dropout_rngs = rngs["dropout"].fork() if dropout > 0 else nnx.data(None)
+        self.seed_dropout(rngs)
+
+    def seed_dropout(self, rngs) -> None:
+        """A fresh dropout stream forked from ``rngs`` (none when dropout is 0)."""
+        self.dropout_rngs = rngs["dropout"].fork() if self.dropout > 0 else nnx.data(None)
 
     def _rate(self) -> float:
         return 0.0 if getattr(self, "deterministic", True) else self.dropout
 
     def _dropout_key(self, dropout_mask):
-        """A fresh key when dropout is active and no keep-mask is given, else None."""
+        """A fresh key from the dropout stream when dropout is active and no keep-mask is
+        given, else None."""
         return self.dropout_rngs() if self._rate() > 0 and dropout_mask is None else None
 
 
-class SimpleSelfAttention(_Jitted):
+class SimpleSelfAttention(_Variant):
     """softmax(X Xᵀ) X: no parameters, no scaling (notebook 001 §1)."""
 
     variant = "simple_self_attention"
 
     def __init__(self, *, rngs=None, precision=DEFAULT_PRECISION):
-        self._config = ()
+        self._configure()
         self.precision = precision
 
+    @compiled_call
     def __call__(self, x, mask=None, *, return_weights=False):
         check_self_inputs(x, None, mask)
-        return self._run(x, mask, return_weights=return_weights)
-
-    def _forward(self, x, mask, *, return_weights):
         return scaled_dot_product_attention(x, x, x, mask, scale=1.0,
                                             return_weights=return_weights,
                                             precision=self.precision)
 
 
-class SelfAttention(_Jitted):
+class SelfAttention(_Variant):
     """One head with trainable query, key and value projections."""
 
     variant = "self_attention"
 
     def __init__(self, d_in, d_k, d_v=None, qkv_bias=False, *, rngs, precision=DEFAULT_PRECISION):
-        self._config = _frozen(d_in=d_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
-        param_shapes(self.variant, self.config)  # checks the sizes
-        self.d_in, self.d_k, self.d_v = d_in, d_k, d_v or d_k
+        self._configure(d_in=d_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        self.d_in, self.d_k = d_in, d_k
+        self.d_v = d_k if d_v is None else d_v
         self.precision = precision
         self.W_query = _linear(d_in, d_k, qkv_bias, rngs, precision)
         self.W_key = _linear(d_in, d_k, qkv_bias, rngs, precision)
@@ -112,11 +110,9 @@ class SelfAttention(_Jitted):
         check_sequence("x", x, "d_in", self.d_in)
         return self.W_query(x), self.W_key(x), self.W_value(x)
 
+    @compiled_call
     def __call__(self, x, mask=None, *, return_weights=False):
         check_self_inputs(x, self.d_in, mask)
-        return self._run(x, mask, return_weights=return_weights)
-
-    def _forward(self, x, mask, *, return_weights):
         q, k, v = self.project(x)
         return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights,
                                             precision=self.precision)
@@ -130,24 +126,21 @@ class CausalSelfAttention(SelfAttention):
     def __init__(self, d_in, d_k, d_v=None, dropout=0.0, qkv_bias=False, *, rngs,
                  precision=DEFAULT_PRECISION):
         super().__init__(d_in, d_k, d_v, qkv_bias, rngs=rngs, precision=precision)
-        self._config = _frozen(d_in=d_in, d_k=d_k, d_v=d_v, dropout=dropout, qkv_bias=qkv_bias)
-        param_shapes(self.variant, self.config)
+        self._configure(d_in=d_in, d_k=d_k, d_v=d_v, dropout=dropout, qkv_bias=qkv_bias)
         self._init_dropout(dropout, rngs)
 
+    @compiled_call
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
         check_self_inputs(x, self.d_in, mask, dropout_mask, rate=self._rate())
-        return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
-                         return_weights=return_weights)
-
-    def _forward(self, x, mask, dropout_mask, key, *, return_weights):
         q, k, v = self.project(x)
         return scaled_dot_product_attention(q, k, v, mask, is_causal=True,
                                             dropout_rate=self._rate(), dropout_mask=dropout_mask,
-                                            dropout_rng=key, return_weights=return_weights,
+                                            dropout_rng=self._dropout_key(dropout_mask),
+                                            return_weights=return_weights,
                                             precision=self.precision)
 
 
-class CrossAttention(_Jitted):
+class CrossAttention(_Variant):
     """Queries from x_q (B, Lq, d_q_in); keys and values from x_kv (B, Lk, d_kv_in), or keys
     from x_kv and values from x_v of the same length."""
 
@@ -155,27 +148,24 @@ class CrossAttention(_Jitted):
 
     def __init__(self, d_q_in, d_kv_in, d_k, d_v=None, qkv_bias=False, *, rngs,
                  precision=DEFAULT_PRECISION):
-        self._config = _frozen(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v,
-                               qkv_bias=qkv_bias)
-        param_shapes(self.variant, self.config)
-        self.d_q_in, self.d_kv_in, self.d_k, self.d_v = d_q_in, d_kv_in, d_k, d_v or d_k
+        self._configure(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        self.d_q_in, self.d_kv_in, self.d_k = d_q_in, d_kv_in, d_k
+        self.d_v = d_k if d_v is None else d_v
         self.precision = precision
         self.W_query = _linear(d_q_in, d_k, qkv_bias, rngs, precision)
         self.W_key = _linear(d_kv_in, d_k, qkv_bias, rngs, precision)
         self.W_value = _linear(d_kv_in, self.d_v, qkv_bias, rngs, precision)
 
+    @compiled_call
     def __call__(self, x_q, x_kv, x_v=None, mask=None, *, return_weights=False):
         check_cross_inputs(x_q, x_kv, x_v, self.d_q_in, self.d_kv_in, mask)
         x_v = x_kv if x_v is None else x_v
-        return self._run(x_q, x_kv, x_v, mask, return_weights=return_weights)
-
-    def _forward(self, x_q, x_kv, x_v, mask, *, return_weights):
         q, k, v = self.W_query(x_q), self.W_key(x_kv), self.W_value(x_v)
         return scaled_dot_product_attention(q, k, v, mask, return_weights=return_weights,
                                             precision=self.precision)
 
 
-class MultiHeadAttentionWrapper(_Jitted):
+class MultiHeadAttentionWrapper(_Variant):
     """num_heads independent single-head modules, outputs concatenated on the feature axis
     (B, L, N·Dh), optionally followed by an output projection; weights (B, N, Lq, Lk)."""
 
@@ -183,9 +173,8 @@ class MultiHeadAttentionWrapper(_Jitted):
 
     def __init__(self, d_in, d_head, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_proj=False, *, rngs, precision=DEFAULT_PRECISION):
-        self._config = _frozen(d_in=d_in, d_head=d_head, num_heads=num_heads, causal=causal,
-                               dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
-        param_shapes(self.variant, self.config)
+        self._configure(d_in=d_in, d_head=d_head, num_heads=num_heads, causal=causal,
+                        dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
         self.d_in, self.num_heads, self.causal = d_in, num_heads, causal
         self.precision = precision
         self._init_dropout(dropout, rngs)
@@ -194,16 +183,14 @@ class MultiHeadAttentionWrapper(_Jitted):
         width = num_heads * d_head
         self.out_proj = _linear(width, width, True, rngs, precision) if out_proj else None
 
+    @compiled_call
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
         check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=self._rate())
-        return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
-                         return_weights=return_weights)
-
-    def _forward(self, x, mask, dropout_mask, key, *, return_weights):
-        outs, weights = [], []
+        key = self._dropout_key(dropout_mask)
         if dropout_mask is not None:  # (B, N, Lq, Lk): one keep-mask per head
             dropout_mask = jnp.broadcast_to(dropout_mask, x.shape[:-2] + (self.num_heads,) +
                                             2 * x.shape[-2:-1])
+        outs, weights = [], []
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
             keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
@@ -220,7 +207,7 @@ class MultiHeadAttentionWrapper(_Jitted):
         return (y, jnp.stack(weights, axis=-3)) if return_weights else y
 
 
-class MultiHeadAttention(_Jitted):
+class MultiHeadAttention(_Variant):
     """Fused heads: one projection each for Q, K, V (B, L, d_out) split into N contiguous blocks
     of Dh = d_out / N, attention per head, heads merged, output projection."""
 
@@ -228,9 +215,8 @@ class MultiHeadAttention(_Jitted):
 
     def __init__(self, d_in, d_out, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_bias=True, *, rngs, precision=DEFAULT_PRECISION):
-        self._config = _frozen(d_in=d_in, d_out=d_out, num_heads=num_heads, causal=causal,
-                               dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
-        param_shapes(self.variant, self.config)
+        self._configure(d_in=d_in, d_out=d_out, num_heads=num_heads, causal=causal,
+                        dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
         self.d_in, self.d_out, self.num_heads, self.causal = d_in, d_out, num_heads, causal
         self.precision = precision
         self._init_dropout(dropout, rngs)
@@ -244,18 +230,15 @@ class MultiHeadAttention(_Jitted):
         y = y.reshape(y.shape[:-1] + (self.num_heads, -1))  # (B, L, N, Dh)
         return jnp.swapaxes(y, -2, -3)
 
+    @compiled_call
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
         check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=self._rate())
-        return self._run(x, mask, dropout_mask, self._dropout_key(dropout_mask),
-                         return_weights=return_weights)
-
-    def _forward(self, x, mask, dropout_mask, key, *, return_weights):
         q, k, v = (self._split(proj(x)) for proj in (self.W_query, self.W_key, self.W_value))
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, Lq, Lk)
         o = scaled_dot_product_attention(q, k, v, head_mask, is_causal=self.causal,
                                          dropout_rate=self._rate(), dropout_mask=dropout_mask,
-                                         dropout_rng=key, return_weights=return_weights,
-                                         precision=self.precision)
+                                         dropout_rng=self._dropout_key(dropout_mask),
+                                         return_weights=return_weights, precision=self.precision)
         o, w = o if return_weights else (o, None)
         merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
         y = self.out_proj(merged.reshape(merged.shape[:-2] + (-1,)))  # (B, L, d_out)

@@ -6,11 +6,12 @@ on a leading axis. Loaded arrays keep their dtype (float64 needs ``jax.enable_x6
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from golden.variants import CLASS_NAMES, export_layers, load_layers
+from golden.variants import export_layers, load_layers, module_variant
 from jax_attn import modules
 
 
@@ -31,9 +32,14 @@ def build(variant, config, params, *, rngs=None):
 
     ``rngs`` seeds the dropout stream (default ``nnx.Rngs(0)``).
     """
-    if variant not in CLASS_NAMES:
-        raise ValueError(f"variant should be one of {', '.join(CLASS_NAMES)}, got {variant!r}")
-    rngs = nnx.Rngs(0) if rngs is None else rngs
-    module = getattr(modules, CLASS_NAMES[variant])(**config, rngs=rngs)
+    cls = getattr(modules, module_variant(variant).class_name)
+    # The structure only: nnx.eval_shape runs the constructor abstractly, so no weights are drawn
+    # (each new shape of a random initialiser costs a compilation) just to be overwritten.
+    module = nnx.eval_shape(lambda: cls(**config, rngs=nnx.Rngs(0)))
     load_params(module, params)
+    module.seed_dropout(nnx.Rngs(0) if rngs is None else rngs)
+    abstract = [p for p, v in nnx.to_flat_state(nnx.state(module))
+                if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    if abstract:
+        raise RuntimeError(f"build left {variant} without values for {abstract}")
     return module

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 
-from bench.attention import IMPLS
+from golden.bench import IMPLS, MODULES
 from golden.cli import main
 
 
 def test_quick_run_writes_both_reports(tmp_path):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # as attn-parity bench
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert {"machine", "grid", "ceilings", "results", "targets", "skipped", "wall_s"} <= set(report)
+    assert {"machine", "grid", "ceilings", "results", "modules", "targets", "skipped",
+            "wall_s"} <= set(report)
     assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
     assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
         ("jax", "float32"), ("torch", "float32")}
@@ -28,6 +29,12 @@ def test_quick_run_writes_both_reports(tmp_path):
         assert r["median_ms"] > 0 and r["repeats"] >= 1
         assert (r["xla_memory"] is not None) == (r["framework"] == "jax")
     assert [t["ratio"] is not None for t in report["targets"]] == [True] * 3
+    assert [r["impl"] for r in report["modules"]] == list(MODULES)
+    for r in report["modules"]:
+        assert {"shape", "median_ms", "first_call_ms", "repeats", "ours_speedup"} <= set(r)
+        assert r["median_ms"] > 0 and r["repeats"] >= 1
     md = (tmp_path / "latest.md").read_text()
     assert "| impl |" in md and "jax_core×" in md and "## Targets" in md
+    assert "## Module calls" in md and "| ours× |" in md
+    assert all(f"| {impl} |" in md for impl in MODULES)
     assert not list(tmp_path.glob("*.tmp"))

@@ -14,8 +14,16 @@ import torch
 from torch import nn
 
 from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
-from golden.variants import param_shapes
+from golden.variants import VARIANTS
 from torch_attn.functional import scaled_dot_product_attention
+
+__all__ = ["CausalSelfAttention", "CrossAttention", "MultiHeadAttention",
+           "MultiHeadAttentionWrapper", "SelfAttention", "SimpleSelfAttention"]
+
+
+def _config(variant, **given) -> dict:
+    """The constructor arguments, checked against the variant's description (golden.variants)."""
+    return VARIANTS[variant].config(given)
 
 
 def _dropout_rate(module) -> float:
@@ -29,7 +37,7 @@ class SimpleSelfAttention(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.config = {}
+        self.config = _config(self.variant)
 
     def forward(self, x, mask=None, *, return_weights=False):
         check_self_inputs(x, None, mask)
@@ -44,9 +52,9 @@ class SelfAttention(nn.Module):
 
     def __init__(self, d_in, d_k, d_v=None, qkv_bias=False):
         super().__init__()
-        self.config = dict(d_in=d_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
-        param_shapes(self.variant, self.config)  # checks the sizes
-        self.d_in, self.d_k, self.d_v = d_in, d_k, d_v or d_k
+        self.config = _config(self.variant, d_in=d_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
+        self.d_in, self.d_k = d_in, d_k
+        self.d_v = d_k if d_v is None else d_v
         self.W_query = nn.Linear(d_in, d_k, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_k, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, self.d_v, bias=qkv_bias)
@@ -69,8 +77,8 @@ class CausalSelfAttention(SelfAttention):
 
     def __init__(self, d_in, d_k, d_v=None, dropout=0.0, qkv_bias=False):
         super().__init__(d_in, d_k, d_v, qkv_bias)
-        self.config = dict(d_in=d_in, d_k=d_k, d_v=d_v, dropout=dropout, qkv_bias=qkv_bias)
-        param_shapes(self.variant, self.config)
+        self.config = _config(self.variant, d_in=d_in, d_k=d_k, d_v=d_v, dropout=dropout,
+                              qkv_bias=qkv_bias)
         self.dropout = dropout
 
     def forward(self, x, mask=None, *, dropout_mask=None, return_weights=False):
@@ -90,9 +98,10 @@ class CrossAttention(nn.Module):
 
     def __init__(self, d_q_in, d_kv_in, d_k, d_v=None, qkv_bias=False):
         super().__init__()
-        self.config = dict(d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v, qkv_bias=qkv_bias)
-        param_shapes(self.variant, self.config)
-        self.d_q_in, self.d_kv_in, self.d_k, self.d_v = d_q_in, d_kv_in, d_k, d_v or d_k
+        self.config = _config(self.variant, d_q_in=d_q_in, d_kv_in=d_kv_in, d_k=d_k, d_v=d_v,
+                              qkv_bias=qkv_bias)
+        self.d_q_in, self.d_kv_in, self.d_k = d_q_in, d_kv_in, d_k
+        self.d_v = d_k if d_v is None else d_v
         self.W_query = nn.Linear(d_q_in, d_k, bias=qkv_bias)
         self.W_key = nn.Linear(d_kv_in, d_k, bias=qkv_bias)
         self.W_value = nn.Linear(d_kv_in, self.d_v, bias=qkv_bias)
@@ -113,9 +122,8 @@ class MultiHeadAttentionWrapper(nn.Module):
     def __init__(self, d_in, d_head, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_proj=False):
         super().__init__()
-        self.config = dict(d_in=d_in, d_head=d_head, num_heads=num_heads, causal=causal,
-                           dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
-        param_shapes(self.variant, self.config)
+        self.config = _config(self.variant, d_in=d_in, d_head=d_head, num_heads=num_heads,
+                              causal=causal, dropout=dropout, qkv_bias=qkv_bias, out_proj=out_proj)
         self.d_in, self.num_heads, self.causal, self.dropout = d_in, num_heads, causal, dropout
         self.heads = nn.ModuleList(
             [SelfAttention(d_in, d_head, qkv_bias=qkv_bias) for _ in range(num_heads)])
@@ -153,9 +161,8 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_in, d_out, num_heads, causal=False, dropout=0.0, qkv_bias=False,
                  out_bias=True):
         super().__init__()
-        self.config = dict(d_in=d_in, d_out=d_out, num_heads=num_heads, causal=causal,
-                           dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
-        param_shapes(self.variant, self.config)
+        self.config = _config(self.variant, d_in=d_in, d_out=d_out, num_heads=num_heads,
+                              causal=causal, dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias)
         self.d_in, self.d_out, self.num_heads = d_in, d_out, num_heads
         self.causal, self.dropout = causal, dropout
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)

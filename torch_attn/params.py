@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from golden.variants import CLASS_NAMES, export_layers, load_layers
+from golden.variants import export_layers, load_layers, module_variant
 from torch_attn import modules
 
 
@@ -43,8 +43,6 @@ def load_params(module, params) -> None:
 
 def build(variant, config, params):
     """A module of ``variant`` (its class name in snake_case) holding exactly ``params``."""
-    if variant not in CLASS_NAMES:
-        raise ValueError(f"variant should be one of {', '.join(CLASS_NAMES)}, got {variant!r}")
-    module = getattr(modules, CLASS_NAMES[variant])(**config)
+    module = getattr(modules, module_variant(variant).class_name)(**config)
     load_params(module, params)
     return module

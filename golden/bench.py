@@ -1,9 +1,11 @@
 """Attention benchmark on CPU: the twins (``jax_core``, ``torch_core``) against each framework's own
 attention (``*_peer``) and a plain matmul-softmax-matmul (``*_naive``), forward and
-forward+backward (gradient of sum(output) w.r.t. q, k, v), causal and not.
+forward+backward (gradient of sum(output) w.r.t. q, k, v), causal and not; and eager calls of
+small attention modules (ours against Flax's and torch's own, ``*_module``).
 
-    python -m bench.attention [--quick] [--out DIR] [--repeats N]
+    attn-parity bench [--quick] [--out DIR] [--repeats N]    (or python -m golden.bench ...)
 
+Run it from the repository root: DIR defaults to bench/results under the current directory.
 Writes DIR/latest.md (Markdown tables) and DIR/latest.json (every raw number), each atomically,
 and prints the Markdown to stdout; progress goes to stderr. Nothing here sets environment
 variables or thread counts: the run measures the machine as configured.
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from flax import nnx
 
 import jax_attn
 import torch_attn
@@ -238,6 +241,52 @@ def ceiling(fw: str, n: int, dtype: str, repeats: int, rng) -> dict:
             "gflop_s": 2 * n**3 / (m["median_ms"] * 1e-3) / 1e9}
 
 
+# --- module calls: small attention modules, called eagerly the way their users call them --------
+
+MODULE_X = (2, 16, 64)  # (B, L, features) input of every module; 64 -> 64 features, 4 heads
+MODULES = {  # impl: our module of the same framework, the denominator of its ratio
+    "jax_module": "jax_module", "flax_module": "jax_module",
+    "torch_module": "torch_module", "torch_peer_module": "torch_module",
+}
+
+
+def build_module(impl: str):
+    """The callable to time, f(x), for x of shape MODULE_X; no dropout anywhere."""
+    d, heads = MODULE_X[-1], 4
+    if impl == "jax_module":
+        module = jax_attn.MultiHeadAttention(d, d, num_heads=heads, rngs=nnx.Rngs(0))
+        module.eval()
+        return module
+    if impl == "flax_module":
+        module = nnx.MultiHeadAttention(num_heads=heads, in_features=d, qkv_features=d,
+                                        out_features=d, decode=False, rngs=nnx.Rngs(0))
+        return partial(nnx.jit(lambda m, x: m(x)), module)
+    if impl == "torch_module":
+        return torch_attn.MultiHeadAttention(d, d, num_heads=heads).eval()
+    peer = torch.nn.MultiheadAttention(d, heads, batch_first=True).eval()
+    return lambda x: peer(x, x, x, need_weights=False)[0]
+
+
+def run_modules(grid: Grid, rng) -> list[dict]:
+    """Every module on the same random float32 x; torch under torch.no_grad()."""
+    host, rows = rng.standard_normal(MODULE_X, dtype=np.float32), []
+    shape = "B={},L={},d={}".format(*MODULE_X)
+    for impl, ours in MODULES.items():
+        fw = framework(ours)
+        x = jax.block_until_ready(jnp.asarray(host)) if fw == "jax" else torch.from_numpy(host)
+        with torch.no_grad():
+            m = measure(build_module(impl), [x], grid.repeats)
+        rows.append({"impl": impl, "framework": fw, "shape": shape, **m})
+        if fw == "torch":
+            rows[-1]["compile_ms"] = None  # no compilation; first_call_ms keeps the warm-up cost
+        print(f"  module {shape} {impl:17} {m['median_ms']:9.2f} ms ×{m['repeats']}",
+              file=sys.stderr, flush=True)
+    medians = {r["impl"]: r["median_ms"] for r in rows}
+    for r in rows:
+        r["ours_speedup"] = r["median_ms"] / medians[MODULES[r["impl"]]]
+    return rows
+
+
 def run_block(shape, dtype, causal, backward, host, grid, ceilings) -> list[dict]:
     """Every implementation on one (shape, dtype, causal, pass)."""
     rows = []
@@ -285,6 +334,7 @@ def run(grid: Grid) -> dict:
     dtypes = ("float32", "bfloat16")
     ceilings = {(fw, dt): ceiling(fw, grid.matmul_n, dt, grid.repeats, rng)
                 for fw in ("jax", "torch") for dt in dtypes}
+    modules = run_modules(grid, rng)
     for shape in grid.shapes:
         host = random_qkv(shape, rng)  # fresh per shape, shared by every implementation
         for causal in (False, True):
@@ -305,7 +355,7 @@ def run(grid: Grid) -> dict:
     add_ratios(rows)
     wall_s = time.perf_counter() - start
     return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
-            "ceilings": list(ceilings.values()), "results": rows,
+            "ceilings": list(ceilings.values()), "results": rows, "modules": modules,
             "targets": targets(rows, grid.bf16_shape), "skipped": skipped,
             "wall_s": wall_s}
 
@@ -400,6 +450,17 @@ def markdown(report: dict) -> str:
             f"| {r['torch_core_speedup']:.2f} | {_f(r['compile_ms'], '{:.0f}')} "
             f"| {_f(r['rss_peak_growth_mb'], '{:.0f}')} | {_f(xla, '{:.0f}')} "
             f"| {_f(r['other_cpu_pct'], '{:.0f}')} |")
+    lines += [
+        "", f"## Module calls ({report['modules'][0]['shape']}, float32, forward)", "",
+        "- ours×: time of this row ÷ time of our module in the same framework (jax_module for "
+        "flax_module, torch_module for torch_peer_module); > 1 means ours is faster.",
+        "- first call ms: includes compilation (JAX) or warm-up (torch).", "",
+        "| impl | median ms | n | ours× | first call ms | others % |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {r['impl']} | {r['median_ms']:.3f} | {r['repeats']} | {r['ours_speedup']:.2f} "
+              f"| {r['first_call_ms']:.0f} | {_f(r['other_cpu_pct'], '{:.0f}')} |"
+              for r in report["modules"]]
     lines += ["", "## Targets (float32, forward, non-causal)", ""]
     for t in report["targets"]:
         met = {None: "not measured", True: "met", False: "MISSED"}[t["met"]]
@@ -420,11 +481,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__,
+    parser = argparse.ArgumentParser(prog="attn-parity bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny grid (for tests), seconds")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
-                        help="output directory (default: bench/results)")
+    parser.add_argument("--out", type=Path, default=Path("bench", "results"),
+                        help="output directory (default: bench/results under the current "
+                             "directory; run from the repository root)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="most steady calls per measurement (default 10, quick 3); "
                              "slow cases use fewer, down to 3")

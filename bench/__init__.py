@@ -1,1 +1,0 @@
-"""Benchmarks for attn-parity. ``python -m bench.attention --help``."""

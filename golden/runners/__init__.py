@@ -1,0 +1,50 @@
+"""Fixture runners: each runs a golden fixture through one implementation.
+
+The contract every runner follows: ``run_fixture(fixture, dtype) -> dict`` with
+    "output", "weights"   float64 NumPy arrays of the fixture's expected shapes
+    "grads"               {name: float64 array}: dL/d(name) of the fixture's loss
+                          L = Σ output ⊙ cotangents/output + Σ weights ⊙ cotangents/weights,
+                          for every float input and every parameter (neutral layout)
+    "dtype"               the dtype the computation ran in
+A module variant is built from the fixture's parameters cast to ``dtype``, in training mode when
+the fixture holds a dropout keep-mask and in eval mode otherwise.
+
+This is the harness layer: it imports torch and JAX, but only when their runner is asked for, so
+an installation with one framework runs that framework's fixtures.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from golden.reference import VARIANTS as REFERENCE
+
+FRAMEWORKS = ("reference", "torch", "jax")
+_MODULES = {"torch": "golden.runners.torch_runner", "jax": "golden.runners.jax_runner"}
+
+
+def run_reference(fixture, dtype="float64") -> dict:
+    """Recompute the fixture from its stored inputs with the float64 reference."""
+    inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
+              for n, a in fixture.inputs.items()}
+    forward, backward = REFERENCE[fixture.variant]
+    out, weights, cache = forward(fixture.config, inputs, fixture.params)
+    cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
+    return {"output": out, "weights": weights, "dtype": "float64",
+            "grads": backward(cache, cot["output"], cot["weights"])}
+
+
+def get(framework):
+    """The ``run_fixture`` of "reference", "torch" or "jax"; ImportError naming the missing
+    framework and the extra that installs it."""
+    if framework == "reference":
+        return run_reference
+    if framework not in _MODULES:
+        raise ValueError(f"framework should be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    try:
+        return importlib.import_module(_MODULES[framework]).run_fixture
+    except ImportError as e:
+        raise ImportError(f"the {framework} runner needs {e.name}: "
+                          f"pip install 'attn-parity[{framework}]'") from e
