@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden import reference
+from golden import reference, variants
 from golden.cases import CASES, Case
 from golden.fixture import FIXTURE_DIR, Fixture, to_bytes, write_atomic
-from golden import variants
 
 
 def draw(spec, rng):

@@ -48,7 +48,7 @@ def _rate(name, p) -> None:
 
 
 def _flag(name, b) -> None:
-    if not isinstance(b, bool):
+    if not isinstance(b, (bool, np.bool_)):
         raise ValueError(f"{name} should be True or False, got {b!r}")
 
 
@@ -113,6 +113,7 @@ class Variant:
                 raise ValueError(f"{a.name} is required by {self.class_name or self.name}")
             full[a.name] = given.get(a.name, a.default)
             a.check(a.name, full[a.name])
+        self.shapes(full)  # the checks across arguments (d_out divisible by num_heads)
         return full
 
     def param_shapes(self, config: dict) -> dict:

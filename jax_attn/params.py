@@ -7,7 +7,6 @@ on a leading axis. Loaded arrays keep their dtype (float64 needs ``jax.enable_x6
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -23,8 +22,8 @@ def export_params(module) -> dict:
 
 def load_params(module, params) -> None:
     """Copy neutral-layout parameters into the module, after checking names and shapes."""
-    load_layers(module, params, lambda lin, w: lin.kernel.set_value(jnp.asarray(w)),
-                lambda lin, b: lin.bias.set_value(jnp.asarray(b)))
+    load_layers(module, params, lambda lin, w: lin.kernel.set_value(jax.device_put(w)),
+                lambda lin, b: lin.bias.set_value(jax.device_put(b)))
 
 
 def build(variant, config, params, *, rngs=None):

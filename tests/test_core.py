@@ -6,15 +6,13 @@ from __future__ import annotations
 import inspect
 import math
 
-import jax
 import numpy as np
 import pytest
 
 from golden import reference
 from golden.tolerances import compare
-from tests.conftest import DTYPES, FRAMEWORKS, fresh_rng, sdpa, to_framework
-
-ALL = ("reference",) + FRAMEWORKS
+from golden.validate import dtype_name
+from tests.helpers import DTYPES, LOW_DTYPES, TWINS, fresh_rng
 
 # Notebook 003's hand-made keys and values, (4, 3) each.
 K003 = np.array([[10, 0, 0], [0, 10, 0], [0, 0, 10], [0, 0, 10]], dtype=np.float32)
@@ -23,16 +21,13 @@ V003 = np.array([[1, 0, 1], [10, 0, 2], [100, 5, 0], [1000, 6, 0]], dtype=np.flo
 
 def run(impl, *arrays, dtype="float64", **kw):
     """(output, weights) as float64 NumPy from the reference, torch or JAX."""
-    if impl == "reference":
-        return reference.scaled_dot_product_attention(*arrays, **kw)
-    with jax.enable_x64(dtype == "float64"):
-        args = [None if a is None else to_framework(impl, a, dtype) for a in arrays]
-        kw = {n: to_framework(impl, a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
-        out, w = sdpa(impl)(*args, return_weights=True, **kw)
-        return np.asarray(out, dtype=np.float64), np.asarray(w, dtype=np.float64)
+    with impl.float64(dtype == "float64"):
+        args = [None if a is None else impl.array(a, dtype) for a in arrays]
+        kw = {n: impl.array(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+        out, w = impl.sdpa(*args, return_weights=True, **kw)
+        return impl.numpy(out), impl.numpy(w)
 
 
-@pytest.mark.parametrize("impl", ALL)
 def test_one_hot_query_by_hand(impl):
     # q = (0, 10, 0) with scale 1/2: scores (0, 50, 0, 0), so the weights are e⁻⁵⁰/z and 1/z,
     # z = 1 + 3e⁻⁵⁰, and the output is their mix of V's rows (notebook 003 prints this case).
@@ -44,7 +39,6 @@ def test_one_hot_query_by_hand(impl):
     np.testing.assert_allclose(out, [[(10 + 1101 * a) / z, 11 * a / z, (2 + a) / z]], rtol=1e-14)
 
 
-@pytest.mark.parametrize("impl", ALL)
 def test_notebook_003_weights(impl):
     # Notebook 003, example 3, printed to 3 decimals (with its effective scale 1/2).
     q = np.array([[0, 10, 0], [0, 0, 10], [10, 10, 0]], dtype=np.float32)
@@ -53,7 +47,6 @@ def test_notebook_003_weights(impl):
     np.testing.assert_array_equal(np.round(w, 3), printed)
 
 
-@pytest.mark.parametrize("impl", ALL)
 def test_equal_keys_average_the_values(impl):
     rng, seed = fresh_rng()
     q, v = rng.standard_normal((3, 2)), rng.standard_normal((4, 5))
@@ -63,7 +56,6 @@ def test_equal_keys_average_the_values(impl):
     np.testing.assert_allclose(out, np.tile(v.mean(0), (3, 1)), rtol=1e-13, err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("impl", ALL)
 def test_causal_and_fully_masked_by_hand(impl):
     # Zero queries and keys: uniform over the allowed keys. Row 0 sees key 0, row 1 keys 0-1,
     # row 2 is masked out entirely and gives zeros, never NaN.
@@ -75,7 +67,6 @@ def test_causal_and_fully_masked_by_hand(impl):
     np.testing.assert_array_equal(out, [[1, 2], [2, 3], [0, 0]])
 
 
-@pytest.mark.parametrize("impl", ALL)
 def test_dropout_keep_mask_by_hand(impl):
     # Uniform weights 1/4; keep keys 0 and 2 with rate 1/2, so they become 1/2 each.
     q, k, v = np.zeros((1, 2)), np.zeros((4, 2)), np.arange(8.0).reshape(4, 2)
@@ -131,18 +122,15 @@ def test_torch_and_jax_agree_on_fresh_inputs(dtype):
     arrays, kw = _random_case(rng)
     arrays = [a.astype(dtype) if a.dtype.kind == "f" else a for a in arrays]
     ref = reference.scaled_dot_product_attention(*arrays, **kw)
-    t, j = run("torch", *arrays, dtype=dtype, **kw), run("jax", *arrays, dtype=dtype, **kw)
+    t, j = (run(TWINS[name], *arrays, dtype=dtype, **kw) for name in ("torch", "jax"))
     for a, b, r, what in [(t[0], j[0], ref[0], "output"), (t[1], j[1], ref[1], "weights")]:
         assert compare(a, r, dtype).ok and compare(b, r, dtype).ok, f"{what} seed {seed}"
         assert compare(a, b, dtype).ok, f"torch vs jax {what}, seed {seed}"
 
 
 def test_twin_signatures():
-    import jax_attn
-    import torch_attn
-
-    t = inspect.signature(torch_attn.scaled_dot_product_attention).parameters
-    j = inspect.signature(jax_attn.scaled_dot_product_attention).parameters
+    t = inspect.signature(TWINS["torch"].sdpa).parameters
+    j = inspect.signature(TWINS["jax"].sdpa).parameters
     jax_only = ["precision"]  # every JAX dot's precision; PyTorch has no per-call equivalent
     assert list(t) == [n for n in j if n not in jax_only]
     for name, p in t.items():
@@ -152,51 +140,38 @@ def test_twin_signatures():
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(t.values())[5:])
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_drawn_dropout_keeps_rate_and_scales(framework):
+def test_drawn_dropout_keeps_rate_and_scales(twin):
+    _, seed = fresh_rng()
     q, k, v = np.zeros((4, 64, 2)), np.zeros((4, 64, 2)), np.ones((4, 64, 3))
-    args = [to_framework(framework, a, "float32") for a in (q, k, v)]
-    extra = {}
-    if framework == "jax":
-        extra["dropout_rng"] = jax.random.key(0)
-    out, w = sdpa(framework)(*args, dropout_rate=0.25, return_weights=True, **extra)
-    w = np.asarray(w)
+    args = [twin.array(a, "float32") for a in (q, k, v)]
+    out, w = twin.sdpa(*args, dropout_rate=0.25, dropout_rng=twin.dropout_rng(seed),
+                       return_weights=True)
+    w = twin.numpy(w)
     kept = w > 0
-    assert abs(kept.mean() - 0.75) < 0.02
-    np.testing.assert_allclose(w[kept], (1 / 64) / 0.75, rtol=1e-6)
+    assert abs(kept.mean() - 0.75) < 0.02, f"seed {seed}"  # 6 standard deviations
+    np.testing.assert_allclose(w[kept], (1 / 64) / 0.75, rtol=1e-6, err_msg=f"seed {seed}")
 
 
-def test_jax_dropout_depends_on_key():
-    from jax_attn import scaled_dot_product_attention as f
+def test_dropout_depends_only_on_the_rng(twin):
+    q, v = twin.array(np.zeros((8, 2)), "float32"), twin.array(np.ones((8, 3)), "float32")
 
-    q = to_framework("jax", np.zeros((8, 2)), "float32")
-    v = to_framework("jax", np.ones((8, 3)), "float32")
-    a = f(q, q, v, dropout_rate=0.5, dropout_rng=jax.random.key(1), return_weights=True)[1]
-    b = f(q, q, v, dropout_rate=0.5, dropout_rng=jax.random.key(2), return_weights=True)[1]
-    c = f(q, q, v, dropout_rate=0.5, dropout_rng=jax.random.key(1), return_weights=True)[1]
+    def weights(seed):
+        return twin.numpy(twin.sdpa(q, q, v, dropout_rate=0.5, dropout_rng=twin.dropout_rng(seed),
+                                    return_weights=True)[1])
+
+    a, b, c = weights(1), weights(2), weights(1)
     assert not np.array_equal(a, b) and np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_low_precision_keeps_dtype(framework, dtype):
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_low_precision_keeps_dtype(twin, dtype):
     rng, seed = fresh_rng()
     q, k, v = (rng.standard_normal(s) for s in [(3, 5, 4), (3, 7, 4), (3, 7, 6)])
-    if framework == "torch":
-        import torch
-
-        args = [torch.from_numpy(a).to(getattr(torch, dtype)) for a in (q, k, v)]
-    else:
-        import jax.numpy as jnp
-
-        args = [jnp.asarray(a, dtype=dtype) for a in (q, k, v)]
-    out, w = sdpa(framework)(*args, return_weights=True)
-    assert str(out.dtype).removeprefix("torch.") == dtype
-    assert str(w.dtype).removeprefix("torch.") == dtype
-    ref, _ = reference.scaled_dot_product_attention(
-        *(np.asarray(a.float() if framework == "torch" else a.astype("float32"),
-                     dtype=np.float64) for a in args))
-    got = np.asarray(out.float() if framework == "torch" else out.astype("float32"))
+    args = [twin.array(a, dtype) for a in (q, k, v)]
+    out, w = twin.sdpa(*args, return_weights=True)
+    assert dtype_name(out.dtype) == dtype and dtype_name(w.dtype) == dtype
+    ref, _ = reference.scaled_dot_product_attention(*(twin.numpy(a) for a in args))
     # bf16 keeps 8 mantissa bits (unit roundoff 2⁻⁸ ≈ 4e-3), fp16 11 bits (2⁻¹¹ ≈ 5e-4).
     tol = 2 ** -6 if dtype == "bfloat16" else 2 ** -9
-    np.testing.assert_allclose(got, ref, atol=tol * 4, rtol=tol, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(twin.numpy(out), ref, atol=tol * 4, rtol=tol,
+                               err_msg=f"seed {seed}")

@@ -121,6 +121,17 @@ def _edit_meta(members, **changes):
      "variant, config and params disagree: variant should be one of"),
     ("self_attention_unbatched", lambda m: _edit_meta(m, config={"d_in": 5, "d_k": 4}),
      r"variant, config and params disagree: parameter W_value shape should be \(5, 4\)"),
+    ("self_attention_unbatched",
+     lambda m: _edit_meta(m, config={"d_in": 5, "d_k": 4, "d_v": 6, "d_model": 8}),
+     "variant, config and params disagree: d_model is not an argument of SelfAttention"),
+    ("multi_head_attention_causal",
+     lambda m: _edit_meta(m, config={"d_in": 5, "d_out": 12, "num_heads": 5}),
+     "variant, config and params disagree: d_out should be divisible by num_heads = 5"),
+    ("multi_head_attention_causal", lambda m: _edit_meta(m, config={"d_in": 5, "d_out": 12}),
+     "variant, config and params disagree: num_heads is required by MultiHeadAttention"),
+    ("multi_head_attention_causal",  # x shorter than the stored weights (B, N, L, L) imply
+     lambda m: m.update({n: m[n][:, :-1] for n in ("inputs/x", "grads/x")}),
+     r"expected/weights shape \(2, 3, 7, 7\) should be \(2, 3, 6, 6\)"),
 ])
 def test_module_fixture_params_checked(tmp_path, name, edit, message):
     p = _rewrite(fx.FIXTURE_DIR / f"{name}.npz", tmp_path / "bad.npz", edit)

@@ -5,20 +5,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 import golden
+from golden import runners, variants
 from golden.cases import CASES
-from golden.check import compare_all, run_reference
+from golden.check import compare_all
 from golden.regenerate import regenerate
-from tests.conftest import DTYPES, FRAMEWORKS
-
-
-def _runner(framework):
-    if framework == "torch":
-        from torch_attn.parity import run_fixture
-    else:
-        from jax_attn.parity import run_fixture
-    return run_fixture
+from golden.tolerances import compare
+from tests.helpers import DTYPES, TWINS
 
 
 def test_every_case_is_shipped():
@@ -33,22 +29,29 @@ def test_every_fixture_runs_at_float32_and_float64():
     assert all({(n, d) for d in DTYPES} <= set(RUNS) for n, _ in RUNS)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_runners_cover_every_framework():
+    assert runners.FRAMEWORKS == ("reference", *TWINS)
+    assert runners.get("reference") is runners.run_reference
+    with pytest.raises(ValueError, match="framework should be one of reference, torch, jax, "
+                                         "got 'tensorflow'"):
+        runners.get("tensorflow")
+
+
 @pytest.mark.parametrize("fixture_name, dtype", RUNS, ids=[f"{n}-{d}" for n, d in RUNS])
-def test_framework_matches_fixture(fixture_name, framework, dtype):
+def test_framework_matches_fixture(fixture_name, twin, dtype):
     fixture = golden.load(fixture_name)
     assert fixture.name == fixture_name and fixture.path.stem == fixture_name
-    result = _runner(framework)(fixture, dtype)
+    result = runners.get(twin.name)(fixture, dtype)
     assert result["dtype"] == dtype, "the computation ran in another dtype"
     assert set(result["grads"]) == set(fixture.grads), "a gradient was not computed"
     comps = compare_all(fixture, result, dtype)
     bad = {what: c for what, c in comps.items() if not c.ok}
-    assert not bad, f"{framework} {dtype} {fixture_name}: {bad}"
+    assert not bad, f"{twin.name} {dtype} {fixture_name}: {bad}"
 
 
 def test_reference_reproduces_fixture(fixture_name):
     fixture = golden.load(fixture_name)
-    result = run_reference(fixture)
+    result = runners.run_reference(fixture)
     np.testing.assert_array_equal(result["output"], fixture.expected["output"])
     np.testing.assert_array_equal(result["weights"], fixture.expected["weights"])
     for n, g in fixture.grads.items():
@@ -56,9 +59,7 @@ def test_reference_reproduces_fixture(fixture_name):
 
 
 def test_float64_run_does_not_leak_x64():
-    from jax_attn.parity import run_fixture
-
-    run_fixture(golden.load("sdpa_plain"), "float64")
+    runners.get("jax")(golden.load("sdpa_plain"), "float64")
     assert jax.numpy.asarray(np.ones(2)).dtype == np.float32
 
 
@@ -73,27 +74,20 @@ FUSED_RUNS = [(n, d) for n, d in RUNS if "dropout_mask" not in golden.load(n).in
 @pytest.mark.parametrize("fixture_name, dtype", FUSED_RUNS, ids=[f"{n}-{d}" for n, d in FUSED_RUNS])
 def test_torch_fused_forward_matches_fixture(fixture_name, dtype, monkeypatch):
     """A forward pass that needs neither weights nor gradients runs torch's fused kernel."""
-    import torch
-    import torch.nn.functional as F
-
-    import torch_attn
-    from golden.tolerances import compare
-    from golden.variants import SDPA, call_args
-
+    torch_twin = TWINS["torch"]
     calls = []
     fused = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **k: calls.append(1) or fused(*a, **k))
     fixture = golden.load(fixture_name)
-    dt = getattr(torch, dtype)
-    inputs = {n: torch.from_numpy(a).to(dt) if a.dtype.kind == "f" else torch.from_numpy(a)
-              for n, a in fixture.inputs.items()}
-    args, kwargs = call_args(fixture.variant, inputs)
-    if fixture.variant == SDPA:
-        call, kwargs = torch_attn.scaled_dot_product_attention, {**kwargs, **fixture.config}
+    variant = variants.get(fixture.variant)
+    args, kwargs = variant.call_args(torch_twin.arrays(fixture.inputs, dtype))
+    if variant.is_module:
+        call = torch_twin.cast(torch_twin.build(fixture.variant, fixture.config, fixture.params),
+                               dtype).eval()
     else:
-        call = torch_attn.build(fixture.variant, fixture.config, fixture.params).to(dt).eval()
+        call, kwargs = torch_twin.sdpa, {**kwargs, **fixture.config}
     with torch.no_grad():
         out = call(*args, **kwargs)
     assert calls, "the fused kernel did not run"
-    assert compare(out.double().numpy(), fixture.expected["output"], dtype).ok
+    assert compare(torch_twin.numpy(out), fixture.expected["output"], dtype).ok

@@ -1,9 +1,11 @@
 """The JAX execution model: jit (identical to eager, compiled once per shape), the one-head core
-vmapped over heads and batch, a caller's own jax.grad / jax.vmap through every module, no device
-or host round trip, and the precision argument reaching every compiled dot."""
+vmapped over heads and batch (in chunks on CPU once the scores are large), a caller's own
+jax.grad / jax.vmap through every module, no device or host round trip, and the precision
+argument reaching every compiled dot."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -12,13 +14,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import golden
 import jax_attn
-from golden.variants import CLASS_NAMES, call_args
-from jax_attn import functional, modules
-from tests.conftest import fresh_rng
-from tests.test_modules import CONFIGS, make, random_inputs
+from golden import variants
+from golden.check import compare_all
+from golden.variants import MODULES
+from jax_attn import functional
+from tests.helpers import (
+    DTYPES,
+    JAX,
+    by_name,
+    count_compiles,
+    fresh_rng,
+    has_params,
+    main_input,
+    random_inputs,
+)
 
-VARIANTS = list(CLASS_NAMES)
+CORE_FIXTURES = [n for n in golden.names() if not variants.get(golden.load(n).variant).is_module]
 
 
 def _core_inputs(rng, dtype="float32"):
@@ -31,8 +44,15 @@ def _core_inputs(rng, dtype="float32"):
 
 
 def _module_call(module, inputs):
-    args, kwargs = call_args(module.variant, {n: jnp.asarray(a) for n, a in inputs.items()})
+    """(output, weights) of a module on JAX arrays."""
+    args, kwargs = variants.get(module.variant).call_args(inputs)
     return module(*args, **kwargs, return_weights=True)
+
+
+def _eval_module(variant, seed=0):
+    module = JAX.make(variant.name, variant.sample, seed)
+    module.eval()
+    return module
 
 
 # ---- jit --------------------------------------------------------------------------------------
@@ -47,12 +67,11 @@ def test_core_jit_equals_eager():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", by_name(MODULES))
 def test_module_jit_equals_eager(variant):
     rng, seed = fresh_rng()
-    module = make("jax", variant, CONFIGS[variant], seed)
-    module.eval()
-    inputs = random_inputs(variant, rng, "float32")
+    module = _eval_module(variant, seed)
+    inputs = JAX.arrays(random_inputs(variant, rng, "float32"))
     jitted = _module_call(module, inputs)
     with jax.disable_jit():
         eager = _module_call(module, inputs)
@@ -71,22 +90,26 @@ def test_core_compiles_once_per_shape():
     assert functional._attention._cache_size() == 2
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", by_name(MODULES))
 def test_module_compiles_once_per_shape(variant):
-    rng, _ = fresh_rng()
-    module = make("jax", variant, CONFIGS[variant])
-    module.eval()
-    modules._apply.clear_cache()
-    _module_call(module, random_inputs(variant, rng, "float32"))
-    _module_call(module, random_inputs(variant, rng, "float32"))  # new values, same shapes
-    assert modules._apply._cache_size() == 1
-    twin = make("jax", variant, CONFIGS[variant], seed=7)  # other weights, same structure
-    twin.eval()
-    _module_call(twin, random_inputs(variant, rng, "float32"))
-    assert modules._apply._cache_size() == 1
+    rng, seed = fresh_rng()
+    # B=8 is this test's own batch size, so that nothing before it compiled these shapes.
+    first, second, third = (JAX.arrays(random_inputs(variant, rng, "float32", batch=(8,)))
+                            for _ in range(3))
+    module = _eval_module(variant, seed)
+    with count_compiles() as compiled:
+        _module_call(module, first)
+    assert compiled, "the first call compiled nothing: the counter does not see compilations"
+    with count_compiles() as compiled:
+        _module_call(module, second)  # new values, same shapes
+    assert compiled == [], f"a second call compiled {compiled}"
+    twin = _eval_module(variant, seed + 1)  # other weights, same structure
+    with count_compiles() as compiled:
+        _module_call(twin, third)
+    assert compiled == [], f"a module with other weights compiled {compiled}"
 
 
-# ---- vmap -------------------------------------------------------------------------------------
+# ---- vmap, and the chunks of (batch, head) pairs on CPU ---------------------------------------
 
 def test_vmapped_core_equals_python_loop():
     rng, seed = fresh_rng()
@@ -105,7 +128,7 @@ def test_vmapped_core_equals_python_loop():
 
 @pytest.mark.parametrize("chunk", [1, 2, 4, 5])
 def test_chunked_and_plain_vmap_agree(chunk):
-    # CPU runs (batch, head) pairs in chunks; accelerators vmap them all at once.
+    # CPU runs (batch, head) pairs in chunks once the scores are large; else one vmap over all.
     rng, seed = fresh_rng()
     q, k, v, mask, bias = _core_inputs(rng)
     keep = jnp.asarray(rng.random((2, 3, 1, 7)) < 0.8)
@@ -118,18 +141,67 @@ def test_chunked_and_plain_vmap_agree(chunk):
                                    err_msg=f"seed {seed}")
 
 
-def test_cpu_runs_chunks():
-    assert functional.heads_per_step() == functional.CPU_HEADS_PER_STEP  # this machine: CPU
+def test_cpu_chunks_only_large_scores():
+    assert jax.default_backend() == "cpu"  # this machine
+    per_step, least = functional.CPU_HEADS_PER_STEP, functional.CPU_CHUNK_MIN_SCORES
+    assert functional.heads_per_step((4, 8, 512, 64), (4, 8, 512, 64)) == per_step
+    # The threshold counts B·H·Lq·Lk score elements: 8·512·512 = 2**21 is the first large one.
+    assert least == 8 * 512 * 512
+    assert functional.heads_per_step((2, 4, 512, 16), (2, 4, 512, 16)) == per_step
+    assert functional.heads_per_step((2, 4, 512, 16), (2, 4, 511, 16)) is None
+    # No chunks when there are no more (batch, head) pairs than one chunk holds.
+    assert functional.heads_per_step((1, 2, 2048, 8), (1, 2, 2048, 8)) is None
+    assert functional.heads_per_step((2048, 8), (2048, 8)) is None
+    for name in CORE_FIXTURES:  # the fixtures' shapes are tiny: one vmap over all pairs
+        f = golden.load(name)
+        assert functional.heads_per_step(f.inputs["query"].shape, f.inputs["key"].shape) is None
+
+
+def test_chunks_lower_to_a_loop():
     rng, _ = fresh_rng()
     text = functional._attention.lower(
         *_core_inputs(rng), None, None, scale=0.5, is_causal=True, dropout_rate=0.0,
         precision=jax_attn.DEFAULT_PRECISION, return_weights=False,
-        chunk=functional.heads_per_step()).as_text()
+        chunk=functional.CPU_HEADS_PER_STEP).as_text()
     assert "stablehlo.while" in text and "batching_dims = [0] x [0]" in text
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", CORE_FIXTURES)
+def test_chunked_core_matches_fixture(name, dtype):
+    # The fixtures are too small to take the chunked path by default (previous test), so it is
+    # run here explicitly: output, weights and every gradient against the golden values.
+    fixture = golden.load(name)
+    config = variants.get(fixture.variant).config(fixture.config)
+    with jax.enable_x64(dtype == "float64"):
+        arrays = JAX.arrays(fixture.inputs, dtype)
+        floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+        cot = JAX.arrays(fixture.cotangents, dtype)
+        q = arrays["query"]
+        scale = 1 / math.sqrt(q.shape[-1]) if config["scale"] is None else config["scale"]
+
+        @jax.jit
+        def loss(floats):
+            a = {**arrays, **floats}
+            out, w = functional._attention(
+                a["query"], a["key"], a["value"], a.get("mask"), a.get("bias"),
+                a.get("dropout_mask"), None, scale=scale, is_causal=config["is_causal"],
+                dropout_rate=config["dropout_rate"], precision=jax_attn.DEFAULT_PRECISION,
+                return_weights=True, chunk=functional.CPU_HEADS_PER_STEP)
+            return jnp.sum(out * cot["output"]) + jnp.sum(w * cot["weights"]), (out, w)
+
+        grads, (out, w) = jax.grad(loss, has_aux=True)(floats)
+        assert out.dtype == dtype
+        result = {"output": JAX.numpy(out), "weights": JAX.numpy(w),
+                  "grads": {n: JAX.numpy(g) for n, g in grads.items()}}
+    comps = compare_all(fixture, result, dtype)
+    bad = {what: c for what, c in comps.items() if not c.ok}
+    assert not bad, f"chunked {dtype} {name}: {bad}"
+
+
 def test_core_lowers_to_one_batched_program():
-    # Without chunks (accelerators) the one-head core is vmapped over heads and batch at once.
+    # Without chunks (small scores, accelerators) the one-head core is vmapped over heads and
+    # batch at once.
     rng, _ = fresh_rng()
     args = _core_inputs(rng)
     text = functional._attention.lower(
@@ -137,19 +209,19 @@ def test_core_lowers_to_one_batched_program():
         precision=jax_attn.DEFAULT_PRECISION, return_weights=True).as_text()
     assert len(re.findall(r"stablehlo\.dot_general", text)) == 2
     assert "batching_dims = [0, 1]" in text
+    assert "stablehlo.while" not in text
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", by_name(MODULES))
 def test_users_vmap_over_extra_axis(variant):
     rng, seed = fresh_rng()
-    module = make("jax", variant, CONFIGS[variant], seed)
-    module.eval()
+    module = _eval_module(variant, seed)
     stacked = random_inputs(variant, rng, "float32", batch=(4, 2))  # (E, B, L, d)
-    name = "x_q" if variant == "cross_attention" else "x"
-    others = {n: jnp.asarray(a[0]) for n, a in stacked.items() if n != name}
+    name = main_input(variant)
+    others = JAX.arrays({n: a[0] for n, a in stacked.items() if n != name})
 
     def one(x):
-        args, kwargs = call_args(variant, {**others, name: x})
+        args, kwargs = variant.call_args({**others, name: x})
         return module(*args, **kwargs)
 
     batched = jax.vmap(one)(jnp.asarray(stacked[name]))
@@ -160,17 +232,16 @@ def test_users_vmap_over_extra_axis(variant):
 
 # ---- grad -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", by_name(MODULES))
 def test_jax_grad_through_module(variant):
     rng, seed = fresh_rng()
     with jax.enable_x64(True):  # float64, so that a finite difference is a sharp check
-        module = make("jax", variant, CONFIGS[variant], seed)
-        module.eval()
-        inputs = {n: jnp.asarray(a) for n, a in random_inputs(variant, rng, "float64").items()}
-        name = "x_q" if variant == "cross_attention" else "x"
+        module = _eval_module(variant, seed)
+        inputs = JAX.arrays(random_inputs(variant, rng, "float64"))
+        name = main_input(variant)
 
         def loss_x(x):
-            args, kwargs = call_args(variant, {**inputs, name: x})
+            args, kwargs = variant.call_args({**inputs, name: x})
             return jnp.sum(module(*args, **kwargs) ** 2)
 
         g = jax.grad(loss_x)(inputs[name])
@@ -178,8 +249,8 @@ def test_jax_grad_through_module(variant):
         fd = (loss_x(inputs[name] + h * d) - loss_x(inputs[name] - h * d)) / (2 * h)
         np.testing.assert_allclose(float(jnp.sum(g * d)), float(fd), rtol=1e-6,
                                    err_msg=f"seed {seed}")
-        if variant != "simple_self_attention":
-            args, kwargs = call_args(variant, inputs)
+        if has_params(variant):
+            args, kwargs = variant.call_args(inputs)
             grads = nnx.grad(lambda m: jnp.sum(m(*args, **kwargs) ** 2))(module)
             assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(grads))
             graphdef, _, rest = nnx.split(module, nnx.Param, ...)
@@ -189,7 +260,7 @@ def test_jax_grad_through_module(variant):
 
 # ---- devices, transfers, precision ------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", by_name(MODULES))
 def test_no_host_round_trip_and_device_kept(variant):
     module, args, kwargs = _eval_module_and_args(variant)
     module(*args, **kwargs)  # compile first: constants are moved once, at compile time
@@ -201,10 +272,8 @@ def test_no_host_round_trip_and_device_kept(variant):
 def _eval_module_and_args(variant):
     """A module in eval mode and fresh float32 arguments for it."""
     rng, _ = fresh_rng()
-    module = make("jax", variant, CONFIGS[variant])
-    module.eval()
-    inputs = {n: jnp.asarray(a) for n, a in random_inputs(variant, rng, "float32").items()}
-    return (module, *call_args(variant, inputs))
+    module = _eval_module(variant)
+    return (module, *variant.call_args(JAX.arrays(random_inputs(variant, rng, "float32"))))
 
 
 def _dots(text):
@@ -223,7 +292,7 @@ def test_precision_reaches_every_core_dot(precision, word):
     assert dots and all(f"precision = [{word}, {word}]" in d for d in dots), dots
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "simple_self_attention"])
+@pytest.mark.parametrize("variant", by_name(v for v in MODULES if has_params(v)))
 def test_precision_reaches_every_module_dot(variant):
     module, args, kwargs = _eval_module_and_args(variant)
     text = jax.jit(lambda *a: module(*a, **kwargs)).lower(*args).as_text()

@@ -7,67 +7,30 @@ from __future__ import annotations
 import inspect
 import re
 
-import jax
 import numpy as np
 import pytest
-import torch
-from flax import nnx
 
 import jax_attn
 import torch_attn
-from golden import reference
+from golden import reference, variants
 from golden.cases import CASES
 from golden.regenerate import build as build_fixture
 from golden.tolerances import compare
-from golden.variants import CLASS_NAMES, call_args
-from tests.conftest import DTYPES, FRAMEWORKS, fresh_rng
+from golden.variants import MODULES
+from tests.helpers import (
+    DROPOUT_MODULES,
+    DTYPES,
+    by_name,
+    fresh_rng,
+    main_input,
+    other,
+    random_inputs,
+)
 
-FIRST_CASE = {}
-for _case in CASES:
-    FIRST_CASE.setdefault(_case.variant, _case)
-MODULE_CASES = [FIRST_CASE[v] for v in CLASS_NAMES]
-CONFIGS = {  # random-weight configurations, every size different
-    "simple_self_attention": {},
-    "self_attention": dict(d_in=5, d_k=4, d_v=6, qkv_bias=True),
-    "causal_self_attention": dict(d_in=5, d_k=3, d_v=4, dropout=0.3),
-    "cross_attention": dict(d_q_in=5, d_kv_in=3, d_k=4, d_v=6, qkv_bias=True),
-    "multi_head_attention_wrapper": dict(d_in=5, d_head=2, num_heads=3, causal=True,
-                                         dropout=0.1, qkv_bias=True, out_proj=True),
-    "multi_head_attention": dict(d_in=5, d_out=12, num_heads=3, causal=True, dropout=0.2,
-                                 qkv_bias=True, out_bias=True),
-}
-
-
-def random_inputs(variant, rng, dtype="float64", batch=(2,)):
-    if variant == "cross_attention":
-        return {"x_q": rng.standard_normal(batch + (6, 5)).astype(dtype),
-                "x_kv": rng.standard_normal(batch + (7, 3)).astype(dtype),
-                "mask": rng.random(batch + (6, 7)) < 0.8}
-    d_in = CONFIGS[variant].get("d_in", 4)
-    return {"x": rng.standard_normal(batch + (7, d_in)).astype(dtype),
-            "mask": rng.random(batch + (7, 7)) < 0.8}
-
-
-def make(framework, variant, config, seed=0):
-    cls = getattr(torch_attn if framework == "torch" else jax_attn, CLASS_NAMES[variant])
-    if framework == "torch":
-        torch.manual_seed(seed)
-        return cls(**config)
-    return cls(**config, rngs=nnx.Rngs(seed))
-
-
-def run_module(framework, module, inputs, dtype):
-    """(output, weights) as float64 NumPy, module in eval mode."""
-    module.eval()
-    with jax.enable_x64(dtype == "float64"):
-        if framework == "torch":
-            conv = {n: torch.from_numpy(a) for n, a in inputs.items()}
-        else:
-            conv = {n: jax.numpy.asarray(a) for n, a in inputs.items()}
-        args, kwargs = call_args(module.variant, conv)
-        y, w = module(*args, **kwargs, return_weights=True)
-        to_np = (lambda t: t.detach().numpy()) if framework == "torch" else np.asarray
-        return to_np(y).astype(np.float64), to_np(w).astype(np.float64)
+FIRST_CASE = {c.variant: c for c in reversed(CASES)}  # each variant's first golden case
+MODULE_CASES = [FIRST_CASE[v.name] for v in MODULES]
+# Modules whose keep-mask has a head axis (B, N, Lq, Lk).
+PER_HEAD_KEEP = [v for v in DROPOUT_MODULES if any(a.name == "num_heads" for a in v.args)]
 
 
 # ---- reference gradients ----------------------------------------------------------------------
@@ -102,53 +65,51 @@ def test_reference_module_gradients_match_finite_differences(case):
 # ---- framework against framework --------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("source", FRAMEWORKS)
-@pytest.mark.parametrize("variant", list(CLASS_NAMES))
-def test_module_built_from_other_framework_agrees(variant, source, dtype):
+@pytest.mark.parametrize("variant", by_name(MODULES))
+def test_module_built_from_other_framework_agrees(variant, twin, dtype):
+    # ``twin`` makes a module with its own random weights; the other framework builds one from
+    # the export; both against the reference on fresh inputs.
     rng, seed = fresh_rng()
-    target = "jax" if source == "torch" else "torch"
-    origin = make(source, variant, CONFIGS[variant], seed)
-    export = (torch_attn if source == "torch" else jax_attn).export_params(origin)
-    params = {n: a.astype(dtype) for n, a in export.items()}
-    with jax.enable_x64(dtype == "float64"):
-        lib = jax_attn if target == "jax" else torch_attn
-        twin = lib.build(variant, CONFIGS[variant], params)
-        if source == "torch" and dtype == "float64":
-            origin = origin.double()
+    target, config = other(twin), variant.sample
+    origin = twin.make(variant.name, config, seed)
+    params = {n: a.astype(dtype) for n, a in twin.export(origin).items()}
+    with twin.float64(dtype == "float64"), target.float64(dtype == "float64"):
+        built = target.build(variant.name, config, params)
+        origin = twin.cast(origin, dtype)
         inputs = random_inputs(variant, rng, dtype)
-        ref = reference.VARIANTS[variant][0](CONFIGS[variant], inputs, params)
-        a = run_module(source, origin, inputs, dtype)
-        b = run_module(target, twin, inputs, dtype)
+        ref = reference.VARIANTS[variant.name][0](config, inputs, params)
+        origin.eval()
+        built.eval()
+        a = twin.run(origin, inputs, dtype)
+        b = target.run(built, inputs, dtype)
     for i, what in enumerate(("output", "weights")):
-        assert compare(a[i], ref[i], dtype).ok, f"{source} {what} vs reference, seed {seed}"
-        assert compare(b[i], ref[i], dtype).ok, f"{target} {what} vs reference, seed {seed}"
-        assert compare(a[i], b[i], dtype).ok, f"{source} vs {target} {what}, seed {seed}"
+        assert compare(a[i], ref[i], dtype).ok, f"{twin.name} {what} vs reference, seed {seed}"
+        assert compare(b[i], ref[i], dtype).ok, f"{target.name} {what} vs reference, seed {seed}"
+        assert compare(a[i], b[i], dtype).ok, f"{twin.name} vs {target.name} {what}, seed {seed}"
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("variant", list(CLASS_NAMES))
-def test_params_round_trip_exactly(framework, variant):
+@pytest.mark.parametrize("variant", by_name(MODULES))
+def test_params_round_trip_exactly(twin, variant):
     rng, seed = fresh_rng()
-    lib = torch_attn if framework == "torch" else jax_attn
     params = {n: rng.standard_normal(a.shape).astype(np.float32) for n, a in
-              lib.export_params(make(framework, variant, CONFIGS[variant])).items()}
-    back = lib.export_params(lib.build(variant, CONFIGS[variant], params))
+              twin.export(twin.make(variant.name, variant.sample)).items()}
+    assert params.keys() == variant.param_shapes(variant.sample).keys()
+    back = twin.export(twin.build(variant.name, variant.sample, params))
     assert back.keys() == params.keys()
     for n in params:
-        assert back[n].dtype == params[n].dtype and np.array_equal(back[n], params[n]), n
+        assert back[n].dtype == params[n].dtype and np.array_equal(back[n], params[n]), \
+            f"{n}, seed {seed}"
 
 
-def test_neutral_layout_is_x_times_w():
+def test_neutral_layout_is_x_times_w(twin):
     # y = x W with W (in, out): a module whose W_value picks input feature 0 for output 1.
     w = np.zeros((3, 2), dtype=np.float32)
     w[0, 1] = 1.0
     params = {"W_query": np.zeros((3, 2), np.float32), "W_key": np.zeros((3, 2), np.float32),
               "W_value": w}
     x = np.array([[2.0, 5.0, 7.0], [4.0, 5.0, 7.0]], dtype=np.float32)
-    for lib, conv in ((torch_attn, torch.from_numpy), (jax_attn, jax.numpy.asarray)):
-        out = np.asarray(lib.build("self_attention", {"d_in": 3, "d_k": 2}, params)(conv(x))
-                         .tolist())
-        np.testing.assert_array_equal(out, [[0, 3], [0, 3]])  # uniform weights: mean of x[:, 0]
+    out = twin.build("self_attention", {"d_in": 3, "d_k": 2}, params)(twin.array(x))
+    np.testing.assert_array_equal(twin.numpy(out), [[0, 3], [0, 3]])  # uniform: mean of x[:, 0]
 
 
 # ---- signatures -------------------------------------------------------------------------------
@@ -158,11 +119,24 @@ def _params(fn, drop=()):
             if p.name not in drop]
 
 
-@pytest.mark.parametrize("name", list(CLASS_NAMES.values()))
-def test_twin_class_signatures(name):
-    t, j = getattr(torch_attn, name), getattr(jax_attn, name)
+def test_twins_export_the_described_classes():
+    classes = [v.class_name for v in MODULES]
+    assert sorted(torch_attn.modules.__all__) == sorted(jax_attn.modules.__all__) == sorted(classes)
+    assert set(jax_attn.__all__) - set(torch_attn.__all__) == {"DEFAULT_PRECISION"}
+    assert set(torch_attn.__all__) <= set(jax_attn.__all__)
+    assert all(getattr(lib, c) is getattr(lib.modules, c) for lib in (torch_attn, jax_attn)
+               for c in classes)
+
+
+@pytest.mark.parametrize("variant", by_name(MODULES))
+def test_twin_class_signatures(variant):
+    t, j = getattr(torch_attn, variant.class_name), getattr(jax_attn, variant.class_name)
     assert _params(t.__init__) == _params(j.__init__, drop=("rngs", "precision"))
+    assert [n for n, *_ in _params(t.__init__, drop=("self",))] == [a.name for a in variant.args]
     assert _params(t.forward) == _params(j.__call__)
+    call = [n for n, *_ in _params(t.forward, drop=("self",))]
+    assert call[:len(variant.positional)] == list(variant.positional)
+    assert ("dropout_mask" in call) == variant.dropout
     extra = inspect.signature(j.__init__).parameters
     assert all(extra[n].kind is inspect.Parameter.KEYWORD_ONLY for n in ("rngs", "precision"))
     assert _params(torch_attn.build) == _params(jax_attn.build, drop=("rngs",))
@@ -170,57 +144,54 @@ def test_twin_class_signatures(name):
 
 # ---- train and eval ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("variant", ["causal_self_attention", "multi_head_attention_wrapper",
-                                     "multi_head_attention"])
-def test_dropout_only_in_training(framework, variant):
+@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES))
+def test_dropout_only_in_training(twin, variant):
     rng, seed = fresh_rng()
-    config = {**CONFIGS[variant], "dropout": 0.5}
-    module = make(framework, variant, config, seed)
-    x = random_inputs(variant, rng, "float32")["x"]
-    x = torch.from_numpy(x) if framework == "torch" else jax.numpy.asarray(x)
+    module = twin.make(variant.name, {**variant.sample, "dropout": 0.5}, seed)
+    x = twin.array(random_inputs(variant, rng, "float32")[main_input(variant)])
     module.eval()
-    a, b = np.asarray(module(x).tolist()), np.asarray(module(x).tolist())
+    a, b = twin.numpy(module(x)), twin.numpy(module(x))
     assert np.array_equal(a, b)
     module.train()
-    c, d = np.asarray(module(x).tolist()), np.asarray(module(x).tolist())
+    c, d = twin.numpy(module(x)), twin.numpy(module(x))
     assert not np.allclose(c, a) and not np.allclose(c, d), f"seed {seed}"
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_keep_mask_in_eval_mode_is_an_error(framework):
-    module = make(framework, "multi_head_attention", CONFIGS["multi_head_attention"])
+def test_keep_mask_in_eval_mode_is_an_error(twin):
+    variant = variants.get("multi_head_attention")
+    module = twin.make(variant.name, variant.sample)
     module.eval()
     x, keep = np.ones((2, 7, 5), np.float32), np.ones((2, 3, 7, 7), bool)
-    conv = torch.from_numpy if framework == "torch" else jax.numpy.asarray
     with pytest.raises(ValueError, match="dropout_mask was given but dropout is inactive"):
-        module(conv(x), dropout_mask=conv(keep))
+        module(twin.array(x), dropout_mask=twin.array(keep))
 
 
 # ---- bad configuration, input and parameters --------------------------------------------------
 
 BAD_CONFIG = [
-    ("MultiHeadAttention", dict(d_in=4, d_out=10, num_heads=3),
+    ("multi_head_attention", dict(d_in=4, d_out=10, num_heads=3),
      "d_out should be divisible by num_heads = 3, got 10"),
-    ("MultiHeadAttention", dict(d_in=4, d_out=6, num_heads=0),
+    ("multi_head_attention", dict(d_in=4, d_out=6, num_heads=0),
      "num_heads should be a positive int, got 0"),
-    ("SelfAttention", dict(d_in=0, d_k=4), "d_in should be a positive int, got 0"),
-    ("SelfAttention", dict(d_in=3, d_k=4, d_v=-2), "d_v should be a positive int, got -2"),
-    ("CrossAttention", dict(d_q_in=3, d_kv_in=2.5, d_k=4),
+    ("self_attention", dict(d_in=0, d_k=4), "d_in should be a positive int, got 0"),
+    ("self_attention", dict(d_in=3, d_k=4, d_v=-2), "d_v should be a positive int, got -2"),
+    ("cross_attention", dict(d_q_in=3, d_kv_in=2, d_k=4, d_v=0),  # once taken as d_v = d_k
+     "d_v should be a positive int, got 0"),
+    ("multi_head_attention", dict(d_in=4, d_out=6, num_heads=2, causal=1),
+     "causal should be True or False, got 1"),
+    ("cross_attention", dict(d_q_in=3, d_kv_in=2.5, d_k=4),
      "d_kv_in should be a positive int, got 2.5"),
-    ("CausalSelfAttention", dict(d_in=3, d_k=4, dropout=1.0),
+    ("causal_self_attention", dict(d_in=3, d_k=4, dropout=1.0),
      "dropout should be in [0, 1), got 1.0"),
-    ("MultiHeadAttentionWrapper", dict(d_in=3, d_head=-1, num_heads=2),
+    ("multi_head_attention_wrapper", dict(d_in=3, d_head=-1, num_heads=2),
      "d_head should be a positive int, got -1"),
 ]
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("cls, config, message", BAD_CONFIG, ids=[m for *_, m in BAD_CONFIG])
-def test_bad_configuration(framework, cls, config, message):
-    kw = {} if framework == "torch" else {"rngs": nnx.Rngs(0)}
+@pytest.mark.parametrize("name, config, message", BAD_CONFIG, ids=[m for *_, m in BAD_CONFIG])
+def test_bad_configuration(twin, name, config, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        getattr(torch_attn if framework == "torch" else jax_attn, cls)(**config, **kw)
+        twin.make(name, config)  # the class's constructor
 
 
 BAD_INPUT = [
@@ -246,23 +217,20 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("variant, shapes, message", BAD_INPUT, ids=[m[:50] for *_, m in BAD_INPUT])
-def test_bad_input(framework, variant, shapes, message):
-    module = make(framework, variant, CONFIGS[variant])
+@pytest.mark.parametrize("name, shapes, message", BAD_INPUT, ids=[m[:50] for *_, m in BAD_INPUT])
+def test_bad_input(twin, name, shapes, message):
+    variant = variants.get(name)
+    module = twin.make(name, variant.sample)
     module.train()
-    conv = torch.from_numpy if framework == "torch" else jax.numpy.asarray
-    arrays = {n: conv(np.ones(s, bool if "mask" in n else np.float32)) for n, s in shapes.items()}
-    args, kwargs = call_args(variant, arrays)
+    arrays = {n: np.ones(s, bool if "mask" in n else np.float32) for n, s in shapes.items()}
+    args, kwargs = variant.call_args(twin.arrays(arrays))
     with pytest.raises(ValueError, match=re.escape(message)):
         module(*args, **kwargs)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_bad_params_are_named(framework):
-    lib = torch_attn if framework == "torch" else jax_attn
-    config = CONFIGS["multi_head_attention"]
-    good = lib.export_params(make(framework, "multi_head_attention", config))
+def test_bad_params_are_named(twin):
+    config = variants.get("multi_head_attention").sample
+    good = twin.export(twin.make("multi_head_attention", config))
     cases = [({k: v for k, v in good.items() if k != "W_key"},
               "parameter W_key is missing: expected shape (5, 12)"),
              ({**good, "W_extra": good["W_key"]}, "parameter W_extra is unexpected"),
@@ -273,25 +241,26 @@ def test_bad_params_are_named(framework):
               "got int32")]
     for params, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            lib.build("multi_head_attention", config, params)
+            twin.build("multi_head_attention", config, params)
     with pytest.raises(ValueError, match="variant should be one of .*got 'flash_attention'"):
-        lib.build("flash_attention", config, good)
+        twin.build("flash_attention", config, good)
+    with pytest.raises(ValueError, match="variant should be one of .*got "
+                                         "'scaled_dot_product_attention'"):
+        twin.build("scaled_dot_product_attention", {}, {})
 
 
-@pytest.mark.parametrize("variant", ["multi_head_attention_wrapper", "multi_head_attention"])
-def test_keep_mask_broadcast_over_heads(variant):
+@pytest.mark.parametrize("variant", by_name(PER_HEAD_KEEP))
+def test_keep_mask_broadcast_over_heads(twin, variant):
     # A keep-mask without a head axis applies to every head, in both frameworks and the reference.
     rng, seed = fresh_rng()
-    params = jax_attn.export_params(make("jax", variant, CONFIGS[variant], seed))
-    x = rng.standard_normal((2, 7, 5))
+    params = twin.export(twin.make(variant.name, variant.sample, seed))
+    x = rng.standard_normal((2, 7, variant.sample["d_in"]))
     keep = rng.random((7, 7)) < 0.7
-    ref, _, _ = reference.VARIANTS[variant][0](CONFIGS[variant], {"x": x, "dropout_mask": keep},
-                                               params)
-    with jax.enable_x64(True):
-        for lib, conv in ((torch_attn, torch.from_numpy), (jax_attn, jax.numpy.asarray)):
-            module = lib.build(variant, CONFIGS[variant],
-                               {n: a.astype(np.float64) for n, a in params.items()})
-            module.train()
-            out = module(conv(x), dropout_mask=conv(keep))
-            out = out.detach().numpy() if lib is torch_attn else np.asarray(out)
-            assert compare(out, ref, "float64").ok, f"{lib.__name__}, seed {seed}"
+    ref, _, _ = reference.VARIANTS[variant.name][0](variant.sample, {"x": x, "dropout_mask": keep},
+                                                    params)
+    with twin.float64():
+        module = twin.build(variant.name, variant.sample,
+                            {n: a.astype(np.float64) for n, a in params.items()})
+        module.train()
+        out = module(twin.array(x), dropout_mask=twin.array(keep))
+        assert compare(twin.numpy(out), ref, "float64").ok, f"{twin.name}, seed {seed}"

@@ -3,14 +3,8 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
-
-import jax_attn
-import torch_attn
-from tests.conftest import FRAMEWORKS
 
 HALF_ULP_4 = 0.5e-4 + 1e-6  # printed to 4 decimals; 1e-6 for float32 rounding of the value
 
@@ -36,22 +30,11 @@ CONTEXT_2_002 = [-1.5993, 0.0156, 1.2670, 0.0032, -0.6460, -1.1407, -0.4908, -1.
                  -0.9564, -0.5265, 0.0624, 1.7084]
 
 
-def _conv(framework, a):
-    a = np.asarray(a, dtype=np.float32)
-    return torch.from_numpy(a) if framework == "torch" else jnp.asarray(a)
-
-
-def _np(t):
-    return np.asarray(t.detach().numpy() if isinstance(t, torch.Tensor) else t, dtype=np.float64)
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_001_simple_self_attention(framework):
-    lib = torch_attn if framework == "torch" else jax_attn
-    module = lib.SimpleSelfAttention()
-    context, weights = module(_conv(framework, WORDS_001), return_weights=True)
-    np.testing.assert_allclose(_np(weights), WEIGHTS_001, rtol=0, atol=HALF_ULP_4)
-    np.testing.assert_allclose(_np(context), CONTEXT_001, rtol=0, atol=HALF_ULP_4)
+def test_001_simple_self_attention(twin):
+    module = twin.lib.SimpleSelfAttention()
+    context, weights = module(twin.array(WORDS_001, "float32"), return_weights=True)
+    np.testing.assert_allclose(twin.numpy(weights), WEIGHTS_001, rtol=0, atol=HALF_ULP_4)
+    np.testing.assert_allclose(twin.numpy(context), CONTEXT_001, rtol=0, atol=HALF_ULP_4)
 
 
 def _notebook_002_inputs():
@@ -68,16 +51,14 @@ def _notebook_002_inputs():
     return embedded.numpy(), params
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_002_self_attention_with_seeded_weights(framework):
+def test_002_self_attention_with_seeded_weights(twin):
     x, params = _notebook_002_inputs()
-    lib = torch_attn if framework == "torch" else jax_attn
-    module = lib.build("self_attention", {"d_in": 16, "d_k": 24, "d_v": 28}, params)
-    q, k, _ = module.project(_conv(framework, x))
-    omega_2 = _np(q)[1] @ _np(k).T
+    module = twin.build("self_attention", {"d_in": 16, "d_k": 24, "d_v": 28}, params)
+    q, k, _ = module.project(twin.array(x, "float32"))
+    omega_2 = twin.numpy(q)[1] @ twin.numpy(k).T
     # |ω| ~ 10 computed in float32 from 16-term products: 1e-5 for its rounding.
     assert abs(omega_2[4] - OMEGA_25_002) <= 0.5e-4 + 1e-5
     np.testing.assert_allclose(omega_2, OMEGA_2_002, rtol=0, atol=0.5e-4 + 1e-5)
-    context, weights = module(_conv(framework, x), return_weights=True)
-    np.testing.assert_allclose(_np(weights)[1], WEIGHTS_2_002, rtol=0, atol=HALF_ULP_4)
-    np.testing.assert_allclose(_np(context)[1], CONTEXT_2_002, rtol=0, atol=HALF_ULP_4)
+    context, weights = module(twin.array(x, "float32"), return_weights=True)
+    np.testing.assert_allclose(twin.numpy(weights)[1], WEIGHTS_2_002, rtol=0, atol=HALF_ULP_4)
+    np.testing.assert_allclose(twin.numpy(context)[1], CONTEXT_2_002, rtol=0, atol=HALF_ULP_4)

@@ -1,0 +1,213 @@
+"""What the tests share: fresh random generators, the twin frameworks behind one interface, random
+inputs derived from the variant descriptions (golden.variants), and a compilation counter.
+
+Test files import from here and never from one another; ``conftest.py`` only turns these into
+pytest fixtures. Nothing here enables JAX float64 globally: float64 runs use ``twin.float64()``
+(``jax.enable_x64(True)`` as a context), so float32 tests see the default configuration.
+
+Shape legend: B batch, L sequence length (Lq queries, Lk keys), d_* feature widths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import jax_attn
+import torch_attn
+from golden import reference, variants
+
+FRAMEWORKS = ("torch", "jax")
+DTYPES = ("float32", "float64")
+LOW_DTYPES = ("bfloat16", "float16")
+# The event JAX records once per XLA compilation (jax/_src/dispatch.py, BACKEND_COMPILE_EVENT).
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+DROPOUT_MODULES = [v for v in variants.MODULES if v.dropout]  # modules that take a keep-mask
+
+
+def fresh_rng():
+    """A generator seeded from fresh entropy; the seed goes into failure messages."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    return np.random.default_rng(seed), seed
+
+
+def by_name(described):
+    """pytest parameters of variant descriptions, each with its name as id."""
+    return [pytest.param(v, id=v.name) for v in described]
+
+
+def has_params(variant) -> bool:
+    """Whether the variant's sample configuration has parameters (projections)."""
+    return bool(variant.param_shapes(variant.sample))
+
+
+def random_inputs(variant, rng, dtype="float64", batch=(2,)):
+    """Fresh inputs of a module variant for its sample configuration, derived from its
+    description: lengths Lq=6, Lk=7 when it has a key-side input, else L=7; each width from
+    the configuration, 4 where any width goes; a bool mask (B, Lq, Lk). Optional inputs are
+    left out."""
+    keyed = any(i.side == "key" for i in variant.inputs)
+    lq, lk = (6, 7) if keyed else (7, 7)
+    arrays = {}
+    for i in (i for i in variant.inputs if not i.optional):
+        shape = batch + (lk if i.side == "key" else lq,
+                         4 if i.width is None else variant.sample[i.width])
+        arrays[i.name] = rng.standard_normal(shape).astype(dtype)
+    arrays["mask"] = rng.random(batch + (lq, lk)) < 0.8
+    return arrays
+
+
+def main_input(variant) -> str:
+    """The name of the variant's first (query-side) input: x, or x_q."""
+    return variant.inputs[0].name
+
+
+class Reference:
+    """The float64 NumPy reference behind the interface of the twins' core (``sdpa`` only)."""
+
+    name = "reference"
+
+    def array(self, array, dtype=None):
+        """A NumPy array, float arrays cast to ``dtype``."""
+        array = np.asarray(array)
+        return array.astype(dtype) if dtype is not None and array.dtype.kind == "f" else array
+
+    def numpy(self, x):
+        return np.asarray(x, dtype=np.float64)
+
+    def float64(self, on=True):
+        return contextlib.nullcontext()
+
+    @property
+    def sdpa(self):
+        return _reference_sdpa
+
+
+def _reference_sdpa(*args, return_weights=False, **kw):
+    """The reference core with the twins' ``return_weights`` convention."""
+    out, weights = reference.scaled_dot_product_attention(*args, **kw)
+    return (out, weights) if return_weights else out
+
+
+class Twin(Reference):
+    """One framework of the twin pair: conversions, its core, and its modules made, built from
+    neutral-layout parameters, exported, cast and run. ``name`` is "torch" or "jax", ``lib`` the
+    package (torch_attn or jax_attn)."""
+
+    name: str
+    lib: object
+
+    @property
+    def sdpa(self):
+        return self.lib.scaled_dot_product_attention
+
+    def arrays(self, arrays: dict, dtype=None) -> dict:
+        return {n: self.array(a, dtype) for n, a in arrays.items()}
+
+    def make(self, variant_name, config, seed=0):
+        """A module of the variant with freshly initialised weights drawn from ``seed``."""
+        raise NotImplementedError
+
+    def build(self, variant_name, config, params):
+        return self.lib.build(variant_name, config, params)
+
+    def export(self, module) -> dict:
+        return self.lib.export_params(module)
+
+    def cast(self, module, dtype):
+        """The module with its parameters in ``dtype`` (float64 inside ``float64()``)."""
+        raise NotImplementedError
+
+    def dropout_rng(self, seed):
+        """What the core's ``dropout_rng`` takes, seeded."""
+        raise NotImplementedError
+
+    def run(self, module, arrays, dtype=None):
+        """(output, weights) of a module called on NumPy ``arrays``, as float64 NumPy."""
+        args, kwargs = variants.get(module.variant).call_args(self.arrays(arrays, dtype))
+        out, weights = module(*args, **kwargs, return_weights=True)
+        return self.numpy(out), self.numpy(weights)
+
+
+class TorchTwin(Twin):
+    name, lib = "torch", torch_attn
+    DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+              "float16": torch.float16}
+
+    def array(self, array, dtype=None):
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        return t.to(self.DTYPES[dtype]) if dtype is not None and t.is_floating_point() else t
+
+    def numpy(self, x):
+        return x.detach().cpu().to(torch.float64).numpy()
+
+    def make(self, variant_name, config, seed=0):
+        torch.manual_seed(seed)
+        return getattr(self.lib, variants.module_variant(variant_name).class_name)(**config)
+
+    def cast(self, module, dtype):
+        return module.to(self.DTYPES[dtype])
+
+    def dropout_rng(self, seed):
+        return torch.Generator().manual_seed(seed)
+
+
+class JaxTwin(Twin):
+    name, lib = "jax", jax_attn
+
+    def array(self, array, dtype=None):
+        array = np.asarray(array)
+        if dtype is not None and array.dtype.kind == "f":
+            array = array.astype(jnp.dtype(dtype))  # bfloat16 included (ml_dtypes)
+        # device_put compiles nothing (jnp.asarray compiles a ``stage`` per new shape in jax
+        # 0.10); it makes float64 float32 outside float64(), as jnp.asarray does.
+        return jax.device_put(array)
+
+    def numpy(self, x):
+        return np.asarray(x).astype(np.float64)
+
+    def float64(self, on=True):
+        return jax.enable_x64(on)
+
+    def make(self, variant_name, config, seed=0):
+        cls = getattr(self.lib, variants.module_variant(variant_name).class_name)
+        return cls(**config, rngs=nnx.Rngs(seed))
+
+    def cast(self, module, dtype):
+        nnx.update(module, jax.tree.map(lambda a: a.astype(dtype), nnx.state(module, nnx.Param)))
+        return module
+
+    def dropout_rng(self, seed):
+        return jax.random.key(seed)
+
+
+TWINS = {t.name: t for t in (TorchTwin(), JaxTwin())}
+IMPLS = {"reference": Reference(), **TWINS}
+JAX = TWINS["jax"]
+
+
+def other(twin) -> Twin:
+    """The other framework of the pair."""
+    return next(t for name, t in TWINS.items() if name != twin.name)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Collects the names of the functions XLA compiles inside the block."""
+    compiled = []
+
+    def listen(event, duration, **kw):
+        if event == COMPILE_EVENT:
+            compiled.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
