@@ -62,6 +62,17 @@ CASES = [
     Case("sdpa_dropout_causal_bias", SDPA, 115,
          {**_qkv(), "bias": ("normal", (LK,)), "dropout_mask": ("keep", (B, 1, LQ, LK), 0.4)},
          {"dropout_rate": 0.4, "is_causal": True}),
+    # Biases and masks with size-1 axes in every position: their gradients sum over the axes
+    # they were broadcast along (reference.unbroadcast), B or H or Lq of size 1, and 2-D.
+    Case("sdpa_bias_batch1", SDPA, 117,
+         {**_qkv(), "mask": ("mask", (1, H, LQ, LK), 0.8, ()), "bias": ("normal", (1, H, LQ, LK))}),
+    Case("sdpa_bias_head1", SDPA, 118,
+         {**_qkv(), "mask": ("mask", (B, 1, LQ, LK), 0.8, ()), "bias": ("normal", (B, 1, LQ, LK))},
+         {"is_causal": True}),
+    Case("sdpa_bias_query1", SDPA, 119,  # a key-padding bias and mask, one row for every query
+         {**_qkv(), "mask": ("mask", (B, 1, 1, LK), 0.7, ()), "bias": ("normal", (B, H, 1, LK))}),
+    Case("sdpa_bias_2d_masked_rows", SDPA, 120,  # (Lq, 1): whole query rows masked out
+         {**_qkv(), "mask": ("mask", (LQ, 1), 0.6, ((1, 0),)), "bias": ("normal", (LQ, LK))}),
     # Scores of order 1e3: exp overflows float32 without the max shift. Integer q and k with Dk=4
     # (scale 1/2) keep the scores exact in float32, so the float32 tolerance still applies.
     Case("sdpa_large_logits", SDPA, 116,
@@ -131,6 +142,21 @@ CASES += [
     Case("multi_head_attention_low_precision", "multi_head_attention", 303,
          {"x": ("grid", (2, 7, 5))}, {"d_in": 5, "d_out": 12, "num_heads": 3, "causal": True,
                                       "qkv_bias": True}, dtypes=LOW),
+    Case("sdpa_low_precision_bias_dropout_masked_row", SDPA, 305,
+         {"query": ("grid", (B, H, LQ, 8)), "key": ("grid", (B, H, LK, 8)),
+          "value": ("grid", (B, H, LK, DV)), "bias": ("grid", (B, 1, LQ, LK)),
+          "mask": ("mask", (B, H, LQ, LK), 0.8, ((0, 1, 2), (1, 2, 4))),
+          "dropout_mask": ("keep", (B, H, LQ, LK), 0.3)}, {"dropout_rate": 0.3}, dtypes=LOW),
+    Case("multi_head_attention_low_precision_dropout_masked_row", "multi_head_attention", 306,
+         {"x": ("grid", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.8, ((1, 3),)),
+          "dropout_mask": ("keep", (2, 3, 7, 7), 0.25)},
+         {"d_in": 5, "d_out": 12, "num_heads": 3, "dropout": 0.25, "qkv_bias": True},
+         dtypes=LOW),
+    # Scores up to about 20 (scale 1): exact in float32 from grid inputs, but not in the low
+    # dtypes, so rounding the scores or the softmax to them shows in the weights.
+    Case("sdpa_low_precision_large_scores", SDPA, 307,
+         {"query": ("grid", (B, H, LQ, 8)), "key": ("grid", (B, H, LK, 8)),
+          "value": ("grid", (B, H, LK, DV))}, {"scale": 1.0}, dtypes=LOW),
     Case("cross_attention_low_precision", "cross_attention", 304,
          {"x_q": ("grid", (2, 6, 5)), "x_kv": ("grid", (2, 7, 3))},
          {"d_q_in": 5, "d_kv_in": 3, "d_k": 4, "d_v": 8}, dtypes=LOW),

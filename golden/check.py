@@ -12,15 +12,28 @@ from golden import runners
 from golden.tolerances import compare
 
 
+# The implementations' rows: (framework, path). torch runs a fixture twice: forward and backward
+# through autograd (the explicit path, weights returned), and the forward alone under no_grad,
+# which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
+IMPLEMENTATIONS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
+
+
 def compare_all(fixture, result, dtype):
-    """Comparisons of output, weights and every gradient; None where a gradient is missing."""
-    pairs = [("output", result["output"], fixture.expected["output"]),
-             ("weights", result["weights"], fixture.expected["weights"])]
-    pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
+    """Comparisons of output, weights and every gradient; None where a gradient is missing. A
+    forward-only result (no "weights") is compared on its output alone."""
+    pairs = [("output", result["output"], fixture.expected["output"])]
+    if "weights" in result:
+        pairs.append(("weights", result["weights"], fixture.expected["weights"]))
+        pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
     return {what: None if a is None else compare(
-                a, e, dtype, "grad" if what.startswith("grad ") else "value",
-                terms=_terms(fixture, what))
+                a, e, dtype, _kind(what), terms=_terms(fixture, what),
+                zero=what.removeprefix("grad ") in fixture.zero)
             for what, a, e in pairs}
+
+
+def _kind(what) -> str:
+    """The tolerance table's row for a compared array: "value", "weights" or "grad"."""
+    return "grad" if what.startswith("grad ") else ("weights" if what == "weights" else "value")
 
 
 def _terms(fixture, what) -> int:
@@ -34,12 +47,11 @@ def _terms(fixture, what) -> int:
 
 
 def rows(fixture, frameworks, dtypes):
-    """(framework, dtype) pairs of the fixture's table: the reference at float64, then each
-    framework at each of the fixture's dtypes, as filtered."""
-    pairs = [("reference", "float64")] + [(fw, d) for fw in ("torch", "jax")
-                                          for d in fixture.dtypes]
-    return [(fw, d) for fw, d in pairs
-            if (not frameworks or fw in frameworks) and (not dtypes or d in dtypes)]
+    """(framework, path, dtype) of the fixture's implementation rows, as filtered: each
+    implementation at each of the fixture's dtypes. The fused path runs no dropout."""
+    return [(fw, path, d) for fw, path in IMPLEMENTATIONS for d in fixture.dtypes
+            if (fw in frameworks) and (not dtypes or d in dtypes)
+            and not (path == "fused" and "dropout_mask" in fixture.inputs)]
 
 
 def select(names, pattern):
@@ -62,8 +74,19 @@ def available(frameworks, log) -> list[str]:
     return found
 
 
+def regenerated(fixture) -> list[str]:
+    """What the reference, recomputing the fixture from its stored inputs, does not reproduce
+    bit for bit (empty: the fixture is what the reference writes)."""
+    result = runners.run_reference(fixture)
+    pairs = [("output", result["output"], fixture.expected["output"]),
+             ("weights", result["weights"], fixture.expected["weights"])]
+    pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
+    return [what for what, a, e in pairs if a is None or not np.array_equal(a, e)]
+
+
 def main(names=None, *, frameworks=(), dtypes=(), pattern=None, log=print, progress=None) -> int:
-    """Print the table; return 1 if any row failed, 2 if nothing was selected."""
+    """Print the implementations' table, then the reference's regeneration check; return 1 if
+    any row failed, 2 if nothing was selected."""
     names = select(list(names or golden.names()), pattern)
     use = available(list(frameworks) or list(runners.FRAMEWORKS), log)
     if "jax" in use:
@@ -71,28 +94,39 @@ def main(names=None, *, frameworks=(), dtypes=(), pattern=None, log=print, progr
 
         log(f"JAX backend: {jax.default_backend()}; devices: {', '.join(map(str, jax.devices()))}")
     fixtures = [golden.load(n) for n in names]
-    work = [(f, fw, d) for f in fixtures for fw, d in rows(f, use, dtypes)]
-    if not work:
+    work = [(f, fw, path, d) for f in fixtures for fw, path, d in rows(f, use, dtypes)]
+    regen = fixtures if "reference" in use and (not dtypes or "float64" in dtypes) else []
+    if not work and not regen:
         log("nothing selected: check the names, -k, --framework and --dtype")
         return 2
-    width = max(len("fixture"), *(len(f.name) for f, _, _ in work))
-    header = (f"{'fixture':{width}} {'framework':9} {'dtype':8} {'max abs err':>11} "
-              f"{'max rel err':>11}  result")
-    log(header)
-    log("-" * len(header))
+    width = max(len("fixture"), *(len(f.name) for f in fixtures))
     passed = failed = 0
-    work, log = _progress(work, progress, log)
-    for fixture, framework, dtype in work:
-        comps = compare_all(fixture, runners.get(framework)(fixture, dtype), dtype)
-        ok = all(c is not None and c.ok for c in comps.values())
-        worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
-        worst_rel = max((c.max_rel if c else np.inf for c in comps.values()
-                         if not (c and c.zero)), default=0.0)
-        bad = [w for w, c in comps.items() if c is None or not c.ok]
-        log(f"{fixture.name:{width}} {framework:9} {dtype:8} {worst_abs:11.2e} {worst_rel:11.2e}  "
-            f"{'pass' if ok else 'FAIL ' + ', '.join(bad)}")
-        passed, failed = passed + ok, failed + (not ok)
-    log(f"{passed} passed, {failed} failed")
+    if work:
+        header = (f"{'fixture':{width}} {'framework':9} {'path':8} {'dtype':8} "
+                  f"{'max abs err':>11} {'max rel err':>11}  result")
+        log(header)
+        log("-" * len(header))
+        bar, log = _progress(work, progress, log)
+        for fixture, framework, path, dtype in bar:
+            result = runners.get(framework, path)(fixture, dtype)
+            comps = compare_all(fixture, result, dtype)
+            ok = all(c is not None and c.ok for c in comps.values())
+            worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
+            worst_rel = max((c.max_rel if c else np.inf for c in comps.values()
+                             if not (c and c.zero)), default=0.0)
+            bad = [w for w, c in comps.items() if c is None or not c.ok]
+            log(f"{fixture.name:{width}} {framework:9} {result.get('path', path):8} {dtype:8} "
+                f"{worst_abs:11.2e} {worst_rel:11.2e}  {'pass' if ok else 'FAIL ' + ', '.join(bad)}")
+            passed, failed = passed + ok, failed + (not ok)
+        log(f"{passed} passed, {failed} failed")
+    if regen:
+        differ = {f.name: regenerated(f) for f in regen}
+        differ = {n: what for n, what in differ.items() if what}
+        for name, what in differ.items():
+            log(f"regeneration check: {name}: the reference does not reproduce {', '.join(what)}")
+        log(f"regeneration check: the reference reproduces {len(regen) - len(differ)} of "
+            f"{len(regen)} fixtures bit for bit")
+        failed += len(differ)
     return 1 if failed else 0
 
 

@@ -3,8 +3,9 @@
 A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pickle=False)``):
 
     meta                 0-d unicode array holding JSON: format, format_version, name, variant,
-                         seed, config, dtypes (those the frameworks run it at), and the names
-                         listed under inputs, params and grads
+                         seed, config, dtypes (those the frameworks run it at), the names
+                         listed under inputs, params and grads, and under zero the gradients
+                         that are zero in exact arithmetic (golden.reference.ZERO_GRADS)
     inputs/<name>        arrays fed to the variant (floats stored as float32, masks as bool)
     params/<name>        module weights in the neutral layout (y = x W + b, W is (in, out))
     cotangents/output    dO, cotangents/weights dA: the fixed loss is Σ O⊙dO + Σ A⊙dA
@@ -27,7 +28,7 @@ import numpy as np
 from golden import variants
 
 FORMAT = "attn-parity-fixture"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta lists the gradients that are zero by structure
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps make the bytes reproducible
@@ -49,6 +50,7 @@ class Fixture:
     cotangents: dict = field(default_factory=dict)
     expected: dict = field(default_factory=dict)
     grads: dict = field(default_factory=dict)
+    zero: list = field(default_factory=list)  # gradients zero in exact arithmetic
     path: Path | None = None
 
     def meta(self) -> dict:
@@ -57,7 +59,7 @@ class Fixture:
             "variant": self.variant, "seed": self.seed, "config": self.config,
             "dtypes": self.dtypes,
             "inputs": sorted(self.inputs), "params": sorted(self.params),
-            "grads": sorted(self.grads),
+            "grads": sorted(self.grads), "zero": sorted(self.zero),
         }
 
     def arrays(self) -> dict:
@@ -144,9 +146,13 @@ def _from_members(path, members) -> Fixture:
         fail(f"members do not match meta: missing {missing}, unexpected {extra}")
     groups = {g: {k.split("/", 1)[1]: v for k, v in members.items() if k.startswith(g + "/")}
               for g in ("inputs", "params", "cotangents", "expected", "grads")}
+    zero = meta.get("zero")
+    if not isinstance(zero, list) or not set(zero) <= set(groups["grads"]):
+        fail(f"meta.zero should list gradients among {sorted(groups['grads'])}, got {zero!r}")
     _check_consistency(fail, meta, groups)
     return Fixture(name=meta["name"], variant=meta["variant"], seed=meta["seed"],
-                   config=meta["config"], dtypes=meta["dtypes"], path=Path(path), **groups)
+                   config=meta["config"], dtypes=meta["dtypes"], zero=zero, path=Path(path),
+                   **groups)
 
 
 def _check_consistency(fail, meta, groups) -> None:

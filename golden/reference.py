@@ -77,6 +77,13 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *,
     return out, weights, cache
 
 
+# Gradients that are zero in exact arithmetic, whatever the inputs: the key projection's bias
+# adds q_i · b_key to every score of query row i, a constant per row, and softmax is unchanged by
+# a constant added to a row. Computed, they are rounding noise; fixtures list them (meta "zero")
+# and they are checked against an absolute bound instead of a relative one.
+ZERO_GRADS = {"b_key"}
+
+
 def unbroadcast(grad, shape):
     """Sum ``grad`` over the axes along which an array of ``shape`` was broadcast."""
     extra = grad.ndim - len(shape)

@@ -59,9 +59,9 @@ def build(case: Case) -> Fixture:
     grads = backward(cache, cot["output"].astype(np.float64),
                                    cot["weights"].astype(np.float64))
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
-                   dtypes=list(case.dtypes),
-                   inputs=inputs, params=params, cotangents=cot,
-                   expected={"output": out, "weights": weights}, grads=grads)
+                   dtypes=list(case.dtypes), inputs=inputs, params=params, cotangents=cot,
+                   expected={"output": out, "weights": weights}, grads=grads,
+                   zero=sorted(set(grads) & reference.ZERO_GRADS))
 
 
 def regenerate(check: bool = False, directory=FIXTURE_DIR, log=print) -> int:

@@ -12,9 +12,11 @@ Two rules widen the elementwise bound, the same for every case, and why:
 - a gradient that sums ``terms`` partial gradients (a parameter's over every position, a
   broadcast bias's over B·H·Lq) has rounding error growing like √terms while the sum may cancel
   to a small number, so atol is also multiplied by √terms.
-The relative error norm is not applied to an array that is zero at that resolution
-(‖e‖ ≤ atol·√size), such as the gradient of a key-projection bias, which is exactly zero in exact
-arithmetic (softmax is unchanged by a constant added to a row): there it measures only noise.
+The relative error norm is not applied to an array that is zero in exact arithmetic by
+structure, which the fixture says (meta "zero", golden.reference.ZERO_GRADS: the gradient of a
+key-projection bias; softmax is unchanged by a constant added to a row): computed, it is rounding
+noise, and it must satisfy |actual| ≤ atol·√terms elementwise. Every other array keeps the
+relative-norm check whatever its size.
 """
 
 from __future__ import annotations
@@ -31,25 +33,40 @@ class Tolerance:
     atol: float
 
 
-TOLERANCES = {  # (dtype, "value" for outputs and weights | "grad" for gradients)
+# The unit roundoff u = 2⁻ᵖ of a dtype with p bits of precision (the implicit bit included).
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24, "float64": 2.0**-53}
+_BF16, _F16 = UNIT_ROUNDOFF["bfloat16"], UNIT_ROUNDOFF["float16"]
+
+TOLERANCES = {  # (dtype, "value" for outputs | "weights" | "grad" for gradients)
     ("float32", "value"): Tolerance(rel_norm=1e-6, rtol=1e-5, atol=1e-6),
     # Gradients go through the softmax backward P ⊙ (g − Σ g ⊙ P), whose subtraction cancels,
     # and then through sums over positions; float32 gradients of the module cases reach a
     # relative error norm of 1.1e-6 (torch, multi_head_attention_dropout, W_key), hence 2e-6.
     ("float32", "grad"): Tolerance(rel_norm=2e-6, rtol=1e-5, atol=1e-6),
+    ("float32", "weights"): Tolerance(rel_norm=1e-6, rtol=1e-5, atol=1e-6),  # as values
     # float64: the largest seen is a relative error norm of 2.1e-15 (jax, sdpa_large_logits);
     # 1e-13 leaves room for other BLAS builds while still catching any float32 step.
     ("float64", "value"): Tolerance(rel_norm=1e-13, rtol=1e-13, atol=1e-14),
     ("float64", "grad"): Tolerance(rel_norm=1e-13, rtol=1e-13, atol=1e-14),
-    # Low precision, in units of the unit roundoff u (bfloat16 2⁻⁹, float16 2⁻¹¹): inputs and
-    # weights are exact on both grids, so this is the arithmetic alone. Projections and the
-    # products with V run in the low dtype, softmax in float32. Largest seen on this machine
-    # (golden/cases.py, LOW): bfloat16 values 1.9u, gradients 5.3u (rel. error norm) and 5.6u
-    # (elementwise); float16 values 0.9u, gradients 2.9u.
-    ("bfloat16", "value"): Tolerance(rel_norm=3 * 2**-9, rtol=4 * 2**-9, atol=4 * 2**-9),
-    ("bfloat16", "grad"): Tolerance(rel_norm=8 * 2**-9, rtol=8 * 2**-9, atol=8 * 2**-9),
-    ("float16", "value"): Tolerance(rel_norm=2 * 2**-11, rtol=3 * 2**-11, atol=3 * 2**-11),
-    ("float16", "grad"): Tolerance(rel_norm=4 * 2**-11, rtol=4 * 2**-11, atol=4 * 2**-11),
+    ("float64", "weights"): Tolerance(rel_norm=1e-13, rtol=1e-13, atol=1e-14),
+    # Low precision, in units of the unit roundoff u = 2⁻ᵖ for p bits of precision: bfloat16
+    # u = 2⁻⁸, float16 u = 2⁻¹¹. Inputs and weights are exact on both grids, so this is the
+    # arithmetic alone. Projections and the products with V run in the low dtype; the scores
+    # and softmax in float32 (the weights are rounded once, to the low dtype, when applied).
+    # Largest seen on this machine over golden/cases.py's LOW cases, torch and JAX, as
+    # (rel. error norm, elementwise c in |a − e| ≤ c·(max(1, max|e|)·√terms + |e|)):
+    # bfloat16 values (0.85u, 0.92u), gradients (2.7u, 1.5u); float16 values (0.89u, 0.86u),
+    # gradients (2.9u, 1.2u). One rounding of the weights and one of the product with V make
+    # about 1u for values; the gradients chain three or four roundings.
+    ("bfloat16", "value"): Tolerance(rel_norm=1.5 * _BF16, rtol=1.5 * _BF16, atol=1.5 * _BF16),
+    # The weights are the float32 softmax of float32 scores, rounded once: seen 0.71u (bfloat16)
+    # and 0.76u (float16), the extra from low-precision projections in the modules. A softmax
+    # or scores kept in the low dtype give 1.3u and 1.9u there, and far more on large scores.
+    ("bfloat16", "weights"): Tolerance(rel_norm=_BF16, rtol=_BF16, atol=_BF16),
+    ("bfloat16", "grad"): Tolerance(rel_norm=4 * _BF16, rtol=2 * _BF16, atol=2 * _BF16),
+    ("float16", "value"): Tolerance(rel_norm=1.5 * _F16, rtol=1.5 * _F16, atol=1.5 * _F16),
+    ("float16", "weights"): Tolerance(rel_norm=_F16, rtol=_F16, atol=_F16),
+    ("float16", "grad"): Tolerance(rel_norm=4 * _F16, rtol=2 * _F16, atol=2 * _F16),
 }
 
 
@@ -59,20 +76,21 @@ class Comparison:
     max_rel: float   # max |a − e| / max |e|: the error relative to the array's scale
     rel_norm: float  # ‖a − e‖₂ / ‖e‖₂
     ok: bool
-    zero: bool = False  # e is zero at the tolerance's resolution: relative errors mean nothing
+    zero: bool = False  # e is zero by structure: judged by the absolute bound alone
 
 
-def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1) -> Comparison:
-    """Compare to the float64 expectation; ``terms`` = summands per element (see above)."""
+def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
+            zero: bool = False) -> Comparison:
+    """Compare to the float64 expectation; ``terms`` = summands per element and ``zero`` = the
+    array is zero in exact arithmetic (see above)."""
     tol = TOLERANCES[dtype, kind]
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     if a.shape != e.shape:
-        return Comparison(np.inf, np.inf, np.inf, False)
+        return Comparison(np.inf, np.inf, np.inf, False, zero)
     diff = np.abs(a - e)
     max_abs = float(diff.max(initial=0.0))
     scale, norm = float(np.abs(e).max(initial=0.0)), float(np.linalg.norm(e))
     atol = tol.atol * max(1.0, scale) * float(np.sqrt(terms))
-    zero = norm <= atol * np.sqrt(e.size)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
     rel_norm = (float(np.linalg.norm(a - e)) / norm if norm > 0
                 else (0.0 if max_abs == 0 else np.inf))

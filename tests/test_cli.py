@@ -17,20 +17,32 @@ def test_check_prints_table_backend_and_summary(capsys):
     assert main(["check", "sdpa_plain", "sdpa_masked_row"]) == 0
     out = capsys.readouterr().out
     assert "JAX backend: cpu" in out
-    rows = _rows(out)
-    assert len(rows) == 2 * 5 and all(line.endswith("pass") for line in rows)
-    assert out.strip().splitlines()[-1] == "10 passed, 0 failed"
+    rows = [line.split()[1:4] for line in _rows(out)]
+    # Per fixture: torch autograd and fused, JAX (one vmap at these sizes), at float32 and float64
+    assert rows == 2 * [["torch", "autograd", "float32"], ["torch", "autograd", "float64"],
+                        ["torch", "fused", "float32"], ["torch", "fused", "float64"],
+                        ["jax", "vmap", "float32"], ["jax", "vmap", "float64"]]
+    assert all(line.endswith("pass") for line in _rows(out))
+    last = out.strip().splitlines()[-2:]  # implementations first, the reference apart
+    assert last == ["12 passed, 0 failed", "regeneration check: the reference reproduces 2 of 2 "
+                    "fixtures bit for bit"]
+
+
+def test_check_has_no_fused_row_for_dropout(capsys):
+    assert main(["check", "sdpa_dropout", "--framework", "torch", "--dtype", "float32"]) == 0
+    assert [line.split()[1:3] for line in _rows(capsys.readouterr().out)] == [
+        ["torch", "autograd"]]
 
 
 def test_check_filters_by_pattern_framework_and_dtype(capsys):
     assert main(["check", "-k", "sdpa_masked_*", "--framework", "jax",
                  "--dtype", "float64"]) == 0
-    rows = [line.split()[:3] for line in _rows(capsys.readouterr().out)]
-    assert rows == [["sdpa_masked_row", "jax", "float64"],
-                    ["sdpa_masked_row_causal", "jax", "float64"]]
+    rows = [line.split()[:4] for line in _rows(capsys.readouterr().out)]
+    assert rows == [["sdpa_masked_row", "jax", "vmap", "float64"],
+                    ["sdpa_masked_row_causal", "jax", "vmap", "float64"]]
     assert main(["check", "-k", "masked_row_c", "--framework", "reference"]) == 0
-    rows = [line.split()[:3] for line in _rows(capsys.readouterr().out)]
-    assert rows == [["sdpa_masked_row_causal", "reference", "float64"]]
+    out = capsys.readouterr().out
+    assert _rows(out) == [] and "reproduces 1 of 1 fixtures" in out
 
 
 def test_check_with_nothing_selected(capsys):
@@ -46,10 +58,25 @@ def test_check_fails_on_a_wrong_fixture(capsys, monkeypatch):
         return {**result, "output": result["output"] + 1e-3}
 
     monkeypatch.setattr(jax_runner, "run_fixture", off)
-    assert main(["check", "sdpa_plain", "--framework", "reference", "--framework", "jax",
-                 "--dtype", "float64"]) == 1
+    assert main(["check", "sdpa_plain", "--framework", "jax", "--dtype", "float64"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL output" in out and out.strip().endswith("1 passed, 1 failed")
+    assert "FAIL output" in out and out.strip().endswith("0 passed, 1 failed")
+
+
+def test_check_fails_when_the_reference_no_longer_reproduces_a_fixture(capsys, monkeypatch):
+    from golden import reference
+
+    forward, backward = reference.VARIANTS["scaled_dot_product_attention"]
+
+    def drifted(config, inputs, params):
+        out, weights, cache = forward(config, inputs, params)
+        return out * (1 + 2**-52), weights, cache
+
+    monkeypatch.setitem(reference.VARIANTS, "scaled_dot_product_attention", (drifted, backward))
+    assert main(["check", "sdpa_plain", "--framework", "reference"]) == 1
+    out = capsys.readouterr().out
+    assert "sdpa_plain: the reference does not reproduce output" in out
+    assert "reproduces 0 of 1 fixtures" in out
 
 
 def test_regenerate_check_via_python_m():

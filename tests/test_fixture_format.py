@@ -90,7 +90,10 @@ def test_pickled_member_rejected_without_unpickling(tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.__setitem__("meta", np.array(json.dumps({**json.loads(str(m["meta"][()])),
                                                            "format_version": 99}))),
-     "format_version should be 1, got 99"),
+     "format_version should be 2, got 99"),
+    (lambda m: _edit_meta(m, zero=["grads/no_such_array"]),
+     r"meta.zero should list gradients among \['key', 'query', 'value'\]"),
+    (lambda m: _edit_meta(m, zero=None), "meta.zero should list gradients"),
     (lambda m: m.__setitem__("meta", np.array(json.dumps({**json.loads(str(m["meta"][()])),
                                                            "format": "other"}))),
      "'meta.format' should be 'attn-parity-fixture'"),
@@ -161,3 +164,13 @@ def test_regenerate_writes_then_check_passes(tmp_path):
     assert any("stale.npz (no such case)" in line for line in lines)
     assert regenerate(directory=tmp_path, log=lines.append) == 1  # removes the stale file
     assert regenerate(check=True, directory=tmp_path, log=lines.append) == 0
+
+
+def test_fixtures_list_exactly_the_gradients_zero_by_structure(fixture_name):
+    # The key bias's gradient is zero in exact arithmetic (golden.reference.ZERO_GRADS); the
+    # float64 reference leaves rounding noise far below every other gradient's scale.
+    f = golden.load(fixture_name)
+    assert f.zero == sorted(set(f.grads) & {"b_key"})
+    for name in f.zero:
+        scale = max(np.abs(g).max() for n, g in f.grads.items() if n not in f.zero)
+        assert np.abs(f.grads[name]).max() <= 1e-14 * scale, name

@@ -42,7 +42,9 @@ def scaled_dot_product_attention(
     if not (return_weights or dropout_rate or _needs_grad(query, key, value, bias)):
         return _fused(query, key, value, mask, bias, is_causal, scale)
     compute = torch.float32 if query.dtype in _LOW_PRECISION else query.dtype
-    scores = scale * torch.matmul(query, key.transpose(-2, -1)).to(compute)  # (..., Lq, Lk)
+    # Scores and softmax in at least float32, as JAX's preferred_element_type: low-precision q
+    # and k are widened (exactly) before the product, so the scores are never rounded to them.
+    scores = scale * torch.matmul(query.to(compute), key.to(compute).transpose(-2, -1))
     if bias is not None:
         scores = scores + bias.to(compute)
     weights = _masked_softmax(scores, _allowed(shape, mask, is_causal, query.device),

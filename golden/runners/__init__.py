@@ -6,6 +6,8 @@ The contract every runner follows: ``run_fixture(fixture, dtype) -> dict`` with
                           L = Σ output ⊙ cotangents/output + Σ weights ⊙ cotangents/weights,
                           for every float input and every parameter (neutral layout)
     "dtype"               the dtype the computation ran in
+    "path"                (optional) which of the implementation's paths ran
+A forward-only runner (torch's fused path) returns "output" and "dtype" alone.
 A module variant is built from the fixture's parameters cast to ``dtype``, in training mode when
 the fixture holds a dropout keep-mask and in eval mode otherwise.
 
@@ -36,15 +38,17 @@ def run_reference(fixture, dtype="float64") -> dict:
             "grads": backward(cache, cot["output"], cot["weights"])}
 
 
-def get(framework):
-    """The ``run_fixture`` of "reference", "torch" or "jax"; ImportError naming the missing
-    framework and the extra that installs it."""
+def get(framework, path=None):
+    """The ``run_fixture`` of "reference", "torch" or "jax" (``path="fused"``: torch's
+    forward-only ``run_fused``); ImportError naming the missing framework and the extra that
+    installs it."""
     if framework == "reference":
         return run_reference
     if framework not in _MODULES:
         raise ValueError(f"framework should be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     try:
-        return importlib.import_module(_MODULES[framework]).run_fixture
+        module = importlib.import_module(_MODULES[framework])
     except ImportError as e:
         raise ImportError(f"the {framework} runner needs {e.name}: "
                           f"pip install 'attn-parity[{framework}]'") from e
+    return module.run_fused if path == "fused" else module.run_fixture

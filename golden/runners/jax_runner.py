@@ -43,7 +43,13 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
             grads.update({n: _numpy(g) for n, g in
                           jax_attn.export_params(nnx.merge(graphdef, g_params, rest)).items()})
         return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
-                "dtype": str(out.dtype)}
+                "dtype": str(out.dtype), "path": _path(weights.shape)}
+
+
+def _path(weights_shape) -> str:
+    """How the core batched its (batch, head) pairs at these weights: one vmap or chunks."""
+    chunk = jax_attn.functional.heads_per_step(weights_shape[:-1] + (1,), weights_shape[-1:] + (1,))
+    return "vmap" if chunk is None else "chunks"
 
 
 @partial(jax.jit, static_argnames=("variant", "graphdef", "config"))

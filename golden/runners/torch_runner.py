@@ -17,6 +17,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
+    """Forward with the weights and backward through autograd: the core's explicit path."""
     variant, dt = variants.get(fixture.variant), _DTYPES[dtype]
     inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
     args, kwargs = variant.call_args(inputs)
@@ -34,6 +35,22 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
         grads.update({n: g.astype(np.float64) for n, g in export_grads(call).items()})
     return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
             "dtype": str(out.dtype).removeprefix("torch.")}
+
+
+def run_fused(fixture, dtype: str = "float32") -> dict:
+    """The forward alone under ``torch.no_grad()``, which the core runs with PyTorch's fused
+    kernel: {"output", "dtype"} (no weights, no gradients). Not for fixtures with a keep-mask:
+    dropout always takes the explicit path."""
+    variant, dt = variants.get(fixture.variant), _DTYPES[dtype]
+    inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
+    args, kwargs = variant.call_args(inputs)
+    if variant.is_module:
+        call = torch_attn.build(fixture.variant, fixture.config, fixture.params).to(dt).eval()
+    else:
+        call = partial(torch_attn.scaled_dot_product_attention, **fixture.config)
+    with torch.no_grad():
+        out = call(*args, **kwargs)
+    return {"output": _numpy(out), "dtype": str(out.dtype).removeprefix("torch.")}
 
 
 def _numpy(t):

@@ -1,0 +1,101 @@
+"""Every rule of ``golden.tolerances.compare``, one at a time, on arrays made by hand, and the
+table's units. (float32 bounds: rel_norm 1e-6, rtol 1e-5, atol 1e-6 for values.)"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from golden.tolerances import TOLERANCES, UNIT_ROUNDOFF, compare
+
+
+def test_identical_arrays_pass_with_no_error():
+    e = np.linspace(-2, 3, 12)
+    c = compare(e.copy(), e, "float32")
+    assert c.ok and c.max_abs == 0 and c.rel_norm == 0 and c.max_rel == 0
+
+
+def test_another_shape_fails():
+    c = compare(np.ones((3, 4)), np.ones((4, 3)), "float64")
+    assert not c.ok and c.max_abs == np.inf
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_element_fails(bad):
+    e = np.ones(5)
+    a = e.copy()
+    a[2] = bad
+    assert not compare(a, e, "float32").ok
+
+
+def test_the_relative_norm_bounds_a_spread_error():
+    # Every element 9e-6 off: within atol + rtol·|e| = 1.1e-5, but ‖a − e‖/‖e‖ = 9e-6 > 1e-6.
+    e = np.ones(1000)
+    assert not compare(e * (1 + 9e-6), e, "float32").ok
+    assert compare(e * (1 + 9e-7), e, "float32").ok
+
+
+def test_the_elementwise_bound_catches_one_bad_element():
+    # One element 5e-5 off among 10⁴: the norm sees 5e-7 (< 1e-6), the element bound 1.1e-5.
+    e = np.ones(10_000)
+    a = e.copy()
+    a[17] += 5e-5
+    c = compare(a, e, "float32")
+    assert c.rel_norm < TOLERANCES["float32", "value"].rel_norm and not c.ok
+    a[17] = 1 + 5e-6
+    assert compare(a, e, "float32").ok
+
+
+def test_atol_is_relative_to_the_arrays_scale():
+    # Near zero, an element computed from operands of scale 1000 carries their absolute error.
+    assert compare([1000.0, 5e-4], [1000.0, 0.0], "float32").ok  # atol = 1e-6 · 1000
+    assert not compare([1.0, 5e-4], [1.0, 0.0], "float32").ok     # atol = 1e-6 · 1
+
+
+def test_atol_grows_with_the_square_root_of_the_terms_summed():
+    e = np.concatenate([np.ones(100), [0.0]])
+    a = e.copy()
+    a[-1] = 3e-6  # rel. norm 3e-7 passes; the element needs atol ≥ 3e-6
+    assert not compare(a, e, "float32", "grad").ok
+    assert compare(a, e, "float32", "grad", terms=16).ok  # atol = 1e-6 · √16
+
+
+def test_an_array_zero_by_structure_is_judged_by_the_absolute_bound():
+    # A key-bias gradient: the reference computes rounding noise, an implementation other noise.
+    e = np.array([3e-17, -1e-16, 2e-17])
+    a = np.array([5e-7, -8e-7, 1e-7])
+    assert compare(a, e, "float32", "grad", zero=True).ok
+    assert not compare(a, e, "float32", "grad").ok  # not declared zero: the norm applies
+    assert not compare(a * 10, e, "float32", "grad", zero=True).ok  # |a| > atol
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_gradient_replaced_by_zeros_fails_however_small(dtype):
+    # The old rule skipped the relative norm below atol·√terms·√size; zeros must fail now.
+    rng = np.random.default_rng(3)
+    for magnitude in (1e-6, 1e-3, 0.05):
+        e = magnitude * rng.standard_normal((3, 14))
+        assert not compare(np.zeros_like(e), e, dtype, "grad", terms=14).ok, magnitude
+
+
+def test_a_sparse_gradient_five_percent_off_fails_in_bfloat16():
+    e = np.zeros(200)
+    e[[3, 50, 120]] = [0.02, -0.01, 0.015]
+    assert not compare(e * 1.05, e, "bfloat16", "grad", terms=14).ok
+    assert compare(e * (1 + 2**-9), e, "bfloat16", "grad", terms=14).ok
+
+
+@pytest.mark.parametrize("dtype, finfo", [("bfloat16", ml_dtypes.finfo(ml_dtypes.bfloat16)),
+                                          ("float16", np.finfo(np.float16)),
+                                          ("float32", np.finfo(np.float32)),
+                                          ("float64", np.finfo(np.float64))])
+def test_the_unit_roundoff_is_half_the_machine_epsilon(dtype, finfo):
+    assert UNIT_ROUNDOFF[dtype] == float(finfo.eps) / 2
+
+
+def test_the_table_covers_every_dtype_and_kind():
+    kinds = {"value", "weights", "grad"}
+    assert set(TOLERANCES) == {(d, k) for d in UNIT_ROUNDOFF for k in kinds}
+    for (dtype, _), tol in TOLERANCES.items():
+        assert 0 < tol.rel_norm and 0 < tol.atol and 0 <= tol.rtol, dtype
