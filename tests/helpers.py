@@ -1,5 +1,7 @@
-"""What the tests share: fresh random generators, the twin frameworks behind one interface, random
-inputs derived from the variant descriptions (golden.variants), and a compilation counter.
+"""What the tests share: fresh random generators, the twin frameworks behind one interface (runs
+with gradients included), random inputs derived from the variant descriptions
+(golden.variants), throwaway in-memory fixtures of the reference on such inputs, and a
+compilation counter.
 
 Test files import from here and never from one another; ``conftest.py`` only turns these into
 pytest fixtures. Nothing here enables JAX float64 globally: float64 runs use ``twin.float64()``
@@ -11,6 +13,7 @@ Shape legend: B batch, L sequence length (Lq queries, Lk keys), d_* feature widt
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,7 @@ from flax import nnx
 import jax_attn
 import torch_attn
 from golden import reference, variants
+from golden.fixture import Fixture
 
 FRAMEWORKS = ("torch", "jax")
 DTYPES = ("float32", "float64")
@@ -134,6 +138,14 @@ class Twin(Reference):
         out, weights = module(*args, **kwargs, return_weights=True)
         return self.numpy(out), self.numpy(weights)
 
+    def run_with_grads(self, module, arrays, cotangents, dtype) -> dict:
+        """What a fixture runner returns (``golden.runners``), for ``module`` itself called on
+        NumPy ``arrays`` in ``dtype``: "output", "weights" and "grads", the gradients of
+        L = Σ output ⊙ cotangents["output"] + Σ weights ⊙ cotangents["weights"] for every float
+        input and every parameter (neutral layout), all float64 NumPy. The module keeps its
+        mode (train or eval); float64 runs go inside ``float64()``."""
+        raise NotImplementedError
+
 
 class TorchTwin(Twin):
     name, lib = "torch", torch_attn
@@ -156,6 +168,20 @@ class TorchTwin(Twin):
 
     def dropout_rng(self, seed):
         return torch.Generator().manual_seed(seed)
+
+    def run_with_grads(self, module, arrays, cotangents, dtype) -> dict:
+        leaves = {n: self.array(a, dtype) for n, a in arrays.items()}
+        leaves = {n: t.detach().requires_grad_() if t.is_floating_point() else t
+                  for n, t in leaves.items()}
+        cot = self.arrays(cotangents, dtype)
+        module.zero_grad(set_to_none=True)
+        args, kwargs = variants.get(module.variant).call_args(leaves)
+        out, weights = module(*args, **kwargs, return_weights=True)
+        ((out * cot["output"]).sum() + (weights * cot["weights"]).sum()).backward()
+        grads = {n: self.numpy(t.grad) for n, t in leaves.items() if t.requires_grad}
+        grads.update({n: g.astype(np.float64)
+                      for n, g in torch_attn.params.export_grads(module).items()})
+        return {"output": self.numpy(out), "weights": self.numpy(weights), "grads": grads}
 
 
 class JaxTwin(Twin):
@@ -186,6 +212,33 @@ class JaxTwin(Twin):
     def dropout_rng(self, seed):
         return jax.random.key(seed)
 
+    def run_with_grads(self, module, arrays, cotangents, dtype) -> dict:
+        arrays, cot = self.arrays(arrays, dtype), self.arrays(cotangents, dtype)
+        floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+        others = {n: a for n, a in arrays.items() if n not in floats}
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        out, weights, g_params, g_inputs = _jax_value_and_grads(params, rest, floats, others, cot,
+                                                                graphdef=graphdef)
+        grads = {n: self.numpy(g) for n, g in g_inputs.items()}
+        grads.update({n: g.astype(np.float64) for n, g in
+                      self.export(nnx.merge(graphdef, g_params, rest)).items()})
+        return {"output": self.numpy(out), "weights": self.numpy(weights), "grads": grads}
+
+
+@partial(jax.jit, static_argnames="graphdef")
+def _jax_value_and_grads(params, rest, floats, others, cot, *, graphdef):
+    """Output, weights and the gradients of the fixtures' loss for a split NNX module: one
+    program per module structure and shapes (the modules of both directions share it)."""
+    def loss(params, floats):
+        module = nnx.merge(graphdef, params, rest)
+        args, kwargs = variants.get(module.variant).call_args({**others, **floats})
+        out, weights = module(*args, **kwargs, return_weights=True)
+        return jnp.sum(out * cot["output"]) + jnp.sum(weights * cot["weights"]), (out, weights)
+
+    (g_params, g_inputs), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+        params, floats)
+    return out, weights, g_params, g_inputs
+
 
 TWINS = {t.name: t for t in (TorchTwin(), JaxTwin())}
 IMPLS = {"reference": Reference(), **TWINS}
@@ -195,6 +248,34 @@ JAX = TWINS["jax"]
 def other(twin) -> Twin:
     """The other framework of the pair."""
     return next(t for name, t in TWINS.items() if name != twin.name)
+
+
+def random_cotangents(rng, output_shape, weights_shape) -> dict:
+    """Fixed random cotangents dO and dA of the fixtures' loss, float32-valued (exact at
+    float32 and float64)."""
+    return {"output": rng.standard_normal(output_shape).astype(np.float32),
+            "weights": rng.standard_normal(weights_shape).astype(np.float32)}
+
+
+def _float64(arrays: dict) -> dict:
+    """Float arrays as float64 NumPy, masks as they are."""
+    arrays = {n: np.asarray(a) for n, a in arrays.items()}
+    return {n: a.astype(np.float64) if a.dtype.kind == "f" else a for n, a in arrays.items()}
+
+
+def reference_fixture(variant_name, config, inputs, params, cotangents, dtype) -> Fixture:
+    """A throwaway in-memory fixture: the float64 reference's output, weights and gradients
+    (L = Σ output ⊙ dO + Σ weights ⊙ dA) on the given arrays, which should be exact in
+    ``dtype``; compare a run against it with ``golden.check.compare_all(fixture, result,
+    dtype)``. Training mode (dropout) exactly when ``inputs`` hold a ``dropout_mask``."""
+    forward, backward = reference.VARIANTS[variant_name]
+    out, weights, cache = forward(config, _float64(inputs), _float64(params))
+    cot = _float64(cotangents)
+    grads = backward(cache, cot["output"], cot["weights"])
+    return Fixture(name=f"random {variant_name}", variant=variant_name, seed=0, config=config,
+                   inputs=dict(inputs), dtypes=[dtype], params=dict(params),
+                   cotangents=dict(cotangents), expected={"output": out, "weights": weights},
+                   grads=grads, zero=sorted(set(grads) & reference.ZERO_GRADS))
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""The attention core: hand-derived answers, the reference's gradients against finite differences,
-torch against JAX on fresh random inputs, twin signatures, dropout behaviour."""
+"""The attention core: hand-derived answers, the default scale, the reference's gradients against
+finite differences, torch against JAX on fresh random inputs, twin signatures, dropout behaviour
+(drawn dropout in depth: tests/test_dropout.py)."""
 
 from __future__ import annotations
 
@@ -107,25 +108,36 @@ def test_reference_gradients_match_finite_differences():
                                    err_msg=f"{key}, seed {seed}")
 
 
-def _random_case(rng):
+def _random_case(rng, is_causal):
     q, k, v = (rng.standard_normal(s) for s in [(2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6)])
     mask = rng.random((2, 1, 5, 7)) < 0.7
     bias = rng.standard_normal((3, 5, 7))
     keep = rng.random((2, 3, 5, 7)) > 0.3
-    return (q, k, v, mask, bias), dict(is_causal=bool(rng.integers(2)), dropout_rate=0.3,
-                                       dropout_mask=keep)
+    return (q, k, v, mask, bias), dict(is_causal=is_causal, dropout_rate=0.3, dropout_mask=keep)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_torch_and_jax_agree_on_fresh_inputs(dtype):
+def test_torch_and_jax_agree_on_fresh_inputs(dtype, is_causal):
     rng, seed = fresh_rng()
-    arrays, kw = _random_case(rng)
+    arrays, kw = _random_case(rng, is_causal)
     arrays = [a.astype(dtype) if a.dtype.kind == "f" else a for a in arrays]
     ref = reference.scaled_dot_product_attention(*arrays, **kw)
     t, j = (run(TWINS[name], *arrays, dtype=dtype, **kw) for name in ("torch", "jax"))
     for a, b, r, what in [(t[0], j[0], ref[0], "output"), (t[1], j[1], ref[1], "weights")]:
         assert compare(a, r, dtype).ok and compare(b, r, dtype).ok, f"{what} seed {seed}"
         assert compare(a, b, dtype).ok, f"torch vs jax {what}, seed {seed}"
+
+
+def test_default_scale_is_one_over_sqrt_key_width(impl):
+    # Dk = 5 and Dv = 6: a default of 1/Dk or 1/√Dv would differ from 1/√Dk.
+    rng, seed = fresh_rng()
+    q, k, v = (rng.standard_normal(s) for s in [(2, 3, 4, 5), (2, 3, 7, 5), (2, 3, 7, 6)])
+    default = run(impl, q, k, v, is_causal=True)
+    for a, b in zip(default, run(impl, q, k, v, is_causal=True, scale=1 / math.sqrt(5))):
+        np.testing.assert_array_equal(a, b, err_msg=f"{impl.name}, seed {seed}")
+    unscaled = run(impl, q, k, v, is_causal=True, scale=1.0)
+    assert not np.allclose(default[1], unscaled[1]), f"the scale had no effect, seed {seed}"
 
 
 def test_twin_signatures():

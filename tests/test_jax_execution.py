@@ -1,10 +1,12 @@
 """The JAX execution model: jit (identical to eager, compiled once per shape), the one-head core
 vmapped over heads and batch (in chunks on CPU once the scores are large), a caller's own
-jax.grad / jax.vmap through every module, no device or host round trip, and the precision
-argument reaching every compiled dot."""
+jax.grad / jax.vmap / nnx.grad through every module (nnx.grad against the reference's
+gradients), no device or host round trip, and the precision argument, HIGHEST by default in the
+core and every module, reaching every compiled dot."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 
@@ -16,7 +18,7 @@ from flax import nnx
 
 import golden
 import jax_attn
-from golden import variants
+from golden import reference, variants
 from golden.check import compare_all
 from golden.variants import MODULES
 from jax_attn import functional
@@ -28,7 +30,9 @@ from tests.helpers import (
     fresh_rng,
     has_params,
     main_input,
+    random_cotangents,
     random_inputs,
+    reference_fixture,
 )
 
 CORE_FIXTURES = [n for n in golden.names() if not variants.get(golden.load(n).variant).is_module]
@@ -249,13 +253,43 @@ def test_jax_grad_through_module(variant):
         fd = (loss_x(inputs[name] + h * d) - loss_x(inputs[name] - h * d)) / (2 * h)
         np.testing.assert_allclose(float(jnp.sum(g * d)), float(fd), rtol=1e-6,
                                    err_msg=f"seed {seed}")
-        if has_params(variant):
-            args, kwargs = variant.call_args(inputs)
-            grads = nnx.grad(lambda m: jnp.sum(m(*args, **kwargs) ** 2))(module)
-            assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(grads))
-            graphdef, _, rest = nnx.split(module, nnx.Param, ...)
-            as_module = nnx.merge(graphdef, grads, rest)  # gradients in the module's places
-            assert np.any(jax_attn.export_params(as_module)["W_query"] != 0)
+
+
+@pytest.mark.parametrize("variant", by_name(MODULES))
+def test_nnx_grad_through_module_matches_reference(variant):
+    # nnx.grad of a user's loss over the module and its inputs, float64, against the reference's
+    # analytic gradients of the same loss: every parameter and every float input. Modules with
+    # dropout train with a random keep-mask.
+    rng, seed = fresh_rng()
+    arrays = random_inputs(variant, rng, "float64")
+    with jax.enable_x64(True):
+        module = JAX.cast(_eval_module(variant, seed), "float64")
+        params = JAX.export(module)
+        out, weights, _ = reference.VARIANTS[variant.name][0](module.config, arrays, params)
+        if variant.dropout:
+            module.train()
+            arrays["dropout_mask"] = rng.random(weights.shape) >= module.config["dropout"]
+            out, weights, _ = reference.VARIANTS[variant.name][0](module.config, arrays, params)
+        cot = random_cotangents(rng, out.shape, weights.shape)
+        fixture = reference_fixture(variant.name, module.config, arrays, params, cot, "float64")
+        inputs, d = JAX.arrays(arrays), JAX.arrays(cot)
+        floats = {n: a for n, a in inputs.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+
+        def loss(model, floats):
+            out, weights = _module_call(model, {**inputs, **floats})
+            return jnp.sum(out * d["output"]) + jnp.sum(weights * d["weights"])
+
+        g_model, g_inputs = nnx.grad(loss, argnums=(0, 1))(module, floats)
+        graphdef, _, rest = nnx.split(module, nnx.Param, ...)
+        as_module = nnx.merge(graphdef, g_model, rest)  # gradients in the module's places
+        out, weights = _module_call(module, inputs)
+    result = {"output": JAX.numpy(out), "weights": JAX.numpy(weights),
+              "grads": {**{n: JAX.numpy(g) for n, g in g_inputs.items()},
+                        **JAX.export(as_module)}}
+    assert set(result["grads"]) == set(fixture.grads), "a gradient is missing"
+    assert has_params(variant) == bool(params)
+    bad = {what: c for what, c in compare_all(fixture, result, "float64").items() if not c.ok}
+    assert not bad, f"nnx.grad vs reference, seed {seed}: {bad}"
 
 
 # ---- devices, transfers, precision ------------------------------------------------------------
@@ -292,10 +326,39 @@ def test_precision_reaches_every_core_dot(precision, word):
     assert dots and all(f"precision = [{word}, {word}]" in d for d in dots), dots
 
 
-@pytest.mark.parametrize("variant", by_name(v for v in MODULES if has_params(v)))
+@pytest.mark.parametrize("variant", by_name(MODULES))
 def test_precision_reaches_every_module_dot(variant):
+    # Constructed without ``precision``: the default, HIGHEST, reaches every dot.
     module, args, kwargs = _eval_module_and_args(variant)
     text = jax.jit(lambda *a: module(*a, **kwargs)).lower(*args).as_text()
     dots = _dots(text)
-    assert len(dots) >= 5  # three projections and the two dots of attention
+    assert len(dots) >= (5 if has_params(variant) else 2)  # projections, attention's two dots
     assert all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
+
+
+def test_precision_defaults_to_highest():
+    highest = jax.lax.Precision.HIGHEST
+    assert jax_attn.DEFAULT_PRECISION is highest
+    core = inspect.signature(jax_attn.scaled_dot_product_attention).parameters["precision"]
+    assert core.default is highest
+    for variant in MODULES:
+        init = inspect.signature(getattr(jax_attn, variant.class_name).__init__).parameters
+        assert init["precision"].default is highest, variant.class_name
+
+
+@pytest.mark.parametrize("shapes, chunked", [(((2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6)), False),
+                                             (((4, 8, 512, 4), (4, 8, 512, 4), (4, 8, 512, 6)),
+                                              True)], ids=["one-vmap", "chunks"])
+def test_default_precision_reaches_every_core_dot(shapes, chunked):
+    # The public core called without ``precision``, as a user calls it, on both CPU paths.
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)
+    mask = jax.ShapeDtypeStruct(shapes[0][:-1] + shapes[1][-2:-1], jnp.bool_)  # (B, H, Lq, Lk)
+    plain = jax.jit(lambda q, k, v: jax_attn.scaled_dot_product_attention(q, k, v, is_causal=True))
+    full = jax.jit(lambda q, k, v, mask, key: jax_attn.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=True, dropout_rate=0.2, dropout_rng=key, return_weights=True))
+    for text in (plain.lower(q, k, v).as_text(),
+                 full.lower(q, k, v, mask, jax.random.key(0)).as_text()):
+        dots = _dots(text)
+        batched = "batching_dims = [0] x [0]" if chunked else "batching_dims = [0, 1] x [0, 1]"
+        assert len(dots) == 2 and all(batched in d for d in dots), dots  # the path under test
+        assert all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots

@@ -1,6 +1,7 @@
-"""The variant modules: reference gradients against finite differences, the two frameworks
-against each other on random weights, exact weight round trips, twin signatures, train/eval,
-and bad configuration, input and parameters."""
+"""The variant modules: reference gradients against finite differences on every golden module
+case, the two frameworks against each other and the reference on random weights (eval mode, and
+training mode with a keep-mask, gradients included), exact weight round trips, twin signatures,
+train/eval, and bad configuration, input and parameters."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax_attn
 import torch_attn
 from golden import reference, variants
 from golden.cases import CASES
+from golden.check import compare_all
 from golden.regenerate import build as build_fixture
 from golden.tolerances import compare
 from golden.variants import MODULES
@@ -24,11 +26,12 @@ from tests.helpers import (
     fresh_rng,
     main_input,
     other,
+    random_cotangents,
     random_inputs,
+    reference_fixture,
 )
 
-FIRST_CASE = {c.variant: c for c in reversed(CASES)}  # each variant's first golden case
-MODULE_CASES = [FIRST_CASE[v.name] for v in MODULES]
+MODULE_CASES = [c for c in CASES if variants.get(c.variant).is_module]  # every module case
 # Modules whose keep-mask has a head axis (B, N, Lq, Lk).
 PER_HEAD_KEEP = [v for v in DROPOUT_MODULES if any(a.name == "num_heads" for a in v.args)]
 
@@ -86,6 +89,36 @@ def test_module_built_from_other_framework_agrees(variant, twin, dtype):
         assert compare(a[i], ref[i], dtype).ok, f"{twin.name} {what} vs reference, seed {seed}"
         assert compare(b[i], ref[i], dtype).ok, f"{target.name} {what} vs reference, seed {seed}"
         assert compare(a[i], b[i], dtype).ok, f"{twin.name} vs {target.name} {what}, seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", by_name(MODULES))
+def test_module_gradients_from_other_framework_agree(variant, twin, dtype):
+    # As above, in training mode with a random keep-mask for the variants with dropout (eval
+    # mode for the others): output, weights and the gradients of every float input and every
+    # parameter of the fixtures' loss, each framework against the float64 reference.
+    rng, seed = fresh_rng()
+    target, config = other(twin), variant.config(variant.sample)
+    origin = twin.make(variant.name, config, seed)
+    params = {n: a.astype(dtype) for n, a in twin.export(origin).items()}
+    inputs = random_inputs(variant, rng, dtype)
+    _, weights, _ = reference.VARIANTS[variant.name][0](config, inputs, params)  # eval mode
+    if variant.dropout:  # (B, N, Lq, Lk) for the multi-head modules, else (B, Lq, Lk)
+        inputs["dropout_mask"] = rng.random(weights.shape) >= config["dropout"]
+    out, weights, _ = reference.VARIANTS[variant.name][0](config, inputs, params)
+    cot = random_cotangents(rng, out.shape, weights.shape)
+    fixture = reference_fixture(variant.name, config, inputs, params, cot, dtype)
+    with twin.float64(dtype == "float64"), target.float64(dtype == "float64"):
+        built = target.build(variant.name, config, params)
+        origin = twin.cast(origin, dtype)
+        for module in (origin, built):
+            module.train() if variant.dropout else module.eval()
+        results = {twin.name: twin.run_with_grads(origin, inputs, cot, dtype),
+                   target.name: target.run_with_grads(built, inputs, cot, dtype)}
+    for name, result in results.items():
+        assert set(result["grads"]) == set(fixture.grads), f"{name}: a gradient is missing"
+        bad = {what: c for what, c in compare_all(fixture, result, dtype).items() if not c.ok}
+        assert not bad, f"{name} ({twin.name}'s weights) vs reference, seed {seed}: {bad}"
 
 
 @pytest.mark.parametrize("variant", by_name(MODULES))
