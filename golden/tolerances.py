@@ -41,8 +41,13 @@ TOLERANCES = {  # (dtype, "value" for outputs | "weights" | "grad" for gradients
     ("float32", "value"): Tolerance(rel_norm=1e-6, rtol=1e-5, atol=1e-6),
     # Gradients go through the softmax backward P ⊙ (g − Σ g ⊙ P), whose subtraction cancels,
     # and then through sums over positions; float32 gradients of the module cases reach a
-    # relative error norm of 1.1e-6 (torch, multi_head_attention_dropout, W_key), hence 2e-6.
-    ("float32", "grad"): Tolerance(rel_norm=2e-6, rtol=1e-5, atol=1e-6),
+    # relative error norm of 1.1e-6 (torch, multi_head_attention_dropout, W_key). Random
+    # weights and inputs go further: over 400 seeds of tests/test_modules.py's torch<->JAX
+    # gradient test (54,382 float32 gradients) the 99.9th percentile was 1.0e-6 and the largest
+    # 2.4e-6 (W_key of self_attention; W_key's gradient Σ_j x_j ⊗ g_kj cancels by structure,
+    # since Σ_j g_kj = 0 for the shift invariance that zeros the key bias's gradient), and 2e-6
+    # failed 3 of those 4,800 test runs. Hence 4e-6.
+    ("float32", "grad"): Tolerance(rel_norm=4e-6, rtol=1e-5, atol=1e-6),
     ("float32", "weights"): Tolerance(rel_norm=1e-6, rtol=1e-5, atol=1e-6),  # as values
     # float64: the largest seen is a relative error norm of 2.1e-15 (jax, sdpa_large_logits);
     # 1e-13 leaves room for other BLAS builds while still catching any float32 step.
