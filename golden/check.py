@@ -11,7 +11,6 @@ import golden
 from golden import runners
 from golden.tolerances import compare
 
-
 # The implementations' rows: (framework, path). torch runs a fixture twice: forward and backward
 # through autograd (the explicit path, weights returned), and the forward alone under no_grad,
 # which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
@@ -115,8 +114,9 @@ def main(names=None, *, frameworks=(), dtypes=(), pattern=None, log=print, progr
             worst_rel = max((c.max_rel if c else np.inf for c in comps.values()
                              if not (c and c.zero)), default=0.0)
             bad = [w for w, c in comps.items() if c is None or not c.ok]
+            verdict = "pass" if ok else "FAIL " + ", ".join(bad)
             log(f"{fixture.name:{width}} {framework:9} {result.get('path', path):8} {dtype:8} "
-                f"{worst_abs:11.2e} {worst_rel:11.2e}  {'pass' if ok else 'FAIL ' + ', '.join(bad)}")
+                f"{worst_abs:11.2e} {worst_rel:11.2e}  {verdict}")
             passed, failed = passed + ok, failed + (not ok)
         log(f"{passed} passed, {failed} failed")
     if regen:
