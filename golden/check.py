@@ -17,17 +17,23 @@ from golden.tolerances import compare
 IMPLEMENTATIONS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
 
 
-def compare_all(fixture, result, dtype):
-    """Comparisons of output, weights and every gradient; None where a gradient is missing. A
-    forward-only result (no "weights") is compared on its output alone."""
+def _pairs(fixture, result):
+    """(what, actual, expected) for the output, and unless the result is forward-only (no
+    "weights") the weights and every gradient; actual is None where a gradient is missing."""
     pairs = [("output", result["output"], fixture.expected["output"])]
     if "weights" in result:
         pairs.append(("weights", result["weights"], fixture.expected["weights"]))
         pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
+    return pairs
+
+
+def compare_all(fixture, result, dtype):
+    """Comparisons of output, weights and every gradient; None where a gradient is missing. A
+    forward-only result is compared on its output alone."""
     return {what: None if a is None else compare(
                 a, e, dtype, _kind(what), terms=_terms(fixture, what),
                 zero=what.removeprefix("grad ") in fixture.zero)
-            for what, a, e in pairs}
+            for what, a, e in _pairs(fixture, result)}
 
 
 def _kind(what) -> str:
@@ -76,10 +82,7 @@ def available(frameworks, log) -> list[str]:
 def regenerated(fixture) -> list[str]:
     """What the reference, recomputing the fixture from its stored inputs, does not reproduce
     bit for bit (empty: the fixture is what the reference writes)."""
-    result = runners.run_reference(fixture)
-    pairs = [("output", result["output"], fixture.expected["output"]),
-             ("weights", result["weights"], fixture.expected["weights"])]
-    pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
+    pairs = _pairs(fixture, runners.run_reference(fixture))
     return [what for what, a, e in pairs if a is None or not np.array_equal(a, e)]
 
 

@@ -3,9 +3,8 @@
 Nothing here imports torch or JAX. Every contraction is ``np.einsum`` (NumPy's own loops, no
 BLAS), so the fixtures' bytes do not depend on which BLAS kernel the CPU selects: OpenBLAS picks
 different float64 kernels on Intel and AMD processors, whose results differ in the last bit.
-Every function is loop-free and works on any number of leading
-axes (``...``), so the unbatched (Lq, Dk), per-head (H, Lq, Dk) and batched (B, H, Lq, Dk) layouts
-share one code path.
+Every function is loop-free and works on any number of leading axes (``...``), so the unbatched
+(Lq, Dk), per-head (H, Lq, Dk) and batched (B, H, Lq, Dk) layouts share one code path.
 
 Shape legend: B batch, H heads, Lq query length, Lk key length, Dk key width, Dv value width.
 

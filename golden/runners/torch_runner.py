@@ -18,20 +18,14 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
     """Forward with the weights and backward through autograd: the core's explicit path."""
-    variant, dt = variants.get(fixture.variant), _DTYPES[dtype]
-    inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
-    args, kwargs = variant.call_args(inputs)
-    if variant.is_module:
-        call = torch_attn.build(fixture.variant, fixture.config, fixture.params).to(dt)
-        call.train("dropout_mask" in inputs)
-    else:
-        call = partial(torch_attn.scaled_dot_product_attention, **fixture.config)
+    call, inputs, dt = _prepared(fixture, dtype, train="dropout_mask" in fixture.inputs)
+    args, kwargs = variants.get(fixture.variant).call_args(inputs)
     out, weights = call(*args, **kwargs, return_weights=True)
     loss = (out * _tensor(fixture.cotangents["output"], dt)).sum() + (
         weights * _tensor(fixture.cotangents["weights"], dt)).sum()
     loss.backward()
     grads = {n: _numpy(t.grad) for n, t in inputs.items() if t.requires_grad}
-    if variant.is_module:
+    if isinstance(call, torch.nn.Module):
         grads.update({n: g.astype(np.float64) for n, g in export_grads(call).items()})
     return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
             "dtype": str(out.dtype).removeprefix("torch.")}
@@ -41,16 +35,22 @@ def run_fused(fixture, dtype: str = "float32") -> dict:
     """The forward alone under ``torch.no_grad()``, which the core runs with PyTorch's fused
     kernel: {"output", "dtype"} (no weights, no gradients). Not for fixtures with a keep-mask:
     dropout always takes the explicit path."""
-    variant, dt = variants.get(fixture.variant), _DTYPES[dtype]
-    inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
-    args, kwargs = variant.call_args(inputs)
-    if variant.is_module:
-        call = torch_attn.build(fixture.variant, fixture.config, fixture.params).to(dt).eval()
-    else:
-        call = partial(torch_attn.scaled_dot_product_attention, **fixture.config)
+    call, inputs, _ = _prepared(fixture, dtype, train=False)
+    args, kwargs = variants.get(fixture.variant).call_args(inputs)
     with torch.no_grad():
         out = call(*args, **kwargs)
     return {"output": _numpy(out), "dtype": str(out.dtype).removeprefix("torch.")}
+
+
+def _prepared(fixture, dtype, train):
+    """(the core with the fixture's settings or the module built from its parameters, the
+    inputs as tensors, the torch dtype); a module in training mode when ``train``."""
+    variant, dt = variants.get(fixture.variant), _DTYPES[dtype]
+    inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
+    if not variant.is_module:
+        return partial(torch_attn.scaled_dot_product_attention, **fixture.config), inputs, dt
+    module = torch_attn.build(fixture.variant, fixture.config, fixture.params).to(dt)
+    return module.train(train), inputs, dt
 
 
 def _numpy(t):
