@@ -13,7 +13,6 @@ Shape legend: B batch, L sequence length (Lq queries, Lk keys), d_* feature widt
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ import jax_attn
 import torch_attn
 from golden import reference, variants
 from golden.fixture import Fixture
+from golden.runners import jax_runner, torch_runner
 
 FRAMEWORKS = ("torch", "jax")
 DTYPES = ("float32", "float64")
@@ -106,6 +106,7 @@ class Twin(Reference):
 
     name: str
     lib: object
+    runner: object  # golden.runners.torch_runner or jax_runner
 
     @property
     def sdpa(self):
@@ -138,17 +139,15 @@ class Twin(Reference):
         out, weights = module(*args, **kwargs, return_weights=True)
         return self.numpy(out), self.numpy(weights)
 
-    def run_with_grads(self, module, arrays, cotangents, dtype) -> dict:
-        """What a fixture runner returns (``golden.runners``), for ``module`` itself called on
-        NumPy ``arrays`` in ``dtype``: "output", "weights" and "grads", the gradients of
-        L = Σ output ⊙ cotangents["output"] + Σ weights ⊙ cotangents["weights"] for every float
-        input and every parameter (neutral layout), all float64 NumPy. The module keeps its
-        mode (train or eval); float64 runs go inside ``float64()``."""
-        raise NotImplementedError
+    def run_with_grads(self, module, fixture, dtype) -> dict:
+        """What a fixture runner returns (``golden.runners``) for ``module`` itself, in the mode
+        it has, on the fixture's inputs in ``dtype``: "output", "weights" and "grads" of every
+        float input and every parameter, float64 NumPy. float64 runs go inside ``float64()``."""
+        return self.runner.run_module(module, fixture, dtype)
 
 
 class TorchTwin(Twin):
-    name, lib = "torch", torch_attn
+    name, lib, runner = "torch", torch_attn, torch_runner
     DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
               "float16": torch.float16}
 
@@ -169,23 +168,9 @@ class TorchTwin(Twin):
     def dropout_rng(self, seed):
         return torch.Generator().manual_seed(seed)
 
-    def run_with_grads(self, module, arrays, cotangents, dtype) -> dict:
-        leaves = {n: self.array(a, dtype) for n, a in arrays.items()}
-        leaves = {n: t.detach().requires_grad_() if t.is_floating_point() else t
-                  for n, t in leaves.items()}
-        cot = self.arrays(cotangents, dtype)
-        module.zero_grad(set_to_none=True)
-        args, kwargs = variants.get(module.variant).call_args(leaves)
-        out, weights = module(*args, **kwargs, return_weights=True)
-        ((out * cot["output"]).sum() + (weights * cot["weights"]).sum()).backward()
-        grads = {n: self.numpy(t.grad) for n, t in leaves.items() if t.requires_grad}
-        grads.update({n: g.astype(np.float64)
-                      for n, g in torch_attn.params.export_grads(module).items()})
-        return {"output": self.numpy(out), "weights": self.numpy(weights), "grads": grads}
-
 
 class JaxTwin(Twin):
-    name, lib = "jax", jax_attn
+    name, lib, runner = "jax", jax_attn, jax_runner
 
     def array(self, array, dtype=None):
         array = np.asarray(array)
@@ -211,33 +196,6 @@ class JaxTwin(Twin):
 
     def dropout_rng(self, seed):
         return jax.random.key(seed)
-
-    def run_with_grads(self, module, arrays, cotangents, dtype) -> dict:
-        arrays, cot = self.arrays(arrays, dtype), self.arrays(cotangents, dtype)
-        floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
-        others = {n: a for n, a in arrays.items() if n not in floats}
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        out, weights, g_params, g_inputs = _jax_value_and_grads(params, rest, floats, others, cot,
-                                                                graphdef=graphdef)
-        grads = {n: self.numpy(g) for n, g in g_inputs.items()}
-        grads.update({n: g.astype(np.float64) for n, g in
-                      self.export(nnx.merge(graphdef, g_params, rest)).items()})
-        return {"output": self.numpy(out), "weights": self.numpy(weights), "grads": grads}
-
-
-@partial(jax.jit, static_argnames="graphdef")
-def _jax_value_and_grads(params, rest, floats, others, cot, *, graphdef):
-    """Output, weights and the gradients of the fixtures' loss for a split NNX module: one
-    program per module structure and shapes (the modules of both directions share it)."""
-    def loss(params, floats):
-        module = nnx.merge(graphdef, params, rest)
-        args, kwargs = variants.get(module.variant).call_args({**others, **floats})
-        out, weights = module(*args, **kwargs, return_weights=True)
-        return jnp.sum(out * cot["output"]) + jnp.sum(weights * cot["weights"]), (out, weights)
-
-    (g_params, g_inputs), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
-        params, floats)
-    return out, weights, g_params, g_inputs
 
 
 TWINS = {t.name: t for t in (TorchTwin(), JaxTwin())}

@@ -113,8 +113,8 @@ def test_module_gradients_from_other_framework_agree(variant, twin, dtype):
         origin = twin.cast(origin, dtype)
         for module in (origin, built):
             module.train() if variant.dropout else module.eval()
-        results = {twin.name: twin.run_with_grads(origin, inputs, cot, dtype),
-                   target.name: target.run_with_grads(built, inputs, cot, dtype)}
+        results = {twin.name: twin.run_with_grads(origin, fixture, dtype),
+                   target.name: target.run_with_grads(built, fixture, dtype)}
     for name, result in results.items():
         assert set(result["grads"]) == set(fixture.grads), f"{name}: a gradient is missing"
         bad = {what: c for what, c in compare_all(fixture, result, dtype).items() if not c.ok}

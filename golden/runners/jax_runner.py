@@ -21,29 +21,36 @@ from golden import variants
 def run_fixture(fixture, dtype: str = "float32") -> dict:
     """float64 runs inside ``jax.enable_x64(True)``, so the setting does not leak to the
     caller."""
-    variant = variants.get(fixture.variant)
     with jax.enable_x64(dtype == "float64"):
-        arrays = {n: jnp.asarray(a, dtype=dtype if a.dtype.kind == "f" else a.dtype)
-                  for n, a in fixture.inputs.items()}
-        floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
-        others = {n: a for n, a in arrays.items() if n not in floats}
-        cot = {n: jnp.asarray(a, dtype=dtype) for n, a in fixture.cotangents.items()}
-        graphdef, params, rest = None, {}, {}
-        if variant.is_module:
+        module = None
+        if variants.get(fixture.variant).is_module:
             module = jax_attn.build(fixture.variant, fixture.config,
                                     {n: jnp.asarray(a, dtype=dtype)
                                      for n, a in fixture.params.items()})
-            module.train() if "dropout_mask" in arrays else module.eval()
-            graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        out, weights, g_in, g_params = _value_and_grads(
-            floats, others, params, rest, cot, variant=fixture.variant, graphdef=graphdef,
-            config=tuple(sorted(fixture.config.items())))
-        grads = {n: _numpy(g) for n, g in g_in.items()}
-        if variant.is_module:  # a module holding the gradients in its weights' places, exported
-            grads.update({n: _numpy(g) for n, g in
-                          jax_attn.export_params(nnx.merge(graphdef, g_params, rest)).items()})
-        return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
-                "dtype": str(out.dtype), "path": _path(weights.shape)}
+            module.train() if "dropout_mask" in fixture.inputs else module.eval()
+        return run_module(module, fixture, dtype)
+
+
+def run_module(module, fixture, dtype: str = "float32") -> dict:
+    """The runner's result for ``module``, of the fixture's variant in the mode and dtype it
+    has (None: the core with the fixture's settings), on the fixture's inputs. float64 needs the
+    caller's ``jax.enable_x64``."""
+    arrays = {n: jnp.asarray(a, dtype=dtype if a.dtype.kind == "f" else a.dtype)
+              for n, a in fixture.inputs.items()}
+    floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+    others = {n: a for n, a in arrays.items() if n not in floats}
+    cot = {n: jnp.asarray(a, dtype=dtype) for n, a in fixture.cotangents.items()}
+    graphdef, params, rest = (None, {}, {}) if module is None else nnx.split(module, nnx.Param,
+                                                                             ...)
+    out, weights, g_in, g_params = _value_and_grads(
+        floats, others, params, rest, cot, variant=fixture.variant, graphdef=graphdef,
+        config=tuple(sorted(fixture.config.items())))
+    grads = {n: _numpy(g) for n, g in g_in.items()}
+    if module is not None:  # a module holding the gradients in its weights' places, exported
+        grads.update({n: _numpy(g) for n, g in
+                      jax_attn.export_params(nnx.merge(graphdef, g_params, rest)).items()})
+    return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
+            "dtype": str(out.dtype), "path": _path(weights.shape)}
 
 
 def _path(weights_shape) -> str:

@@ -18,8 +18,18 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
     """Forward with the weights and backward through autograd: the core's explicit path."""
-    call, inputs, dt = _prepared(fixture, dtype, train="dropout_mask" in fixture.inputs)
+    call, _ = _prepared(fixture, dtype, train="dropout_mask" in fixture.inputs)
+    return run_module(call, fixture, dtype)
+
+
+def run_module(call, fixture, dtype: str = "float32") -> dict:
+    """The runner's result for ``call``, a module of the fixture's variant in the mode and
+    dtype it has (or the core with the fixture's settings), on the fixture's inputs."""
+    dt = _DTYPES[dtype]
+    inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
     args, kwargs = variants.get(fixture.variant).call_args(inputs)
+    if isinstance(call, torch.nn.Module):
+        call.zero_grad(set_to_none=True)
     out, weights = call(*args, **kwargs, return_weights=True)
     loss = (out * _tensor(fixture.cotangents["output"], dt)).sum() + (
         weights * _tensor(fixture.cotangents["weights"], dt)).sum()
@@ -35,7 +45,8 @@ def run_fused(fixture, dtype: str = "float32") -> dict:
     """The forward alone under ``torch.no_grad()``, which the core runs with PyTorch's fused
     kernel: {"output", "dtype"} (no weights, no gradients). Not for fixtures with a keep-mask:
     dropout always takes the explicit path."""
-    call, inputs, _ = _prepared(fixture, dtype, train=False)
+    call, dt = _prepared(fixture, dtype, train=False)
+    inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
     args, kwargs = variants.get(fixture.variant).call_args(inputs)
     with torch.no_grad():
         out = call(*args, **kwargs)
@@ -43,14 +54,13 @@ def run_fused(fixture, dtype: str = "float32") -> dict:
 
 
 def _prepared(fixture, dtype, train):
-    """(the core with the fixture's settings or the module built from its parameters, the
-    inputs as tensors, the torch dtype); a module in training mode when ``train``."""
+    """(the core with the fixture's settings, or the module built from its parameters in
+    ``dtype``, in training mode when ``train``; the torch dtype)."""
     variant, dt = variants.get(fixture.variant), _DTYPES[dtype]
-    inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
     if not variant.is_module:
-        return partial(torch_attn.scaled_dot_product_attention, **fixture.config), inputs, dt
+        return partial(torch_attn.scaled_dot_product_attention, **fixture.config), dt
     module = torch_attn.build(fixture.variant, fixture.config, fixture.params).to(dt)
-    return module.train(train), inputs, dt
+    return module.train(train), dt
 
 
 def _numpy(t):
