@@ -68,6 +68,7 @@ class Grid:
     matmul_n: int      # ceiling: (n, n) @ (n, n)
     repeats: int       # most steady calls per measurement
     budget_s: float    # skip a forward+backward block predicted to end the run past this
+    gqa: tuple = (4, 8, 2, 1024, 64)  # B, H, Hkv, L, D of the grouped-query rows
 
 
 def _self(L, B=4, H=8, D=64):
@@ -79,7 +80,8 @@ def _self(L, B=4, H=8, D=64):
 FULL = Grid(shapes=(_self(128), _self(512), _self(1024), Shape(4, 8, 256, 1024, 64), _self(2048)),
             bf16_shape=_self(1024), matmul_n=2048, repeats=10, budget_s=200.0)
 QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
-             bf16_shape=_self(64, B=1, H=2, D=16), matmul_n=256, repeats=3, budget_s=60.0)
+             bf16_shape=_self(64, B=1, H=2, D=16), matmul_n=256, repeats=3, budget_s=60.0,
+             gqa=(1, 4, 2, 64, 16))
 
 
 # --- implementations: f(q, k, v, *, is_causal), all (B, H, L, D) except jax_peer ----------------
@@ -287,6 +289,44 @@ def run_modules(grid: Grid, rng) -> list[dict]:
     return rows
 
 
+# --- grouped-query attention: H query heads read Hkv key/value heads ---------------------------
+
+GQA_IMPLS = {  # impl: f(q, k, v, *, is_causal) on (B, H|Hkv, L, D), jax_peer on (B, L, H|Hkv, D)
+    "jax_core": jax_attn.scaled_dot_product_attention,
+    "jax_peer": _jax_peer,
+    "torch_core": torch_attn.scaled_dot_product_attention,
+    "torch_peer": partial(torch.nn.functional.scaled_dot_product_attention, enable_gqa=True),
+}
+
+
+def run_gqa(grid: Grid, rng) -> list[dict]:
+    """Float32 forward of each GQA implementation on the same q (B, H, L, D) and k, v
+    (B, Hkv, L, D), causal and not; ratios against jax_core and torch_core."""
+    b, h, hkv, length, d = grid.gqa
+    host = [rng.standard_normal((b, n, length, d), dtype=np.float32) for n in (h, hkv, hkv)]
+    shape, rows = f"B={b},H={h},Hkv={hkv},L={length},D={d}", []
+    for causal in (False, True):
+        block = {}
+        for impl, f in GQA_IMPLS.items():
+            fw, fn = framework(impl), partial(f, is_causal=causal)
+            arrays = [a.transpose(0, 2, 1, 3) for a in host] if impl == "jax_peer" else host
+            if fw == "jax":
+                args = [jax.block_until_ready(jnp.asarray(a)) for a in arrays]
+                fn = fn if impl == "jax_core" else jax.jit(fn)
+            else:
+                args = [torch.from_numpy(a) for a in arrays]
+            with torch.no_grad():
+                m = measure(fn, args, grid.repeats)
+            block[impl] = {"impl": impl, "framework": fw, "shape": shape, "causal": causal, **m}
+            print(f"  gqa {shape} causal={causal} {impl:11} {m['median_ms']:9.2f} ms "
+                  f"×{m['repeats']}", file=sys.stderr, flush=True)
+        for r in block.values():
+            for ours in OURS:
+                r[f"{ours}_speedup"] = r["median_ms"] / block[ours]["median_ms"]
+        rows += block.values()
+    return rows
+
+
 def run_block(shape, dtype, causal, backward, host, grid, ceilings) -> list[dict]:
     """Every implementation on one (shape, dtype, causal, pass)."""
     rows = []
@@ -335,6 +375,7 @@ def run(grid: Grid) -> dict:
     ceilings = {(fw, dt): ceiling(fw, grid.matmul_n, dt, grid.repeats, rng)
                 for fw in ("jax", "torch") for dt in dtypes}
     modules = run_modules(grid, rng)
+    gqa = run_gqa(grid, rng)
     for shape in grid.shapes:
         host = random_qkv(shape, rng)  # fresh per shape, shared by every implementation
         for causal in (False, True):
@@ -356,6 +397,7 @@ def run(grid: Grid) -> dict:
     wall_s = time.perf_counter() - start
     return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
             "ceilings": list(ceilings.values()), "results": rows, "modules": modules,
+            "gqa": gqa,
             "targets": targets(rows, grid.bf16_shape), "skipped": skipped,
             "wall_s": wall_s}
 
@@ -461,6 +503,17 @@ def markdown(report: dict) -> str:
     lines += [f"| {r['impl']} | {r['median_ms']:.3f} | {r['repeats']} | {r['ours_speedup']:.2f} "
               f"| {r['first_call_ms']:.0f} | {_f(r['other_cpu_pct'], '{:.0f}')} |"
               for r in report["modules"]]
+    lines += [
+        "", f"## Grouped-query attention ({report['gqa'][0]['shape']}, float32, forward)", "",
+        "- jax_core× / torch_core×: time of this row ÷ time of ours; > 1 means ours is faster. "
+        "torch_peer runs F.scaled_dot_product_attention(enable_gqa=True), jax_peer "
+        "jax.nn.dot_product_attention on (B, L, H|Hkv, D).", "",
+        "| causal | impl | median ms | n | jax_core× | torch_core× | first call ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {'yes' if r['causal'] else 'no'} | {r['impl']} | {r['median_ms']:.2f} "
+              f"| {r['repeats']} | {r['jax_core_speedup']:.2f} | {r['torch_core_speedup']:.2f} "
+              f"| {r['first_call_ms']:.0f} |" for r in report["gqa"]]
     lines += ["", "## Targets (float32, forward, non-causal)", ""]
     for t in report["targets"]:
         met = {None: "not measured", True: "met", False: "MISSED"}[t["met"]]

@@ -8,12 +8,16 @@ An input spec is a tuple naming how the array is drawn from the case's generator
     ("keep", shape, rate)             dropout keep-mask: True with probability 1 − rate
     ("grid", shape)                   standard normal rounded to a multiple of 1/64 in [-4, 4]:
                                       exact in bfloat16 and float16 too
+    ("values", values, dtype)         exactly these values (a number or nested list) in an
+                                      integer dtype: offsets and lengths, stored as int32;
+                                      draws nothing from the generator
 
 ``dtypes`` lists the dtypes the frameworks run the case at. A case that lists float16 or bfloat16
 draws grid inputs, and its parameters are rounded to the same grid, so that every dtype starts
 from the same exact numbers and only the arithmetic differs.
 
-Shape legend: B=2 batch, H=3 heads, Lq=5 query length, Lk=7 key length, Dk=4, Dv=6.
+Shape legend: B=2 batch, H=3 heads, Lq=5 query length, Lk=7 key length, Dk=4, Dv=6; Hkv the
+heads of key and value where they differ from H (grouped-query attention).
 """
 
 from __future__ import annotations
@@ -35,9 +39,15 @@ class Case:
     dtypes: tuple = ("float32", "float64")
 
 
-def _qkv(lead=(B, H), lq=LQ, lk=LK, dk=DK, dv=DV):
-    return {"query": ("normal", lead + (lq, dk)), "key": ("normal", lead + (lk, dk)),
-            "value": ("normal", lead + (lk, dv))}
+def _qkv(lead=(B, H), lq=LQ, lk=LK, dk=DK, dv=DV, kv_lead=None, kind="normal"):
+    kv_lead = lead if kv_lead is None else kv_lead
+    return {"query": (kind, lead + (lq, dk)), "key": (kind, kv_lead + (lk, dk)),
+            "value": (kind, kv_lead + (lk, dv))}
+
+
+def _ints(values):
+    """Offsets or lengths, exactly as written, stored as int32."""
+    return ("values", values, "int32")
 
 
 CASES = [
@@ -160,4 +170,36 @@ CASES += [
     Case("cross_attention_low_precision", "cross_attention", 304,
          {"x_q": ("grid", (2, 6, 5)), "x_kv": ("grid", (2, 7, 3))},
          {"d_q_in": 5, "d_kv_in": 3, "d_k": 4, "d_v": 8}, dtypes=LOW),
+]
+
+# Grouped-query attention (key and value with Hkv heads), soft-capping, query positions shifted
+# by query_offset, sliding windows and sequence lengths (issue 9). local_window_size is a JSON
+# list [left, right] (null = unbounded side) or an int; offsets and lengths are int32 inputs.
+CASES += [
+    Case("sdpa_gqa_causal_offset", SDPA, 131,  # H=6, Hkv=3; query i at i + [4, 2]
+         {**_qkv(lead=(B, 6), lk=9, dv=7, kv_lead=(B, 3)), "query_offset": _ints([4, 2])},
+         {"is_causal": True}),
+    Case("sdpa_mqa_decode_ragged", SDPA, 132,  # one new token per row of a ragged batch
+         {**_qkv(lq=1, lk=9, kv_lead=(B, 1)), "query_offset": _ints([8, 5]),
+          "key_value_seq_lengths": _ints([9, 6])},
+         {"is_causal": True}),
+    Case("sdpa_window_softcap_mask", SDPA, 133,
+         {**_qkv(), "mask": ("mask", (B, 1, LQ, LK), 0.8, ())},
+         {"local_window_size": [2, 1], "softcap": 1.0, "scale": 1.0}),
+    Case("sdpa_lengths", SDPA, 134,  # batch 0: query rows 3, 4 dead; batch 1: keys 4-6 dead
+         {**_qkv(), "bias": ("normal", (B, 1, LQ, LK)), "query_seq_lengths": _ints([3, 5]),
+          "key_value_seq_lengths": _ints([7, 4])}),
+    Case("sdpa_window_causal_offset", SDPA, 135,  # keys p − 2 … p, p = i + [4, 1]
+         {**_qkv(lk=8), "query_offset": _ints([4, 1])},
+         {"local_window_size": 2, "is_causal": True}),
+    Case("sdpa_softcap_masked_row", SDPA, 136,
+         {**_qkv(), "mask": ("mask", (B, H, LQ, LK), 0.7, ((1, 2, 3), (0, 0, 0)))},
+         {"softcap": 1.5, "scale": 1.0}),
+    Case("sdpa_gqa_unbatched", SDPA, 137,  # (H, L, D) with H=6, Hkv=2; keys from p − 3 on
+         {**_qkv(lead=(6,), dv=3, kv_lead=(2,)), "query_offset": _ints(2)},
+         {"local_window_size": [3, None]}),
+    Case("sdpa_low_precision_gqa_softcap", SDPA, 308,
+         {**_qkv(lead=(B, 6), dk=8, dv=4, kv_lead=(B, 3), kind="grid"),
+          "bias": ("grid", (B, 1, LQ, LK))},
+         {"softcap": 1.5, "is_causal": True}, dtypes=LOW),
 ]

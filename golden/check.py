@@ -53,10 +53,10 @@ def _terms(fixture, what) -> int:
 
 def rows(fixture, frameworks, dtypes):
     """(framework, path, dtype) of the fixture's implementation rows, as filtered: each
-    implementation at each of the fixture's dtypes. The fused path runs no dropout."""
+    implementation at each of the fixture's dtypes; the fused path where torch takes it."""
     return [(fw, path, d) for fw, path in IMPLEMENTATIONS for d in fixture.dtypes
             if (fw in frameworks) and (not dtypes or d in dtypes)
-            and not (path == "fused" and "dropout_mask" in fixture.inputs)]
+            and (path != "fused" or runners.fused_applies(fixture))]
 
 
 def select(names, pattern):

@@ -6,7 +6,8 @@ A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pick
                          seed, config, dtypes (those the frameworks run it at), the names
                          listed under inputs, params and grads, and under zero the gradients
                          that are zero in exact arithmetic (golden.reference.ZERO_GRADS)
-    inputs/<name>        arrays fed to the variant (floats stored as float32, masks as bool)
+    inputs/<name>        arrays fed to the variant (floats stored as float32, masks as bool,
+                         integer offsets and lengths as int32; these have no gradient)
     params/<name>        module weights in the neutral layout (y = x W + b, W is (in, out))
     cotangents/output    dO, cotangents/weights dA: the fixed loss is Σ O⊙dO + Σ A⊙dA
     expected/output      float64 reference output, expected/weights the float64 weights

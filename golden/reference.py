@@ -6,13 +6,19 @@ different float64 kernels on Intel and AMD processors, whose results differ in t
 Every function is loop-free and works on any number of leading axes (``...``), so the unbatched
 (Lq, Dk), per-head (H, Lq, Dk) and batched (B, H, Lq, Dk) layouts share one code path.
 
-Shape legend: B batch, H heads, Lq query length, Lk key length, Dk key width, Dv value width.
+Shape legend: B batch, H heads (Hkv of key and value, H a multiple of Hkv), Lq query length,
+Lk key length, Dk key width, Dv value width, G = H / Hkv query heads per key-value head.
 
 Forward, with P the masked softmax and K the dropout keep-mask:
-    S = scale · Q Kᵀ + bias                    (..., Lq, Lk)
-    P = exp(S − max S) · allowed / Σ_row        (a row with nothing allowed is all zeros)
-    A = P · K / (1 − p)                         the weights returned and applied
-    O = A V                                     (..., Lq, Dv)
+    K', V' = K, V with each kv head repeated G times     query head h reads kv head h // G
+    R = scale · Q K'ᵀ                                     (..., H, Lq, Lk)
+    S = c · tanh(R / c) + bias                            (softcap c; S = R + bias without)
+    P = exp(S − max S) · allowed / Σ_row                  (a row with nothing allowed: zeros)
+    A = P · K / (1 − p)                                   the weights returned and applied
+    O = A V'                                              (..., H, Lq, Dv)
+Key j sits at position j, query i at i + query_offset. Query i may attend key j when the mask
+allows it, j ≤ position (is_causal), position − left ≤ j ≤ position + right (the window),
+j < key_value_seq_lengths and i < query_seq_lengths (rows past it attend nothing).
 The fixtures' scalar loss is  L = Σ O ⊙ dO + Σ A ⊙ dA  for fixed random cotangents dO and dA.
 """
 
@@ -20,18 +26,48 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.validate import check_attention_args
+from golden.validate import check_attention_args, window
 
 
-def allowed_positions(weights_shape, mask=None, is_causal=False):
+def per_batch(x, rank):
+    """An int or a (B,) integer array, shaped to broadcast against (B, H, Lq, Lk) of ``rank``."""
+    x = np.asarray(x)
+    return x.reshape(x.shape + (1,) * (rank - x.ndim))
+
+
+def allowed_positions(weights_shape, mask=None, is_causal=False, *, local_window_size=None,
+                      query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None):
     """Boolean (..., Lq, Lk): True where query i may attend to key j."""
-    lq, lk = weights_shape[-2:]
+    rank, (lq, lk) = len(weights_shape), weights_shape[-2:]
+    row = np.arange(lq)[:, None]                                # query index i   (Lq, 1)
+    key = np.arange(lk)                                         # key position j  (Lk,)
+    pos = row + per_batch(0 if query_offset is None else query_offset, rank)  # (..., Lq, 1)
+    left, right = window(local_window_size)
     allowed = np.ones(weights_shape, dtype=bool)
     if is_causal:
-        allowed = allowed & np.tri(lq, lk, dtype=bool)  # j <= i, top-left aligned
+        allowed = allowed & (key <= pos)                        # offset 0: top-left aligned
+    if left is not None:
+        allowed = allowed & (key >= pos - left)
+    if right is not None:
+        allowed = allowed & (key <= pos + right)
+    if key_value_seq_lengths is not None:
+        allowed = allowed & (key < per_batch(key_value_seq_lengths, rank))
+    if query_seq_lengths is not None:
+        allowed = allowed & (row < per_batch(query_seq_lengths, rank))
     if mask is not None:
         allowed = allowed & mask
     return allowed
+
+
+def repeat_kv(x, heads):
+    """(..., Hkv, Lk, D) -> (..., H, Lk, D): query head h reads kv head h // G."""
+    return np.repeat(x, heads // x.shape[-3], axis=-3)
+
+
+def sum_groups(grad, kv_heads):
+    """The gradient of repeat_kv: (..., H, Lk, D) -> (..., Hkv, Lk, D), summed over each group."""
+    shape = grad.shape[:-3] + (kv_heads, grad.shape[-3] // kv_heads) + grad.shape[-2:]
+    return grad.reshape(shape).sum(axis=-3)  # (..., Hkv, G, Lk, D) summed over G
 
 
 def masked_softmax(scores, allowed):
@@ -45,34 +81,50 @@ def masked_softmax(scores, allowed):
 
 
 def scaled_dot_product_attention(
-    query, key, value, mask=None, bias=None, *,
-    is_causal=False, scale=None, dropout_rate=0.0, dropout_mask=None,
+    query, key, value, mask=None, bias=None, *, is_causal=False, scale=None, softcap=None,
+    local_window_size=None, query_offset=None, query_seq_lengths=None,
+    key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
 ):
     """Return (output, weights) in float64."""
     out, weights, _ = sdpa_forward(
-        query, key, value, mask, bias, is_causal=is_causal, scale=scale,
+        query, key, value, mask, bias, is_causal=is_causal, scale=scale, softcap=softcap,
+        local_window_size=local_window_size, query_offset=query_offset,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         dropout_rate=dropout_rate, dropout_mask=dropout_mask,
     )
     return out, weights
 
 
-def sdpa_forward(query, key, value, mask=None, bias=None, *,
-                 is_causal=False, scale=None, dropout_rate=0.0, dropout_mask=None):
+def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
+                 softcap=None, local_window_size=None, query_offset=None, query_seq_lengths=None,
+                 key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None):
     """Forward pass; also returns what the backward pass needs."""
-    shape = check_attention_args(query, key, value, mask, bias, scale=scale,
+    lengths = dict(query_offset=query_offset, query_seq_lengths=query_seq_lengths,
+                   key_value_seq_lengths=key_value_seq_lengths)
+    shape = check_attention_args(query, key, value, mask, bias, scale=scale, softcap=softcap,
+                                 local_window_size=local_window_size, **lengths,
                                  dropout_rate=dropout_rate, dropout_mask=dropout_mask)
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
+    kv_heads = k.shape[-3] if k.ndim >= 3 else None
+    if kv_heads is not None:
+        k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])  # (..., H, Lk, D)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
     scores = scale * np.einsum("...qd,...kd->...qk", q, k)
+    capped = None if softcap is None else np.tanh(scores / softcap)   # tanh(R / c)
+    if capped is not None:
+        scores = softcap * capped
     if bias is not None:
         scores = scores + np.asarray(bias, dtype=np.float64)
-    probs = masked_softmax(scores, allowed_positions(shape, mask, is_causal))
+    allowed = allowed_positions(shape, mask, is_causal, local_window_size=local_window_size,
+                                **lengths)
+    probs = masked_softmax(scores, allowed)
     keep = np.ones(shape) if dropout_mask is None else np.broadcast_to(dropout_mask, shape)
     keep_scaled = keep / (1.0 - dropout_rate)
     weights = probs * keep_scaled
     out = np.einsum("...qk,...kv->...qv", weights, v)
-    cache = dict(q=q, k=k, v=v, scale=scale, probs=probs, keep_scaled=keep_scaled,
-                 weights=weights, bias_shape=None if bias is None else np.shape(bias))
+    cache = dict(q=q, k=k, v=v, kv_heads=kv_heads, scale=scale, capped=capped, probs=probs,
+                 keep_scaled=keep_scaled, weights=weights,
+                 bias_shape=None if bias is None else np.shape(bias))
     return out, weights, cache
 
 
@@ -98,11 +150,17 @@ def sdpa_backward(cache, d_output, d_weights):
     g_value = np.einsum("...qk,...qv->...kv", weights, d_output)
     g_probs = g_weights * cache["keep_scaled"]                              # dL/dP
     g_scores = probs * (g_probs - (g_probs * probs).sum(axis=-1, keepdims=True))  # softmax vjp
+    g_raw = g_scores                                                        # dL/dR
+    if cache["capped"] is not None:
+        g_raw = g_scores * (1.0 - cache["capped"] ** 2)                     # d(c·tanh(R/c))/dR
     grads = {
-        "query": cache["scale"] * np.einsum("...qk,...kd->...qd", g_scores, k),
-        "key": cache["scale"] * np.einsum("...qk,...qd->...kd", g_scores, q),
+        "query": cache["scale"] * np.einsum("...qk,...kd->...qd", g_raw, k),
+        "key": cache["scale"] * np.einsum("...qk,...qd->...kd", g_raw, q),
         "value": g_value,
     }
+    if cache["kv_heads"] is not None:
+        grads["key"] = sum_groups(grads["key"], cache["kv_heads"])
+        grads["value"] = sum_groups(grads["value"], cache["kv_heads"])
     if cache["bias_shape"] is not None:
         grads["bias"] = unbroadcast(g_scores, cache["bias_shape"])
     return grads

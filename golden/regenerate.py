@@ -15,6 +15,8 @@ from golden.fixture import FIXTURE_DIR, Fixture, to_bytes, write_atomic
 
 def draw(spec, rng):
     """One input array from its spec (see golden.cases)."""
+    if spec[0] == "values":
+        return np.array(spec[1], dtype=spec[2])
     kind, shape = spec[0], tuple(spec[1])
     if kind == "normal":
         return rng.standard_normal(shape).astype(np.float32)

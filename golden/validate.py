@@ -3,7 +3,8 @@
 The checks read only ``.shape`` and ``.dtype``, so NumPy, PyTorch and JAX arrays all pass through
 the same code and raise the same ``ValueError`` messages.
 
-Shape legend: B batch, H heads, Lq query length, Lk key length, Dk key width, Dv value width.
+Shape legend: B batch, H heads (Hkv of key and value), Lq query length, Lk key length, Dk key
+width, Dv value width.
 """
 
 from __future__ import annotations
@@ -56,9 +57,17 @@ def _expect_broadcastable(arg, x, letters, target, kind) -> None:
 
 
 def check_attention_args(
-    query, key, value, mask=None, bias=None, *, scale=None, dropout_rate=0.0, dropout_mask=None
+    query, key, value, mask=None, bias=None, *, scale=None, softcap=None, local_window_size=None,
+    query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, dropout_rate=0.0,
+    dropout_mask=None,
 ) -> tuple[int, ...]:
-    """Validate the core's arguments; return the weights' shape (..., Lq, Lk)."""
+    """Validate the core's arguments; return the weights' shape (..., H, Lq, Lk).
+
+    key and value may have Hkv heads where the query has H, H a multiple of Hkv (grouped-query
+    attention). Offsets and lengths are integers: a Python int, or an integer array of the batch
+    shape ((B,) for rank-4 inputs, () otherwise); only a Python int's value is checked here, so
+    that no framework array is read back from its device.
+    """
     q_shape, rank = tuple(query.shape), len(query.shape)
     if rank not in _LEAD:
         raise ValueError(
@@ -67,9 +76,15 @@ def check_attention_args(
         )
     _expect_float("query", query)
     lead, dk = _LEAD[rank], q_shape[-1]
-    _expect_shape("key", tuple(key.shape), lead + ("Lk", "Dk"), q_shape[:-2] + (None, dk))
+    kv_lead = tuple("Hkv" if n == "H" else n for n in lead)
+    kv_want = q_shape[:-2] if rank < 3 else q_shape[:-3] + (None,)
+    _expect_shape("key", tuple(key.shape), kv_lead + ("Lk", "Dk"), kv_want + (None, dk))
     lk = key.shape[-2]
-    _expect_shape("value", tuple(value.shape), lead + ("Lk", "Dv"), q_shape[:-2] + (lk, None))
+    _expect_shape("value", tuple(value.shape), kv_lead + ("Lk", "Dv"),
+                  tuple(key.shape[:-2]) + (lk, None))
+    if rank >= 3 and q_shape[-3] % key.shape[-3]:
+        raise ValueError(f"key and value heads Hkv should divide the query's H = {q_shape[-3]}, "
+                         f"got Hkv = {key.shape[-3]}")
     q_dtype = dtype_name(query.dtype)
     _expect_float("key", key, like=q_dtype)
     _expect_float("value", value, like=q_dtype)
@@ -80,6 +95,15 @@ def check_attention_args(
         _expect_broadcastable("bias", bias, letters, target, "float")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale should be a finite number or None, got {scale!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap should be a positive number or None, got {softcap!r}")
+    window(local_window_size)
+    batch = q_shape[:1] if rank == 4 else ()
+    for arg, x in (("query_offset", query_offset), ("query_seq_lengths", query_seq_lengths),
+                   ("key_value_seq_lengths", key_value_seq_lengths)):
+        if x is not None:
+            _expect_integers(arg, x, batch, "B" if batch else None)
     if not (isinstance(dropout_rate, (int, float)) and 0.0 <= dropout_rate < 1.0):
         raise ValueError(f"dropout_rate should be in [0, 1), got {dropout_rate!r}")
     if dropout_mask is not None:
@@ -87,6 +111,34 @@ def check_attention_args(
             raise ValueError("dropout_mask was given but dropout_rate is 0.0; set dropout_rate")
         _expect_broadcastable("dropout_mask", dropout_mask, letters, target, "bool")
     return target
+
+
+def window(local_window_size) -> tuple:
+    """(left, right) of a sliding window, each None (unbounded) or an int ≥ 0; an int w means
+    (w, w), None means no window."""
+    w = local_window_size
+    sides = (w, w) if isinstance(w, int) and not isinstance(w, bool) else w
+    ok = w is None or (isinstance(sides, (tuple, list)) and len(sides) == 2 and all(
+        s is None or (isinstance(s, int) and not isinstance(s, bool) and s >= 0) for s in sides))
+    if not ok:
+        raise ValueError("local_window_size should be None, an int ≥ 0 or a pair (left, right) "
+                         f"of ints ≥ 0 or None, got {w!r}")
+    return (None, None) if w is None else tuple(sides)
+
+
+def _expect_integers(arg, x, batch, letter) -> None:
+    """A Python int ≥ 0, or an integer array of shape ``batch``."""
+    if isinstance(x, bool) or (isinstance(x, int) and x < 0):
+        raise ValueError(f"{arg} should be an int ≥ 0 or an integer array, got {x!r}")
+    if isinstance(x, int):
+        return
+    name = dtype_name(getattr(x, "dtype", type(x).__name__))
+    if not name.startswith(("int", "uint")):
+        raise ValueError(f"{arg} dtype should be an integer type, got {name}")
+    if tuple(x.shape) != tuple(batch):
+        letters = (letter,) if letter else ()
+        raise ValueError(f"{arg} shape should be {_fmt(letters)} = {_fmt(batch)}, "
+                         f"got {_fmt(tuple(x.shape))}")
 
 
 def check_sequence(arg, x, width_name, width, lead=None) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from golden.validate import (
     check_cross_inputs,
     check_self_inputs,
     dtype_name,
+    window,
 )
 
 REQUIRED = object()  # the default of an argument that has none
@@ -56,6 +57,16 @@ def _scale(name, s) -> None:
     if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
                           or not math.isfinite(s)):
         raise ValueError(f"{name} should be a finite number or None, got {s!r}")
+
+
+def _softcap(name, c) -> None:
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not math.isfinite(c) or c <= 0):
+        raise ValueError(f"{name} should be a positive number or None, got {c!r}")
+
+
+def _window(name, w) -> None:
+    window(w)  # raises naming local_window_size
 
 
 @dataclass(frozen=True)
@@ -193,8 +204,12 @@ def _multi_head_shapes(c):
 
 def _core_inputs(c, i, rate):
     return check_attention_args(i["query"], i["key"], i["value"], i.get("mask"), i.get("bias"),
-                                scale=c["scale"], dropout_rate=c["dropout_rate"],
-                                dropout_mask=i.get("dropout_mask"))
+                                scale=c["scale"], softcap=c["softcap"],
+                                local_window_size=c["local_window_size"],
+                                query_offset=i.get("query_offset"),
+                                query_seq_lengths=i.get("query_seq_lengths"),
+                                key_value_seq_lengths=i.get("key_value_seq_lengths"),
+                                dropout_rate=c["dropout_rate"], dropout_mask=i.get("dropout_mask"))
 
 
 def _self_inputs(c, i, rate):
@@ -215,6 +230,7 @@ QKV_LAYERS = {"query": "W_query", "key": "W_key", "value": "W_value"}
 _VARIANTS = [
     Variant(SDPA, None,
             (Arg("is_causal", _flag, False), Arg("scale", _scale, None),
+             Arg("softcap", _softcap, None), Arg("local_window_size", _window, None),
              Arg("dropout_rate", _rate, 0.0)),
             shapes=lambda c: {}, check_inputs=_core_inputs,
             inputs=(Input("query", None), Input("key", None, "key"),

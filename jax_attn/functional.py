@@ -1,38 +1,54 @@
 """The JAX attention core: written for one head, vmapped over heads and batch, jitted.
 
-Shape legend: B batch, H heads, Lq query length, Lk key length, Dk key width, Dv value width.
-Inputs are (B, H, L, D), (H, L, D) or (L, D); masks and biases broadcast to (..., Lq, Lk).
-Every dot takes ``precision`` (default HIGHEST: full float32 on GPU and TPU too).
+Shape legend: B batch, H query heads, Hkv key-value heads, G = H / Hkv query heads per key-value
+head, Lq query length, Lk key length, Dk key width, Dv value width.
+Inputs are (B, H, L, D), (H, L, D) or (L, D); key and value may have Hkv heads where the query
+has H (grouped-query attention: query head h reads key-value head h // G). Masks and biases
+broadcast to (..., H, Lq, Lk). Every dot takes ``precision`` (default HIGHEST: full float32 on
+GPU and TPU too).
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import partial, reduce
 
 import jax
 import jax.numpy as jnp
 
-from golden.validate import check_attention_args
+from golden.validate import check_attention_args, window
 
 DEFAULT_PRECISION = jax.lax.Precision.HIGHEST
+NO_WINDOW = (None, None)
 
 
 def scaled_dot_product_attention(
     query, key, value, mask=None, bias=None, *,
-    is_causal=False, scale=None, dropout_rate=0.0, dropout_mask=None, dropout_rng=None,
-    return_weights=False, precision=DEFAULT_PRECISION,
+    is_causal=False, scale=None, softcap=None, local_window_size=None, query_offset=None,
+    query_seq_lengths=None, key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
+    dropout_rng=None, return_weights=False, precision=DEFAULT_PRECISION,
 ):
-    """softmax(scale · Q Kᵀ + bias, over allowed keys) V.
+    """softmax(c · tanh(scale · Q Kᵀ / c) + bias, over allowed keys) V (without ``softcap`` c:
+    scale · Q Kᵀ + bias).
 
-    mask: bool, True = may attend; combined with ``is_causal`` (query i sees keys j ≤ i).
-    A query row with no allowed key gives zeros in the output and the weights.
+    key and value may have Hkv heads, H a multiple of Hkv (query head h reads kv head h // G).
+    Key j sits at position j, query row i at i + ``query_offset`` (an int, or an integer array
+    (B,) for rank-4 inputs, () otherwise). Row i may attend key j when ``mask`` (bool, True = may
+    attend) allows it, j ≤ its position (``is_causal``), position − left ≤ j ≤ position + right
+    (``local_window_size`` w or (left, right), a side None = unbounded), j < the batch's
+    ``key_value_seq_lengths`` and i < its ``query_seq_lengths``. A query row with no allowed key
+    gives zeros in the output and the weights. ``is_causal``, ``softcap`` and the window are
+    static (one compilation each); offsets and lengths are traced (a growing offset does not
+    recompile).
     dropout_mask: bool keep-mask (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn from ``dropout_rng`` (a ``jax.random`` key), which is then required.
-    Returns the output (..., Lq, Dv), and with ``return_weights`` also the applied weights
-    (..., Lq, Lk), after masking and dropout, in the query's dtype.
+    Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
+    (..., H, Lq, Lk), after masking and dropout, in the query's dtype.
     """
-    check_attention_args(query, key, value, mask, bias, scale=scale,
+    check_attention_args(query, key, value, mask, bias, scale=scale, softcap=softcap,
+                         local_window_size=local_window_size, query_offset=query_offset,
+                         query_seq_lengths=query_seq_lengths,
+                         key_value_seq_lengths=key_value_seq_lengths,
                          dropout_rate=dropout_rate, dropout_mask=dropout_mask)
     if dropout_rate > 0.0 and dropout_mask is None and dropout_rng is None:
         raise ValueError("dropout_rng should be a jax.random key when dropout_rate > 0 and no "
@@ -40,12 +56,23 @@ def scaled_dot_product_attention(
     if dropout_rate == 0.0:
         dropout_rng = None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    batch = query.shape[:1] if query.ndim == 4 else ()  # the offsets' and lengths' shape
+    positions = (_per_batch(x, batch) for x in
+                 (query_offset, query_seq_lengths, key_value_seq_lengths))
     out, weights = _attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
-                              scale=scale, is_causal=bool(is_causal),
+                              *positions, scale=scale, is_causal=bool(is_causal),
+                              softcap=None if softcap is None else float(softcap),
+                              window=window(local_window_size),
                               dropout_rate=float(dropout_rate), precision=precision,
                               return_weights=bool(return_weights),
                               chunk=heads_per_step(query.shape, key.shape))
     return (out, weights) if return_weights else out
+
+
+def _per_batch(x, batch):
+    """An offset or lengths (Python int or integer array) as an int32 array of shape ``batch``:
+    traced by the jitted core, so a new value does not recompile."""
+    return None if x is None else jnp.broadcast_to(jnp.asarray(x, dtype=jnp.int32), batch)
 
 
 # Heads per step on CPU: the one-head core is vmapped over chunks of this many (batch, head)
@@ -66,25 +93,33 @@ def heads_per_step(q_shape, k_shape):
     return CPU_HEADS_PER_STEP if jax.default_backend() == "cpu" and large else None
 
 
-@partial(jax.jit, static_argnames=("scale", "is_causal", "dropout_rate", "precision",
-                                   "return_weights", "chunk"))
-def _attention(query, key, value, mask, bias, keep, rng, *,
-               scale, is_causal, dropout_rate, precision, return_weights, chunk=None):
-    """Lift to (B, H, ...), vmap the one-head core over H and B, drop the added axes."""
+@partial(jax.jit, static_argnames=("scale", "is_causal", "softcap", "window", "dropout_rate",
+                                   "precision", "return_weights", "chunk"))
+def _attention(query, key, value, mask, bias, keep, rng, offset=None, q_lengths=None,
+               kv_lengths=None, *, scale, is_causal, dropout_rate, precision, return_weights,
+               softcap=None, window=NO_WINDOW, chunk=None):
+    """Lift to (B, Hkv, G, ...), vmap the one-head core over G (key and value not mapped), Hkv
+    and B, drop the added axes. offset, q_lengths, kv_lengths: int arrays (B,) or (), or None."""
     lead = query.shape[:-2]
-    shape = lead + (query.shape[-2], key.shape[-2])  # (..., Lq, Lk)
+    shape = lead + (query.shape[-2], key.shape[-2])  # (..., H, Lq, Lk)
     if dropout_rate > 0.0 and keep is None:
         keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
-    q, k, v = (_lift(x) for x in (query, key, value))  # (B, H, L, D)
-    extras = tuple(None if x is None else _lift(x) for x in (mask, bias, keep))  # (B|1, H|1, ...)
+    q, k, v = (_lift(x) for x in (query, key, value))  # (B, H, Lq, Dk), (B, Hkv, Lk, D)
+    groups = q.shape[1] // k.shape[1]  # G
+    q = q.reshape(q.shape[:1] + (k.shape[1], groups) + q.shape[2:])  # (B, Hkv, G, Lq, Dk)
+    extras = tuple(None if x is None else _group(_lift(x), groups)
+                   for x in (mask, bias, keep))  # (B|1, Hkv|1, G|1, Lq|1, Lk|1)
+    extras += tuple(None if x is None else x.reshape((x.shape[:1] or (1,)) + (1, 1))
+                    for x in (offset, q_lengths, kv_lengths))  # (B|1, 1, 1)
 
     def one(q, k, v, *extras):  # the weights leave the core only when asked for
         out, weights = _one_head(q, k, v, *extras, scale=scale, is_causal=is_causal,
-                                 dropout_rate=dropout_rate, precision=precision)
+                                 softcap=softcap, window=window, dropout_rate=dropout_rate,
+                                 precision=precision)
         return (out, weights) if return_weights else (out, None)
 
     run = _vmap_all if chunk is None else partial(_vmap_chunks, chunk=chunk)
-    out, weights = run(one, q, k, v, extras)  # (B, H, Lq, Dv), (B, H, Lq, Lk)
+    out, weights = run(one, q, k, v, extras)  # (B, Hkv, G, Lq, Dv), (B, Hkv, G, Lq, Lk)
     return out.reshape(lead + out.shape[-2:]), (weights.reshape(shape) if return_weights else None)
 
 
@@ -93,56 +128,100 @@ def _lift(x):
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
+def _group(x, groups):
+    """(B|1, H|1, Lq, Lk) -> (B|1, Hkv|1, G|1, Lq, Lk): head h = kv head h // G, member h % G."""
+    heads = (1, 1) if x.shape[1] == 1 else (x.shape[1] // groups, groups)
+    return x.reshape(x.shape[:1] + heads + x.shape[2:])
+
+
 def _vmap_all(one, q, k, v, extras):
-    """vmap over H, then over B; size-1 B or H axes of the extras are not mapped."""
-    axes = [(None, None) if x is None else (0 if x.shape[0] > 1 else None,
-                                            0 if x.shape[1] > 1 else None) for x in extras]
-    squeezed = [None if x is None else x.reshape(
-        tuple(n for i, n in enumerate(x.shape) if i > 1 or n > 1)) for x in extras]
-    per_head = jax.vmap(one, in_axes=(0, 0, 0) + tuple(a[1] for a in axes))
-    per_batch = jax.vmap(per_head, in_axes=(0, 0, 0) + tuple(a[0] for a in axes))
-    return per_batch(q, k, v, *squeezed)
+    """vmap over G with k and v not mapped (never copied per query head), then over Hkv, then
+    B; size-1 axes of the extras are not mapped."""
+    for axis in (2, 1, 0):  # G, Hkv, B: innermost first
+        one = _mapped(one, extras, axis, kv=axis < 2)
+    return one(q, k, v, *_squeezed(extras, 3))
 
 
 def _vmap_chunks(one, q, k, v, extras, chunk):
-    """The B·H (batch, head) pairs, ``chunk`` at a time: vmapped within, sequential across."""
-    b, h = q.shape[:2]
+    """The B·Hkv (batch, kv head) pairs, each with its G query heads (vmapped, k and v not
+    mapped), ``max(1, chunk // G)`` pairs at a time: vmapped within, sequential across. The
+    extras are indexed per pair, never copied."""
+    b, hkv, g = q.shape[:3]
+    per_group = _mapped(one, extras, 2, kv=False)
 
-    def pair(args):  # one (batch, head) pair g = i·H + j; extras are indexed, never copied
-        qg, kg, vg, g = args
-        i, j = g // h, g % h
+    def pair(args):  # pair n = i·Hkv + j: batch i, kv head j
+        qn, kn, vn, n = args
+        i, j = n // hkv, n % hkv
         picked = [None if x is None else x[i if x.shape[0] > 1 else 0, j if x.shape[1] > 1 else 0]
-                  for x in extras]
-        return one(qg, kg, vg, *picked)
+                  for x in extras]  # (G|1, ...)
+        return per_group(qn, kn, vn, *_squeezed(picked, 1))
 
-    flat = tuple(x.reshape((b * h,) + x.shape[2:]) for x in (q, k, v))  # (B·H, L, D)
-    out, weights = jax.lax.map(pair, flat + (jnp.arange(b * h),), batch_size=chunk)
-    unflat = lambda x: None if x is None else x.reshape((b, h) + x.shape[1:])  # noqa: E731
+    flat = tuple(x.reshape((b * hkv,) + x.shape[2:]) for x in (q, k, v))  # (B·Hkv, [G,] L, D)
+    out, weights = jax.lax.map(pair, flat + (jnp.arange(b * hkv),), batch_size=max(1, chunk // g))
+    unflat = lambda x: None if x is None else x.reshape((b, hkv) + x.shape[1:])  # noqa: E731
     return unflat(out), unflat(weights)
 
 
-def _one_head(q, k, v, mask, bias, keep, *, scale, is_causal, dropout_rate, precision):
-    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, keep broadcast to (Lq, Lk)."""
+def _mapped(fn, extras, axis, kv):
+    """fn vmapped over one axis (0 of q; of k and v when ``kv``; of the extras whose ``axis`` is
+    not of size 1, these extras having their size-1 leading axes squeezed)."""
+    kv_axis = 0 if kv else None
+    axes = tuple(None if x is None or x.shape[axis] == 1 else 0 for x in extras)
+    return jax.vmap(fn, in_axes=(0, kv_axis, kv_axis) + axes)
+
+
+def _squeezed(extras, lead):
+    """The extras without their size-1 axes among the first ``lead`` (those not mapped)."""
+    return [None if x is None else x.reshape(
+        tuple(n for i, n in enumerate(x.shape) if i >= lead or n > 1)) for x in extras]
+
+
+def _one_head(q, k, v, mask, bias, keep, offset, q_len, kv_len, *, scale, is_causal, softcap,
+              window, dropout_rate, precision):
+    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, keep broadcast to (Lq, Lk);
+    offset, q_len, kv_len scalars or None."""
     compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
     scores = scale * jnp.einsum("qd,kd->qk", q, k, precision=precision,
                                 preferred_element_type=compute)  # (Lq, Lk)
+    if softcap is not None:  # after scaling, before bias and masks
+        scores = softcap * jnp.tanh(scores / softcap)
     if bias is not None:
         scores = scores + bias.astype(compute)
-    allowed = mask
-    if is_causal:
-        causal = jnp.tril(jnp.ones(scores.shape, dtype=bool))  # j <= i
-        allowed = causal if allowed is None else allowed & causal
+    allowed = _allowed(scores.shape, mask, offset, q_len, kv_len, is_causal=is_causal,
+                       window=window)
     if allowed is None:
         weights = jax.nn.softmax(scores, axis=-1)
     else:
-        allowed = jnp.broadcast_to(allowed, scores.shape)
-        filled = jnp.where(allowed, scores, jnp.finfo(compute).min)
+        filled = jnp.where(allowed, scores, jnp.finfo(compute).min)  # finite: no NaN anywhere
         weights = jax.nn.softmax(filled, axis=-1)
-        if mask is not None:  # only a mask can empty a row (a causal row keeps key 0): zero it
-            weights = weights * allowed.any(axis=-1, keepdims=True)
+        if not _causal_only(mask, offset, q_len, kv_len, window):
+            weights = weights * allowed.any(axis=-1, keepdims=True)  # empty rows give zeros
     if dropout_rate > 0.0:
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
     weights = weights.astype(q.dtype)
     out = jnp.einsum("qk,kv->qv", weights, v, precision=precision,
                      preferred_element_type=compute)  # (Lq, Dv)
     return out.astype(q.dtype), weights
+
+
+def _causal_only(mask, offset, q_len, kv_len, window):
+    """Whether causality alone restricts the keys: every row then keeps key 0, none is empty."""
+    return mask is None and offset is None and q_len is None and kv_len is None and (
+        window == NO_WINDOW)
+
+
+def _allowed(shape, mask, offset, q_len, kv_len, *, is_causal, window):
+    """Where query row i, at position i + offset, may attend key j (position j): bool (Lq, Lk),
+    or None when every key is allowed."""
+    row = jnp.arange(shape[0])[:, None]  # (Lq, 1)
+    key = jnp.arange(shape[1])[None, :]  # (1, Lk)
+    pos = row if offset is None else row + offset  # (Lq, 1)
+    left, right = window
+    terms = [mask,
+             key <= pos if is_causal else None,
+             key >= pos - left if left is not None else None,
+             key <= pos + right if right is not None else None,
+             key < kv_len if kv_len is not None else None,
+             row < q_len if q_len is not None else None]
+    terms = [t for t in terms if t is not None]
+    return jnp.broadcast_to(reduce(jnp.logical_and, terms), shape) if terms else None

@@ -152,7 +152,7 @@ class TorchTwin(Twin):
               "float16": torch.float16}
 
     def array(self, array, dtype=None):
-        t = torch.from_numpy(np.ascontiguousarray(array))
+        t = torch.from_numpy(np.require(array, requirements="C"))  # 0-d stays 0-d
         return t.to(self.DTYPES[dtype]) if dtype is not None and t.is_floating_point() else t
 
     def numpy(self, x):

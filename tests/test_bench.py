@@ -37,4 +37,9 @@ def test_quick_run_writes_both_reports(tmp_path):
     assert "| impl |" in md and "jax_core×" in md and "## Targets" in md
     assert "## Module calls" in md and "| ours× |" in md
     assert all(f"| {impl} |" in md for impl in MODULES)
+    gqa = report["gqa"]  # grouped-query rows: every implementation, causal and not
+    assert {(r["impl"], r["causal"]) for r in gqa} == {
+        (i, c) for i in ("jax_core", "jax_peer", "torch_core", "torch_peer") for c in (False, True)}
+    assert all(r["median_ms"] > 0 and "Hkv=" in r["shape"] for r in gqa)
+    assert "## Grouped-query attention" in md
     assert not list(tmp_path.glob("*.tmp"))

@@ -140,16 +140,35 @@ def test_default_scale_is_one_over_sqrt_key_width(impl):
     assert not np.allclose(default[1], unscaled[1]), f"the scale had no effect, seed {seed}"
 
 
+# The core's parameters, in order, in both frameworks (issue 9 added softcap … lengths).
+CORE_PARAMETERS = ["query", "key", "value", "mask", "bias", "is_causal", "scale", "softcap",
+                   "local_window_size", "query_offset", "query_seq_lengths",
+                   "key_value_seq_lengths", "dropout_rate", "dropout_mask", "dropout_rng",
+                   "return_weights"]
+
+
 def test_twin_signatures():
     t = inspect.signature(TWINS["torch"].sdpa).parameters
     j = inspect.signature(TWINS["jax"].sdpa).parameters
     jax_only = ["precision"]  # every JAX dot's precision; PyTorch has no per-call equivalent
+    assert list(t) == CORE_PARAMETERS
+    assert list(j) == CORE_PARAMETERS + jax_only
     assert list(t) == [n for n in j if n not in jax_only]
     for name, p in t.items():
         assert (p.kind, p.default) == (j[name].kind, j[name].default), name
     assert all(j[n].kind is inspect.Parameter.KEYWORD_ONLY for n in jax_only)
     assert list(t)[:5] == ["query", "key", "value", "mask", "bias"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(t.values())[5:])
+    new = ["softcap", "local_window_size", "query_offset", "query_seq_lengths",
+           "key_value_seq_lengths"]
+    assert all(t[n].default is None for n in new)
+
+
+def test_reference_signature_follows_the_twins():
+    # The reference has no drawn dropout and always returns (output, weights).
+    r = inspect.signature(reference.scaled_dot_product_attention).parameters
+    assert list(r) == [n for n in CORE_PARAMETERS if n not in ("dropout_rng", "return_weights")]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(r.values())[5:])
 
 
 def test_drawn_dropout_keeps_rate_and_scales(twin):

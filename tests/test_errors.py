@@ -29,13 +29,17 @@ BAD = [
      "got shape (1, 2, 3, 5, 4)"),
     (dict(shapes=((4,), (4,), (4,))), "query should have rank 2, 3 or 4"),
     (dict(shapes=(Q, (2, 3, 7, 5), V)),
-     "key shape should be (B, H, Lk, Dk) = (2, 3, ?, 4), got (2, 3, 7, 5)"),
-    (dict(shapes=(Q, (2, 4, 7, 4), V)),
-     "key shape should be (B, H, Lk, Dk) = (2, 3, ?, 4), got (2, 4, 7, 4)"),
+     "key shape should be (B, Hkv, Lk, Dk) = (2, ?, ?, 4), got (2, 3, 7, 5)"),
+    (dict(shapes=(Q, (2, 4, 7, 4), (2, 4, 7, 6))),
+     "key and value heads Hkv should divide the query's H = 3, got Hkv = 4"),
+    (dict(shapes=((3, 5, 4), (2, 7, 4), (2, 7, 6))),
+     "key and value heads Hkv should divide the query's H = 3, got Hkv = 2"),
     (dict(shapes=(Q, (3, 7, 4), V)),
-     "key shape should be (B, H, Lk, Dk) = (2, 3, ?, 4), got (3, 7, 4)"),
+     "key shape should be (B, Hkv, Lk, Dk) = (2, ?, ?, 4), got (3, 7, 4)"),
     (dict(shapes=(Q, K, (2, 3, 6, 6))),
-     "value shape should be (B, H, Lk, Dv) = (2, 3, 7, ?), got (2, 3, 6, 6)"),
+     "value shape should be (B, Hkv, Lk, Dv) = (2, 3, 7, ?), got (2, 3, 6, 6)"),
+    (dict(shapes=(Q, K, (2, 1, 7, 6))),  # value's heads must be key's
+     "value shape should be (B, Hkv, Lk, Dv) = (2, 3, 7, ?), got (2, 1, 7, 6)"),
     (dict(shapes=((5, 4), (7, 4), (6, 6))), "value shape should be (Lk, Dv) = (7, ?), got (6, 6)"),
     (dict(dtypes=("int32", "int32", "int32")),
      "query dtype should be one of float16, bfloat16, float32, float64, got int32"),
@@ -59,6 +63,24 @@ BAD = [
     (dict(dropout_rate=0.5, dropout_mask=(2, 3, 7, 5)),
      "dropout_mask shape should broadcast to (B, H, Lq, Lk) = (2, 3, 5, 7), got (2, 3, 7, 5)"),
     (dict(scale=float("nan")), "scale should be a finite number or None, got nan"),
+    # Soft-capping, sliding windows, offsets and lengths (issue 9).
+    (dict(softcap=0.0), "softcap should be a positive number or None, got 0.0"),
+    (dict(softcap=-2), "softcap should be a positive number or None, got -2"),
+    (dict(local_window_size=(-1, 2)), "local_window_size should be None, an int ≥ 0 or a pair "
+     "(left, right) of ints ≥ 0 or None, got (-1, 2)"),
+    (dict(local_window_size=-3), "local_window_size should be None, an int ≥ 0 or a pair "
+     "(left, right) of ints ≥ 0 or None, got -3"),
+    (dict(query_offset=np.ones(2, dtype=np.float32)),
+     "query_offset dtype should be an integer type, got float32"),
+    (dict(query_offset=-1), "query_offset should be an int ≥ 0 or an integer array, got -1"),
+    (dict(query_offset=np.ones((2, 1), dtype=np.int32)),
+     "query_offset shape should be (B,) = (2,), got (2, 1)"),
+    (dict(key_value_seq_lengths=np.ones(3, dtype=np.int32)),
+     "key_value_seq_lengths shape should be (B,) = (2,), got (3,)"),
+    (dict(query_seq_lengths=np.ones((), dtype=np.int32)),
+     "query_seq_lengths shape should be (B,) = (2,), got ()"),
+    (dict(shapes=((3, 5, 4), (3, 7, 4), (3, 7, 6)), query_seq_lengths=np.ones(3, dtype=np.int32)),
+     "query_seq_lengths shape should be () = (), got (3,)"),
 ]
 
 
@@ -78,3 +100,15 @@ def test_jax_dropout_without_rng():
 def test_good_input_passes(impl):
     call(impl, mask=((2, 1, 5, 7), "bool"), bias=((7,), "float32"), dropout_rate=0.5,
          dropout_mask=(5, 7))
+
+
+def test_good_modern_input_passes(impl):
+    # Grouped-query key and value (Hkv = 1 and 3 divide H = 3), every new argument at once.
+    lengths = np.array([4, 7], dtype=np.int32)
+    for kv_heads in (1, 3):
+        call(impl, shapes=(Q, (2, kv_heads, 7, 4), (2, kv_heads, 7, 6)), softcap=30.0,
+             local_window_size=(None, 2), query_offset=np.array([2, 0], dtype=np.int32),
+             query_seq_lengths=np.array([5, 3], dtype=np.int32), key_value_seq_lengths=lengths,
+             is_causal=True)
+    call(impl, shapes=((3, 5, 4), (1, 7, 4), (1, 7, 6)), local_window_size=[1, 0],
+         query_offset=np.array(2, dtype=np.int32), key_value_seq_lengths=np.array(6))

@@ -36,10 +36,25 @@ def test_build_is_deterministic_and_per_case():
     assert fx.to_bytes(build(SOME)) == (fx.FIXTURE_DIR / f"{SOME.name}.npz").read_bytes()
 
 
-def test_inputs_are_float32_exact_and_expectations_float64():
-    f = golden.load(SOME.name)
-    assert all(a.dtype in (np.float32, np.bool_) for a in f.inputs.values())
+INTEGER_INPUTS = ("query_offset", "query_seq_lengths", "key_value_seq_lengths")
+
+
+def test_inputs_are_float32_bool_or_int32_and_expectations_float64(fixture_name):
+    f = golden.load(fixture_name)
+    for name, a in f.inputs.items():
+        want = (np.int32,) if name in INTEGER_INPUTS else (np.float32, np.bool_)
+        assert a.dtype in want, f"inputs/{name} is {a.dtype}"
+    assert not set(INTEGER_INPUTS) & set(f.grads), "an integer input has a gradient"
     assert all(a.dtype == np.float64 for a in {**f.expected, **f.grads}.values())
+
+
+def test_integer_inputs_are_stored_exactly():
+    # ("values", ...) specs give exactly the written numbers, as int32 in inputs/.
+    f = golden.load("sdpa_mqa_decode_ragged")
+    np.testing.assert_array_equal(f.inputs["query_offset"], [8, 5])
+    np.testing.assert_array_equal(f.inputs["key_value_seq_lengths"], [9, 6])
+    assert golden.load("sdpa_gqa_unbatched").inputs["query_offset"].shape == ()
+    assert golden.load("sdpa_window_softcap_mask").config["local_window_size"] == [2, 1]
 
 
 def test_load_by_path_and_name_agree(tmp_path):
@@ -105,7 +120,7 @@ def test_pickled_member_rejected_without_unpickling(tmp_path):
     (lambda m: m.__setitem__("grads/key", m["grads/key"][..., :-1]),
      "grads/key shape .* does not match"),
     (lambda m: m.update({n: m[n][..., :-1, :] for n in ("inputs/value", "grads/value")}),
-     r"inputs inconsistent with config: value shape should be \(B, H, Lk, Dv\)"),
+     r"inputs inconsistent with config: value shape should be \(B, Hkv, Lk, Dv\)"),
     (lambda m: m.__setitem__("expected/output", m["expected/output"].astype(np.float32)),
      "expected/output should be finite float64"),
 ])
@@ -120,6 +135,20 @@ def _edit_meta(members, **changes):
 
 
 @pytest.mark.parametrize("name, edit, message", [
+    ("sdpa_lengths",
+     lambda m: m.__setitem__("inputs/query_seq_lengths", np.array([3.0, 5.0], np.float32)),
+     "inputs inconsistent with config: query_seq_lengths dtype should be an integer type"),
+    ("sdpa_mqa_decode_ragged",
+     lambda m: m.__setitem__("inputs/query_offset", np.array([8, 5, 1], np.int32)),
+     r"inputs inconsistent with config: query_offset shape should be \(B,\) = \(2,\)"),
+    ("sdpa_window_softcap_mask", lambda m: _edit_meta(m, config={"softcap": -1.0}),
+     "variant, config and params disagree: softcap should be a positive number"),
+    ("sdpa_window_softcap_mask", lambda m: _edit_meta(m, config={"local_window_size": [2]}),
+     "variant, config and params disagree: local_window_size should be None"),
+    ("sdpa_gqa_causal_offset",  # key with 4 heads, query with 6
+     lambda m: m.update({n: np.concatenate([m[n], m[n][:, :1]], axis=1)
+                         for n in ("inputs/key", "grads/key", "inputs/value", "grads/value")}),
+     "inputs inconsistent with config: key and value heads Hkv should divide the query's H = 6"),
     ("self_attention_unbatched", lambda m: _edit_meta(m, variant="flash_attention"),
      "variant, config and params disagree: variant should be one of"),
     ("self_attention_unbatched", lambda m: _edit_meta(m, config={"d_in": 5, "d_k": 4}),

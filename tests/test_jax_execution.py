@@ -20,6 +20,7 @@ import golden
 import jax_attn
 from golden import reference, variants
 from golden.check import compare_all
+from golden.validate import window
 from golden.variants import MODULES
 from jax_attn import functional
 from tests.helpers import (
@@ -189,7 +190,9 @@ def test_chunked_core_matches_fixture(name, dtype):
             a = {**arrays, **floats}
             out, w = functional._attention(
                 a["query"], a["key"], a["value"], a.get("mask"), a.get("bias"),
-                a.get("dropout_mask"), None, scale=scale, is_causal=config["is_causal"],
+                a.get("dropout_mask"), None, a.get("query_offset"), a.get("query_seq_lengths"),
+                a.get("key_value_seq_lengths"), scale=scale, is_causal=config["is_causal"],
+                softcap=config["softcap"], window=window(config["local_window_size"]),
                 dropout_rate=config["dropout_rate"], precision=jax_attn.DEFAULT_PRECISION,
                 return_weights=True, chunk=functional.CPU_HEADS_PER_STEP)
             return jnp.sum(out * cot["output"]) + jnp.sum(w * cot["weights"]), (out, w)

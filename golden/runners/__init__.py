@@ -38,6 +38,12 @@ def run_reference(fixture, dtype="float64") -> dict:
             "grads": backward(cache, cot["output"], cot["weights"])}
 
 
+def fused_applies(fixture) -> bool:
+    """Whether torch's core runs a forward-only call of the fixture through PyTorch's fused
+    kernel: not with dropout (a keep-mask) or soft-capping, which take the explicit path."""
+    return "dropout_mask" not in fixture.inputs and not fixture.config.get("softcap")
+
+
 def get(framework, path=None):
     """The ``run_fixture`` of "reference", "torch" or "jax" (``path="fused"``: torch's
     forward-only ``run_fused``); ImportError naming the missing framework and the extra that

@@ -44,13 +44,18 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
                                                                              ...)
     out, weights, g_in, g_params = _value_and_grads(
         floats, others, params, rest, cot, variant=fixture.variant, graphdef=graphdef,
-        config=tuple(sorted(fixture.config.items())))
+        config=_static(fixture.config))
     grads = {n: _numpy(g) for n, g in g_in.items()}
     if module is not None:  # a module holding the gradients in its weights' places, exported
         grads.update({n: _numpy(g) for n, g in
                       jax_attn.export_params(nnx.merge(graphdef, g_params, rest)).items()})
     return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
             "dtype": str(out.dtype), "path": _path(weights.shape)}
+
+
+def _static(config) -> tuple:
+    """The fixture's config as a hashable jit argument: JSON gives a window pair as a list."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()))
 
 
 def _path(weights_shape) -> str:

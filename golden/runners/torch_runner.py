@@ -43,8 +43,8 @@ def run_module(call, fixture, dtype: str = "float32") -> dict:
 
 def run_fused(fixture, dtype: str = "float32") -> dict:
     """The forward alone under ``torch.no_grad()``, which the core runs with PyTorch's fused
-    kernel: {"output", "dtype"} (no weights, no gradients). Not for fixtures with a keep-mask:
-    dropout always takes the explicit path."""
+    kernel: {"output", "dtype"} (no weights, no gradients). Only where
+    ``golden.runners.fused_applies``: dropout and soft-capping take the explicit path."""
     call, dt = _prepared(fixture, dtype, train=False)
     inputs = {n: _tensor(a, dt) for n, a in fixture.inputs.items()}
     args, kwargs = variants.get(fixture.variant).call_args(inputs)
@@ -69,5 +69,5 @@ def _numpy(t):
 
 def _tensor(array, dtype):
     """Float arrays become leaves of ``dtype`` that need gradients; masks stay bool."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
+    t = torch.from_numpy(np.require(array, requirements="C"))  # 0-d stays 0-d
     return t.to(dtype).requires_grad_() if t.is_floating_point() else t

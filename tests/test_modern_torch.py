@@ -1,0 +1,221 @@
+"""The torch core's issue-9 arguments: grouped-query heads, softcap, query offsets, sliding
+windows and sequence lengths, on the explicit and the fused path, against PyTorch's own kernel,
+a boolean mask built here by hand, and the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from golden import reference
+from golden.tolerances import compare
+from golden.validate import window
+from tests.helpers import fresh_rng
+from torch_attn import scaled_dot_product_attention as sdpa
+
+B, H, LQ, LK, DK, DV = 2, 6, 5, 7, 4, 3
+TORCH_SDPA = F.scaled_dot_product_attention  # before any monkeypatch
+
+# Allowed-set arguments, each with at least one empty row somewhere (or none), by name.
+ALLOWED_CASES = {
+    "window": dict(local_window_size=1),
+    "window_left_causal": dict(local_window_size=(2, None), is_causal=True),
+    "window_right_only": dict(local_window_size=(None, 0)),
+    "offset_causal": dict(query_offset=2, is_causal=True),
+    "offset_tensor_window": dict(query_offset=np.array([0, 3]), local_window_size=(1, 2)),
+    "kv_lengths": dict(key_value_seq_lengths=np.array([7, 3])),
+    "q_lengths_causal": dict(query_seq_lengths=np.array([5, 2]), is_causal=True),
+    "all": dict(query_offset=np.array([1, 4]), local_window_size=(3, 0), is_causal=True,
+                key_value_seq_lengths=np.array([6, 4]), query_seq_lengths=np.array([4, 5])),
+    "empty_rows": dict(query_offset=9, local_window_size=(0, 0)),  # every row empty
+}
+
+
+def tensors(rng, hkv=H, dtype=torch.float64, batch=(B,), grad=False):
+    """Fresh q (…, H, Lq, Dk), k (…, Hkv, Lk, Dk), v (…, Hkv, Lk, Dv)."""
+    shapes = [(H, LQ, DK), (hkv, LK, DK), (hkv, LK, DV)]
+    return [torch.tensor(rng.standard_normal(batch + s), dtype=dtype, requires_grad=grad)
+            for s in shapes]
+
+
+def torch_kwargs(kw):
+    """NumPy offsets and lengths as int64 tensors."""
+    return {n: torch.from_numpy(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+
+
+def allowed_by_hand(kw):
+    """(B, 1, Lq, Lk) bool, straight from the definitions: query i at i + offset, key j at j."""
+    offset = np.broadcast_to(kw.get("query_offset", 0), (B,))[:, None, None, None]
+    i, j = np.arange(LQ)[:, None], np.arange(LK)[None, :]
+    pos = i + offset
+    left, right = window(kw.get("local_window_size"))
+    ok = np.ones((B, 1, LQ, LK), dtype=bool)
+    if kw.get("is_causal"):
+        ok &= j <= pos
+    if left is not None:
+        ok &= j >= pos - left
+    if right is not None:
+        ok &= j <= pos + right
+    if "key_value_seq_lengths" in kw:
+        ok &= j < kw["key_value_seq_lengths"][:, None, None, None]
+    if "query_seq_lengths" in kw:
+        ok &= i < kw["query_seq_lengths"][:, None, None, None]
+    return ok
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The calls torch_attn makes to PyTorch's fused kernel, recorded."""
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k) or TORCH_SDPA(*a, **k))
+    return calls
+
+
+def run_path(path, q, k, v, **kw):
+    """The output on the explicit path (weights asked for) or the fused one (no_grad)."""
+    if path == "explicit":
+        return sdpa(q, k, v, return_weights=True, **kw)[0]
+    with torch.no_grad():
+        return sdpa(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("path", ["explicit", "fused"])
+@pytest.mark.parametrize("hkv", [1, 2, 3], ids=["mqa", "gqa2", "gqa3"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("batch", [(B,), ()], ids=["batched", "unbatched"])
+def test_grouped_heads_match_torch_kernel(path, hkv, is_causal, batch, fused_calls):
+    rng, seed = fresh_rng()
+    q, k, v = tensors(rng, hkv, torch.float32, batch)
+    out = run_path(path, q, k, v, is_causal=is_causal, scale=0.7)
+    expected = TORCH_SDPA(q, k, v, is_causal=is_causal, enable_gqa=True, scale=0.7)
+    assert bool(fused_calls) == (path == "fused")
+    if path == "fused":
+        assert fused_calls[0].get("enable_gqa") is True
+    assert compare(out.numpy(), expected.numpy(), "float32").ok, f"seed {seed}"
+
+
+@pytest.mark.parametrize("path", ["explicit", "fused"])
+@pytest.mark.parametrize("case", ALLOWED_CASES)
+def test_allowed_set_matches_hand_built_mask(path, case, fused_calls):
+    """On rows with an allowed key, PyTorch's kernel with the mask built by hand; the other
+    rows are zeros."""
+    rng, seed = fresh_rng()
+    q, k, v = tensors(rng, hkv=3)
+    kw = ALLOWED_CASES[case]
+    out = run_path(path, q, k, v, **torch_kwargs(kw)).numpy()
+    ok = allowed_by_hand(kw)
+    live = np.broadcast_to(ok.any(-1), (B, H, LQ))
+    expected = TORCH_SDPA(q, k, v, attn_mask=torch.from_numpy(ok), enable_gqa=True).numpy()
+    assert bool(fused_calls) == (path == "fused")
+    assert compare(out[live], expected[live], "float64").ok, f"seed {seed}"
+    assert (out[~live] == 0).all()
+
+
+def test_grouped_heads_equal_repeated_kv_with_group_sum_gradients():
+    rng, seed = fresh_rng()
+    g = 3
+    q, k, v = tensors(rng, hkv=H // g, grad=True)
+    k_rep, v_rep = (x.detach().repeat_interleave(g, dim=-3).requires_grad_() for x in (k, v))
+    out, w = sdpa(q, k, v, is_causal=True, return_weights=True, softcap=2.0)
+    out_rep, w_rep = sdpa(q, k_rep, v_rep, is_causal=True, return_weights=True, softcap=2.0)
+    cot = torch.tensor(rng.standard_normal(out.shape))
+    out.backward(cot)
+    out_rep.backward(cot)
+    for a, e in [(out, out_rep), (w, w_rep)]:
+        assert compare(a.detach().numpy(), e.detach().numpy(), "float64").ok, f"seed {seed}"
+    for x, x_rep in [(k, k_rep), (v, v_rep)]:
+        group_sum = x_rep.grad.unflatten(-3, (H // g, g)).sum(-3)  # (B, Hkv, Lk, D)
+        assert compare(x.grad.numpy(), group_sum.numpy(), "float64", "grad", terms=g).ok
+
+
+@pytest.mark.parametrize("path", ["explicit", "fused"])
+def test_int_and_tensor_offsets_agree(path):
+    rng, _ = fresh_rng()
+    q, k, v = tensors(rng, hkv=2)
+    kw = dict(is_causal=True, local_window_size=(2, 1))
+    as_int = run_path(path, q, k, v, query_offset=3, **kw)
+    as_tensor = run_path(path, q, k, v, query_offset=torch.tensor([3, 3]), **kw)
+    torch.testing.assert_close(as_int, as_tensor, rtol=0, atol=0)
+    unbatched = run_path(path, q[1], k[1], v[1], query_offset=torch.tensor(3), **kw)
+    torch.testing.assert_close(unbatched, as_int[1], rtol=0, atol=0)
+
+
+def test_softcap_by_hand():
+    rng, seed = fresh_rng()
+    q, k, v = tensors(rng)
+    out, w = sdpa(q, k, v, softcap=1.5, return_weights=True)
+    s = q @ k.transpose(-2, -1) / DK**0.5
+    expected = torch.softmax(1.5 * torch.tanh(s / 1.5), dim=-1)
+    assert compare(w.numpy(), expected.numpy(), "float64", "weights").ok, f"seed {seed}"
+    assert compare(out.numpy(), (expected @ v).numpy(), "float64").ok, f"seed {seed}"
+
+
+def test_softcap_forces_the_explicit_path(fused_calls):
+    rng, _ = fresh_rng()
+    with torch.no_grad():
+        sdpa(*tensors(rng), softcap=3.0)
+    assert not fused_calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_with_an_empty_row_gives_zeros_and_finite_gradients(dtype):
+    rng, _ = fresh_rng()
+    q, k, v = tensors(rng, hkv=2, dtype=dtype, grad=True)
+    mask = torch.ones(LQ, LK, dtype=torch.bool)
+    mask[1] = False  # row 1 empty
+    bias = torch.tensor(rng.standard_normal((LQ, LK)), dtype=dtype, requires_grad=True)
+    out, w = sdpa(q, k, v, mask, bias, softcap=0.5, scale=100.0, return_weights=True,
+                  local_window_size=(None, 4), query_offset=torch.tensor([0, 1]))
+    (out.sum() + w.sum()).backward()
+    assert (out[..., 1, :] == 0).all() and (w[..., 1, :] == 0).all()
+    for x in (out, w, q.grad, k.grad, v.grad, bias.grad):
+        assert torch.isfinite(x).all()
+    assert (q.grad[..., 1, :] == 0).all() and (bias.grad[1] == 0).all()
+
+
+def test_query_lengths_give_zero_rows_and_zero_gradients():
+    rng, _ = fresh_rng()
+    q, k, v = tensors(rng, hkv=3, grad=True)
+    lengths = torch.tensor([5, 2])
+    out, w = sdpa(q, k, v, query_seq_lengths=lengths, return_weights=True)
+    out.backward(torch.tensor(rng.standard_normal(out.shape)))
+    assert (out[1, :, 2:] == 0).all() and (w[1, :, 2:] == 0).all()
+    assert (q.grad[1, :, 2:] == 0).all() and (q.grad[1, :, :2] != 0).all()
+    assert (q.grad[0] != 0).all()
+
+
+# Softcap runs the explicit path only.
+REFERENCE_CASES = {**ALLOWED_CASES, "softcap_gqa": dict(softcap=1.0, scale=3.0, is_causal=True),
+                   "softcap_all": dict(ALLOWED_CASES["all"], softcap=0.3, scale=2.0)}
+
+
+def _reference_takes_new_arguments() -> bool:
+    try:
+        reference.scaled_dot_product_attention(
+            np.zeros((2, 1, 3)), np.zeros((1, 1, 3)), np.zeros((1, 1, 2)), softcap=1.0,
+            local_window_size=1, query_offset=1, key_value_seq_lengths=np.array(1),
+            query_seq_lengths=np.array(1))
+    except TypeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _reference_takes_new_arguments(),
+                    reason="golden.reference does not take the issue-9 arguments yet")
+@pytest.mark.parametrize("path, case", [(p, c) for c in REFERENCE_CASES
+                                         for p in ("explicit", "fused")
+                                         if p == "explicit" or "softcap" not in c])
+def test_matches_float64_reference(path, case):
+    rng, seed = fresh_rng()
+    q, k, v = tensors(rng, hkv=2)
+    kw = REFERENCE_CASES[case]
+    out = run_path(path, q, k, v, **torch_kwargs(kw))
+    expected, expected_w = reference.scaled_dot_product_attention(
+        q.numpy(), k.numpy(), v.numpy(), **kw)
+    assert compare(out.numpy(), expected, "float64").ok, f"seed {seed}"
+    if path == "explicit":
+        _, w = sdpa(q, k, v, return_weights=True, **torch_kwargs(kw))
+        assert compare(w.numpy(), expected_w, "float64", "weights").ok, f"seed {seed}"
