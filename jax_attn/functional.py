@@ -144,16 +144,27 @@ def _vmap_all(one, q, k, v, extras):
 
 def _vmap_chunks(one, q, k, v, extras, chunk):
     """The B·Hkv (batch, kv head) pairs, each with its G query heads (vmapped, k and v not
-    mapped), ``max(1, chunk // G)`` pairs at a time: vmapped within, sequential across. The
-    extras are indexed per pair, never copied."""
+    mapped), ``max(1, chunk // G)`` pairs at a time: vmapped within, sequential across; a group
+    of more than ``chunk`` query heads is itself taken ``chunk`` heads at a time, so a step's
+    scores stay as small as without groups. The extras are indexed per pair, never copied."""
     b, hkv, g = q.shape[:3]
     per_group = _mapped(one, extras, 2, kv=False)
+
+    def group_in_steps(qn, kn, vn, picked):
+        """A group larger than a chunk: its query heads ``chunk`` at a time, k and v shared."""
+        def head(args):
+            qh, h = args
+            return one(qh, kn, vn, *[None if x is None else x[h if x.shape[0] > 1 else 0]
+                                     for x in picked])
+        return jax.lax.map(head, (qn, jnp.arange(g)), batch_size=chunk)
 
     def pair(args):  # pair n = i·Hkv + j: batch i, kv head j
         qn, kn, vn, n = args
         i, j = n // hkv, n % hkv
         picked = [None if x is None else x[i if x.shape[0] > 1 else 0, j if x.shape[1] > 1 else 0]
                   for x in extras]  # (G|1, ...)
+        if g > chunk:
+            return group_in_steps(qn, kn, vn, picked)
         return per_group(qn, kn, vn, *_squeezed(picked, 1))
 
     flat = tuple(x.reshape((b * hkv,) + x.shape[2:]) for x in (q, k, v))  # (B·Hkv, [G,] L, D)
