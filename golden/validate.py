@@ -95,9 +95,7 @@ def check_attention_args(
         _expect_broadcastable("bias", bias, letters, target, "float")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale should be a finite number or None, got {scale!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not math.isfinite(softcap) or softcap <= 0):
-        raise ValueError(f"softcap should be a positive number or None, got {softcap!r}")
+    check_softcap("softcap", softcap)
     window(local_window_size)
     batch = q_shape[:1] if rank == 4 else ()
     for arg, x in (("query_offset", query_offset), ("query_seq_lengths", query_seq_lengths),
@@ -111,6 +109,13 @@ def check_attention_args(
             raise ValueError("dropout_mask was given but dropout_rate is 0.0; set dropout_rate")
         _expect_broadcastable("dropout_mask", dropout_mask, letters, target, "bool")
     return target
+
+
+def check_softcap(arg, c) -> None:
+    """A soft-cap: None or a finite number > 0."""
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                          or not math.isfinite(c) or c <= 0):
+        raise ValueError(f"{arg} should be a positive number or None, got {c!r}")
 
 
 def window(local_window_size) -> tuple:

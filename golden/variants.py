@@ -26,6 +26,7 @@ from golden.validate import (
     check_attention_args,
     check_cross_inputs,
     check_self_inputs,
+    check_softcap,
     dtype_name,
     window,
 )
@@ -57,12 +58,6 @@ def _scale(name, s) -> None:
     if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
                           or not math.isfinite(s)):
         raise ValueError(f"{name} should be a finite number or None, got {s!r}")
-
-
-def _softcap(name, c) -> None:
-    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
-                          or not math.isfinite(c) or c <= 0):
-        raise ValueError(f"{name} should be a positive number or None, got {c!r}")
 
 
 def _window(name, w) -> None:
@@ -230,7 +225,7 @@ QKV_LAYERS = {"query": "W_query", "key": "W_key", "value": "W_value"}
 _VARIANTS = [
     Variant(SDPA, None,
             (Arg("is_causal", _flag, False), Arg("scale", _scale, None),
-             Arg("softcap", _softcap, None), Arg("local_window_size", _window, None),
+             Arg("softcap", check_softcap, None), Arg("local_window_size", _window, None),
              Arg("dropout_rate", _rate, 0.0)),
             shapes=lambda c: {}, check_inputs=_core_inputs,
             inputs=(Input("query", None), Input("key", None, "key"),
