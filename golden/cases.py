@@ -203,3 +203,33 @@ CASES += [
           "bias": ("grid", (B, 1, LQ, LK))},
          {"softcap": 1.5, "is_causal": True}, dtypes=LOW),
 ]
+
+# GroupedQueryAttention (issue 10): Hkv key-value heads, rotary embeddings in both conventions,
+# the core's soft-cap, window and scale reaching it from the constructor, right-padded rows
+# (query_seq_lengths), dropout, unbatched input, low precision. B=2, L=7, d_in 5 or 8.
+GQA = "grouped_query_attention"
+CASES += [
+    Case("gqa_rope_half", GQA, 261, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "qkv_bias": True, "out_bias": True, "rope_theta": 10000.0}),
+    Case("gqa_mqa_rope_interleaved_unbatched", GQA, 262, {"x": ("normal", (7, 5))},
+         {"d_in": 5, "num_heads": 3, "num_kv_heads": 1, "head_dim": 4, "rope_theta": 100.0,
+          "rope_interleaved": True}),
+    Case("gqa_window_softcap_lengths_mask", GQA, 263,  # head_dim = d_in // num_heads = 2
+         {"x": ("normal", (2, 7, 8)), "mask": ("mask", (2, 7, 7), 0.8, ()),
+          "query_seq_lengths": _ints([7, 4])},
+         {"d_in": 8, "num_heads": 4, "num_kv_heads": 2, "local_window_size": 2, "softcap": 2.0,
+          "scale": 0.6, "rope_theta": 10000.0, "out_bias": True}),
+    Case("gqa_dropout_bidirectional_padding", GQA, 264,  # padding is neither query nor key
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([5, 7]),
+          "dropout_mask": ("keep", (2, 6, 7, 7), 0.2)},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 3, "head_dim": 4, "causal": False,
+          "dropout": 0.2, "qkv_bias": True, "rope_theta": 500.0, "rope_interleaved": True}),
+    Case("gqa_as_mha_no_rope", GQA, 265,  # num_kv_heads = num_heads: multi-head attention
+         {"x": ("normal", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.7, ((1, 3),))},
+         {"d_in": 5, "num_heads": 3, "num_kv_heads": 3, "head_dim": 2, "d_out": 4,
+          "qkv_bias": True, "causal": False}),
+    Case("gqa_low_precision_rope", GQA, 309, {"x": ("grid", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8, "d_out": 3,
+          "qkv_bias": True, "rope_theta": 10000.0}, dtypes=LOW),
+]

@@ -5,7 +5,7 @@ A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pick
     meta                 0-d unicode array holding JSON: format, format_version, name, variant,
                          seed, config, dtypes (those the frameworks run it at), the names
                          listed under inputs, params and grads, and under zero the gradients
-                         that are zero in exact arithmetic (golden.reference.ZERO_GRADS)
+                         that are zero in exact arithmetic (golden.reference.zero_grads)
     inputs/<name>        arrays fed to the variant (floats stored as float32, masks as bool,
                          integer offsets and lengths as int32; these have no gradient)
     params/<name>        module weights in the neutral layout (y = x W + b, W is (in, out))

@@ -131,8 +131,15 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
 # Gradients that are zero in exact arithmetic, whatever the inputs: the key projection's bias
 # adds q_i · b_key to every score of query row i, a constant per row, and softmax is unchanged by
 # a constant added to a row. Computed, they are rounding noise; fixtures list them (meta "zero")
-# and they are checked against an absolute bound instead of a relative one.
+# and they are checked against an absolute bound instead of a relative one. Not with rotary
+# embeddings: there the bias is rotated by each key's position, and the shift is no longer
+# constant along the row.
 ZERO_GRADS = {"b_key"}
+
+
+def zero_grads(config, grads) -> list:
+    """The names among ``grads`` that are zero by structure for this configuration, sorted."""
+    return [] if config.get("rope_theta") is not None else sorted(set(grads) & ZERO_GRADS)
 
 
 def unbroadcast(grad, shape):
@@ -169,7 +176,9 @@ def sdpa_backward(cache, d_output, d_weights):
 # ---------------------------------------------------------------------------------------------
 # Modules. Legend as above, plus L sequence length, N heads, d_* feature widths.
 # One block covers every variant: project, split heads, attend, merge heads, project out:
-#     Q = x_q W_q + b_q, K = x_k W_k + b_k, V = x_v W_v + b_v      (..., L, N·D)
+#     Q = x_q W_q + b_q, K = x_k W_k + b_k, V = x_v W_v + b_v      (..., L, N·D), K and V
+#                                                                   (..., L, Nkv·D) with GQA
+#     Q, K = rotate(split(Q)), rotate(split(K))                     RoPE, when the variant has it
 #     O = attention(split(Q), split(K), split(V))                   (..., N, Lq, Dv)
 #     y = merge(O) W_out + b_out   (or merge(O) when there is no output projection)
 # ---------------------------------------------------------------------------------------------
@@ -203,19 +212,41 @@ def merge_heads(y):
     return y.reshape(y.shape[:-2] + (-1,))
 
 
-def block_forward(x_q, x_k, x_v, p, *, num_heads, is_causal=False, mask=None, scale=None,
-                  dropout_rate=0.0, dropout_mask=None):
-    """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out."""
+def rope_angles(length, head_dim, theta):
+    """(L, Dh/2) float64: position p times frequency θ^(−2i/Dh), for p = 0 … L − 1."""
+    frequencies = float(theta) ** (-np.arange(0, head_dim, 2) / head_dim)
+    return np.arange(length)[:, None] * frequencies
+
+
+def rotate(x, angles, interleaved):
+    """Rotary embedding of x (..., L, Dh) by angles (..., L, Dh/2): feature pair i, the pair
+    (i, i + Dh/2) ("rotate half", interleaved=False) or (2i, 2i + 1) (interleaved=True),
+    is turned by its angle: (a, b) -> (a cos − b sin, b cos + a sin)."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    cos, sin = np.cos(angles), np.sin(angles)
+    turned = (a * cos - b * sin, b * cos + a * sin)
+    if interleaved:
+        return np.stack(turned, axis=-1).reshape(x.shape)  # (..., L, Dh/2, 2) -> (..., L, Dh)
+    return np.concatenate(turned, axis=-1)
+
+
+def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, rope=None, mask=None, **core):
+    """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out. Key and
+    value have ``kv_heads`` heads (default num_heads); ``rope`` = (angles (L, Dh/2), interleaved)
+    rotates q and k; ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (np.asarray(a, dtype=np.float64) for a in (x_q, x_k, x_v))
     p = {n: np.asarray(a, dtype=np.float64) for n, a in p.items()}
-    q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), num_heads)
+    heads = {"query": num_heads, "key": kv_heads or num_heads, "value": kv_heads or num_heads}
+    q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), heads[n])
                for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
+    if rope is not None:
+        q, k = rotate(q, *rope), rotate(k, *rope)
     head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
-    out, weights, attn = sdpa_forward(q, k, v, head_mask, is_causal=is_causal, scale=scale,
-                                      dropout_rate=dropout_rate, dropout_mask=dropout_mask)
+    out, weights, attn = sdpa_forward(q, k, v, head_mask, **core)
     merged = merge_heads(out)  # (..., Lq, N·Dv)
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
-    cache = dict(x=(x_q, x_k, x_v), p=p, num_heads=num_heads, merged=merged, attn=attn)
+    cache = dict(x=(x_q, x_k, x_v), p=p, heads=heads, rope=rope, merged=merged, attn=attn)
     return y, weights, cache
 
 
@@ -226,7 +257,10 @@ def block_backward(cache, d_y, d_weights):
     if "W_out" in p:
         g_merged = linear_backward(cache["merged"], p["W_out"], d_y, grads,
                                    ("W_out", "b_out" if "b_out" in p else None))
-    g = sdpa_backward(cache["attn"], split_heads(g_merged, cache["num_heads"]), d_weights)
+    g = sdpa_backward(cache["attn"], split_heads(g_merged, cache["heads"]["query"]), d_weights)
+    if cache["rope"] is not None:  # a rotation's transpose turns by the opposite angle
+        angles, interleaved = cache["rope"]
+        g["query"], g["key"] = (rotate(g[n], -angles, interleaved) for n in ("query", "key"))
     for x, n in zip(cache["x"], ("query", "key", "value")):
         grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
                                           (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
@@ -335,7 +369,26 @@ def _wrapper(config, inputs, params):
 
 def _wrapper_backward(cache, d_y, d_weights):
     g = _multi_head_backward(cache, d_y, d_weights)
-    return {n: _fused_to_stacked(n, a, cache["num_heads"]) for n, a in g.items()}
+    return {n: _fused_to_stacked(n, a, cache["heads"]["query"]) for n, a in g.items()}
+
+
+def _grouped_query(config, inputs, params):
+    """GroupedQueryAttention: Hkv key-value heads, RoPE at positions 0 … L − 1, the padding
+    past query_seq_lengths neither querying nor attended."""
+    c, x = config, inputs["x"]
+    num_heads, theta = c["num_heads"], c.get("rope_theta")
+    dh = c.get("head_dim") or c["d_in"] // num_heads
+    rope = None if theta is None else (rope_angles(x.shape[-2], dh, theta),
+                                       c.get("rope_interleaved", False))
+    lengths = inputs.get("query_seq_lengths")
+    train = "dropout_mask" in inputs
+    return block_forward(x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"],
+                         rope=rope, mask=inputs.get("mask"), is_causal=c.get("causal", True),
+                         scale=c.get("scale"), softcap=c.get("softcap"),
+                         local_window_size=c.get("local_window_size"),
+                         query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
+                         dropout_mask=inputs.get("dropout_mask"))
 
 
 VARIANTS = {
@@ -346,4 +399,5 @@ VARIANTS = {
     "cross_attention": (_cross, _cross_backward),
     "multi_head_attention_wrapper": (_wrapper, _wrapper_backward),
     "multi_head_attention": (_multi_head, _multi_head_backward),
+    "grouped_query_attention": (_grouped_query, _multi_head_backward),
 }

@@ -63,7 +63,7 @@ def build(case: Case) -> Fixture:
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
                    dtypes=list(case.dtypes), inputs=inputs, params=params, cotangents=cot,
                    expected={"output": out, "weights": weights}, grads=grads,
-                   zero=sorted(set(grads) & reference.ZERO_GRADS))
+                   zero=reference.zero_grads(case.config, grads))
 
 
 def regenerate(check: bool = False, directory=FIXTURE_DIR, log=print) -> int:

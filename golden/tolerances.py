@@ -67,10 +67,14 @@ TOLERANCES = {  # (dtype, "value" for outputs | "weights" | "grad" for gradients
     # The weights are the float32 softmax of float32 scores, rounded once: seen 0.71u (bfloat16)
     # and 0.76u (float16), the extra from low-precision projections in the modules. A softmax
     # or scores kept in the low dtype give 1.3u and 1.9u there, and far more on large scores.
-    ("bfloat16", "weights"): Tolerance(rel_norm=_BF16, rtol=_BF16, atol=_BF16),
+    # Rotary embeddings round q and k a second time (after the projection, after the rotation,
+    # which itself runs in float32), and the scores carry both: gqa_low_precision_rope's
+    # weights reach a relative error norm of 1.12u and an elementwise 1.48u (float16; bfloat16
+    # 0.91u and 1.23u), torch and JAX alike. Hence 1.5u and 2u, from 1u.
+    ("bfloat16", "weights"): Tolerance(rel_norm=1.5 * _BF16, rtol=2 * _BF16, atol=2 * _BF16),
     ("bfloat16", "grad"): Tolerance(rel_norm=4 * _BF16, rtol=2 * _BF16, atol=2 * _BF16),
     ("float16", "value"): Tolerance(rel_norm=1.5 * _F16, rtol=1.5 * _F16, atol=1.5 * _F16),
-    ("float16", "weights"): Tolerance(rel_norm=_F16, rtol=_F16, atol=_F16),
+    ("float16", "weights"): Tolerance(rel_norm=1.5 * _F16, rtol=2 * _F16, atol=2 * _F16),
     ("float16", "grad"): Tolerance(rel_norm=4 * _F16, rtol=2 * _F16, atol=2 * _F16),
 }
 

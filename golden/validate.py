@@ -32,12 +32,12 @@ def _expect_shape(arg, got, letters, want) -> None:
         raise ValueError(f"{arg} shape should be {_fmt(letters)} = {_fmt(shown)}, got {_fmt(got)}")
 
 
-def _expect_float(arg, x, like=None) -> None:
+def _expect_float(arg, x, like=None, whose="the query's") -> None:
     name = dtype_name(x.dtype)
     if like is None and name not in FLOAT_DTYPES:
         raise ValueError(f"{arg} dtype should be one of {', '.join(FLOAT_DTYPES)}, got {name}")
     if like is not None and name != like:
-        raise ValueError(f"{arg} dtype should be {like} (the query's), got {name}")
+        raise ValueError(f"{arg} dtype should be {like} ({whose}), got {name}")
 
 
 def _expect_broadcastable(arg, x, letters, target, kind) -> None:
@@ -202,3 +202,43 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
     _expect_broadcastable("dropout_mask", dropout_mask, batch + ("N",) * len(head) + ("Lq", "Lk"),
                           weights, "bool")
     return weights
+
+
+def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_lengths=None, *,
+                         heads, rate=0.0, cache=None, kv_heads=None, head_dim=None):
+    """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
+    array of the batch shape ((B,), or () unbatched). Without a cache the keys are x's L tokens;
+    with one (a golden.positions.KVCache, see check_cache) they are its max_length positions M,
+    and x must be batched like it. Returns the weights' shape (B, H, L, L or M)."""
+    lead = check_sequence("x", x, "d_in", d_in)
+    if query_seq_lengths is not None:
+        _expect_integers("query_seq_lengths", query_seq_lengths, lead, "B" if lead else None)
+    lk = x.shape[-2]
+    if cache is not None:
+        lk = check_cache(cache, x, kv_heads, head_dim)
+    return check_module_masks(lead, x.shape[-2], lk, mask, dropout_mask, heads, rate)
+
+
+def check_cache(cache, x, kv_heads, head_dim) -> int:
+    """A KV cache for x (B, L, d_in): key and value (B, Hkv, M, Dh) in x's dtype, lengths (B,)
+    integers, L ≤ M. Returns M. Only shapes and dtypes are read (never the lengths' values)."""
+    fields = ("key", "value", "lengths")
+    if not all(hasattr(cache, f) for f in fields):
+        raise ValueError("cache should be a KVCache (key, value, lengths) from init_cache, got "
+                         f"{type(cache).__name__}")
+    if len(x.shape) != 3:
+        raise ValueError(f"x shape should be (B, L, d_in) with a cache, got {_fmt(tuple(x.shape))}")
+    b, length = x.shape[0], x.shape[1]
+    _expect_shape("cache.key", tuple(cache.key.shape), ("B", "Hkv", "M", "Dh"),
+                  (b, kv_heads, None, head_dim))
+    m = cache.key.shape[2]
+    _expect_shape("cache.value", tuple(cache.value.shape), ("B", "Hkv", "M", "Dh"),
+                  (b, kv_heads, m, head_dim))
+    _expect_integers("cache.lengths", cache.lengths, (b,), "B")
+    for name in ("key", "value"):
+        _expect_float(f"cache.{name}", getattr(cache, name), like=dtype_name(x.dtype),
+                      whose="x's")
+    if length > m:
+        raise ValueError(f"x length L should be at most the cache's max_length M = {m}, "
+                         f"got {length}")
+    return m

@@ -25,6 +25,7 @@ from golden.validate import (
     FLOAT_DTYPES,
     check_attention_args,
     check_cross_inputs,
+    check_decoder_inputs,
     check_self_inputs,
     check_softcap,
     dtype_name,
@@ -58,6 +59,12 @@ def _scale(name, s) -> None:
     if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
                           or not math.isfinite(s)):
         raise ValueError(f"{name} should be a finite number or None, got {s!r}")
+
+
+def _positive_number_or_none(name, x) -> None:
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))
+                          or not math.isfinite(x) or x <= 0):
+        raise ValueError(f"{name} should be a positive number or None, got {x!r}")
 
 
 def _window(name, w) -> None:
@@ -195,6 +202,31 @@ def _multi_head_shapes(c):
     return shapes
 
 
+def head_dim(c) -> int:
+    """GroupedQueryAttention's head width Dh: head_dim, which defaults to d_in // num_heads."""
+    return c["d_in"] // c["num_heads"] if c["head_dim"] is None else c["head_dim"]
+
+
+def _grouped_query_shapes(c):
+    h, hkv, dh = c["num_heads"], c["num_kv_heads"], head_dim(c)
+    if h % hkv:
+        raise ValueError(f"num_kv_heads should divide num_heads = {h}, got {hkv}")
+    if dh == 0:
+        raise ValueError(f"head_dim should be given when d_in < num_heads (d_in // num_heads "
+                         f"= 0), got d_in = {c['d_in']}, num_heads = {h}")
+    if c["rope_theta"] is not None and dh % 2:
+        raise ValueError(f"head_dim should be even with rotary embeddings (rope_theta), "
+                         f"got {dh}")
+    d_out = c["d_in"] if c["d_out"] is None else c["d_out"]
+    shapes = {"W_query": (c["d_in"], h * dh), "W_key": (c["d_in"], hkv * dh),
+              "W_value": (c["d_in"], hkv * dh), "W_out": (h * dh, d_out)}
+    if c["qkv_bias"]:
+        shapes.update({"b_query": (h * dh,), "b_key": (hkv * dh,), "b_value": (hkv * dh,)})
+    if c["out_bias"]:
+        shapes["b_out"] = (d_out,)
+    return shapes
+
+
 # ---- input checks: (config, arrays, dropout rate in force) -> weights shape ------------------
 
 def _core_inputs(c, i, rate):
@@ -210,6 +242,11 @@ def _core_inputs(c, i, rate):
 def _self_inputs(c, i, rate):
     return check_self_inputs(i["x"], c.get("d_in"), i.get("mask"), i.get("dropout_mask"),
                              heads=c.get("num_heads"), rate=rate)
+
+
+def _decoder_inputs(c, i, rate):
+    return check_decoder_inputs(i["x"], c["d_in"], i.get("mask"), i.get("dropout_mask"),
+                                i.get("query_seq_lengths"), heads=c["num_heads"], rate=rate)
 
 
 def _cross_inputs(c, i, rate):
@@ -266,6 +303,18 @@ _VARIANTS = [
             shapes=_multi_head_shapes, check_inputs=_self_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj"},
             sample=dict(d_in=5, d_out=12, num_heads=3, causal=True, dropout=0.2, qkv_bias=True)),
+    Variant("grouped_query_attention", "GroupedQueryAttention",
+            (Arg("d_in", _positive), Arg("num_heads", _positive), Arg("num_kv_heads", _positive),
+             Arg("head_dim", _positive_or_none, None), Arg("d_out", _positive_or_none, None),
+             Arg("qkv_bias", _flag, False), Arg("out_bias", _flag, False),
+             Arg("causal", _flag, True), Arg("scale", _scale, None),
+             Arg("softcap", check_softcap, None), Arg("local_window_size", _window, None),
+             Arg("rope_theta", _positive_number_or_none, None),
+             Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0)),
+            shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
+            layers={**QKV_LAYERS, "out": "out_proj"},
+            sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
+                        out_bias=True, rope_theta=100.0, dropout=0.1)),
 ]
 
 VARIANTS = {v.name: v for v in _VARIANTS}

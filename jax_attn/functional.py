@@ -16,6 +16,7 @@ from functools import partial, reduce
 import jax
 import jax.numpy as jnp
 
+from golden.positions import ROPE_BLOCK, rope_tables
 from golden.validate import check_attention_args, window
 
 DEFAULT_PRECISION = jax.lax.Precision.HIGHEST
@@ -236,3 +237,48 @@ def _allowed(shape, mask, offset, q_len, kv_len, *, is_causal, window):
              row < q_len if q_len is not None else None]
     terms = [t for t in terms if t is not None]
     return jnp.broadcast_to(reduce(jnp.logical_and, terms), shape) if terms else None
+
+
+def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=None):
+    """Rotary position embedding of x (..., L, Dh): token i (of batch row b) at position
+    i + ``offset`` (None: 0; an int; or an integer array (B,) for x of shape (B, H, L, Dh),
+    traced under jit). Feature pair i, (i, i + Dh/2) by default ("rotate half", Hugging Face's
+    Llama) or (2i, 2i + 1) when ``interleaved`` (GPT-J, Meta's Llama), turns by
+    position · θ^(−2i/Dh).
+
+    The angles are exact to a few roundings at any position: cos and sin come from float64
+    tables (golden.positions.rope_tables, constants of the compiled program) for positions below
+    ``max_position`` (static; default L, exact without an offset); every position must be below
+    it (a larger one reads a clamped row). The rotation runs in at least float32 and is rounded
+    once to x's dtype.
+    """
+    length, dh = x.shape[-2], x.shape[-1]
+    if dh % 2:
+        raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")
+    positions = jnp.arange(length)  # (L,)
+    if offset is not None:
+        offset = jnp.asarray(offset, dtype=jnp.int32)
+        positions = positions + offset.reshape(offset.shape + (1,) * (x.ndim - 2))  # (B, 1, L)
+    max_position = length if max_position is None else max_position
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    cos, sin = _rope_cos_sin(positions, float(theta), dh, max_position, compute)
+    return _turn(x.astype(compute), cos, sin, interleaved).astype(x.dtype)
+
+
+def _rope_cos_sin(positions, theta, dh, max_position, dtype):
+    """cos and sin (..., L, Dh/2) of position · f_i, by angle addition over the tables' rows
+    a = position // ROPE_BLOCK and b = position % ROPE_BLOCK."""
+    tables = [jnp.asarray(t, dtype=dtype) for t in rope_tables(theta, dh, max_position)]
+    hi, lo = positions // ROPE_BLOCK, positions % ROPE_BLOCK
+    cos_hi, sin_hi, cos_lo, sin_lo = tables[0][hi], tables[1][hi], tables[2][lo], tables[3][lo]
+    return cos_hi * cos_lo - sin_hi * sin_lo, sin_hi * cos_lo + cos_hi * sin_lo
+
+
+def _turn(x, cos, sin, interleaved):
+    """(a, b) -> (a cos − b sin, b cos + a sin) for each feature pair of x (..., L, Dh)."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    turned = (a * cos - b * sin, b * cos + a * sin)
+    if interleaved:
+        return jnp.stack(turned, axis=-1).reshape(x.shape)  # (..., L, Dh/2, 2) -> (..., L, Dh)
+    return jnp.concatenate(turned, axis=-1)

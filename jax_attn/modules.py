@@ -24,11 +24,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
+from golden import variants
+from golden.positions import KVCache
+from golden.validate import (
+    check_cross_inputs,
+    check_decoder_inputs,
+    check_self_inputs,
+    check_sequence,
+)
 from golden.variants import VARIANTS
-from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+from jax_attn.functional import (
+    DEFAULT_PRECISION,
+    rotary_embedding,
+    scaled_dot_product_attention,
+)
 
-__all__ = ["CausalSelfAttention", "CrossAttention", "MultiHeadAttention",
+__all__ = ["CausalSelfAttention", "CrossAttention", "GroupedQueryAttention", "MultiHeadAttention",
            "MultiHeadAttentionWrapper", "SelfAttention", "SimpleSelfAttention"]
 
 # Compiles a module's __call__: the module is a pytree (graph=False, the fast path: no shared
@@ -243,3 +254,130 @@ class MultiHeadAttention(_Variant):
         merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
         y = self.out_proj(merged.reshape(merged.shape[:-2] + (-1,)))  # (B, L, d_out)
         return (y, w) if return_weights else y
+
+
+class GroupedQueryAttention(_Variant):
+    """The attention of Llama, Mistral, Qwen and Gemma: N query heads sharing Nkv key-value heads
+    (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
+    embeddings on q and k (``rope_theta``), causal by default, and a functional KV cache.
+
+    Shapes: x (B, L, d_in) or (L, d_in); q (B, N, L, Dh), k and v (B, Nkv, L, Dh), Dh =
+    ``head_dim`` (default d_in // num_heads); output (B, L, d_out), weights (B, N, L, Lk) with
+    Lk = L, or the cache's max_length M. ``query_seq_lengths`` (B,): the real tokens of each row
+    (right padding); a padding token neither queries (its row of the weights is zero, its output
+    row is the output bias) nor is attended, and is not written to a cache.
+
+    With ``cache`` (from ``init_cache``, a pytree), token i of row b is at position
+    cache.lengths[b] + i: its key and value are written there (a scatter, in place when the
+    caller's jit donates the cache), it attends the cached keys and this call's (bottom-right
+    causal), RoPE turns it by that position, and the call returns (output, new cache). The
+    lengths are traced, so a decode step compiles once per max_length. Tokens that do not fit
+    in max_length are dropped (checking would need the lengths' values on the host): they are
+    not written nor counted, and their output rows are those of padding.
+    """
+
+    variant = "grouped_query_attention"
+
+    def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
+                 out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, *, rngs,
+                 precision=DEFAULT_PRECISION):
+        self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
+                        causal=causal, scale=scale, softcap=softcap,
+                        local_window_size=local_window_size, rope_theta=rope_theta,
+                        rope_interleaved=rope_interleaved, dropout=dropout)
+        self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
+        self.head_dim = variants.head_dim(self.config)
+        self.causal, self.scale, self.softcap = causal, scale, softcap
+        self.local_window_size = _static_window(local_window_size)
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.precision = precision
+        self._init_dropout(dropout, rngs)
+        width, kv_width = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.W_query = _linear(d_in, width, qkv_bias, rngs, precision)
+        self.W_key = _linear(d_in, kv_width, qkv_bias, rngs, precision)
+        self.W_value = _linear(d_in, kv_width, qkv_bias, rngs, precision)
+        self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
+
+    def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
+        """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
+        parameters'), lengths zeros (B,) int32."""
+        shape = _cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
+        dtype = self.W_query.kernel.get_value().dtype if dtype is None else dtype
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                       jnp.zeros((batch_size,), jnp.int32))
+
+    @compiled_call
+    def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
+                 return_weights=False):
+        rate = self._rate()
+        check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
+                             heads=self.num_heads, rate=rate, cache=cache,
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        q = self._split(self.W_query(x), self.num_heads)       # (B, N, L, Dh)
+        k = self._split(self.W_key(x), self.num_kv_heads)      # (B, Nkv, L, Dh)
+        v = self._split(self.W_value(x), self.num_kv_heads)
+        offset, q_len, kv_len = None, query_seq_lengths, query_seq_lengths
+        if cache is not None:
+            offset, q_len, kv_len = _cache_positions(cache, x.shape[1], query_seq_lengths)
+        if self.rope_theta is not None:
+            bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
+            q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
+                                     offset=offset, max_position=bound) for t in (q, k))
+        if cache is not None:
+            cache = _append(cache, k, v, q_len)
+            k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
+        head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
+        o = scaled_dot_product_attention(
+            q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            local_window_size=self.local_window_size, query_offset=offset,
+            query_seq_lengths=q_len, key_value_seq_lengths=kv_len, dropout_rate=rate,
+            dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
+            return_weights=return_weights, precision=self.precision)
+        o, w = o if return_weights else (o, None)
+        merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
+        y = self.out_proj(merged.reshape(merged.shape[:-2] + (-1,)))  # (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _split(self, y, heads):
+        """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
+        y = y.reshape(y.shape[:-1] + (heads, self.head_dim))  # (B, L, heads, Dh)
+        return jnp.swapaxes(y, -2, -3)
+
+
+def _static_window(w):
+    """A window as a hashable static setting: a pair becomes a tuple."""
+    return tuple(w) if isinstance(w, list) else w
+
+
+def _cache_shape(batch_size, max_length, kv_heads, dh) -> tuple:
+    for name, n in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} should be a positive int, got {n!r}")
+    return (batch_size, kv_heads, max_length, dh)
+
+
+def _cache_positions(cache, length, query_seq_lengths):
+    """(query offset, query lengths, key lengths) of a call of ``length`` tokens appended to
+    ``cache``: row b's tokens at lengths[b] + i, the real ones (i < query_seq_lengths[b],
+    clipped to [0, L]) counted, and of those only the ones that fit in max_length."""
+    held, room = cache.lengths, cache.key.shape[2]
+    new = (jnp.full_like(held, length) if query_seq_lengths is None
+           else jnp.clip(query_seq_lengths.astype(held.dtype), 0, length))
+    new = jnp.clip(new, 0, room - held)  # what does not fit is dropped
+    return held, new, held + new
+
+
+def _append(cache, k, v, new) -> KVCache:
+    """A new cache: row b's first new[b] keys and values of this call (B, Nkv, L, Dh) written
+    after its lengths[b] held ones, by one scatter; the others go to position M, out of range,
+    and are dropped."""
+    length, room = k.shape[2], cache.key.shape[2]
+    i = jnp.arange(length)
+    pos = jnp.where(i < new[:, None], cache.lengths[:, None] + i, room)  # (B, L)
+    rows = jnp.arange(k.shape[0])[:, None]                               # (B, 1)
+    key = cache.key.at[rows, :, pos].set(jnp.swapaxes(k, 1, 2), mode="drop")  # (B, L, Nkv, Dh)
+    value = cache.value.at[rows, :, pos].set(jnp.swapaxes(v, 1, 2), mode="drop")
+    return KVCache(key, value, cache.lengths + new)

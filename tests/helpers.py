@@ -233,7 +233,7 @@ def reference_fixture(variant_name, config, inputs, params, cotangents, dtype) -
     return Fixture(name=f"random {variant_name}", variant=variant_name, seed=0, config=config,
                    inputs=dict(inputs), dtypes=[dtype], params=dict(params),
                    cotangents=dict(cotangents), expected={"output": out, "weights": weights},
-                   grads=grads, zero=sorted(set(grads) & reference.ZERO_GRADS))
+                   grads=grads, zero=reference.zero_grads(config, grads))
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import golden
 import jax_attn
 from golden import reference, variants
 from golden.check import compare_all
+from golden.tolerances import compare
 from golden.validate import window
 from golden.variants import MODULES
 from jax_attn import functional
@@ -81,7 +82,11 @@ def test_module_jit_equals_eager(variant):
     with jax.disable_jit():
         eager = _module_call(module, inputs)
     for a, b in zip(jitted, eager):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
+        if variant.sample.get("rope_theta") is None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
+        else:  # XLA contracts the rotation's a·cos − b·sin into fused multiply-adds when it
+            # compiles the whole call, not op by op: an ulp or two apart (2.4e-7 seen)
+            assert compare(a, b, "float32").ok, f"seed {seed}"
 
 
 def test_core_compiles_once_per_shape():

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from golden.positions import ROPE_BLOCK, rope_tables
 from golden.validate import check_attention_args, window
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -148,3 +149,46 @@ def _masked_softmax(scores, allowed, may_empty):
         return torch.softmax(scores, dim=-1)
     weights = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
     return weights * allowed.any(dim=-1, keepdim=True) if may_empty else weights
+
+
+def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=None):
+    """Rotary position embedding of x (..., L, Dh): token i (of batch row b) at position
+    i + ``offset`` (None: 0; an int; or an integer tensor (B,) for x of shape (B, H, L, Dh)).
+    Feature pair i, (i, i + Dh/2) by default ("rotate half", Hugging Face's Llama) or (2i,
+    2i + 1) when ``interleaved`` (GPT-J, Meta's Llama), turns by position · θ^(−2i/Dh).
+
+    The angles are exact to a few roundings at any position: cos and sin come from float64
+    tables (golden.positions.rope_tables) for positions below ``max_position`` (default L,
+    exact without an offset); every position must be below it. The rotation runs in at least
+    float32 and is rounded once to x's dtype.
+    """
+    length, dh = x.shape[-2], x.shape[-1]
+    if dh % 2:
+        raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")
+    positions = torch.arange(length, device=x.device)  # (L,)
+    offset = _per_batch(offset, x.device)  # 0, an int or (B, 1, 1, 1)
+    if torch.is_tensor(offset):
+        offset = offset.reshape(-1, *(1,) * (x.dim() - 2))  # (B, 1, 1): against (B, H, L)
+    positions = positions + offset  # (L,) or (B, 1, L)
+    max_position = length if max_position is None else max_position
+    compute = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    cos, sin = _rope_cos_sin(positions, theta, dh, max_position, compute, x.device)
+    return _turn(x.to(compute), cos, sin, interleaved).to(x.dtype)
+
+
+def _rope_cos_sin(positions, theta, dh, max_position, dtype, device):
+    """cos and sin (..., L, Dh/2) of position · f_i, by angle addition over the tables' rows
+    a = position // ROPE_BLOCK and b = position % ROPE_BLOCK."""
+    tables = [torch.tensor(t, dtype=dtype, device=device)  # a copy: the tables are shared
+              for t in rope_tables(float(theta), dh, max_position)]
+    cos_hi, sin_hi, cos_lo, sin_lo = (t[i] for t, i in zip(
+        tables, 2 * (positions // ROPE_BLOCK,) + 2 * (positions % ROPE_BLOCK,)))
+    return cos_hi * cos_lo - sin_hi * sin_lo, sin_hi * cos_lo + cos_hi * sin_lo
+
+
+def _turn(x, cos, sin, interleaved):
+    """(a, b) -> (a cos − b sin, b cos + a sin) for each feature pair of x (..., L, Dh)."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    turned = (a * cos - b * sin, b * cos + a * sin)
+    return torch.stack(turned, dim=-1).flatten(-2) if interleaved else torch.cat(turned, dim=-1)

@@ -13,11 +13,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
+from golden import variants
+from golden.positions import KVCache
+from golden.validate import (
+    check_cross_inputs,
+    check_decoder_inputs,
+    check_self_inputs,
+    check_sequence,
+)
 from golden.variants import VARIANTS
-from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.functional import rotary_embedding, scaled_dot_product_attention
 
-__all__ = ["CausalSelfAttention", "CrossAttention", "MultiHeadAttention",
+__all__ = ["CausalSelfAttention", "CrossAttention", "GroupedQueryAttention", "MultiHeadAttention",
            "MultiHeadAttentionWrapper", "SelfAttention", "SimpleSelfAttention"]
 
 
@@ -185,3 +192,125 @@ class MultiHeadAttention(nn.Module):
         o, w = o if return_weights else (o, None)
         y = self.out_proj(o.transpose(-2, -3).flatten(-2))  # (B, L, N·Dh) -> (B, L, d_out)
         return (y, w) if return_weights else y
+
+
+class GroupedQueryAttention(nn.Module):
+    """The attention of Llama, Mistral, Qwen and Gemma: N query heads sharing Nkv key-value heads
+    (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
+    embeddings on q and k (``rope_theta``), causal by default, and a functional KV cache.
+
+    Shapes: x (B, L, d_in) or (L, d_in); q (B, N, L, Dh), k and v (B, Nkv, L, Dh), Dh =
+    ``head_dim`` (default d_in // num_heads); output (B, L, d_out), weights (B, N, L, Lk) with
+    Lk = L, or the cache's max_length M. ``query_seq_lengths`` (B,): the real tokens of each row
+    (right padding); a padding token neither queries (its row of the weights is zero, its output
+    row is the output bias) nor is attended, and is not written to a cache.
+
+    With ``cache`` (from ``init_cache``), token i of row b is at position
+    cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
+    this call's (bottom-right causal), RoPE turns it by that position, and the call returns
+    (output, new cache); the cache given is left as it was. More tokens than fit in max_length
+    raise ValueError.
+    """
+
+    variant = "grouped_query_attention"
+
+    def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
+                 out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0):
+        super().__init__()
+        self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
+                              qkv_bias=qkv_bias, out_bias=out_bias, causal=causal, scale=scale,
+                              softcap=softcap, local_window_size=local_window_size,
+                              rope_theta=rope_theta, rope_interleaved=rope_interleaved,
+                              dropout=dropout)
+        self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
+        self.head_dim = variants.head_dim(self.config)
+        self.causal, self.scale, self.softcap = causal, scale, softcap
+        self.local_window_size, self.dropout = local_window_size, dropout
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.W_query = nn.Linear(d_in, num_heads * self.head_dim, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, d_in if d_out is None else d_out,
+                                  bias=out_bias)
+
+    def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
+        """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
+        parameters'), lengths zeros (B,) int32, on the parameters' device."""
+        shape = _cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
+        dtype = self.W_query.weight.dtype if dtype is None else dtype
+        device = self.W_query.weight.device
+        return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(batch_size, dtype=torch.int32, device=device))
+
+    def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
+                return_weights=False):
+        rate = _dropout_rate(self)
+        check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
+                             heads=self.num_heads, rate=rate, cache=cache,
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        q = self._split(self.W_query(x), self.num_heads)       # (B, N, L, Dh)
+        k = self._split(self.W_key(x), self.num_kv_heads)      # (B, Nkv, L, Dh)
+        v = self._split(self.W_value(x), self.num_kv_heads)
+        offset, q_len, kv_len = None, query_seq_lengths, query_seq_lengths
+        if cache is not None:
+            offset, q_len, kv_len = _cache_positions(cache, x.shape[1], query_seq_lengths)
+        if self.rope_theta is not None:
+            bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
+            q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
+                                     offset=offset, max_position=bound) for t in (q, k))
+        if cache is not None:
+            cache = _append(cache, k, v, q_len)
+            k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
+        head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, L, Lk)
+        o = scaled_dot_product_attention(
+            q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            local_window_size=self.local_window_size, query_offset=offset,
+            query_seq_lengths=q_len, key_value_seq_lengths=kv_len, dropout_rate=rate,
+            dropout_mask=dropout_mask, return_weights=return_weights)
+        o, w = o if return_weights else (o, None)
+        y = self.out_proj(o.transpose(-2, -3).flatten(-2))  # (B, L, N·Dh) -> (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _split(self, y, heads):
+        """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
+        return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
+
+
+def _cache_shape(batch_size, max_length, kv_heads, dh) -> tuple:
+    for name, n in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} should be a positive int, got {n!r}")
+    return (batch_size, kv_heads, max_length, dh)
+
+
+def _cache_positions(cache, length, query_seq_lengths):
+    """(query offset, query lengths, key lengths) of a call of ``length`` tokens appended to
+    ``cache``: row b's tokens at lengths[b] + i, the real ones (i < query_seq_lengths[b]) counted.
+    ValueError when they do not fit (reads the lengths: a device sync)."""
+    held, room = cache.lengths, cache.key.shape[2]
+    new = (torch.full_like(held, length) if query_seq_lengths is None
+           else query_seq_lengths.to(held.device, held.dtype))
+    if bool(((new < 0) | (new > length)).any()):
+        raise ValueError(f"query_seq_lengths should be in [0, L = {length}], got {new.tolist()}")
+    if bool((held + new > room).any()):
+        raise ValueError(f"cache is full: rows holding {held.tolist()} tokens cannot take "
+                         f"{new.tolist()} more within max_length M = {room}")
+    return held, new, held + new
+
+
+def _append(cache, k, v, new) -> KVCache:
+    """A new cache: row b's first new[b] keys and values of this call (B, Nkv, L, Dh) written
+    after its lengths[b] held ones (the cache given is not changed)."""
+    b, length = k.shape[0], k.shape[2]
+    i = torch.arange(length, device=k.device)
+    real = i < new[:, None]                                       # (B, L)
+    rows = torch.arange(b, device=k.device)[:, None].expand(b, length)[real]
+    pos = (cache.lengths[:, None] + i)[real]                      # (n,) each
+    key, value = cache.key.clone(), cache.value.clone()
+    key[rows, :, pos] = k.transpose(1, 2)[real]                   # (n, Nkv, Dh)
+    value[rows, :, pos] = v.transpose(1, 2)[real]
+    return KVCache(key, value, (cache.lengths + new).to(cache.lengths.dtype))

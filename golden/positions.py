@@ -1,0 +1,54 @@
+"""Token positions, shared by both frameworks: the KV cache's layout and the rotary embeddings'
+angle tables. NumPy only (the bottom layer); the float64 reference computes its angles on its
+own, directly, and does not use these tables.
+
+Shape legend: B batch, Hkv key-value heads, M the cache's max_length, Dh head width, L the
+tokens of one call.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class KVCache(NamedTuple):
+    """A functional KV cache, the same fields and layout in torch and JAX (a pytree in JAX).
+
+    key, value: (B, Hkv, M, Dh), row b's first ``lengths[b]`` positions hold its tokens' keys and
+    values (already rotated when the module uses RoPE); lengths: (B,) int32, tokens held per row.
+    A call never changes the cache it is given: it returns a new one.
+    """
+
+    key: Any
+    value: Any
+    lengths: Any
+
+
+# RoPE angles p·f_i, f_i = θ^(−2i/Dh), for integer positions p = ROPE_BLOCK·a + b (0 ≤ b <
+# ROPE_BLOCK): cos and sin of a·ROPE_BLOCK·f_i and of b·f_i are tabulated in float64 and rounded
+# once to the compute dtype; the angle-addition formulas combine them. The error is a few units
+# of roundoff at every position, where the usual float32 recipe (the angle p·f_i formed in
+# float32) errs by about p·2⁻²⁴ radians. Two small tables instead of one row per position: a
+# cache of 128k positions needs 512 + 256 rows, not 131,072.
+ROPE_BLOCK = 256
+
+
+def rope_frequencies(theta: float, head_dim: int) -> np.ndarray:
+    """f_i = θ^(−2i/Dh) for i = 0 … Dh/2 − 1, float64."""
+    return float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+@lru_cache(maxsize=64)
+def rope_tables(theta: float, head_dim: int, positions: int) -> tuple:
+    """(cos_hi, sin_hi, cos_lo, sin_lo), float64: the hi tables (⌈positions / ROPE_BLOCK⌉,
+    Dh/2) at a·ROPE_BLOCK, the lo tables (ROPE_BLOCK, Dh/2) at b. Read-only (shared)."""
+    f = rope_frequencies(theta, head_dim)
+    hi = np.arange(-(-positions // ROPE_BLOCK), dtype=np.float64)[:, None] * ROPE_BLOCK * f
+    lo = np.arange(ROPE_BLOCK, dtype=np.float64)[:, None] * f
+    tables = (np.cos(hi), np.sin(hi), np.cos(lo), np.sin(lo))
+    for t in tables:
+        t.flags.writeable = False
+    return tables
