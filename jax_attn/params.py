@@ -7,9 +7,11 @@ on a leading axis. Loaded arrays keep their dtype (float64 needs ``jax.enable_x6
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from golden.positions import KVCache
 from golden.variants import export_layers, load_layers, module_variant
 from jax_attn import modules
 
@@ -42,3 +44,20 @@ def build(variant, config, params, *, rngs=None):
     if abstract:
         raise RuntimeError(f"build left {variant} without values for {abstract}")
     return module
+
+
+_LOW = (jnp.bfloat16, jnp.float16)
+
+
+def export_cache(cache) -> KVCache:
+    """A KV cache as NumPy copies (bfloat16 and float16 as float32, exactly, as in torch's
+    ``export_cache``), for the other framework's ``load_cache``."""
+    return KVCache(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
+                     for a in cache))
+
+
+def load_cache(cache, dtype=None) -> KVCache:
+    """A KV cache of NumPy (or any array) fields on the default device: key and value in
+    ``dtype`` (default theirs; float64 needs ``jax.enable_x64``), lengths int32."""
+    key, value = (jax.device_put(np.asarray(a, dtype=dtype)) for a in (cache.key, cache.value))
+    return KVCache(key, value, jax.device_put(np.asarray(cache.lengths, dtype=np.int32)))

@@ -6,8 +6,10 @@ transposed at this edge and nowhere else. The wrapper's heads are stacked on a l
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from golden.positions import KVCache
 from golden.variants import export_layers, load_layers, module_variant
 from torch_attn import modules
 
@@ -46,3 +48,18 @@ def build(variant, config, params):
     module = getattr(modules, module_variant(variant).class_name)(**config)
     load_params(module, params)
     return module
+
+
+def export_cache(cache) -> KVCache:
+    """A KV cache as NumPy copies (detached; bfloat16 and float16 as float32, exactly), for the
+    other framework's ``load_cache``."""
+    return KVCache(*(np.array(_numpy(t)) for t in cache))
+
+
+def load_cache(cache, device=None, dtype=None) -> KVCache:
+    """A KV cache of NumPy (or any array) fields as tensors (copies): key and value in ``dtype``
+    (default theirs), lengths int32, on ``device``."""
+    key, value = (torch.tensor(np.asarray(a), device=device, dtype=dtype)
+                  for a in (cache.key, cache.value))
+    return KVCache(key, value, torch.tensor(np.asarray(cache.lengths), dtype=torch.int32,
+                                            device=device))
