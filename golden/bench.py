@@ -1,7 +1,9 @@
 """Attention benchmark on CPU: the twins (``jax_core``, ``torch_core``) against each framework's own
 attention (``*_peer``) and a plain matmul-softmax-matmul (``*_naive``), forward and
-forward+backward (gradient of sum(output) w.r.t. q, k, v), causal and not; and eager calls of
-small attention modules (ours against Flax's and torch's own, ``*_module``).
+forward+backward (gradient of sum(output) w.r.t. q, k, v), causal and not; eager calls of
+small attention modules (ours against Flax's and torch's own, ``*_module``); grouped-query
+attention; and KV-cache decoding with the twin ``GroupedQueryAttention`` modules (a prefill and
+one decode step, JAX against torch).
 
     attn-parity bench [--quick] [--out DIR] [--repeats N]    (or python -m golden.bench ...)
 
@@ -39,6 +41,7 @@ IMPLS = ("jax_core", "jax_peer", "jax_naive", "torch_core", "torch_peer", "torch
 OURS = ("jax_core", "torch_core")
 STEADY_S = 0.5  # aim for about this much steady-state time per measurement (at least 3 calls)
 MIN_REPEATS = 3
+SHORT_CALL_REPEATS = 100  # a decode step (< 1 ms) gets this many × the repeats, STEADY_S caps it
 NOISY_PCT = 10.0  # other processes using more of the cores than this: flag a target as unreliable
 
 
@@ -69,6 +72,8 @@ class Grid:
     repeats: int       # most steady calls per measurement
     budget_s: float    # skip a forward+backward block predicted to end the run past this
     gqa: tuple = (4, 8, 2, 1024, 64)  # B, H, Hkv, L, D of the grouped-query rows
+    # B, d_in, H, Hkv, Dh, max_length M, P tokens prefilled (and held by the decode step's cache)
+    decode: tuple = (1, 512, 8, 2, 64, 4096, 2048)
 
 
 def _self(L, B=4, H=8, D=64):
@@ -81,7 +86,7 @@ FULL = Grid(shapes=(_self(128), _self(512), _self(1024), Shape(4, 8, 256, 1024, 
             bf16_shape=_self(1024), matmul_n=2048, repeats=10, budget_s=200.0)
 QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
              bf16_shape=_self(64, B=1, H=2, D=16), matmul_n=256, repeats=3, budget_s=60.0,
-             gqa=(1, 4, 2, 64, 16))
+             gqa=(1, 4, 2, 64, 16), decode=(1, 32, 4, 2, 8, 64, 16))
 
 
 # --- implementations: f(q, k, v, *, is_causal), all (B, H, L, D) except jax_peer ----------------
@@ -327,6 +332,97 @@ def run_gqa(grid: Grid, rng) -> list[dict]:
     return rows
 
 
+# --- KV-cache decoding: GroupedQueryAttention, a prefill and one decode step ---------------------
+
+DECODE_IMPLS = ("torch_module", "jax_module", "jax_donated")  # jax_donated: the decode step only
+DECODE_TARGET = 1.5  # the JAX module's decode step within this factor of torch's
+
+
+def decode_modules(grid: Grid):
+    """torch's GroupedQueryAttention of ``grid.decode`` (RoPE θ = 10000, causal), in eval mode,
+    and its JAX twin built from the same weights."""
+    _, d_in, h, hkv, dh, _, _ = grid.decode
+    torch_module = torch_attn.GroupedQueryAttention(d_in, h, hkv, head_dim=dh,
+                                                    rope_theta=10000.0).eval()
+    jax_module = jax_attn.build("grouped_query_attention", torch_module.config,
+                                torch_attn.export_params(torch_module))
+    jax_module.eval()
+    return torch_module, jax_module
+
+
+def donated_step(module, cache):
+    """f(x) -> (output, new cache): one decode step through the caller's own ``nnx.jit`` with
+    the cache's key and value donated, so the scatter writes in place. Each call feeds the new
+    key and value back with the old lengths: every step writes the same position and sees the
+    same tokens. Works on copies; ``cache`` stays valid."""
+    def call(m, x, key, value, lengths):
+        return m(x, cache=jax_attn.KVCache(key, value, lengths))
+
+    step = nnx.jit(call, donate_argnums=(2, 3), graph=False)
+    held = [jnp.copy(cache.key), jnp.copy(cache.value)]
+
+    def f(x):
+        out, new = step(module, x, *held, cache.lengths)
+        held[:] = new.key, new.value
+        return out, new
+    return f
+
+
+def decode_calls(grid: Grid, rng) -> dict:
+    """{(phase, impl): (f, args)}, decode steps first. prefill: P random tokens (B, P, d_in) into
+    an empty cache of max_length M; decode step: one token (B, 1, d_in) on the cache that the
+    prefill filled (once, here, outside any timing), the same cache every call."""
+    b, d_in, _, _, _, max_len, held = grid.decode
+    prompt, token = (rng.standard_normal((b, n, d_in), dtype=np.float32) for n in (held, 1))
+    torch_module, jax_module = decode_modules(grid)
+    modules = {"torch_module": (torch_module, torch.from_numpy),
+               "jax_module": (jax_module, lambda a: jax.block_until_ready(jnp.asarray(a)))}
+    prefill, step, filled = {}, {}, {}
+    for impl, (module, to_array) in modules.items():
+        x_prompt, x_token = to_array(prompt), to_array(token)
+        empty = module.init_cache(b, max_len)
+        with torch.no_grad():
+            filled[impl] = jax.block_until_ready(module(x_prompt, cache=empty)[1])
+        prefill[impl] = partial(module, cache=empty), [x_prompt]
+        step[impl] = partial(module, cache=filled[impl]), [x_token]
+    step["jax_donated"] = donated_step(jax_module, filled["jax_module"]), step["jax_module"][1]
+    return {**{("decode step", i): c for i, c in step.items()},
+            **{("prefill", i): c for i, c in prefill.items()}}
+
+
+def run_decode(grid: Grid, rng) -> list[dict]:
+    """Each call of decode_calls timed (its result, output and new cache, waited for and
+    discarded); torch under torch.no_grad(); torch_ratio: time ÷ torch_module's, same phase."""
+    b, d_in, h, hkv, dh, max_len, held = grid.decode
+    shape, rows = f"B={b},d={d_in},H={h},Hkv={hkv},Dh={dh},M={max_len},P={held}", []
+    for (phase, impl), (fn, args) in decode_calls(grid, rng).items():
+        repeats = grid.repeats * (SHORT_CALL_REPEATS if phase == "decode step" else 1)
+        with torch.no_grad():
+            m = measure(fn, args, repeats)
+        rows.append({"phase": phase, "impl": impl, "framework": framework(impl), "shape": shape,
+                     **m})
+        if framework(impl) == "torch":
+            rows[-1]["compile_ms"] = None  # no compilation; first_call_ms keeps the warm-up cost
+        print(f"  decode {shape} {phase:11} {impl:12} {m['median_ms']:9.3f} ms "
+              f"×{m['repeats']}", file=sys.stderr, flush=True)
+    torch_ms = {r["phase"]: r["median_ms"] for r in rows if r["impl"] == "torch_module"}
+    for r in rows:
+        r["torch_ratio"] = r["median_ms"] / torch_ms[r["phase"]]
+    return rows
+
+
+def decode_target(rows: list[dict]) -> dict:
+    """The decode-step target in TARGETS' form: torch time / JAX time ≥ 1 / DECODE_TARGET."""
+    at = {r["impl"]: r for r in rows if r["phase"] == "decode step"}
+    num, den = at["torch_module"], at["jax_module"]
+    ratio, others = num["median_ms"] / den["median_ms"], [num["other_cpu_pct"],
+                                                          den["other_cpu_pct"]]
+    return {"name": "jax_module decode step vs torch_module (torch_module time / jax_module "
+                    "time)", "shape": num["shape"], "ratio": ratio, "target": 1 / DECODE_TARGET,
+            "met": ratio >= 1 / DECODE_TARGET,
+            "other_cpu_pct": max((o for o in others if o is not None), default=None)}
+
+
 def run_block(shape, dtype, causal, backward, host, grid, ceilings) -> list[dict]:
     """Every implementation on one (shape, dtype, causal, pass)."""
     rows = []
@@ -376,6 +472,7 @@ def run(grid: Grid) -> dict:
                 for fw in ("jax", "torch") for dt in dtypes}
     modules = run_modules(grid, rng)
     gqa = run_gqa(grid, rng)
+    decode = run_decode(grid, rng)
     for shape in grid.shapes:
         host = random_qkv(shape, rng)  # fresh per shape, shared by every implementation
         for causal in (False, True):
@@ -397,8 +494,9 @@ def run(grid: Grid) -> dict:
     wall_s = time.perf_counter() - start
     return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
             "ceilings": list(ceilings.values()), "results": rows, "modules": modules,
-            "gqa": gqa,
-            "targets": targets(rows, grid.bf16_shape), "skipped": skipped,
+            "gqa": gqa, "decode": decode,
+            "targets": targets(rows, grid.bf16_shape) + [decode_target(decode)],
+            "skipped": skipped,
             "wall_s": wall_s}
 
 
@@ -514,7 +612,28 @@ def markdown(report: dict) -> str:
     lines += [f"| {'yes' if r['causal'] else 'no'} | {r['impl']} | {r['median_ms']:.2f} "
               f"| {r['repeats']} | {r['jax_core_speedup']:.2f} | {r['torch_core_speedup']:.2f} "
               f"| {r['first_call_ms']:.0f} |" for r in report["gqa"]]
-    lines += ["", "## Targets (float32, forward, non-causal)", ""]
+    d = report["decode"][0]
+    lines += [
+        "", f"## KV-cache decoding (GroupedQueryAttention, {d['shape']}, float32, RoPE, causal)",
+        "",
+        "- decode step: one token (B, 1, d) on a cache of max_length M holding P tokens (filled "
+        "once by a prefill, outside the timing), called again and again on that same cache, "
+        "its new cache discarded; prefill: P tokens into an empty cache. Each call returns "
+        "(output, new cache), both waited for; torch under no_grad, JAX's module called eagerly "
+        "(one compiled program per call). first call ms: JAX's prefill program was compiled by "
+        "the fill, so only the decode steps' include compilation.",
+        "- jax_donated: the decode step through the caller's own `nnx.jit(graph=False)` with the "
+        "cache's key and value donated (`donate_argnums`), so the new token is written in place; "
+        "the new key and value are fed back with the old lengths (the state stays fixed).",
+        f"- ÷ torch: time of this row ÷ time of torch_module in the same phase (< 1: faster "
+        f"than torch; target for jax_module's decode step: ≤ {DECODE_TARGET}).", "",
+        "| phase | impl | median ms | n | ÷ torch | first call ms | others % |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {r['phase']} | {r['impl']} | {r['median_ms']:.3f} | {r['repeats']} "
+              f"| {r['torch_ratio']:.2f} | {r['first_call_ms']:.0f} "
+              f"| {_f(r['other_cpu_pct'], '{:.0f}')} |" for r in report["decode"]]
+    lines += ["", "## Targets (float32, forward; attention non-causal, decoding causal)", ""]
     for t in report["targets"]:
         met = {None: "not measured", True: "met", False: "MISSED"}[t["met"]]
         noisy = t["other_cpu_pct"] is not None and t["other_cpu_pct"] > NOISY_PCT

@@ -4,16 +4,17 @@ asserted here: only that the numbers exist and the files have the expected struc
 from __future__ import annotations
 
 import json
+import math
 
-from golden.bench import IMPLS, MODULES
+from golden.bench import DECODE_IMPLS, IMPLS, MODULES
 from golden.cli import main
 
 
 def test_quick_run_writes_both_reports(tmp_path):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # as attn-parity bench
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert {"machine", "grid", "ceilings", "results", "modules", "targets", "skipped",
-            "wall_s"} <= set(report)
+    assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "targets",
+            "skipped", "wall_s"} <= set(report)
     assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
     assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
         ("jax", "float32"), ("torch", "float32")}
@@ -28,7 +29,8 @@ def test_quick_run_writes_both_reports(tmp_path):
                 "torch_core_speedup"} <= set(r)
         assert r["median_ms"] > 0 and r["repeats"] >= 1
         assert (r["xla_memory"] is not None) == (r["framework"] == "jax")
-    assert [t["ratio"] is not None for t in report["targets"]] == [True] * 3
+    assert [t["ratio"] is not None for t in report["targets"]] == [True] * 4
+    assert "decode step" in report["targets"][-1]["name"]
     assert [r["impl"] for r in report["modules"]] == list(MODULES)
     for r in report["modules"]:
         assert {"shape", "median_ms", "first_call_ms", "repeats", "ours_speedup"} <= set(r)
@@ -42,4 +44,13 @@ def test_quick_run_writes_both_reports(tmp_path):
         (i, c) for i in ("jax_core", "jax_peer", "torch_core", "torch_peer") for c in (False, True)}
     assert all(r["median_ms"] > 0 and "Hkv=" in r["shape"] for r in gqa)
     assert "## Grouped-query attention" in md
+    decode = report["decode"]  # KV-cache rows: both modules' prefill and decode step, donated
+    assert [(r["phase"], r["impl"]) for r in decode] == [
+        ("decode step", i) for i in DECODE_IMPLS] + [
+        ("prefill", i) for i in DECODE_IMPLS if i != "jax_donated"]
+    for r in decode:
+        assert r["median_ms"] > 0 and r["repeats"] >= 1 and "P=" in r["shape"]
+        assert math.isfinite(r["torch_ratio"]) and r["torch_ratio"] > 0
+    assert "## KV-cache decoding" in md
+    assert all(f"| {r['phase']} | {r['impl']} |" in md for r in decode)
     assert not list(tmp_path.glob("*.tmp"))
