@@ -219,6 +219,14 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
     return check_module_masks(lead, x.shape[-2], lk, mask, dropout_mask, heads, rate)
 
 
+def cache_shape(batch_size, max_length, kv_heads, head_dim) -> tuple:
+    """The shape (B, Hkv, M, Dh) of a new cache's key and value, its sizes checked."""
+    for name, n in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} should be a positive int, got {n!r}")
+    return (batch_size, kv_heads, max_length, head_dim)
+
+
 def check_cache(cache, x, kv_heads, head_dim) -> int:
     """A KV cache for x (B, L, d_in): key and value (B, Hkv, M, Dh) in x's dtype, lengths (B,)
     integers, L ≤ M. Returns M. Only shapes and dtypes are read (never the lengths' values)."""

@@ -27,6 +27,7 @@ from flax import nnx
 from golden import variants
 from golden.positions import KVCache
 from golden.validate import (
+    cache_shape,
     check_cross_inputs,
     check_decoder_inputs,
     check_self_inputs,
@@ -303,7 +304,7 @@ class GroupedQueryAttention(_Variant):
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
         parameters'), lengths zeros (B,) int32."""
-        shape = _cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
+        shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.kernel.get_value().dtype if dtype is None else dtype
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                        jnp.zeros((batch_size,), jnp.int32))
@@ -350,13 +351,6 @@ class GroupedQueryAttention(_Variant):
 def _static_window(w):
     """A window as a hashable static setting: a pair becomes a tuple."""
     return tuple(w) if isinstance(w, list) else w
-
-
-def _cache_shape(batch_size, max_length, kv_heads, dh) -> tuple:
-    for name, n in (("batch_size", batch_size), ("max_length", max_length)):
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"{name} should be a positive int, got {n!r}")
-    return (batch_size, kv_heads, max_length, dh)
 
 
 def _cache_positions(cache, length, query_seq_lengths):

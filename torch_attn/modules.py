@@ -16,6 +16,7 @@ from torch import nn
 from golden import variants
 from golden.positions import KVCache
 from golden.validate import (
+    cache_shape,
     check_cross_inputs,
     check_decoder_inputs,
     check_self_inputs,
@@ -238,7 +239,7 @@ class GroupedQueryAttention(nn.Module):
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
         parameters'), lengths zeros (B,) int32, on the parameters' device."""
-        shape = _cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
+        shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.weight.dtype if dtype is None else dtype
         device = self.W_query.weight.device
         return KVCache(torch.zeros(shape, dtype=dtype, device=device),
@@ -278,13 +279,6 @@ class GroupedQueryAttention(nn.Module):
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
         return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
-
-
-def _cache_shape(batch_size, max_length, kv_heads, dh) -> tuple:
-    for name, n in (("batch_size", batch_size), ("max_length", max_length)):
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"{name} should be a positive int, got {n!r}")
-    return (batch_size, kv_heads, max_length, dh)
 
 
 def _cache_positions(cache, length, query_seq_lengths):
