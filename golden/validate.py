@@ -95,7 +95,7 @@ def check_attention_args(
         _expect_broadcastable("bias", bias, letters, target, "float")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"scale should be a finite number or None, got {scale!r}")
-    check_softcap("softcap", softcap)
+    check_positive_or_none("softcap", softcap)
     window(local_window_size)
     batch = q_shape[:1] if rank == 4 else ()
     for arg, x in (("query_offset", query_offset), ("query_seq_lengths", query_seq_lengths),
@@ -111,8 +111,8 @@ def check_attention_args(
     return target
 
 
-def check_softcap(arg, c) -> None:
-    """A soft-cap: None or a finite number > 0."""
+def check_positive_or_none(arg, c) -> None:
+    """None or a finite number > 0 (a soft-cap, a RoPE base θ)."""
     if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
                           or not math.isfinite(c) or c <= 0):
         raise ValueError(f"{arg} should be a positive number or None, got {c!r}")

@@ -26,8 +26,8 @@ from golden.validate import (
     check_attention_args,
     check_cross_inputs,
     check_decoder_inputs,
+    check_positive_or_none,
     check_self_inputs,
-    check_softcap,
     dtype_name,
     window,
 )
@@ -59,12 +59,6 @@ def _scale(name, s) -> None:
     if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
                           or not math.isfinite(s)):
         raise ValueError(f"{name} should be a finite number or None, got {s!r}")
-
-
-def _positive_number_or_none(name, x) -> None:
-    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))
-                          or not math.isfinite(x) or x <= 0):
-        raise ValueError(f"{name} should be a positive number or None, got {x!r}")
 
 
 def _window(name, w) -> None:
@@ -262,7 +256,7 @@ QKV_LAYERS = {"query": "W_query", "key": "W_key", "value": "W_value"}
 _VARIANTS = [
     Variant(SDPA, None,
             (Arg("is_causal", _flag, False), Arg("scale", _scale, None),
-             Arg("softcap", check_softcap, None), Arg("local_window_size", _window, None),
+             Arg("softcap", check_positive_or_none, None), Arg("local_window_size", _window, None),
              Arg("dropout_rate", _rate, 0.0)),
             shapes=lambda c: {}, check_inputs=_core_inputs,
             inputs=(Input("query", None), Input("key", None, "key"),
@@ -308,8 +302,8 @@ _VARIANTS = [
              Arg("head_dim", _positive_or_none, None), Arg("d_out", _positive_or_none, None),
              Arg("qkv_bias", _flag, False), Arg("out_bias", _flag, False),
              Arg("causal", _flag, True), Arg("scale", _scale, None),
-             Arg("softcap", check_softcap, None), Arg("local_window_size", _window, None),
-             Arg("rope_theta", _positive_number_or_none, None),
+             Arg("softcap", check_positive_or_none, None), Arg("local_window_size", _window, None),
+             Arg("rope_theta", check_positive_or_none, None),
              Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj"},
