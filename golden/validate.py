@@ -250,3 +250,19 @@ def check_cache(cache, x, kv_heads, head_dim) -> int:
         raise ValueError(f"x length L should be at most the cache's max_length M = {m}, "
                          f"got {length}")
     return m
+
+
+IMPLEMENTATIONS = ("dense", "blockwise")
+
+
+def check_implementation(implementation, return_weights=False) -> None:
+    """The core's ``implementation``: None (the framework chooses), "dense" (the (Lq, Lk)
+    weights formed) or "blockwise" (O(L) memory; it never forms the weights, so it cannot return
+    them)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation should be None, 'dense' or 'blockwise', "
+                         f"got {implementation!r}")
+    if implementation == "blockwise" and return_weights:
+        raise ValueError("return_weights=True needs implementation='dense' or None: the "
+                         "blockwise path never forms the (Lq, Lk) weights, which is what keeps "
+                         "its memory O(L)")
