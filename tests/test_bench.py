@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import math
 
-from golden.bench import DECODE_IMPLS, IMPLS, MODULES
+from golden.bench import DECODE_IMPLS, IMPLS, LONG_IMPLS, MODULES
 from golden.cli import main
 
 
 def test_quick_run_writes_both_reports(tmp_path):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # as attn-parity bench
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "targets",
-            "skipped", "wall_s"} <= set(report)
+    assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "long",
+            "targets", "skipped", "wall_s"} <= set(report)
     assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
     assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
         ("jax", "float32"), ("torch", "float32")}
@@ -29,8 +29,8 @@ def test_quick_run_writes_both_reports(tmp_path):
                 "torch_core_speedup"} <= set(r)
         assert r["median_ms"] > 0 and r["repeats"] >= 1
         assert (r["xla_memory"] is not None) == (r["framework"] == "jax")
-    assert [t["ratio"] is not None for t in report["targets"]] == [True] * 4
-    assert "decode step" in report["targets"][-1]["name"]
+    assert all(t["ratio"] is not None for t in report["targets"])
+    assert "decode step" in report["targets"][3]["name"]
     assert [r["impl"] for r in report["modules"]] == list(MODULES)
     for r in report["modules"]:
         assert {"shape", "median_ms", "first_call_ms", "repeats", "ours_speedup"} <= set(r)
@@ -53,4 +53,12 @@ def test_quick_run_writes_both_reports(tmp_path):
         assert math.isfinite(r["torch_ratio"]) and r["torch_ratio"] > 0
     assert "## KV-cache decoding" in md
     assert all(f"| {r['phase']} | {r['impl']} |" in md for r in decode)
+    long = report["long"]  # long sequences: every implementation at both quick lengths
+    assert {(r["L"], r["pass"], r["impl"]) for r in long} == {
+        (n, p, i) for n in (256, 512) for p in ("fwd", "fwd+bwd") for i in LONG_IMPLS
+        if n <= 256 or not i.endswith("dense")}  # the dense paths up to the grid's 256
+    for r in long:
+        assert r["median_ms"] > 0 and math.isfinite(r["peer_ratio"]) and r["peer_ratio"] > 0
+    assert "## Long sequences" in md
+    assert all(f"| {r['L']} | {r['pass']} | {r['impl']} |" in md for r in long)
     assert not list(tmp_path.glob("*.tmp"))

@@ -144,13 +144,15 @@ def test_default_scale_is_one_over_sqrt_key_width(impl):
 CORE_PARAMETERS = ["query", "key", "value", "mask", "bias", "is_causal", "scale", "softcap",
                    "local_window_size", "query_offset", "query_seq_lengths",
                    "key_value_seq_lengths", "dropout_rate", "dropout_mask", "dropout_rng",
-                   "return_weights"]
+                   "implementation", "return_weights"]
 
 
 def test_twin_signatures():
     t = inspect.signature(TWINS["torch"].sdpa).parameters
     j = inspect.signature(TWINS["jax"].sdpa).parameters
-    jax_only = ["precision"]  # every JAX dot's precision; PyTorch has no per-call equivalent
+    # every JAX dot's precision (PyTorch has no per-call equivalent); the blockwise path's
+    # static block sizes (torch's O(L) path splits the queries alone, by its own rule)
+    jax_only = ["block_sizes", "precision"]
     assert list(t) == CORE_PARAMETERS
     assert list(j) == CORE_PARAMETERS + jax_only
     assert list(t) == [n for n in j if n not in jax_only]
@@ -165,9 +167,11 @@ def test_twin_signatures():
 
 
 def test_reference_signature_follows_the_twins():
-    # The reference has no drawn dropout and always returns (output, weights).
+    # The reference has no drawn dropout, one implementation, and always returns (output,
+    # weights).
     r = inspect.signature(reference.scaled_dot_product_attention).parameters
-    assert list(r) == [n for n in CORE_PARAMETERS if n not in ("dropout_rng", "return_weights")]
+    assert list(r) == [n for n in CORE_PARAMETERS
+                       if n not in ("dropout_rng", "implementation", "return_weights")]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(r.values())[5:])
 
 

@@ -1,0 +1,385 @@
+"""Blockwise (flash) attention for one head, with its own backward (FlashAttention-2's recipe).
+
+Shape legend: Lq query length, Lk key length, Dk key width, Dv value width, Bq and Bk the query
+and key block sizes, Nq = ⌈Lq / Bq⌉ and Nk = ⌈Lk / Bk⌉ the block counts, Lq' = Nq·Bq and
+Lk' = Nk·Bk the padded lengths.
+
+The forward takes the query blocks one after another (``lax.map``) and, for each, runs over only
+the key blocks it may see, found by index from the causal bound, the window and the lengths (a
+block wholly outside is never read), keeping a running maximum m, sum l and accumulator acc
+(online softmax). It saves the output and each row's m and 1 / l (the log-sum-exp m + log l, in
+two parts); the backward recomputes each block's probabilities from them, key block by key
+block (``lax.scan``, dK and dV per key block, dQ carried whole), over the query blocks that can
+see it. Neither pass forms (Lq, Lk): memory is O(L·D + Bq·Bk). Blocks whose every entry the
+positional rules allow take a body without the mask (unless a ``mask`` or drawn dropout is
+given); blocks on a boundary are masked. mask, bias and keep stay as broadcast as they came,
+(Lq|1, Lk|1), and are sliced per block.
+"""
+
+from __future__ import annotations
+
+from functools import partial, reduce
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class Static(NamedTuple):
+    """The compile-time configuration of the blockwise core (hashable)."""
+
+    scale: float
+    is_causal: bool
+    softcap: float | None
+    window: tuple  # (left, right), each None (unbounded) or an int ≥ 0
+    dropout_rate: float
+    precision: Any
+    block_q: int
+    block_k: int
+
+
+def attend(q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, *, static):
+    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, keep broadcastable to
+    (Lq, Lk) with size-1 axes kept; rng a key (drawn dropout) or None; offset, q_len, kv_len
+    int scalars or None. Returns the output (Lq, Dv) in q's dtype."""
+    static = static._replace(block_q=_fit(q.shape[0], static.block_q),
+                             block_k=_fit(k.shape[0], static.block_k))
+    return _flash(static, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len)
+
+
+def _fit(length, block):
+    """The block size actually used: at most ``block``, the fewest blocks, split evenly
+    (L = 1500 with 1024 takes two blocks of 750, not 1024 and a padded 476)."""
+    return _cdiv(length, _cdiv(length, block))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
+    out, _ = _forward(st, _Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len))
+    return out.astype(q.dtype)
+
+
+def _flash_fwd(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
+    out, stats = _forward(st, _Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len,
+                                         kv_len))
+    out = out.astype(q.dtype)
+    return out, (q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, out, stats)
+
+
+def _flash_bwd(st, res, d_out):
+    q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, out, stats = res
+    h = _Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len)
+    dq, dk, dv, dbias = _backward(st, h, out, stats, d_out)
+    if bias is not None:
+        dbias = dbias[:bias.shape[0], :bias.shape[1]].astype(bias.dtype)  # (Lq|1, Lk|1)
+    grads = tuple(g.astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+    return grads + (None, dbias, None, None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---- the padded head and its positional rules ---------------------------------------------------
+
+class _Head(NamedTuple):
+    """One head padded to whole blocks, in the compute dtype (at least float32)."""
+
+    q: jax.Array  # (Lq', Dk), times scale / c (c the softcap, 1 without): R / c = q kᵀ
+    k: jax.Array  # (Lk', Dk)
+    v: jax.Array  # (Lk', Dv)
+    mask: jax.Array | None  # (Lq'|1, Lk'|1) bool, padded with False
+    bias: jax.Array | None  # (Lq'|1, Lk'|1), padded with 0
+    keep: jax.Array | None  # (Lq'|1, Lk'|1) bool, padded with False
+    rng: jax.Array | None
+    offset: Any  # the first query's position: int scalar
+    q_lim: Any  # rows at or past it attend nothing (query_seq_lengths), or None
+    k_lim: Any  # keys at or past it are never attended: min(Lk, kv_len)
+    lq: int  # the unpadded lengths
+    lk: int
+
+    @classmethod
+    def make(cls, st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        lq, lk = q.shape[0], k.shape[0]
+        rows, cols = _padding(lq, st.block_q), _padding(lk, st.block_k)
+        pad = lambda x, fill: None if x is None else jnp.pad(  # noqa: E731  (size 1 stays 1)
+            x, ((0, rows if x.shape[0] > 1 else 0), (0, cols if x.shape[1] > 1 else 0)),
+            constant_values=fill)
+        q = jnp.pad(q.astype(compute) * (st.scale / (st.softcap or 1.0)), ((0, rows), (0, 0)))
+        k, v = (jnp.pad(x.astype(compute), ((0, cols), (0, 0))) for x in (k, v))
+        k_lim = lk if kv_len is None else jnp.minimum(kv_len, lk)
+        return cls(q, k, v, pad(mask, False), pad(None if bias is None else bias.astype(compute),
+                                                  0), pad(keep, False), rng,
+                   0 if offset is None else offset, q_len, k_lim, lq, lk)
+
+
+def _padding(length, block):
+    """How many rows pad ``length`` to a whole number of blocks."""
+    return -length % block
+
+
+def _cdiv(a, b):
+    """⌈a / b⌉ for integer scalars (traced or not), b > 0."""
+    return -(-a // b)
+
+
+def _key_blocks(st, h, i):
+    """The key blocks query block i visits, [lo, hi), and among them [a, b), those whose every
+    entry the positional rules allow (None when _split is False)."""
+    left, right = st.window
+    r0 = i * st.block_q
+    last = jnp.minimum(r0 + st.block_q, h.lq if h.q_lim is None else jnp.minimum(h.q_lim, h.lq))
+    p0, p1 = r0 + h.offset, last - 1 + h.offset  # positions of its first and last valid rows
+    first = jnp.maximum(0, p0 - left) if left is not None else 0
+    final = _min(h.k_lim - 1, p1 if st.is_causal else None,
+                 None if right is None else p1 + right)  # the last key any row may see
+    lo = first // st.block_k
+    hi = jnp.where(last > r0, jnp.maximum(lo, final // st.block_k + 1), lo)
+    if not _split(st, h):
+        return _int32(lo, None, None, hi)
+    q_end = r0 + st.block_q - 1 + h.offset  # every row of the block, padding included
+    full_first = 0 if left is None else q_end - left
+    full_final = _min(h.k_lim - 1, p0 if st.is_causal else None,
+                      None if right is None else p0 + right)  # the last key every row sees
+    a = jnp.clip(_cdiv(full_first, st.block_k), lo, hi)
+    b = jnp.clip((full_final + 1) // st.block_k, a, hi)
+    if h.q_lim is not None:  # rows past the length need the mask
+        a, b = (jnp.where(r0 + st.block_q <= h.q_lim, x, hi) for x in (a, b))
+    return _int32(lo, a, b, hi)
+
+
+def _query_blocks(st, h, j):
+    """The query blocks that see some key of key block j, [lo, hi), and among them [a, b),
+    those whose every entry the positional rules allow (None when _split is False)."""
+    left, right = st.window
+    c0 = j * st.block_k
+    c1 = jnp.minimum(c0 + st.block_k, h.k_lim) - 1  # its last valid key
+    row_lo = _max(0, c0 - h.offset if st.is_causal else None,
+                  None if right is None else c0 - right - h.offset)
+    row_hi = _min(h.lq - 1, None if h.q_lim is None else h.q_lim - 1,
+                  None if left is None else c1 + left - h.offset)
+    lo = row_lo // st.block_q
+    hi = jnp.where((c1 >= c0) & (row_hi >= row_lo), jnp.maximum(lo, row_hi // st.block_q + 1), lo)
+    if not _split(st, h):
+        return _int32(lo, None, None, hi)
+    c_end = c0 + st.block_k - 1  # every key of the block, padding included
+    full_lo = _max(0, c_end - h.offset if st.is_causal else None,
+                   None if right is None else c_end - right - h.offset)
+    full_hi = _min(None if h.q_lim is None else h.q_lim - 1,
+                   None if left is None else c0 + left - h.offset)  # None: unbounded
+    a = jnp.clip(_cdiv(full_lo, st.block_q), lo, hi)
+    b = jnp.clip(hi if full_hi is None else (full_hi + 1) // st.block_q, a, hi)
+    a, b = (jnp.where(c_end < h.k_lim, x, hi) for x in (a, b))  # padded keys need the mask
+    return _int32(lo, a, b, hi)
+
+
+def _split(st, h):
+    """Whether some blocks can skip the mask: not with a ``mask`` (any block may hold a False),
+    nor with drawn dropout (the random bits cost far more than the mask, and each loop body
+    compiles its own copy of the generator)."""
+    return h.mask is None and not (st.dropout_rate > 0.0 and h.keep is None)
+
+
+def _int32(*xs):
+    """Loop bounds as int32 scalars (under x64 too), None kept."""
+    return tuple(None if x is None else jnp.asarray(x, jnp.int32) for x in xs)
+
+
+def _min(*xs):
+    """The least of the bounds given (None: no bound); None when none is given."""
+    xs = [x for x in xs if x is not None]
+    return reduce(jnp.minimum, xs) if xs else None
+
+
+def _max(*xs):
+    """The greatest of the bounds given (None: no bound)."""
+    return reduce(jnp.maximum, [x for x in xs if x is not None])
+
+
+def _allowed(st, h, i, j, mask):
+    """Where rows of query block i may attend keys of key block j: bool (Bq, Bk)."""
+    left, right = st.window
+    row = i * st.block_q + lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)  # (Bq, 1)
+    key = j * st.block_k + lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)  # (1, Bk)
+    pos = row + h.offset
+    terms = [key < h.k_lim, mask,
+             key <= pos if st.is_causal else None,
+             key >= pos - left if left is not None else None,
+             key <= pos + right if right is not None else None,
+             row < h.q_lim if h.q_lim is not None else None]
+    allowed = reduce(jnp.logical_and, [t for t in terms if t is not None])
+    return jnp.broadcast_to(allowed, (st.block_q, st.block_k))
+
+
+# ---- per-block slices and scores ----------------------------------------------------------------
+
+def _rows(x, i, size):
+    """Block i of x's first axis (kept whole when it has size 1)."""
+    if x is None or x.shape[0] == 1:
+        return x
+    return lax.dynamic_slice_in_dim(x, i * size, size, axis=0)
+
+
+def _cols(x, j, size):
+    """Block j of x's second axis (kept whole when it has size 1)."""
+    if x is None or x.shape[1] == 1:
+        return x
+    return lax.dynamic_slice_in_dim(x, j * size, size, axis=1)
+
+
+def _scores(st, q_i, k_j, bias_ij):
+    """Softcapped, biased scores of a block (Bq, Bk) in the compute dtype (q_i pre-scaled)."""
+    s = jnp.einsum("qd,kd->qk", q_i, k_j, precision=st.precision,
+                   preferred_element_type=q_i.dtype)  # R / c
+    if st.softcap is not None:  # after scaling, before bias and masks
+        s = st.softcap * jnp.tanh(s)
+    return s if bias_ij is None else s + bias_ij
+
+
+def _keep(st, h, i, j, keep_ij):
+    """The block's keep-mask (Bq|1, Bk|1) or (Bq, Bk) drawn from (rng, i, j); None without
+    dropout."""
+    if st.dropout_rate == 0.0:
+        return None
+    if keep_ij is not None:
+        return keep_ij
+    key = jax.random.fold_in(jax.random.fold_in(h.rng, i), j)
+    return jax.random.bernoulli(key, 1.0 - st.dropout_rate, (st.block_q, st.block_k))
+
+
+def _dropped(st, p, keep):
+    """p · keep / (1 − rate): the weights applied to V."""
+    return p if keep is None else jnp.where(keep, p / (1.0 - st.dropout_rate), 0.0)
+
+
+def _loops(ranges, masked, plain, carry):
+    """Run ``masked`` over the blocks [lo, a) and [b, hi), ``plain`` over [a, b); ``masked``
+    over all of [lo, hi) when a and b are None."""
+    lo, a, b, hi = ranges
+    if a is None:
+        return lax.fori_loop(lo, hi, masked, carry)
+    carry = lax.fori_loop(lo, a, masked, carry)
+    carry = lax.fori_loop(a, b, plain, carry)
+    return lax.fori_loop(b, hi, masked, carry)
+
+
+# ---- forward ------------------------------------------------------------------------------------
+
+def _forward(st, h):
+    """The output (Lq, Dv) in the compute dtype and each row's softmax statistics (2, Lq): its
+    largest score m and 1 / l, l = Σ exp(s − m) (the log-sum-exp m + log l kept in two parts, so
+    that the backward's exp(s − m) / l is as exact as the forward's at large logits). Rows that
+    attend nothing have m = the dtype's largest finite number and 1 / l = 0, so p = 0.
+    """
+    dt = h.q.dtype
+    n_q = h.q.shape[0] // st.block_q
+
+    def query_block(i):
+        q_i = _rows(h.q, i, st.block_q)  # (Bq, Dk)
+        mask_i, bias_i, keep_i = (_rows(x, i, st.block_q) for x in (h.mask, h.bias, h.keep))
+
+        def step(j, carry, masked):
+            m, total, acc = carry  # running max, running sum l, accumulator: (Bq,), (Bq,), (Bq, Dv)
+            k_j, v_j = _rows(h.k, j, st.block_k), _rows(h.v, j, st.block_k)
+            s = _scores(st, q_i, k_j, _cols(bias_i, j, st.block_k))  # (Bq, Bk)
+            if masked:  # exp(−inf − m) = 0: m starts finite, so never −inf − (−inf)
+                s = jnp.where(_allowed(st, h, i, j, _cols(mask_i, j, st.block_k)), s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp(s - m_new[:, None])
+            alpha = jnp.exp(m - m_new)
+            a = _dropped(st, p, _keep(st, h, i, j, _cols(keep_i, j, st.block_k)))
+            acc = alpha[:, None] * acc + jnp.einsum("qk,kv->qv", a, v_j, precision=st.precision,
+                                                    preferred_element_type=dt)
+            return m_new, alpha * total + p.sum(axis=1), acc
+
+        init = (jnp.full((st.block_q,), jnp.finfo(dt).min, dt), jnp.zeros((st.block_q,), dt),
+                jnp.zeros((st.block_q, h.v.shape[1]), dt))
+        m, total, acc = _loops(_key_blocks(st, h, i), partial(step, masked=True),
+                               partial(step, masked=False), init)
+        empty = total == 0.0  # a row with no allowed key: zeros, never NaN
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))  # 1 / l
+        return inv[:, None] * acc, jnp.stack([jnp.where(empty, jnp.finfo(dt).max, m), inv])
+
+    out, stats = lax.map(query_block, jnp.arange(n_q, dtype=jnp.int32))  # (Nq, Bq, Dv), (Nq, 2, Bq)
+    stats = jnp.moveaxis(stats, 1, 0).reshape(2, -1)[:, :h.lq]  # (2, Lq)
+    return out.reshape(-1, out.shape[-1])[:h.lq], stats
+
+
+# ---- backward -----------------------------------------------------------------------------------
+
+def _backward(st, h, out, stats, d_out):
+    """dQ (Lq, Dk), dK (Lk, Dk), dV (Lk, Dv) in the compute dtype, and dbias (Lq'|1, Lk'|1) or
+    None. Each block is taken transposed, (Bk, Bq), so that dK and dV, summed over queries,
+    are plain products (on CPU a product contracting both operands' first axes runs at a third
+    of the speed); dQ is accumulated transposed, (Dk, Lq'), for the same reason."""
+    dt = h.q.dtype
+    rows = h.q.shape[0] - h.lq
+    d_out = jnp.pad(d_out.astype(dt), ((0, rows), (0, 0)))  # (Lq', Dv)
+    delta = jnp.einsum("qv,qv->q", d_out[:h.lq], out.astype(dt), precision=st.precision,
+                       preferred_element_type=dt)  # D = rowsum(dO ⊙ O)
+    delta = jnp.pad(delta, (0, rows))  # (Lq',)
+    m = jnp.pad(stats[0], (0, rows), constant_values=jnp.finfo(dt).max)  # padded rows: p = 0
+    inv = jnp.pad(stats[1], (0, rows))  # (Lq',): 1 / l
+    n_k = h.k.shape[0] // st.block_k
+
+    def key_block(carry, j):
+        k_j, v_j = _rows(h.k, j, st.block_k), _rows(h.v, j, st.block_k)  # (Bk, Dk), (Bk, Dv)
+        mask_j, bias_j, keep_j = (_cols(x, j, st.block_k) for x in (h.mask, h.bias, h.keep))
+
+        def step(i, c, masked):
+            dq_t, dbias, dk_j, dv_j = c  # (Dk, Lq'), ..., (Bk, Dk), (Bk, Dv)
+            q_i, do_i = _rows(h.q, i, st.block_q), _rows(d_out, i, st.block_q)
+            bias_ij = _rows(bias_j, i, st.block_q)
+            s_t, capped_t = _scores_t(st, q_i, k_j, None if bias_ij is None else bias_ij.T)
+            p_t = jnp.exp(s_t - _rows(m, i, st.block_q)) * _rows(inv, i, st.block_q)  # (Bk, Bq)
+            if masked:
+                p_t = jnp.where(_allowed(st, h, i, j, _rows(mask_j, i, st.block_q)).T, p_t, 0.0)
+            keep = _keep(st, h, i, j, _rows(keep_j, i, st.block_q))
+            keep_t = None if keep is None else keep.T
+            dv_j = dv_j + jnp.einsum("kq,qv->kv", _dropped(st, p_t, keep_t), do_i,
+                                     precision=st.precision, preferred_element_type=dt)
+            dp_t = _dropped(st, jnp.einsum("kv,qv->kq", v_j, do_i, precision=st.precision,
+                                           preferred_element_type=dt), keep_t)
+            ds_t = p_t * (dp_t - _rows(delta, i, st.block_q)[None, :])  # dL/dS
+            dr_t = ds_t if capped_t is None else ds_t * (1.0 - capped_t * capped_t)  # dL/dR
+            dk_j = dk_j + jnp.einsum("kq,qd->kd", dr_t, q_i, precision=st.precision,
+                                     preferred_element_type=dt)  # q_i holds scale / c · q
+            dq_i = _cols(dq_t, i, st.block_q) + jnp.einsum(
+                "kd,kq->dq", k_j, dr_t, precision=st.precision, preferred_element_type=dt)
+            dq_t = lax.dynamic_update_slice_in_dim(dq_t, dq_i, i * st.block_q, axis=1)
+            return dq_t, _add_bias_grad(st, dbias, ds_t.T, i, j), dk_j, dv_j
+
+        dq_t, dbias = carry
+        init = (dq_t, dbias, jnp.zeros_like(k_j), jnp.zeros_like(v_j))
+        dq_t, dbias, dk_j, dv_j = _loops(_query_blocks(st, h, j), partial(step, masked=True),
+                                         partial(step, masked=False), init)
+        return (dq_t, dbias), (dk_j, dv_j)
+
+    dbias = None if h.bias is None else jnp.zeros_like(h.bias)
+    (dq_t, dbias), (dk, dv) = lax.scan(key_block, (jnp.zeros_like(h.q.T), dbias),
+                                       jnp.arange(n_k, dtype=jnp.int32))
+    flat = lambda x: x.reshape(-1, x.shape[-1])[:h.lk]  # noqa: E731  (Nk, Bk, D) -> (Lk, D)
+    return st.scale * dq_t.T[:h.lq], (st.softcap or 1.0) * flat(dk), flat(dv), dbias
+
+
+def _scores_t(st, q_i, k_j, bias_t):
+    """The block's scores transposed (Bk, Bq), as _scores, and tanh(R / c) transposed."""
+    s_t = jnp.einsum("kd,qd->kq", k_j, q_i, precision=st.precision,
+                     preferred_element_type=q_i.dtype)  # R / c
+    capped = None
+    if st.softcap is not None:
+        capped = jnp.tanh(s_t)
+        s_t = st.softcap * capped
+    return (s_t if bias_t is None else s_t + bias_t), capped
+
+
+def _add_bias_grad(st, dbias, ds, i, j):
+    """dbias (Lq'|1, Lk'|1) plus the block's dS (Bq, Bk) summed over the bias's size-1 axes."""
+    if dbias is None:
+        return None
+    ds = ds.sum(axis=tuple(a for a in (0, 1) if dbias.shape[a] == 1), keepdims=True)
+    starts = tuple(jnp.int32(0) if n == 1 else start * size for n, start, size in
+                   zip(dbias.shape, (i, j), (st.block_q, st.block_k)))  # int32 under x64 too
+    block = lax.dynamic_slice(dbias, starts, ds.shape)
+    return lax.dynamic_update_slice(dbias, block + ds, starts)

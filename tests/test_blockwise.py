@@ -1,0 +1,348 @@
+"""The JAX core's blockwise (flash) path, ``implementation="blockwise"`` (jax_attn.blockwise):
+against the float64 reference on every core fixture (output and every gradient, small blocks
+so that each length spans several blocks with a ragged last one), against the dense path on fresh
+inputs with every feature at once, drawn dropout, empty rows, skipping by index, memory that
+grows linearly, one compilation per shape, and its errors.
+
+Shape legend: B batch, H query heads, Hkv key-value heads, Lq query length, Lk key length, Dk key
+width, Dv value width; Bq, Bk the block sizes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import golden
+import jax_attn
+from golden import reference, variants
+from golden.check import _terms
+from golden.tolerances import compare
+from jax_attn import functional
+from tests.helpers import JAX, count_compiles, fresh_rng
+
+BLOCKS = (2, 3)  # (Bq, Bk): the fixtures' lengths 5, 7, 8, 9 span several, the last ragged
+SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
+B, H, HKV, LQ, LK, DK, DV = 2, 6, 2, 7, 11, 4, 3  # every size different; G = 3
+
+
+def _blockwise(*args, **kw):
+    return jax_attn.scaled_dot_product_attention(*args, implementation="blockwise", **kw)
+
+
+def _grads(fn, arrays, d_out, **kw):
+    """The output of fn(**arrays, **kw) and the gradients of Σ O ⊙ dO for every float array,
+    as float64 NumPy; one compiled program (see _grads_of)."""
+    return _grads_of(fn, **kw)(arrays, d_out)
+
+
+def _grads_of(fn, **kw):
+    """A jitted arrays, dO -> (output, {name: gradient}) of fn(**arrays, **kw), as float64
+    NumPy: one compilation for every call with the same shapes."""
+    @jax.jit
+    def run(floats, others, d_out):
+        def loss(floats):
+            out = fn(**others, **floats, **kw)
+            return jnp.sum(out.astype(d_out.dtype) * d_out), out
+
+        return jax.grad(loss, has_aux=True)(floats)
+
+    def call(arrays, d_out):
+        floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+        others = {n: a for n, a in arrays.items() if n not in floats}
+        grads, out = run(floats, others, d_out)
+        return JAX.numpy(out), {n: JAX.numpy(g) for n, g in grads.items()}
+
+    return call
+
+
+# ---- against the float64 reference, on every core fixture ---------------------------------------
+
+# Each fixture runs at one dtype, so that the file stays fast (a new shape or setting costs about
+# 1 s of tracing and compiling for the forward and backward): float32, the tolerance table's
+# tightest test of the arithmetic (it caught a log-sum-exp rounded at large logits), except a
+# few feature-rich ones at float64 (1e-13) and the low-precision ones at bfloat16 and float16.
+# Every fixture passes at every dtype it lists (74 runs, about 80 s): FIXTURE_DTYPES = None.
+FIXTURE_DTYPES = {"sdpa_window_softcap_mask": "float64", "sdpa_lengths": "float64",
+                  "sdpa_gqa_causal_offset": "float64", "sdpa_dropout_causal_bias": "float64",
+                  "sdpa_mqa_decode_ragged": "float64", "sdpa_bias_query1": "float64",
+                  "sdpa_low_precision_gqa_softcap": "bfloat16",
+                  "sdpa_low_precision_bias_dropout_masked_row": "float16"}
+
+
+def _fixture_cases(chosen=FIXTURE_DTYPES):
+    """(fixture, dtype) for every core fixture: the chosen dtype, float32 by default; every
+    dtype the fixture lists when ``chosen`` is None."""
+    return [pytest.param(n, d, id=f"{n}-{d}") for n in SDPA_FIXTURES
+            for d in (golden.load(n).dtypes if chosen is None else [chosen.get(n, "float32")])]
+
+
+@pytest.mark.parametrize("name, dtype", _fixture_cases())
+def test_fixture_matches_reference(name, dtype):
+    # The fixture's loss without its weights term (blockwise never forms the weights):
+    # L = Σ O ⊙ dO, whose gradients the reference gives with dA = 0.
+    fixture = golden.load(name)
+    config = variants.get(fixture.variant).config(fixture.config)
+    out_ref, weights_ref, cache = reference.sdpa_forward(**fixture.inputs, **config)
+    d_out = fixture.cotangents["output"]
+    expected = reference.sdpa_backward(cache, d_out, np.zeros_like(weights_ref))
+    np.testing.assert_array_equal(out_ref, fixture.expected["output"])  # the right fixture
+    with jax.enable_x64(dtype == "float64"):
+        out, grads = _grads(_blockwise, JAX.arrays(fixture.inputs, dtype),
+                            jnp.asarray(d_out, "float32"), **config, block_sizes=BLOCKS)
+    assert set(grads) == set(expected)
+    comps = {"output": compare(out, out_ref, dtype)}
+    comps.update({f"grad {n}": compare(g, expected[n], dtype, "grad",
+                                       terms=_terms(fixture, f"grad {n}"))
+                  for n, g in grads.items()})
+    bad = {what: c for what, c in comps.items() if not c.ok}
+    assert not bad, f"blockwise {dtype} {name}: {bad}"
+
+
+# ---- against the dense path, fresh inputs, every feature at once -------------------------------
+
+def _qkv(rng, lead=(B,), heads=(H, HKV), lq=LQ, lk=LK, dk=DK, dv=DV):
+    """q (..., H, Lq, Dk), k (..., Hkv, Lk, Dk), v (..., Hkv, Lk, Dv) as float64 NumPy."""
+    return {n: rng.standard_normal(s) for n, s in
+            [("query", lead + (heads[0], lq, dk)), ("key", lead + (heads[1], lk, dk)),
+             ("value", lead + (heads[1], lk, dv))]}
+
+
+DENSE_CASES = {  # (inputs beyond q, k, v: shapes or values; the core's settings)
+    "causal_offsets_softcap_bias": (
+        dict(bias=(B, 1, LQ, 1), query_offset=np.array([0, 5], "int32")),
+        dict(is_causal=True, softcap=1.5, scale=0.8)),
+    "windows_lengths_mask_unbatched_mqa": (
+        dict(lead=(), heads=(H, 1), mask=(H, LQ, LK), bias=(LK,),
+             query_offset=np.array(3, "int32"), query_seq_lengths=np.array(5, "int32"),
+             key_value_seq_lengths=np.array(9, "int32")),
+        dict(local_window_size=(2, 3), softcap=3.0)),
+    "one_sided_window_lengths": (
+        dict(bias=(1, LQ, LK), query_offset=np.array([4, 1], "int32"),
+             key_value_seq_lengths=np.array([11, 4], "int32")),
+        dict(local_window_size=(None, 1), is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", DENSE_CASES)
+def test_matches_dense_float64(name):
+    # GQA (H = 6, Hkv = 2), Lq ≠ Lk, broadcast biases and masks, traced offsets and lengths:
+    # the same maths in another order, so float64 agrees to rounding (1e-13).
+    rng, seed = fresh_rng()
+    given, config = DENSE_CASES[name]
+    given = dict(given)
+    inputs = _qkv(rng, lead=given.pop("lead", (B,)), heads=given.pop("heads", (H, HKV)))
+    for n, x in given.items():
+        inputs[n] = (rng.random(x) < 0.7 if n == "mask" else rng.standard_normal(x)
+                     ) if isinstance(x, tuple) else x
+    d_out = rng.standard_normal(inputs["query"].shape[:-1] + (DV,))
+    with jax.enable_x64(True):
+        arrays = JAX.arrays(inputs)
+        dense = _grads(jax_attn.scaled_dot_product_attention, arrays, jnp.asarray(d_out),
+                       implementation="dense", **config)
+        blocks = _grads(_blockwise, arrays, jnp.asarray(d_out), block_sizes=(3, 4), **config)
+    assert set(blocks[1]) == {"query", "key", "value", "bias"}
+    for what, a, e in [("output", blocks[0], dense[0])] + [
+            (f"grad {n}", blocks[1][n], g) for n, g in dense[1].items()]:
+        assert a.shape == e.shape, what
+        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-13, err_msg=f"{what}, seed {seed}")
+
+
+# ---- dropout drawn per block --------------------------------------------------------------------
+
+def test_drawn_dropout_is_deterministic_keeps_the_rate_and_is_dense_with_its_mask():
+    # With V = I (Lk = Dv) the output is the applied weights A = P · keep / (1 − p): the drawn
+    # keep-mask is read back (every P > 0 here) and, given to the dense path as dropout_mask,
+    # gives the same output and gradients: the backward regenerates the forward's mask.
+    rng, seed = fresh_rng()
+    rate, lq, lk = 0.3, 24, 40
+    inputs = _qkv(rng, heads=(4, 2), lq=lq, lk=lk, dv=lk)
+    inputs["value"] = np.broadcast_to(np.eye(lk), inputs["value"].shape).copy()
+    d_out = jnp.asarray(rng.standard_normal((B, 4, lq, lk)))
+    with jax.enable_x64(True):
+        arrays = JAX.arrays(inputs)
+        run = _grads_of(_blockwise, dropout_rate=rate, block_sizes=(8, 16))  # 3 × 3 blocks
+        out, grads = run({**arrays, "dropout_rng": jax.random.key(seed)}, d_out)
+        again, _ = run({**arrays, "dropout_rng": jax.random.key(seed)}, d_out)
+        other, _ = run({**arrays, "dropout_rng": jax.random.key(seed + 1)}, d_out)
+        keep = out > 0  # (B, H, Lq, Lk)
+        dense = _grads(jax_attn.scaled_dot_product_attention, {**arrays, "dropout_mask":
+                       jnp.asarray(keep)}, d_out, dropout_rate=rate, implementation="dense")
+        _, weights = jax_attn.scaled_dot_product_attention(**arrays, return_weights=True)
+    np.testing.assert_array_equal(out, again)  # deterministic for a key
+    assert not np.array_equal(keep, other > 0), f"seed {seed}: the key is ignored"
+    assert abs(keep.mean() - (1 - rate)) < 0.03, f"seed {seed}"  # 7680 draws: σ = 0.005
+    assert not np.array_equal(keep[0, 0], keep[0, 1]), f"seed {seed}: heads share a mask"
+    blocks = keep[0, 0, :8].reshape(8, 2, 20)[:, :, :16]  # key blocks 0 and 1 of query block 0
+    assert not np.array_equal(blocks[:, 0], blocks[:, 1]), f"seed {seed}: blocks share a mask"
+    np.testing.assert_allclose(out[keep] * (1 - rate), JAX.numpy(weights)[keep], rtol=1e-13)
+    np.testing.assert_allclose(out, dense[0], rtol=1e-13, atol=1e-14, err_msg=f"seed {seed}")
+    for n, g in dense[1].items():
+        np.testing.assert_allclose(grads[n], g, rtol=1e-12, atol=1e-13, err_msg=f"{n}, {seed}")
+
+
+def test_chunked_heads_draw_the_same_streams():
+    # On CPU, large problems take the (batch, head) pairs in chunks (functional.heads_per_step):
+    # each head draws from its own stream fold_in(key, b·H + h) whichever way they are mapped.
+    rng, seed = fresh_rng()
+    arrays = JAX.arrays(_qkv(rng), "float32")
+    extras = (jnp.asarray(rng.random((1, H, 1, LK)) < 0.8),  # mask
+              jnp.asarray(rng.standard_normal((B, 1, LQ, LK)), "float32"),  # bias
+              None, jax.random.key(seed), jnp.array([0, 3]), None, jnp.array([LK, 6]))
+    kw = dict(scale=0.5, is_causal=True, softcap=2.0, window=(3, None), dropout_rate=0.3,
+              precision=jax_attn.DEFAULT_PRECISION, return_weights=False,
+              implementation="blockwise", block_sizes=(2, 3))
+    outs = [functional._attention(*arrays.values(), *extras, chunk=chunk, **kw)[0]
+            for chunk in (None, 2)]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-7, err_msg=f"seed {seed}")
+    assert np.count_nonzero(outs[0]) > outs[0].size // 2, f"seed {seed}: compares zeros"
+
+
+# ---- empty rows, skipping by index ------------------------------------------------------------
+
+def test_empty_rows_give_zeros_and_zero_gradients():
+    rng, seed = fresh_rng()
+    inputs = _qkv(rng)
+    mask = np.ones((B, H, LQ, LK), bool)
+    mask[0, 1, 2] = False  # one row fully masked
+    kw = dict(softcap=0.5, scale=4.0, local_window_size=(1, 0), block_sizes=(2, 3),
+              query_offset=jnp.array([0, 20]),  # batch 1: every key out of the window
+              query_seq_lengths=jnp.array([5, 7]))  # batch 0: rows 5 and 6 past the length
+    out, grads = _grads(_blockwise, {**JAX.arrays(inputs, "float32"), "mask": jnp.asarray(mask)},
+                        jnp.ones((B, H, LQ, DV)), **kw)
+    for x in (out, *grads.values()):
+        assert np.all(np.isfinite(x)), f"seed {seed}"
+    empty = np.zeros((B, H, LQ), bool)
+    empty[0, 1, 2] = True
+    empty[0, :, 5:] = empty[1] = True
+    assert np.all(out[empty] == 0) and np.all(grads["query"][empty] == 0)
+    assert np.all(out[~empty] != 0)
+    assert np.all(grads["key"][1] == 0) and np.all(grads["value"][1] == 0)
+
+
+def test_blocks_outside_the_allowed_set_are_never_read():
+    # Keys that no query may see, in key blocks wholly past the causal bound or the lengths,
+    # hold NaN: the blockwise path never reads them (a masked read would give NaN · 0).
+    rng, seed = fresh_rng()
+    inputs = _qkv(rng, lq=6, lk=15)
+    kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([15, 3]), block_sizes=(2, 3))
+    poisoned = {n: x.copy() for n, x in inputs.items()}
+    for n in ("key", "value"):
+        poisoned[n][:, :, 6:] = np.nan  # past every query's position (0 … 5): key blocks 2-4
+        poisoned[n][1, :, 3:] = np.nan  # batch 1: past its length 3, key blocks 1-4
+    d_out = jnp.asarray(rng.standard_normal((B, H, 6, DV)), "float32")
+    run = _grads_of(_blockwise, **kw)
+    clean, dirty = run(JAX.arrays(inputs, "float32"), d_out), run(JAX.arrays(poisoned, "float32"),
+                                                                  d_out)
+    np.testing.assert_array_equal(dirty[0], clean[0], err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(dirty[1]["query"], clean[1]["query"], err_msg=f"seed {seed}")
+    for n in ("key", "value"):
+        seen = np.isfinite(poisoned[n])
+        np.testing.assert_array_equal(dirty[1][n][seen], clean[1][n][seen])
+        assert np.all(clean[1][n][~seen] == 0)
+
+
+# ---- the compiled program: linear memory, one compilation, no (Lq, Lk) tensor --------------------
+
+def _fwd_bwd(implementation, length):
+    """Forward and backward at B = H = 1, D = 64, causal, as a lowered program."""
+    x = jax.ShapeDtypeStruct((1, 1, length, 64), jnp.float32)
+
+    def loss(q, k, v):
+        out = jax_attn.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                    implementation=implementation)
+        return jnp.sum(out)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x)
+
+
+def test_memory_grows_linearly():
+    temp = {}
+    for implementation in ("blockwise", "dense"):
+        for length in (4096, 8192):
+            analysis = _fwd_bwd(implementation, length).compile().memory_analysis()
+            if analysis is None:
+                pytest.skip("this backend's compiled programs give no memory_analysis()")
+            temp[implementation, length] = analysis.temp_size_in_bytes
+    blocks = temp["blockwise", 8192] / temp["blockwise", 4096]
+    dense = temp["dense", 8192] / temp["dense", 4096]
+    assert blocks < 3, f"blockwise temp memory grows ×{blocks:.2f} for ×2 length: {temp}"
+    assert dense > 3, f"dense should grow ~×4 (the check is blind otherwise): {temp}"
+    assert temp["blockwise", 8192] < 64 * 2**20, temp  # far below one (L, L) float32 array
+
+
+def test_program_never_forms_the_scores_and_keeps_precision():
+    lq, lk, d = 64, 96, 8
+    q = jax.ShapeDtypeStruct((1, 1, lq, d), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 1, lk, d), jnp.float32)
+
+    def loss(q, k, v):
+        out = _blockwise(q, k, v, is_causal=True, softcap=2.0, block_sizes=(16, 32),
+                         precision=jax.lax.Precision.HIGH)
+        return jnp.sum(out)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).as_text()
+    sizes = [int(np.prod([int(n) for n in dims.split("x")[:-1]]))
+             for dims in re.findall(r"tensor<((?:\d+x)+)\w+>", text)]
+    assert "stablehlo.while" in text  # the blockwise path ran
+    assert max(sizes) <= max(16 * 32, lk * d) < lq * lk // 4, max(sizes)  # K, or one block
+    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    assert len(dots) >= 7 and all("precision = [HIGH, HIGH]" in d for d in dots), dots
+
+
+def test_new_offsets_and_lengths_do_not_recompile():
+    rng, seed = fresh_rng()
+    arrays = JAX.arrays(_qkv(rng), "float32")
+
+    def step(t, n):
+        return _blockwise(**arrays, is_causal=True, local_window_size=(4, 0), query_offset=t,
+                          key_value_seq_lengths=jnp.array([n, LK]), block_sizes=(2, 3))
+
+    functional._attention.clear_cache()
+    first = step(0, 5)
+    with count_compiles() as compiled:
+        outs = [step(t, n) for t, n in ((1, 5), (3, 9), (jnp.array([3, 3]), 9))]
+    assert functional._attention._cache_size() == 1
+    assert compiled == [], f"a new offset compiled {compiled}"
+    np.testing.assert_array_equal(outs[1], outs[2], err_msg=f"seed {seed}")  # int 3 = 3s
+    assert not np.allclose(first, outs[0])  # the offset is not ignored
+
+
+# ---- the automatic choice and errors ------------------------------------------------------------
+
+def test_automatic_choice():
+    big = functional.BLOCKWISE_MIN_SCORES
+    assert functional.choose_implementation((1, 1024, 64), (1, 1024, 64)) == "dense"  # 2²⁰
+    assert functional.choose_implementation((4, 8, 1025, 64), (4, 8, 1024, 64)) == "blockwise"
+    assert functional.choose_implementation((1, big + 1, 8), (1, 1, 8)) == "blockwise"
+    assert functional.choose_implementation((1, 2048, 8), (1, 2048, 8), True) == "dense"
+    x = jax.ShapeDtypeStruct((1, 1, 1100, 8), jnp.float32)
+    auto = jax.jit(jax_attn.scaled_dot_product_attention).lower(x, x, x).as_text()
+    assert "stablehlo.while" in auto
+    out, weights = jax.eval_shape(partial_weights, x)  # weights asked for: dense
+    assert weights.shape == (1, 1, 1100, 1100)
+
+
+def partial_weights(x):
+    return jax_attn.scaled_dot_product_attention(x, x, x, return_weights=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(implementation="flash"), "implementation should be None, 'dense' or 'blockwise', "
+                                   "got 'flash'"),
+    (dict(implementation="blockwise", return_weights=True), "return_weights=True needs"),
+    (dict(block_sizes=(0, 4)), r"block_sizes should be None or a pair \(block_q, block_k\) of "
+                               r"positive ints, got \(0, 4\)"),
+    (dict(block_sizes=(4,)), r"block_sizes .* got \(4,\)"),
+    (dict(block_sizes=(4, 2.0)), r"block_sizes .* got \(4, 2.0\)"),
+    (dict(block_sizes=(True, 4)), r"block_sizes .* got \(True, 4\)"),
+    (dict(block_sizes=8), "block_sizes .* got 8"),
+])
+def test_errors(kw, match):
+    q = jnp.ones((2, 3, 4))
+    with pytest.raises(ValueError, match=match):
+        jax_attn.scaled_dot_product_attention(q, q, q, **kw)
