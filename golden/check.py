@@ -1,39 +1,62 @@
-"""``attn-parity check``: every fixture through the reference, PyTorch and JAX, as a table."""
+"""``attn-parity check``: every fixture through the reference, PyTorch, JAX, and any other
+implementation (``--impl``), as a table and optionally as JSON, JUnit XML and an HTML page.
+
+``run`` computes the report (a dict, schema in ``golden.report``); ``main`` prints it as a
+table, writes the files asked for and returns the exit status.
+"""
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import sys
+import time
 
 import numpy as np
 
 import golden
-from golden import runners
-from golden.tolerances import compare
+from golden import reference, runners
+from golden.runners.adapt import NotSupported
+from golden.tolerances import compare_profile, profile
 
 # The implementations' rows: (framework, path). torch runs a fixture twice: forward and backward
 # through autograd (the explicit path, weights returned), and the forward alone under no_grad,
 # which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
 IMPLEMENTATIONS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
+STATUSES = ("pass", "fail", "error", "not supported")
 
 
-def _pairs(fixture, result):
-    """(what, actual, expected) for the output, and unless the result is forward-only (no
-    "weights") the weights and every gradient; actual is None where a gradient is missing."""
+def _pairs(fixture, result, expected_grads=None):
+    """(what, actual, expected): the output; the weights when the result has them; every
+    gradient when it has gradients (None where one is missing)."""
     pairs = [("output", result["output"], fixture.expected["output"])]
     if "weights" in result:
         pairs.append(("weights", result["weights"], fixture.expected["weights"]))
-        pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in fixture.grads.items()]
+    if "grads" in result:
+        grads = fixture.grads if expected_grads is None else expected_grads
+        pairs += [(f"grad {n}", result["grads"].get(n), g) for n, g in grads.items()]
     return pairs
 
 
-def compare_all(fixture, result, dtype):
-    """Comparisons of output, weights and every gradient; None where a gradient is missing. A
-    forward-only result is compared on its output alone."""
-    return {what: None if a is None else compare(
-                a, e, dtype, _kind(what), terms=_terms(fixture, what),
-                zero=what.removeprefix("grad ") in fixture.zero)
-            for what, a, e in _pairs(fixture, result)}
+def compare_all(fixture, result, dtype, *, profile_name="exact", baseline=None):
+    """Comparisons of what the result holds (see ``_pairs``); None where a gradient is
+    missing. A result of gradients of the output alone (``"loss": "output"``, an
+    implementation that returns no weights) is compared with the reference's gradients of
+    Σ output ⊙ dO. ``baseline``: the plain low-precision implementation's result, for the
+    tf32/bf16 profiles."""
+    expected = expected_grads(fixture, result.get("loss", "both"))
+    plain = {w: a for w, a, _ in _pairs(fixture, baseline, expected)} if baseline else {}
+    return {what: None if a is None else compare_profile(
+                a, e, plain.get(what), dtype, _kind(what), terms=_terms(fixture, what),
+                zero=what.removeprefix("grad ") in fixture.zero, profile_name=profile_name)
+            for what, a, e in _pairs(fixture, result, expected)}
+
+
+def expected_grads(fixture, loss="both"):
+    """The fixture's gradients, or for ``loss="output"`` the reference's of Σ output ⊙ dO."""
+    if loss == "both":
+        return fixture.grads
+    return runners.run_reference(fixture, weights_cotangent=False)["grads"]
 
 
 def _kind(what) -> str:
@@ -86,51 +109,228 @@ def regenerated(fixture) -> list[str]:
     return [what for what, a, e in pairs if a is None or not np.array_equal(a, e)]
 
 
-def main(names=None, *, frameworks=(), dtypes=(), pattern=None, log=print, progress=None) -> int:
-    """Print the implementations' table, then the reference's regeneration check; return 1 if
-    any row failed, 2 if nothing was selected."""
-    names = select(list(names or golden.names()), pattern)
-    use = available(list(frameworks) or list(runners.FRAMEWORKS), log)
-    if "jax" in use:
-        import jax
+# ---- the work: (fixture, runner, label, path, dtype) ------------------------------------------
 
-        log(f"JAX backend: {jax.default_backend()}; devices: {', '.join(map(str, jax.devices()))}")
+def _work(fixtures, frameworks, impls, dtypes):
+    work = [(f, runners.get(fw, path), fw, path, d) for f in fixtures
+            for fw, path, d in rows(f, frameworks, dtypes)]
+    work += [(f, impl, impl.name, "", d) for f in fixtures for impl in impls
+             for d in f.dtypes if not dtypes or d in dtypes]
+    return work
+
+
+def _baseline(fixture, loss, prof, cache):
+    """The plain low-precision implementation's result on the fixture (cached)."""
+    key = (fixture.name, loss)
+    if key not in cache:
+        with reference.rounded_products(prof.bits):
+            cache[key] = runners.run_reference(fixture, weights_cotangent=(loss == "both"))
+    return cache[key]
+
+
+def _row(fixture, runner, label, path, dtype, prof, cache):
+    """(the report's row, the result or None)."""
+    row = {"fixture": fixture.name, "variant": fixture.variant, "implementation": label,
+           "path": path, "dtype": dtype, "status": "pass", "reason": None, "seconds": 0.0,
+           "max_abs": None, "max_rel": None, "arrays": []}
+    start = time.perf_counter()
+    try:
+        result = runner(fixture, dtype)
+        base = (_baseline(fixture, result.get("loss", "both"), prof, cache)
+                if prof.bits and dtype == "float32" else None)
+        comps = compare_all(fixture, result, dtype, profile_name=prof.name, baseline=base)
+    except NotSupported as e:
+        return {**row, "status": "not supported", "reason": str(e)}, None
+    except Exception as e:  # the implementation under test raised: a failure, with its words
+        return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}",
+                "seconds": time.perf_counter() - start}, None
+    row["seconds"] = time.perf_counter() - start
+    row["path"] = result.get("path", path or getattr(runner, "framework", ""))
+    row["arrays"] = [_array(what, c) for what, c in comps.items()]
+    bad = [a["name"] for a in row["arrays"] if not a["ok"]]
+    if bad:
+        row["status"], row["reason"] = "fail", ", ".join(bad)
+    compared = [c for c in comps.values() if c is not None]
+    row["max_abs"] = max((c.max_abs for c in compared), default=None)
+    row["max_rel"] = max((c.max_rel for c in compared if not c.zero), default=None)
+    if len(compared) < len(comps):
+        row["max_abs"] = row["max_rel"] = float("inf")
+    return row, result
+
+
+def _array(what, c) -> dict:
+    kind = _kind(what)
+    if c is None:
+        return {"name": what, "kind": kind, "max_abs": None, "max_rel": None, "rel_norm": None,
+                "ok": False, "zero": False, "missing": True}
+    return {"name": what, "kind": kind, "max_abs": c.max_abs, "max_rel": c.max_rel,
+            "rel_norm": c.rel_norm, "ok": c.ok, "zero": c.zero, "missing": False}
+
+
+# ---- run and main -----------------------------------------------------------------------------
+
+def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variants=(),
+        profile_name="exact", log=None, progress=None, weights=None, command="") -> dict:
+    """The report (see ``golden.report``) of the selected fixtures through the frameworks
+    (default: all installed, unless ``impls`` are given, then only those) and the runners in
+    ``impls``. ``log`` gets one line per row as it finishes; ``weights``, a dict, is filled
+    with {fixture: {label: attention weights}} for the HTML page."""
+    log = log or (lambda line: None)
+    prof = profile(profile_name)
+    start = time.perf_counter()
+    names = select(list(names or golden.names()), pattern)
     fixtures = [golden.load(n) for n in names]
-    work = [(f, fw, path, d) for f in fixtures for fw, path, d in rows(f, use, dtypes)]
-    regen = fixtures if "reference" in use and (not dtypes or "float64" in dtypes) else []
-    if not work and not regen:
-        log("nothing selected: check the names, -k, --framework and --dtype")
+    fixtures = [f for f in fixtures if not variants or f.variant in variants]
+    wanted = list(frameworks) or ([] if impls else list(runners.FRAMEWORKS))
+    use = available(wanted, log)
+    work = _work(fixtures, use, impls, dtypes)
+    report = {"schema": "attn-parity-check", "schema_version": 1, "created": _now(),
+              "command": command, "environment": _environment(),
+              "profile": {"name": prof.name, "k": prof.k, "description": prof.description},
+              "implementations": [*(fw for fw in use if fw != "reference"),
+                                  *(i.name for i in impls)],
+              "rows": [], "regeneration": None}
+    bar, log = _progress(work, progress, log)
+    cache = {}
+    for fixture, runner, label, path, dtype in bar:
+        row, result = _row(fixture, runner, label, path, dtype, prof, cache)
+        report["rows"].append(row)
+        log(row)
+        if weights is not None:
+            _keep_weights(weights, fixture, row, result)
+    if fixtures and "reference" in use and (not dtypes or "float64" in dtypes):
+        differ = {f.name: what for f in fixtures if (what := regenerated(f))}
+        report["regeneration"] = {"checked": len(fixtures), "reproduced":
+                                  len(fixtures) - len(differ), "differ": differ}
+    report["summary"] = _summary(report, time.perf_counter() - start)
+    return report
+
+
+def _keep_weights(weights, fixture, row, result):
+    kept = weights.setdefault(fixture.name, {"reference": fixture.expected["weights"]})
+    if result is not None and "weights" in result:
+        kept[f"{row['implementation']} {row['path']} {row['dtype']}"] = result["weights"]
+
+
+def _summary(report, seconds) -> dict:
+    count = {s: sum(r["status"] == s for r in report["rows"]) for s in STATUSES}
+    regen = report["regeneration"]
+    regen_failed = len(regen["differ"]) if regen else 0
+    ran = count["pass"] + count["fail"] + count["error"] + (regen["checked"] if regen else 0)
+    return {"rows": len(report["rows"]), "passed": count["pass"], "failed": count["fail"],
+            "errors": count["error"], "not_supported": count["not supported"],
+            "regeneration_failed": regen_failed, "seconds": round(seconds, 3),
+            "ok": bool(ran) and not (count["fail"] or count["error"] or regen_failed)}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _environment() -> dict:
+    try:
+        from golden.report import environment
+    except ImportError:  # pragma: no cover - the report module ships with the package
+        return {}
+    return environment()
+
+
+def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variants=(),
+         profile_name="exact", json_path=None, junit_path=None, html_dir=None, log=print,
+         progress=None, command="") -> int:
+    """Print the table (and the regeneration check), write the reports asked for; return 0
+    when everything that ran passed, 1 on any failure or error, 2 when nothing ran."""
+    if "jax" in (list(frameworks) or ([] if impls else runners.FRAMEWORKS)):
+        _log_backend(log)
+    table = _Table(log, [i.name for i in impls])
+    weights = {} if html_dir else None
+    report = run(names, frameworks=frameworks, impls=impls, dtypes=dtypes, pattern=pattern,
+                 variants=variants, profile_name=profile_name, log=table, progress=progress,
+                 weights=weights, command=command)
+    s = report["summary"]
+    if table.printed:
+        line = f"{s['passed']} passed, {s['failed'] + s['errors']} failed"
+        extra = [f"{s['errors']} of them errors"] if s["errors"] else []
+        if s["not_supported"]:
+            extra.append(f"{s['not_supported']} not supported")
+        log(line + (f" ({'; '.join(extra)})" if extra else ""))
+    _log_regeneration(report["regeneration"], log)
+    _write_reports(report, weights, json_path, junit_path, html_dir, progress, log)
+    if not table.printed and not report["regeneration"]:
+        log("nothing selected: check the names, -k, --variant, --framework and --dtype")
         return 2
-    width = max(len("fixture"), *(len(f.name) for f in fixtures))
-    passed = failed = 0
-    if work:
-        header = (f"{'fixture':{width}} {'framework':9} {'path':8} {'dtype':8} "
-                  f"{'max abs err':>11} {'max rel err':>11}  result")
-        log(header)
-        log("-" * len(header))
-        bar, log = _progress(work, progress, log)
-        for fixture, framework, path, dtype in bar:
-            result = runners.get(framework, path)(fixture, dtype)
-            comps = compare_all(fixture, result, dtype)
-            ok = all(c is not None and c.ok for c in comps.values())
-            worst_abs = max(c.max_abs if c else np.inf for c in comps.values())
-            worst_rel = max((c.max_rel if c else np.inf for c in comps.values()
-                             if not (c and c.zero)), default=0.0)
-            bad = [w for w, c in comps.items() if c is None or not c.ok]
-            verdict = "pass" if ok else "FAIL " + ", ".join(bad)
-            log(f"{fixture.name:{width}} {framework:9} {result.get('path', path):8} {dtype:8} "
-                f"{worst_abs:11.2e} {worst_rel:11.2e}  {verdict}")
-            passed, failed = passed + ok, failed + (not ok)
-        log(f"{passed} passed, {failed} failed")
-    if regen:
-        differ = {f.name: regenerated(f) for f in regen}
-        differ = {n: what for n, what in differ.items() if what}
-        for name, what in differ.items():
-            log(f"regeneration check: {name}: the reference does not reproduce {', '.join(what)}")
-        log(f"regeneration check: the reference reproduces {len(regen) - len(differ)} of "
-            f"{len(regen)} fixtures bit for bit")
-        failed += len(differ)
-    return 1 if failed else 0
+    if not s["ok"] and not (s["passed"] or s["failed"] or s["errors"] or report["regeneration"]):
+        log("nothing ran: every selected row is not supported by the implementation")
+        return 2
+    return 0 if s["ok"] else 1
+
+
+def _log_backend(log):
+    try:
+        import jax
+    except ImportError:
+        return
+    log(f"JAX backend: {jax.default_backend()}; devices: {', '.join(map(str, jax.devices()))}")
+
+
+class _Table:
+    """Prints rows as they come (a string is passed through), header first."""
+
+    def __init__(self, log, labels=()):
+        self.log, self.printed, self.width = log, False, None
+        self.label = max([9, *(len(x) for x in labels)])
+
+    def __call__(self, item):
+        if isinstance(item, str):
+            self.log(item)
+            return
+        if not self.printed:
+            self.printed = True
+            self.log(self._header())
+            self.log("-" * len(self._header()))
+        self.log(_format_row(item, self.width, self.label))
+
+    def _header(self):
+        self.width = self.width or max(len("fixture"), *(len(n) for n in golden.names()))
+        return (f"{'fixture':{self.width}} {'framework':{self.label}} {'path':8} {'dtype':8} "
+                f"{'max abs err':>11} {'max rel err':>11}  result")
+
+
+def _format_row(row, width, label=9) -> str:
+    def num(x):
+        return f"{'-':>11}" if x is None else f"{x:11.2e}"
+
+    status = row["status"]
+    verdict = {"pass": "pass", "fail": f"FAIL {row['reason']}",
+               "error": f"ERROR {row['reason']}",
+               "not supported": f"not supported: {row['reason']}"}[status]
+    return (f"{row['fixture']:{width}} {row['implementation']:{label}} {row['path']:8} "
+            f"{row['dtype']:8} {num(row['max_abs'])} {num(row['max_rel'])}  {verdict}")
+
+
+def _log_regeneration(regen, log):
+    if not regen:
+        return
+    for name, what in regen["differ"].items():
+        log(f"regeneration check: {name}: the reference does not reproduce {', '.join(what)}")
+    log(f"regeneration check: the reference reproduces {regen['reproduced']} of "
+        f"{regen['checked']} fixtures bit for bit")
+
+
+def _write_reports(report, weights, json_path, junit_path, html_dir, progress, log):
+    if not (json_path or junit_path or html_dir):
+        return
+    from golden import report as writers
+
+    if json_path:
+        writers.write_json(report, json_path)
+        log(f"wrote {json_path}")
+    if junit_path:
+        writers.write_junit(report, junit_path)
+        log(f"wrote {junit_path}")
+    if html_dir:
+        writers.write_html(report, html_dir, weights, progress=progress)
+        log(f"wrote {html_dir}/index.html")
 
 
 def _progress(work, progress, log):
@@ -139,7 +339,7 @@ def _progress(work, progress, log):
     show = sys.stderr.isatty() if progress is None else progress
     try:
         from tqdm import tqdm
-    except ImportError:  # the bar is a convenience of the [all] extra, not a requirement
+    except ImportError:  # the bar is a convenience of the [report] extra, not a requirement
         show = False
     if not show:
         return work, log

@@ -20,13 +20,55 @@ Key j sits at position j, query i at i + query_offset. Query i may attend key j 
 allows it, j ≤ position (is_causal), position − left ≤ j ≤ position + right (the window),
 j < key_value_seq_lengths and i < query_seq_lengths (rows past it attend nothing).
 The fixtures' scalar loss is  L = Σ O ⊙ dO + Σ A ⊙ dA  for fixed random cotangents dO and dA.
+
+``rounded_products(bits)`` turns the same code into the plain low-precision implementation that
+the tolerance profiles measure against (golden.tolerances.PROFILES): inside it, every
+contraction rounds its operands to ``bits`` bits of precision (TF32: 11, bfloat16: 8) and its
+result to float32, as a float32 matmul on TF32 or bfloat16 units does; nothing else changes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 
 from golden.validate import check_attention_args, window
+
+_PRODUCT_BITS = contextvars.ContextVar("product_bits", default=None)
+
+
+def einsum(spec, *operands):
+    """``np.einsum``; inside ``rounded_products(bits)`` on rounded operands, rounded result."""
+    bits = _PRODUCT_BITS.get()
+    if bits is None:
+        return np.einsum(spec, *operands)
+    rounded = (round_to_bits(o, bits) for o in operands)
+    return np.einsum(spec, *rounded).astype(np.float32).astype(np.float64)
+
+
+@contextlib.contextmanager
+def rounded_products(bits):
+    """Every contraction inside rounds its operands to ``bits`` (2..24) bits of precision."""
+    if not (isinstance(bits, int) and 2 <= bits <= 24):
+        raise ValueError(f"bits should be an int in [2, 24], got {bits!r}")
+    token = _PRODUCT_BITS.set(bits)
+    try:
+        yield
+    finally:
+        _PRODUCT_BITS.reset(token)
+
+
+def round_to_bits(x, bits):
+    """``x`` rounded to float32, then to ``bits`` bits of precision (the implicit bit counted),
+    to nearest with ties to even; as float64."""
+    drop = np.uint32(24 - bits)
+    u = np.asarray(x, dtype=np.float32).view(np.uint32)
+    if drop:
+        half = (np.uint32(1) << (drop - np.uint32(1))) - np.uint32(1)
+        u = (u + half + ((u >> drop) & np.uint32(1))) & ~((np.uint32(1) << drop) - np.uint32(1))
+    return u.view(np.float32).astype(np.float64)
 
 
 def per_batch(x, rank):
@@ -109,7 +151,7 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
     if kv_heads is not None:
         k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])  # (..., H, Lk, D)
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
-    scores = scale * np.einsum("...qd,...kd->...qk", q, k)
+    scores = scale * einsum("...qd,...kd->...qk", q, k)
     capped = None if softcap is None else np.tanh(scores / softcap)   # tanh(R / c)
     if capped is not None:
         scores = softcap * capped
@@ -121,7 +163,7 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
     keep = np.ones(shape) if dropout_mask is None else np.broadcast_to(dropout_mask, shape)
     keep_scaled = keep / (1.0 - dropout_rate)
     weights = probs * keep_scaled
-    out = np.einsum("...qk,...kv->...qv", weights, v)
+    out = einsum("...qk,...kv->...qv", weights, v)
     cache = dict(q=q, k=k, v=v, kv_heads=kv_heads, scale=scale, capped=capped, probs=probs,
                  keep_scaled=keep_scaled, weights=weights,
                  bias_shape=None if bias is None else np.shape(bias))
@@ -153,16 +195,16 @@ def unbroadcast(grad, shape):
 def sdpa_backward(cache, d_output, d_weights):
     """Gradients of L = Σ O ⊙ dO + Σ A ⊙ dA with respect to query, key, value (and bias)."""
     q, k, v, weights, probs = cache["q"], cache["k"], cache["v"], cache["weights"], cache["probs"]
-    g_weights = np.einsum("...qv,...kv->...qk", d_output, v) + d_weights   # dL/dA
-    g_value = np.einsum("...qk,...qv->...kv", weights, d_output)
+    g_weights = einsum("...qv,...kv->...qk", d_output, v) + d_weights   # dL/dA
+    g_value = einsum("...qk,...qv->...kv", weights, d_output)
     g_probs = g_weights * cache["keep_scaled"]                              # dL/dP
     g_scores = probs * (g_probs - (g_probs * probs).sum(axis=-1, keepdims=True))  # softmax vjp
     g_raw = g_scores                                                        # dL/dR
     if cache["capped"] is not None:
         g_raw = g_scores * (1.0 - cache["capped"] ** 2)                     # d(c·tanh(R/c))/dR
     grads = {
-        "query": cache["scale"] * np.einsum("...qk,...kd->...qd", g_raw, k),
-        "key": cache["scale"] * np.einsum("...qk,...qd->...kd", g_raw, q),
+        "query": cache["scale"] * einsum("...qk,...kd->...qd", g_raw, k),
+        "key": cache["scale"] * einsum("...qk,...qd->...kd", g_raw, q),
         "value": g_value,
     }
     if cache["kv_heads"] is not None:
@@ -186,7 +228,7 @@ def sdpa_backward(cache, d_output, d_weights):
 
 def linear(x, w, b=None):
     """x W + b with W of shape (in, out)."""
-    y = np.einsum("...i,io->...o", x, w)
+    y = einsum("...i,io->...o", x, w)
     return y if b is None else y + b
 
 
@@ -194,10 +236,10 @@ def linear_backward(x, w, g_y, grads, names):
     """Accumulate dL/dW and dL/db into ``grads``; return dL/dx."""
     w_name, b_name = names
     x2, g2 = x.reshape(-1, x.shape[-1]), g_y.reshape(-1, g_y.shape[-1])  # (positions, width)
-    grads[w_name] = np.einsum("ni,no->io", x2, g2)  # Σ over positions of xᵀ g
+    grads[w_name] = einsum("ni,no->io", x2, g2)  # Σ over positions of xᵀ g
     if b_name is not None:
         grads[b_name] = g2.sum(axis=0)
-    return np.einsum("...o,io->...i", g_y, w)
+    return einsum("...o,io->...i", g_y, w)
 
 
 def split_heads(y, num_heads):

@@ -106,3 +106,66 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
     ok = bool(np.all(np.isfinite(a))) and (zero or rel_norm <= tol.rel_norm) and bool(
         np.all(diff <= atol + tol.rtol * np.abs(e)))
     return Comparison(max_abs, max_rel, rel_norm, ok, zero)
+
+
+# ---- profiles: what users run on accelerators -------------------------------------------------
+# On GPUs JAX's default float32 matmul takes TF32 operands (11 bits of precision), and on TPUs
+# one bfloat16 pass (8 bits); PyTorch uses TF32 when torch.backends.cuda.matmul.allow_tf32 is
+# set. Such a run cannot meet the float32 table, and no fixed bound says how far it may stray,
+# because the error grows with the data. Kernel authors judge it against a plain implementation
+# of the same precision on the same inputs: FlashAttention's tests assert
+#     (out − out_ref).abs().max() ≤ 2 · (out_pt − out_ref).abs().max()
+# ("FlashAttention's numerical error is at most twice the numerical error of a Pytorch
+# implementation", Dao-AILab/flash-attention tests/test_flash_attn.py, outputs and gradients).
+# We do the same with k = 2: two implementations that round the same operands the same way make
+# errors of the same size whose signs and positions differ, so one may be the larger by chance;
+# a factor 2 absorbs that, while the next precision down (bfloat16 under the tf32 profile: a unit
+# roundoff 8× larger) or any real mistake does not fit. The plain implementation is the float64
+# reference with every contraction's operands rounded to the profile's bits and its result to
+# float32 (golden.reference.rounded_products). Its other steps stay float64, so the float32
+# table's bound is added on top: an array passes when it meets the float32 table, or
+#     max|a − e| ≤ k · max|b − e| + atol   and   ‖a − e‖/‖e‖ ≤ k · ‖b − e‖/‖e‖ + rel_norm
+# with b the plain implementation's array and atol, rel_norm the float32 row's (atol scaled as
+# in ``compare``). Profiles apply to float32 runs; the other dtypes keep the exact table.
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    bits: int | None   # the matmul operands' bits of precision; None: the table alone
+    k: float | None
+    description: str
+
+
+PROFILES = {
+    "exact": Profile("exact", None, None, "the tolerance table, at every dtype"),
+    "tf32": Profile("tf32", 11, 2.0, "float32 runs with TF32 matmul operands (GPUs: JAX's "
+                    "default precision, torch allow_tf32): error at most 2x a plain TF32 "
+                    "implementation's"),
+    "bf16": Profile("bf16", 8, 2.0, "float32 runs with bfloat16 matmul operands (TPUs' default "
+                    "precision): error at most 2x a plain bfloat16-operand implementation's"),
+}
+
+
+def profile(name) -> Profile:
+    if name not in PROFILES:
+        raise ValueError(f"profile should be one of {', '.join(PROFILES)}, got {name!r}")
+    return PROFILES[name]
+
+
+def compare_profile(actual, expected, baseline, dtype: str, kind: str = "value", terms: int = 1,
+                    zero: bool = False, profile_name: str = "exact") -> Comparison:
+    """``compare``, or under a tf32/bf16 profile at float32 the k-times-the-plain-implementation
+    rule above (``baseline``: the plain implementation's array)."""
+    exact = compare(actual, expected, dtype, kind, terms, zero)
+    prof = profile(profile_name)
+    if exact.ok or prof.bits is None or dtype != "float32" or baseline is None:
+        return exact
+    plain = compare(baseline, expected, dtype, kind, terms, zero)
+    tol = TOLERANCES[dtype, kind]
+    e = np.asarray(expected, dtype=np.float64)
+    atol = tol.atol * max(1.0, float(np.abs(e).max(initial=0.0))) * float(np.sqrt(terms))
+    ok = (bool(np.all(np.isfinite(np.asarray(actual, dtype=np.float64))))
+          and exact.max_abs <= prof.k * plain.max_abs + atol
+          and (zero or exact.rel_norm <= prof.k * plain.rel_norm + tol.rel_norm))
+    return Comparison(exact.max_abs, exact.max_rel, exact.rel_norm, ok, zero)

@@ -1,15 +1,23 @@
 """Fixture runners: each runs a golden fixture through one implementation.
 
-The contract every runner follows: ``run_fixture(fixture, dtype) -> dict`` with
-    "output", "weights"   float64 NumPy arrays of the fixture's expected shapes
-    "grads"               {name: float64 array}: dL/d(name) of the fixture's loss
-                          L = Σ output ⊙ cotangents/output + Σ weights ⊙ cotangents/weights,
-                          for every float input and every parameter (neutral layout)
+The runner contract, public: any callable ``run_fixture(fixture, dtype) -> dict`` (``fixture`` a
+``golden.Fixture``, ``dtype`` one of its ``dtypes``) is an implementation that
+``attn-parity check --impl package.module:callable`` can judge. The dict holds
+    "output"              float64 NumPy array of the fixture's expected output shape (required)
+    "weights"             (optional) float64 array of the attention weights' shape
+    "grads"               (optional) {name: float64 array}: dL/d(name) for every float input and
+                          every parameter (neutral layout) of the fixture's loss
+                          L = Σ output ⊙ cotangents/output + Σ weights ⊙ cotangents/weights
+    "loss"                (optional) "output" when the gradients are of Σ output ⊙ dO alone (an
+                          implementation that returns no weights); default "both"
     "dtype"               the dtype the computation ran in
     "path"                (optional) which of the implementation's paths ran
-A forward-only runner (torch's fused path) returns "output" and "dtype" alone.
+What a result holds is what gets checked: a forward-only runner (torch's fused path, a NumPy
+port) returns no "grads". A runner that cannot run a fixture raises
+``golden.runners.adapt.NotSupported`` with the reason; any other exception is a failure.
 A module variant is built from the fixture's parameters cast to ``dtype``, in training mode when
-the fixture holds a dropout keep-mask and in eval mode otherwise.
+the fixture holds a dropout keep-mask and in eval mode otherwise. ``golden.runners.adapt``
+builds runners from a plain function or a module class in one line.
 
 This is the harness layer: it imports torch and JAX, but only when their runner is asked for, so
 an installation with one framework runs that framework's fixtures.
@@ -27,13 +35,16 @@ FRAMEWORKS = ("reference", "torch", "jax")
 _MODULES = {"torch": "golden.runners.torch_runner", "jax": "golden.runners.jax_runner"}
 
 
-def run_reference(fixture, dtype="float64") -> dict:
-    """Recompute the fixture from its stored inputs with the float64 reference."""
+def run_reference(fixture, dtype="float64", *, weights_cotangent=True) -> dict:
+    """Recompute the fixture from its stored inputs with the float64 reference; without
+    ``weights_cotangent``, the gradients are of Σ output ⊙ dO alone."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
     forward, backward = REFERENCE[fixture.variant]
     out, weights, cache = forward(fixture.config, inputs, fixture.params)
     cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
+    if not weights_cotangent:
+        cot["weights"] = np.zeros_like(cot["weights"])
     return {"output": out, "weights": weights, "dtype": "float64",
             "grads": backward(cache, cot["output"], cot["weights"])}
 

@@ -1,0 +1,450 @@
+"""Any implementation against the golden suite: the runner contract made one line for the
+common cases (see ``golden.runners`` for the contract itself).
+
+    from_function(fn, framework)        a function of the core's signature, in NumPy, PyTorch
+                                        or JAX: it runs the core's fixtures
+    from_module(factory, framework,     a module class per variant, its weights set through a
+                mapping=...)            table from the neutral layout (golden.mapping)
+    combine(runner, ...)                the first runner that supports a fixture runs it
+    load("pkg.mod:name")                what ``attn-parity check --impl`` takes
+
+A runner raises :class:`NotSupported` for a fixture it cannot run (a variant it lacks, an
+argument it does not take, a dtype its framework has not); the check reports those apart from
+failures. NumPy runners are forward-only (no autodiff): output and weights are checked, not
+gradients. A function that returns no attention weights is checked on its output, and its
+gradients on the loss Σ output ⊙ dO alone (``"loss": "output"`` in the result).
+
+Frameworks are imported only when a runner of theirs runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from functools import partial
+
+import numpy as np
+
+from golden import mapping as mappings
+from golden import variants
+
+CORE = variants.SDPA
+FRAMEWORKS = ("numpy", "torch", "jax")
+ALL_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_DTYPES = {"numpy": ("float32", "float64"), "torch": ALL_DTYPES, "jax": ALL_DTYPES}
+_CONFIG_DEFAULTS = {a.name: a.default for a in variants.get(CORE).args}
+
+
+class NotSupported(Exception):
+    """The runner cannot run this fixture; the message says why."""
+
+
+class Runner:
+    """A named runner: ``runner(fixture, dtype) -> result`` (raises NotSupported)."""
+
+    def __init__(self, name, framework, run, unsupported=None):
+        self.name, self.framework = name, framework
+        self._run, self._unsupported = run, unsupported or (lambda fixture, dtype: None)
+
+    def unsupported(self, fixture, dtype) -> str | None:
+        """Why the runner cannot run the fixture at ``dtype``, or None."""
+        return self._unsupported(fixture, dtype)
+
+    def __call__(self, fixture, dtype):
+        reason = self.unsupported(fixture, dtype)
+        if reason:
+            raise NotSupported(reason)
+        return self._run(fixture, dtype)
+
+    def __repr__(self) -> str:
+        return f"<runner {self.name} ({self.framework})>"
+
+
+def _framework(framework, dtypes):
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework should be one of {', '.join(FRAMEWORKS)}, "
+                         f"got {framework!r}")
+    dtypes = tuple(_DTYPES[framework] if dtypes is None else dtypes)
+    bad = [d for d in dtypes if d not in _DTYPES[framework]]
+    if bad:
+        raise ValueError(f"dtypes should be drawn from {', '.join(_DTYPES[framework])} for "
+                         f"{framework}, got {', '.join(bad)}")
+    return dtypes
+
+
+def _dtype_check(name, framework, dtypes):
+    def check(fixture, dtype):
+        if dtype not in dtypes:
+            return f"{name} runs {', '.join(dtypes)} ({framework}), not {dtype}"
+        return None
+    return check
+
+
+# ---- a function of the core's signature -------------------------------------------------------
+
+def core_arguments(fixture) -> tuple[dict, dict]:
+    """(the query, key and value; every other argument the fixture sets): the inputs present
+    and the configuration values that differ from the core's defaults."""
+    arrays = {n: fixture.inputs[n] for n in ("query", "key", "value")}
+    keywords = {n: a for n, a in fixture.inputs.items() if n not in arrays}
+    keywords.update({k: (tuple(v) if isinstance(v, list) else v)
+                     for k, v in fixture.config.items() if v != _CONFIG_DEFAULTS.get(k)})
+    return arrays, keywords
+
+
+def _takes(fn) -> tuple[set | None, bool]:
+    """(the keyword names ``fn`` takes, None for any; whether it takes return_weights)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume it takes all
+        return None, True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None, "return_weights" in params
+    names = {n for n, p in params.items() if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                         inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return names, "return_weights" in names
+
+
+def from_function(fn, framework: str, *, name: str | None = None, dtypes=None) -> Runner:
+    """A runner of the core's fixtures through ``fn(query, key, value, **keywords)``, where
+    keywords are those the fixture sets (mask, bias, is_causal, scale, softcap,
+    local_window_size, query_offset, query_seq_lengths, key_value_seq_lengths, dropout_rate,
+    dropout_mask), each passed only when set, and ``return_weights=True`` when ``fn`` takes it
+    (it then returns ``(output, weights)``). Arrays are ``framework``'s ("numpy", "torch",
+    "jax") in the run's dtype; masks bool, offsets and lengths int32."""
+    if not callable(fn):
+        raise ValueError(f"fn should be a callable, got {type(fn).__name__}")
+    dtypes = _framework(framework, dtypes)
+    name = name or getattr(fn, "__qualname__", repr(fn))
+    takes, weights = _takes(fn)
+    by_dtype = _dtype_check(name, framework, dtypes)
+
+    def unsupported(fixture, dtype):
+        if fixture.variant != CORE:
+            return f"{name} is a function of the core's signature; {fixture.variant} is a module"
+        missing = [] if takes is None else sorted(set(core_arguments(fixture)[1]) - takes)
+        if missing:
+            return f"{name} does not take {', '.join(missing)}"
+        return by_dtype(fixture, dtype)
+
+    def call(arrays, keywords):
+        out = fn(*arrays.values(), **keywords, **({"return_weights": True} if weights else {}))
+        return out if weights else (out, None)
+
+    run = partial(_RUN[framework], call)
+    return Runner(name, framework, lambda fixture, dtype: run(fixture, dtype,
+                                                              *core_arguments(fixture)),
+                  unsupported)
+
+
+# ---- a module per variant, weights through a mapping ------------------------------------------
+
+def from_module(factory, framework: str, *, mapping, name: str | None = None,
+                dtypes=None) -> Runner:
+    """A runner of the module variants' fixtures: ``factory(variant, config)`` returns a module
+    (None: the variant is not supported), ``mapping`` (a dict, or ``mapping(variant, config)``
+    returning one) sends each neutral parameter name to the module's attribute path with a
+    layout rule (golden.mapping): ``{"W_query": ("q_proj.weight", "T"), "b_query":
+    "q_proj.bias"}``. The module is called like this project's modules (inputs, mask,
+    keywords, ``return_weights=True`` when it takes it), in training mode when the fixture has
+    a dropout keep-mask (``.train()``/``.eval()`` where the module has them)."""
+    if not callable(factory):
+        raise ValueError(f"factory should be a callable (variant, config) -> module, "
+                         f"got {type(factory).__name__}")
+    dtypes = _framework(framework, dtypes)
+    name = name or getattr(factory, "__qualname__", repr(factory))
+    by_dtype = _dtype_check(name, framework, dtypes)
+    built = {}
+
+    def module_for(fixture):
+        key = (fixture.variant, repr(sorted(fixture.config.items())))
+        if key not in built:
+            built[key] = factory(fixture.variant, dict(fixture.config))
+        return built[key]
+
+    def unsupported(fixture, dtype):
+        if not variants.get(fixture.variant).is_module:
+            return f"{name} runs module variants; {fixture.variant} is the core"
+        if module_for(fixture) is None:
+            return f"{name} has no {fixture.variant}"
+        return by_dtype(fixture, dtype)
+
+    def run(fixture, dtype):
+        module = factory(fixture.variant, dict(fixture.config))  # fresh: no state carried over
+        table = mapping(fixture.variant, dict(fixture.config)) if callable(mapping) else mapping
+        table = {n: r for n, r in mappings.parse(table).items() if n in fixture.params}
+        missing = sorted(set(fixture.params) - set(table))
+        if missing:
+            raise ValueError(f"mapping should send every parameter of the fixture to the module; "
+                             f"missing {', '.join(missing)}")
+        return _MODULE_RUN[framework](module, table, fixture, dtype)
+
+    return Runner(name, framework, run, unsupported)
+
+
+def combine(*runners, name: str | None = None) -> Runner:
+    """One runner from several: the first that supports a fixture runs it."""
+    if not runners:
+        raise ValueError("combine needs at least one runner")
+
+    def unsupported(fixture, dtype):
+        reasons = [r.unsupported(fixture, dtype) for r in runners]
+        return None if any(x is None for x in reasons) else "; ".join(reasons)
+
+    def run(fixture, dtype):
+        return next(r for r in runners if r.unsupported(fixture, dtype) is None)(fixture, dtype)
+
+    frameworks = sorted({r.framework for r in runners})
+    return Runner(name or " + ".join(r.name for r in runners), "/".join(frameworks), run,
+                  unsupported)
+
+
+def load(spec: str):
+    """The runner named by "package.module:attribute" (a Runner, or any callable of the
+    contract ``(fixture, dtype) -> dict``), or by "package.module" whose ``run_fixture`` is
+    one. ValueError saying what was wrong."""
+    if not isinstance(spec, str) or not spec or spec.count(":") > 1:
+        raise ValueError(f"implementation should be 'package.module:callable', got {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"implementation {spec!r}: cannot import {module_name!r} ({e})") from None
+    target = getattr(module, attr or "run_fixture", None)
+    if not callable(target):
+        raise ValueError(f"implementation {spec!r}: {module_name} has no callable "
+                         f"{attr or 'run_fixture'!r}")
+    if not isinstance(target, Runner):
+        target = Runner(spec, getattr(target, "framework", "?"), target)
+    elif target.name != spec:
+        target = Runner(target.name, target.framework, target._run, target._unsupported)
+    return target
+
+
+# ---- the frameworks ---------------------------------------------------------------------------
+
+def _result(out, weights, grads, dtype):
+    result = {"output": np.asarray(out, dtype=np.float64), "dtype": dtype}
+    if weights is not None:
+        result["weights"] = np.asarray(weights, dtype=np.float64)
+    if grads is not None:
+        result["grads"] = grads
+        if weights is None:
+            result["loss"] = "output"  # the gradients of Σ output ⊙ dO alone
+    return result
+
+
+def _numpy_inputs(arrays, dtype):
+    return {n: a.astype(dtype) if a.dtype.kind == "f" else a.copy() for n, a in arrays.items()}
+
+
+def _numpy_keywords(keywords, dtype):
+    return {n: (a.astype(dtype) if a.dtype.kind == "f" else a.copy())
+            if isinstance(a, np.ndarray) else a for n, a in keywords.items()}
+
+
+def _run_numpy_call(call, fixture, dtype, arrays, keywords):
+    out, weights = call(_numpy_inputs(arrays, dtype), _numpy_keywords(keywords, dtype))
+    return _result(out, weights, None, dtype)
+
+
+def _torch_tensor(a, dtype):
+    import torch
+
+    if not isinstance(a, np.ndarray):
+        return a
+    t = torch.from_numpy(np.array(a))
+    return t.to(getattr(torch, dtype)).requires_grad_() if t.is_floating_point() else t
+
+
+def _torch_loss(fixture, out, weights, dtype):
+    import torch
+
+    dt = getattr(torch, dtype)
+    loss = (out * torch.from_numpy(fixture.cotangents["output"]).to(dt)).sum()
+    if weights is not None:
+        loss = loss + (weights * torch.from_numpy(fixture.cotangents["weights"]).to(dt)).sum()
+    return loss
+
+
+def _torch_numpy(t):
+    import torch
+
+    return None if t is None else t.detach().to(torch.float64).numpy()
+
+
+def _run_torch(call, fixture, dtype, arrays, keywords):
+    arrays = {n: _torch_tensor(a, dtype) for n, a in arrays.items()}
+    keywords = {n: _torch_tensor(a, dtype) for n, a in keywords.items()}
+    out, weights = call(arrays, keywords)
+    _torch_loss(fixture, out, weights, dtype).backward()
+    grads = {n: _torch_numpy(t.grad) for n, t in {**arrays, **keywords}.items()
+             if getattr(t, "requires_grad", False)}
+    return _result(_torch_numpy(out), _torch_numpy(weights), grads, dtype)
+
+
+def _jax_split(arrays, keywords, dtype):
+    """(float arrays, other arrays, static keywords) as JAX arrays of ``dtype``."""
+    import jax.numpy as jnp
+
+    every = {**arrays, **{n: a for n, a in keywords.items() if isinstance(a, np.ndarray)}}
+    floats = {n: jnp.asarray(a, dtype=dtype) for n, a in every.items() if a.dtype.kind == "f"}
+    others = {n: jnp.asarray(a) for n, a in every.items() if a.dtype.kind != "f"}
+    static = {n: a for n, a in keywords.items() if not isinstance(a, np.ndarray)}
+    return floats, others, static
+
+
+def _jax_loss(fixture, out, weights, dtype):
+    import jax.numpy as jnp
+
+    loss = jnp.sum(out * jnp.asarray(fixture.cotangents["output"], dtype=dtype))
+    if weights is not None:
+        loss = loss + jnp.sum(weights * jnp.asarray(fixture.cotangents["weights"], dtype=dtype))
+    return loss
+
+
+def _run_jax(call, fixture, dtype, arrays, keywords):
+    import jax
+
+    with jax.enable_x64(dtype == "float64"):
+        floats, others, static = _jax_split(arrays, keywords, dtype)
+        names = list(arrays)
+
+        def loss(floats, others):
+            every = {**floats, **others}
+            out, weights = call({n: every[n] for n in names},
+                                {**{n: every[n] for n in every if n not in names}, **static})
+            return _jax_loss(fixture, out, weights, dtype), (out, weights)
+
+        grads, (out, weights) = jax.jit(jax.grad(loss, has_aux=True))(floats, others)
+        return _result(np.asarray(out, np.float64),
+                       None if weights is None else np.asarray(weights, np.float64),
+                       {n: np.asarray(g, np.float64) for n, g in grads.items()}, dtype)
+
+
+_RUN = {"numpy": _run_numpy_call, "torch": _run_torch, "jax": _run_jax}
+
+
+# ---- modules ----------------------------------------------------------------------------------
+
+def _module_call(module, fixture, arrays):
+    """The module on the fixture's inputs, as this project's modules are called; (out, weights
+    or None)."""
+    args, kwargs = variants.get(fixture.variant).call_args(arrays)
+    takes, weights = _takes(getattr(module, "forward", module))  # torch: the forward's signature
+    out = module(*args, **kwargs, **({"return_weights": True} if weights else {}))
+    return out if weights else (out, None)
+
+
+def _set_mode(module, fixture):
+    train = "dropout_mask" in fixture.inputs
+    method = getattr(module, "train" if train else "eval", None)
+    if callable(method):
+        method()
+
+
+def _place(module, path):
+    """(the object holding the last part of ``path``, that part)."""
+    parts = mappings.split_path(path)
+    obj = module
+    for part in parts[:-1]:
+        obj = obj[part] if isinstance(part, int) else getattr(obj, part)
+    return obj, parts[-1]
+
+
+def _get(module, path):
+    obj, last = _place(module, path)
+    return obj[last] if isinstance(last, int) else getattr(obj, last)
+
+
+def _check_shape(neutral, path, rule, value, current):
+    shape = getattr(current, "shape", None)
+    if shape is not None and tuple(shape) != value.shape:
+        raise ValueError(f"mapping: {neutral} -> {path}: rule {rule} gives shape {value.shape}, "
+                         f"the module's has shape {tuple(shape)}")
+
+
+def _module_numpy(module, table, fixture, dtype):
+    for neutral, (path, rule) in table.items():
+        value = rule.apply(fixture.params[neutral]).astype(dtype)
+        obj, last = _place(module, path)
+        current = obj[last] if isinstance(last, int) else getattr(obj, last, None)
+        _check_shape(neutral, path, rule, value, current)
+        if isinstance(last, int):
+            obj[last] = value
+        else:
+            setattr(obj, last, value)
+    _set_mode(module, fixture)
+    arrays = _numpy_inputs(fixture.inputs, dtype)
+    out, weights = _module_call(module, fixture, arrays)
+    return _result(out, weights, None, dtype)
+
+
+def _module_torch(module, table, fixture, dtype):
+    import torch
+
+    module = module.to(getattr(torch, dtype))
+    params = {}
+    with torch.no_grad():
+        for neutral, (path, rule) in table.items():
+            param = module.get_parameter(path)
+            value = rule.apply(fixture.params[neutral])
+            _check_shape(neutral, path, rule, value, param)
+            param.copy_(torch.from_numpy(value))
+            params[neutral] = param
+    _set_mode(module, fixture)
+    module.zero_grad(set_to_none=True)
+    arrays = {n: _torch_tensor(a, dtype) for n, a in fixture.inputs.items()}
+    out, weights = _module_call(module, fixture, arrays)
+    _torch_loss(fixture, out, weights, dtype).backward()
+    grads = {n: _torch_numpy(t.grad) for n, t in arrays.items() if t.requires_grad}
+    for neutral, param in params.items():
+        path, rule = table[neutral]
+        grads[neutral] = (None if param.grad is None else
+                          rule.inverse(_torch_numpy(param.grad), fixture.params[neutral].shape))
+    return _result(_torch_numpy(out), _torch_numpy(weights), grads, dtype)
+
+
+def _module_jax(module, table, fixture, dtype):
+    import jax
+
+    with jax.enable_x64(dtype == "float64"):
+        return _module_jax_x64(module, table, fixture, dtype)
+
+
+def _module_jax_x64(module, table, fixture, dtype):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    for neutral, (path, rule) in table.items():
+        variable = _get(module, path)
+        value = rule.apply(fixture.params[neutral])
+        if not isinstance(variable, nnx.Variable):
+            raise ValueError(f"mapping: {neutral} -> {path}: the module's {path} should be an "
+                             f"nnx.Param, got {type(variable).__name__}")
+        _check_shape(neutral, path, rule, value, variable.get_value())
+        variable.set_value(jnp.asarray(value, dtype=dtype))
+    _set_mode(module, fixture)
+    floats, others, _ = _jax_split(fixture.inputs, {}, dtype)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def loss(floats, params):
+        merged = nnx.merge(graphdef, params, rest)
+        out, weights = _module_call(merged, fixture, {**floats, **others})
+        return _jax_loss(fixture, out, weights, dtype), (out, weights)
+
+    (g_in, g_params), (out, weights) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(
+        floats, params)
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(g_params)}
+    grads = {n: np.asarray(g, np.float64) for n, g in g_in.items()}
+    for neutral, (path, rule) in table.items():
+        g = flat.get(path)
+        grads[neutral] = None if g is None else rule.inverse(
+            np.asarray(g.get_value() if isinstance(g, nnx.Variable) else g, np.float64),
+            fixture.params[neutral].shape)
+    return _result(np.asarray(out, np.float64),
+                   None if weights is None else np.asarray(weights, np.float64), grads, dtype)
+
+
+_MODULE_RUN = {"numpy": _module_numpy, "torch": _module_torch, "jax": _module_jax}
