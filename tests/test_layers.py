@@ -18,9 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "golden.reference",
-          "golden.tolerances", "golden.cases", "golden.positions"}
+          "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping"}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
-       "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner"}
+       "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
+       "golden.runners.adapt", "golden.report", "golden.compare"}
 THIRD_PARTY = {"bottom": {"numpy"}, "torch_attn": {"numpy", "torch"},
                "jax_attn": {"numpy", "jax", "flax"}}
 
