@@ -1,26 +1,56 @@
-"""The ``attn-parity`` command: ``check``, ``regenerate [--check]``, ``bench``."""
+"""The ``attn-parity`` command: ``check``, ``compare``, ``regenerate [--check]``, ``bench``.
+
+User errors (a bad ``--impl``, a missing file) get a one-line message and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 
 from golden.runners import FRAMEWORKS
+from golden.tolerances import PROFILES
+from golden.variants import VARIANTS
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def _check_parser(sub):
+    check = sub.add_parser("check", help="run the fixtures through reference, torch, jax and "
+                                         "any implementation (--impl)")
+    check.add_argument("names", nargs="*", help="fixture names or paths (default: all shipped)")
+    check.add_argument("-k", dest="pattern", metavar="PATTERN",
+                       help="fixtures whose name contains PATTERN (a glob if it has * ? [)")
+    check.add_argument("--variant", action="append", choices=list(VARIANTS), default=[],
+                       help="only fixtures of this variant (repeatable)")
+    check.add_argument("--framework", action="append", choices=FRAMEWORKS, default=[],
+                       help="only this framework (repeatable; default: all installed, or none "
+                            "when --impl is given)")
+    check.add_argument("--impl", action="append", default=[], metavar="MODULE:CALLABLE",
+                       help="also run this implementation: a runner (fixture, dtype) -> dict, "
+                            "e.g. golden.runners.adapt.from_function(...); repeatable")
+    check.add_argument("--dtype", action="append", choices=DTYPES, default=[],
+                       help="only this dtype (repeatable; default: each fixture's own)")
+    check.add_argument("--profile", choices=list(PROFILES), default="exact",
+                       help="tolerances: exact (the table) or tf32/bf16 (float32 runs on such "
+                            "matmul units: at most 2x a plain implementation's error)")
+    check.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    check.add_argument("--junit", metavar="FILE", help="write the report as JUnit XML")
+    check.add_argument("--html", metavar="DIR", help="write an HTML page with heatmaps")
+    return check
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="attn-parity", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="run every fixture through reference, torch and jax")
-    check.add_argument("names", nargs="*", help="fixture names (default: all shipped)")
-    check.add_argument("-k", dest="pattern", metavar="PATTERN",
-                       help="fixtures whose name contains PATTERN (a glob if it has * ? [)")
-    check.add_argument("--framework", action="append", choices=FRAMEWORKS, default=[],
-                       help="only this framework (repeatable; default: all installed)")
-    check.add_argument("--dtype", action="append", choices=DTYPES, default=[],
-                       help="only this dtype (repeatable; default: each fixture's own)")
+    _check_parser(sub)
+    compare = sub.add_parser("compare", help="compare your PyTorch module with your Flax NNX "
+                                             "port (attn-parity compare --help)")
+    from golden.compare import add_arguments
+
+    add_arguments(compare)
     regen = sub.add_parser("regenerate", help="rebuild the fixtures from golden/cases.py")
     regen.add_argument("--check", action="store_true",
                        help="compare in memory with the files on disk; exit 1 on any difference")
@@ -34,13 +64,34 @@ def main(argv=None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
-        from golden.check import main as check_main
+        return _check(args, argv)
+    if args.command == "compare":
+        from golden.compare import run_cli
 
-        return check_main(args.names, frameworks=args.framework, dtypes=args.dtype,
-                          pattern=args.pattern)
+        return run_cli(args)
     from golden.regenerate import regenerate
 
     return 1 if regenerate(check=args.check) and args.check else 0
+
+
+def _check(args, argv) -> int:
+    from golden import FixtureError
+    from golden.check import main as check_main
+    from golden.runners.adapt import load
+
+    if args.impl and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as ``python -m``: the user's modules import from here
+    try:
+        impls = [load(spec) for spec in args.impl]
+        return check_main(args.names, frameworks=args.framework, impls=impls,
+                          dtypes=args.dtype, pattern=args.pattern, variants=args.variant,
+                          profile_name=args.profile, json_path=args.json,
+                          junit_path=args.junit, html_dir=args.html,
+                          command=shlex.join(["attn-parity", *(sys.argv[1:] if argv is None
+                                                               else argv)]))
+    except (ValueError, FileNotFoundError, FixtureError, ImportError) as e:
+        print(f"attn-parity check: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

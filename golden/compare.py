@@ -1,0 +1,743 @@
+"""Compare a user's PyTorch module with their Flax NNX port: ``attn-parity compare``.
+
+``compare(torch_factory, flax_factory, mapping, inputs)`` draws weights in the torch layout and
+inputs, sets the same weights in both modules through the mapping (torch state-dict key -> Flax
+parameter path, with a ``golden.mapping`` rule from the torch layout to the Flax one), and runs
+
+    torch float64       the reference: output, gradients of L = Σ output ⊙ dO for every
+                        parameter and float input, outputs of the paired submodules (hooks)
+    torch float32       the same, shown as the same-precision baseline
+    Flax float32        one ``nnx.jit`` program: output, gradients (mapped back to the torch
+                        layout through the rule's inverse), every submodule's ``__call__``
+                        output (``nnx.capture(..., method_outputs=nnx.Intermediate)``)
+
+and judges the Flax float32 column against torch float64 with ``golden.tolerances.compare``.
+The verdict is on the output and the gradients; a paired submodule is a module owning a mapped
+parameter on each side (``golden.mapping.submodule``), and the first one in torch's execution
+order whose Flax output misses the float32 value tolerance is named as where the port diverges.
+Both modules run in eval mode; a module returning a tuple is judged on its first array.
+
+``freeze`` writes what was drawn and the float64 expectations as a port fixture (the container
+of ``golden.fixture``: a zip of ``.npy`` members, never pickled), and ``check_port`` checks a
+Flax module against such a file without torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from golden import mapping as mapping_lib
+from golden import tolerances
+from golden.fixture import FixtureError, to_bytes, write_atomic
+
+FORMAT = "attn-parity-port"
+FORMAT_VERSION = 1
+SCHEMA = {"schema": "attn-parity-compare", "schema_version": 1}
+_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+# ---------------------------------------------------------------- specs and mappings
+
+
+def resolve_spec(spec: str):
+    """The object named by "pkg.mod:name" (``name`` may be dotted: "pkg.mod:Class.make")."""
+    if not isinstance(spec, str) or not _SPEC.match(spec):
+        raise ValueError(f"spec should be 'package.module:name', got {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"spec {spec!r}: cannot import {module_name!r} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"spec {spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def neutral(torch_table: dict, flax_table: dict, shapes: dict | None = None) -> dict:
+    """{torch key: (flax path, Rule)} from two tables {neutral name: (path, rule)} that map the
+    neutral layout (y = x W + b, W of shape (in, out)) to each module. The composed rule is the
+    torch rule inverted, then the Flax rule. Inverting a reshape needs the neutral shape:
+    ``shapes`` = {neutral name: shape} for the names whose torch rule reshapes."""
+    t, f = mapping_lib.parse(torch_table), mapping_lib.parse(flax_table)
+    if set(t) != set(f):
+        raise ValueError(f"neutral: the tables should name the same neutral arrays; only torch "
+                         f"has {sorted(set(t) - set(f))}, only Flax has {sorted(set(f) - set(t))}")
+    out = {}
+    for name, (torch_key, torch_rule) in t.items():
+        flax_path, flax_rule = f[name]
+        steps = _inverse_steps(name, torch_rule, (shapes or {}).get(name))
+        out[torch_key] = (flax_path, mapping_lib.Rule(_simplified(steps + flax_rule.steps)))
+    return out
+
+
+def _inverse_steps(name, rule, neutral_shape) -> tuple:
+    """The steps that undo ``rule`` (neutral -> torch), from the torch layout back."""
+    if neutral_shape is None and any(s[0] == "reshape" for s in rule.steps):
+        raise ValueError(f"neutral: the torch rule {rule} of {name!r} reshapes; pass "
+                         f"shapes={{{name!r}: its neutral shape}} to invert it")
+    chain = rule.shapes(neutral_shape) if neutral_shape is not None else [None] * (
+        len(rule.steps) + 1)
+    out = []
+    for step, before in zip(reversed(rule.steps), reversed(chain[:-1])):
+        if step[0] == "T":
+            out.append(("T",))
+        elif step[0] == "transpose":
+            out.append(("transpose", tuple(int(a) for a in np.argsort(step[1]))))
+        else:
+            out.append(("reshape", tuple(before)))
+    return tuple(out)
+
+
+def _simplified(steps) -> tuple:
+    """Steps with T;T pairs dropped and adjacent transposes merged into one."""
+    out = []
+    for step in steps:
+        if out and step[0] == "T" and out[-1][0] == "T":
+            out.pop()
+        elif out and step[0] == "transpose" and out[-1][0] == "transpose":
+            merged = tuple(out.pop()[1][a] for a in step[1])
+            if merged != tuple(range(len(merged))):
+                out.append(("transpose", merged))
+        else:
+            out.append(step)
+    return tuple(out)
+
+
+def _validated(table, torch_shapes: dict, flax_shapes: dict) -> dict:
+    """The parsed mapping, checked against both modules' parameters; ValueError naming the
+    key or path that is unmapped, unknown, or whose shape does not follow the rule."""
+    table = mapping_lib.parse(table)
+    targets = [path for path, _ in table.values()]
+    problems = [f"{what}: {names}" for what, names in (
+        ("torch parameters not mapped", [k for k in torch_shapes if k not in table]),
+        ("keys that are not torch parameters (buffers are not mapped)",
+         [k for k in table if k not in torch_shapes]),
+        ("Flax parameters no key maps to", [p for p in flax_shapes if p not in targets]),
+        ("targets that are not Flax nnx.Param paths", [p for p in targets if p not in flax_shapes]),
+    ) if names]
+    if problems:
+        raise ValueError("mapping: " + "; ".join(problems))
+    for key, (path, rule) in table.items():
+        try:
+            got = rule.target_shape(torch_shapes[key])
+        except ValueError as e:
+            raise ValueError(f"mapping: {key} -> {path}: {e}") from None
+        if got != flax_shapes[path]:
+            raise ValueError(f"mapping: {key} -> {path}: rule {rule} gives shape {got} from "
+                             f"{torch_shapes[key]}, the Flax parameter has shape "
+                             f"{flax_shapes[path]}")
+    return {k: table[k] for k in torch_shapes}  # in torch's parameter order
+
+
+def _pairs(table) -> list:
+    """(torch module path, Flax module path) owning mapped parameters, the top level left out."""
+    pairs = []
+    for key, (path, _) in table.items():
+        pair = (mapping_lib.submodule(key), mapping_lib.submodule(path))
+        if "" not in pair and pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
+
+# ---------------------------------------------------------------- drawing
+
+
+def _draw(rng, shape, std=1.0) -> np.ndarray:
+    """N(0, std²) rounded to float32, kept as float64: every run sees the same numbers."""
+    return (rng.standard_normal(shape) * std).astype(np.float32).astype(np.float64)
+
+
+def _draw_weights(rng, shapes: dict) -> dict:
+    """Torch-layout weights: N(0, 1/fan_in) with fan_in the last axis; vectors N(0, 0.25)."""
+    return {k: _draw(rng, s, 1 / math.sqrt(s[-1]) if len(s) >= 2 else 0.5)
+            for k, s in shapes.items()}
+
+
+def _inputs(rng, inputs: dict) -> dict:
+    """{name: array}: shapes drawn N(0, 1), float arrays rounded to float32, others as given."""
+    if not isinstance(inputs, dict) or not inputs:
+        raise ValueError(f"inputs should be a non-empty dict {{name: shape or array}}, got "
+                         f"{inputs!r}")
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, (tuple, list)):
+            if not all(isinstance(d, int) and d > 0 for d in value):
+                raise ValueError(f"inputs[{name!r}] should be a shape of positive ints, got "
+                                 f"{value!r}")
+            out[name] = _draw(rng, tuple(value))
+        else:
+            a = np.asarray(value)
+            out[name] = a.astype(np.float32).astype(np.float64) if a.dtype.kind == "f" else a
+    return out
+
+
+def _terms(inputs: dict) -> int:
+    """Positions a parameter's gradient sums over: the first input's shape but its last axis."""
+    return math.prod(next(iter(inputs.values())).shape[:-1])
+
+
+# ---------------------------------------------------------------- running the modules
+
+
+def _first_array(x):
+    """A module's output, or the first array of a tuple/list output."""
+    while isinstance(x, (tuple, list)):
+        x = x[0]
+    return x
+
+
+def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cotangent) -> dict:
+    """Output, gradients (parameters and float inputs) and first-call outputs of the paired
+    torch submodules, in the order they ran. ``cotangent`` is dO, or a function of the output
+    shape that draws it (returned as "cotangent")."""
+    import torch
+
+    module = copy.deepcopy(module).to(getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        for k, p in module.named_parameters():
+            p.copy_(torch.from_numpy(weights[k]))
+            p.requires_grad_(True)  # a frozen parameter is compared like the others
+    args = [_torch_tensor(a, dtype) for a in inputs.values()]
+    captured, hooks = {}, []
+    for path in dict.fromkeys(t for t, _ in pairs):
+        def hook(_m, _in, out, path=path):
+            captured.setdefault(path, _numpy(_first_array(out)))
+        hooks.append(module.get_submodule(path).register_forward_hook(hook))
+    try:
+        out = _first_array(_call("torch", module, args, inputs))
+    finally:
+        for h in hooks:
+            h.remove()
+    d_out = cotangent(tuple(out.shape)) if callable(cotangent) else cotangent
+    (out * torch.from_numpy(d_out).to(out.dtype)).sum().backward()
+    grads = {k: _numpy(p.grad) if p.grad is not None else np.zeros(p.shape)
+             for k, p in module.named_parameters()}
+    grads.update({f"input.{n}": _numpy(a.grad) for n, a in zip(inputs, args) if a.requires_grad})
+    return {"output": _numpy(out), "grads": grads, "submodules": captured, "cotangent": d_out}
+
+
+def _torch_tensor(array, dtype):
+    import torch
+
+    t = torch.from_numpy(np.require(array, requirements="C"))
+    return t.to(getattr(torch, dtype)).requires_grad_() if t.is_floating_point() else t
+
+
+def _numpy(t) -> np.ndarray:
+    return t.detach().cpu().double().numpy()
+
+
+def _call(framework, module, args, inputs):
+    """module(*args), a failure turned into a ValueError naming the inputs' shapes."""
+    try:
+        return module(*args)
+    except Exception as e:
+        shapes = {n: tuple(a.shape) for n, a in inputs.items()}
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"inputs: the {framework} module failed on inputs {shapes}: "
+                         f"{type(e).__name__}: {first}") from e
+
+
+def _built(factory, framework):
+    """factory(), checked to be a torch.nn.Module or an nnx.Module."""
+    if framework == "torch":
+        from torch.nn import Module
+    else:
+        from flax.nnx import Module
+    model = factory()
+    if not isinstance(model, Module):
+        kind = "torch.nn.Module" if framework == "torch" else "flax.nnx.Module"
+        raise ValueError(f"{framework}_factory should return a {kind}, got "
+                         f"{type(model).__name__}")
+    return model
+
+
+def _flax_shapes(model) -> dict:
+    from flax import nnx
+
+    return {_join(p): tuple(v.get_value().shape)
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _join(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _set_flax_params(model, table, weights) -> None:
+    """Every nnx.Param set to its torch weight through the rule, in float32."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    source = {path: (key, rule) for key, (path, rule) in table.items()}
+    for p, var in nnx.to_flat_state(state):
+        key, rule = source[_join(p)]
+        var.set_value(jnp.asarray(rule.apply(weights[key]), dtype=jnp.float32))
+    nnx.update(model, state)
+
+
+def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
+    """Output, gradients in torch names and layout, and every submodule's first __call__
+    output, from one nnx.jit program in float32."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    _set_flax_params(model, table, weights)
+    model.eval()
+    arrays = {n: jnp.asarray(a, dtype=jnp.float32 if a.dtype.kind == "f" else a.dtype)
+              for n, a in inputs.items()}
+    floats = {n: a for n, a in arrays.items() if a.dtype == jnp.float32}
+    others = {n: a for n, a in arrays.items() if n not in floats}
+
+    @nnx.jit
+    def step(model, floats, others, d_out):
+        def loss(model, floats):
+            args = [{**others, **floats}[n] for n in arrays]
+            out, inter = nnx.capture(model, nnx.Intermediate,
+                                     method_outputs=nnx.Intermediate)(*args)
+            out = _first_array(out)
+            return jnp.sum(out * d_out), (out, inter)
+
+        argnums = (nnx.DiffState(0, nnx.Param), 1)
+        (_, (out, inter)), (g_model, g_in) = nnx.value_and_grad(
+            loss, argnums=argnums, has_aux=True)(model, floats)
+        return out, g_model, g_in, inter
+
+    out, g_model, g_in, inter = _call("Flax", step, (model, floats, others,
+                                                     jnp.asarray(d_out, jnp.float32)), inputs)
+    g_flax = {_join(p): np.asarray(v.get_value(), np.float64)
+              for p, v in nnx.to_flat_state(g_model)}
+    grads = {k: rule.inverse(g_flax[path], weights[k].shape) for k, (path, rule) in table.items()}
+    grads.update({f"input.{n}": np.asarray(g, np.float64) for n, g in g_in.items()})
+    subs = {_join(p[:-1]): np.asarray(jax.tree.leaves(v.get_value()[0])[0], np.float64)
+            for p, v in nnx.to_flat_state(inter) if p[-1] == "__call__" and len(p) > 1}
+    return {"output": np.asarray(out, np.float64), "grads": grads, "submodules": subs}
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclass
+class PortReport:
+    """Rows of comparisons with torch float64; the verdict is the Flax float32 column's on the
+    output and every gradient (submodule rows locate a divergence, they do not decide).
+    ``suspects`` are the mapped parameters of the first diverging submodule: a gradient depends
+    on every activation after its parameter, so one wrong weight fails most gradients, while
+    the first submodule whose output diverges points at the weight (or code) to look at."""
+
+    ok: bool
+    rows: list
+    first_divergent: str | None
+    failing_params: list
+    suspects: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    data: dict = field(default_factory=dict, repr=False)  # what freeze() writes
+
+    def text(self) -> str:
+        """A readable table: max |Δ| and the relative error norm per column, then the verdict."""
+        width = max(len(r["what"]) for r in self.rows) + 2
+        lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch float32':28}flax float32",
+                 f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}max|Δ|   rel‖Δ‖"]
+        for r in self.rows:
+            lines.append(f"{r['what']:{width}}{r['flax_path'] or '-':16}{r['rule'] or '-':8}"
+                         f"{_cell(r['torch_float32']):28}{_cell(r['flax_float32'], r)}")
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"first diverging submodule: {self.first_divergent or 'none'}")
+        if self.suspects:
+            lines.append("  its parameters: " + ", ".join(self.suspects))
+        if self.ok:
+            lines.append("pass")
+        else:
+            failing = [r["what"] for r in self.rows[:1] if not r["ok"]]
+            failing += [f"grad {k}" for k in self.failing_params]
+            failing += [r["what"] for r in self.rows if r["what"].startswith("grad input")
+                        and not r["ok"]]
+            lines.append(f"FAIL: {', '.join(failing)}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """JSON-ready: the verdict, the rows (non-finite numbers as strings) and the notes."""
+        return _finite({"ok": self.ok, "first_divergent": self.first_divergent,
+                        "failing_params": self.failing_params, "suspects": self.suspects,
+                        "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
+                        "mapping": self.data.get("mapping")})
+
+
+def _cell(c, row=None) -> str:
+    if c is None:
+        return (row or {}).get("note") or "-"
+    rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
+    return f"{c['max_abs']:.1e}  {rel:7}  {'pass' if c['ok'] else 'FAIL'}"
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs: list,
+            terms: int, notes: list, data: dict) -> PortReport:
+    """Judge the Flax float32 run (and show torch float32's) against torch float64."""
+    def row(what, key, kind, n, flax_path=None, rule=None, group=None):
+        e = expected[group][key] if group else expected[key]
+        got = [(r[group][key] if group else r[key]) if r is not None else None
+               for r in (torch32, flax)]
+        zero = group == "grads" and _zero(e, n)
+        cmp = [None if g is None else dataclasses.asdict(
+            tolerances.compare(g, e, "float32", kind, terms=n, zero=zero)) for g in got]
+        return {"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
+                "flax_path": flax_path, "rule": rule, "ok": cmp[1]["ok"]}
+
+    rows = [row("output", "output", "value", 1)]
+    for key, (path, rule) in table.items():
+        rows.append(row(f"grad {key}", key, "grad", terms, path, str(rule), "grads"))
+    for name in (k for k in expected["grads"] if k.startswith("input.")):
+        rows.append(row(f"grad input {name[6:]}", name, "grad", 1, group="grads"))
+    sub_rows, first = _submodule_rows(expected, flax, torch32, pairs, notes)
+    failing = [k for k, r in zip(table, rows[1:]) if not r["ok"]]
+    suspects = [f"{k} -> {path} (rule {rule})" for k, (path, rule) in table.items()
+                if (mapping_lib.submodule(k), mapping_lib.submodule(path)) == first]
+    ok = all(r["ok"] for r in rows)
+    return PortReport(ok, rows + sub_rows, first and " ~ ".join(first), failing, suspects,
+                      notes, data)
+
+
+def _zero(expected, terms) -> bool:
+    """A float64 gradient within float64 rounding of zero is taken as zero by structure (a
+    key-projection bias: softmax ignores a constant added to a row) and judged, as the
+    project's fixtures judge such gradients, by the absolute bound alone."""
+    return tolerances.compare(expected, np.zeros_like(expected), "float64", "grad",
+                              terms=terms, zero=True).ok
+
+
+def _submodule_rows(expected, flax, torch32, pairs, notes):
+    """Rows for the paired submodules (in torch's execution order), and the first pair that
+    fails (or None)."""
+    rows, first = [], None
+    for t, f in pairs:
+        what = f"submodule {t} ~ {f}"
+        e, got = expected["submodules"].get(t), flax["submodules"].get(f)
+        if e is None or got is None:
+            notes.append(f"{what}: not called in {'torch' if e is None else 'Flax'}")
+            continue
+        if got.size != e.size:
+            rows.append({"what": what, "torch_float32": None, "flax_float32": None,
+                         "flax_path": f, "rule": None, "ok": None,
+                         "note": f"shapes differ: {e.shape} vs {got.shape}"})
+            continue
+        base = None if torch32 is None else torch32["submodules"].get(t)
+        cmp = [None if g is None else dataclasses.asdict(
+            tolerances.compare(g.reshape(e.shape), e, "float32", "value")) for g in (base, got)]
+        rows.append({"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
+                     "flax_path": f, "rule": None, "ok": cmp[1]["ok"]})
+        if not cmp[1]["ok"] and first is None:
+            first = (t, f)
+    return rows, first
+
+
+# ---------------------------------------------------------------- compare
+
+
+def compare(torch_factory, flax_factory, mapping, inputs, *, seed: int = 0,
+            cotangent_seed: int | None = None) -> PortReport:
+    """Draw weights and inputs, run torch float64 (reference) and float32, and the Flax module
+    jitted in float32; see the module docstring. ``mapping``: {torch key: flax path or (path,
+    rule)} or ``neutral(...)``; ``inputs``: {name: shape or array}, passed positionally."""
+    torch_model, flax_model = _built(torch_factory, "torch"), _built(flax_factory, "flax")
+    torch_shapes = {k: tuple(p.shape) for k, p in torch_model.named_parameters()}
+    table = _validated(mapping, torch_shapes, _flax_shapes(flax_model))
+    pairs = _pairs(table)
+    rng = np.random.default_rng(seed)
+    weights = _draw_weights(rng, torch_shapes)
+    arrays = _inputs(rng, inputs)
+    d_rng = rng if cotangent_seed is None else np.random.default_rng(cotangent_seed)
+    expected = _run_torch(torch_model, "float64", weights, arrays, pairs,
+                          lambda shape: _draw(d_rng, shape))
+    d_out = expected["cotangent"]
+    order = list(expected["submodules"])  # the order torch's hooks fired in
+    pairs.sort(key=lambda p: order.index(p[0]) if p[0] in order else len(order))
+    torch32 = _run_torch(torch_model, "float32", weights, arrays, pairs, d_out)
+    flax = _run_flax(flax_model, table, weights, arrays, d_out)
+    data = {"seed": seed, "mapping": mapping_lib.to_json(table), "weights": weights,
+            "inputs": arrays, "cotangent": d_out, "expected": expected, "pairs": pairs,
+            "torch_factory": None, "flax_factory": None}
+    return _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
+
+
+# ---------------------------------------------------------------- port fixtures
+
+
+@dataclass
+class _PortFile:
+    """A port fixture's members, for ``golden.fixture.to_bytes`` (which calls ``arrays()``)."""
+
+    meta: dict
+    members: dict
+
+    def arrays(self) -> dict:
+        out = {"meta": np.array(json.dumps(self.meta, sort_keys=True))}
+        out.update({k: np.asarray(self.members[k]) for k in sorted(self.members)})
+        return out
+
+
+def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
+           flax_factory_spec: str | None = None) -> Path:
+    """Write what ``report`` drew and the float64 expectations as a port fixture at ``path``."""
+    d = report.data
+    if not d or "expected" not in d:
+        raise ValueError("report should come from compare() or check_port(), got one without "
+                         "its drawn data")
+    expected = d["expected"]
+    pairs = [p for p in d["pairs"] if p[0] in expected["submodules"]]
+    clash = [k for k in d["weights"] if k.startswith("input.")]
+    if clash:
+        raise ValueError(f"freeze: torch keys {clash} clash with the input gradients' names")
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "seed": d["seed"],
+            "mapping": d["mapping"], "params": list(d["weights"]), "inputs": list(d["inputs"]),
+            "torch_factory": torch_factory_spec or d.get("torch_factory"),
+            "flax_factory": flax_factory_spec or d.get("flax_factory"),
+            "submodules": [list(p) for p in pairs],
+            "shapes": {"output": list(expected["output"].shape),
+                       **{f"params/{k}": list(w.shape) for k, w in d["weights"].items()},
+                       **{f"inputs/{n}": list(a.shape) for n, a in d["inputs"].items()}}}
+    members = {f"inputs/{n}": a.astype(np.float32) if a.dtype.kind == "f" else a
+               for n, a in d["inputs"].items()}
+    members.update({f"params/{k}": w for k, w in d["weights"].items()})
+    members.update({"cotangents/output": d["cotangent"], "expected/output": expected["output"]})
+    members.update({f"grads/{k}": g for k, g in expected["grads"].items()})
+    members.update({f"submodules/{t}": expected["submodules"][t]
+                    for t in dict.fromkeys(t for t, _ in pairs)})
+    write_atomic(Path(path), to_bytes(_PortFile(meta, members)))
+    return Path(path)
+
+
+def load_port(path) -> dict:
+    """{"meta", "inputs", "params", "cotangent", "expected"} from a port fixture, validated;
+    ``golden.FixtureError`` naming the file and the problem. Never unpickles."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            members = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, KeyError) as e:
+        raise FixtureError(f"{path}: not a readable port fixture ({type(e).__name__}: "
+                           f"{e})") from None
+
+    def fail(problem):
+        raise FixtureError(f"{path}: {problem}")
+
+    meta = _port_meta(members, fail)
+    groups = _port_groups(members, meta, fail)
+    subs, grads = groups["submodules"], groups["grads"]  # in the orders meta gives
+    order = meta["params"] + [f"input.{n}" for n in meta["inputs"] if f"input.{n}" in grads]
+    expected = {"output": members["expected/output"], "grads": {k: grads[k] for k in order},
+                "submodules": {t: subs[t] for t in dict.fromkeys(t for t, _ in meta["submodules"])}}
+    return {"meta": meta, "inputs": {n: groups["inputs"][n] for n in meta["inputs"]},
+            "params": {k: groups["params"][k] for k in meta["params"]},
+            "cotangent": members["cotangents/output"], "expected": expected}
+
+
+def _port_meta(members, fail) -> dict:
+    if "meta" not in members:
+        fail("no 'meta' member; this is not an attn-parity port fixture")
+    try:
+        meta = json.loads(str(members["meta"][()]))
+    except (json.JSONDecodeError, TypeError, IndexError) as e:
+        fail(f"'meta' is not valid JSON ({e})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fail(f"meta.format should be {FORMAT!r}, got "
+             f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        fail(f"meta.format_version should be {FORMAT_VERSION}, got "
+             f"{meta.get('format_version')!r}")
+    for key, kind in (("mapping", dict), ("params", list), ("inputs", list),
+                      ("submodules", list), ("shapes", dict)):
+        if not isinstance(meta.get(key), kind):
+            fail(f"meta.{key} should be a {kind.__name__}, got {meta.get(key)!r}")
+    try:
+        mapping_lib.parse(meta["mapping"])
+    except ValueError as e:
+        fail(f"meta.mapping: {e}")
+    if sorted(meta["params"]) != sorted(meta["mapping"]):
+        fail(f"meta.params should list the mapping's keys, got {meta['params']}")
+    return meta
+
+
+def _port_groups(members, meta, fail) -> dict:
+    """The members by group, after checking names, shapes and dtypes against meta."""
+    keys, names = meta["params"], meta["inputs"]
+    floats = [n for n in names if f"inputs/{n}" in members
+              and members[f"inputs/{n}"].dtype.kind == "f"]
+    required = {"meta", "cotangents/output", "expected/output"}
+    required |= {f"inputs/{n}" for n in names} | {f"params/{k}" for k in keys}
+    required |= {f"grads/{k}" for k in keys} | {f"grads/input.{n}" for n in floats}
+    required |= {f"submodules/{t}" for t, _ in meta["submodules"]}
+    missing, extra = sorted(required - set(members)), sorted(set(members) - required)
+    if missing or extra:
+        fail(f"members do not match meta: missing {missing}, unexpected {extra}")
+    for name, shape in meta["shapes"].items():
+        if name not in ("output", *(k for k in required if k.startswith(("params/", "inputs/")))):
+            fail(f"meta.shapes names {name!r}, which is not a params/ or inputs/ member")
+        got = members["expected/output" if name == "output" else name].shape
+        if list(got) != shape:
+            fail(f"{name} has shape {got}, meta.shapes says {tuple(shape)}")
+    groups = {g: {k.split("/", 1)[1]: v for k, v in members.items() if k.startswith(g + "/")}
+              for g in ("inputs", "params", "grads", "submodules")}
+    _check_port_arrays(members, groups, fail)
+    return groups
+
+
+def _check_port_arrays(members, groups, fail) -> None:
+    sources = {**groups["params"], **{f"input.{n}": a for n, a in groups["inputs"].items()}}
+    for n, g in groups["grads"].items():
+        if g.shape != sources[n].shape:
+            fail(f"grads/{n} has shape {g.shape}, the array it differentiates {sources[n].shape}")
+    if members["cotangents/output"].shape != members["expected/output"].shape:
+        fail(f"cotangents/output has shape {members['cotangents/output'].shape}, "
+             f"expected/output {members['expected/output'].shape}")
+    finite = {"cotangents/output": members["cotangents/output"],
+              "expected/output": members["expected/output"],
+              **{f"{g}/{k}": a for g in ("params", "grads", "submodules")
+                 for k, a in groups[g].items()}}
+    for name, a in finite.items():
+        if a.dtype != np.float64 or not np.all(np.isfinite(a)):
+            fail(f"{name} should be finite float64, got {a.dtype}")
+
+
+def check_port(path, flax_factory=None, torch_factory=None) -> PortReport:
+    """Check a Flax module against a port fixture: its stored weights through its stored mapping,
+    jitted float32, against the stored float64 expectations. The factories default to the specs
+    in the file; torch float32 is the baseline column when a torch factory resolves (pass
+    ``torch_factory=False`` to leave it out)."""
+    port, notes = load_port(path), []
+    meta = port["meta"]
+    if flax_factory is None:
+        if not meta.get("flax_factory"):
+            raise ValueError(f"flax_factory: {path} names none; pass one")
+        flax_factory = resolve_spec(meta["flax_factory"])
+    if torch_factory is False:
+        torch_factory = None
+    elif torch_factory is None and meta.get("torch_factory"):
+        try:
+            torch_factory = resolve_spec(meta["torch_factory"])
+        except ValueError as e:
+            notes.append(f"no torch baseline: {e}")
+    flax_model = _built(flax_factory, "flax")
+    torch_shapes = {k: tuple(port["params"][k].shape) for k in meta["params"]}
+    table = _validated(meta["mapping"], torch_shapes, _flax_shapes(flax_model))
+    pairs = [tuple(p) for p in meta["submodules"]]
+    inputs = {n: a.astype(np.float64) if a.dtype.kind == "f" else a
+              for n, a in port["inputs"].items()}
+    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"])
+    torch32 = None
+    if torch_factory is not None:
+        torch32 = _run_torch(_built(torch_factory, "torch"), "float32", port["params"], inputs,
+                             pairs, port["cotangent"])
+    data = {"seed": meta.get("seed"), "mapping": meta["mapping"], "weights": port["params"],
+            "inputs": inputs, "cotangent": port["cotangent"], "expected": port["expected"],
+            "pairs": pairs, "torch_factory": meta.get("torch_factory"),
+            "flax_factory": meta.get("flax_factory")}
+    return _report(port["expected"], flax, torch32, table, pairs, _terms(inputs), notes, data)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(parser) -> None:
+    """The ``compare`` sub-command's options."""
+    parser.add_argument("--torch", metavar="SPEC", help="torch module factory, pkg.mod:callable")
+    parser.add_argument("--flax", metavar="SPEC", help="Flax NNX module factory, pkg.mod:callable")
+    parser.add_argument("--mapping", metavar="SPEC_OR_FILE",
+                        help="a JSON file {torch key: [flax path, rule]}, or pkg.mod:NAME of such "
+                             "a dict")
+    parser.add_argument("--input", metavar="NAME=D1,D2,...", action="append", default=[],
+                        help="an input and its shape, in call order (repeatable)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the drawn weights and inputs")
+    parser.add_argument("--freeze", metavar="FILE", help="write what was drawn as a port fixture")
+    parser.add_argument("--fixture", metavar="FILE",
+                        help="check the Flax module against a frozen port fixture instead")
+    parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+
+
+def run_cli(args, log=print) -> int:
+    """0 when the port passes, 1 when it fails, 2 on a usage error (one line, no traceback).
+    The current directory is importable, so specs may name the user's own modules."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        report = _cli_report(args)
+        if args.freeze:
+            freeze(report, args.freeze, torch_factory_spec=args.torch,
+                   flax_factory_spec=args.flax)
+        if args.json:
+            Path(args.json).write_text(json.dumps({**SCHEMA, **report.to_json()}, indent=1))
+    except (ValueError, OSError) as e:  # FixtureError included
+        log(f"attn-parity compare: error: {str(e).splitlines()[0]}")
+        return 2
+    log(report.text())
+    if args.freeze:
+        log(f"froze the port fixture {args.freeze}")
+    return 0 if report.ok else 1
+
+
+def _cli_report(args) -> PortReport:
+    if args.fixture:
+        return check_port(args.fixture, args.flax and resolve_spec(args.flax),
+                          args.torch and resolve_spec(args.torch))
+    absent = [o for o, v in (("--torch", args.torch), ("--flax", args.flax),
+                             ("--mapping", args.mapping), ("--input", args.input)) if not v]
+    if absent:
+        raise ValueError(f"compare needs {', '.join(absent)} (or --fixture FILE)")
+    return compare(_factory(args.torch), _factory(args.flax), _cli_mapping(args.mapping),
+                   _cli_inputs(args.input), seed=args.seed)
+
+
+def _factory(spec):
+    obj = resolve_spec(spec)
+    if not callable(obj):
+        raise ValueError(f"spec {spec!r} should name a callable, got {type(obj).__name__}")
+    return obj
+
+
+def _cli_mapping(value):
+    """A JSON file's path, or a "pkg.mod:NAME" naming a dict."""
+    if Path(value).exists() or not _SPEC.match(value):
+        return mapping_lib.parse(value)
+    table = resolve_spec(value)
+    if not isinstance(table, dict):
+        raise ValueError(f"--mapping {value!r} should name a dict, got {type(table).__name__}")
+    return table
+
+
+def _cli_inputs(items) -> dict:
+    """{name: shape} from ["x=2,5,8", ...], in order."""
+    out = {}
+    for item in items:
+        name, _, dims = item.partition("=")
+        try:
+            shape = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            shape = ()
+        if not name.isidentifier() or not shape or min(shape) <= 0 or name in out:
+            raise ValueError(f"--input should be NAME=D1,D2,... with positive sizes and a new "
+                             f"name, got {item!r}")
+        out[name] = shape
+    return out

@@ -1,0 +1,248 @@
+"""The report writers of ``attn-parity check`` (golden.report) on a hand-built report: JSON
+schema, JUnit XML, the HTML page and its images, and the environment."""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from golden import report as rp
+
+PNG = b"\x89PNG\r\n\x1a\n"
+NASTY = "shape <2, 3> & more"  # a reason that XML and HTML must escape
+
+
+def _array(name, kind="value", *, err=1e-7, ok=True, missing=False):
+    """One compared array of a row; ``err`` None: nothing compared."""
+    return {"name": name, "kind": kind, "max_abs": None if missing else err,
+            "max_rel": None if missing else err, "rel_norm": None if missing else err,
+            "ok": ok and not missing, "zero": False, "missing": missing}
+
+
+def _row(fixture, implementation, path, dtype, status, reason=None, arrays=()):
+    """A row; its worst errors over its arrays (inf where one is missing)."""
+    errs = [math.inf if a["max_abs"] is None else a["max_abs"] for a in arrays]
+    worst = max(errs, default=None)
+    return {"fixture": fixture, "variant": "scaled_dot_product_attention",
+            "implementation": implementation, "path": path, "dtype": dtype, "status": status,
+            "reason": reason, "seconds": 0.01, "max_abs": worst, "max_rel": worst,
+            "arrays": list(arrays)}
+
+
+def _report():
+    """Three fixtures; rows of every status, a missing gradient, a non-finite error, a reason
+    to escape and one fixture the reference does not regenerate."""
+    rows = [
+        _row("sdpa_plain", "torch", "autograd", "float32", "pass",
+             arrays=[_array("output"), _array("weights", "weights")]),
+        _row("sdpa_plain", "jax", "vmap", "float32", "fail", "weights, grad W_query",
+             arrays=[_array("output"), _array("weights", "weights", err=math.inf, ok=False),
+                     _array("grad W_query", "grad", missing=True)]),
+        _row("sdpa_plain", "mypkg.port:runner", "numpy", "float64", "error",
+             "ValueError: " + NASTY),
+        _row("causal_mask", "torch", "autograd", "float64", "pass",
+             arrays=[_array("output", err=np.float64(2e-16))]),
+        _row("causal_mask", "jax", "vmap", "float64", "not supported", NASTY),
+        _row("dropout_only", "torch", "fused", "float32", "not supported", "dropout"),
+    ]
+    summary = {"rows": 6, "passed": 2, "failed": 1, "errors": 1, "not_supported": 2,
+               "regeneration_failed": 1, "seconds": 0.06, "ok": False}
+    return {"schema": rp.SCHEMA, "schema_version": rp.SCHEMA_VERSION,
+            "created": "2026-11-22T08:00:00Z", "command": "attn-parity check -k sdpa",
+            "environment": rp.environment(),
+            "profile": {"name": "exact", "k": None, "description": "float32 and float64 exact"},
+            "implementations": ["torch", "jax", "mypkg.port:runner"], "rows": rows,
+            "regeneration": {"checked": 3, "reproduced": 2, "differ": {"causal_mask": ["output"]}},
+            "summary": summary}
+
+
+def _weights():
+    """Reference and implementation weights: (B, H, Lq, Lk) = (2, 3, 4, 5) for sdpa_plain,
+    (Lq, Lk) = (4, 5) for causal_mask (reference only); none for dropout_only. jax's differs
+    from the reference by 1e-7 in one element and equals it elsewhere."""
+    rng = np.random.default_rng(0)
+    ref = rng.dirichlet(np.ones(5), size=(2, 3, 4))  # (B, H, Lq, Lk), rows sum to 1
+    off = ref.copy()
+    off[0, 0, 1, 2] += 1e-7
+    return {"sdpa_plain": {"reference": ref, "torch autograd float32": ref.astype(np.float32),
+                           "jax vmap float32": off},
+            "causal_mask": {"reference": rng.dirichlet(np.ones(5), size=4)}}
+
+
+# --- JSON --------------------------------------------------------------------------------------
+
+def test_json_round_trips_with_the_documented_schema(tmp_path):
+    path = rp.write_json(_report(), tmp_path / "out" / "report.json")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    assert list(data) == list(rp.KEYS)
+    assert data["schema"] == "attn-parity-check" and data["schema_version"] == 1
+    assert all(list(row) == list(rp.ROW_KEYS) for row in data["rows"])
+    assert all(list(a) == list(rp.ARRAY_KEYS) for row in data["rows"] for a in row["arrays"])
+    assert list(data["summary"]) == list(rp.SUMMARY_KEYS)
+    json.dumps(data, allow_nan=False)  # nothing non-finite is left
+    assert [k in rp.__doc__ for k in rp.KEYS + rp.ROW_KEYS + rp.SUMMARY_KEYS] == [True] * 29
+
+
+def test_json_stores_non_finite_as_null(tmp_path):
+    data = json.loads(rp.write_json(_report(), tmp_path / "r.json").read_text("utf-8"))
+    failed = data["rows"][1]
+    assert failed["max_abs"] is None and failed["max_rel"] is None
+    assert failed["arrays"][1]["max_abs"] is None  # inf
+    assert failed["arrays"][2]["missing"] is True and failed["arrays"][2]["rel_norm"] is None
+    assert data["rows"][3]["max_abs"] == 2e-16  # a NumPy float became a JSON number
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed
+
+
+def test_plain_converts_numpy_and_non_finite():
+    got = rp.plain({"a": (np.float32(0.5), np.nan, -math.inf), "b": np.arange(2),
+                    "c": np.bool_(True), 3: np.int64(4)})
+    assert got == {"a": [0.5, None, None], "b": [0, 1], "c": True, "3": 4}
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], "report should be a dict"),
+    ({"schema": rp.SCHEMA}, "report should have the keys"),
+])
+def test_bad_report_is_a_value_error(tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        rp.write_json(bad, tmp_path / "r.json")
+
+
+def test_bad_row_is_a_value_error(tmp_path):
+    report = _report()
+    report["rows"][0]["status"] = "passed"
+    with pytest.raises(ValueError, match=r"report\['rows'\]\[0\]\['status'\] should be one of"):
+        rp.write_junit(report, tmp_path / "j.xml")
+    report["rows"][0]["status"] = "pass"
+    del report["rows"][2]["arrays"]
+    with pytest.raises(ValueError, match=r"report\['rows'\]\[2\] should have the keys"):
+        rp.write_json(report, tmp_path / "r.json")
+
+
+# --- JUnit -------------------------------------------------------------------------------------
+
+def test_junit_parses_and_counts_match_the_rows(tmp_path):
+    report = _report()
+    path = rp.write_junit(report, tmp_path / "junit.xml")
+    assert path.read_bytes().startswith(b"<?xml version='1.0' encoding='utf-8'?>")
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuites" and root.get("name") == "attn-parity"
+    suites = root.findall("testsuite")
+    assert [s.get("name") for s in suites] == [*report["implementations"],
+                                               "reference regeneration"]
+    cases = root.iter("testcase")
+    assert int(root.get("tests")) == len(list(cases)) == 6 + 2  # rows + regeneration cases
+    assert int(root.get("failures")) == len(list(root.iter("failure"))) == 1 + 1
+    assert int(root.get("errors")) == len(list(root.iter("error"))) == 1
+    assert int(root.get("skipped")) == len(list(root.iter("skipped"))) == 2
+    for suite in suites:
+        assert int(suite.get("tests")) == len(suite.findall("testcase"))
+
+
+def test_junit_failure_names_the_arrays_and_escapes(tmp_path):
+    root = ET.parse(rp.write_junit(_report(), tmp_path / "junit.xml")).getroot()
+    jax = root.find("testsuite[@name='jax']")
+    case = jax.find("testcase[@classname='sdpa_plain']")
+    assert case.get("name") == "jax vmap float32"
+    failure = case.find("failure")
+    assert failure.get("type") == "tolerance" and "grad W_query" in failure.get("message")
+    assert "grad W_query: max_abs=n/a rel_norm=n/a ok=False (missing)" in failure.text
+    skipped = jax.find("testcase[@classname='causal_mask']/skipped")
+    assert skipped.get("message") == "not supported: " + NASTY
+    assert root.find(".//testcase[@classname='dropout_only']/skipped").get("message") == (
+        "not supported: dropout")
+    error = root.find("testsuite[@name='mypkg.port:runner']/testcase/error")
+    assert error.get("message") == "ValueError: " + NASTY
+    regen = root.find("testsuite[@name='reference regeneration']/testcase[@classname="
+                      "'causal_mask']/failure")
+    assert "output" in regen.get("message")
+
+
+def test_junit_without_regeneration_and_with_control_characters(tmp_path):
+    report = _report()
+    report["regeneration"] = None
+    report["rows"][2]["reason"] = "\x1b[31mboom\x1b[0m"  # a terminal escape in an exception
+    root = ET.parse(rp.write_junit(report, tmp_path / "junit.xml")).getroot()
+    assert "reference regeneration" not in [s.get("name") for s in root]
+    assert int(root.get("tests")) == 6
+    assert "boom" in root.find(".//error").get("message")
+
+
+# --- HTML --------------------------------------------------------------------------------------
+
+def test_html_writes_the_page_and_one_image_per_fixture(tmp_path):
+    report = _report()
+    weights = {**_weights(), "not_in_rows": {"reference": np.eye(3)}}
+    index = rp.write_html(report, tmp_path / "html", weights, progress=False)
+    assert index == tmp_path / "html" / "index.html"
+    page = index.read_text("utf-8")
+    names = ["sdpa_plain", "causal_mask", "dropout_only"]
+    images = sorted(p.name for p in (tmp_path / "html" / "fixtures").iterdir())
+    assert images == sorted(f"{n}.png" for n in names)
+    for name in names:
+        assert (tmp_path / "html" / "fixtures" / f"{name}.png").read_bytes().startswith(PNG)
+        assert f'id="{name}"' in page and f'src="fixtures/{name}.png"' in page
+    for key, count in report["summary"].items():
+        if key != "ok":
+            assert f"<td>{key.replace('_', ' ')}</td><td class=\"num\">{count}</td>" in page
+    assert "overall: FAILED" in page and "attn-parity check -k sdpa" in page
+    assert "Regeneration: the reference does not reproduce output" in page
+    assert "shape &lt;2, 3&gt; &amp; more" in page and NASTY not in page
+
+
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's header."""
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_html_images_draw_a_difference_row_where_there_is_one(tmp_path):
+    rp.write_html(_report(), tmp_path, _weights(), progress=False)
+    both = _png_size(tmp_path / "fixtures" / "sdpa_plain.png")  # reference, torch, jax
+    alone = _png_size(tmp_path / "fixtures" / "causal_mask.png")  # reference only
+    none = _png_size(tmp_path / "fixtures" / "dropout_only.png")  # no weights
+    assert both[0] > alone[0] > none[0] and both[1] > alone[1] > none[1]
+
+
+def test_html_caps_the_columns_and_says_which_were_left_out(tmp_path):
+    report = _report()
+    weights = {"causal_mask": {"reference": np.full((4, 5), 0.2)}}
+    weights["causal_mask"].update({f"impl{i} numpy float64": np.full((4, 5), 0.2)
+                                   for i in range(8)})
+    page = rp.write_html(report, tmp_path, weights, progress=False).read_text("utf-8")
+    assert "Not drawn (more than 6 implementations): impl6 numpy float64, impl7 numpy" in page
+    assert len(list((tmp_path / "fixtures").glob("*.png"))) == 3
+
+
+def test_html_rejects_weights_that_are_not_a_dict(tmp_path):
+    with pytest.raises(ValueError, match="weights should be a dict .* got list"):
+        rp.write_html(_report(), tmp_path, [], progress=False)
+    with pytest.raises(ValueError, match=r"weights\['sdpa_plain'\] should be a dict"):
+        rp.write_html(_report(), tmp_path, {"sdpa_plain": np.zeros(3)}, progress=False)
+
+
+def test_html_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    with pytest.raises(ImportError, match=r"pip install 'attn-parity\[report\]'"):
+        rp.write_html(_report(), tmp_path, {}, progress=False)
+
+
+# --- environment -------------------------------------------------------------------------------
+
+def test_environment_names_the_versions():
+    env = rp.environment()
+    keys = ["python", "platform", "machine", "numpy", *rp.PACKAGES, "attn_parity",
+            "jax_backend", "devices"]
+    assert list(env) == keys
+    assert env["numpy"] == np.__version__
+    assert all(isinstance(env[k], str) for k in ["python", "platform", "machine", "numpy",
+                                                 "attn_parity", "matplotlib"])
+    assert all(env[k] is None or isinstance(env[k], str) for k in rp.PACKAGES)
+    json.dumps(env, allow_nan=False)
