@@ -142,7 +142,8 @@ def from_function(fn, framework: str, *, name: str | None = None, dtypes=None) -
 def from_module(factory, framework: str, *, mapping, name: str | None = None,
                 dtypes=None) -> Runner:
     """A runner of the module variants' fixtures: ``factory(variant, config)`` returns a module
-    (None: the variant is not supported), ``mapping`` (a dict, or ``mapping(variant, config)``
+    (None: not supported) for the variant's complete configuration (every constructor
+    argument, defaults filled in), ``mapping`` (a dict, or ``mapping(variant, config)``
     returning one) sends each neutral parameter name to the module's attribute path with a
     layout rule (golden.mapping): ``{"W_query": ("q_proj.weight", "T"), "b_query":
     "q_proj.bias"}``. The module is called like this project's modules (inputs, mask,
@@ -159,20 +160,21 @@ def from_module(factory, framework: str, *, mapping, name: str | None = None,
     def module_for(fixture):
         key = (fixture.variant, repr(sorted(fixture.config.items())))
         if key not in built:
-            built[key] = factory(fixture.variant, dict(fixture.config))
+            built[key] = factory(fixture.variant, full_config(fixture))
         return built[key]
 
     def unsupported(fixture, dtype):
         if not variants.get(fixture.variant).is_module:
             return f"{name} runs module variants; {fixture.variant} is the core"
         if module_for(fixture) is None:
-            return f"{name} has no {fixture.variant}"
+            return f"{name} builds no {fixture.variant} with {fixture.config}"
         return by_dtype(fixture, dtype)
 
     def run(fixture, dtype):
-        module = factory(fixture.variant, dict(fixture.config))  # fresh: no state carried over
-        table = mapping(fixture.variant, dict(fixture.config)) if callable(mapping) else mapping
-        table = {n: r for n, r in mappings.parse(table).items() if n in fixture.params}
+        module = factory(fixture.variant, full_config(fixture))  # fresh: no state carried over
+        table = mapping(fixture.variant, full_config(fixture)) if callable(mapping) else mapping
+        table = {n: r for n, r in (mappings.parse(table) if table else {}).items()
+                 if n in fixture.params}  # a variant without parameters maps nothing
         missing = sorted(set(fixture.params) - set(table))
         if missing:
             raise ValueError(f"mapping should send every parameter of the fixture to the module; "
@@ -180,6 +182,11 @@ def from_module(factory, framework: str, *, mapping, name: str | None = None,
         return _MODULE_RUN[framework](module, table, fixture, dtype)
 
     return Runner(name, framework, run, unsupported)
+
+
+def full_config(fixture) -> dict:
+    """The fixture's module configuration with every default filled in (a copy)."""
+    return variants.get(fixture.variant).config(dict(fixture.config))
 
 
 def combine(*runners, name: str | None = None) -> Runner:

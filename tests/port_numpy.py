@@ -1,0 +1,400 @@
+"""A third implementation of every variant, in plain NumPy, run through the harness by
+``tests/test_impl.py`` (and ``attn-parity check --impl tests.port_numpy:RUNNER``).
+
+Written from the README's definitions, not from ``golden.reference`` nor either framework:
+
+    scores   s = cap(scale · Q Kᵀ) + bias,  cap(s) = c·tanh(s/c) with softcap c (none if None)
+    allowed  mask (True = may attend) ∧ causal (key j ≤ query position p = i + query_offset)
+             ∧ window (p − left ≤ j ≤ p + right) ∧ j < key_value_seq_lengths[b]
+             ∧ i < query_seq_lengths[b]
+    weights  softmax of s over the allowed keys (a row with none: zeros), times keep / (1 − p)
+    output   weights V
+
+Everything runs in the inputs' dtype (float32 or float64); only RoPE's angles are float64, as
+the project's own are, rounded once to that dtype. One mistake can be planted by overriding one
+hook of :class:`Attention` (the test's mutants).
+
+Shape legend: B batch, H query heads, Hkv key/value heads, G = H / Hkv, Lq query length,
+Lk key length, L sequence length, Dk key width, Dv value width, N module heads, Nkv module
+key/value heads, Dh head width, d_* feature widths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from golden.runners.adapt import combine, from_function, from_module
+
+CORE = "scaled_dot_product_attention"
+
+
+class Attention:
+    """The attention core as a NumPy object; :meth:`sdpa` is the function the harness runs."""
+
+    # ---- hooks: one line each, the places a mutant overrides ----
+
+    def default_scale(self, dk: int) -> float:
+        """The scale when none is given: 1/√Dk."""
+        return 1.0 / math.sqrt(dk)
+
+    def user_mask(self, mask):
+        """The caller's boolean mask as "may attend"."""
+        return mask
+
+    def causal_bound(self, position, lq: int, lk: int):
+        """The last key position a query at ``position`` may see (top-left aligned)."""
+        return position
+
+    def dropout_scale(self, rate: float) -> float:
+        """The factor on kept weights."""
+        return 1.0 / (1.0 - rate)
+
+    def softmax(self, scores, allowed):
+        """Softmax over the allowed keys of each row (..., Lq, Lk); a row with none: zeros."""
+        filled = np.where(allowed, scores, -np.inf)
+        top = filled.max(axis=-1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0)
+        e = np.where(allowed, np.exp(filled - top), 0)
+        total = e.sum(axis=-1, keepdims=True)
+        return e / np.where(total > 0, total, 1)
+
+    # ---- the core ----
+
+    def sdpa(self, query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
+             softcap=None, local_window_size=None, query_offset=None, query_seq_lengths=None,
+             key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
+             return_weights=False):
+        """query (..., H, Lq, Dk), key (..., Hkv, Lk, Dk), value (..., Hkv, Lk, Dv) ->
+        output (..., H, Lq, Dv) [, weights (..., H, Lq, Lk)]; (Lq, Dk) inputs work too."""
+        scale = self.default_scale(query.shape[-1]) if scale is None else float(scale)
+        scores = _grouped(query, np.swapaxes(key, -1, -2)) * scale  # (..., H, Lq, Lk)
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)  # after scaling, before bias and masks
+        if bias is not None:
+            scores = scores + bias
+        allowed = self.allowed(scores.shape, mask, is_causal, local_window_size, query_offset,
+                               query_seq_lengths, key_value_seq_lengths)
+        weights = self.softmax(scores, allowed)
+        if dropout_mask is not None:
+            weights = weights * dropout_mask * self.dropout_scale(dropout_rate)
+        out = _grouped(weights, value)
+        return (out, weights) if return_weights else out
+
+    def allowed(self, shape, mask, is_causal, window, offset, q_lengths, kv_lengths):
+        """Boolean (..., H, Lq, Lk): which key each query row may attend."""
+        lq, lk = shape[-2:]
+        i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]  # (Lq, 1), (1, Lk)
+        position = i + _per_batch(offset, len(shape))  # (Lq, 1) or (B, 1, Lq, 1)
+        allowed = np.ones(shape, dtype=bool)
+        if mask is not None:
+            allowed = allowed & self.user_mask(mask)
+        if is_causal:
+            allowed = allowed & (j <= self.causal_bound(position, lq, lk))
+        left, right = _window(window)
+        if left is not None:
+            allowed = allowed & (j >= position - left)
+        if right is not None:
+            allowed = allowed & (j <= position + right)
+        if kv_lengths is not None:
+            allowed = allowed & (j < _per_batch(kv_lengths, len(shape)))
+        if q_lengths is not None:
+            allowed = allowed & (i < _per_batch(q_lengths, len(shape)))
+        return allowed
+
+
+def _grouped(a, b):
+    """a (..., H, M, K) @ b (..., Hkv, K, P) -> (..., H, M, P), query head h reading b's head
+    h // G; a plain matmul when the heads agree (or there is no head axis)."""
+    if a.ndim < 3 or a.shape[-3] == b.shape[-3]:
+        return a @ b
+    h, hkv = a.shape[-3], b.shape[-3]
+    a = a.reshape(a.shape[:-3] + (hkv, h // hkv) + a.shape[-2:])  # (..., Hkv, G, M, K)
+    out = a @ b[..., :, None, :, :]                                # (..., Hkv, G, M, P)
+    return out.reshape(out.shape[:-4] + (h,) + out.shape[-2:])
+
+
+def _per_batch(a, ndim):
+    """0 for None, an int for a 0-d array, else (B,) reshaped to (B, 1, …) of ``ndim`` axes."""
+    if a is None:
+        return 0
+    a = np.asarray(a)
+    return int(a) if a.ndim == 0 else a.reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _window(w):
+    """(left, right) from None, an int w (w, w), or a (left, right) pair (None: unbounded)."""
+    if w is None:
+        return None, None
+    return (w, w) if isinstance(w, int) else tuple(w)
+
+
+sdpa = Attention().sdpa  # the correct core as a function
+
+
+# ---- the modules ------------------------------------------------------------------------------
+
+class Linear:
+    """y = x Wᵀ + b, torch's layout: weight (out, in), bias (out,) or None."""
+
+    def __init__(self, d_in, d_out, bias=True):
+        self.weight = np.zeros((d_out, d_in))
+        self.bias = np.zeros(d_out) if bias else None
+
+    def __call__(self, x):  # (..., in) -> (..., out)
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class Module:
+    """What every variant shares: the core it calls, training mode, its weight mapping."""
+
+    layers: dict = {}  # neutral role -> attribute holding a Linear
+
+    def __init__(self, core=None):
+        self.core = core or Attention()
+        self.training = True
+
+    def train(self):
+        self.training = True
+
+    def eval(self):
+        self.training = False
+
+    def rate(self, dropout_mask) -> float:
+        """The dropout rate in force: the configured one when training with a keep-mask."""
+        return getattr(self, "dropout", 0.0) if self.training and dropout_mask is not None else 0.0
+
+    def keep(self, dropout_mask):
+        return dropout_mask if self.training else None
+
+    def mapping(self) -> dict:
+        """{neutral name: (attribute path, rule)}: each Linear's weight transposed."""
+        table = {}
+        for role, attr in self.layers.items():
+            layer = getattr(self, attr)
+            if layer is None:
+                continue
+            table[f"W_{role}"] = (f"{attr}.weight", "T")
+            if layer.bias is not None:
+                table[f"b_{role}"] = (f"{attr}.bias", "")
+        return table
+
+
+QKV = {"query": "q_proj", "key": "k_proj", "value": "v_proj"}
+
+
+class SimpleSelfAttention(Module):
+    """softmax(X Xᵀ) X, unscaled; x (..., L, d) -> (..., L, d), weights (..., L, L)."""
+
+    def __call__(self, x, mask=None, *, return_weights=False):
+        return self.core.sdpa(x, x, x, mask, scale=1.0, return_weights=return_weights)
+
+
+class SelfAttention(Module):
+    """One head: x (..., L, d_in) -> (..., L, d_v), weights (..., L, L)."""
+
+    layers = QKV
+    causal = False
+
+    def __init__(self, d_in, d_k, d_v=None, qkv_bias=False, *, core=None):
+        super().__init__(core)
+        d_v = d_k if d_v is None else d_v
+        self.q_proj, self.k_proj = Linear(d_in, d_k, qkv_bias), Linear(d_in, d_k, qkv_bias)
+        self.v_proj = Linear(d_in, d_v, qkv_bias)
+
+    def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.core.sdpa(q, k, v, mask, is_causal=self.causal,
+                              dropout_rate=self.rate(dropout_mask),
+                              dropout_mask=self.keep(dropout_mask), return_weights=return_weights)
+
+
+class CausalSelfAttention(SelfAttention):
+    """SelfAttention with the causal mask and dropout on the weights."""
+
+    causal = True
+
+    def __init__(self, d_in, d_k, d_v=None, dropout=0.0, qkv_bias=False, *, core=None):
+        super().__init__(d_in, d_k, d_v, qkv_bias, core=core)
+        self.dropout = dropout
+
+
+class CrossAttention(Module):
+    """x_q (..., Lq, d_q_in), x_kv (..., Lk, d_kv_in) -> (..., Lq, d_v), weights (..., Lq, Lk)."""
+
+    layers = QKV
+
+    def __init__(self, d_q_in, d_kv_in, d_k, d_v=None, qkv_bias=False, *, core=None):
+        super().__init__(core)
+        d_v = d_k if d_v is None else d_v
+        self.q_proj, self.k_proj = Linear(d_q_in, d_k, qkv_bias), Linear(d_kv_in, d_k, qkv_bias)
+        self.v_proj = Linear(d_kv_in, d_v, qkv_bias)
+
+    def __call__(self, x_q, x_kv, x_v=None, mask=None, *, return_weights=False):
+        q, k = self.q_proj(x_q), self.k_proj(x_kv)
+        v = self.v_proj(x_kv if x_v is None else x_v)
+        return self.core.sdpa(q, k, v, mask, return_weights=return_weights)
+
+
+def _split(y, heads):
+    """(..., L, heads·Dh) -> (..., heads, L, Dh)."""
+    return np.swapaxes(y.reshape(y.shape[:-1] + (heads, -1)), -2, -3)
+
+
+def _merge(o):
+    """(..., N, L, Dh) -> (..., L, N·Dh)."""
+    o = np.swapaxes(o, -2, -3)
+    return o.reshape(o.shape[:-2] + (-1,))
+
+
+def _head_mask(mask):
+    """(..., Lq, Lk) -> (..., 1, Lq, Lk): the same mask for every head."""
+    return None if mask is None else mask[..., None, :, :]
+
+
+class MultiHeadAttentionWrapper(Module):
+    """N independent heads, stacked per head torch-style: query_heads (N, Dh, d_in), biases
+    (N, Dh); outputs concatenated (..., L, N·Dh), then out_proj when asked."""
+
+    def __init__(self, d_in, d_head, num_heads, causal=False, dropout=0.0, qkv_bias=False,
+                 out_proj=False, *, core=None):
+        super().__init__(core)
+        self.causal, self.dropout = causal, dropout
+        for role in ("query", "key", "value"):
+            setattr(self, f"{role}_heads", np.zeros((num_heads, d_head, d_in)))
+            setattr(self, f"{role}_bias", np.zeros((num_heads, d_head)) if qkv_bias else None)
+        width = num_heads * d_head
+        self.out_proj = Linear(width, width) if out_proj else None
+
+    def project(self, x, role):
+        """x (..., L, d_in) -> (..., N, L, Dh) through every head's projection."""
+        y = np.einsum("...ld,nhd->...nlh", x, getattr(self, f"{role}_heads"))
+        bias = getattr(self, f"{role}_bias")
+        return y if bias is None else y + bias[:, None, :]
+
+    def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
+        q, k, v = (self.project(x, role) for role in ("query", "key", "value"))
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), is_causal=self.causal,
+                              dropout_rate=self.rate(dropout_mask),
+                              dropout_mask=self.keep(dropout_mask), return_weights=True)
+        y = _merge(o)
+        if self.out_proj is not None:
+            y = self.out_proj(y)
+        return (y, w) if return_weights else y
+
+    def mapping(self) -> dict:
+        table = {}
+        for role in ("query", "key", "value"):
+            table[f"W_{role}"] = (f"{role}_heads", "transpose(0,2,1)")
+            if getattr(self, f"{role}_bias") is not None:
+                table[f"b_{role}"] = (f"{role}_bias", "")
+        if self.out_proj is not None:
+            table.update({"W_out": ("out_proj.weight", "T"), "b_out": ("out_proj.bias", "")})
+        return table
+
+
+class MultiHeadAttention(Module):
+    """Fused heads: x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
+
+    layers = {**QKV, "out": "out_proj"}
+
+    def __init__(self, d_in, d_out, num_heads, causal=False, dropout=0.0, qkv_bias=False,
+                 out_bias=True, *, core=None):
+        super().__init__(core)
+        self.num_heads, self.causal, self.dropout = num_heads, causal, dropout
+        self.q_proj, self.k_proj, self.v_proj = (Linear(d_in, d_out, qkv_bias) for _ in "qkv")
+        self.out_proj = Linear(d_out, d_out, out_bias)
+
+    def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
+        q, k, v = (_split(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), is_causal=self.causal,
+                              dropout_rate=self.rate(dropout_mask),
+                              dropout_mask=self.keep(dropout_mask), return_weights=True)
+        y = self.out_proj(_merge(o))
+        return (y, w) if return_weights else y
+
+
+class GroupedQueryAttention(Module):
+    """N query heads over Nkv key/value heads, RoPE, causal by default:
+    x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
+
+    layers = {**QKV, "out": "out_proj"}
+
+    def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
+                 out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, *, core=None):
+        super().__init__(core)
+        dh = d_in // num_heads if head_dim is None else head_dim
+        self.heads, self.kv_heads = num_heads, num_kv_heads
+        self.attend = dict(is_causal=causal, scale=scale, softcap=softcap,
+                           local_window_size=local_window_size)
+        self.rope_theta, self.rope_interleaved, self.dropout = rope_theta, rope_interleaved, dropout
+        self.q_proj = Linear(d_in, num_heads * dh, qkv_bias)
+        self.k_proj, self.v_proj = (Linear(d_in, num_kv_heads * dh, qkv_bias) for _ in "kv")
+        self.out_proj = Linear(num_heads * dh, d_in if d_out is None else d_out, out_bias)
+
+    def __call__(self, x, mask=None, *, query_seq_lengths=None, dropout_mask=None,
+                 return_weights=False):
+        q = _split(self.q_proj(x), self.heads)      # (..., N, L, Dh)
+        k = _split(self.k_proj(x), self.kv_heads)   # (..., Nkv, L, Dh)
+        v = _split(self.v_proj(x), self.kv_heads)
+        if self.rope_theta is not None:
+            q, k = (rope(t, self.rope_theta, self.rope_interleaved) for t in (q, k))
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), **self.attend,
+                              query_seq_lengths=query_seq_lengths,
+                              key_value_seq_lengths=query_seq_lengths,
+                              dropout_rate=self.rate(dropout_mask),
+                              dropout_mask=self.keep(dropout_mask), return_weights=True)
+        y = self.out_proj(_merge(o))
+        return (y, w) if return_weights else y
+
+
+def rope(x, theta, interleaved):
+    """Rotary embedding of x (..., L, Dh), token i at position i: feature pair k, (k, k + Dh/2)
+    or (2k, 2k + 1) when ``interleaved``, turns by i·θ^(−2k/Dh). Angles, cos and sin in
+    float64, rounded once to x's dtype; the turn in x's dtype."""
+    length, dh = x.shape[-2:]
+    angles = np.arange(length)[:, None] * theta ** (-np.arange(0, dh, 2) / dh)  # (L, Dh/2)
+    cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :dh // 2], x[..., dh // 2:])
+    turned = (a * cos - b * sin, b * cos + a * sin)
+    if interleaved:
+        return np.stack(turned, axis=-1).reshape(x.shape)
+    return np.concatenate(turned, axis=-1)
+
+
+MODULES = {
+    "simple_self_attention": SimpleSelfAttention,
+    "self_attention": SelfAttention,
+    "causal_self_attention": CausalSelfAttention,
+    "cross_attention": CrossAttention,
+    "multi_head_attention_wrapper": MultiHeadAttentionWrapper,
+    "multi_head_attention": MultiHeadAttention,
+    "grouped_query_attention": GroupedQueryAttention,
+}
+
+
+def build(variant, config, core=None):
+    """The NumPy module of a variant (weights zero until set), None for one it lacks."""
+    cls = MODULES.get(variant)
+    return None if cls is None else cls(**config, core=core)
+
+
+def mapping(variant, config) -> dict:
+    """{neutral name: (attribute path, rule)} of the module ``build`` makes."""
+    return build(variant, config).mapping()
+
+
+def runner(core=None, table=mapping):
+    """One runner for the whole suite: the core's fixtures through ``core.sdpa``, the modules'
+    through ``build`` with ``table`` (a mapping function)."""
+    core = core or Attention()
+    functional = from_function(core.sdpa, "numpy", name="numpy-port")
+    modules = from_module(lambda variant, config: build(variant, config, core), "numpy",
+                          mapping=table, name="numpy-port-modules")
+    return combine(functional, modules, name="numpy-port")
+
+
+RUNNER = runner()
