@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import json
 import math
 import os
-import re
 import sys
 import zipfile
 from dataclasses import dataclass, field
@@ -41,30 +39,14 @@ import numpy as np
 from golden import mapping as mapping_lib
 from golden import tolerances
 from golden.fixture import FixtureError, to_bytes, write_atomic
+from golden.runners.adapt import SPEC, resolve_spec
 
 FORMAT = "attn-parity-port"
 FORMAT_VERSION = 1
 SCHEMA = {"schema": "attn-parity-compare", "schema_version": 1}
-_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 # ---------------------------------------------------------------- specs and mappings
-
-
-def resolve_spec(spec: str):
-    """The object named by "pkg.mod:name" (``name`` may be dotted: "pkg.mod:Class.make")."""
-    if not isinstance(spec, str) or not _SPEC.match(spec):
-        raise ValueError(f"spec should be 'package.module:name', got {spec!r}")
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"spec {spec!r}: cannot import {module_name!r} ({e})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"spec {spec!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def neutral(torch_table: dict, flax_table: dict, shapes: dict | None = None) -> dict:
@@ -719,7 +701,7 @@ def _factory(spec):
 
 def _cli_mapping(value):
     """A JSON file's path, or a "pkg.mod:NAME" naming a dict."""
-    if Path(value).exists() or not _SPEC.match(value):
+    if Path(value).exists() or not SPEC.match(value):
         return mapping_lib.parse(value)
     table = resolve_spec(value)
     if not isinstance(table, dict):

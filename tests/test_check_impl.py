@@ -179,11 +179,12 @@ def test_combine_sends_each_fixture_to_the_runner_that_takes_it():
 # ---- load, the command line -------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec,message", [
-    ("", "implementation should be 'package.module:callable', got ''"),
-    ("a:b:c", "implementation should be 'package.module:callable', got 'a:b:c'"),
+    ("", "spec should be 'package.module:name', got ''"),
+    ("a:b:c", "spec should be 'package.module:name', got 'a:b:c'"),
     ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
-    ("golden.check:no_such_name", "golden.check has no callable 'no_such_name'"),
-    ("golden.check:IMPLEMENTATIONS", "golden.check has no callable 'IMPLEMENTATIONS'"),
+    ("golden.check:no_such_name", "golden.check has no attribute 'no_such_name'"),
+    ("golden.check:IMPLEMENTATIONS", "spec 'golden.check:IMPLEMENTATIONS' should name a runner "
+                                     "\\(fixture, dtype\\) -> dict, got tuple"),
 ])
 def test_load_rejects_bad_specs(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -206,7 +207,7 @@ def test_check_answers_a_bad_impl_with_one_line_and_status_2():
                           capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "attn-parity check: error: implementation 'nope:f': cannot import 'nope' "
+        "attn-parity check: error: spec 'nope:f': cannot import 'nope' "
         "(No module named 'nope')"]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from functools import partial
 
 import numpy as np
@@ -206,25 +207,39 @@ def combine(*runners, name: str | None = None) -> Runner:
                   unsupported)
 
 
+SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def resolve_spec(spec: str):
+    """The object named by "package.module:name" (``name`` may be dotted: "mod:Class.make");
+    ValueError saying what was wrong."""
+    if not isinstance(spec, str) or not SPEC.match(spec):
+        raise ValueError(f"spec should be 'package.module:name', got {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"spec {spec!r}: cannot import {module_name!r} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"spec {spec!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
 def load(spec: str):
     """The runner named by "package.module:attribute" (a Runner, or any callable of the
     contract ``(fixture, dtype) -> dict``), or by "package.module" whose ``run_fixture`` is
     one. ValueError saying what was wrong."""
-    if not isinstance(spec, str) or not spec or spec.count(":") > 1:
-        raise ValueError(f"implementation should be 'package.module:callable', got {spec!r}")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"implementation {spec!r}: cannot import {module_name!r} ({e})") from None
-    target = getattr(module, attr or "run_fixture", None)
+    if isinstance(spec, str) and spec and ":" not in spec:
+        spec = f"{spec}:run_fixture"
+    target = resolve_spec(spec)
     if not callable(target):
-        raise ValueError(f"implementation {spec!r}: {module_name} has no callable "
-                         f"{attr or 'run_fixture'!r}")
+        raise ValueError(f"spec {spec!r} should name a runner (fixture, dtype) -> dict, got "
+                         f"{type(target).__name__}")
     if not isinstance(target, Runner):
-        target = Runner(spec, getattr(target, "framework", "?"), target)
-    elif target.name != spec:
-        target = Runner(target.name, target.framework, target._run, target._unsupported)
+        return Runner(spec.removesuffix(":run_fixture"), getattr(target, "framework", "?"),
+                      target)
     return target
 
 
