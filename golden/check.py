@@ -16,7 +16,7 @@ import numpy as np
 
 import golden
 from golden import reference, runners
-from golden.runners.adapt import NotSupported
+from golden.runners.adapt import NotSupported, as_runner
 from golden.tolerances import compare_profile, profile
 
 # The implementations' rows: (framework, path). torch runs a fixture twice: forward and backward
@@ -177,6 +177,7 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
     with {fixture: {label: attention weights}} for the HTML page."""
     log = log or (lambda line: None)
     prof = profile(profile_name)
+    impls = [as_runner(i) for i in impls]
     start = time.perf_counter()
     names = select(list(names or golden.names()), pattern)
     fixtures = [golden.load(n) for n in names]
@@ -242,7 +243,7 @@ def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, varian
     when everything that ran passed, 1 on any failure or error, 2 when nothing ran."""
     if "jax" in (list(frameworks) or ([] if impls else runners.FRAMEWORKS)):
         _log_backend(log)
-    table = _Table(log, [i.name for i in impls])
+    table = _Table(log, [getattr(i, "name", "") for i in impls])
     weights = {} if html_dir else None
     report = run(names, frameworks=frameworks, impls=impls, dtypes=dtypes, pattern=pattern,
                  variants=variants, profile_name=profile_name, log=table, progress=progress,

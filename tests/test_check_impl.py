@@ -291,3 +291,14 @@ def test_profiles_judge_against_a_plain_implementation_of_the_same_precision(bit
         expected = "pass" if name in passes else "fail"
         assert set(statuses.values()) == {expected}, (bits, name, statuses)
         assert report["profile"]["k"] == (None if name == "exact" else 2.0)
+
+
+def test_run_takes_a_plain_callable_and_rejects_anything_else():
+    from golden.runners import jax_runner
+
+    report = check.run(["sdpa_plain"], impls=[jax_runner.run_fixture], dtypes=["float32"])
+    assert [(r["implementation"], r["status"]) for r in report["rows"]] == [
+        ("run_fixture", "pass")]
+    with pytest.raises(ValueError, match="implementation should be a runner \\(fixture, "
+                                         "dtype\\) -> dict, got str"):
+        check.run(["sdpa_plain"], impls=["golden.runners.jax_runner"])

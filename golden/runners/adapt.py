@@ -237,10 +237,19 @@ def load(spec: str):
     if not callable(target):
         raise ValueError(f"spec {spec!r} should name a runner (fixture, dtype) -> dict, got "
                          f"{type(target).__name__}")
-    if not isinstance(target, Runner):
-        return Runner(spec.removesuffix(":run_fixture"), getattr(target, "framework", "?"),
-                      target)
-    return target
+    return as_runner(target, spec.removesuffix(":run_fixture"))
+
+
+def as_runner(runner, name=None) -> Runner:
+    """``runner`` itself if it is a Runner, else a Runner around a callable of the contract;
+    ValueError for anything else."""
+    if isinstance(runner, Runner):
+        return runner
+    if not callable(runner):
+        raise ValueError(f"implementation should be a runner (fixture, dtype) -> dict, got "
+                         f"{type(runner).__name__}")
+    return Runner(name or getattr(runner, "__qualname__", repr(runner)),
+                  getattr(runner, "framework", ""), runner)
 
 
 # ---- the frameworks ---------------------------------------------------------------------------
