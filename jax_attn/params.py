@@ -17,15 +17,26 @@ from jax_attn import modules
 
 
 def export_params(module) -> dict:
-    """{neutral name: NumPy array}: W (in, out) and b (out,), or (N, in, out) and (N, out)."""
-    return export_layers(module, lambda lin: np.asarray(lin.kernel.get_value()),
-                         lambda lin: None if lin.bias is None else np.asarray(lin.bias.get_value()))
+    """{neutral name: NumPy array}: W (in, out) and b (out,), or (N, in, out) and (N, out);
+    copies (``np.asarray`` of a CPU array is a read-only view of its buffer, which a donating
+    training step may free or reuse)."""
+    return export_layers(module, lambda lin: np.array(lin.kernel.get_value()),
+                         lambda lin: None if lin.bias is None else np.array(lin.bias.get_value()))
+
+
+def _device(array, dtype=None):
+    """A JAX array holding a copy of ``array``: ``jax.device_put`` of a NumPy array on CPU
+    aliases its memory, so a caller writing into their array would change the module. A JAX
+    array is copied where it lies (its device and sharding kept)."""
+    if isinstance(array, jax.Array):
+        return jnp.array(array, dtype=dtype, copy=True)
+    return jax.device_put(np.array(array, dtype=dtype))
 
 
 def load_params(module, params) -> None:
     """Copy neutral-layout parameters into the module, after checking names and shapes."""
-    load_layers(module, params, lambda lin, w: lin.kernel.set_value(jax.device_put(w)),
-                lambda lin, b: lin.bias.set_value(jax.device_put(b)))
+    load_layers(module, params, lambda lin, w: lin.kernel.set_value(_device(w)),
+                lambda lin, b: lin.bias.set_value(_device(b)))
 
 
 def build(variant, config, params, *, rngs=None):
@@ -59,5 +70,5 @@ def export_cache(cache) -> KVCache:
 def load_cache(cache, dtype=None) -> KVCache:
     """A KV cache of NumPy (or any array) fields on the default device: key and value in
     ``dtype`` (default theirs; float64 needs ``jax.enable_x64``), lengths int32."""
-    key, value = (jax.device_put(np.asarray(a, dtype=dtype)) for a in (cache.key, cache.value))
-    return KVCache(key, value, jax.device_put(np.asarray(cache.lengths, dtype=np.int32)))
+    key, value = (_device(a, dtype) for a in (cache.key, cache.value))
+    return KVCache(key, value, _device(cache.lengths, np.int32))

@@ -15,13 +15,16 @@ from torch_attn import modules
 
 
 def _numpy(t):
-    """NumPy has no bfloat16: low-precision tensors are exported as float32 (exactly)."""
+    """A NumPy copy, never a view of the tensor's memory (a view would change as the module
+    trains, and writing into it would change the module). NumPy has no bfloat16: low-precision
+    tensors are exported as float32 (exactly)."""
     t = t.detach().cpu()
-    return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+    return np.array((t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy())
 
 
 def export_params(module) -> dict:
-    """{neutral name: NumPy array}: W (in, out) and b (out,), or (N, in, out) and (N, out)."""
+    """{neutral name: NumPy array}: W (in, out) and b (out,), or (N, in, out) and (N, out);
+    copies, a snapshot of the weights now."""
     return export_layers(module, lambda lin: _numpy(lin.weight).T,
                          lambda lin: None if lin.bias is None else _numpy(lin.bias))
 
@@ -53,7 +56,7 @@ def build(variant, config, params):
 def export_cache(cache) -> KVCache:
     """A KV cache as NumPy copies (detached; bfloat16 and float16 as float32, exactly), for the
     other framework's ``load_cache``."""
-    return KVCache(*(np.array(_numpy(t)) for t in cache))
+    return KVCache(*(_numpy(t) for t in cache))
 
 
 def load_cache(cache, device=None, dtype=None) -> KVCache:
