@@ -130,15 +130,8 @@ class Variant:
     def check_params(self, config: dict, params: dict) -> None:
         """Raise ValueError naming a missing, unexpected or wrongly shaped parameter."""
         want = self.param_shapes(config)
-        for name in sorted(set(want) - set(params)):
-            raise ValueError(f"parameter {name} is missing: expected shape {want[name]}")
-        for name in sorted(set(params) - set(want)):
-            raise ValueError(f"parameter {name} is unexpected for {self.name} with config "
-                             f"{config}")
-        for name, shape in want.items():
-            got = tuple(params[name].shape)
-            if got != tuple(shape):
-                raise ValueError(f"parameter {name} shape should be {tuple(shape)}, got {got}")
+        check_param_shapes(want, params, f"{self.name} with config {config}")
+        for name in want:
             if dtype_name(params[name].dtype) not in FLOAT_DTYPES:
                 raise ValueError(f"parameter {name} dtype should be one of "
                                  f"{', '.join(FLOAT_DTYPES)}, got {dtype_name(params[name].dtype)}")
@@ -153,6 +146,19 @@ class Variant:
 
 
 # ---- parameter shapes -------------------------------------------------------------------------
+
+def check_param_shapes(want: dict, params: dict, where: str) -> None:
+    """Raise ValueError naming a parameter of ``params`` that is missing from, unexpected in
+    (``where`` says for what) or shaped unlike ``want`` ({name: shape})."""
+    for name in sorted(set(want) - set(params)):
+        raise ValueError(f"parameter {name} is missing: expected shape {want[name]}")
+    for name in sorted(set(params) - set(want)):
+        raise ValueError(f"parameter {name} is unexpected for {where}")
+    for name, shape in want.items():
+        got = tuple(np.shape(params[name]))
+        if got != tuple(shape):
+            raise ValueError(f"parameter {name} shape should be {tuple(shape)}, got {got}")
+
 
 def _qkv(prefix, d_q_in, d_kv_in, d_k, d_v, qkv_bias):
     """Shapes of the query, key and value projections (weights, then biases)."""

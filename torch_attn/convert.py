@@ -159,15 +159,8 @@ def _expected_shapes(mha) -> dict:
 
 def _check_params(mha, params) -> None:
     want = _expected_shapes(mha)
-    for name in sorted(set(want) - set(params)):
-        raise ValueError(f"parameter {name} is missing: expected shape {want[name]}")
-    for name in sorted(set(params) - set(want)):
-        raise ValueError(f"parameter {name} is unexpected for this nn.MultiheadAttention "
-                         f"(bias={mha.in_proj_bias is not None}); it takes {', '.join(want)}")
-    for name, shape in want.items():
-        got = tuple(np.shape(params[name]))
-        if got != shape:
-            raise ValueError(f"parameter {name} shape should be {shape}, got {got}")
+    variants.check_param_shapes(want, params, f"this nn.MultiheadAttention (bias="
+                                f"{mha.in_proj_bias is not None}); it takes {', '.join(want)}")
 
 
 def load_torch_mha(mha, params) -> None:
