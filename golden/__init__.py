@@ -1,7 +1,15 @@
 """Golden fixtures for attn-parity: the float64 NumPy reference, the fixture format and loader,
 the declarative case list and the regeneration script."""
 
-from golden.fixture import FIXTURE_DIR, FORMAT_VERSION, Fixture, FixtureError, load
+from golden.fixture import (
+    FIXTURE_DIR,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Fixture,
+    FixtureError,
+    load,
+    read_manifest,
+)
 
 
 def names() -> list[str]:
@@ -9,4 +17,5 @@ def names() -> list[str]:
     return sorted(p.stem for p in FIXTURE_DIR.glob("*.npz"))
 
 
-__all__ = ["FIXTURE_DIR", "FORMAT_VERSION", "Fixture", "FixtureError", "load", "names"]
+__all__ = ["FIXTURE_DIR", "FORMAT_VERSION", "MANIFEST_NAME", "Fixture", "FixtureError", "load",
+           "names", "read_manifest"]

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     if args.command == "compare":
         from golden.compare import run_cli
 
-        return run_cli(args)
+        return run_cli(args, error_log=lambda line: print(line, file=sys.stderr))
     from golden.regenerate import regenerate
 
     return 1 if regenerate(check=args.check) and args.check else 0
@@ -89,8 +89,8 @@ def _check(args, argv) -> int:
                           junit_path=args.junit, html_dir=args.html,
                           command=shlex.join(["attn-parity", *(sys.argv[1:] if argv is None
                                                                else argv)]))
-    except (ValueError, FileNotFoundError, FixtureError, ImportError) as e:
-        print(f"attn-parity check: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, FixtureError, ImportError) as e:  # OSError: a report's path
+        print(f"attn-parity check: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
 
 

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import numpy as np
 
 from golden import mapping as mapping_lib
 from golden import tolerances
-from golden.fixture import FixtureError, to_bytes, write_atomic
+from golden.fixture import FixtureError, read_members, to_bytes, write_atomic
 from golden.runners.adapt import SPEC, resolve_spec
 
 FORMAT = "attn-parity-port"
@@ -516,12 +515,9 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
 def load_port(path) -> dict:
     """{"meta", "inputs", "params", "cotangent", "expected"} from a port fixture, validated;
     ``golden.FixtureError`` naming the file and the problem. Never unpickles."""
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            members = {k: z[k] for k in z.files}
-    except (zipfile.BadZipFile, ValueError, EOFError, OSError, KeyError) as e:
-        raise FixtureError(f"{path}: not a readable port fixture ({type(e).__name__}: "
-                           f"{e})") from None
+    if not Path(path).is_file():
+        raise FixtureError(f"{path}: no such port fixture")
+    members = read_members(path)  # the fixtures' bounded reader: no allocation on trust
 
     def fail(problem):
         raise FixtureError(f"{path}: {problem}")
@@ -659,8 +655,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
-def run_cli(args, log=print) -> int:
-    """0 when the port passes, 1 when it fails, 2 on a usage error (one line, no traceback).
+def run_cli(args, log=print, error_log=None) -> int:
+    """0 when the port passes, 1 when it fails, 2 on a usage error (one line, no traceback,
+    through ``error_log``, default ``log``; the command sends it to stderr).
     The current directory is importable, so specs may name the user's own modules."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -672,7 +669,7 @@ def run_cli(args, log=print) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({**SCHEMA, **report.to_json()}, indent=1))
     except (ValueError, OSError) as e:  # FixtureError included
-        log(f"attn-parity compare: error: {str(e).splitlines()[0]}")
+        (error_log or log)(f"attn-parity compare: error: {str(e).splitlines()[0]}")
         return 2
     log(report.text())
     if args.freeze:

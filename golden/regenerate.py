@@ -1,16 +1,29 @@
 """Rebuild every fixture from ``golden.cases.CASES`` with the float64 reference.
 
-``python -m golden`` or ``attn-parity regenerate`` writes; ``--check`` compares in memory and
-exits non-zero on any difference. Unchanged cases produce byte-identical files.
+``python -m golden`` or ``attn-parity regenerate`` writes, then ``MANIFEST.json`` (sha256 of
+every file, the case and seed, format version, NumPy version) last; ``--check`` compares both in
+memory and exits non-zero on any difference. Unchanged cases produce byte-identical files.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 
 from golden import reference, variants
 from golden.cases import CASES, Case
-from golden.fixture import FIXTURE_DIR, Fixture, to_bytes, write_atomic
+from golden.fixture import (
+    FIXTURE_DIR,
+    MANIFEST_NAME,
+    Fixture,
+    is_temporary,
+    manifest_bytes,
+    manifest_entry,
+    to_bytes,
+    write_atomic,
+)
 
 
 def draw(spec, rng):
@@ -67,13 +80,29 @@ def build(case: Case) -> Fixture:
 
 
 def regenerate(check: bool = False, directory=FIXTURE_DIR, log=print) -> int:
-    """Write (or with check=True only compare) every fixture; return the number that differ."""
+    """Write (or with check=True only compare) every fixture, then the manifest; return the
+    number of files (fixtures and ``MANIFEST.json``) that differ.
+
+    Each file is replaced atomically and the manifest last, so a run killed at any moment
+    leaves every file whole, old or new; the manifest then disagrees with the new files (the
+    loader says so) until the next run, which rewrites what differs. Temporary files a killed
+    run left behind are removed (the loader never reads them). Not meant to run twice at once
+    on one directory."""
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    wanted = {c.name + ".npz" for c in CASES}
+    built = {c.name + ".npz": (c, to_bytes(build(c))) for c in CASES}
+    manifest = manifest_bytes({name: manifest_entry(data, c.name, c.seed)
+                               for name, (c, data) in built.items()})
+    for leftover in sorted(p for p in directory.iterdir() if is_temporary(p.name)):
+        if check:
+            log(f"note: {leftover.name} is left from an interrupted run (the next regenerate "
+                f"removes it)")
+        else:
+            leftover.unlink(missing_ok=True)
+            log(f"removed {leftover.name} (left from an interrupted run)")
     differ = 0
-    for case in CASES:
-        path = directory / (case.name + ".npz")
-        data = to_bytes(build(case))
+    for name, (case, data) in built.items():
+        path = directory / name
         if path.exists() and path.read_bytes() == data:
             continue
         differ += 1
@@ -82,12 +111,39 @@ def regenerate(check: bool = False, directory=FIXTURE_DIR, log=print) -> int:
         else:
             write_atomic(path, data)
             log(f"wrote {path.name}")
-    for stale in sorted(p for p in directory.glob("*.npz") if p.name not in wanted):
+    for stale in sorted(p for p in directory.glob("*.npz") if p.name not in built):
         differ += 1
         if check:
             log(f"differs: {stale.name} (no such case)")
         else:
             stale.unlink()
             log(f"removed {stale.name} (no such case)")
+    path = directory / MANIFEST_NAME
+    old = path.read_bytes() if path.exists() else None
+    if old != manifest:
+        differ += 1
+        if check:
+            log(f"differs: {MANIFEST_NAME} ({_manifest_change(old, manifest)})")
+        else:
+            write_atomic(path, manifest)
+            log(f"wrote {MANIFEST_NAME}")
     log(f"{len(CASES)} cases, {differ} {'differ' if check else 'updated'}")
     return differ
+
+
+def _manifest_change(old: bytes | None, new: bytes) -> str:
+    """What differs between the manifest on disk and the one the cases give, in words."""
+    if old is None:
+        return "missing"
+    try:
+        old_doc = json.loads(old)
+        new_doc = json.loads(new)
+        files = sorted(n for n in {*old_doc["files"], *new_doc["files"]}
+                       if old_doc["files"].get(n) != new_doc["files"].get(n))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return "unreadable"
+    if files:
+        return f"entries differ: {', '.join(files[:5])}{', …' if len(files) > 5 else ''}"
+    if old_doc.get("numpy") != new_doc["numpy"]:
+        return f"written by NumPy {old_doc.get('numpy')}, this is {new_doc['numpy']}"
+    return "changed"

@@ -10,6 +10,7 @@ width, Dv value width.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _LEAD = {2: (), 3: ("H",), 4: ("B", "H")}
@@ -22,6 +23,12 @@ def dtype_name(dtype) -> str:
 
 def _fmt(dims) -> str:
     return "(" + ", ".join(str(d) for d in dims) + (",)" if len(dims) == 1 else ")")
+
+
+def _expect_array(arg, x) -> None:
+    """Raise TypeError unless ``x`` has a shape and a dtype (a NumPy, torch or JAX array)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{arg} should be an array (NumPy, torch or JAX), got {type(x).__name__}")
 
 
 def _expect_shape(arg, got, letters, want) -> None:
@@ -41,6 +48,7 @@ def _expect_float(arg, x, like=None, whose="the query's") -> None:
 
 
 def _expect_broadcastable(arg, x, letters, target, kind) -> None:
+    _expect_array(arg, x)
     name = dtype_name(x.dtype)
     if kind == "bool" and name != "bool":
         raise ValueError(f"{arg} dtype should be bool (True = may attend), got {name}")
@@ -68,6 +76,8 @@ def check_attention_args(
     shape ((B,) for rank-4 inputs, () otherwise); only a Python int's value is checked here, so
     that no framework array is read back from its device.
     """
+    for arg, x in (("query", query), ("key", key), ("value", value)):
+        _expect_array(arg, x)
     q_shape, rank = tuple(query.shape), len(query.shape)
     if rank not in _LEAD:
         raise ValueError(
@@ -118,6 +128,22 @@ def check_positive_or_none(arg, c) -> None:
         raise ValueError(f"{arg} should be a positive number or None, got {c!r}")
 
 
+def check_rotary(x, theta) -> None:
+    """rotary_embedding's x (an array; its Dh is checked where it is used) and θ, a finite
+    number > 0."""
+    _expect_array("x", x)
+    number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
+    if not (number and math.isfinite(theta) and theta > 0):
+        raise ValueError(f"theta should be a positive number, got {theta!r}")
+
+
+def check_flags(**flags) -> None:
+    """Each flag True or False (NumPy's bool too): a string or None is not a flag."""
+    for arg, b in flags.items():
+        if not isinstance(b, bool) and type(b).__name__ not in ("bool", "bool_"):
+            raise ValueError(f"{arg} should be True or False, got {b!r}")
+
+
 def window(local_window_size) -> tuple:
     """(left, right) of a sliding window, each None (unbounded) or an int ≥ 0; an int w means
     (w, w), None means no window."""
@@ -151,6 +177,7 @@ def check_sequence(arg, x, width_name, width, lead=None) -> tuple[int, ...]:
 
     Returns the leading (batch) shape.
     """
+    _expect_array(arg, x)
     shape = tuple(x.shape)
     if len(shape) not in (2, 3):
         raise ValueError(f"{arg} should have rank 2 or 3: (L, {width_name}) or "
@@ -177,6 +204,8 @@ def check_cross_inputs(x_q, x_kv, x_v, d_q_in, d_kv_in, mask=None):
     and a mask broadcastable to (B, Lq, Lk). Returns the weights' shape (B, Lq, Lk)."""
     lead = check_sequence("x_q", x_q, "d_q_in", d_q_in)
     check_sequence("x_kv", x_kv, "d_kv_in", d_kv_in, lead=lead)
+    if x_v is not None:
+        _expect_array("x_v", x_v)
     if x_v is not None and tuple(x_v.shape) != tuple(x_kv.shape):
         raise ValueError(f"x_v shape should equal x_kv's {tuple(x_kv.shape)}, "
                          f"got {tuple(x_v.shape)}")
@@ -230,10 +259,7 @@ def cache_shape(batch_size, max_length, kv_heads, head_dim) -> tuple:
 def check_cache(cache, x, kv_heads, head_dim) -> int:
     """A KV cache for x (B, L, d_in): key and value (B, Hkv, M, Dh) in x's dtype, lengths (B,)
     integers, L ≤ M. Returns M. Only shapes and dtypes are read (never the lengths' values)."""
-    fields = ("key", "value", "lengths")
-    if not all(hasattr(cache, f) for f in fields):
-        raise ValueError("cache should be a KVCache (key, value, lengths) from init_cache, got "
-                         f"{type(cache).__name__}")
+    _expect_cache(cache)
     if len(x.shape) != 3:
         raise ValueError(f"x shape should be (B, L, d_in) with a cache, got {_fmt(tuple(x.shape))}")
     b, length = x.shape[0], x.shape[1]
@@ -250,6 +276,48 @@ def check_cache(cache, x, kv_heads, head_dim) -> int:
         raise ValueError(f"x length L should be at most the cache's max_length M = {m}, "
                          f"got {length}")
     return m
+
+
+def _expect_cache(cache) -> None:
+    if not all(hasattr(cache, f) for f in ("key", "value", "lengths")):
+        raise ValueError("cache should be a KVCache (key, value, lengths) from init_cache, got "
+                         f"{type(cache).__name__}")
+    for name in ("key", "value", "lengths"):
+        _expect_array(f"cache.{name}", getattr(cache, name))
+
+
+def check_kv_cache(cache) -> None:
+    """A KV cache on its own (export_cache, load_cache): key and value (B, Hkv, M, Dh) of one
+    float dtype, lengths (B,) integers."""
+    _expect_cache(cache)
+    shape = tuple(cache.key.shape)
+    if len(shape) != 4:
+        raise ValueError(f"cache.key shape should be (B, Hkv, M, Dh), got {_fmt(shape)}")
+    _expect_shape("cache.value", tuple(cache.value.shape), ("B", "Hkv", "M", "Dh"), shape)
+    _expect_float("cache.key", cache.key)
+    _expect_float("cache.value", cache.value, like=dtype_name(cache.key.dtype),
+                  whose="cache.key's")
+    _expect_integers("cache.lengths", cache.lengths, shape[:1], "B")
+
+
+def check_build_args(variant, config, params) -> None:
+    """``build``'s arguments: a variant's name, a configuration dict and a params dict."""
+    if not isinstance(variant, str):
+        raise TypeError(f"variant should be a variant's name (a str), got {type(variant).__name__}")
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config should be a dict of constructor arguments, got "
+                        f"{type(config).__name__}")
+    check_param_arrays(params)
+
+
+def check_param_arrays(params) -> None:
+    """A dict {neutral name: array} (``load_params``); names and shapes are checked against the
+    module's configuration by golden.variants."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params should be a dict {{name: array}} in the neutral layout, got "
+                        f"{type(params).__name__}")
+    for name, a in params.items():
+        _expect_array(f"parameter {name}", a)
 
 
 IMPLEMENTATIONS = ("dense", "blockwise")

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from golden.positions import ROPE_BLOCK, rope_tables
-from golden.validate import check_attention_args, check_implementation, window
+from golden.validate import (
+    check_attention_args,
+    check_flags,
+    check_implementation,
+    check_rotary,
+    window,
+)
 from jax_attn import blockwise
 
 DEFAULT_PRECISION = jax.lax.Precision.HIGHEST
@@ -71,11 +77,15 @@ def scaled_dot_product_attention(
                          query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths,
                          dropout_rate=dropout_rate, dropout_mask=dropout_mask)
+    check_flags(is_causal=is_causal, return_weights=return_weights)
     check_implementation(implementation, return_weights)
     block_sizes = check_block_sizes(block_sizes)
     if dropout_rate > 0.0 and dropout_mask is None and dropout_rng is None:
         raise ValueError("dropout_rng should be a jax.random key when dropout_rate > 0 and no "
                          "dropout_mask is given, got None")
+    if dropout_rng is not None and not _is_key(dropout_rng):
+        raise TypeError(f"dropout_rng should be a jax.random key (jax.random.key(seed)) or None, "
+                        f"got {type(dropout_rng).__name__}")
     if dropout_rate == 0.0:
         dropout_rng = None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -93,6 +103,15 @@ def scaled_dot_product_attention(
                                   query.shape, key.shape, return_weights),
                               block_sizes=block_sizes)
     return (out, weights) if return_weights else out
+
+
+def _is_key(rng) -> bool:
+    """A typed key (jax.random.key) or a raw uint32 one (jax.random.PRNGKey), traced or not."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is None:
+        return False
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (
+        dtype == jnp.uint32 and len(rng.shape) >= 1)
 
 
 def _per_batch(x, batch):
@@ -332,6 +351,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     it (a larger one reads a clamped row). The rotation runs in at least float32 and is rounded
     once to x's dtype.
     """
+    check_rotary(x, theta)
     length, dh = x.shape[-2], x.shape[-1]
     if dh % 2:
         raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")

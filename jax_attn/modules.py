@@ -48,7 +48,14 @@ __all__ = ["CausalSelfAttention", "CrossAttention", "GroupedQueryAttention", "Mu
 compiled_call = nnx.jit(graph=False, static_argnames="return_weights")
 
 
+def _check_rngs(rngs) -> None:
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs should be a flax.nnx.Rngs (nnx.Rngs(seed)), got "
+                        f"{type(rngs).__name__}")
+
+
 def _linear(d_in, d_out, bias, rngs, precision):
+    _check_rngs(rngs)
     return nnx.Linear(d_in, d_out, use_bias=bias, precision=precision, rngs=rngs)
 
 
@@ -75,6 +82,7 @@ class _Variant(nnx.Module):
 
     def seed_dropout(self, rngs) -> None:
         """A fresh dropout stream forked from ``rngs`` (none when dropout is 0)."""
+        _check_rngs(rngs)
         self.dropout_rngs = rngs["dropout"].fork() if self.dropout > 0 else nnx.data(None)
 
     def _rate(self) -> float:

@@ -12,14 +12,23 @@ import numpy as np
 from flax import nnx
 
 from golden.positions import KVCache
+from golden.validate import check_build_args, check_kv_cache, check_param_arrays
 from golden.variants import export_layers, load_layers, module_variant
 from jax_attn import modules
+
+
+def _ours(module) -> None:
+    """ValueError unless ``module`` is a flax.nnx.Module (a torch_attn module has other layers)."""
+    if not isinstance(module, nnx.Module):
+        raise ValueError(f"module should be a jax_attn variant (a flax.nnx.Module), got "
+                         f"{type(module).__module__}.{type(module).__name__}")
 
 
 def export_params(module) -> dict:
     """{neutral name: NumPy array}: W (in, out) and b (out,), or (N, in, out) and (N, out);
     copies (``np.asarray`` of a CPU array is a read-only view of its buffer, which a donating
     training step may free or reuse)."""
+    _ours(module)
     return export_layers(module, lambda lin: np.array(lin.kernel.get_value()),
                          lambda lin: None if lin.bias is None else np.array(lin.bias.get_value()))
 
@@ -35,6 +44,8 @@ def _device(array, dtype=None):
 
 def load_params(module, params) -> None:
     """Copy neutral-layout parameters into the module, after checking names and shapes."""
+    _ours(module)
+    check_param_arrays(params)
     load_layers(module, params, lambda lin, w: lin.kernel.set_value(_device(w)),
                 lambda lin, b: lin.bias.set_value(_device(b)))
 
@@ -44,6 +55,7 @@ def build(variant, config, params, *, rngs=None):
 
     ``rngs`` seeds the dropout stream (default ``nnx.Rngs(0)``).
     """
+    check_build_args(variant, config, params)
     cls = getattr(modules, module_variant(variant).class_name)
     # The structure only: nnx.eval_shape runs the constructor abstractly, so no weights are drawn
     # (each new shape of a random initialiser costs a compilation) just to be overwritten.
@@ -63,6 +75,7 @@ _LOW = (jnp.bfloat16, jnp.float16)
 def export_cache(cache) -> KVCache:
     """A KV cache as NumPy copies (bfloat16 and float16 as float32, exactly, as in torch's
     ``export_cache``), for the other framework's ``load_cache``."""
+    check_kv_cache(cache)
     return KVCache(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
                      for a in cache))
 
@@ -70,5 +83,6 @@ def export_cache(cache) -> KVCache:
 def load_cache(cache, dtype=None) -> KVCache:
     """A KV cache of NumPy (or any array) fields on the default device: key and value in
     ``dtype`` (default theirs; float64 needs ``jax.enable_x64``), lengths int32."""
+    check_kv_cache(cache)
     key, value = (_device(a, dtype) for a in (cache.key, cache.value))
     return KVCache(key, value, _device(cache.lengths, np.int32))

@@ -182,7 +182,7 @@ def _rewrite(path, out, change):
 def test_load_port_rejects_corrupt_and_foreign_files(frozen, tmp_path):
     truncated = tmp_path / "truncated.npz"
     truncated.write_bytes(frozen.read_bytes()[:-200])
-    with pytest.raises(golden.FixtureError, match="truncated.npz: not a readable port"):
+    with pytest.raises(golden.FixtureError, match="truncated.npz: not a readable fixture"):
         C.load_port(truncated)
     cases = {
         "format": (lambda m, a: m.update(format="attn-parity-fixture"),
@@ -218,7 +218,7 @@ def test_load_port_never_unpickles(frozen, tmp_path):
         dst.writestr("submodules/extra.npy", member.getvalue())
     path = tmp_path / "pickled.npz"
     path.write_bytes(buf.getvalue())
-    with pytest.raises(golden.FixtureError, match="pickled.npz: not a readable port fixture"):
+    with pytest.raises(golden.FixtureError, match="pickled.npz: not a readable fixture"):
         C.load_port(path)
     assert UNPICKLED == []
 

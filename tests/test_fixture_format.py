@@ -187,7 +187,9 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 def test_regenerate_writes_then_check_passes(tmp_path):
     lines = []
-    assert regenerate(directory=tmp_path, log=lines.append) == len(CASES)
+    assert regenerate(directory=tmp_path, log=lines.append) == len(CASES) + 1  # + MANIFEST.json
+    manifest = (tmp_path / "MANIFEST.json").read_bytes()
+    assert manifest == (fx.FIXTURE_DIR / "MANIFEST.json").read_bytes()
     (tmp_path / "stale.npz").write_bytes(b"x")
     assert regenerate(check=True, directory=tmp_path, log=lines.append) == 1
     assert any("stale.npz (no such case)" in line for line in lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
 
 import jax
@@ -176,8 +177,15 @@ def test_chunks_lower_to_a_loop():
     assert "stablehlo.while" in text and "batching_dims = [0] x [0]" in text
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", CORE_FIXTURES)
+def _chunked_cases():
+    """Every core fixture, at float32 and float64 alternately (both dtypes, every feature, half
+    the compilations); at both with ATTN_PARITY_LONG=1."""
+    both = os.environ.get("ATTN_PARITY_LONG") == "1"
+    return [pytest.param(n, d, id=f"{n}-{d}") for i, n in enumerate(CORE_FIXTURES)
+            for d in DTYPES if both or d == DTYPES[i % 2]]
+
+
+@pytest.mark.parametrize("name, dtype", _chunked_cases())
 def test_chunked_core_matches_fixture(name, dtype):
     # The fixtures are too small to take the chunked path by default (previous test), so it is
     # run here explicitly: output, weights and every gradient against the golden values.

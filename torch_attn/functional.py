@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from golden.positions import ROPE_BLOCK, rope_tables
-from golden.validate import check_attention_args, check_implementation, window
+from golden.validate import (
+    check_attention_args,
+    check_flags,
+    check_implementation,
+    check_rotary,
+    window,
+)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -75,7 +81,13 @@ def scaled_dot_product_attention(
     most). "blockwise" is therefore the explicit path, by chunks: its errors there are the
     explicit path's to two digits (4.7e-7 at most).
     """
+    _expect_tensors(query=query, key=key, value=value, mask=mask, bias=bias,
+                    dropout_mask=dropout_mask)
+    check_flags(is_causal=is_causal, return_weights=return_weights)
     check_implementation(implementation, return_weights)
+    if dropout_rng is not None and not isinstance(dropout_rng, torch.Generator):
+        raise TypeError(f"dropout_rng should be a torch.Generator or None, "
+                        f"got {type(dropout_rng).__name__}")
     shape = check_attention_args(
         query, key, value, mask, bias, scale=scale, softcap=softcap,
         local_window_size=local_window_size, query_offset=query_offset,
@@ -96,6 +108,13 @@ def scaled_dot_product_attention(
     out, weights = _explicit(query, key, value, allowed, may_empty, bias, scale, softcap,
                              dropout_rate, dropout_mask)
     return (out, weights) if return_weights else out
+
+
+def _expect_tensors(**arrays) -> None:
+    """TypeError naming an argument that is given but not a torch.Tensor (a NumPy array, say)."""
+    for arg, x in arrays.items():
+        if x is not None and not torch.is_tensor(x):
+            raise TypeError(f"{arg} should be a torch.Tensor, got {type(x).__name__}")
 
 
 # None means "blockwise" from this many weights (B·H·Lq·Lk) up. Forward and backward, float32,
@@ -384,6 +403,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     exact without an offset); every position must be below it. The rotation runs in at least
     float32 and is rounded once to x's dtype.
     """
+    check_rotary(x, theta)
     length, dh = x.shape[-2], x.shape[-1]
     if dh % 2:
         raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")

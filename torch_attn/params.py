@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from golden.positions import KVCache
+from golden.validate import check_build_args, check_kv_cache, check_param_arrays
 from golden.variants import export_layers, load_layers, module_variant
 from torch_attn import modules
 
@@ -22,21 +23,33 @@ def _numpy(t):
     return np.array((t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy())
 
 
+def _ours(module) -> None:
+    """ValueError unless ``module`` is a torch.nn.Module (a jax_attn module has other layers)."""
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"module should be a torch_attn variant (a torch.nn.Module), got "
+                         f"{type(module).__module__}.{type(module).__name__}")
+
+
 def export_params(module) -> dict:
     """{neutral name: NumPy array}: W (in, out) and b (out,), or (N, in, out) and (N, out);
     copies, a snapshot of the weights now."""
+    _ours(module)
     return export_layers(module, lambda lin: _numpy(lin.weight).T,
                          lambda lin: None if lin.bias is None else _numpy(lin.bias))
 
 
 def export_grads(module) -> dict:
     """The parameters' ``.grad`` in the neutral layout (after a backward pass)."""
+    _ours(module)
     return export_layers(module, lambda lin: _numpy(lin.weight.grad).T,
                          lambda lin: None if lin.bias is None else _numpy(lin.bias.grad))
 
 
 def load_params(module, params) -> None:
     """Copy neutral-layout parameters into the module, after checking names and shapes."""
+    _ours(module)
+    check_param_arrays(params)
+
     def set_weight(lin, w):
         lin.weight.data = torch.as_tensor(w.T.copy(), device=lin.weight.device)
 
@@ -48,6 +61,7 @@ def load_params(module, params) -> None:
 
 def build(variant, config, params):
     """A module of ``variant`` (its class name in snake_case) holding exactly ``params``."""
+    check_build_args(variant, config, params)
     module = getattr(modules, module_variant(variant).class_name)(**config)
     load_params(module, params)
     return module
@@ -56,12 +70,14 @@ def build(variant, config, params):
 def export_cache(cache) -> KVCache:
     """A KV cache as NumPy copies (detached; bfloat16 and float16 as float32, exactly), for the
     other framework's ``load_cache``."""
+    check_kv_cache(cache)
     return KVCache(*(_numpy(t) for t in cache))
 
 
 def load_cache(cache, device=None, dtype=None) -> KVCache:
     """A KV cache of NumPy (or any array) fields as tensors (copies): key and value in ``dtype``
     (default theirs), lengths int32, on ``device``."""
+    check_kv_cache(cache)
     key, value = (torch.tensor(np.asarray(a), device=device, dtype=dtype)
                   for a in (cache.key, cache.value))
     return KVCache(key, value, torch.tensor(np.asarray(cache.lengths), dtype=torch.int32,

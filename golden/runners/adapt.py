@@ -154,6 +154,11 @@ def from_module(factory, framework: str, *, mapping, name: str | None = None,
         raise ValueError(f"factory should be a callable (variant, config) -> module, "
                          f"got {type(factory).__name__}")
     dtypes = _framework(framework, dtypes)
+    if not (callable(mapping) or isinstance(mapping, dict)):
+        raise ValueError(f"mapping should be a dict {{neutral name: (path, rule)}} or a callable "
+                         f"(variant, config) -> dict, got {type(mapping).__name__}")
+    if isinstance(mapping, dict) and mapping:
+        mappings.parse(mapping)  # a malformed table fails here, not at the first fixture
     name = name or getattr(factory, "__qualname__", repr(factory))
     by_dtype = _dtype_check(name, framework, dtypes)
     built = {}
