@@ -26,6 +26,8 @@ key-value heads, Dh head width.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from golden.variants import VARIANTS, head_dim
@@ -48,6 +50,8 @@ def _numpy(array) -> np.ndarray:
 
 def _per_head(w, heads, name) -> int:
     """Dh of an array whose first axis is ``heads`` blocks of Dh rows, Dh even."""
+    if not isinstance(heads, int) or isinstance(heads, bool):
+        raise TypeError(f"heads should be a positive int, got {type(heads).__name__} {heads!r}")
     rows = w.shape[0] if w.ndim else 0
     if heads <= 0 or rows % heads or (rows // heads) % 2:
         raise ValueError(f"{name} first axis should be heads·Dh = {heads}·Dh with Dh even, got "
@@ -138,6 +142,9 @@ def llama_to_neutral(state_dict, *, num_heads, num_kv_heads=None, head_dim=None,
     """
     if not isinstance(num_heads, int) or num_heads <= 0:
         raise ValueError(f"num_heads should be a positive int, got {num_heads!r}")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict should be a mapping of names to arrays (a model's "
+                        f"state_dict()), got {type(state_dict).__name__}")
     q, k, v, o = (f"{prefix}{n}" for n in names)
     wq = _read(state_dict, f"{q}.weight", (None, None))
     d_in = wq.shape[1]

@@ -24,6 +24,7 @@ any array is allocated, and every malformed file is a ``FixtureError`` naming th
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import io
 import json
@@ -219,15 +220,28 @@ def _verify(path: Path, data: bytes, manifest: Path, shipped: bool) -> dict:
 
 # ---- reading -----------------------------------------------------------------------------------
 
+class FixtureNotFound(FileNotFoundError, ValueError):
+    """No file at that path and no shipped fixture of that name: a missing file to those who
+    catch OSError, a bad argument to those who catch ValueError."""
+
+
 def resolve(name_or_path) -> Path:
     """A path as given if it exists, else the shipped fixture of that name."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path should be a fixture name (str) or a path, got "
+                        f"{type(name_or_path).__name__} {name_or_path!r}")
     p = Path(name_or_path)
     if p.exists():
         return p
     shipped = FIXTURE_DIR / (p.name if p.suffix == ".npz" else p.name + ".npz")
     if shipped.exists():
         return shipped
-    raise FileNotFoundError(f"no fixture {str(name_or_path)!r} (looked in {FIXTURE_DIR})")
+    known = sorted(q.stem for q in FIXTURE_DIR.glob("*.npz"))
+    near = difflib.get_close_matches(p.stem, known, n=3)
+    raise FixtureNotFound(
+        f"name_or_path should name a shipped fixture ({len(known)} in {FIXTURE_DIR}: "
+        f"golden.names()) or an existing file, got {str(name_or_path)!r}: no such file or "
+        f"fixture" + (f"; did you mean {', '.join(near)}?" if near else ""))
 
 
 def _is_shipped(path: Path) -> bool:
@@ -242,7 +256,8 @@ def load(name_or_path, manifest=None) -> Fixture:
 
     A shipped fixture (one in ``FIXTURE_DIR``) is first checked against ``MANIFEST.json`` beside
     it; any other file against ``manifest`` (a path) when given, else only validated. Every
-    problem is a ``FixtureError`` naming the file (a missing name: ``FileNotFoundError``)."""
+    problem is a ``FixtureError`` naming the file (a missing name or file: ``FixtureNotFound``,
+    both a FileNotFoundError and a ValueError)."""
     path = resolve(name_or_path)
     data = _read_bytes(path, MAX_FILE_BYTES, "fixture")
     entry = None

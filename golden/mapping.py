@@ -43,6 +43,9 @@ class Rule:
             return rule
         if rule is None or rule == "":
             return cls()
+        if not isinstance(rule, (str, list, tuple)):
+            raise TypeError(f"rule should be None, a string such as 'T;reshape(8,2,4)' or a "
+                            f"list of steps, got {type(rule).__name__} {rule!r}")
         parts = rule.split(";") if isinstance(rule, str) else list(rule)
         steps = []
         for part in parts:

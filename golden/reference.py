@@ -215,6 +215,29 @@ def sdpa_backward(cache, d_output, d_weights):
     return grads
 
 
+def sdpa_term_sizes(cache, d_output, d_weights):
+    """The output A V and each gradient of ``sdpa_backward`` computed from absolute values,
+    M ≥ |array| elementwise: the size of the terms each element sums, which its rounding is
+    relative to (golden.tolerances.compare_terms). The output's is A |V|; dL/dscores is
+    P ⊙ (g − Σ g ⊙ P), whose subtraction cancels (to nothing on a saturated row), so M takes
+    P ⊙ (|g| + Σ |g| ⊙ P) and leaves out the soft-cap's 1 − tanh², itself a cancelling
+    difference near ±c."""
+    v, q, k, probs = (np.abs(cache[n]) for n in ("v", "q", "k", "probs"))
+    g = (np.einsum("...qv,...kv->...qk", np.abs(d_output), v) + np.abs(d_weights)) * (
+        cache["keep_scaled"])
+    g_scores = probs * (g + (g * probs).sum(axis=-1, keepdims=True))
+    scale = abs(cache["scale"])
+    sizes = {"output": np.einsum("...qk,...kv->...qv", cache["weights"], v),
+             "query": scale * np.einsum("...qk,...kd->...qd", g_scores, k),
+             "key": scale * np.einsum("...qk,...qd->...kd", g_scores, q),
+             "value": np.einsum("...qk,...qv->...kv", cache["weights"], np.abs(d_output))}
+    if cache["kv_heads"] is not None:
+        sizes["key"], sizes["value"] = (sum_groups(sizes[n], cache["kv_heads"])
+                                        for n in ("key", "value"))
+    if cache["bias_shape"] is not None:
+        sizes["bias"] = unbroadcast(g_scores, cache["bias_shape"])
+    return sizes
+
 # ---------------------------------------------------------------------------------------------
 # Modules. Legend as above, plus L sequence length, N heads, d_* feature widths.
 # One block covers every variant: project, split heads, attend, merge heads, project out:

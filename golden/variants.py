@@ -151,9 +151,12 @@ def check_param_shapes(want: dict, params: dict, where: str) -> None:
     """Raise ValueError naming a parameter of ``params`` that is missing from, unexpected in
     (``where`` says for what) or shaped unlike ``want`` ({name: shape})."""
     for name in sorted(set(want) - set(params)):
-        raise ValueError(f"parameter {name} is missing: expected shape {want[name]}")
+        raise ValueError(f"parameter {name} is missing: expected shape {want[name]}; "
+                         f"parameters should be {', '.join(sorted(want))}, got "
+                         f"{', '.join(sorted(params)) or 'none'}")
     for name in sorted(set(params) - set(want)):
-        raise ValueError(f"parameter {name} is unexpected for {where}")
+        raise ValueError(f"parameters should be exactly {', '.join(sorted(want))} for {where}, "
+                         f"got an unexpected {name}")
     for name, shape in want.items():
         got = tuple(np.shape(params[name]))
         if got != tuple(shape):

@@ -366,7 +366,7 @@ def test_load_torch_mha_checks_names_and_shapes():
     with pytest.raises(ValueError, match=r"parameter W_key shape should be \(10, 12\), got "
                                          r"\(12, 12\)"):
         convert.load_torch_mha(mha, {**params, "W_key": np.zeros((E, E))})
-    with pytest.raises(ValueError, match="parameter b_extra is unexpected"):
+    with pytest.raises(ValueError, match="got an unexpected b_extra"):
         convert.load_torch_mha(mha, {**params, "b_extra": np.zeros(E)})
 
 

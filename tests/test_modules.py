@@ -266,7 +266,7 @@ def test_bad_params_are_named(twin):
     good = twin.export(twin.make("multi_head_attention", config))
     cases = [({k: v for k, v in good.items() if k != "W_key"},
               "parameter W_key is missing: expected shape (5, 12)"),
-             ({**good, "W_extra": good["W_key"]}, "parameter W_extra is unexpected"),
+             ({**good, "W_extra": good["W_key"]}, "got an unexpected W_extra"),
              ({**good, "b_out": good["b_out"][:-1]},
               "parameter b_out shape should be (12,), got (11,)"),
              ({**good, "W_out": good["W_out"].astype(np.int32)},

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from golden.tolerances import TOLERANCES, UNIT_ROUNDOFF, compare
+from golden.tolerances import TOLERANCES, UNIT_ROUNDOFF, compare, compare_terms
 
 
 def test_identical_arrays_pass_with_no_error():
@@ -99,3 +99,33 @@ def test_the_table_covers_every_dtype_and_kind():
     assert set(TOLERANCES) == {(d, k) for d in UNIT_ROUNDOFF for k in kinds}
     for (dtype, _), tol in TOLERANCES.items():
         assert 0 < tol.rel_norm and 0 < tol.atol and 0 <= tol.rtol, dtype
+
+
+def test_compare_terms_judges_a_cancelled_sum_by_its_terms():
+    # e = 1000 − 999.99 per element: float32 terms of size 1e3 carry ~6e-5 absolute error each,
+    # far beyond the table for an array of size 0.01, and within it relative to the terms.
+    terms = np.full(100, 1000.0)
+    e = np.full(100, 0.01)
+    a = e + 3e-5 * np.cos(np.arange(100))  # the rounding of the terms, not of the result
+    assert not compare(a, e, "float32").ok
+    assert compare_terms(a, e, terms, "float32").ok
+    # an error beyond the terms' own rounding fails both
+    assert not compare_terms(e + 2e-2, e, terms, "float32").ok
+    # an array that passes compare passes compare_terms unchanged, and shapes must agree
+    assert compare_terms(e, e, terms, "float32").ok
+    assert not compare_terms(a, e, terms[:50], "float32").ok
+
+
+def test_sdpa_term_sizes_bound_the_reference_arrays():
+    # M ≥ |array| elementwise for the output and every gradient (the definition's premise).
+    from golden import reference
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))
+    bias = rng.standard_normal((3, 5, 5))
+    out, _, cache = reference.sdpa_forward(q, k, v, None, bias, is_causal=True, softcap=2.0)
+    d_out, d_w = rng.standard_normal(out.shape), rng.standard_normal((2, 3, 5, 5))
+    grads = reference.sdpa_backward(cache, d_out, d_w)
+    sizes = reference.sdpa_term_sizes(cache, d_out, d_w)
+    assert set(sizes) == {"output", "query", "key", "value", "bias"}
+    for name, x in dict(grads, output=out).items():
+        assert np.all(sizes[name] >= np.abs(x) * (1 - 1e-12)), name

@@ -379,6 +379,8 @@ def _fused(query, key, value, allowed, may_empty, bias, is_causal, scale):
     live = allowed.any(dim=-1, keepdim=True)  # (..., Lq, 1): rows with an allowed key
     allowed = allowed | ~live  # an empty row attends everywhere, then is zeroed: never NaN
     attn_mask = allowed if bias is None else torch.where(allowed, bias, -math.inf)
+    if attn_mask.dim() < 2:  # the kernel reads a mask's dim -2: (Lk,) or () from an int length
+        attn_mask = attn_mask.expand(shape[-2:])  # (Lq, Lk), a view
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, **kwargs)
     return out.masked_fill(~live, 0.0) if may_empty else out
 
