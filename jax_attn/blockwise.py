@@ -14,6 +14,11 @@ see it. Neither pass forms (Lq, Lk): memory is O(L·D + Bq·Bk). Blocks whose ev
 positional rules allow take a body without the mask (unless a ``mask`` or drawn dropout is
 given); blocks on a boundary are masked. mask, bias and keep stay as broadcast as they came,
 (Lq|1, Lk|1), and are sliced per block.
+
+The pieces are public for ``jax_attn.ring``, which runs them on each block of keys that reaches
+a device: ``Head.make`` (one head, padded), ``start``, ``accumulate`` and ``finish`` (the
+forward's running state, its update by a block of keys, the output and statistics),
+``backward`` and ``visited`` (how many blocks the forward computes).
 """
 
 from __future__ import annotations
@@ -43,12 +48,12 @@ def attend(q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, *, static):
     """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, keep broadcastable to
     (Lq, Lk) with size-1 axes kept; rng a key (drawn dropout) or None; offset, q_len, kv_len
     int scalars or None. Returns the output (Lq, Dv) in q's dtype."""
-    static = static._replace(block_q=_fit(q.shape[0], static.block_q),
-                             block_k=_fit(k.shape[0], static.block_k))
+    static = static._replace(block_q=fit(q.shape[0], static.block_q),
+                             block_k=fit(k.shape[0], static.block_k))
     return _flash(static, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len)
 
 
-def _fit(length, block):
+def fit(length, block):
     """The block size actually used: at most ``block``, the fewest blocks, split evenly
     (L = 1500 with 1024 takes two blocks of 750, not 1024 and a padded 476)."""
     return _cdiv(length, _cdiv(length, block))
@@ -56,21 +61,21 @@ def _fit(length, block):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
-    out, _ = _forward(st, _Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len))
+    out, _ = _forward(st, Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len))
     return out.astype(q.dtype)
 
 
 def _flash_fwd(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
-    out, stats = _forward(st, _Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len,
-                                         kv_len))
+    out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len,
+                                        kv_len))
     out = out.astype(q.dtype)
     return out, (q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, out, stats)
 
 
 def _flash_bwd(st, res, d_out):
     q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, out, stats = res
-    h = _Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len)
-    dq, dk, dv, dbias = _backward(st, h, out, stats, d_out)
+    h = Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len)
+    dq, dk, dv, dbias = backward(st, h, out, stats, d_out)
     if bias is not None:
         dbias = dbias[:bias.shape[0], :bias.shape[1]].astype(bias.dtype)  # (Lq|1, Lk|1)
     grads = tuple(g.astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
@@ -82,7 +87,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ---- the padded head and its positional rules ---------------------------------------------------
 
-class _Head(NamedTuple):
+class Head(NamedTuple):
     """One head padded to whole blocks, in the compute dtype (at least float32)."""
 
     q: jax.Array  # (Lq', Dk), times scale / c (c the softcap, 1 without): R / c = q kᵀ
@@ -272,10 +277,28 @@ def _forward(st, h):
     that the backward's exp(s − m) / l is as exact as the forward's at large logits). Rows that
     attend nothing have m = the dtype's largest finite number and 1 / l = 0, so p = 0.
     """
+    state = accumulate(st, h, start(st, h.lq, h.v.shape[1], h.q.dtype))
+    return finish(st, state, h.lq)
+
+
+def start(st, lq, dv, dtype):
+    """The running state (m, l, acc) of Lq query rows before any key, per query block:
+    m (Nq, Bq) at the dtype's least finite number (so that exp(−inf − m) = 0, never
+    −inf − (−inf)), l (Nq, Bq) and acc (Nq, Bq, Dv) at 0."""
+    n_q = _cdiv(lq, st.block_q)
+    return (jnp.full((n_q, st.block_q), jnp.finfo(dtype).min, dtype),
+            jnp.zeros((n_q, st.block_q), dtype), jnp.zeros((n_q, st.block_q, dv), dtype))
+
+
+def accumulate(st, h, state):
+    """The running state (m, l, acc) of every query block after h's keys (online softmax):
+    query blocks one after another, each over only the key blocks it may see. The ring
+    (jax_attn.ring) calls it once per block of keys that reaches the device."""
     dt = h.q.dtype
     n_q = h.q.shape[0] // st.block_q
 
-    def query_block(i):
+    def query_block(args):
+        i, carry = args
         q_i = _rows(h.q, i, st.block_q)  # (Bq, Dk)
         mask_i, bias_i, keep_i = (_rows(x, i, st.block_q) for x in (h.mask, h.bias, h.keep))
 
@@ -293,22 +316,33 @@ def _forward(st, h):
                                                     preferred_element_type=dt)
             return m_new, alpha * total + p.sum(axis=1), acc
 
-        init = (jnp.full((st.block_q,), jnp.finfo(dt).min, dt), jnp.zeros((st.block_q,), dt),
-                jnp.zeros((st.block_q, h.v.shape[1]), dt))
-        m, total, acc = _loops(_key_blocks(st, h, i), partial(step, masked=True),
-                               partial(step, masked=False), init)
-        empty = total == 0.0  # a row with no allowed key: zeros, never NaN
-        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))  # 1 / l
-        return inv[:, None] * acc, jnp.stack([jnp.where(empty, jnp.finfo(dt).max, m), inv])
+        return _loops(_key_blocks(st, h, i), partial(step, masked=True),
+                      partial(step, masked=False), carry)
 
-    out, stats = lax.map(query_block, jnp.arange(n_q, dtype=jnp.int32))  # (Nq, Bq, Dv), (Nq, 2, Bq)
-    stats = jnp.moveaxis(stats, 1, 0).reshape(2, -1)[:, :h.lq]  # (2, Lq)
-    return out.reshape(-1, out.shape[-1])[:h.lq], stats
+    return lax.map(query_block, (jnp.arange(n_q, dtype=jnp.int32), state))
+
+
+def finish(st, state, lq):
+    """The output (Lq, Dv) and statistics (2, Lq) of _forward from the final running state."""
+    m, total, acc = state  # (Nq, Bq), (Nq, Bq), (Nq, Bq, Dv)
+    empty = total == 0.0  # a row with no allowed key: zeros, never NaN
+    inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))  # 1 / l
+    out = inv[..., None] * acc  # (Nq, Bq, Dv)
+    stats = jnp.stack([jnp.where(empty, jnp.finfo(m.dtype).max, m), inv])  # (2, Nq, Bq)
+    return out.reshape(-1, out.shape[-1])[:lq], stats.reshape(2, -1)[:, :lq]
+
+
+def visited(st, h):
+    """How many (Bq, Bk) blocks ``accumulate`` computes for h: the key blocks each query
+    block visits, summed (an int32 scalar); blocks skipped by index do not count."""
+    n_q = h.q.shape[0] // st.block_q
+    ranges = jax.vmap(lambda i: _key_blocks(st, h, i))(jnp.arange(n_q, dtype=jnp.int32))
+    return jnp.sum(ranges[-1] - ranges[0])
 
 
 # ---- backward -----------------------------------------------------------------------------------
 
-def _backward(st, h, out, stats, d_out):
+def backward(st, h, out, stats, d_out):
     """dQ (Lq, Dk), dK (Lk, Dk), dV (Lk, Dv) in the compute dtype, and dbias (Lq'|1, Lk'|1) or
     None. Each block is taken transposed, (Bk, Bq), so that dK and dV, summed over queries,
     are plain products (on CPU a product contracting both operands' first axes runs at a third

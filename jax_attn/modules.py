@@ -36,6 +36,7 @@ from golden.validate import (
 from golden.variants import VARIANTS
 from jax_attn.functional import (
     DEFAULT_PRECISION,
+    explicit_spec,
     rotary_embedding,
     scaled_dot_product_attention,
 )
@@ -260,8 +261,7 @@ class MultiHeadAttention(_Variant):
                                          dropout_rng=self._dropout_key(dropout_mask),
                                          return_weights=return_weights, precision=self.precision)
         o, w = o if return_weights else (o, None)
-        merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
-        y = self.out_proj(merged.reshape(merged.shape[:-2] + (-1,)))  # (B, L, d_out)
+        y = _merge_heads(self.out_proj, o)  # (B, L, d_out)
         return (y, w) if return_weights else y
 
 
@@ -345,8 +345,7 @@ class GroupedQueryAttention(_Variant):
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
             return_weights=return_weights, precision=self.precision)
         o, w = o if return_weights else (o, None)
-        merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
-        y = self.out_proj(merged.reshape(merged.shape[:-2] + (-1,)))  # (B, L, d_out)
+        y = _merge_heads(self.out_proj, o)  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 
@@ -354,6 +353,19 @@ class GroupedQueryAttention(_Variant):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
         y = y.reshape(y.shape[:-1] + (heads, self.head_dim))  # (B, L, heads, Dh)
         return jnp.swapaxes(y, -2, -3)
+
+
+def _merge_heads(out_proj, o):
+    """out_proj of the heads' outputs o (B, N, L, Dh) side by side, (B, L, N·Dh) -> (B, L, d_out).
+    With the heads split over a mesh axis (jax_attn.sharding: out_proj row-parallel) the
+    product sums over devices, and explicit mesh axes ask where its result lies: as o's batch
+    and length, the features whole on every device (the all-reduce Megatron's layout implies)."""
+    merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
+    merged = merged.reshape(merged.shape[:-2] + (-1,))  # (B, L, N·Dh)
+    spec = explicit_spec(merged)
+    out = None if spec is None else jax.typeof(merged).sharding.update(
+        spec=jax.sharding.PartitionSpec(*spec[:-1], None))  # on merged's (abstract) mesh
+    return out_proj(merged, out_sharding=out)
 
 
 def _static_window(w):

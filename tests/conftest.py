@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import golden
 from tests.helpers import FRAMEWORKS, IMPLS, TWINS
+
+# tests/devices8 needs 8 JAX devices, which only a process started with the XLA flag has:
+# tests/test_devices8.py runs it in one; this session collects it only when the flag is set.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    collect_ignore = ["devices8"]
+
+
+def pytest_collection_modifyitems(items):
+    """tests/test_devices8.py last: it waits for the subprocess started below."""
+    items.sort(key=lambda item: item.path.name == "test_devices8.py")  # stable: order kept
+
+
+def pytest_collection_finish(session):
+    """Start tests/devices8's subprocess now, when its test is selected, so that it runs beside
+    the rest of the suite; tests/test_devices8.py waits for it."""
+    if not session.config.option.collectonly and any(
+            item.path.name == "test_devices8.py" for item in session.items):
+        from tests import test_devices8
+        test_devices8.start()
+
+
+def pytest_sessionfinish(session):
+    from tests import test_devices8
+    test_devices8.stop()
 
 
 @pytest.fixture(params=golden.names())

@@ -155,7 +155,8 @@ def _params(fn, drop=()):
 def test_twins_export_the_described_classes():
     classes = [v.class_name for v in MODULES]
     assert sorted(torch_attn.modules.__all__) == sorted(jax_attn.modules.__all__) == sorted(classes)
-    assert set(jax_attn.__all__) - set(torch_attn.__all__) == {"DEFAULT_PRECISION"}
+    assert set(jax_attn.__all__) - set(torch_attn.__all__) == set(jax_attn.JAX_ONLY)
+    assert set(jax_attn.JAX_ONLY) == {"DEFAULT_PRECISION", "sharding", "ring_attention"}
     assert set(torch_attn.__all__) <= set(jax_attn.__all__)
     assert all(getattr(lib, c) is getattr(lib.modules, c) for lib in (torch_attn, jax_attn)
                for c in classes)
