@@ -62,3 +62,25 @@ def test_quick_run_writes_both_reports(tmp_path):
     assert "## Long sequences" in md
     assert all(f"| {r['L']} | {r['pass']} | {r['impl']} |" in md for r in long)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_ring_comm_paper_figures_are_the_hand_derived_ones():
+    # bench/ring_comm.py's table for the README's layer (B=1, H=32, Hkv=8, L=128k, D=128,
+    # bfloat16, P=8), derived by hand: a device's K and V block is 2·1·8·16384·128·2 bytes =
+    # 64 MiB, sent P − 1 = 7 times = 448 MiB, what an all-gather receives (7/8 of 2·8·131072·
+    # 128·2 bytes = 512 MiB); the forward step hides its transfer on a v5e (197 TFLOP/s, 50 GB/s
+    # one way) when L/P ≥ (Hkv/H)·s·F/(2·share·W) = (1/4)·2·197e12/(2·0.5·50e9) = 1970.
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "ring_comm.py"
+    spec = importlib.util.spec_from_file_location("ring_comm", path)
+    ring_comm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ring_comm)
+    mib = 2**20
+    f = ring_comm.paper(1, 32, 8, 131072, 128, 8, "bfloat16")
+    assert (f["block"], f["ring_fwd"], f["gather_fwd"]) == (64 * mib, 448 * mib, 448 * mib)
+    assert (f["held_ring"], f["held_gather"]) == (128 * mib, 512 * mib)
+    flops, link = ring_comm.DEVICES["TPU v5e (ICI)"]
+    _, _, least_fwd, _ = ring_comm.overlap(1, 32, 8, 131072, 128, 8, "bfloat16", flops, link,
+                                           causal=True)
+    assert math.isclose(least_fwd, 1970.0)
