@@ -42,11 +42,13 @@ def start() -> None:
 
 
 def stop() -> None:
-    """Kill the subprocess if it is still running (an interrupted session)."""
+    """Kill the subprocess if it is still running (an interrupted session); close its log."""
     process = _RUN.get("process")
     if process is not None and process.poll() is None:
         process.kill()
         process.wait()
+    if "log" in _RUN and not _RUN["log"].closed:
+        _RUN["log"].close()
 
 
 def test_devices8_suite():
@@ -56,10 +58,10 @@ def test_devices8_suite():
     process, log = _RUN["process"], _RUN["log"]
     try:
         code = process.wait(timeout=1200)
+        log.seek(0)
+        report = log.read()[-20000:]
     finally:
         stop()
-    log.seek(0)
-    report = log.read()[-20000:]
     assert code == 0, f"tests/devices8 on 8 virtual devices failed:\n{report}"
     last = report.strip().splitlines()[-1]
     assert " passed" in last and "skipped" not in last, report
