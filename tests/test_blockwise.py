@@ -191,7 +191,10 @@ def test_chunked_heads_draw_the_same_streams():
     rng, seed = fresh_rng()
     arrays = JAX.arrays(_qkv(rng, dv=LK), "float32")
     arrays["value"] = jnp.broadcast_to(jnp.eye(LK), arrays["value"].shape)
-    extras = (jnp.asarray(rng.random((B, 1, 1, LK)) < 0.8),  # mask, shared by a batch's heads
+    # mask, shared by a batch's heads: fixed, every key but 1. A random one (True with
+    # probability 0.8) left seed 47 six allowed entries in batch 0, where two of its six heads'
+    # keep-masks (0.58 agreement per entry) then coincided 40 % of the time.
+    extras = (jnp.asarray(np.broadcast_to(np.arange(LK) != 1, (B, 1, 1, LK))),
               jnp.asarray(rng.standard_normal((B, 1, LQ, LK)), "float32"),  # bias
               None, jax.random.key(seed), jnp.array([0, 3]), None, jnp.array([LK, 6]))
     kw = dict(scale=0.5, is_causal=True, softcap=2.0, window=(5, None), dropout_rate=0.3,
