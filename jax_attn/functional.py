@@ -93,12 +93,13 @@ def scaled_dot_product_attention(
         dropout_rng = None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     batch = query.shape[:1] if query.ndim == 4 else ()  # the offsets' and lengths' shape
-    positions = (_per_batch(x, batch) for x in
+    positions = (per_batch(x, batch) for x in
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
     check_head_sharding(query, key)
-    key, value = (_heads_as_query(query, x) for x in (key, value))
+    spec = explicit_spec(query)  # None unless on a mesh with explicit axes
+    key, value = (_heads_as_query(query, x, spec) for x in (key, value))
     one_device = _on_one_device(query, key, value)
-    attention = _on_mesh(_attention, query, return_weights)
+    attention = _on_mesh(_attention, query, spec, return_weights)
     out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
                              *positions, scale=scale, is_causal=bool(is_causal),
                              softcap=None if softcap is None else float(softcap),
@@ -121,7 +122,7 @@ def _is_key(rng) -> bool:
         dtype == jnp.uint32 and len(rng.shape) >= 1)
 
 
-def _per_batch(x, batch):
+def per_batch(x, batch):
     """An offset or lengths (Python int or integer array) as an int32 array of shape ``batch``:
     traced by the jitted core, so a new value does not recompile."""
     return None if x is None else jnp.broadcast_to(jnp.asarray(x, dtype=jnp.int32), batch)
@@ -210,16 +211,16 @@ def explicit_spec(x):
     return _known_sharding(x)[0]
 
 
-def _heads_as_query(query, x):
+def _heads_as_query(query, x, spec):
     """Key or value x (..., Hkv, Lk, D) with its heads split as the query's over explicit mesh
-    axes of n shards: as is when they are, or for one head (multi-query: the query's heads
+    axes (``spec``: explicit_spec(query)) of n shards: as is when they are, or for one head
+    (multi-query: the query's heads
     split whole); else repeated to a multiple of n heads (n / Hkv copies of each when Hkv < n;
     query head h still reads key-value head h // G) and resharded, each device keeping the
     ones its query heads read (a slice, no communication). Left replicated, the split of the
     query's heads into (Hkv, G) would straddle devices, and the partitioner, given typed
     shardings at auto_axes' edge, gathers the weights in the backward (measured, 8 heads, 2
     key-value heads, 4 shards); repeated, the backward gathers dK and dV alone."""
-    spec = explicit_spec(query)
     if spec is None or query.ndim < 3 or x.ndim < 3:
         return x
     names, (x_spec, _) = _axes(spec[-3]), _known_sharding(x)
@@ -231,9 +232,10 @@ def _heads_as_query(query, x):
     return jax.sharding.reshard(x, jax.typeof(query).sharding.update(spec=target))
 
 
-def _on_mesh(attention, query, return_weights):
-    """``attention`` as is, or for a query on a mesh with explicit axes (jax.make_mesh's
-    default) with those axes auto inside (jax.sharding.auto_axes) and the output and weights
+def _on_mesh(attention, query, spec, return_weights):
+    """``attention`` as is, or for a query on a mesh with explicit axes (``spec``:
+    explicit_spec(query); jax.make_mesh's default) with those axes auto inside
+    (jax.sharding.auto_axes) and the output and weights
     typed back to the query's sharding (all its axes but the last). Explicit axes give every
     intermediate array a sharding at trace time, and two steps of the core have none that
     JAX's rules accept: query heads split into (Hkv, G) when key and value are replicated (a
@@ -241,7 +243,6 @@ def _on_mesh(attention, query, return_weights):
     loops whose bounds depend on each row's offset and lengths (vmapped while loops raise
     "Resource axis ... not found in mesh: ()" in JAX 0.10). XLA's partitioner, which auto
     axes hand them to, splits both as under a classic Mesh."""
-    spec = explicit_spec(query)
     if spec is None:
         return attention
     out = jax.sharding.PartitionSpec(*spec[:-1], None)  # (..., H, Lq, Dv) and (..., H, Lq, Lk)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from golden.validate import check_attention_args, check_flags, window
 from jax_attn import blockwise
-from jax_attn.functional import DEFAULT_PRECISION, check_block_sizes
+from jax_attn.functional import DEFAULT_PRECISION, check_block_sizes, per_batch
 
 LAYOUTS = ("zigzag", "contiguous", "zigzag_ordered")
 
@@ -97,7 +97,7 @@ def ring_attention(
                       batch_axis=batch_axis, head_axis=head_axis, is_causal=is_causal,
                       scale=scale, softcap=softcap, local_window_size=local_window_size,
                       block_sizes=block_sizes, precision=precision)
-    positions = (_per_batch(x, query.shape[0]) for x in
+    positions = (per_batch(x, query.shape[:1]) for x in
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
     return _sharded(query, key, value, *positions, ring=ring, mesh=mesh)
 
@@ -168,11 +168,6 @@ def _check_ring(query, key, mask, bias, dropout_rate, mesh, axis, layout, batch_
         if name is not None and n % mesh.shape[name]:
             raise ValueError(f"{arg} {what} should be a multiple of the {mesh.shape[name]} "
                              f"devices on axis {name!r}, got {n}")
-
-
-def _per_batch(x, batch):
-    """An offset or lengths as an int32 array (B,), or None."""
-    return None if x is None else jnp.broadcast_to(jnp.asarray(x, dtype=jnp.int32), (batch,))
 
 
 # ---- the mesh and the zig-zag moves -------------------------------------------------------------
@@ -441,7 +436,7 @@ def blocks_per_device(query, key, value, *, mesh, axis="seq", layout="zigzag", b
                       batch_axis=batch_axis, head_axis=head_axis, is_causal=is_causal,
                       scale=scale, softcap=softcap, local_window_size=local_window_size,
                       block_sizes=block_sizes, precision=DEFAULT_PRECISION)
-    positions = tuple(_per_batch(x, query.shape[0]) for x in
+    positions = tuple(per_batch(x, query.shape[:1]) for x in
                       (query_offset, query_seq_lengths, key_value_seq_lengths))
     return _counted(query, key, value, *positions, ring=ring, mesh=mesh)
 
