@@ -17,7 +17,7 @@ from torch import nn
 
 import torch_attn
 from golden.reference import ZERO_GRADS
-from golden.tolerances import TOLERANCES, compare
+from golden.tolerances import TOLERANCES, compare, compare_to_plain
 from tests.helpers import fresh_rng
 from torch_attn import convert
 from torch_attn.params import export_grads, export_params
@@ -136,7 +136,7 @@ def assert_same64(ours, theirs, seed):
 PARAMS = ("W_query", "W_key", "W_value", "W_out", "b_query", "b_key", "b_value", "b_out")
 
 
-def assert_float32(ours32, expected64, positions, seed):
+def assert_float32(ours32, expected64, positions, seed, plain32=None):
     """Ours in float32 against the float64 run, by the tolerance table (a parameter's gradient
     sums over ``positions``). The key bias's gradient is zero by structure (softmax ignores a
     constant added to a row); in float32 it is rounding noise of its partial terms dS_ij·q_i,
@@ -154,7 +154,11 @@ def assert_float32(ours32, expected64, positions, seed):
             assert worst <= bound, f"{name}: {worst:.1e} > {bound:.1e} (seed {seed})"
             continue
         terms = positions if name.removeprefix("grad ") in PARAMS else 1
-        c = compare(a[name], e[name], "float32", kind, terms=terms)
+        if plain32 is None:
+            c = compare(a[name], e[name], "float32", kind, terms=terms)
+        else:  # or within 2x torch's own float32 error on these inputs (see the caller)
+            c = compare_to_plain(a[name], e[name], arrays(plain32)[name], "float32", kind,
+                                 terms=terms)
         assert c.ok, f"{name}: {c} (seed {seed})"
 
 
@@ -241,7 +245,15 @@ def test_core_matches_torch(widths, case):
     theirs = run_torch(mha, q, k, v, dO, dW, **kwargs)
     assert_same64(run_core(params, q, k, v, mask, bias, dO, dW, torch.float64), theirs, seed)
     ours32 = run_core(params, q, k, v, mask, bias, dO, dW, torch.float32)
-    assert_float32(ours32, theirs, B * S, seed)
+    # The input gradients (dX = dQ Wᵀ of a cancelling dQ) fail the float32 table alone on about
+    # 0.6 % of random draws, and torch's own float32 nn.MultiheadAttention fails it on the same
+    # inputs (seed 1848902255: both off by exactly 1.18e-5 on grad query); so, as the profiles
+    # do, ours may also pass within twice torch's float32 error (golden.tolerances).
+    f32 = lambda x: None if x is None else x.float()  # noqa: E731
+    plain32 = run_torch(copy.deepcopy(mha).float(), *map(f32, (q, k, v, dO, dW)),
+                        **{n: m if m.dtype == torch.bool else m.float()
+                           for n, m in kwargs.items()})
+    assert_float32(ours32, theirs, B * S, seed, plain32)
 
 
 def test_our_masks_to_torch_match_the_core():
