@@ -1,10 +1,15 @@
 """The float64 NumPy reference: the maths written out plainly, with analytic gradients.
 
-Nothing here imports torch or JAX. Every contraction is ``np.einsum`` (NumPy's own loops, no
-BLAS), so the fixtures' bytes do not depend on which BLAS kernel the CPU selects: OpenBLAS picks
-different float64 kernels on Intel and AMD processors, whose results differ in the last bit.
-Every function is loop-free and works on any number of leading axes (``...``), so the unbatched
-(Lq, Dk), per-head (H, Lq, Dk) and batched (B, H, Lq, Dk) layouts share one code path.
+Nothing here imports torch or JAX. Every function is loop-free and works on any number of
+leading axes (``...``), so the unbatched (Lq, Dk), per-head (H, Lq, Dk) and batched (B, H, Lq, Dk)
+layouts share one code path.
+
+Two arithmetics run the same code. By default it is NumPy float64: fast, the oracle of the
+property tests and of the tolerance profiles, but its last bits depend on the CPU (NumPy's float64
+exp, tanh and power have one SIMD kernel per instruction set). Inside ``exact_arithmetic()`` the
+arrays hold ``golden.exact.Real`` numbers (50 significant digits, every operation correctly
+rounded, integer arithmetic underneath), and ``stored`` rounds each result once to float64: the
+fixtures' values, the same bits on every machine (docs/reproducibility.md).
 
 Shape legend: B batch, H heads (Hkv of key and value, H a multiple of Hkv), Lq query length,
 Lk key length, Dk key width, Dv value width, G = H / Hkv query heads per key-value head.
@@ -34,9 +39,50 @@ import contextvars
 
 import numpy as np
 
+from golden import exact
 from golden.validate import check_attention_args, window
 
 _PRODUCT_BITS = contextvars.ContextVar("product_bits", default=None)
+_EXACT = contextvars.ContextVar("exact", default=None)  # the number type, None for float64
+
+
+@contextlib.contextmanager
+def exact_arithmetic(real=exact.Real):
+    """Inside, the reference computes in golden.exact's 50-digit decimal arithmetic: the float
+    arrays it is given are taken exactly, and it returns object arrays of golden.exact.Real
+    (``stored`` rounds them to float64). ``real``: another golden.exact number type (a higher
+    precision, for measuring this one)."""
+    if _PRODUCT_BITS.get() is not None:
+        raise ValueError("exact_arithmetic() cannot run inside rounded_products()")
+    if not (isinstance(real, type) and issubclass(real, exact.Number)):
+        raise TypeError(f"real should be a golden.exact number type, got {real!r}")
+    token = _EXACT.set(real)
+    try:
+        yield
+    finally:
+        _EXACT.reset(token)
+
+
+def real(a):
+    """``a`` as float64, or inside exact_arithmetic() as an array of golden.exact.Real."""
+    if exact.is_exact(a):
+        return a
+    real_type = _EXACT.get()
+    return np.asarray(a, dtype=np.float64) if real_type is None else exact.array(a, real_type)
+
+
+def number(x):
+    """A Python float, or inside exact_arithmetic() the golden.exact.Real equal to it."""
+    real_type = _EXACT.get()
+    return float(x) if real_type is None else real_type(float(x))
+
+
+def _checkable(a):
+    """What check_attention_args reads of ``a`` (shape and dtype): an exact array stands in
+    as float64, without a copy."""
+    if isinstance(a, np.ndarray) and a.dtype == object:
+        return np.broadcast_to(np.zeros((), dtype=np.float64), a.shape)
+    return a
 
 
 def einsum(spec, *operands):
@@ -53,6 +99,8 @@ def rounded_products(bits):
     """Every contraction inside rounds its operands to ``bits`` (2..24) bits of precision."""
     if not (isinstance(bits, int) and 2 <= bits <= 24):
         raise ValueError(f"bits should be an int in [2, 24], got {bits!r}")
+    if _EXACT.get() is not None:
+        raise ValueError("rounded_products() cannot run inside exact_arithmetic()")
     token = _PRODUCT_BITS.set(bits)
     try:
         yield
@@ -114,12 +162,13 @@ def sum_groups(grad, kv_heads):
 
 def masked_softmax(scores, allowed):
     """Softmax over the last axis among allowed entries; an all-masked row gives zeros."""
-    shifted = np.where(allowed, scores, -np.inf)
-    row_max = shifted.max(axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.where(allowed, np.exp(shifted - row_max), 0.0)
+    zero = number(0)
+    allowed = np.broadcast_to(allowed, np.shape(scores))
+    row_max = np.where(allowed, scores, -np.inf).max(axis=-1, keepdims=True)
+    row_max = np.where(allowed.any(axis=-1, keepdims=True) & (row_max > -np.inf), row_max, zero)
+    e = np.where(allowed, np.exp(np.where(allowed, scores - row_max, zero)), zero)
     total = e.sum(axis=-1, keepdims=True)
-    return e / np.where(total > 0, total, 1.0)
+    return e / np.where(total > 0, total, number(1))
 
 
 def scaled_dot_product_attention(
@@ -143,45 +192,67 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
     """Forward pass; also returns what the backward pass needs."""
     lengths = dict(query_offset=query_offset, query_seq_lengths=query_seq_lengths,
                    key_value_seq_lengths=key_value_seq_lengths)
-    shape = check_attention_args(query, key, value, mask, bias, scale=scale, softcap=softcap,
-                                 local_window_size=local_window_size, **lengths,
+    shape = check_attention_args(*map(_checkable, (query, key, value)), mask,
+                                 None if bias is None else _checkable(bias), scale=scale,
+                                 softcap=softcap, local_window_size=local_window_size, **lengths,
                                  dropout_rate=dropout_rate, dropout_mask=dropout_mask)
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
+    q, k, v = (real(a) for a in (query, key, value))
     kv_heads = k.shape[-3] if k.ndim >= 3 else None
     if kv_heads is not None:
         k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])  # (..., H, Lk, D)
-    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1 / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
     scores = scale * einsum("...qd,...kd->...qk", q, k)
-    capped = None if softcap is None else np.tanh(scores / softcap)   # tanh(R / c)
+    capped_arg = None if softcap is None else scores / number(softcap)  # R / c
+    capped = None if softcap is None else np.tanh(capped_arg)         # tanh(R / c)
     if capped is not None:
-        scores = softcap * capped
+        scores = number(softcap) * capped
     if bias is not None:
-        scores = scores + np.asarray(bias, dtype=np.float64)
+        scores = scores + real(bias)
     allowed = allowed_positions(shape, mask, is_causal, local_window_size=local_window_size,
                                 **lengths)
     probs = masked_softmax(scores, allowed)
     keep = np.ones(shape) if dropout_mask is None else np.broadcast_to(dropout_mask, shape)
-    keep_scaled = keep / (1.0 - dropout_rate)
+    keep_scaled = keep / (number(1) - number(dropout_rate))
     weights = probs * keep_scaled
     out = einsum("...qk,...kv->...qv", weights, v)
-    cache = dict(q=q, k=k, v=v, kv_heads=kv_heads, scale=scale, capped=capped, probs=probs,
+    cache = dict(q=q, k=k, v=v, kv_heads=kv_heads, scale=scale, capped=capped,
+                 capped_arg=capped_arg, probs=probs,
                  keep_scaled=keep_scaled, weights=weights,
                  bias_shape=None if bias is None else np.shape(bias))
     return out, weights, cache
 
 
-# Gradients that are zero in exact arithmetic, whatever the inputs: the key projection's bias
-# adds q_i · b_key to every score of query row i, a constant per row, and softmax is unchanged by
-# a constant added to a row. Computed, they are rounding noise; fixtures list them (meta "zero")
-# and they are checked against an absolute bound instead of a relative one. Not with rotary
-# embeddings: there the bias is rotated by each key's position, and the shift is no longer
-# constant along the row.
+# Gradients that are zero in exact arithmetic, whatever the inputs, because softmax is unchanged
+# by a constant added to a row of scores:
+# - the key projection's bias adds q_i · b_key to every score of query row i. Not with rotary
+#   embeddings (the bias is rotated by each key's position, so the shift is no longer constant
+#   along the row), nor with soft-capping (tanh bends a constant shift differently per key);
+# - a score bias that is broadcast along the key axis (its last axis of size 1, or 0-d).
+# Computed, they are rounding residue; fixtures store exact zeros and list the names (meta
+# "zero"), which are checked against an absolute bound instead of a relative one.
 ZERO_GRADS = {"b_key"}
 
 
 def zero_grads(config, grads) -> list:
     """The names among ``grads`` that are zero by structure for this configuration, sorted."""
-    return [] if config.get("rope_theta") is not None else sorted(set(grads) & ZERO_GRADS)
+    names = set()
+    if config.get("rope_theta") is None and not config.get("softcap"):
+        names |= set(grads) & ZERO_GRADS
+    bias = grads.get("bias")
+    if bias is not None and (np.ndim(bias) == 0 or np.shape(bias)[-1] == 1):
+        names.add("bias")
+    return sorted(names)
+
+
+def stored(config, output, weights, grads):
+    """What a fixture stores of a forward and backward: (output, weights, grads, zero) as
+    float64, each value rounded once (golden.exact.to_float64, exact for float64 input), the
+    gradients named in ``zero`` (zero_grads) exact zeros."""
+    grads = {n: exact.to_float64(g) for n, g in grads.items()}
+    zero = zero_grads(config, grads)
+    for n in zero:
+        grads[n] = np.zeros_like(grads[n])
+    return exact.to_float64(output), exact.to_float64(weights), grads, zero
 
 
 def unbroadcast(grad, shape):
@@ -195,13 +266,21 @@ def unbroadcast(grad, shape):
 def sdpa_backward(cache, d_output, d_weights):
     """Gradients of L = Σ O ⊙ dO + Σ A ⊙ dA with respect to query, key, value (and bias)."""
     q, k, v, weights, probs = cache["q"], cache["k"], cache["v"], cache["weights"], cache["probs"]
+    d_output, d_weights = real(d_output), real(d_weights)
     g_weights = einsum("...qv,...kv->...qk", d_output, v) + d_weights   # dL/dA
     g_value = einsum("...qk,...qv->...kv", weights, d_output)
     g_probs = g_weights * cache["keep_scaled"]                              # dL/dP
-    g_scores = probs * (g_probs - (g_probs * probs).sum(axis=-1, keepdims=True))  # softmax vjp
+    exact_mode = _EXACT.get() is not None
+    if not exact_mode:  # the softmax vjp P ⊙ (g − Σ g ⊙ P)
+        g_scores = probs * (g_probs - (g_probs * probs).sum(axis=-1, keepdims=True))
+    else:  # the same, as P_j Σ_k P_k (g_j − g_k) (Σ P = 1): nothing cancels when one key takes
+        # nearly all the weight, where g_j − Σ g ⊙ P would lose 1 − P_j below the precision
+        diff = g_probs[..., :, None] - g_probs[..., None, :]               # (..., Lq, Lk, Lk)
+        g_scores = probs * (diff * probs[..., None, :]).sum(axis=-1)
     g_raw = g_scores                                                        # dL/dR
-    if cache["capped"] is not None:
-        g_raw = g_scores * (1.0 - cache["capped"] ** 2)                     # d(c·tanh(R/c))/dR
+    if cache["capped"] is not None:  # d(c·tanh(R/c))/dR = 1 − tanh²(R/c) = 4 / (e^x + e^−x)²
+        g_raw = g_scores * (4 / (np.exp(cache["capped_arg"]) + np.exp(-cache["capped_arg"])) ** 2
+                            if exact_mode else number(1) - cache["capped"] ** 2)
     grads = {
         "query": cache["scale"] * einsum("...qk,...kd->...qd", g_raw, k),
         "key": cache["scale"] * einsum("...qk,...qd->...kd", g_raw, q),
@@ -278,8 +357,14 @@ def merge_heads(y):
 
 
 def rope_angles(length, head_dim, theta):
-    """(L, Dh/2) float64: position p times frequency θ^(−2i/Dh), for p = 0 … L − 1."""
-    frequencies = float(theta) ** (-np.arange(0, head_dim, 2) / head_dim)
+    """(L, Dh/2) float64: position p times frequency θ^(−2i/Dh), for p = 0 … L − 1 (inside
+    exact_arithmetic() θ^(−2i/Dh) = exp(−2i · ln θ / Dh), the exponent a decimal too)."""
+    if _EXACT.get() is not None:
+        log_theta = np.log(number(theta))
+        frequencies = np.array([np.exp(log_theta * -2 * i / number(head_dim))
+                                for i in range(head_dim // 2)], dtype=object)
+    else:
+        frequencies = float(theta) ** (-np.arange(0, head_dim, 2) / head_dim)
     return np.arange(length)[:, None] * frequencies
 
 
@@ -300,8 +385,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, rope=None, mask
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out. Key and
     value have ``kv_heads`` heads (default num_heads); ``rope`` = (angles (L, Dh/2), interleaved)
     rotates q and k; ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
-    x_q, x_k, x_v = (np.asarray(a, dtype=np.float64) for a in (x_q, x_k, x_v))
-    p = {n: np.asarray(a, dtype=np.float64) for n, a in p.items()}
+    x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
+    p = {n: real(a) for n, a in p.items()}
     heads = {"query": num_heads, "key": kv_heads or num_heads, "value": kv_heads or num_heads}
     q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), heads[n])
                for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
@@ -318,9 +403,9 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, rope=None, mask
 def block_backward(cache, d_y, d_weights):
     """Gradients of Σ y⊙dy + Σ A⊙dA: keys x_query, x_key, x_value and every parameter name."""
     p, grads = cache["p"], {}
-    g_merged = d_y
+    g_merged, d_weights = real(d_y), real(d_weights)
     if "W_out" in p:
-        g_merged = linear_backward(cache["merged"], p["W_out"], d_y, grads,
+        g_merged = linear_backward(cache["merged"], p["W_out"], g_merged, grads,
                                    ("W_out", "b_out" if "b_out" in p else None))
     g = sdpa_backward(cache["attn"], split_heads(g_merged, cache["heads"]["query"]), d_weights)
     if cache["rope"] is not None:  # a rotation's transpose turns by the opposite angle
@@ -428,7 +513,7 @@ def _fused_to_stacked(name, g, num_heads):
 
 
 def _wrapper(config, inputs, params):
-    fused = {n: _stacked_to_fused(n, np.asarray(a, dtype=np.float64)) for n, a in params.items()}
+    fused = {n: _stacked_to_fused(n, real(a)) for n, a in params.items()}
     return _multi_head(config, inputs, fused)
 
 

@@ -1,4 +1,5 @@
-"""Rebuild every fixture from ``golden.cases.CASES`` with the float64 reference.
+"""Rebuild every fixture from ``golden.cases.CASES`` with the reference in exact arithmetic
+(``golden.reference.exact_arithmetic``: the same bytes on every machine).
 
 ``python -m golden`` or ``attn-parity regenerate`` writes, then ``MANIFEST.json`` (sha256 of
 every file, the case and seed, format version, NumPy version) last; ``--check`` compares both in
@@ -68,15 +69,15 @@ def build(case: Case) -> Fixture:
     low = {"bfloat16", "float16"} & set(case.dtypes)
     params = draw_params(case.variant, case.config, rng, grid=bool(low))
     forward, backward = reference.VARIANTS[case.variant]
-    out, weights, cache = forward(case.config, inputs, params)
-    cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
-           "weights": rng.standard_normal(weights.shape).astype(np.float32)}
-    grads = backward(cache, cot["output"].astype(np.float64),
-                                   cot["weights"].astype(np.float64))
+    with reference.exact_arithmetic():  # the same bits on every machine (golden.exact)
+        out, weights, cache = forward(case.config, inputs, params)
+        cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
+               "weights": rng.standard_normal(weights.shape).astype(np.float32)}
+        grads = backward(cache, cot["output"], cot["weights"])
+    out, weights, grads, zero = reference.stored(case.config, out, weights, grads)
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
                    dtypes=list(case.dtypes), inputs=inputs, params=params, cotangents=cot,
-                   expected={"output": out, "weights": weights}, grads=grads,
-                   zero=reference.zero_grads(case.config, grads))
+                   expected={"output": out, "weights": weights}, grads=grads, zero=zero)
 
 
 def regenerate(check: bool = False, directory=FIXTURE_DIR, log=print) -> int:

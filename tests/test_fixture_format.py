@@ -107,7 +107,7 @@ def test_pickled_member_rejected_without_unpickling(tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.__setitem__("meta", np.array(json.dumps({**json.loads(str(m["meta"][()])),
                                                            "format_version": 99}))),
-     "format_version should be 2, got 99"),
+     f"format_version should be {golden.FORMAT_VERSION}, got 99"),
     (lambda m: _edit_meta(m, zero=["grads/no_such_array"]),
      r"meta.zero should list gradients among \['key', 'query', 'value'\]"),
     (lambda m: _edit_meta(m, zero=None), "meta.zero should list gradients"),

@@ -425,8 +425,8 @@ def _edit_members(name, edit) -> bytes:
     (lambda m: m.__setitem__("meta.npy", _npy(np.array([1.0]))),
      "'meta' should be a 0-d unicode array holding JSON, got float64 of shape \\(1,\\)"),
     (lambda m: m.__setitem__("meta.npy", _npy(np.array('{"format": "attn-parity-fixture", '
-                                                       '"format_version": 2, "dtypes": '
-                                                       '["float32"], "name": 5}'))),
+                                                       f'"format_version": {fx.FORMAT_VERSION}, '
+                                                       '"dtypes": ["float32"], "name": 5}'))),
      "meta.name should be a str, got 5"),
     (lambda m: m.__setitem__("meta.npy", _npy(np.array("[" * 100000))),
      "'meta' is not valid JSON"),

@@ -1,7 +1,8 @@
 """The packages' layers: imports point down, and each framework's twin works without the other.
 
 Bottom, the neutral part: argument checks, variant descriptions, fixture format and loader, the
-float64 reference, the tolerance table and the case list. NumPy and the standard library only.
+reference (float64, and exact decimal arithmetic), the tolerance table and the case list. NumPy
+and the standard library only.
 Middle: ``torch_attn`` (torch) and ``jax_attn`` (JAX, Flax); each imports only the bottom.
 Top, the harness: check, regenerate, runners, command line, benchmarks. Anything.
 """
@@ -18,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "golden.reference",
+          "golden.exact",
           "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping",
           "golden.convert"}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",

@@ -25,28 +25,35 @@ an installation with one framework runs that framework's fixtures.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import numpy as np
 
+from golden import reference
 from golden.reference import VARIANTS as REFERENCE
 
 FRAMEWORKS = ("reference", "torch", "jax")
 _MODULES = {"torch": "golden.runners.torch_runner", "jax": "golden.runners.jax_runner"}
 
 
-def run_reference(fixture, dtype="float64", *, weights_cotangent=True) -> dict:
-    """Recompute the fixture from its stored inputs with the float64 reference; without
-    ``weights_cotangent``, the gradients are of Σ output ⊙ dO alone."""
+def run_reference(fixture, dtype="float64", *, weights_cotangent=True, exact=True) -> dict:
+    """Recompute the fixture from its stored inputs with the reference, as the fixture stores
+    it (``exact``: golden.reference.exact_arithmetic, then rounded once to float64; the same
+    bits on every machine), or with ``exact=False`` in NumPy float64 (fast; the last bits
+    depend on the CPU). Without ``weights_cotangent``, the gradients are of Σ output ⊙ dO
+    alone."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
     forward, backward = REFERENCE[fixture.variant]
-    out, weights, cache = forward(fixture.config, inputs, fixture.params)
     cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
     if not weights_cotangent:
         cot["weights"] = np.zeros_like(cot["weights"])
-    return {"output": out, "weights": weights, "dtype": "float64",
-            "grads": backward(cache, cot["output"], cot["weights"])}
+    with reference.exact_arithmetic() if exact else contextlib.nullcontext():
+        out, weights, cache = forward(fixture.config, inputs, fixture.params)
+        grads = backward(cache, cot["output"], cot["weights"])
+    out, weights, grads, _ = reference.stored(fixture.config, out, weights, grads)
+    return {"output": out, "weights": weights, "dtype": "float64", "grads": grads}
 
 
 def fused_applies(fixture) -> bool:
