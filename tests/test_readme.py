@@ -1,4 +1,5 @@
-"""Every Python block of the README runs as written, so the examples stay true."""
+"""Every Python block of the README and of docs/*.md runs as written, so the examples stay
+true."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+DOCS = {f"{path.stem}-block{i}": block for path in sorted((ROOT / "docs").glob("*.md"))
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(),
+                                             flags=re.S))}
 # XLA reads its flags once, when JAX starts, and this session's JAX has started with one device:
 # a block that sets them (8 virtual devices for a mesh) runs as a user would run it, in a fresh
 # interpreter.
@@ -34,3 +38,12 @@ def test_readme_block_runs(block):
     done = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+
+
+def test_docs_have_examples():
+    assert any(n.startswith("reproducibility-") for n in DOCS)
+
+
+@pytest.mark.parametrize("block", DOCS.values(), ids=DOCS.keys())
+def test_docs_block_runs(block):
+    exec(compile(block, "docs", "exec"), {})
