@@ -50,3 +50,26 @@ def twin(request):
 def impl(request):
     """The reference core and each twin's core (ids "reference", "torch", "jax")."""
     return IMPLS[request.param]
+
+
+_BUILT = {}
+
+
+@pytest.fixture
+def cached_builds(monkeypatch):
+    """``golden.regenerate.build`` computed once per case in this session: for tests of how
+    regenerate writes, checks and replaces files, which call it several times. Each case is
+    built by the real function the first time (the exact arithmetic, about 1 s for all 57);
+    test_fixtures.py and test_reproducibility.py check that arithmetic on fresh builds."""
+    from golden import regenerate
+
+    real = regenerate.build
+
+    def build(case):
+        key = (case.name, case.variant, case.seed, repr(case.inputs), repr(case.config),
+               case.dtypes)
+        if key not in _BUILT:
+            _BUILT[key] = real(case)
+        return _BUILT[key]
+
+    monkeypatch.setattr(regenerate, "build", build)

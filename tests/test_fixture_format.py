@@ -187,7 +187,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     assert [q.name for q in tmp_path.iterdir()] == ["f.npz"], "a temporary file was left behind"
 
 
-def test_regenerate_writes_then_check_passes(tmp_path):
+def test_regenerate_writes_then_check_passes(tmp_path, cached_builds):
     lines = []
     assert regenerate(directory=tmp_path, log=lines.append) == len(CASES) + 1  # + MANIFEST.json
     manifest = (tmp_path / "MANIFEST.json").read_bytes()

@@ -204,7 +204,7 @@ def test_unlisted_and_unverifiable_shipped_fixtures(shipped_copy):
         golden.load("sdpa_plain")
 
 
-def test_manifest_passed_explicitly(tmp_path):
+def test_manifest_passed_explicitly(tmp_path, cached_builds):
     regenerate(directory=tmp_path, log=_ignore)
     manifest = tmp_path / "MANIFEST.json"
     assert golden.load(tmp_path / "sdpa_plain.npz", manifest=manifest).name == "sdpa_plain"
@@ -221,7 +221,7 @@ def test_manifest_passed_explicitly(tmp_path):
         golden.load(tmp_path / "sdpa_plain.npz", manifest=manifest)
 
 
-def test_regenerate_check_compares_the_manifest(tmp_path):
+def test_regenerate_check_compares_the_manifest(tmp_path, cached_builds):
     regenerate(directory=tmp_path, log=_ignore)
     manifest = tmp_path / "MANIFEST.json"
     good = manifest.read_bytes()
@@ -255,7 +255,7 @@ def test_check_command_names_the_altered_fixture(shipped_copy, capsys):
     assert f"{path}: sha256" in err and "attn-parity regenerate" in err
 
 
-def test_regenerate_removes_leftover_temporary_files(tmp_path):
+def test_regenerate_removes_leftover_temporary_files(tmp_path, cached_builds):
     regenerate(directory=tmp_path, log=_ignore)
     leftovers = [".sdpa_plain.npz.k2j_4x.tmp", ".MANIFEST.json.ab12cd.tmp"]
     for name in leftovers:
@@ -585,8 +585,11 @@ def test_hostile_files_under_a_memory_limit(tmp_path):
 
 # ---- regeneration killed with SIGKILL ----------------------------------------------------------
 
-# The child slows every fsync by 3 ms (a slow disk) so that the random kills land inside the
-# atomic writes as well as between them; the code path is regenerate's own.
+# The child's build returns the fixtures the parent built, read back from its directory (the
+# test checks that an uninterrupted run writes exactly those bytes), so that the kills land in
+# the writing, not in the exact arithmetic (about 1 s). It slows every fsync by 3 ms (a slow
+# disk) so that they land inside the atomic writes as well as between them; the code path of
+# the writing is regenerate's own.
 CHILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
@@ -595,17 +598,22 @@ CHILD = textwrap.dedent("""
         time.sleep(0.003)
         fsync(fd)
     os.fsync = slow_fsync
-    from golden.regenerate import regenerate
+    import golden
+    from golden import regenerate as module
+    from golden.cases import CASES
+    built = {case.name: golden.load(Path(sys.argv[2]) / f"{case.name}.npz") for case in CASES}
+    module.build = lambda case: built[case.name]
     print("start", flush=True)
-    regenerate(directory=Path(sys.argv[1]), log=lambda line: print(line, flush=True))
+    module.regenerate(directory=Path(sys.argv[1]), log=lambda line: print(line, flush=True))
 """)
 KILLS = 8
 
 
-def _run_child(directory, kill_after=None):
-    """Run regenerate on ``directory`` in a subprocess; SIGKILL it ``kill_after`` seconds
-    after it starts writing (None: let it finish). The seconds it ran."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(directory)], cwd=ROOT,
+def _run_child(directory, built, kill_after=None):
+    """Run regenerate on ``directory`` in a subprocess, its fixtures those in ``built``; SIGKILL
+    it ``kill_after`` seconds after it starts writing (None: let it finish). The seconds it
+    ran."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(directory), str(built)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -627,7 +635,7 @@ def _run_child(directory, kill_after=None):
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
-def test_regenerate_killed_at_random_moments_leaves_whole_files(tmp_path):
+def test_regenerate_killed_at_random_moments_leaves_whole_files(tmp_path, cached_builds):
     fresh = tmp_path / "fresh"
     regenerate(directory=fresh, log=_ignore)
     new = {p.name: p.read_bytes() for p in fresh.iterdir()}
@@ -648,13 +656,13 @@ def test_regenerate_killed_at_random_moments_leaves_whole_files(tmp_path):
             (work / n).write_bytes(d)
 
     reset()
-    window = _run_child(work)  # an uninterrupted run: how long the writing takes
+    window = _run_child(work, fresh)  # an uninterrupted run: how long the writing takes
     assert {p.name: p.read_bytes() for p in work.iterdir()} == new
     rng = random.Random(99)
     seen = []
     for _ in range(KILLS):
         reset()
-        _run_child(work, kill_after=rng.uniform(0, window))
+        _run_child(work, fresh, kill_after=rng.uniform(0, window))
         names = {p.name for p in work.iterdir()}
         temporary = {n for n in names if fx.is_temporary(n)}
         assert len(temporary) <= 1, temporary  # one write in flight at a time
@@ -675,7 +683,7 @@ def test_regenerate_killed_at_random_moments_leaves_whole_files(tmp_path):
                         golden.load(work / n, manifest=manifest)
         seen.append((rewritten, len(temporary), state["MANIFEST.json"] == new["MANIFEST.json"]))
     # The next run mends whatever the last kill left.
-    _run_child(work)
+    _run_child(work, fresh)
     assert {p.name: p.read_bytes() for p in work.iterdir()} == new
     assert regenerate(check=True, directory=work, log=_ignore) == 0
     for n in cases:

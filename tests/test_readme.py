@@ -1,5 +1,5 @@
 """Every Python block of the README and of docs/*.md runs as written, so the examples stay
-true."""
+true; links between the pages resolve."""
 
 from __future__ import annotations
 
@@ -12,38 +12,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-DOCS = {f"{path.stem}-block{i}": block for path in sorted((ROOT / "docs").glob("*.md"))
-        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(),
-                                             flags=re.S))}
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# {id: (page, block)}: "README-block0", "core-block3", ...
+BLOCKS = {f"{page.stem}-block{i}": (page, block) for page in PAGES
+          for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(),
+                                               flags=re.S))}
 # XLA reads its flags once, when JAX starts, and this session's JAX has started with one device:
 # a block that sets them (8 virtual devices for a mesh) runs as a user would run it, in a fresh
 # interpreter.
 FRESH_JAX = "xla_force_host_platform_device_count"
 
 
-def test_readme_has_examples():
-    assert len(BLOCKS) >= 13  # the core, two per variant, the fixture round trip
-    assert any(FRESH_JAX in b for b in BLOCKS)  # the mesh example, in a fresh interpreter
+def test_pages_have_examples():
+    blocks = [b for _, b in BLOCKS.values()]
+    assert len(blocks) >= 15  # the core, two per variant, the fixture round trip, ...
+    assert sum(page.name == "README.md" for page, _ in BLOCKS.values()) >= 2  # one per framework
+    assert any(FRESH_JAX in b for b in blocks)  # the mesh example, in a fresh interpreter
+    assert any(page.name == "reproducibility.md" for page, _ in BLOCKS.values())
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_block_runs(block):
+def test_links_between_pages_resolve():
+    """Every relative link of the README and docs/ names a file that exists."""
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+@pytest.mark.parametrize("page, block", BLOCKS.values(), ids=BLOCKS.keys())
+def test_block_runs(page, block):
     if FRESH_JAX not in block:
-        exec(compile(block, str(README), "exec"), {})
+        exec(compile(block, str(page), "exec"), {})
         return
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
-
-
-def test_docs_have_examples():
-    assert any(n.startswith("reproducibility-") for n in DOCS)
-
-
-@pytest.mark.parametrize("block", DOCS.values(), ids=DOCS.keys())
-def test_docs_block_runs(block):
-    exec(compile(block, "docs", "exec"), {})

@@ -110,6 +110,8 @@ def test_zero_by_structure_is_stored_as_zero():
     listed = 0
     for case in CASES:
         fixture = golden.load(case.name)
+        if not fixture.zero:
+            continue
         truth = accuracy.oracle(fixture, real)
         for name in fixture.zero:
             listed += 1
