@@ -36,6 +36,7 @@ from flax import nnx
 
 import jax_attn
 import torch_attn
+from golden.fixture import write_atomic
 
 IMPLS = ("jax_core", "jax_peer", "jax_naive", "torch_core", "torch_peer", "torch_naive")
 OURS = ("jax_core", "torch_core")
@@ -512,7 +513,7 @@ def run_long(grid: Grid, rng) -> list[dict]:
 def _xla_temp_mb(fn, args, impl, backward):
     """XLA's temporary memory of a JAX long row's program, MiB (None for torch: in-process RSS
     growth reads ~0 once earlier rows have grown the heap, so torch's memory is measured by the
-    tests' saved-tensor count and by separate processes, see the README)."""
+    tests' saved-tensor count and by separate processes, see docs/core.md, "Long sequences")."""
     if framework(impl) != "jax":
         return None
     jitted = fn if backward else jax.jit(partial(LONG_IMPLS[impl], is_causal=True))
@@ -760,7 +761,7 @@ def markdown(report: dict) -> str:
         "`implementation=\"dense\"`, only up to the longest L the grid gives them. One first "
         "call (compilation, warm-up), then 2 steady calls (1 at L > 16k); torch's forward under "
         "no_grad. XLA temp MiB: the JAX program's temporary memory (XLA's memory analysis); "
-        "torch's is measured in separate processes (README), not here.",
+        "torch's is measured in separate processes (docs/core.md), not here.",
         "- ÷ peer: torch_peer's time ÷ this row's (> 1: faster than torch's fused kernel).", "",
         "| L | pass | impl | median ms | ÷ peer | XLA temp MiB | first call ms |",
         "| ---: | --- | --- | ---: | ---: | ---: | ---: |",
@@ -783,12 +784,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attn-parity bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -808,8 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     report = run(grid)
     text = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "latest.json", json.dumps(report, indent=1) + "\n")
-    write_atomic(args.out / "latest.md", text)
+    write_atomic(args.out / "latest.json", (json.dumps(report, indent=1) + "\n").encode())
+    write_atomic(args.out / "latest.md", text.encode())
     print(text, end="")
     return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from golden.validate import DTYPES
 from golden.variants import SDPA
 
 B, H, LQ, LK, DK, DV = 2, 3, 5, 7, 4, 6
@@ -140,7 +141,7 @@ CASES += [
 ]
 
 # Low precision: the same fixtures run at bfloat16 and float16 (softmax accumulates in float32).
-LOW = ("float32", "float64", "bfloat16", "float16")
+LOW = DTYPES  # every dtype
 CASES += [
     Case("sdpa_low_precision", SDPA, 301,
          {"query": ("grid", (B, H, LQ, 8)), "key": ("grid", (B, H, LK, 8)),

@@ -16,6 +16,7 @@ import numpy as np
 
 import golden
 from golden import reference, runners
+from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES
 from golden.runners.adapt import NotSupported, as_runner
 from golden.tolerances import compare_profile, profile
 
@@ -23,7 +24,6 @@ from golden.tolerances import compare_profile, profile
 # through autograd (the explicit path, weights returned), and the forward alone under no_grad,
 # which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
 IMPLEMENTATIONS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
-STATUSES = ("pass", "fail", "error", "not supported")
 
 
 def _pairs(fixture, result, expected_grads=None):
@@ -186,7 +186,7 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
     wanted = list(frameworks) or ([] if impls else list(runners.FRAMEWORKS))
     use = available(wanted, log)
     work = _work(fixtures, use, impls, dtypes)
-    report = {"schema": "attn-parity-check", "schema_version": 1, "created": _now(),
+    report = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created": _now(),
               "command": command, "environment": _environment(),
               "profile": {"name": prof.name, "k": prof.k, "description": prof.description},
               "implementations": [*(fw for fw in use if fw != "reference"),

@@ -12,9 +12,8 @@ import sys
 
 from golden.runners import FRAMEWORKS
 from golden.tolerances import PROFILES
+from golden.validate import DTYPES
 from golden.variants import VARIANTS
-
-DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def _check_parser(sub):

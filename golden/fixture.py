@@ -41,10 +41,10 @@ from pathlib import Path
 import numpy as np
 
 from golden import variants
+from golden.validate import DTYPES
 
 FORMAT = "attn-parity-fixture"
 FORMAT_VERSION = 3  # 2: meta lists the zero-by-structure gradients; 3: exact values (golden.exact)
-DTYPES = ("float32", "float64", "bfloat16", "float16")
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps make the bytes reproducible
 

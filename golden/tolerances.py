@@ -3,8 +3,8 @@
 An array passes when both hold:
     ‖actual − expected‖₂ / ‖expected‖₂ ≤ rel_norm
     |actual − expected| ≤ atol + rtol · |expected|   elementwise
-The bounds are the tightest the arithmetic allows on this machine's CPUs (see the README's
-figures for the errors actually seen); loosening one needs a reason written beside it.
+The bounds are the tightest the arithmetic allows on this machine's CPUs (see docs/fixtures.md,
+"Tolerances", for the errors actually seen); loosening one needs a reason written beside it.
 
 Two rules widen the elementwise bound, the same for every case, and why:
 - atol is relative to the array's scale, max(1, max |e|): an element near zero that is computed

@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# The dtypes everything here runs at: fixtures, the command line, the runners. FLOAT_DTYPES, the
+# same set by width, is what argument messages list.
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+FLOAT_DTYPES = tuple(sorted(DTYPES, key=("float16", "bfloat16", "float32", "float64").index))
 _LEAD = {2: (), 3: ("H",), 4: ("B", "H")}
 
 

@@ -130,11 +130,10 @@ def per_batch(x, batch):
 
 # Heads per step on CPU: the one-head core is vmapped over chunks of this many (batch, head)
 # pairs and the chunks run in sequence (``lax.map(..., batch_size=...)``), so one chunk's scores
-# stay in cache; about twice as fast as one vmap over every head on a 2-core CPU once the scores
-# of all pairs together are large (B=4, H=8, L=512: 9.8 ms against 20 ms). Below about 8 MiB of
-# float32 scores one vmap is as fast or faster (B=4, H=8, L=128: 1.05 ms against 1.16 ms) and
-# compiles in half the time, so chunks start at CPU_CHUNK_MIN_SCORES score elements.
-# Accelerators take the plain vmap over heads and batch.
+# stay in cache. Below about 8 MiB of float32 scores one vmap over every head is as fast and
+# compiles in half the time, so chunks start at CPU_CHUNK_MIN_SCORES score elements; the
+# measurements behind both numbers: docs/performance.md, "Why the thresholds are where they
+# are". Accelerators take the plain vmap over heads and batch.
 CPU_HEADS_PER_STEP = 2
 CPU_CHUNK_MIN_SCORES = 2**21
 
@@ -254,24 +253,10 @@ def _on_mesh(attention, query, spec, return_weights):
     return run
 
 
-# The blockwise path's blocks and the automatic choice between the paths, measured on this 2-core
-# CPU (AMD EPYC, AVX-512), float32, D = 64, jit, medians of back-to-back calls; timings on this
-# shared machine vary by about ±10 % from run to run.
-# Blocks: at L = 16384, causal, B = H = 1, the forward took 121-133 ms with (1024, 1024),
-# 130-147 ms with (2048, 1024), 135-154 ms with (512, 1024), 144-163 ms with (1024, 512),
-# 175-204 ms with (512, 512), 228 ms with (256, 512) and 289-300 ms with (256, 256);
-# forward + backward 392 ms with (1024, 1024), 408 (512, 1024), 427 (1024, 512), 448
-# (2048, 1024), 484 (512, 512). At L = 4096 they are within 10 % of each other (forward 12-17 ms,
-# forward + backward 33-37 ms for (512, 512) to (1024, 1024)). Small blocks lose because XLA:CPU
-# runs a small block's products and exponentials on one core; a 1024 × 1024 block uses both.
-# Automatic choice, B = 4, H = 8, L = 1024 (Lq·Lk = 2²⁰), forward, blockwise / dense time over
-# 40-100 alternating calls: 0.92 without a causal mask (29 against 32 ms) but 0.98-1.16 causal
-# (one 1024 block per head skips nothing); so at 2²⁰ dense stays, and blockwise starts above it.
-# At L = 1280 blockwise takes 43 ms against 69 (causal) and 52 against 70; at L = 1536 62
-# against 114 and 69 against 109; at L = 2048 B = H = 1, 5.0 against 13.3 ms. (One head at
-# L = 1280 is the exception seen: 2.1 against 1.7 ms.) Forward + backward favours blockwise far
-# more: 104 against 722 ms at B = 4, H = 8, L = 1024 causal, 312 against 2125 ms at L = 2048;
-# pass implementation="blockwise" to train at L = 1024.
+# The blockwise path's blocks, and the automatic choice between the paths: blockwise when
+# Lq·Lk is above BLOCKWISE_MIN_SCORES. Both were measured on the CPU (forward and forward +
+# backward, several block shapes and lengths): docs/performance.md, "Why the thresholds are
+# where they are". For training at L = 1024, pass implementation="blockwise".
 DEFAULT_BLOCK_SIZES = (1024, 1024)
 BLOCKWISE_MIN_SCORES = 2**20  # blockwise when Lq·Lk is above it
 

@@ -39,7 +39,8 @@ def _dropout_rate(module) -> float:
 
 
 class SimpleSelfAttention(nn.Module):
-    """softmax(X Xᵀ) X: no parameters, no scaling (notebook 001 §1)."""
+    """softmax(X Xᵀ) X: no parameters, no scaling; each token's output is a mix of all
+    tokens, weighted by raw dot products (the first form tutorials on attention build)."""
 
     variant = "simple_self_attention"
 

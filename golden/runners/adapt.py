@@ -28,11 +28,11 @@ import numpy as np
 
 from golden import mapping as mappings
 from golden import variants
+from golden.validate import DTYPES
 
 CORE = variants.SDPA
 FRAMEWORKS = ("numpy", "torch", "jax")
-ALL_DTYPES = ("float32", "float64", "bfloat16", "float16")
-_DTYPES = {"numpy": ("float32", "float64"), "torch": ALL_DTYPES, "jax": ALL_DTYPES}
+_DTYPES = {"numpy": ("float32", "float64"), "torch": DTYPES, "jax": DTYPES}
 _CONFIG_DEFAULTS = {a.name: a.default for a in variants.get(CORE).args}
 
 
