@@ -38,11 +38,13 @@ import numpy as np
 from golden import mapping as mapping_lib
 from golden import tolerances
 from golden.fixture import FixtureError, read_members, to_bytes, write_atomic
+from golden.report import plain
 from golden.runners.adapt import SPEC, resolve_spec
 
 FORMAT = "attn-parity-port"
 FORMAT_VERSION = 1
-SCHEMA = {"schema": "attn-parity-compare", "schema_version": 1}
+# 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
+SCHEMA = {"schema": "attn-parity-compare", "schema_version": 2}
 
 
 # ---------------------------------------------------------------- specs and mappings
@@ -352,11 +354,12 @@ class PortReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """JSON-ready: the verdict, the rows (non-finite numbers as strings) and the notes."""
-        return _finite({"ok": self.ok, "first_divergent": self.first_divergent,
-                        "failing_params": self.failing_params, "suspects": self.suspects,
-                        "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
-                        "mapping": self.data.get("mapping")})
+        """JSON-ready: the verdict, the rows and the notes; a number that is not finite is None
+        (null in JSON), NumPy values are Python values (golden.report.plain)."""
+        return plain({"ok": self.ok, "first_divergent": self.first_divergent,
+                      "failing_params": self.failing_params, "suspects": self.suspects,
+                      "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
+                      "mapping": self.data.get("mapping")})
 
 
 def _cell(c, row=None) -> str:
@@ -364,16 +367,6 @@ def _cell(c, row=None) -> str:
         return (row or {}).get("note") or "-"
     rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
     return f"{c['max_abs']:.1e}  {rel:7}  {'pass' if c['ok'] else 'FAIL'}"
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
 
 
 def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs: list,
@@ -667,7 +660,8 @@ def run_cli(args, log=print, error_log=None) -> int:
             freeze(report, args.freeze, torch_factory_spec=args.torch,
                    flax_factory_spec=args.flax)
         if args.json:
-            Path(args.json).write_text(json.dumps({**SCHEMA, **report.to_json()}, indent=1))
+            text = json.dumps({**SCHEMA, **report.to_json()}, indent=1, allow_nan=False)
+            write_atomic(Path(args.json), (text + "\n").encode("utf-8"))
     except (ValueError, OSError) as e:  # FixtureError included
         (error_log or log)(f"attn-parity compare: error: {str(e).splitlines()[0]}")
         return 2

@@ -106,8 +106,7 @@ def check_attention_args(
         _expect_broadcastable("mask", mask, letters, target, "bool")
     if bias is not None:
         _expect_broadcastable("bias", bias, letters, target, "float")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale should be a finite number or None, got {scale!r}")
+    check_scale("scale", scale)
     check_positive_or_none("softcap", softcap)
     window(local_window_size)
     batch = q_shape[:1] if rank == 4 else ()
@@ -115,13 +114,29 @@ def check_attention_args(
                    ("key_value_seq_lengths", key_value_seq_lengths)):
         if x is not None:
             _expect_integers(arg, x, batch, "B" if batch else None)
-    if not (isinstance(dropout_rate, (int, float)) and 0.0 <= dropout_rate < 1.0):
-        raise ValueError(f"dropout_rate should be in [0, 1), got {dropout_rate!r}")
+    check_rate("dropout_rate", dropout_rate)
     if dropout_mask is not None:
         if dropout_rate == 0.0:
             raise ValueError("dropout_mask was given but dropout_rate is 0.0; set dropout_rate")
         _expect_broadcastable("dropout_mask", dropout_mask, letters, target, "bool")
     return target
+
+
+def _real_number(x) -> bool:
+    """A Python or NumPy int or float, not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_scale(arg, s) -> None:
+    """None or a finite number (the core's ``scale`` and a constructor's alike)."""
+    if s is not None and not (_real_number(s) and math.isfinite(s)):
+        raise ValueError(f"{arg} should be a finite number or None, got {s!r}")
+
+
+def check_rate(arg, p) -> None:
+    """A dropout rate in [0, 1)."""
+    if not (_real_number(p) and 0.0 <= p < 1.0):
+        raise ValueError(f"{arg} should be in [0, 1), got {p!r}")
 
 
 def check_positive_or_none(arg, c) -> None:

@@ -15,7 +15,6 @@ Shape legend: B batch, L sequence length (Lq queries, Lk keys), N heads, d_* fea
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,7 +25,10 @@ from golden.validate import (
     check_attention_args,
     check_cross_inputs,
     check_decoder_inputs,
+    check_flags,
     check_positive_or_none,
+    check_rate,
+    check_scale,
     check_self_inputs,
     dtype_name,
     window,
@@ -45,20 +47,12 @@ def _positive_or_none(name, n) -> None:
         _positive(name, n)
 
 
-def _rate(name, p) -> None:
-    if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):
-        raise ValueError(f"{name} should be in [0, 1), got {p!r}")
+_rate = check_rate  # one validator per kind of argument, shared with the core (golden.validate)
+_scale = check_scale
 
 
 def _flag(name, b) -> None:
-    if not isinstance(b, (bool, np.bool_)):
-        raise ValueError(f"{name} should be True or False, got {b!r}")
-
-
-def _scale(name, s) -> None:
-    if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float))
-                          or not math.isfinite(s)):
-        raise ValueError(f"{name} should be a finite number or None, got {s!r}")
+    check_flags(**{name: b})
 
 
 def _window(name, w) -> None:

@@ -178,6 +178,11 @@ twin_case("core-scale-inf", lambda t: core(t, scale=float("inf")), ValueError,
           E("scale should be a finite number or None, got inf"))
 twin_case("core-scale-str", lambda t: core(t, scale="2"), ValueError,
           E("scale should be a finite number or None, got '2'"))
+# One validator per kind of argument: a bool is no scale nor rate, in the core as in a constructor
+twin_case("core-scale-bool", lambda t: core(t, scale=True), ValueError,
+          E("scale should be a finite number or None, got True"))
+twin_case("core-dropout-rate-bool", lambda t: core(t, dropout_rate=True), ValueError,
+          E("dropout_rate should be in [0, 1), got True"))
 twin_case("core-softcap-zero", lambda t: core(t, softcap=0), ValueError,
           E("softcap should be a positive number or None, got 0"))
 twin_case("core-softcap-bool", lambda t: core(t, softcap=True), ValueError,

@@ -55,7 +55,16 @@ def test_faithful_port_passes(good):
     zero = [r["what"] for r in good.rows if r["flax_float32"]["zero"]]
     assert zero == ["grad k_proj.bias"]
     assert good.text().splitlines()[-1] == "pass"
-    assert json.loads(json.dumps(good.to_json()))["ok"] is True
+    assert json.loads(json.dumps(good.to_json(), allow_nan=False))["ok"] is True
+
+
+def test_json_writes_non_finite_numbers_as_null():
+    """One rule for every report: a number that is not finite is null (golden.report.plain)."""
+    rows = [{"what": "output", "flax_float32": {"max_abs": float("inf"), "rel_norm": np.nan}}]
+    report = C.PortReport(ok=False, rows=rows, first_divergent=None, failing_params=[],
+                          data={"seed": 1})
+    doc = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert doc["rows"][0]["flax_float32"] == {"max_abs": None, "rel_norm": None}
 
 
 def test_wrong_transpose_names_parameter_and_submodule(wrong):
