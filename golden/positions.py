@@ -1,6 +1,7 @@
-"""Token positions, shared by both frameworks: the KV cache's layout and the rotary embeddings'
-angle tables. NumPy only (the bottom layer); the float64 reference computes its angles on its
-own, directly, and does not use these tables.
+"""Token positions, shared by both frameworks: the KV cache's layout, and the rotary
+embeddings' angle tables and arithmetic (written once for both: the twins' ``rotary`` modules
+only convert the tables and choose the compute dtype). NumPy only (the bottom layer); the
+float64 reference computes its angles on its own, directly, and does not use these tables.
 
 Shape legend: B batch, Hkv key-value heads, M the cache's max_length, Dh head width, L the
 tokens of one call.
@@ -52,3 +53,26 @@ def rope_tables(theta: float, head_dim: int, positions: int) -> tuple:
     for t in tables:
         t.flags.writeable = False
     return tables
+
+
+def rope_cos_sin(tables, positions):
+    """cos and sin (..., L, Dh/2) of position · f_i from ``rope_tables`` (already arrays of the
+    caller's framework and dtype), by angle addition over the rows a = position // ROPE_BLOCK
+    and b = position % ROPE_BLOCK. ``positions``: an integer array of the same framework. Only
+    indexing, ``*``, ``+`` and ``−``: the same code for torch, JAX and NumPy."""
+    hi, lo = positions // ROPE_BLOCK, positions % ROPE_BLOCK
+    cos_hi, sin_hi, cos_lo, sin_lo = tables[0][hi], tables[1][hi], tables[2][lo], tables[3][lo]
+    return cos_hi * cos_lo - sin_hi * sin_lo, sin_hi * cos_lo + cos_hi * sin_lo
+
+
+def rope_turn(x, cos, sin, interleaved, *, stack, concat):
+    """Each feature pair of x (..., L, Dh), (a, b) -> (a cos − b sin, b cos + a sin): the pairs
+    (i, i + Dh/2) ("rotate half") or, ``interleaved``, (2i, 2i + 1). ``stack(arrays, axis)`` and
+    ``concat(arrays, axis)`` are the framework's (torch.stack/torch.cat, jnp.stack/
+    jnp.concatenate)."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    turned = (a * cos - b * sin, b * cos + a * sin)
+    if interleaved:
+        return stack(turned, -1).reshape(x.shape)  # (..., L, Dh/2, 2) -> (..., L, Dh)
+    return concat(turned, -1)

@@ -2,11 +2,12 @@
 
 from golden.positions import KVCache
 from jax_attn import convert, sharding
-from jax_attn.functional import DEFAULT_PRECISION, rotary_embedding, scaled_dot_product_attention
+from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules import *  # noqa: F403  (the variant classes, listed in modules.__all__)
 from jax_attn.modules import __all__ as _classes
 from jax_attn.params import build, export_cache, export_params, load_cache, load_params
 from jax_attn.ring import ring_attention
+from jax_attn.rotary import rotary_embedding
 
 # JAX only, no torch twin: the precision default, the mesh specs (batch and heads) and ring
 # attention (the sequence over a mesh).

@@ -16,15 +16,20 @@ from functools import partial, reduce
 import jax
 import jax.numpy as jnp
 
-from golden.positions import ROPE_BLOCK, rope_tables
 from golden.validate import (
     check_attention_args,
     check_flags,
     check_implementation,
-    check_rotary,
     window,
 )
 from jax_attn import blockwise
+from jax_attn.sharding import (
+    check_head_sharding,
+    explicit_spec,
+    heads_as_query,
+    on_mesh,
+    on_one_device,
+)
 
 DEFAULT_PRECISION = jax.lax.Precision.HIGHEST
 NO_WINDOW = (None, None)
@@ -97,9 +102,9 @@ def scaled_dot_product_attention(
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
     check_head_sharding(query, key)
     spec = explicit_spec(query)  # None unless on a mesh with explicit axes
-    key, value = (_heads_as_query(query, x, spec) for x in (key, value))
-    one_device = _on_one_device(query, key, value)
-    attention = _on_mesh(_attention, query, spec, return_weights)
+    key, value = (heads_as_query(query, x, spec) for x in (key, value))
+    one_device = on_one_device(query, key, value)
+    attention = on_mesh(_attention, query, spec, return_weights)
     out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
                              *positions, scale=scale, is_causal=bool(is_causal),
                              softcap=None if softcap is None else float(softcap),
@@ -143,114 +148,6 @@ def heads_per_step(q_shape, k_shape):
     scores = math.prod(q_shape[:-1]) * k_shape[-2]  # (..., Lq, Lk) elements
     large = scores >= CPU_CHUNK_MIN_SCORES and math.prod(q_shape[:-2]) > CPU_HEADS_PER_STEP
     return CPU_HEADS_PER_STEP if jax.default_backend() == "cpu" and large else None
-
-
-# ---- many devices: arrays sharded over a jax.sharding.Mesh ---------------------------------------
-# The core has no distributed code of its own: XLA's SPMD partitioner splits its vmap over batch
-# and heads, each device computing the (batch, head) pairs it holds, with no collective in the
-# forward (tests/devices8/test_mesh.py reads the compiled programs). Four things keep it so:
-# sharded arrays never take the CPU chunks (lax.map over the flattened pairs would gather them),
-# a head layout that would need the query gathered is refused (check_head_sharding), replicated
-# key-value heads are split as the query's under explicit axes (_heads_as_query), and explicit
-# mesh axes are made auto around the core (_on_mesh). The specs: jax_attn.sharding.
-
-def _on_one_device(*arrays) -> bool:
-    """Whether the arrays are known to lie on one device, so that CPU may take the chunks:
-    always in a process with one device; else only concrete arrays each on a single device (a
-    tracer under the caller's jit may be sharded over a mesh with auto axes, which tracing does
-    not see)."""
-    if jax.device_count() == 1:
-        return True
-    return all(not isinstance(x, jax.core.Tracer) and
-               (not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1) for x in arrays)
-
-
-def _known_sharding(x):
-    """(PartitionSpec entries, one per axis of x; the mesh) where the sharding is known: a
-    concrete array's own, a traced one's explicit mesh axes; entries None where not known."""
-    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    sharding = x.sharding if concrete else jax.typeof(x).sharding
-    spec = tuple(getattr(sharding, "spec", ()))
-    return spec + (None,) * (x.ndim - len(spec)), getattr(sharding, "mesh", None)
-
-
-def _axes(entry) -> tuple:
-    """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def check_head_sharding(query, key) -> None:
-    """ValueError unless each device's query heads read whole key-value heads that it holds:
-    key and value heads split over the query's head axes, or not split and Hkv dividing, or a
-    multiple of, the number of head shards n (then each device's H / n query heads share one
-    key-value head, or hold whole groups). Other layouts would gather the query; a sharding
-    hidden from tracing (auto axes under the caller's jit) is not checked."""
-    if query.ndim < 3 or key.ndim < 3:
-        return
-    (q_spec, mesh), (k_spec, _) = _known_sharding(query), _known_sharding(key)
-    names = _axes(q_spec[-3])
-    shards = math.prod(mesh.shape[n] for n in names) if names else 1
-    hkv = key.shape[-3]
-    if shards == 1 or _axes(k_spec[-3]) == names or (
-            not _axes(k_spec[-3]) and (hkv % shards == 0 or shards % hkv == 0)):
-        return
-    raise ValueError(
-        f"key and value heads should be sharded as the query's (over {names}), or replicated "
-        f"with Hkv dividing or a multiple of the query's {shards} head shards, got Hkv = {hkv} "
-        f"sharded over {_axes(k_spec[-3])} for H = {query.shape[-3]}")
-
-
-def explicit_spec(x):
-    """x's PartitionSpec entries (one per axis) when x lies on a mesh with explicit axes
-    (jax.make_mesh's default), where JAX types every array's sharding at trace time; else
-    None (one device, or auto axes: XLA's partitioner decides)."""
-    sharding = jax.typeof(x).sharding
-    if jax.sharding.AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
-        return None
-    return _known_sharding(x)[0]
-
-
-def _heads_as_query(query, x, spec):
-    """Key or value x (..., Hkv, Lk, D) with its heads split as the query's over explicit mesh
-    axes (``spec``: explicit_spec(query)) of n shards: as is when they are, or for one head
-    (multi-query: the query's heads
-    split whole); else repeated to a multiple of n heads (n / Hkv copies of each when Hkv < n;
-    query head h still reads key-value head h // G) and resharded, each device keeping the
-    ones its query heads read (a slice, no communication). Left replicated, the split of the
-    query's heads into (Hkv, G) would straddle devices, and the partitioner, given typed
-    shardings at auto_axes' edge, gathers the weights in the backward (measured, 8 heads, 2
-    key-value heads, 4 shards); repeated, the backward gathers dK and dV alone."""
-    if spec is None or query.ndim < 3 or x.ndim < 3:
-        return x
-    names, (x_spec, _) = _axes(spec[-3]), _known_sharding(x)
-    n = math.prod(jax.typeof(query).sharding.mesh.shape[a] for a in names)
-    if n == 1 or x.shape[-3] == 1 or _axes(x_spec[-3]) == names:
-        return x
-    x = jnp.repeat(x, n // math.gcd(n, x.shape[-3]), axis=-3)  # (..., lcm(Hkv, n), Lk, D)
-    target = jax.sharding.PartitionSpec(*x_spec[:-3], spec[-3], *x_spec[-2:])
-    return jax.sharding.reshard(x, jax.typeof(query).sharding.update(spec=target))
-
-
-def _on_mesh(attention, query, spec, return_weights):
-    """``attention`` as is, or for a query on a mesh with explicit axes (``spec``:
-    explicit_spec(query); jax.make_mesh's default) with those axes auto inside
-    (jax.sharding.auto_axes) and the output and weights
-    typed back to the query's sharding (all its axes but the last). Explicit axes give every
-    intermediate array a sharding at trace time, and two steps of the core have none that
-    JAX's rules accept: query heads split into (Hkv, G) when key and value are replicated (a
-    device's heads are part of one group: reshape raises ShardingTypeError), and the blockwise
-    loops whose bounds depend on each row's offset and lengths (vmapped while loops raise
-    "Resource axis ... not found in mesh: ()" in JAX 0.10). XLA's partitioner, which auto
-    axes hand them to, splits both as under a classic Mesh."""
-    if spec is None:
-        return attention
-    out = jax.sharding.PartitionSpec(*spec[:-1], None)  # (..., H, Lq, Dv) and (..., H, Lq, Lk)
-    auto = jax.sharding.auto_axes(attention, out_sharding=(out, out if return_weights else None))
-
-    def run(*args, **kwargs):  # auto_axes reads the context's mesh, unset unless jax.set_mesh
-        with jax.sharding.use_abstract_mesh(jax.typeof(query).sharding.mesh):
-            return auto(*args, **kwargs)
-    return run
 
 
 # The blockwise path's blocks, and the automatic choice between the paths: blockwise when
@@ -437,49 +334,3 @@ def _allowed(shape, mask, offset, q_len, kv_len, *, is_causal, window):
              row < q_len if q_len is not None else None]
     terms = [t for t in terms if t is not None]
     return jnp.broadcast_to(reduce(jnp.logical_and, terms), shape) if terms else None
-
-
-def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=None):
-    """Rotary position embedding of x (..., L, Dh): token i (of batch row b) at position
-    i + ``offset`` (None: 0; an int; or an integer array (B,) for x of shape (B, H, L, Dh),
-    traced under jit). Feature pair i, (i, i + Dh/2) by default ("rotate half", Hugging Face's
-    Llama) or (2i, 2i + 1) when ``interleaved`` (GPT-J, Meta's Llama), turns by
-    position · θ^(−2i/Dh).
-
-    The angles are exact to a few roundings at any position: cos and sin come from float64
-    tables (golden.positions.rope_tables, constants of the compiled program) for positions below
-    ``max_position`` (static; default L, exact without an offset); every position must be below
-    it (a larger one reads a clamped row). The rotation runs in at least float32 and is rounded
-    once to x's dtype.
-    """
-    check_rotary(x, theta)
-    length, dh = x.shape[-2], x.shape[-1]
-    if dh % 2:
-        raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")
-    positions = jnp.arange(length)  # (L,)
-    if offset is not None:
-        offset = jnp.asarray(offset, dtype=jnp.int32)
-        positions = positions + offset.reshape(offset.shape + (1,) * (x.ndim - 2))  # (B, 1, L)
-    max_position = length if max_position is None else max_position
-    compute = jnp.promote_types(x.dtype, jnp.float32)
-    cos, sin = _rope_cos_sin(positions, float(theta), dh, max_position, compute)
-    return _turn(x.astype(compute), cos, sin, interleaved).astype(x.dtype)
-
-
-def _rope_cos_sin(positions, theta, dh, max_position, dtype):
-    """cos and sin (..., L, Dh/2) of position · f_i, by angle addition over the tables' rows
-    a = position // ROPE_BLOCK and b = position % ROPE_BLOCK."""
-    tables = [jnp.asarray(t, dtype=dtype) for t in rope_tables(theta, dh, max_position)]
-    hi, lo = positions // ROPE_BLOCK, positions % ROPE_BLOCK
-    cos_hi, sin_hi, cos_lo, sin_lo = tables[0][hi], tables[1][hi], tables[2][lo], tables[3][lo]
-    return cos_hi * cos_lo - sin_hi * sin_lo, sin_hi * cos_lo + cos_hi * sin_lo
-
-
-def _turn(x, cos, sin, interleaved):
-    """(a, b) -> (a cos − b sin, b cos + a sin) for each feature pair of x (..., L, Dh)."""
-    half = x.shape[-1] // 2
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    turned = (a * cos - b * sin, b * cos + a * sin)
-    if interleaved:
-        return jnp.stack(turned, axis=-1).reshape(x.shape)  # (..., L, Dh/2, 2) -> (..., L, Dh)
-    return jnp.concatenate(turned, axis=-1)

@@ -34,12 +34,9 @@ from golden.validate import (
     check_sequence,
 )
 from golden.variants import VARIANTS
-from jax_attn.functional import (
-    DEFAULT_PRECISION,
-    explicit_spec,
-    rotary_embedding,
-    scaled_dot_product_attention,
-)
+from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+from jax_attn.rotary import rotary_embedding
+from jax_attn.sharding import explicit_spec
 
 __all__ = ["CausalSelfAttention", "CrossAttention", "GroupedQueryAttention", "MultiHeadAttention",
            "MultiHeadAttentionWrapper", "SelfAttention", "SimpleSelfAttention"]

@@ -1,5 +1,6 @@
-"""Batch and heads over a ``jax.sharding.Mesh``: the PartitionSpecs, and a module's parameters
-placed Megatron-style.
+"""Batch and heads over a ``jax.sharding.Mesh``: the PartitionSpecs, a module's parameters
+placed Megatron-style, and the mesh plumbing the core runs through (head layout checks,
+explicit axes made auto around it).
 
 Shape legend: B batch, H query heads (N in the modules), Hkv key-value heads, L length (Lq
 queries, Lk keys), D head width, d_* feature widths, n the size of the mesh's model axis.
@@ -22,11 +23,121 @@ has no collective there; tests/devices8/test_mesh.py reads the programs):
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from golden.variants import projections
+
+# ---- the core on a mesh (jax_attn.functional calls these) -----------------------------------
+# The core has no distributed code of its own: XLA's SPMD partitioner splits its vmap over batch
+# and heads, each device computing the (batch, head) pairs it holds, with no collective in the
+# forward (tests/devices8/test_mesh.py reads the compiled programs). Four things keep it so:
+# sharded arrays never take the CPU chunks (lax.map over the flattened pairs would gather them),
+# a head layout that would need the query gathered is refused (check_head_sharding), replicated
+# key-value heads are split as the query's under explicit axes (heads_as_query), and explicit
+# mesh axes are made auto around the core (on_mesh). The specs: below.
+
+def on_one_device(*arrays) -> bool:
+    """Whether the arrays are known to lie on one device, so that CPU may take the chunks:
+    always in a process with one device; else only concrete arrays each on a single device (a
+    tracer under the caller's jit may be sharded over a mesh with auto axes, which tracing does
+    not see)."""
+    if jax.device_count() == 1:
+        return True
+    return all(not isinstance(x, jax.core.Tracer) and
+               (not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1) for x in arrays)
+
+
+def known_sharding(x):
+    """(PartitionSpec entries, one per axis of x; the mesh) where the sharding is known: a
+    concrete array's own, a traced one's explicit mesh axes; entries None where not known."""
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    sharding = x.sharding if concrete else jax.typeof(x).sharding
+    spec = tuple(getattr(sharding, "spec", ()))
+    return spec + (None,) * (x.ndim - len(spec)), getattr(sharding, "mesh", None)
+
+
+def mesh_axes(entry) -> tuple:
+    """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def check_head_sharding(query, key) -> None:
+    """ValueError unless each device's query heads read whole key-value heads that it holds:
+    key and value heads split over the query's head axes, or not split and Hkv dividing, or a
+    multiple of, the number of head shards n (then each device's H / n query heads share one
+    key-value head, or hold whole groups). Other layouts would gather the query; a sharding
+    hidden from tracing (auto axes under the caller's jit) is not checked."""
+    if query.ndim < 3 or key.ndim < 3:
+        return
+    (q_spec, mesh), (k_spec, _) = known_sharding(query), known_sharding(key)
+    names = mesh_axes(q_spec[-3])
+    shards = math.prod(mesh.shape[n] for n in names) if names else 1
+    hkv = key.shape[-3]
+    if shards == 1 or mesh_axes(k_spec[-3]) == names or (
+            not mesh_axes(k_spec[-3]) and (hkv % shards == 0 or shards % hkv == 0)):
+        return
+    raise ValueError(
+        f"key and value heads should be sharded as the query's (over {names}), or replicated "
+        f"with Hkv dividing or a multiple of the query's {shards} head shards, got Hkv = {hkv} "
+        f"sharded over {mesh_axes(k_spec[-3])} for H = {query.shape[-3]}")
+
+
+def explicit_spec(x):
+    """x's PartitionSpec entries (one per axis) when x lies on a mesh with explicit axes
+    (jax.make_mesh's default), where JAX types every array's sharding at trace time; else
+    None (one device, or auto axes: XLA's partitioner decides)."""
+    sharding = jax.typeof(x).sharding
+    if jax.sharding.AxisType.Explicit not in getattr(sharding.mesh, "axis_types", ()):
+        return None
+    return known_sharding(x)[0]
+
+
+def heads_as_query(query, x, spec):
+    """Key or value x (..., Hkv, Lk, D) with its heads split as the query's over explicit mesh
+    axes (``spec``: explicit_spec(query)) of n shards: as is when they are, or for one head
+    (multi-query: the query's heads
+    split whole); else repeated to a multiple of n heads (n / Hkv copies of each when Hkv < n;
+    query head h still reads key-value head h // G) and resharded, each device keeping the
+    ones its query heads read (a slice, no communication). Left replicated, the split of the
+    query's heads into (Hkv, G) would straddle devices, and the partitioner, given typed
+    shardings at auto_axes' edge, gathers the weights in the backward (measured, 8 heads, 2
+    key-value heads, 4 shards); repeated, the backward gathers dK and dV alone."""
+    if spec is None or query.ndim < 3 or x.ndim < 3:
+        return x
+    names, (x_spec, _) = mesh_axes(spec[-3]), known_sharding(x)
+    n = math.prod(jax.typeof(query).sharding.mesh.shape[a] for a in names)
+    if n == 1 or x.shape[-3] == 1 or mesh_axes(x_spec[-3]) == names:
+        return x
+    x = jnp.repeat(x, n // math.gcd(n, x.shape[-3]), axis=-3)  # (..., lcm(Hkv, n), Lk, D)
+    target = jax.sharding.PartitionSpec(*x_spec[:-3], spec[-3], *x_spec[-2:])
+    return jax.sharding.reshard(x, jax.typeof(query).sharding.update(spec=target))
+
+
+def on_mesh(attention, query, spec, return_weights):
+    """``attention`` as is, or for a query on a mesh with explicit axes (``spec``:
+    explicit_spec(query); jax.make_mesh's default) with those axes auto inside
+    (jax.sharding.auto_axes) and the output and weights
+    typed back to the query's sharding (all its axes but the last). Explicit axes give every
+    intermediate array a sharding at trace time, and two steps of the core have none that
+    JAX's rules accept: query heads split into (Hkv, G) when key and value are replicated (a
+    device's heads are part of one group: reshape raises ShardingTypeError), and the blockwise
+    loops whose bounds depend on each row's offset and lengths (vmapped while loops raise
+    "Resource axis ... not found in mesh: ()" in JAX 0.10). XLA's partitioner, which auto
+    axes hand them to, splits both as under a classic Mesh."""
+    if spec is None:
+        return attention
+    out = jax.sharding.PartitionSpec(*spec[:-1], None)  # (..., H, Lq, Dv) and (..., H, Lq, Lk)
+    auto = jax.sharding.auto_axes(attention, out_sharding=(out, out if return_weights else None))
+
+    def run(*args, **kwargs):  # auto_axes reads the context's mesh, unset unless jax.set_mesh
+        with jax.sharding.use_abstract_mesh(jax.typeof(query).sharding.mesh):
+            return auto(*args, **kwargs)
+    return run
 
 __all__ = ["BATCH", "DATA", "HEADS", "MODEL", "layer_specs", "shard_module"]
 

@@ -15,12 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from golden.positions import ROPE_BLOCK, rope_tables
 from golden.validate import (
     check_attention_args,
     check_flags,
     check_implementation,
-    check_rotary,
     window,
 )
 
@@ -64,13 +62,11 @@ def scaled_dot_product_attention(
       Differences: a keep-mask drawn from ``dropout_rng`` is drawn chunk by chunk, from seeds
       the generator gives, so it is not the one dense draws from the same generator state;
       and its gradients cannot be differentiated again (no double backward), nor taken by
-      ``torch.func`` transforms (use "dense" for either). Measured at B=1, H=1, D=64,
-      causal, float32, forward and backward on 2 CPU cores (time, peak resident memory of
-      the process): L=16384 1.5 s, 0.40 GB (dense 6.1 s, 4.0 GB; PyTorch's fused kernel
-      0.81 s, 0.31 GB); L=65536 28 s, 0.62 GB (fused 13.5 s, 0.40 GB).
+      ``torch.func`` transforms (use "dense" for either). Its time and memory against dense
+      and PyTorch's fused kernel: docs/core.md, "Long sequences".
     - None: "blockwise" when the weights are not returned, would be formed (gradients,
       dropout or softcap) and have at least BLOCKWISE_MIN_ELEMENTS (2²⁴) elements B·H·Lq·Lk;
-      "dense" otherwise (the measurements are beside that constant).
+      "dense" otherwise (the measurements: docs/performance.md).
     PyTorch's fused kernel is not used for gradients: its backward recomputes the weights from
     a float32 log-sum-exp, which loses ~|scores|·2⁻²⁴, and it can neither softcap nor take a
     keep-mask. Measured against the float64 reference (B=1, H=1, D=64, float32, the loss
@@ -117,17 +113,11 @@ def _expect_tensors(**arrays) -> None:
             raise TypeError(f"{arg} should be a torch.Tensor, got {type(x).__name__}")
 
 
-# None means "blockwise" from this many weights (B·H·Lq·Lk) up. Forward and backward, float32,
-# D=64, on 2 CPU cores (best of 5), blockwise's time over dense's: 2²² weights (B=H=1,
-# L=2048) 1.0 causal, 1.33 not; 2²³ (L=2896; B=1, H=8 and B=2, H=4, L=1024; B=4, H=8,
-# L=512) 0.5-0.8 causal, 0.9-1.2 not; 2²⁴ (L=4096) 0.44 causal, 0.78 not; 2²⁵ (B=4, H=8,
-# L=1024) 0.41 causal, 0.84 not.
+# None means "blockwise" from this many weights (B·H·Lq·Lk) up. A chunk's query rows:
+# BLOCKWISE_ROWS if set (tests use tiny ones), else as many as keep its weights (B·H·rows·Lk)
+# near BLOCKWISE_ELEMENTS, and at least BLOCKWISE_MIN_ROWS. The measurements behind the three
+# numbers: docs/performance.md, "Why the thresholds are where they are".
 BLOCKWISE_MIN_ELEMENTS = 2**24
-# A chunk's query rows: BLOCKWISE_ROWS if set (tests use tiny ones), else as many as keep its
-# weights (B·H·rows·Lk) near BLOCKWISE_ELEMENTS, and at least BLOCKWISE_MIN_ROWS. At L=16384
-# (B=H=1, D=64, causal, forward and backward) chunks of 2¹⁹ to 2²³ weights take 1.5 s to
-# 1.8 s (2²¹: 1.5 s) and 2²⁴ 2.6 s, the peak memory growing with them (350 MB to 750 MB); with
-# B=4, H=8, L=2048, chunks of 16 and 32 rows take 1.4 and 1.1 times as long as 64 rows.
 BLOCKWISE_ROWS = None
 BLOCKWISE_ELEMENTS = 2**21
 BLOCKWISE_MIN_ROWS = 64
@@ -392,47 +382,3 @@ def _masked_softmax(scores, allowed, may_empty):
         return torch.softmax(scores, dim=-1)
     weights = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
     return weights * allowed.any(dim=-1, keepdim=True) if may_empty else weights
-
-
-def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=None):
-    """Rotary position embedding of x (..., L, Dh): token i (of batch row b) at position
-    i + ``offset`` (None: 0; an int; or an integer tensor (B,) for x of shape (B, H, L, Dh)).
-    Feature pair i, (i, i + Dh/2) by default ("rotate half", Hugging Face's Llama) or (2i,
-    2i + 1) when ``interleaved`` (GPT-J, Meta's Llama), turns by position · θ^(−2i/Dh).
-
-    The angles are exact to a few roundings at any position: cos and sin come from float64
-    tables (golden.positions.rope_tables) for positions below ``max_position`` (default L,
-    exact without an offset); every position must be below it. The rotation runs in at least
-    float32 and is rounded once to x's dtype.
-    """
-    check_rotary(x, theta)
-    length, dh = x.shape[-2], x.shape[-1]
-    if dh % 2:
-        raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")
-    positions = torch.arange(length, device=x.device)  # (L,)
-    offset = _per_batch(offset, x.device)  # 0, an int or (B, 1, 1, 1)
-    if torch.is_tensor(offset):
-        offset = offset.reshape(-1, *(1,) * (x.dim() - 2))  # (B, 1, 1): against (B, H, L)
-    positions = positions + offset  # (L,) or (B, 1, L)
-    max_position = length if max_position is None else max_position
-    compute = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
-    cos, sin = _rope_cos_sin(positions, theta, dh, max_position, compute, x.device)
-    return _turn(x.to(compute), cos, sin, interleaved).to(x.dtype)
-
-
-def _rope_cos_sin(positions, theta, dh, max_position, dtype, device):
-    """cos and sin (..., L, Dh/2) of position · f_i, by angle addition over the tables' rows
-    a = position // ROPE_BLOCK and b = position % ROPE_BLOCK."""
-    tables = [torch.tensor(t, dtype=dtype, device=device)  # a copy: the tables are shared
-              for t in rope_tables(float(theta), dh, max_position)]
-    cos_hi, sin_hi, cos_lo, sin_lo = (t[i] for t, i in zip(
-        tables, 2 * (positions // ROPE_BLOCK,) + 2 * (positions % ROPE_BLOCK,)))
-    return cos_hi * cos_lo - sin_hi * sin_lo, sin_hi * cos_lo + cos_hi * sin_lo
-
-
-def _turn(x, cos, sin, interleaved):
-    """(a, b) -> (a cos − b sin, b cos + a sin) for each feature pair of x (..., L, Dh)."""
-    half = x.shape[-1] // 2
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    turned = (a * cos - b * sin, b * cos + a * sin)
-    return torch.stack(turned, dim=-1).flatten(-2) if interleaved else torch.cat(turned, dim=-1)

@@ -23,7 +23,8 @@ from golden.validate import (
     check_sequence,
 )
 from golden.variants import VARIANTS
-from torch_attn.functional import rotary_embedding, scaled_dot_product_attention
+from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.rotary import rotary_embedding
 
 __all__ = ["CausalSelfAttention", "CrossAttention", "GroupedQueryAttention", "MultiHeadAttention",
            "MultiHeadAttentionWrapper", "SelfAttention", "SimpleSelfAttention"]
