@@ -23,7 +23,9 @@ from golden.tolerances import compare_profile, profile
 # The implementations' rows: (framework, path). torch runs a fixture twice: forward and backward
 # through autograd (the explicit path, weights returned), and the forward alone under no_grad,
 # which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
-IMPLEMENTATIONS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
+# The (framework, path) pairs check runs each fixture through (golden.validate.IMPLEMENTATIONS
+# are the core's implementations, another thing).
+FRAMEWORK_PATHS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
 
 
 def _pairs(fixture, result, expected_grads=None):
@@ -77,7 +79,7 @@ def _terms(fixture, what) -> int:
 def rows(fixture, frameworks, dtypes):
     """(framework, path, dtype) of the fixture's implementation rows, as filtered: each
     implementation at each of the fixture's dtypes; the fused path where torch takes it."""
-    return [(fw, path, d) for fw, path in IMPLEMENTATIONS for d in fixture.dtypes
+    return [(fw, path, d) for fw, path in FRAMEWORK_PATHS for d in fixture.dtypes
             if (fw in frameworks) and (not dtypes or d in dtypes)
             and (path != "fused" or runners.fused_applies(fixture))]
 

@@ -183,7 +183,7 @@ def test_combine_sends_each_fixture_to_the_runner_that_takes_it():
     ("a:b:c", "spec should be 'package.module:name', got 'a:b:c'"),
     ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
     ("golden.check:no_such_name", "golden.check has no attribute 'no_such_name'"),
-    ("golden.check:IMPLEMENTATIONS", "spec 'golden.check:IMPLEMENTATIONS' should name a runner "
+    ("golden.check:FRAMEWORK_PATHS", "spec 'golden.check:FRAMEWORK_PATHS' should name a runner "
                                      "\\(fixture, dtype\\) -> dict, got tuple"),
 ])
 def test_load_rejects_bad_specs(spec, message):
