@@ -76,3 +76,18 @@ def rope_turn(x, cos, sin, interleaved, *, stack, concat):
     if interleaved:
         return stack(turned, -1).reshape(x.shape)  # (..., L, Dh/2, 2) -> (..., L, Dh)
     return concat(turned, -1)
+
+
+def check_fits(held, new, room, length) -> None:
+    """The strict mode of both twins' GroupedQueryAttention (``strict=True``): ValueError unless
+    each row's new tokens ``new`` (its query_seq_lengths, or L) are in [0, L] and fit beside the
+    ``held`` ones within max_length ``room``. ``held`` and ``new`` are read on the host (NumPy).
+    Without it both twins drop what does not fit: neither written nor counted, its output rows
+    those of padding."""
+    held = np.asarray(held).reshape(-1)
+    new = np.broadcast_to(np.asarray(new), held.shape)
+    if ((new < 0) | (new > length)).any():
+        raise ValueError(f"query_seq_lengths should be in [0, L = {length}], got {new.tolist()}")
+    if (held + new > room).any():
+        raise ValueError(f"cache is full: rows holding {held.tolist()} tokens cannot take "
+                         f"{new.tolist()} more within max_length M = {room}")

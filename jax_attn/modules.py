@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from golden import variants
-from golden.positions import KVCache
+from golden.positions import KVCache, check_fits
 from golden.validate import (
     cache_shape,
     check_cross_inputs,
     check_decoder_inputs,
+    check_flags,
     check_self_inputs,
     check_sequence,
 )
@@ -279,8 +281,10 @@ class GroupedQueryAttention(_Variant):
     caller's jit donates the cache), it attends the cached keys and this call's (bottom-right
     causal), RoPE turns it by that position, and the call returns (output, new cache). The
     lengths are traced, so a decode step compiles once per max_length. Tokens that do not fit
-    in max_length are dropped (checking would need the lengths' values on the host): they are
-    not written nor counted, and their output rows are those of padding.
+    in max_length are dropped, as in torch_attn: they are not written nor counted, and their
+    output rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True``
+    raises ValueError instead (golden.positions.check_fits), reading the lengths on the host: a
+    device sync, and impossible on traced lengths (under jit it raises saying so).
     """
 
     variant = "grouped_query_attention"
@@ -315,9 +319,30 @@ class GroupedQueryAttention(_Variant):
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                        jnp.zeros((batch_size,), jnp.int32))
 
-    @compiled_call
     def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
-                 return_weights=False):
+                 return_weights=False, strict=False):
+        check_flags(strict=strict)
+        if strict and cache is not None:
+            self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask)
+        return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
+                          dropout_mask=dropout_mask, return_weights=return_weights)
+
+    def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask):
+        """strict=True: the lengths read on the host (as torch does), ValueError when the call's
+        tokens do not fit (golden.positions.check_fits); impossible on traced lengths."""
+        check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
+                             heads=self.num_heads, rate=self._rate(), cache=cache,
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
+        if any(isinstance(a, jax.core.Tracer) for a in (cache.lengths, new)):
+            raise ValueError("strict=True reads the cache's lengths on the host, but they are "
+                             "traced here (under jit): call the module outside jit, or pass "
+                             "strict=False (tokens that do not fit are then dropped)")
+        check_fits(np.asarray(cache.lengths), np.asarray(new), cache.key.shape[2], x.shape[-2])
+
+    @compiled_call
+    def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
+              return_weights=False):
         rate = self._rate()
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,

@@ -397,15 +397,19 @@ twin_case("call-gqa-query-lengths-float",
 twin_case("call-gqa-query-lengths-shape",
           lambda t: gqa_call(t, query_seq_lengths=arr(t, (3,), "int32")), ValueError,
           E("query_seq_lengths shape should be (B,) = (2,), got (3,)"))
-# torch reads the lengths' values on a cached call (JAX cannot without a sync: it drops them).
+# strict=True reads the lengths' values on a cached call, in both twins (without it both drop
+# what does not fit, tests/test_grouped_query.py)
 twin_case("call-gqa-query-lengths-range",
-          lambda t: gqa_call(t, cache=cache(t), query_seq_lengths=torch.tensor([5, 1])),
-          ValueError, E("query_seq_lengths should be in [0, L = 3], got [5, 1]"), only=["torch"])
+          lambda t: gqa_call(t, cache=cache(t), query_seq_lengths=t.array(np.array([5, 1])),
+                             strict=True),
+          ValueError, E("query_seq_lengths should be in [0, L = 3], got [5, 1]"))
 twin_case("call-gqa-cache-full",
           lambda t: gqa_call(t, cache=cache(t, key=(2, 2, 4, 4))._replace(
-              lengths=torch.tensor([3, 3], dtype=torch.int32))), ValueError,
+              lengths=t.array(np.array([3, 3], dtype=np.int32))), strict=True), ValueError,
           E("cache is full: rows holding [3, 3] tokens cannot take [3, 3] more within "
-            "max_length M = 4"), says_got=False, only=["torch"])
+            "max_length M = 4"), says_got=False)
+twin_case("call-gqa-strict-str", lambda t: gqa_call(t, strict="yes"), ValueError,
+          E("strict should be True or False, got 'yes'"))
 twin_case("init-cache-batch-zero",
           lambda t: module(t, "grouped_query_attention").init_cache(0, 8), ValueError,
           E("batch_size should be a positive int, got 0"))

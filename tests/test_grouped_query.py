@@ -1,7 +1,8 @@
 """GroupedQueryAttention beyond the golden fixtures: KV-cache decoding equals the full forward
 (float64, both frameworks, ragged batches, sliding windows, across frameworks), the JAX step
 compiles once and updates the cache by a scatter, a cache is never changed behind the caller's
-back, tokens past max_length (ValueError in torch, dropped in JAX), the two RoPE conventions and
+back, tokens past max_length (dropped by both twins alike, or ValueError in both with
+strict=True), the two RoPE conventions and
 the permutation between them, RoPE's accuracy at long positions, PyTorch's and JAX's own kernels
 on the module's core call, and errors.
 
@@ -200,36 +201,58 @@ def test_jax_decode_step_compiles_once_and_scatters():
     assert "scatter" in program and "callback" not in program
 
 
-def test_torch_tokens_past_max_length_are_an_error():
+def test_strict_tokens_past_max_length_are_an_error(twin):
+    """strict=True: the lengths read on the host, the same ValueError in both twins."""
     rng, _ = fresh_rng()
-    t = TWINS["torch"]
-    module = _built(t, CONFIG, _params(CONFIG, rng, "float32"))
+    module = _built(twin, CONFIG, _params(CONFIG, rng, "float32"))
     x = rng.standard_normal((2, 3, D_IN)).astype(np.float32)
-    _, cache = _call(t, module, x, cache=module.init_cache(2, 5), query_seq_lengths=[3, 1])
+    _, cache = _call(twin, module, x, cache=module.init_cache(2, 5), query_seq_lengths=[3, 1])
     with pytest.raises(ValueError, match=r"cache is full: rows holding \[3, 1\] tokens cannot "
                                          r"take \[3, 3\] more within max_length M = 5"):
-        _call(t, module, x, cache=cache)
-    _, cache = _call(t, module, x, cache=cache, query_seq_lengths=[2, 3])  # exactly full
-    np.testing.assert_array_equal(t.numpy(cache.lengths), [5, 4])
+        _call(twin, module, x, cache=cache, strict=True)
+    _, cache = _call(twin, module, x, cache=cache, query_seq_lengths=[2, 3], strict=True)  # full
+    np.testing.assert_array_equal(twin.numpy(cache.lengths), [5, 4])
     with pytest.raises(ValueError, match=r"query_seq_lengths should be in \[0, L = 3\]"):
-        _call(t, module, x, cache=module.init_cache(2, 5), query_seq_lengths=[4, 1])
+        _call(twin, module, x, cache=module.init_cache(2, 5), query_seq_lengths=[4, 1],
+              strict=True)
 
 
-def test_jax_tokens_past_max_length_are_dropped_as_padding():
-    # Documented behaviour (no host sync to check): what does not fit is neither written nor
-    # counted, and its output rows are those of padding, the output bias.
-    rng, seed = fresh_rng()
+def test_jax_strict_under_jit_says_it_cannot_check():
+    rng, _ = fresh_rng()
     module = _built(JAX, CONFIG, _params(CONFIG, rng, "float32"))
-    x = rng.standard_normal((2, 3, D_IN)).astype(np.float32)
-    _, cache = _call(JAX, module, x, cache=module.init_cache(2, 5), query_seq_lengths=[3, 1])
-    over, full = _call(JAX, module, x, cache=cache)
-    fits, expected = _call(JAX, module, x, cache=cache, query_seq_lengths=[2, 3])
-    np.testing.assert_array_equal(np.asarray(full.lengths), [5, 4])
-    for a, b in zip(full, expected):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_array_equal(over[0, :2], fits[0, :2])
-    b_out = np.asarray(module.out_proj.bias.get_value())
-    np.testing.assert_allclose(over[0, 2], b_out, rtol=0, atol=1e-6, err_msg=f"seed {seed}")
+    x = jnp.asarray(rng.standard_normal((2, 3, D_IN)).astype(np.float32))
+    step = jax.jit(lambda x, c: module(x, cache=c, strict=True))
+    with pytest.raises(ValueError, match="strict=True reads the cache's lengths on the host, "
+                                         "but they are traced here"):
+        step(x, module.init_cache(2, 5))
+
+
+def test_tokens_past_max_length_are_dropped_as_padding_in_both_twins():
+    # The default in both twins (JAX has no host sync to check under jit; torch does the same):
+    # what does not fit is neither written nor counted, its output rows are those of padding,
+    # the output bias, and both twins agree.
+    rng, seed = fresh_rng()
+    params = _params(CONFIG, rng, "float64")
+    x = rng.standard_normal((2, 3, D_IN))
+    results = {}
+    for twin in TWINS.values():
+        with twin.float64():
+            module = _built(twin, CONFIG, params)
+            _, cache = _call(twin, module, x, cache=module.init_cache(2, 5),
+                             query_seq_lengths=[3, 1])
+            over, full = _call(twin, module, x, cache=cache)
+            fits, expected = _call(twin, module, x, cache=cache, query_seq_lengths=[2, 3])
+            np.testing.assert_array_equal(twin.numpy(full.lengths), [5, 4])
+            for a, b in zip(full, expected):
+                np.testing.assert_array_equal(twin.numpy(a), twin.numpy(b))
+            np.testing.assert_array_equal(over[0, :2], fits[0, :2])
+            np.testing.assert_allclose(over[0, 2], params["b_out"], rtol=0, atol=1e-12,
+                                       err_msg=f"{twin.name}, seed {seed}")
+            clipped, _ = _call(twin, module, x, cache=module.init_cache(2, 5),
+                               query_seq_lengths=[4, 1])  # 4 > L = 3: clipped to 3
+            results[twin.name] = (over, twin.numpy(full.key), clipped)
+    for a, b in zip(results["torch"], results["jax"]):
+        np.testing.assert_allclose(a, b, rtol=EXACT, atol=EXACT, err_msg=f"seed {seed}")
 
 
 # ---- rotary embeddings ------------------------------------------------------------------------

@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from golden import variants
-from golden.positions import KVCache
+from golden.positions import KVCache, check_fits
 from golden.validate import (
     cache_shape,
     check_cross_inputs,
     check_decoder_inputs,
+    check_flags,
     check_self_inputs,
     check_sequence,
 )
@@ -211,8 +212,10 @@ class GroupedQueryAttention(nn.Module):
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
     this call's (bottom-right causal), RoPE turns it by that position, and the call returns
-    (output, new cache); the cache given is left as it was. More tokens than fit in max_length
-    raise ValueError.
+    (output, new cache); the cache given is left as it was. Tokens that do not fit in
+    max_length are dropped, as in jax_attn: they are not written nor counted, and their output
+    rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True`` raises
+    ValueError instead (golden.positions.check_fits; it reads the lengths: a device sync).
     """
 
     variant = "grouped_query_attention"
@@ -249,11 +252,16 @@ class GroupedQueryAttention(nn.Module):
                        torch.zeros(batch_size, dtype=torch.int32, device=device))
 
     def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
-                return_weights=False):
+                return_weights=False, strict=False):
         rate = _dropout_rate(self)
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        check_flags(strict=strict)
+        if strict and cache is not None:  # reads the lengths: a device sync
+            new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
+            check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
+                       cache.key.shape[2], x.shape[-2])
         q = self._split(self.W_query(x), self.num_heads)       # (B, N, L, Dh)
         k = self._split(self.W_key(x), self.num_kv_heads)      # (B, Nkv, L, Dh)
         v = self._split(self.W_value(x), self.num_kv_heads)
@@ -285,16 +293,13 @@ class GroupedQueryAttention(nn.Module):
 
 def _cache_positions(cache, length, query_seq_lengths):
     """(query offset, query lengths, key lengths) of a call of ``length`` tokens appended to
-    ``cache``: row b's tokens at lengths[b] + i, the real ones (i < query_seq_lengths[b]) counted.
-    ValueError when they do not fit (reads the lengths: a device sync)."""
+    ``cache``: row b's tokens at lengths[b] + i, the real ones (i < query_seq_lengths[b],
+    clipped to [0, L]) counted, and of those only the ones that fit in max_length (as
+    jax_attn's; ``strict=True`` raises instead, golden.positions.check_fits)."""
     held, room = cache.lengths, cache.key.shape[2]
     new = (torch.full_like(held, length) if query_seq_lengths is None
-           else query_seq_lengths.to(held.device, held.dtype))
-    if bool(((new < 0) | (new > length)).any()):
-        raise ValueError(f"query_seq_lengths should be in [0, L = {length}], got {new.tolist()}")
-    if bool((held + new > room).any()):
-        raise ValueError(f"cache is full: rows holding {held.tolist()} tokens cannot take "
-                         f"{new.tolist()} more within max_length M = {room}")
+           else query_seq_lengths.to(held.device, held.dtype).clamp(0, length))
+    new = torch.minimum(new, room - held)  # what does not fit is dropped
     return held, new, held + new
 
 
