@@ -55,6 +55,18 @@ def _operand(x):
     return NotImplemented
 
 
+def _binary(operation: str, reflected: bool = False):
+    """A binary operator of Number: the context's ``operation`` on self and the other operand
+    taken exactly (``other op self`` when ``reflected``), rounded to the class's precision."""
+    def method(self, other):
+        other = _operand(other)
+        if other is NotImplemented:
+            return NotImplemented
+        op = getattr(self.ctx, operation)
+        return self._make(op(other, self) if reflected else op(self, other))
+    return method
+
+
 class Number(Decimal):
     """A decimal number whose arithmetic is rounded to its class's precision; mixes with
     Python and NumPy floats and ints (taken exactly). NumPy's ufuncs on object arrays call the
@@ -66,38 +78,10 @@ class Number(Decimal):
     def _make(self, value):
         return self.__class__(value)
 
-    def __add__(self, other):
-        other = _operand(other)
-        return NotImplemented if other is NotImplemented else self._make(self.ctx.add(self, other))
-
-    __radd__ = __add__
-
-    def __sub__(self, other):
-        other = _operand(other)
-        return (NotImplemented if other is NotImplemented
-                else self._make(self.ctx.subtract(self, other)))
-
-    def __rsub__(self, other):
-        other = _operand(other)
-        return (NotImplemented if other is NotImplemented
-                else self._make(self.ctx.subtract(other, self)))
-
-    def __mul__(self, other):
-        other = _operand(other)
-        return (NotImplemented if other is NotImplemented
-                else self._make(self.ctx.multiply(self, other)))
-
-    __rmul__ = __mul__
-
-    def __truediv__(self, other):
-        other = _operand(other)
-        return (NotImplemented if other is NotImplemented
-                else self._make(self.ctx.divide(self, other)))
-
-    def __rtruediv__(self, other):
-        other = _operand(other)
-        return (NotImplemented if other is NotImplemented
-                else self._make(self.ctx.divide(other, self)))
+    __add__ = __radd__ = _binary("add")
+    __sub__, __rsub__ = _binary("subtract"), _binary("subtract", reflected=True)
+    __mul__ = __rmul__ = _binary("multiply")
+    __truediv__, __rtruediv__ = _binary("divide"), _binary("divide", reflected=True)
 
     def __pow__(self, n):
         """Integer powers only, as repeated products (each correctly rounded)."""
