@@ -20,11 +20,10 @@ from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES
 from golden.runners.adapt import NotSupported, as_runner
 from golden.tolerances import compare_profile, profile
 
-# The implementations' rows: (framework, path). torch runs a fixture twice: forward and backward
-# through autograd (the explicit path, weights returned), and the forward alone under no_grad,
-# which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
 # The (framework, path) pairs check runs each fixture through (golden.validate.IMPLEMENTATIONS
-# are the core's implementations, another thing).
+# are the core's implementations, another thing). torch runs a fixture twice: forward and
+# backward through autograd (the explicit path, weights returned), and the forward alone under
+# no_grad, which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
 FRAMEWORK_PATHS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
 
 
