@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from golden.positions import allowed_terms
+
 
 class Static(NamedTuple):
     """The compile-time configuration of the blockwise core (hashable)."""
@@ -208,12 +210,10 @@ def _allowed(st, h, i, j, mask):
     row = i * st.block_q + lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)  # (Bq, 1)
     key = j * st.block_k + lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)  # (1, Bk)
     pos = row + h.offset
-    terms = [key < h.k_lim, mask,
-             key <= pos if st.is_causal else None,
-             key >= pos - left if left is not None else None,
-             key <= pos + right if right is not None else None,
-             row < h.q_lim if h.q_lim is not None else None]
-    allowed = reduce(jnp.logical_and, [t for t in terms if t is not None])
+    terms = [t for t in [mask] if t is not None] + allowed_terms(
+        row, key, pos, is_causal=st.is_causal, window=(left, right), q_len=h.q_lim,
+        kv_len=h.k_lim)
+    allowed = reduce(jnp.logical_and, terms)
     return jnp.broadcast_to(allowed, (st.block_q, st.block_k))
 
 

@@ -16,6 +16,7 @@ from functools import partial, reduce
 import jax
 import jax.numpy as jnp
 
+from golden.positions import allowed_terms
 from golden.validate import (
     check_attention_args,
     check_flags,
@@ -325,12 +326,6 @@ def _allowed(shape, mask, offset, q_len, kv_len, *, is_causal, window):
     row = jnp.arange(shape[0])[:, None]  # (Lq, 1)
     key = jnp.arange(shape[1])[None, :]  # (1, Lk)
     pos = row if offset is None else row + offset  # (Lq, 1)
-    left, right = window
-    terms = [mask,
-             key <= pos if is_causal else None,
-             key >= pos - left if left is not None else None,
-             key <= pos + right if right is not None else None,
-             key < kv_len if kv_len is not None else None,
-             row < q_len if q_len is not None else None]
-    terms = [t for t in terms if t is not None]
+    terms = [t for t in [mask] if t is not None] + allowed_terms(
+        row, key, pos, is_causal=is_causal, window=window, q_len=q_len, kv_len=kv_len)
     return jnp.broadcast_to(reduce(jnp.logical_and, terms), shape) if terms else None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from golden.positions import allowed_terms
 from golden.validate import (
     check_attention_args,
     check_flags,
@@ -187,15 +188,11 @@ class _Where(NamedTuple):
         q = torch.arange(shape[-2], device=device)[:, None]  # (Lq, 1)
         k = torch.arange(shape[-1], device=device)  # (Lk,)
         pos = q + _per_batch(self.offset, device)  # query positions: (Lq, 1), or (B, 1, Lq, 1)
-        (left, right), q_lengths, kv_lengths = self.sides, self.q_lengths, self.kv_lengths
-        terms = [t for t in (
-            mask,
-            k <= pos if self.is_causal else None,
-            k >= pos - left if left is not None else None,
-            k <= pos + right if right is not None else None,
-            q < _per_batch(q_lengths, device) if q_lengths is not None else None,  # (B,1,Lq,1)
-            k < _per_batch(kv_lengths, device) if kv_lengths is not None else None,  # (B,1,1,Lk)
-        ) if t is not None]
+        q_lengths, kv_lengths = self.q_lengths, self.kv_lengths
+        terms = [t for t in [mask] if t is not None] + allowed_terms(
+            q, k, pos, is_causal=self.is_causal, window=self.sides,
+            q_len=None if q_lengths is None else _per_batch(q_lengths, device),  # (B,1,Lq,1)
+            kv_len=None if kv_lengths is None else _per_batch(kv_lengths, device))  # (B,1,1,Lk)
         allowed = functools.reduce(torch.logical_and, terms) if terms else None
         offset_zero = self.offset is None or (isinstance(self.offset, int) and self.offset == 0)
         return allowed, not (offset_zero and len(terms) == int(bool(self.is_causal)))
