@@ -5,9 +5,10 @@ for float64 ``exp``, ``log``, ``tanh`` and ``power``, with different polynomials
 call gives different last bits on different CPUs (measured: docs/reproducibility.md). Fixtures
 written with them could not be reproduced bit for bit anywhere else.
 
-How. ``golden.reference`` is written once over NumPy arrays. Inside ``golden.reference.exact()``
-its arrays hold ``Real`` numbers (NumPy object arrays): Python ``decimal`` values with
-``PRECISION`` significant digits. Every ``+ − × ÷ √`` is correctly rounded to that precision, and
+How. ``golden.reference`` is written once over NumPy arrays. Inside
+``golden.reference.exact_arithmetic()`` its arrays hold ``Real`` numbers (NumPy object arrays):
+Python ``decimal`` values with ``PRECISION`` significant digits. Every ``+ − × ÷ √`` is
+correctly rounded to that precision, and
 so are ``exp`` and ``ln`` (the decimal module guarantees both); ``tanh``, ``sin`` and ``cos`` are
 built here from those operations in a fixed order, with guard digits. The decimal module is
 integer arithmetic (libmpdec), so none of this depends on the processor, its instruction set,
@@ -192,7 +193,7 @@ def array(a, real: type = Real) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype == object:
         return a
-    if a.dtype.kind not in "fc":
+    if a.dtype.kind != "f":
         return a
     out = np.empty(a.shape, dtype=object)
     flat = out.reshape(-1)
@@ -204,11 +205,4 @@ def array(a, real: type = Real) -> np.ndarray:
 def to_float64(a) -> np.ndarray:
     """Each number rounded once to the nearest float64 (ties to even): Python's correctly
     rounded conversion of the decimal string, the same on every machine."""
-    a = np.asarray(a)
-    if a.dtype != object:
-        return a.astype(np.float64)
-    out = np.empty(a.shape, dtype=np.float64)
-    flat = out.reshape(-1)
-    for i, v in enumerate(a.reshape(-1).tolist()):
-        flat[i] = float(v)
-    return out
+    return np.asarray(a).astype(np.float64)  # an object array: float(x) of each number

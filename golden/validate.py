@@ -141,8 +141,7 @@ def check_rate(arg, p) -> None:
 
 def check_positive_or_none(arg, c) -> None:
     """None or a finite number > 0 (a soft-cap, a RoPE base θ)."""
-    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
-                          or not math.isfinite(c) or c <= 0):
+    if c is not None and not (_real_number(c) and math.isfinite(c) and c > 0):
         raise ValueError(f"{arg} should be a positive number or None, got {c!r}")
 
 
@@ -150,8 +149,7 @@ def check_rotary(x, theta) -> None:
     """rotary_embedding's x (an array; its Dh is checked where it is used) and θ, a finite
     number > 0."""
     _expect_array("x", x)
-    number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
-    if not (number and math.isfinite(theta) and theta > 0):
+    if not (_real_number(theta) and math.isfinite(theta) and theta > 0):
         raise ValueError(f"theta should be a positive number, got {theta!r}")
 
 

@@ -31,7 +31,6 @@ import importlib
 import numpy as np
 
 from golden import reference
-from golden.reference import VARIANTS as REFERENCE
 
 FRAMEWORKS = ("reference", "torch", "jax")
 _MODULES = {"torch": "golden.runners.torch_runner", "jax": "golden.runners.jax_runner"}
@@ -45,7 +44,7 @@ def run_reference(fixture, dtype="float64", *, weights_cotangent=True, exact=Tru
     alone."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
-    forward, backward = REFERENCE[fixture.variant]
+    forward, backward = reference.VARIANTS[fixture.variant]
     cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
     if not weights_cotangent:
         cot["weights"] = np.zeros_like(cot["weights"])
