@@ -75,7 +75,7 @@ class Grid:
     gqa: tuple = (4, 8, 2, 1024, 64)  # B, H, Hkv, L, D of the grouped-query rows
     # B, d_in, H, Hkv, Dh, max_length M, P tokens prefilled (and held by the decode step's cache)
     decode: tuple = (1, 512, 8, 2, 64, 4096, 2048)
-    # long sequences, causal: (B, H, D), the lengths L, and the longest L the dense paths run at
+    # long sequences, causal: (B, H, D), the lengths L, and the longest L the explicit ones run at
     long: tuple = ((1, 1, 64), (4096, 16384, 65536), 4096)
 
 
@@ -431,11 +431,12 @@ def decode_target(rows: list[dict]) -> dict:
 
 LONG_IMPLS = {  # impl: the core, f(q, k, v, *, is_causal), on (B, H, L, D)
     "torch_peer": torch.nn.functional.scaled_dot_product_attention,
-    "torch_blockwise": partial(torch_attn.scaled_dot_product_attention,
-                               implementation="blockwise"),
+    "torch_row_chunks": partial(torch_attn.scaled_dot_product_attention,
+                                implementation="row_chunks"),
     "jax_blockwise": partial(jax_attn.scaled_dot_product_attention, implementation="blockwise"),
-    "torch_dense": partial(torch_attn.scaled_dot_product_attention, implementation="dense"),
-    "jax_dense": partial(jax_attn.scaled_dot_product_attention, implementation="dense"),
+    "torch_explicit": partial(torch_attn.scaled_dot_product_attention,
+                              implementation="explicit"),
+    "jax_explicit": partial(jax_attn.scaled_dot_product_attention, implementation="explicit"),
 }
 LONG_TARGETS = (  # L, pass, numerator impl, denominator impl, target: time(num) / time(den)
     (16384, "fwd", "torch_peer", "jax_blockwise", 0.9),
@@ -481,9 +482,10 @@ def measure_long(fn, args, steady: int) -> dict:
 
 
 def run_long(grid: Grid, rng) -> list[dict]:
-    """Every long row: each length, forward and forward+backward, each implementation (the dense
-    ones up to their longest L); peer_ratio = torch_peer's time / this row's (> 1: faster)."""
-    (b, h, d), lengths, dense_max = grid.long
+    """Every long row: each length, forward and forward+backward, each implementation (the
+    explicit ones up to their longest L); peer_ratio = torch_peer's time / this row's (> 1:
+    faster)."""
+    (b, h, d), lengths, explicit_max = grid.long
     rows = []
     for length in lengths:
         host = random_qkv(Shape(b, h, length, length, d), rng)
@@ -491,7 +493,7 @@ def run_long(grid: Grid, rng) -> list[dict]:
         for backward in (False, True):
             block = []
             for impl in LONG_IMPLS:
-                if impl.endswith("dense") and length > dense_max:
+                if impl.endswith("explicit") and length > explicit_max:
                     continue
                 args = make_inputs(Shape(b, h, length, length, d), "float32", impl, backward, host)
                 fn = long_call(impl, backward)
@@ -757,8 +759,9 @@ def markdown(report: dict) -> str:
     lines += [
         "", "## Long sequences (causal, float32)", "",
         "- torch_peer: `F.scaled_dot_product_attention` (fused; autograd for fwd+bwd); "
-        "*_blockwise: our cores with `implementation=\"blockwise\"` (O(L) memory); *_dense: "
-        "`implementation=\"dense\"`, only up to the longest L the grid gives them. One first "
+        "jax_blockwise, torch_row_chunks: our cores' O(L)-memory implementations (FlashAttention-2 "
+        "in JAX, chunks of query rows in torch); *_explicit: `implementation=\"explicit\"` (the "
+        "weights formed), only up to the longest L the grid gives them. One first "
         "call (compilation, warm-up), then 2 steady calls (1 at L > 16k); torch's forward under "
         "no_grad. XLA temp MiB: the JAX program's temporary memory (XLA's memory analysis); "
         "torch's is measured in separate processes (docs/core.md), not here.",

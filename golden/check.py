@@ -20,11 +20,12 @@ from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES
 from golden.runners.adapt import NotSupported, as_runner
 from golden.tolerances import compare_profile, profile
 
-# The (framework, path) pairs check runs each fixture through (golden.validate.IMPLEMENTATIONS
-# are the core's implementations, another thing). torch runs a fixture twice: forward and
-# backward through autograd (the explicit path, weights returned), and the forward alone under
-# no_grad, which its core sends to PyTorch's fused kernel. JAX reports the path its core took.
-FRAMEWORK_PATHS = (("torch", "autograd"), ("torch", "fused"), ("jax", "jit"))
+# The runs check makes of each fixture: (framework, the core implementation asked for, None for
+# the framework's own choice). torch runs a fixture twice: forward and backward through autograd
+# (weights returned: its core takes "explicit"), and the forward alone with PyTorch's kernel
+# ("fused") where that implementation takes the fixture. Each row reports the implementations
+# that ran, as the runner recorded them (golden.implementations.record).
+FRAMEWORK_RUNS = (("torch", None), ("torch", "fused"), ("jax", None))
 
 
 def _pairs(fixture, result, expected_grads=None):
@@ -76,11 +77,11 @@ def _terms(fixture, what) -> int:
 
 
 def rows(fixture, frameworks, dtypes):
-    """(framework, path, dtype) of the fixture's implementation rows, as filtered: each
-    implementation at each of the fixture's dtypes; the fused path where torch takes it."""
-    return [(fw, path, d) for fw, path in FRAMEWORK_PATHS for d in fixture.dtypes
+    """(framework, core, dtype) of the fixture's implementation rows, as filtered: each
+    framework at each of the fixture's dtypes; torch's "fused" where it takes the fixture."""
+    return [(fw, core, d) for fw, core in FRAMEWORK_RUNS for d in fixture.dtypes
             if (fw in frameworks) and (not dtypes or d in dtypes)
-            and (path != "fused" or runners.fused_applies(fixture))]
+            and (core is None or not runners.refuses(fw, core, fixture))]
 
 
 def select(names, pattern):
@@ -110,12 +111,12 @@ def regenerated(fixture) -> list[str]:
     return [what for what, a, e in pairs if a is None or not np.array_equal(a, e)]
 
 
-# ---- the work: (fixture, runner, label, path, dtype) ------------------------------------------
+# ---- the work: (fixture, runner, label, core, dtype) ------------------------------------------
 
 def _work(fixtures, frameworks, impls, dtypes):
-    work = [(f, runners.get(fw, path), fw, path, d) for f in fixtures
-            for fw, path, d in rows(f, frameworks, dtypes)]
-    work += [(f, impl, impl.name, "", d) for f in fixtures for impl in impls
+    work = [(f, runners.get(fw, core), fw, core, d) for f in fixtures
+            for fw, core, d in rows(f, frameworks, dtypes)]
+    work += [(f, impl, impl.name, None, d) for f in fixtures for impl in impls
              for d in f.dtypes if not dtypes or d in dtypes]
     return work
 
@@ -130,10 +131,10 @@ def _baseline(fixture, loss, prof, cache):
     return cache[key]
 
 
-def _row(fixture, runner, label, path, dtype, prof, cache):
+def _row(fixture, runner, label, core, dtype, prof, cache):
     """(the report's row, the result or None)."""
     row = {"fixture": fixture.name, "variant": fixture.variant, "implementation": label,
-           "path": path, "dtype": dtype, "status": "pass", "reason": None, "seconds": 0.0,
+           "core": core or "", "dtype": dtype, "status": "pass", "reason": None, "seconds": 0.0,
            "max_abs": None, "max_rel": None, "arrays": []}
     start = time.perf_counter()
     try:
@@ -147,7 +148,7 @@ def _row(fixture, runner, label, path, dtype, prof, cache):
         return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}",
                 "seconds": time.perf_counter() - start}, None
     row["seconds"] = time.perf_counter() - start
-    row["path"] = result.get("path", path or getattr(runner, "framework", ""))
+    row["core"] = result.get("core", row["core"])
     row["arrays"] = [_array(what, c) for what, c in comps.items()]
     bad = [a["name"] for a in row["arrays"] if not a["ok"]]
     if bad:
@@ -195,8 +196,8 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
               "rows": [], "regeneration": None}
     bar, log = _progress(work, progress, log)
     cache = {}
-    for fixture, runner, label, path, dtype in bar:
-        row, result = _row(fixture, runner, label, path, dtype, prof, cache)
+    for fixture, runner, label, core, dtype in bar:
+        row, result = _row(fixture, runner, label, core, dtype, prof, cache)
         report["rows"].append(row)
         log(row)
         if weights is not None:
@@ -212,7 +213,7 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
 def _keep_weights(weights, fixture, row, result):
     kept = weights.setdefault(fixture.name, {"reference": fixture.expected["weights"]})
     if result is not None and "weights" in result:
-        kept[f"{row['implementation']} {row['path']} {row['dtype']}"] = result["weights"]
+        kept[f"{row['implementation']} {row['core']} {row['dtype']}"] = result["weights"]
 
 
 def _summary(report, seconds) -> dict:
@@ -295,7 +296,7 @@ class _Table:
 
     def _header(self):
         self.width = self.width or max(len("fixture"), *(len(n) for n in golden.names()))
-        return (f"{'fixture':{self.width}} {'framework':{self.label}} {'path':8} {'dtype':8} "
+        return (f"{'fixture':{self.width}} {'framework':{self.label}} {'core':10} {'dtype':8} "
                 f"{'max abs err':>11} {'max rel err':>11}  result")
 
 
@@ -307,7 +308,7 @@ def _format_row(row, width, label=9) -> str:
     verdict = {"pass": "pass", "fail": f"FAIL {row['reason']}",
                "error": f"ERROR {row['reason']}",
                "not supported": f"not supported: {row['reason']}"}[status]
-    return (f"{row['fixture']:{width}} {row['implementation']:{label}} {row['path']:8} "
+    return (f"{row['fixture']:{width}} {row['implementation']:{label}} {row['core'] or '-':10} "
             f"{row['dtype']:8} {num(row['max_abs'])} {num(row['max_rel'])}  {verdict}")
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from golden import mapping as mapping_lib
 from golden import tolerances
 from golden.fixture import FixtureError, read_members, to_bytes, write_atomic
+from golden.frameworks import JAX, TORCH
 from golden.report import plain
 from golden.runners.adapt import SPEC, resolve_spec
 
@@ -189,16 +190,16 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
     shape that draws it (returned as "cotangent")."""
     import torch
 
-    module = copy.deepcopy(module).to(getattr(torch, dtype)).eval()
+    module = copy.deepcopy(module).to(TORCH.dtype(dtype)).eval()
     with torch.no_grad():
         for k, p in module.named_parameters():
-            p.copy_(torch.from_numpy(weights[k]))
+            p.copy_(TORCH.array(weights[k]))
             p.requires_grad_(True)  # a frozen parameter is compared like the others
-    args = [_torch_tensor(a, dtype) for a in inputs.values()]
+    args = list(TORCH.leaves(inputs, dtype).values())
     captured, hooks = {}, []
     for path in dict.fromkeys(t for t, _ in pairs):
         def hook(_m, _in, out, path=path):
-            captured.setdefault(path, _numpy(_first_array(out)))
+            captured.setdefault(path, TORCH.numpy(_first_array(out)))
         hooks.append(module.get_submodule(path).register_forward_hook(hook))
     try:
         out = _first_array(_call("torch", module, args, inputs))
@@ -206,22 +207,13 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
         for h in hooks:
             h.remove()
     d_out = cotangent(tuple(out.shape)) if callable(cotangent) else cotangent
-    (out * torch.from_numpy(d_out).to(out.dtype)).sum().backward()
-    grads = {k: _numpy(p.grad) if p.grad is not None else np.zeros(p.shape)
+    (out * TORCH.array(d_out, dtype)).sum().backward()
+    grads = {k: TORCH.numpy(p.grad) if p.grad is not None else np.zeros(p.shape)
              for k, p in module.named_parameters()}
-    grads.update({f"input.{n}": _numpy(a.grad) for n, a in zip(inputs, args) if a.requires_grad})
-    return {"output": _numpy(out), "grads": grads, "submodules": captured, "cotangent": d_out}
-
-
-def _torch_tensor(array, dtype):
-    import torch
-
-    t = torch.from_numpy(np.require(array, requirements="C"))
-    return t.to(getattr(torch, dtype)).requires_grad_() if t.is_floating_point() else t
-
-
-def _numpy(t) -> np.ndarray:
-    return t.detach().cpu().double().numpy()
+    grads.update({f"input.{n}": TORCH.numpy(a.grad) for n, a in zip(inputs, args)
+                  if a.requires_grad})
+    return {"output": TORCH.numpy(out), "grads": grads, "submodules": captured,
+            "cotangent": d_out}
 
 
 def _call(framework, module, args, inputs):
@@ -262,14 +254,13 @@ def _join(path) -> str:
 
 def _set_flax_params(model, table, weights) -> None:
     """Every nnx.Param set to its torch weight through the rule, in float32."""
-    import jax.numpy as jnp
     from flax import nnx
 
     state = nnx.state(model, nnx.Param)
     source = {path: (key, rule) for key, (path, rule) in table.items()}
     for p, var in nnx.to_flat_state(state):
         key, rule = source[_join(p)]
-        var.set_value(jnp.asarray(rule.apply(weights[key]), dtype=jnp.float32))
+        var.set_value(JAX.array(rule.apply(weights[key]), "float32"))
     nnx.update(model, state)
 
 
@@ -282,8 +273,7 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
 
     _set_flax_params(model, table, weights)
     model.eval()
-    arrays = {n: jnp.asarray(a, dtype=jnp.float32 if a.dtype.kind == "f" else a.dtype)
-              for n, a in inputs.items()}
+    arrays = JAX.leaves(inputs, "float32")
     floats = {n: a for n, a in arrays.items() if a.dtype == jnp.float32}
     others = {n: a for n, a in arrays.items() if n not in floats}
 
@@ -302,14 +292,13 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
         return out, g_model, g_in, inter
 
     out, g_model, g_in, inter = _call("Flax", step, (model, floats, others,
-                                                     jnp.asarray(d_out, jnp.float32)), inputs)
-    g_flax = {_join(p): np.asarray(v.get_value(), np.float64)
-              for p, v in nnx.to_flat_state(g_model)}
+                                                     JAX.array(d_out, "float32")), inputs)
+    g_flax = {_join(p): JAX.numpy(v.get_value()) for p, v in nnx.to_flat_state(g_model)}
     grads = {k: rule.inverse(g_flax[path], weights[k].shape) for k, (path, rule) in table.items()}
-    grads.update({f"input.{n}": np.asarray(g, np.float64) for n, g in g_in.items()})
-    subs = {_join(p[:-1]): np.asarray(jax.tree.leaves(v.get_value()[0])[0], np.float64)
+    grads.update({f"input.{n}": JAX.numpy(g) for n, g in g_in.items()})
+    subs = {_join(p[:-1]): JAX.numpy(jax.tree.leaves(v.get_value()[0])[0])
             for p, v in nnx.to_flat_state(inter) if p[-1] == "__call__" and len(p) > 1}
-    return {"output": np.asarray(out, np.float64), "grads": grads, "submodules": subs}
+    return {"output": JAX.numpy(out), "grads": grads, "submodules": subs}
 
 
 # ---------------------------------------------------------------- the report

@@ -93,17 +93,18 @@ def check_fits(held, new, room, length) -> None:
                          f"{new.tolist()} more within max_length M = {room}")
 
 
-def allowed_terms(row, key, pos, *, is_causal, window, q_len=None, kv_len=None) -> list:
-    """The conditions whose AND is the allowed set, for the twins' dense and blockwise paths
+def allowed_terms(row, key, pos, *, is_causal, window, q_lengths=None, kv_lengths=None) -> list:
+    """The conditions whose AND is the allowed set, for the twins' implementations
     (the reference states the same rule on its own, golden.reference.allowed_positions): query
     ``row`` i at position ``pos`` (= i + offset) may attend key position ``key`` j when
     j ≤ pos (``is_causal``), pos − left ≤ j ≤ pos + right (``window`` = (left, right), None
-    for an unbounded side), j < ``kv_len`` and i < ``q_len``. Integer arrays of any framework,
-    shaped to broadcast against each other; a condition whose argument is None is left out."""
+    for an unbounded side), j < ``kv_lengths`` and i < ``q_lengths``. Integer arrays of any
+    framework, shaped to broadcast against each other; a condition whose argument is None is
+    left out."""
     left, right = window
     terms = [key <= pos if is_causal else None,
              key >= pos - left if left is not None else None,
              key <= pos + right if right is not None else None,
-             key < kv_len if kv_len is not None else None,
-             row < q_len if q_len is not None else None]
+             key < kv_lengths if kv_lengths is not None else None,
+             row < q_lengths if q_lengths is not None else None]
     return [t for t in terms if t is not None]

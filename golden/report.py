@@ -5,15 +5,18 @@
 keys appear in this order, and a float that is not finite (inf, NaN) is stored as ``null``::
 
     {
-      "schema": "attn-parity-check", "schema_version": 1,
+      "schema": "attn-parity-check", "schema_version": 2,
       "created": "2026-11-22T08:00:00Z",        # UTC, ISO-8601
       "command": "attn-parity check -k sdpa",   # as typed; "" from the Python API
       "environment": {...},                     # environment(), below
       "profile": {"name": "exact", "k": null, "description": "..."},  # "tf32"/"bf16": k a number
       "implementations": ["torch", "jax", "mypkg.port:runner"],
-      "rows": [                                 # one per fixture x implementation x path x dtype
+      "rows": [                                 # one per fixture x run x dtype
         {"fixture": "sdpa_plain", "variant": "scaled_dot_product_attention",
-         "implementation": "torch", "path": "autograd", "dtype": "float32",
+         "implementation": "torch",             # the implementation under test (a runner)
+         "core": "explicit",                    # the core implementation(s) it ran, as
+                                                # recorded (golden.implementations); "" unknown
+         "dtype": "float32",
          "status": "pass",                      # "pass", "fail", "error" or "not supported"
          "reason": null,                        # the failing arrays, the exception, why not run
          "seconds": 0.012,
@@ -68,10 +71,10 @@ import numpy as np
 from golden.fixture import write_atomic
 
 SCHEMA = "attn-parity-check"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a row's "path" became "core"
 KEYS = ("schema", "schema_version", "created", "command", "environment", "profile",
         "implementations", "rows", "regeneration", "summary")
-ROW_KEYS = ("fixture", "variant", "implementation", "path", "dtype", "status", "reason",
+ROW_KEYS = ("fixture", "variant", "implementation", "core", "dtype", "status", "reason",
             "seconds", "max_abs", "max_rel", "arrays")
 ARRAY_KEYS = ("name", "kind", "max_abs", "max_rel", "rel_norm", "ok", "zero", "missing")
 SUMMARY_KEYS = ("rows", "passed", "failed", "errors", "not_supported", "regeneration_failed",
@@ -237,7 +240,7 @@ def _count(element, children) -> None:
 
 def _case(row) -> ET.Element:
     """A row's testcase: a failure, an error, skipped, or nothing inside when it passed."""
-    name = f"{row['implementation']} {row['path']} {row['dtype']}"
+    name = f"{row['implementation']} {row['core']} {row['dtype']}"
     case = ET.Element("testcase", classname=_xml(row["fixture"]), name=_xml(name),
                       time=f"{_finite(row['seconds']) or 0.0:.3f}")
     reason = _xml(row["reason"] or "")
@@ -594,9 +597,9 @@ def _fixture_section(report, name, left_out) -> str:
     """A fixture's rows table and image."""
     e = html.escape
     rows = [r for r in report["rows"] if r["fixture"] == name]
-    cells = [[r["implementation"], r["path"], r["dtype"], (r["status"], _css(r["status"])),
+    cells = [[r["implementation"], r["core"], r["dtype"], (r["status"], _css(r["status"])),
               _number(r["max_abs"]), _number(r["max_rel"]), r["reason"] or ""] for r in rows]
-    table = _table(["implementation", "path", "dtype", "status", "max abs", "max rel", "reason"],
+    table = _table(["implementation", "core", "dtype", "status", "max abs", "max rel", "reason"],
                    cells, numeric={4, 5})
     src = "fixtures/" + quote(_image_name(name))
     alt = f"attention weights of {name}: reference, implementations and |difference|"

@@ -336,17 +336,18 @@ def check_param_arrays(params) -> None:
         _expect_array(f"parameter {name}", a)
 
 
-IMPLEMENTATIONS = ("dense", "blockwise")
-
-
-def check_implementation(implementation, return_weights=False) -> None:
-    """The core's ``implementation``: None (the framework chooses), "dense" (the (Lq, Lk)
-    weights formed) or "blockwise" (O(L) memory; it never forms the weights, so it cannot return
-    them)."""
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation should be None, 'dense' or 'blockwise', "
-                         f"got {implementation!r}")
-    if implementation == "blockwise" and return_weights:
-        raise ValueError("return_weights=True needs implementation='dense' or None: the "
-                         "blockwise path never forms the (Lq, Lk) weights, which is what keeps "
-                         "its memory O(L)")
+def check_block_sizes(block_sizes, key_blocks=True):
+    """``block_sizes`` as a tuple (None stays None): (block_q, block_k), positive ints, or
+    without ``key_blocks`` (torch's row_chunks, whose chunks take every key their rows can see)
+    (rows, None)."""
+    if block_sizes is None:
+        return None
+    pair = isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2
+    positive = lambda n: isinstance(n, int) and not isinstance(n, bool) and n > 0  # noqa: E731
+    if key_blocks and pair and all(positive(n) for n in block_sizes):
+        return tuple(block_sizes)
+    if not key_blocks and pair and positive(block_sizes[0]) and block_sizes[1] is None:
+        return tuple(block_sizes)
+    want = ("(block_q, block_k) of positive ints" if key_blocks
+            else "(rows, None), rows a positive int")
+    raise ValueError(f"block_sizes should be None or a pair {want}, got {block_sizes!r}")

@@ -2,7 +2,11 @@
 
 from golden.positions import KVCache
 from jax_attn import convert, sharding
-from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+from jax_attn.functional import (
+    DEFAULT_PRECISION,
+    IMPLEMENTATIONS,
+    scaled_dot_product_attention,
+)
 from jax_attn.modules import *  # noqa: F403  (the variant classes, listed in modules.__all__)
 from jax_attn.modules import __all__ as _classes
 from jax_attn.params import build, export_cache, export_params, load_cache, load_params
@@ -13,6 +17,6 @@ from jax_attn.rotary import rotary_embedding
 # attention (the sequence over a mesh).
 JAX_ONLY = ("DEFAULT_PRECISION", "sharding", "ring_attention")
 
-__all__ = [*_classes, "DEFAULT_PRECISION", "sharding", "ring_attention", "KVCache", "convert",
-           "build", "export_cache", "export_params", "load_cache", "load_params",
-           "rotary_embedding", "scaled_dot_product_attention"]
+__all__ = [*_classes, "DEFAULT_PRECISION", "IMPLEMENTATIONS", "sharding", "ring_attention",
+           "KVCache", "convert", "build", "export_cache", "export_params", "load_cache",
+           "load_params", "rotary_embedding", "scaled_dot_product_attention"]

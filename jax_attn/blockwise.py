@@ -12,8 +12,8 @@ two parts); the backward recomputes each block's probabilities from them, key bl
 block (``lax.scan``, dK and dV per key block, dQ carried whole), over the query blocks that can
 see it. Neither pass forms (Lq, Lk): memory is O(L·D + Bq·Bk). Blocks whose every entry the
 positional rules allow take a body without the mask (unless a ``mask`` or drawn dropout is
-given); blocks on a boundary are masked. mask, bias and keep stay as broadcast as they came,
-(Lq|1, Lk|1), and are sliced per block.
+given); blocks on a boundary are masked. mask, bias and dropout_mask stay as broadcast as they
+came, (Lq|1, Lk|1), and are sliced per block.
 
 The pieces are public for ``jax_attn.ring``, which runs them on each block of keys that reaches
 a device: ``Head.make`` (one head, padded), ``start``, ``accumulate`` and ``finish`` (the
@@ -31,6 +31,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from golden.positions import allowed_terms
+from golden.validate import check_block_sizes
+
+# The largest query and key blocks when block_sizes is None: measured on a CPU (forward and
+# forward + backward, several block shapes and lengths): docs/performance.md.
+DEFAULT_BLOCK_SIZES = (1024, 1024)
+
+
+def sizes(block_sizes):
+    """(Bq, Bk): ``block_sizes`` checked, DEFAULT_BLOCK_SIZES for None."""
+    return check_block_sizes(block_sizes) or DEFAULT_BLOCK_SIZES
 
 
 class Static(NamedTuple):
@@ -46,13 +56,15 @@ class Static(NamedTuple):
     block_k: int
 
 
-def attend(q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, *, static):
-    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, keep broadcastable to
-    (Lq, Lk) with size-1 axes kept; rng a key (drawn dropout) or None; offset, q_len, kv_len
-    int scalars or None. Returns the output (Lq, Dv) in q's dtype."""
+def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, *, static):
+    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, dropout_mask broadcastable to
+    (Lq, Lk) with size-1 axes kept; rng a key (drawn dropout) or None; offset, q_lengths, kv_lengths
+    int scalars or None. Returns (the output (Lq, Dv) in q's dtype, None): the weights are
+    never formed."""
     static = static._replace(block_q=fit(q.shape[0], static.block_q),
                              block_k=fit(k.shape[0], static.block_k))
-    return _flash(static, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len)
+    return _flash(static, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths,
+                  kv_lengths), None
 
 
 def fit(length, block):
@@ -62,21 +74,22 @@ def fit(length, block):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
-    out, _ = _forward(st, Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len))
+def _flash(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths):
+    out, _ = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
+                                    q_lengths, kv_lengths))
     return out.astype(q.dtype)
 
 
-def _flash_fwd(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
-    out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len,
-                                        kv_len))
+def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths):
+    out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
+                                        q_lengths, kv_lengths))
     out = out.astype(q.dtype)
-    return out, (q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, out, stats)
+    return out, (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, out, stats)
 
 
 def _flash_bwd(st, res, d_out):
-    q, k, v, mask, bias, keep, rng, offset, q_len, kv_len, out, stats = res
-    h = Head.make(st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len)
+    q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, out, stats = res
+    h = Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths)
     dq, dk, dv, dbias = backward(st, h, out, stats, d_out)
     if bias is not None:
         dbias = dbias[:bias.shape[0], :bias.shape[1]].astype(bias.dtype)  # (Lq|1, Lk|1)
@@ -97,16 +110,16 @@ class Head(NamedTuple):
     v: jax.Array  # (Lk', Dv)
     mask: jax.Array | None  # (Lq'|1, Lk'|1) bool, padded with False
     bias: jax.Array | None  # (Lq'|1, Lk'|1), padded with 0
-    keep: jax.Array | None  # (Lq'|1, Lk'|1) bool, padded with False
+    dropout_mask: jax.Array | None  # (Lq'|1, Lk'|1) bool, padded with False
     rng: jax.Array | None
     offset: Any  # the first query's position: int scalar
-    q_lim: Any  # rows at or past it attend nothing (query_seq_lengths), or None
-    k_lim: Any  # keys at or past it are never attended: min(Lk, kv_len)
+    q_lengths: Any  # rows at or past it attend nothing (query_seq_lengths), or None
+    kv_lengths: Any  # keys at or past it are never attended: min(Lk, kv_lengths)
     lq: int  # the unpadded lengths
     lk: int
 
     @classmethod
-    def make(cls, st, q, k, v, mask, bias, keep, rng, offset, q_len, kv_len):
+    def make(cls, st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths):
         compute = jnp.promote_types(q.dtype, jnp.float32)
         lq, lk = q.shape[0], k.shape[0]
         rows, cols = _padding(lq, st.block_q), _padding(lk, st.block_k)
@@ -115,10 +128,10 @@ class Head(NamedTuple):
             constant_values=fill)
         q = jnp.pad(q.astype(compute) * (st.scale / (st.softcap or 1.0)), ((0, rows), (0, 0)))
         k, v = (jnp.pad(x.astype(compute), ((0, cols), (0, 0))) for x in (k, v))
-        k_lim = lk if kv_len is None else jnp.minimum(kv_len, lk)
+        kv_lengths = lk if kv_lengths is None else jnp.minimum(kv_lengths, lk)
         return cls(q, k, v, pad(mask, False), pad(None if bias is None else bias.astype(compute),
-                                                  0), pad(keep, False), rng,
-                   0 if offset is None else offset, q_len, k_lim, lq, lk)
+                                                  0), pad(dropout_mask, False), rng,
+                   0 if offset is None else offset, q_lengths, kv_lengths, lq, lk)
 
 
 def _padding(length, block):
@@ -136,10 +149,11 @@ def _key_blocks(st, h, i):
     entry the positional rules allow (None when _split is False)."""
     left, right = st.window
     r0 = i * st.block_q
-    last = jnp.minimum(r0 + st.block_q, h.lq if h.q_lim is None else jnp.minimum(h.q_lim, h.lq))
+    last = jnp.minimum(r0 + st.block_q,
+                       h.lq if h.q_lengths is None else jnp.minimum(h.q_lengths, h.lq))
     p0, p1 = r0 + h.offset, last - 1 + h.offset  # positions of its first and last valid rows
     first = jnp.maximum(0, p0 - left) if left is not None else 0
-    final = _min(h.k_lim - 1, p1 if st.is_causal else None,
+    final = _min(h.kv_lengths - 1, p1 if st.is_causal else None,
                  None if right is None else p1 + right)  # the last key any row may see
     lo = first // st.block_k
     hi = jnp.where(last > r0, jnp.maximum(lo, final // st.block_k + 1), lo)
@@ -147,12 +161,12 @@ def _key_blocks(st, h, i):
         return _int32(lo, None, None, hi)
     q_end = r0 + st.block_q - 1 + h.offset  # every row of the block, padding included
     full_first = 0 if left is None else q_end - left
-    full_final = _min(h.k_lim - 1, p0 if st.is_causal else None,
+    full_final = _min(h.kv_lengths - 1, p0 if st.is_causal else None,
                       None if right is None else p0 + right)  # the last key every row sees
     a = jnp.clip(_cdiv(full_first, st.block_k), lo, hi)
     b = jnp.clip((full_final + 1) // st.block_k, a, hi)
-    if h.q_lim is not None:  # rows past the length need the mask
-        a, b = (jnp.where(r0 + st.block_q <= h.q_lim, x, hi) for x in (a, b))
+    if h.q_lengths is not None:  # rows past the length need the mask
+        a, b = (jnp.where(r0 + st.block_q <= h.q_lengths, x, hi) for x in (a, b))
     return _int32(lo, a, b, hi)
 
 
@@ -161,10 +175,10 @@ def _query_blocks(st, h, j):
     those whose every entry the positional rules allow (None when _split is False)."""
     left, right = st.window
     c0 = j * st.block_k
-    c1 = jnp.minimum(c0 + st.block_k, h.k_lim) - 1  # its last valid key
+    c1 = jnp.minimum(c0 + st.block_k, h.kv_lengths) - 1  # its last valid key
     row_lo = _max(0, c0 - h.offset if st.is_causal else None,
                   None if right is None else c0 - right - h.offset)
-    row_hi = _min(h.lq - 1, None if h.q_lim is None else h.q_lim - 1,
+    row_hi = _min(h.lq - 1, None if h.q_lengths is None else h.q_lengths - 1,
                   None if left is None else c1 + left - h.offset)
     lo = row_lo // st.block_q
     hi = jnp.where((c1 >= c0) & (row_hi >= row_lo), jnp.maximum(lo, row_hi // st.block_q + 1), lo)
@@ -173,11 +187,11 @@ def _query_blocks(st, h, j):
     c_end = c0 + st.block_k - 1  # every key of the block, padding included
     full_lo = _max(0, c_end - h.offset if st.is_causal else None,
                    None if right is None else c_end - right - h.offset)
-    full_hi = _min(None if h.q_lim is None else h.q_lim - 1,
+    full_hi = _min(None if h.q_lengths is None else h.q_lengths - 1,
                    None if left is None else c0 + left - h.offset)  # None: unbounded
     a = jnp.clip(_cdiv(full_lo, st.block_q), lo, hi)
     b = jnp.clip(hi if full_hi is None else (full_hi + 1) // st.block_q, a, hi)
-    a, b = (jnp.where(c_end < h.k_lim, x, hi) for x in (a, b))  # padded keys need the mask
+    a, b = (jnp.where(c_end < h.kv_lengths, x, hi) for x in (a, b))  # padded keys need the mask
     return _int32(lo, a, b, hi)
 
 
@@ -185,7 +199,7 @@ def _split(st, h):
     """Whether some blocks can skip the mask: not with a ``mask`` (any block may hold a False),
     nor with drawn dropout (the random bits cost far more than the mask, and each loop body
     compiles its own copy of the generator)."""
-    return h.mask is None and not (st.dropout_rate > 0.0 and h.keep is None)
+    return h.mask is None and not (st.dropout_rate > 0.0 and h.dropout_mask is None)
 
 
 def _int32(*xs):
@@ -211,8 +225,8 @@ def _allowed(st, h, i, j, mask):
     key = j * st.block_k + lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)  # (1, Bk)
     pos = row + h.offset
     terms = [t for t in [mask] if t is not None] + allowed_terms(
-        row, key, pos, is_causal=st.is_causal, window=(left, right), q_len=h.q_lim,
-        kv_len=h.k_lim)
+        row, key, pos, is_causal=st.is_causal, window=(left, right), q_lengths=h.q_lengths,
+        kv_lengths=h.kv_lengths)
     allowed = reduce(jnp.logical_and, terms)
     return jnp.broadcast_to(allowed, (st.block_q, st.block_k))
 
@@ -242,20 +256,20 @@ def _scores(st, q_i, k_j, bias_ij):
     return s if bias_ij is None else s + bias_ij
 
 
-def _keep(st, h, i, j, keep_ij):
-    """The block's keep-mask (Bq|1, Bk|1) or (Bq, Bk) drawn from (rng, i, j); None without
+def _dropout_mask(st, h, i, j, dropout_ij):
+    """The block's dropout mask (Bq|1, Bk|1) or (Bq, Bk) drawn from (rng, i, j); None without
     dropout."""
     if st.dropout_rate == 0.0:
         return None
-    if keep_ij is not None:
-        return keep_ij
+    if dropout_ij is not None:
+        return dropout_ij
     key = jax.random.fold_in(jax.random.fold_in(h.rng, i), j)
     return jax.random.bernoulli(key, 1.0 - st.dropout_rate, (st.block_q, st.block_k))
 
 
-def _dropped(st, p, keep):
-    """p · keep / (1 − rate): the weights applied to V."""
-    return p if keep is None else jnp.where(keep, p / (1.0 - st.dropout_rate), 0.0)
+def _dropped(st, p, dropout_mask):
+    """p · dropout_mask / (1 − rate): the weights applied to V."""
+    return p if dropout_mask is None else jnp.where(dropout_mask, p / (1.0 - st.dropout_rate), 0.0)
 
 
 def _loops(ranges, masked, plain, carry):
@@ -300,7 +314,8 @@ def accumulate(st, h, state):
     def query_block(args):
         i, carry = args
         q_i = _rows(h.q, i, st.block_q)  # (Bq, Dk)
-        mask_i, bias_i, keep_i = (_rows(x, i, st.block_q) for x in (h.mask, h.bias, h.keep))
+        mask_i, bias_i, dropout_i = (_rows(x, i, st.block_q)
+                                     for x in (h.mask, h.bias, h.dropout_mask))
 
         def step(j, carry, masked):
             m, total, acc = carry  # running max, running sum l, accumulator: (Bq,), (Bq,), (Bq, Dv)
@@ -311,7 +326,7 @@ def accumulate(st, h, state):
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.exp(s - m_new[:, None])
             alpha = jnp.exp(m - m_new)
-            a = _dropped(st, p, _keep(st, h, i, j, _cols(keep_i, j, st.block_k)))
+            a = _dropped(st, p, _dropout_mask(st, h, i, j, _cols(dropout_i, j, st.block_k)))
             acc = alpha[:, None] * acc + jnp.einsum("qk,kv->qv", a, v_j, precision=st.precision,
                                                     preferred_element_type=dt)
             return m_new, alpha * total + p.sum(axis=1), acc
@@ -359,7 +374,8 @@ def backward(st, h, out, stats, d_out):
 
     def key_block(carry, j):
         k_j, v_j = _rows(h.k, j, st.block_k), _rows(h.v, j, st.block_k)  # (Bk, Dk), (Bk, Dv)
-        mask_j, bias_j, keep_j = (_cols(x, j, st.block_k) for x in (h.mask, h.bias, h.keep))
+        mask_j, bias_j, dropout_j = (_cols(x, j, st.block_k)
+                                     for x in (h.mask, h.bias, h.dropout_mask))
 
         def step(i, c, masked):
             dq_t, dbias, dk_j, dv_j = c  # (Dk, Lq'), ..., (Bk, Dk), (Bk, Dv)
@@ -369,12 +385,12 @@ def backward(st, h, out, stats, d_out):
             p_t = jnp.exp(s_t - _rows(m, i, st.block_q)) * _rows(inv, i, st.block_q)  # (Bk, Bq)
             if masked:
                 p_t = jnp.where(_allowed(st, h, i, j, _rows(mask_j, i, st.block_q)).T, p_t, 0.0)
-            keep = _keep(st, h, i, j, _rows(keep_j, i, st.block_q))
-            keep_t = None if keep is None else keep.T
-            dv_j = dv_j + jnp.einsum("kq,qv->kv", _dropped(st, p_t, keep_t), do_i,
+            dropout_mask = _dropout_mask(st, h, i, j, _rows(dropout_j, i, st.block_q))
+            dropout_t = None if dropout_mask is None else dropout_mask.T
+            dv_j = dv_j + jnp.einsum("kq,qv->kv", _dropped(st, p_t, dropout_t), do_i,
                                      precision=st.precision, preferred_element_type=dt)
             dp_t = _dropped(st, jnp.einsum("kv,qv->kq", v_j, do_i, precision=st.precision,
-                                           preferred_element_type=dt), keep_t)
+                                           preferred_element_type=dt), dropout_t)
             ds_t = p_t * (dp_t - _rows(delta, i, st.block_q)[None, :])  # dL/dS
             dr_t = ds_t if capped_t is None else ds_t * (1.0 - capped_t * capped_t)  # dL/dR
             dk_j = dk_j + jnp.einsum("kq,qd->kd", dr_t, q_i, precision=st.precision,

@@ -11,19 +11,14 @@ GPU and TPU too).
 from __future__ import annotations
 
 import math
-from functools import partial, reduce
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from golden.positions import allowed_terms
-from golden.validate import (
-    check_attention_args,
-    check_flags,
-    check_implementation,
-    window,
-)
-from jax_attn import blockwise
+from golden.implementations import Asked, Implementation, Registry
+from golden.validate import check_attention_args, check_block_sizes, check_flags, window
+from jax_attn import blockwise, explicit
 from jax_attn.sharding import (
     check_head_sharding,
     explicit_spec,
@@ -33,7 +28,7 @@ from jax_attn.sharding import (
 )
 
 DEFAULT_PRECISION = jax.lax.Precision.HIGHEST
-NO_WINDOW = (None, None)
+NO_WINDOW = explicit.NO_WINDOW
 
 
 def scaled_dot_product_attention(
@@ -55,28 +50,31 @@ def scaled_dot_product_attention(
     gives zeros in the output and the weights. ``is_causal``, ``softcap`` and the window are
     static (one compilation each); offsets and lengths are traced (a growing offset does not
     recompile).
-    dropout_mask: bool keep-mask (weights kept are scaled by 1/(1 − dropout_rate)); without it,
+    dropout_mask: bool dropout mask (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn from ``dropout_rng`` (a ``jax.random`` key), which is then required.
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
     (..., H, Lq, Lk), after masking and dropout, in the query's dtype.
 
-    implementation: "dense" forms each head's (Lq, Lk) weights; "blockwise" never does
-    (jax_attn.blockwise: FlashAttention-2's online softmax and a backward of its own that
-    recomputes each block from the saved log-sum-exp, memory O(L); key blocks wholly outside the
-    causal bound, the window or the lengths are skipped by index), so it cannot return the
-    weights. None chooses: "blockwise" when the weights are not asked for and Lq·Lk exceeds
-    BLOCKWISE_MIN_SCORES = 2²⁰ (L > 1024 for Lq = Lk), else "dense"; on this CPU (the figures
-    are beside BLOCKWISE_MIN_SCORES) blockwise and dense forwards tie at L = 1024 (B = 4, H = 8,
-    D = 64), blockwise is 1.3-1.8× faster at L = 1280-2048, and its forward + backward is
-    already 7× faster at L = 1024.
-    block_sizes: (Bq, Bk), the blockwise path's largest query and key blocks, static ints
-    (default DEFAULT_BLOCK_SIZES = (1024, 1024), measured); each length is split into the
-    fewest blocks of at most that size, evenly, the last one masked where ragged.
-    Dropout drawn from ``dropout_rng`` differs between the paths for the same key: dense draws
-    one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
+    ``implementation`` names one of IMPLEMENTATIONS, each the same function of the arguments;
+    one that cannot honour an argument raises a ValueError saying why (never a fallback):
+    - "explicit" (jax_attn.explicit): each head's (Lq, Lk) weights formed. Takes everything but
+      ``block_sizes``.
+    - "blockwise" (jax_attn.blockwise): FlashAttention-2's online softmax and a backward of its
+      own that recomputes each block from the saved log-sum-exp, memory O(L); key blocks wholly
+      outside the causal bound, the window or the lengths are skipped by index. It never forms
+      the weights, so it cannot return them. ``block_sizes``: (Bq, Bk), its largest query and
+      key blocks, static ints (default blockwise.DEFAULT_BLOCK_SIZES = (1024, 1024)); each
+      length is split into the fewest blocks of at most that size, evenly, the last one masked
+      where ragged.
+    - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
+      (L > 1024 for Lq = Lk), else "explicit" first; the first that takes the call runs it.
+      The measurements: docs/performance.md.
+    ``golden.implementations.record()`` collects the name each call ran (when traced).
+    Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
+    explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
     fold_in(fold_in(fold_in(key, b·H + h), query block), key block) so that its backward
     regenerates it; both keep each weight with probability 1 − dropout_rate. A ``dropout_mask``
-    gives both paths the same result.
+    gives both the same result.
     Arrays sharded over a jax.sharding.Mesh (batch over one axis, heads over another) run
     unchanged, each device computing its own heads, and the output keeps the query's sharding;
     jax_attn.sharding gives the specs.
@@ -87,8 +85,10 @@ def scaled_dot_product_attention(
                          key_value_seq_lengths=key_value_seq_lengths,
                          dropout_rate=dropout_rate, dropout_mask=dropout_mask)
     check_flags(is_causal=is_causal, return_weights=return_weights)
-    check_implementation(implementation, return_weights)
     block_sizes = check_block_sizes(block_sizes)
+    asked = Asked(return_weights=bool(return_weights), softcap=softcap is not None,
+                  dropout=dropout_rate > 0.0, block_sizes=block_sizes)
+    chosen = IMPLEMENTATIONS.select(implementation, asked, choose(query.shape, key.shape))
     if dropout_rate > 0.0 and dropout_mask is None and dropout_rng is None:
         raise ValueError("dropout_rng should be a jax.random key when dropout_rate > 0 and no "
                          "dropout_mask is given, got None")
@@ -113,9 +113,8 @@ def scaled_dot_product_attention(
                              dropout_rate=float(dropout_rate), precision=precision,
                              return_weights=bool(return_weights),
                              chunk=heads_per_step(query.shape, key.shape) if one_device else None,
-                             implementation=implementation or choose_implementation(
-                                 query.shape, key.shape, return_weights),
-                             block_sizes=block_sizes)
+                             implementation=chosen.name,
+                             block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES)
     return (out, weights) if return_weights else out
 
 
@@ -151,70 +150,77 @@ def heads_per_step(q_shape, k_shape):
     return CPU_HEADS_PER_STEP if jax.default_backend() == "cpu" and large else None
 
 
-# The blockwise path's blocks, and the automatic choice between the paths: blockwise when
-# Lq·Lk is above BLOCKWISE_MIN_SCORES. Both were measured on the CPU (forward and forward +
-# backward, several block shapes and lengths): docs/performance.md, "Why the thresholds are
-# where they are". For training at L = 1024, pass implementation="blockwise".
-DEFAULT_BLOCK_SIZES = (1024, 1024)
-BLOCKWISE_MIN_SCORES = 2**20  # blockwise when Lq·Lk is above it
+# None takes blockwise first once one head's scores Lq·Lk are more than BLOCKWISE_ABOVE; the
+# measurements (forward and forward + backward, several block shapes and lengths, on a CPU):
+# docs/performance.md, "Why the thresholds are where they are". For training at L = 1024, pass
+# implementation="blockwise".
+BLOCKWISE_ABOVE = 2**20
 
 
-def check_block_sizes(block_sizes):
-    """(Bq, Bk) as a pair of positive ints; None gives DEFAULT_BLOCK_SIZES."""
-    if block_sizes is None:
-        return DEFAULT_BLOCK_SIZES
-    ok = isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2 and all(
-        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block_sizes)
-    if not ok:
-        raise ValueError("block_sizes should be None or a pair (block_q, block_k) of positive "
-                         f"ints, got {block_sizes!r}")
-    return tuple(block_sizes)
+def choose(q_shape, k_shape) -> tuple:
+    """The order of preference of ``implementation=None`` for these shapes: the first that
+    takes the call runs it."""
+    if q_shape[-2] * k_shape[-2] > BLOCKWISE_ABOVE:
+        return ("blockwise", "explicit")
+    return ("explicit", "blockwise")
 
 
-def choose_implementation(q_shape, k_shape, return_weights=False):
-    """implementation=None: "blockwise" when the weights are not asked for and one head's
-    scores Lq·Lk exceed BLOCKWISE_MIN_SCORES, else "dense"."""
-    large = q_shape[-2] * k_shape[-2] > BLOCKWISE_MIN_SCORES
-    return "blockwise" if large and not return_weights else "dense"
+def _explicit_refuses(asked):
+    return "block_sizes is for 'blockwise'" if asked.block_sizes is not None else None
+
+
+def _blockwise_refuses(asked):
+    if asked.return_weights:
+        return ("it never forms the (Lq, Lk) weights, which is what keeps its memory O(L): "
+                "return_weights=True needs 'explicit'")
+    return None
+
+
+# Each implementation runs one head: run(q, k, v, mask, bias, dropout_mask, rng, offset,
+# q_lengths, kv_lengths, *, static) -> (output, weights | None); the core vmaps it.
+IMPLEMENTATIONS = Registry(
+    "jax",
+    Implementation("explicit", explicit.attend, _explicit_refuses),
+    Implementation("blockwise", blockwise.attend, _blockwise_refuses),
+)
 
 
 @partial(jax.jit, static_argnames=("scale", "is_causal", "softcap", "window", "dropout_rate",
                                    "precision", "return_weights", "chunk", "implementation",
                                    "block_sizes"))
-def _attention(query, key, value, mask, bias, keep, rng, offset=None, q_lengths=None,
+def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_lengths=None,
                kv_lengths=None, *, scale, is_causal, dropout_rate, precision, return_weights,
-               softcap=None, window=NO_WINDOW, chunk=None, implementation="dense",
-               block_sizes=DEFAULT_BLOCK_SIZES):
-    """Lift to (B, Hkv, G, ...), vmap the one-head core over G (key and value not mapped), Hkv
-    and B, drop the added axes. offset, q_lengths, kv_lengths: int arrays (B,) or (), or None.
-    The blockwise core draws its own dropout from rng, one stream per (batch, head)."""
+               softcap=None, window=NO_WINDOW, chunk=None, implementation="explicit",
+               block_sizes=blockwise.DEFAULT_BLOCK_SIZES):
+    """Lift to (B, Hkv, G, ...), vmap the implementation's one-head core over G (key and value
+    not mapped), Hkv and B, drop the added axes. offset, q_lengths, kv_lengths: int arrays (B,)
+    or (), or None. "explicit" draws one dropout mask for every head here; "blockwise" draws
+    its own from rng, one stream per (batch, head), block by block."""
     lead = query.shape[:-2]
     shape = lead + (query.shape[-2], key.shape[-2])  # (..., H, Lq, Lk)
     blocks = implementation == "blockwise"
-    if dropout_rate > 0.0 and keep is None and not blocks:
-        keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
+    if dropout_rate > 0.0 and dropout_mask is None and not blocks:
+        dropout_mask = jax.random.bernoulli(rng, 1.0 - dropout_rate, shape)
     q, k, v = (_lift(x) for x in (query, key, value))  # (B, H, Lq, Dk), (B, Hkv, Lk, D)
     groups = q.shape[1] // k.shape[1]  # G
     q = q.reshape(q.shape[:1] + (k.shape[1], groups) + q.shape[2:])  # (B, Hkv, G, Lq, Dk)
     extras = tuple(None if x is None else _group(_lift(x), groups)
-                   for x in (mask, bias, keep))  # (B|1, Hkv|1, G|1, Lq|1, Lk|1)
+                   for x in (mask, bias, dropout_mask))  # (B|1, Hkv|1, G|1, Lq|1, Lk|1)
     extras += tuple(None if x is None else x.reshape((x.shape[:1] or (1,)) + (1, 1))
                     for x in (offset, q_lengths, kv_lengths))  # (B|1, 1, 1)
-    drawn = blocks and dropout_rate > 0.0 and keep is None
+    drawn = blocks and dropout_rate > 0.0 and dropout_mask is None
     extras += (jnp.arange(math.prod(q.shape[:3]), dtype=jnp.int32).reshape(q.shape[:3])
                if drawn else None,)  # (B, Hkv, G): the head's dropout stream
 
     static = blockwise.Static(scale, is_causal, softcap, window, dropout_rate, precision,
                               *block_sizes)
 
-    def one(q, k, v, mask, bias, keep, offset, q_len, kv_len, stream):
-        if blocks:  # the weights are never formed
-            head_rng = None if stream is None else jax.random.fold_in(rng, stream)
-            return blockwise.attend(q, k, v, mask, bias, keep, head_rng, offset, q_len, kv_len,
-                                    static=static), None
-        out, weights = _one_head(q, k, v, mask, bias, keep, offset, q_len, kv_len, scale=scale,
-                                 is_causal=is_causal, softcap=softcap, window=window,
-                                 dropout_rate=dropout_rate, precision=precision)
+    attend = IMPLEMENTATIONS[implementation].run
+
+    def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, stream):
+        head_rng = None if stream is None else jax.random.fold_in(rng, stream)
+        out, weights = attend(q, k, v, mask, bias, dropout_mask, head_rng, offset, q_lengths,
+                              kv_lengths, static=static)
         return (out, weights) if return_weights else (out, None)  # weights only when asked for
 
     run = _vmap_all if chunk is None else partial(_vmap_chunks, chunk=chunk)
@@ -284,48 +290,3 @@ def _squeezed(extras, lead):
     """The extras without their size-1 axes among the first ``lead`` (those not mapped)."""
     return [None if x is None else x.reshape(
         tuple(n for i, n in enumerate(x.shape) if i >= lead or n > 1)) for x in extras]
-
-
-def _one_head(q, k, v, mask, bias, keep, offset, q_len, kv_len, *, scale, is_causal, softcap,
-              window, dropout_rate, precision):
-    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, keep broadcast to (Lq, Lk);
-    offset, q_len, kv_len scalars or None."""
-    compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
-    scores = scale * jnp.einsum("qd,kd->qk", q, k, precision=precision,
-                                preferred_element_type=compute)  # (Lq, Lk)
-    if softcap is not None:  # after scaling, before bias and masks
-        scores = softcap * jnp.tanh(scores / softcap)
-    if bias is not None:
-        scores = scores + bias.astype(compute)
-    allowed = _allowed(scores.shape, mask, offset, q_len, kv_len, is_causal=is_causal,
-                       window=window)
-    if allowed is None:
-        weights = jax.nn.softmax(scores, axis=-1)
-    else:
-        filled = jnp.where(allowed, scores, jnp.finfo(compute).min)  # finite: no NaN anywhere
-        weights = jax.nn.softmax(filled, axis=-1)
-        if not _causal_only(mask, offset, q_len, kv_len, window):
-            weights = weights * allowed.any(axis=-1, keepdims=True)  # empty rows give zeros
-    if dropout_rate > 0.0:
-        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    weights = weights.astype(q.dtype)
-    out = jnp.einsum("qk,kv->qv", weights, v, precision=precision,
-                     preferred_element_type=compute)  # (Lq, Dv)
-    return out.astype(q.dtype), weights
-
-
-def _causal_only(mask, offset, q_len, kv_len, window):
-    """Whether causality alone restricts the keys: every row then keeps key 0, none is empty."""
-    return mask is None and offset is None and q_len is None and kv_len is None and (
-        window == NO_WINDOW)
-
-
-def _allowed(shape, mask, offset, q_len, kv_len, *, is_causal, window):
-    """Where query row i, at position i + offset, may attend key j (position j): bool (Lq, Lk),
-    or None when every key is allowed."""
-    row = jnp.arange(shape[0])[:, None]  # (Lq, 1)
-    key = jnp.arange(shape[1])[None, :]  # (1, Lk)
-    pos = row if offset is None else row + offset  # (Lq, 1)
-    terms = [t for t in [mask] if t is not None] + allowed_terms(
-        row, key, pos, is_causal=is_causal, window=window, q_len=q_len, kv_len=kv_len)
-    return jnp.broadcast_to(reduce(jnp.logical_and, terms), shape) if terms else None

@@ -89,7 +89,7 @@ class _Variant(nnx.Module):
         return 0.0 if getattr(self, "deterministic", True) else self.dropout
 
     def _dropout_key(self, dropout_mask):
-        """A fresh key from the dropout stream when dropout is active and no keep-mask is
+        """A fresh key from the dropout stream when dropout is active and no dropout mask is
         given, else None."""
         return self.dropout_rngs() if self._rate() > 0 and dropout_mask is None else None
 
@@ -208,16 +208,17 @@ class MultiHeadAttentionWrapper(_Variant):
     def __call__(self, x, mask=None, *, dropout_mask=None, return_weights=False):
         check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=self._rate())
         key = self._dropout_key(dropout_mask)
-        if dropout_mask is not None:  # (B, N, Lq, Lk): one keep-mask per head
+        if dropout_mask is not None:  # (B, N, Lq, Lk): one dropout mask per head
             dropout_mask = jnp.broadcast_to(dropout_mask, x.shape[:-2] + (self.num_heads,) +
                                             2 * x.shape[-2:-1])
         outs, weights = [], []
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
-            keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
+            head_mask = None if dropout_mask is None else dropout_mask[..., h, :, :]
             o = scaled_dot_product_attention(
                 q, k, v, mask, is_causal=self.causal, dropout_rate=self._rate(),
-                dropout_mask=keep, dropout_rng=None if key is None else jax.random.fold_in(key, h),
+                dropout_mask=head_mask,
+                dropout_rng=None if key is None else jax.random.fold_in(key, h),
                 return_weights=return_weights, precision=self.precision)
             o, w = o if return_weights else (o, None)
             outs.append(o)      # (B, L, Dh)
@@ -350,21 +351,21 @@ class GroupedQueryAttention(_Variant):
         q = self._split(self.W_query(x), self.num_heads)       # (B, N, L, Dh)
         k = self._split(self.W_key(x), self.num_kv_heads)      # (B, Nkv, L, Dh)
         v = self._split(self.W_value(x), self.num_kv_heads)
-        offset, q_len, kv_len = None, query_seq_lengths, query_seq_lengths
+        offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
-            offset, q_len, kv_len = _cache_positions(cache, x.shape[1], query_seq_lengths)
+            offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
         if self.rope_theta is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
                                      offset=offset, max_position=bound) for t in (q, k))
         if cache is not None:
-            cache = _append(cache, k, v, q_len)
+            cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
         o = scaled_dot_product_attention(
             q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
-            query_seq_lengths=q_len, key_value_seq_lengths=kv_len, dropout_rate=rate,
+            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
             return_weights=return_weights, precision=self.precision)
         o, w = o if return_weights else (o, None)

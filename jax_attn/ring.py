@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from golden.validate import check_attention_args, check_flags, window
 from jax_attn import blockwise
-from jax_attn.functional import DEFAULT_PRECISION, check_block_sizes, per_batch
+from jax_attn.functional import DEFAULT_PRECISION, per_batch
 
 LAYOUTS = ("zigzag", "contiguous", "zigzag_ordered")
 
@@ -119,7 +119,7 @@ def _configure(query, key, mask, bias, dropout_rate, *, mesh, axis, layout, batc
     _check_ring(query, key, mask, bias, dropout_rate, mesh, axis, layout, batch_axis, head_axis)
     chunks = 1 if layout == "contiguous" else 2
     devices = mesh.shape[axis]
-    block_q, block_k = check_block_sizes(block_sizes)
+    block_q, block_k = blockwise.sizes(block_sizes)
     cq, ck = (n // (chunks * devices) for n in (query.shape[-2], key.shape[-2]))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     static = blockwise.Static(scale, bool(is_causal), None if softcap is None else float(softcap),
@@ -173,14 +173,14 @@ def _check_ring(query, key, mask, bias, dropout_rate, mesh, axis, layout, batch_
 # ---- the mesh and the zig-zag moves -------------------------------------------------------------
 
 @partial(jax.jit, static_argnames=("ring", "mesh"))
-def _sharded(query, key, value, offset, q_len, kv_len, *, ring, mesh):
+def _sharded(query, key, value, offset, q_lengths, kv_lengths, *, ring, mesh):
     """One program: every device runs _on_device on its slices."""
     seq = PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis, None)  # (B, H, L, D)
     rows = PartitionSpec(ring.batch_axis)  # (B,)
     run = jax.shard_map(partial(_on_device, ring), mesh=mesh, out_specs=seq,
                         in_specs=(seq, seq, seq, rows, rows, rows))
     return run(*_laid_out(mesh, (query, key, value), seq),
-               *_laid_out(mesh, (offset, q_len, kv_len), rows))
+               *_laid_out(mesh, (offset, q_lengths, kv_lengths), rows))
 
 
 def _laid_out(mesh, arrays, spec):
@@ -190,13 +190,13 @@ def _laid_out(mesh, arrays, spec):
     return [None if x is None else jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays]
 
 
-def _on_device(ring, q, k, v, offset, q_len, kv_len):
+def _on_device(ring, q, k, v, offset, q_lengths, kv_lengths):
     """One device: q (B, H, n·Cq, Dk), k (B, Hkv, n·Ck, Dk), v (B, Hkv, n·Ck, Dv) ->
     (B, H, n·Cq, Dv); offset and lengths (B,) or None."""
     if not ring.relayout:
-        return _ring(ring, q, k, v, (offset, q_len, kv_len))
+        return _ring(ring, q, k, v, (offset, q_lengths, kv_lengths))
     q, k, v = (_to_zigzag(ring, x) for x in (q, k, v))
-    return _from_zigzag(ring, _ring(ring, q, k, v, (offset, q_len, kv_len)))
+    return _from_zigzag(ring, _ring(ring, q, k, v, (offset, q_lengths, kv_lengths)))
 
 
 def _zigzag_device(chunk, devices):
@@ -289,9 +289,9 @@ def _fold(ring, state, qs, kv, src, pos):
     return lax.fori_loop(0, n * n, pair, state)
 
 
-def _fold_head(st, state, q, k, v, offset, q_len, kv_len):
+def _fold_head(st, state, q, k, v, offset, q_lengths, kv_lengths):
     """One head: state after the keys k (Ck, Dk) and values v (Ck, Dv)."""
-    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_len, kv_len)
+    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths)
     return blockwise.accumulate(st, h, state)
 
 
@@ -338,10 +338,10 @@ def _backward(ring, q, k, v, pos, out, stats, d_out):
     return _unchunked(d_q).reshape(q.shape), _unchunked(dk), _unchunked(dv)
 
 
-def _grads_head(st, q, out, stats, d_out, k, v, offset, q_len, kv_len):
+def _grads_head(st, q, out, stats, d_out, k, v, offset, q_lengths, kv_lengths):
     """One head: this block's share of dQ (Cq, Dk), dK (Ck, Dk) and dV (Ck, Dv), from the
     output and statistics of the whole softmax."""
-    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_len, kv_len)
+    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths)
     dq, dk, dv, _ = blockwise.backward(st, h, out, stats, d_out)
     return dq, dk, dv
 
@@ -362,11 +362,11 @@ def _chunk_ids(ring, device):
 def _positions(a, b, cq, ck, pos):
     """Query chunk a against key chunk b as one blockwise head whose keys start at 0: its
     query offset, query length and key length, (B,) or scalars, or None."""
-    offset, q_len, kv_len = pos
+    offset, q_lengths, kv_lengths = pos
     shift = a * cq - b * ck  # global query position − global key position, at their starts
     return (shift if offset is None else offset + shift,
-            None if q_len is None else q_len - a * cq,
-            None if kv_len is None else jnp.maximum(kv_len - b * ck, 0))
+            None if q_lengths is None else q_lengths - a * cq,
+            None if kv_lengths is None else jnp.maximum(kv_lengths - b * ck, 0))
 
 
 def _grouped(x, like):
@@ -442,7 +442,7 @@ def blocks_per_device(query, key, value, *, mesh, axis="seq", layout="zigzag", b
 
 
 @partial(jax.jit, static_argnames=("ring", "mesh"))
-def _counted(query, key, value, offset, q_len, kv_len, *, ring, mesh):
+def _counted(query, key, value, offset, q_lengths, kv_lengths, *, ring, mesh):
     seq = PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis, None)
     rows = PartitionSpec(ring.batch_axis)
     others = tuple(a for a in (ring.batch_axis, ring.head_axis) if a is not None)
@@ -465,4 +465,4 @@ def _counted(query, key, value, offset, q_len, kv_len, *, ring, mesh):
 
     run = jax.shard_map(count, mesh=mesh, in_specs=(seq, seq, seq, rows, rows, rows),
                         out_specs=PartitionSpec(ring.axis))
-    return run(query, key, value, offset, q_len, kv_len)
+    return run(query, key, value, offset, q_lengths, kv_lengths)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -25,6 +24,8 @@ import jax_attn
 import torch_attn
 from golden import reference, variants
 from golden.fixture import Fixture
+from golden.frameworks import JAX as JAX_ADAPTER
+from golden.frameworks import TORCH
 from golden.runners import jax_runner, torch_runner
 
 FRAMEWORKS = ("torch", "jax")
@@ -147,44 +148,36 @@ class Twin(Reference):
 
 
 class TorchTwin(Twin):
-    name, lib, runner = "torch", torch_attn, torch_runner
-    DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-              "float16": torch.float16}
+    name, lib, runner, adapter = "torch", torch_attn, torch_runner, TORCH
 
     def array(self, array, dtype=None):
-        t = torch.from_numpy(np.require(array, requirements="C"))  # 0-d stays 0-d
-        return t.to(self.DTYPES[dtype]) if dtype is not None and t.is_floating_point() else t
+        return self.adapter.array(array, dtype)
 
     def numpy(self, x):
-        return x.detach().cpu().to(torch.float64).numpy()
+        return self.adapter.numpy(x)
 
     def make(self, variant_name, config, seed=0):
         torch.manual_seed(seed)
         return getattr(self.lib, variants.module_variant(variant_name).class_name)(**config)
 
     def cast(self, module, dtype):
-        return module.to(self.DTYPES[dtype])
+        return module.to(self.adapter.dtype(dtype))
 
     def dropout_rng(self, seed):
         return torch.Generator().manual_seed(seed)
 
 
 class JaxTwin(Twin):
-    name, lib, runner = "jax", jax_attn, jax_runner
+    name, lib, runner, adapter = "jax", jax_attn, jax_runner, JAX_ADAPTER
 
     def array(self, array, dtype=None):
-        array = np.asarray(array)
-        if dtype is not None and array.dtype.kind == "f":
-            array = array.astype(jnp.dtype(dtype))  # bfloat16 included (ml_dtypes)
-        # device_put compiles nothing (jnp.asarray compiles a ``stage`` per new shape in jax
-        # 0.10); it makes float64 float32 outside float64(), as jnp.asarray does.
-        return jax.device_put(array)
+        return self.adapter.array(array, dtype)
 
     def numpy(self, x):
-        return np.asarray(x).astype(np.float64)
+        return self.adapter.numpy(x)
 
     def float64(self, on=True):
-        return jax.enable_x64(on)
+        return self.adapter.float64(on)
 
     def make(self, variant_name, config, seed=0):
         cls = getattr(self.lib, variants.module_variant(variant_name).class_name)

@@ -234,10 +234,12 @@ twin_case("core-dropout-rng-missing", lambda t: core(t, dropout_rate=0.5), Value
           E("dropout_rng should be a jax.random key when dropout_rate > 0 and no dropout_mask "
             "is given, got None"), only=["jax"])
 twin_case("core-implementation-unknown", lambda t: core(t, implementation="flash"), ValueError,
-          E("implementation should be None, 'dense' or 'blockwise', got 'flash'"))
-twin_case("core-blockwise-weights",
-          lambda t: core(t, implementation="blockwise", return_weights=True), ValueError,
-          E("return_weights=True needs implementation='dense' or None"), says_got=False)
+          r"implementation should be None or one of 'explicit', .* \((torch|jax)\), "
+          r"got 'flash'")
+twin_case("core-explicit-weights-only",
+          lambda t: core(t, implementation="explicit", block_sizes=(2, 2)), ValueError,
+          r"(block_sizes should be None or a pair \(rows, None\)|implementation='explicit' "
+          r"cannot run this call: block_sizes is for 'blockwise')", says_got=False)
 twin_case("core-return-weights-str", lambda t: core(t, return_weights="yes"), ValueError,
           E("return_weights should be True or False, got 'yes'"))
 twin_case("core-is-causal-none", lambda t: core(t, is_causal=None), ValueError,

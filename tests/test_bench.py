@@ -56,7 +56,7 @@ def test_quick_run_writes_both_reports(tmp_path):
     long = report["long"]  # long sequences: every implementation at both quick lengths
     assert {(r["L"], r["pass"], r["impl"]) for r in long} == {
         (n, p, i) for n in (256, 512) for p in ("fwd", "fwd+bwd") for i in LONG_IMPLS
-        if n <= 256 or not i.endswith("dense")}  # the dense paths up to the grid's 256
+        if n <= 256 or not i.endswith("explicit")}  # the explicit ones up to the grid's 256
     for r in long:
         assert r["median_ms"] > 0 and math.isfinite(r["peer_ratio"]) and r["peer_ratio"] > 0
     assert "## Long sequences" in md

@@ -1,10 +1,10 @@
-"""The JAX core's blockwise (flash) path, ``implementation="blockwise"`` (jax_attn.blockwise):
-against the float64 reference on every core fixture (output and every gradient, small blocks
-so that each length spans several blocks, the last one mostly ragged), against the dense path on
-fresh inputs with every feature at once (float64), drawn dropout (deterministic, the rate, the
-dense path given the same mask, one stream per head however the heads are mapped), empty rows,
-skipping by index, memory that grows linearly, one compilation per shape, the automatic choice
-and the errors.
+"""The JAX core's blockwise (flash) implementation, ``implementation="blockwise"``
+(jax_attn.blockwise): against the float64 reference on every core fixture (output and every
+gradient, small blocks so that each length spans several blocks, the last one mostly ragged),
+against "explicit" on fresh inputs with every feature at once (float64), drawn dropout
+(deterministic, the rate, explicit given the same mask, one stream per head however the heads
+are mapped), empty rows, skipping by index, memory that grows linearly, one compilation per
+shape, the automatic choice, each name running its algorithm, and the errors.
 
 Shape legend: B batch, H query heads, Hkv key-value heads, Lq query length, Lk key length, Dk key
 width, Dv value width; Bq, Bk the block sizes.
@@ -13,6 +13,7 @@ width, Dv value width; Bq, Bk the block sizes.
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import pytest
 import golden
 import jax_attn
 from golden import runners, variants
+from golden.implementations import Asked, record
 from golden.tolerances import compare
 from jax_attn import functional
 from tests.helpers import JAX, count_compiles, fresh_rng
@@ -103,7 +105,7 @@ def test_fixture_matches_reference(name, dtype):
     assert not bad, f"blockwise {dtype} {name}: {bad}"
 
 
-# ---- against the dense path, fresh inputs, every feature at once -------------------------------
+# ---- against explicit, fresh inputs, every feature at once -------------------------------
 
 def _qkv(rng, lead=(B,), heads=(H, HKV), lq=LQ, lk=LK, dk=DK, dv=DV):
     """q (..., H, Lq, Dk), k (..., Hkv, Lk, Dk), v (..., Hkv, Lk, Dv) as float64 NumPy."""
@@ -126,7 +128,7 @@ DENSE_CASES = {  # (inputs beyond q, k, v: shapes or values; the core's settings
 
 
 @pytest.mark.parametrize("name", DENSE_CASES)
-def test_matches_dense_float64(name):
+def test_matches_explicit_float64(name):
     # GQA (H = 6, Hkv = 2), Lq ≠ Lk, broadcast biases and masks, traced offsets and lengths:
     # the same maths in another order, so float64 agrees to rounding (1e-13).
     rng, seed = fresh_rng()
@@ -139,21 +141,21 @@ def test_matches_dense_float64(name):
     d_out = rng.standard_normal(inputs["query"].shape[:-1] + (DV,))
     with jax.enable_x64(True):
         arrays = JAX.arrays(inputs)
-        dense = _grads(jax_attn.scaled_dot_product_attention, arrays, jnp.asarray(d_out),
-                       implementation="dense", **config)
+        explicit = _grads(jax_attn.scaled_dot_product_attention, arrays, jnp.asarray(d_out),
+                          implementation="explicit", **config)
         blocks = _grads(_blockwise, arrays, jnp.asarray(d_out), block_sizes=(3, 4), **config)
     assert set(blocks[1]) == {"query", "key", "value", "bias"}
-    for what, a, e in [("output", blocks[0], dense[0])] + [
-            (f"grad {n}", blocks[1][n], g) for n, g in dense[1].items()]:
+    for what, a, e in [("output", blocks[0], explicit[0])] + [
+            (f"grad {n}", blocks[1][n], g) for n, g in explicit[1].items()]:
         assert a.shape == e.shape, what
         np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-13, err_msg=f"{what}, seed {seed}")
 
 
 # ---- dropout drawn per block --------------------------------------------------------------------
 
-def test_drawn_dropout_is_deterministic_keeps_the_rate_and_is_dense_with_its_mask():
+def test_drawn_dropout_is_deterministic_keeps_the_rate_and_equals_explicit_with_its_mask():
     # With V = I (Lk = Dv) the output is the applied weights A = P · keep / (1 − p): the drawn
-    # keep-mask is read back (every P > 0 here) and, given to the dense path as dropout_mask,
+    # keep-mask is read back (every P > 0 here) and, given to explicit as dropout_mask,
     # gives the same output and gradients: the backward regenerates the forward's mask. One
     # head (a key per head, under vmap, takes seconds to compile; the chunked test below draws
     # for many).
@@ -169,8 +171,9 @@ def test_drawn_dropout_is_deterministic_keeps_the_rate_and_is_dense_with_its_mas
         again, _ = run({**arrays, "dropout_rng": jax.random.key(seed)}, d_out)
         other, _ = run({**arrays, "dropout_rng": jax.random.key(seed + 1)}, d_out)
         keep = out > 0  # (1, Lq, Lk)
-        dense = _grads(jax_attn.scaled_dot_product_attention, {**arrays, "dropout_mask":
-                       jnp.asarray(keep)}, d_out, dropout_rate=rate, implementation="dense")
+        explicit = _grads(jax_attn.scaled_dot_product_attention, {**arrays, "dropout_mask":
+                          jnp.asarray(keep)}, d_out, dropout_rate=rate,
+                          implementation="explicit")
         _, weights = jax_attn.scaled_dot_product_attention(**arrays, return_weights=True)
     np.testing.assert_array_equal(out, again)  # deterministic for a key
     assert not np.array_equal(keep, other > 0), f"seed {seed}: the key is ignored"
@@ -178,8 +181,8 @@ def test_drawn_dropout_is_deterministic_keeps_the_rate_and_is_dense_with_its_mas
     blocks = keep[0, :16].reshape(16, 2, 32)  # key blocks 0 and 1 of query block 0
     assert not np.array_equal(blocks[:, 0], blocks[:, 1]), f"seed {seed}: blocks share a mask"
     np.testing.assert_allclose(out[keep] * (1 - rate), JAX.numpy(weights)[keep], rtol=1e-13)
-    np.testing.assert_allclose(out, dense[0], rtol=1e-13, atol=1e-14, err_msg=f"seed {seed}")
-    for n, g in dense[1].items():
+    np.testing.assert_allclose(out, explicit[0], rtol=1e-13, atol=1e-14, err_msg=f"seed {seed}")
+    for n, g in explicit[1].items():
         np.testing.assert_allclose(grads[n], g, rtol=1e-12, atol=1e-13, err_msg=f"{n}, {seed}")
 
 
@@ -268,16 +271,16 @@ def _fwd_bwd(implementation, length):
 
 def test_memory_grows_linearly():
     temp = {}
-    for implementation in ("blockwise", "dense"):
+    for implementation in ("blockwise", "explicit"):
         for length in (4096, 8192):
             analysis = _fwd_bwd(implementation, length).compile().memory_analysis()
             if analysis is None:
                 pytest.skip("this backend's compiled programs give no memory_analysis()")
             temp[implementation, length] = analysis.temp_size_in_bytes
     blocks = temp["blockwise", 8192] / temp["blockwise", 4096]
-    dense = temp["dense", 8192] / temp["dense", 4096]
+    explicit = temp["explicit", 8192] / temp["explicit", 4096]
     assert blocks < 3, f"blockwise temp memory grows ×{blocks:.2f} for ×2 length: {temp}"
-    assert dense > 3, f"dense should grow ~×4 (the check is blind otherwise): {temp}"
+    assert explicit > 3, f"explicit should grow ~×4 (the check is blind otherwise): {temp}"
     assert temp["blockwise", 8192] < 64 * 2**20, temp  # far below one (L, L) float32 array
 
 
@@ -320,25 +323,62 @@ def test_new_offsets_and_lengths_do_not_recompile():
 
 # ---- the automatic choice and errors ------------------------------------------------------------
 
+def auto(q_shape, k_shape, **asked):
+    """The implementation None runs for these shapes and demands."""
+    return functional.IMPLEMENTATIONS.select(None, Asked(**asked),
+                                             functional.choose(q_shape, k_shape)).name
+
+
 def test_automatic_choice():
-    # Blockwise when one head's scores Lq·Lk exceed 2²⁰ and the weights are not asked for.
-    big = functional.BLOCKWISE_MIN_SCORES
-    assert functional.choose_implementation((1, 1024, 64), (1, 1024, 64)) == "dense"  # 2²⁰
-    assert functional.choose_implementation((4, 8, 1025, 64), (4, 8, 1024, 64)) == "blockwise"
-    assert functional.choose_implementation((1, big + 1, 8), (1, 1, 8)) == "blockwise"
-    assert functional.choose_implementation((1, 2048, 8), (1, 2048, 8), True) == "dense"
+    # Blockwise when one head's scores Lq·Lk are above 2²⁰ and the weights are not asked for.
+    big = functional.BLOCKWISE_ABOVE
+    assert auto((1, 1024, 64), (1, 1024, 64)) == "explicit"  # 2²⁰: not above
+    assert auto((4, 8, 1025, 64), (4, 8, 1024, 64)) == "blockwise"
+    assert auto((1, big + 1, 8), (1, 1, 8)) == "blockwise"
+    assert auto((1, 2048, 8), (1, 2048, 8), return_weights=True) == "explicit"
+    assert auto((1, 8, 8), (1, 8, 8), block_sizes=(2, 2)) == "blockwise"  # blocks asked for
     x = jax.ShapeDtypeStruct((1, 1, 1100, 8), jnp.float32)
-    auto = jax.jit(jax_attn.scaled_dot_product_attention).lower(x, x, x).as_text()
-    assert "stablehlo.while" in auto  # the blockwise path ran
-    with_weights = jax.eval_shape(
-        lambda x: jax_attn.scaled_dot_product_attention(x, x, x, return_weights=True), x)
-    assert with_weights[1].shape == (1, 1, 1100, 1100)  # dense, the weights formed
+    with record() as ran:
+        auto_text = jax.jit(jax_attn.scaled_dot_product_attention).lower(x, x, x).as_text()
+    assert "stablehlo.while" in auto_text and ran == [("jax", "blockwise")]  # as recorded
+    with record() as ran:
+        with_weights = jax.eval_shape(
+            lambda x: jax_attn.scaled_dot_product_attention(x, x, x, return_weights=True), x)
+    assert with_weights[1].shape == (1, 1, 1100, 1100) and ran == [("jax", "explicit")]
+
+
+@pytest.mark.parametrize("implementation", ["explicit", "blockwise"])
+def test_each_name_runs_the_algorithm_it_names_at_any_size(implementation):
+    """Blockwise's program loops over blocks (a while loop) and forms no (Lq, Lk) tensor;
+    explicit's forms it and has no loop; each is what record() reports."""
+    x = jax.ShapeDtypeStruct((1, 1, 16, 8), jnp.float32)
+    fn = partial(jax_attn.scaled_dot_product_attention, implementation=implementation)
+    kw = {"block_sizes": (4, 4)} if implementation == "blockwise" else {}
+    with record() as ran:
+        text = jax.jit(partial(fn, **kw)).lower(x, x, x).as_text()
+    assert ran == [("jax", implementation)]
+    assert ("stablehlo.while" in text) == (implementation == "blockwise")
+    scores = re.search(r"tensor<(\d+x)*16x16xf32>", text)  # (..., Lq, Lk)
+    assert bool(scores) == (implementation == "explicit")
+
+
+@pytest.mark.parametrize("implementation, kw, reason", [
+    ("blockwise", dict(return_weights=True), "never forms the"),
+    ("explicit", dict(block_sizes=(2, 2)), "block_sizes is for 'blockwise'"),
+])
+def test_an_argument_it_cannot_honour_raises_instead_of_falling_back(implementation, kw, reason):
+    q = jnp.ones((2, 3, 4))
+    with record() as ran, pytest.raises(ValueError, match=rf"implementation='{implementation}' "
+                                                          rf"cannot run this call: .*{reason}"):
+        jax_attn.scaled_dot_product_attention(q, q, q, implementation=implementation, **kw)
+    assert ran == []
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(implementation="flash"), "implementation should be None, 'dense' or 'blockwise', "
-                                   "got 'flash'"),
-    (dict(implementation="blockwise", return_weights=True), "return_weights=True needs"),
+    (dict(implementation="flash"), "implementation should be None or one of 'explicit', "
+                                   r"'blockwise' \(jax\), got 'flash'"),
+    (dict(implementation="dense"), r"got 'dense' \('dense' is now 'explicit'"),
+    (dict(implementation="row_chunks"), "got 'row_chunks'"),
     (dict(block_sizes=(0, 4)), r"block_sizes should be None or a pair \(block_q, block_k\) of "
                                r"positive ints, got \(0, 4\)"),
     (dict(block_sizes=(4,)), r"block_sizes .* got \(4,\)"),

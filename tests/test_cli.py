@@ -18,10 +18,11 @@ def test_check_prints_table_backend_and_summary(capsys):
     out = capsys.readouterr().out
     assert "JAX backend: cpu" in out
     rows = [line.split()[1:4] for line in _rows(out)]
-    # Per fixture: torch autograd and fused, JAX (one vmap at these sizes), at float32 and float64
-    assert rows == 2 * [["torch", "autograd", "float32"], ["torch", "autograd", "float64"],
+    # Per fixture: torch with gradients (explicit) and forward-only (fused), JAX, at float32 and
+    # float64, each row naming the core implementation that ran
+    assert rows == 2 * [["torch", "explicit", "float32"], ["torch", "explicit", "float64"],
                         ["torch", "fused", "float32"], ["torch", "fused", "float64"],
-                        ["jax", "vmap", "float32"], ["jax", "vmap", "float64"]]
+                        ["jax", "explicit", "float32"], ["jax", "explicit", "float64"]]
     assert all(line.endswith("pass") for line in _rows(out))
     last = out.strip().splitlines()[-2:]  # implementations first, the reference apart
     assert last == ["12 passed, 0 failed", "regeneration check: the reference reproduces 2 of 2 "
@@ -31,15 +32,15 @@ def test_check_prints_table_backend_and_summary(capsys):
 def test_check_has_no_fused_row_for_dropout(capsys):
     assert main(["check", "sdpa_dropout", "--framework", "torch", "--dtype", "float32"]) == 0
     assert [line.split()[1:3] for line in _rows(capsys.readouterr().out)] == [
-        ["torch", "autograd"]]
+        ["torch", "explicit"]]
 
 
 def test_check_filters_by_pattern_framework_and_dtype(capsys):
     assert main(["check", "-k", "sdpa_masked_*", "--framework", "jax",
                  "--dtype", "float64"]) == 0
     rows = [line.split()[:4] for line in _rows(capsys.readouterr().out)]
-    assert rows == [["sdpa_masked_row", "jax", "vmap", "float64"],
-                    ["sdpa_masked_row_causal", "jax", "vmap", "float64"]]
+    assert rows == [["sdpa_masked_row", "jax", "explicit", "float64"],
+                    ["sdpa_masked_row_causal", "jax", "explicit", "float64"]]
     assert main(["check", "-k", "masked_row_c", "--framework", "reference"]) == 0
     out = capsys.readouterr().out
     assert _rows(out) == [] and "reproduces 1 of 1 fixtures" in out

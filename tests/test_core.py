@@ -150,11 +150,11 @@ CORE_PARAMETERS = ["query", "key", "value", "mask", "bias", "is_causal", "scale"
 def test_twin_signatures():
     t = inspect.signature(TWINS["torch"].sdpa).parameters
     j = inspect.signature(TWINS["jax"].sdpa).parameters
-    # every JAX dot's precision (PyTorch has no per-call equivalent); the blockwise path's
-    # static block sizes (torch's O(L) path splits the queries alone, by its own rule)
-    jax_only = ["block_sizes", "precision"]
-    assert list(t) == CORE_PARAMETERS
-    assert list(j) == CORE_PARAMETERS + jax_only
+    # every JAX dot's precision (PyTorch has no per-call equivalent); block_sizes in both, for
+    # their block implementations (JAX's blockwise (Bq, Bk), torch's row_chunks (rows, None))
+    jax_only = ["precision"]
+    assert list(t) == CORE_PARAMETERS + ["block_sizes"]
+    assert list(j) == CORE_PARAMETERS + ["block_sizes"] + jax_only
     assert list(t) == [n for n in j if n not in jax_only]
     for name, p in t.items():
         assert (p.kind, p.default) == (j[name].kind, j[name].default), name

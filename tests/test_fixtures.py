@@ -68,8 +68,8 @@ def test_regenerate_check_is_clean():
     assert regenerate(check=True, log=lines.append) == 0, "\n".join(lines)
 
 
-# Dropout and soft-capping take the explicit path: the fused kernel has neither.
-FUSED_RUNS = [(n, d) for n, d in RUNS if runners.fused_applies(golden.load(n))]
+# Those torch's "fused" takes (its registry's rule: not dropout nor soft-capping).
+FUSED_RUNS = [(n, d) for n, d in RUNS if not runners.refuses("torch", "fused", golden.load(n))]
 
 
 @pytest.mark.parametrize("fixture_name, dtype", FUSED_RUNS, ids=[f"{n}-{d}" for n, d in FUSED_RUNS])

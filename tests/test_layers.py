@@ -21,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "golden.reference",
           "golden.exact",
           "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping",
-          "golden.convert"}
+          "golden.convert", "golden.implementations"}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
-       "golden.runners.adapt", "golden.report", "golden.compare", "golden.training"}
+       "golden.runners.adapt", "golden.report", "golden.compare", "golden.training",
+       "golden.frameworks"}
 THIRD_PARTY = {"bottom": {"numpy"}, "torch_attn": {"numpy", "torch"},
                "jax_attn": {"numpy", "jax", "flax"}}
 

@@ -1,9 +1,11 @@
-"""The torch core's ``implementation`` (issue 11): "blockwise" against every sdpa golden fixture
-and against "dense" on fresh inputs, its memory (no (Lq, Lk) tensor kept for the backward), its
-drawn dropout, the automatic choice (None) and the errors.
+"""The torch core's named implementations (torch_attn.IMPLEMENTATIONS): "row_chunks" against
+every sdpa golden fixture and against "explicit" on fresh inputs, its memory (no (Lq, Lk) tensor
+kept for the backward), its drawn dropout; that each name runs the algorithm it names and is
+the one recorded (golden.implementations.record); the automatic choice (None); and that an
+argument an implementation cannot honour raises instead of falling back.
 
-Blockwise runs with tiny chunks here (BLOCKWISE_ROWS of 1 to 3 query rows), so that every case
-has several chunks, a ragged last one, and key ranges cut by the causal and window bounds.
+row_chunks runs with tiny chunks here (1 to 3 query rows), so that every case has several
+chunks, a ragged last one, and key ranges cut by the causal and window bounds.
 
 Shape legend: B batch, H heads (Hkv of key and value), Lq query length, Lk key length, Dk key
 width, Dv value width.
@@ -19,8 +21,11 @@ import torch
 import torch.nn.functional as F
 
 import golden
+import torch_attn.explicit as explicit_module
 import torch_attn.functional as functional
+import torch_attn.row_chunks as row_chunks
 from golden import reference
+from golden.implementations import Asked, record
 from golden.tolerances import compare
 from tests.helpers import fresh_rng
 from torch_attn import scaled_dot_product_attention as sdpa
@@ -35,16 +40,17 @@ TORCH_SDPA = F.scaled_dot_product_attention  # before any monkeypatch
 
 @pytest.fixture
 def chunks(monkeypatch):
-    """Sets the query rows per chunk; returns the explicit-path calls' query row counts."""
+    """Sets row_chunks' default rows per chunk; returns the query row counts of the explicit
+    calls its chunks make."""
     rows = []
-    explicit = functional._explicit
+    explicit = explicit_module.explicit
 
     def counted(query, *args):
         rows.append(query.shape[-2])
         return explicit(query, *args)
 
-    monkeypatch.setattr(functional, "_explicit", counted)
-    return lambda n: monkeypatch.setattr(functional, "BLOCKWISE_ROWS", n) or rows
+    monkeypatch.setattr(explicit_module, "explicit", counted)
+    return lambda n: monkeypatch.setattr(row_chunks, "chunk_rows", lambda *a: n) or rows
 
 
 def leaves(arrays, dtype):
@@ -75,11 +81,11 @@ def as_numpy(t):
 
 
 @pytest.mark.parametrize("name, dtype", SDPA_RUNS)
-def test_blockwise_matches_the_golden_fixture(name, dtype, chunks):
+def test_row_chunks_matches_the_golden_fixture(name, dtype, chunks):
     fixture = golden.load(name)
     rows = chunks(2)
     inputs = leaves(fixture.inputs, DTYPES[dtype])
-    out = sdpa(**inputs, **fixture.config, implementation="blockwise")
+    out = sdpa(**inputs, **fixture.config, implementation="row_chunks")
     lq = out.shape[-2]
     assert rows == [min(2, lq - s) for s in range(0, lq, 2)][::-1], "not chunked as asked"
     out.backward(torch.from_numpy(fixture.cotangents["output"]).to(out.dtype))
@@ -142,26 +148,27 @@ def run_with_grads(arrays, kw, d_out, implementation):
 @pytest.mark.parametrize("bias_shape", BIAS_SHAPES, ids=lambda s: "bias" + "x".join(map(str, s)))
 @pytest.mark.parametrize("hkv", [HKV, H], ids=["gqa", "mha"])
 @pytest.mark.parametrize("case", CASES)
-def test_blockwise_matches_dense_on_fresh_inputs(case, hkv, bias_shape, rows, chunks):
+def test_row_chunks_matches_explicit_on_fresh_inputs(case, hkv, bias_shape, rows, chunks):
     rng, seed = fresh_rng()
     chunks(rows)
     arrays, kw = random_case(rng, case, hkv, bias_shape)
     d_out = torch.tensor(rng.standard_normal((B, H, LQ, DV)))
-    out, grads = run_with_grads(arrays, kw, d_out, "blockwise")
-    dense_out, dense_grads = run_with_grads(arrays, kw, d_out, "dense")
+    out, grads = run_with_grads(arrays, kw, d_out, "row_chunks")
+    explicit_out, explicit_grads = run_with_grads(arrays, kw, d_out, "explicit")
     assert np.isfinite(out).all() and (out[1, :, 2] == 0).all(), f"empty row, seed {seed}"
-    assert compare(out, dense_out, "float64").ok, f"output, seed {seed}"
+    assert compare(out, explicit_out, "float64").ok, f"output, seed {seed}"
     assert set(grads) == {"query", "key", "value", "bias"}
     for n, g in grads.items():
-        c = compare(g, dense_grads[n], "float64", "grad", terms=terms(n, arrays, B * H * LQ * LK))
+        c = compare(g, explicit_grads[n], "float64", "grad",
+                    terms=terms(n, arrays, B * H * LQ * LK))
         assert c.ok, f"grad {n}: {c}, seed {seed}"
     with torch.no_grad():  # forward only: the chunks without a backward
         inputs = leaves(arrays, torch.float64)
-        alone = sdpa(**inputs, **kw, implementation="blockwise")
+        alone = sdpa(**inputs, **kw, implementation="row_chunks")
     np.testing.assert_array_equal(alone.numpy(), out, err_msg=f"seed {seed}")
 
 
-def test_blockwise_low_precision_gradients_accumulate_in_float32(chunks):
+def test_row_chunks_low_precision_gradients_accumulate_in_float32(chunks):
     """bfloat16 key and value gradients summed over 256 chunks of one row stay within the
     tolerance (seen: at most 0.9u relative error norm over 20 seeds); summed in bfloat16 they
     reach 3.7u to 6.3u and fail."""
@@ -170,7 +177,7 @@ def test_blockwise_low_precision_gradients_accumulate_in_float32(chunks):
     shapes = [(1, 256, 8), (1, 24, 8), (1, 24, 8), (1, 256, 8)]
     *grid, d_out = (np.round(rng.standard_normal(s) * 8) / 8 for s in shapes)  # exact in bf16
     q, k, v = (torch.tensor(a, dtype=torch.bfloat16, requires_grad=True) for a in grid)
-    out = sdpa(q, k, v, implementation="blockwise")
+    out = sdpa(q, k, v, implementation="row_chunks")
     out.backward(torch.tensor(d_out, dtype=torch.bfloat16))
     _, w, cache = reference.sdpa_forward(*grid)
     expected = reference.sdpa_backward(cache, d_out, np.zeros_like(w))
@@ -180,23 +187,23 @@ def test_blockwise_low_precision_gradients_accumulate_in_float32(chunks):
 
 
 def test_drawn_dropout_is_redrawn_identically_in_the_backward(chunks):
-    """With V = I the output is the weights, so the keep-mask blockwise drew is read off the
-    output; dense with that keep-mask must give the same output and gradients."""
+    """With V = I the output is the weights, so the dropout mask row_chunks drew is read off
+    the output; explicit with that mask must give the same output and gradients."""
     rng, seed = fresh_rng()
     chunks(3)
     q, k = rng.standard_normal((B, H, LQ, DK)), rng.standard_normal((B, H, LK, DK))
     arrays = dict(query=q, key=k, value=np.broadcast_to(np.eye(LK), (B, H, LK, LK)))
     d_out = torch.tensor(rng.standard_normal((B, H, LQ, LK)))
     kw = dict(dropout_rate=0.5, dropout_rng=torch.Generator().manual_seed(seed), is_causal=True)
-    out, grads = run_with_grads(arrays, kw, d_out, "blockwise")
+    out, grads = run_with_grads(arrays, kw, d_out, "row_chunks")
     causal = np.tril(np.ones((LQ, LK), dtype=bool))
     kept = out != 0
     assert kept[..., ~causal].sum() == 0 and 0 < kept[..., causal].mean() < 1, f"seed {seed}"
     kw = dict(dropout_rate=0.5, dropout_mask=torch.from_numpy(kept), is_causal=True)
-    dense_out, dense_grads = run_with_grads(arrays, kw, d_out, "dense")
-    assert compare(out, dense_out, "float64").ok, f"seed {seed}"
+    explicit_out, explicit_grads = run_with_grads(arrays, kw, d_out, "explicit")
+    assert compare(out, explicit_out, "float64").ok, f"seed {seed}"
     for n, g in grads.items():
-        assert compare(g, dense_grads[n], "float64", "grad").ok, f"grad {n}, seed {seed}"
+        assert compare(g, explicit_grads[n], "float64", "grad").ok, f"grad {n}, seed {seed}"
 
 
 def test_drawn_dropout_keeps_the_rate_and_follows_the_generator(chunks):
@@ -206,7 +213,7 @@ def test_drawn_dropout_keeps_the_rate_and_follows_the_generator(chunks):
     v = torch.eye(40, dtype=torch.float64).expand(B, H, 40, 40)  # the output is the weights
 
     def draw(generator_seed):
-        return sdpa(q, k, v, dropout_rate=0.25, implementation="blockwise",
+        return sdpa(q, k, v, dropout_rate=0.25, implementation="row_chunks",
                     dropout_rng=torch.Generator().manual_seed(generator_seed))
 
     kept = (draw(seed) != 0).numpy()
@@ -216,13 +223,13 @@ def test_drawn_dropout_keeps_the_rate_and_follows_the_generator(chunks):
     assert not torch.equal(draw(seed), draw(seed + 1))
 
 
-def test_blockwise_keeps_no_weights_for_the_backward():
-    """At L = 4096 (B = H = 1, D = 64, float32, causal) dense saves (Lq, Lk) tensors for its
-    backward; blockwise, forward and backward, never holds more than a chunk of rows."""
+def test_row_chunks_keeps_no_weights_for_the_backward():
+    """At L = 4096 (B = H = 1, D = 64, float32, causal) explicit saves (Lq, Lk) tensors for
+    its backward; row_chunks, forward and backward, never holds more than a chunk of rows."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 4096, 64, generator=g).requires_grad_() for _ in range(3))
     largest = {}
-    for implementation in ("dense", "blockwise"):
+    for implementation in ("explicit", "row_chunks"):
         saved = [0]
 
         def pack(t, saved=saved):
@@ -233,36 +240,38 @@ def test_blockwise_keeps_no_weights_for_the_backward():
             out = sdpa(q, k, v, is_causal=True, implementation=implementation)
             out.backward(torch.ones_like(out))
         largest[implementation] = saved[0]
-    assert largest["dense"] >= 4096 * 4096
-    assert largest["blockwise"] <= functional.BLOCKWISE_ELEMENTS < 4096 * 4096 // 4, largest
+    assert largest["explicit"] >= 4096 * 4096
+    assert largest["row_chunks"] <= row_chunks.CHUNK_ELEMENTS < 4096 * 4096 // 4, largest
 
 
 @pytest.fixture
 def paths(monkeypatch):
-    """Records which path each call took: "blockwise", "fused" or "explicit"."""
+    """Which algorithm each call ran, seen from the inside ("row_chunks": its autograd
+    Function; "explicit": the weights formed outside it; "fused": PyTorch's kernel), and, as a
+    second list, what golden.implementations.record() reported."""
     taken = []
-    blockwise, explicit = functional._Blockwise.apply, functional._explicit
+    apply, explicit = row_chunks._RowChunks.apply, functional.explicit
 
-    def spy_blockwise(*args):
-        taken.append("blockwise")
-        monkeypatch.setattr(functional, "_explicit", explicit)  # its chunks are not counted
-        return blockwise(*args)
+    def spy_row_chunks(*args):
+        taken.append("row_chunks")
+        return apply(*args)
 
-    monkeypatch.setattr(functional._Blockwise, "apply", spy_blockwise)
-    monkeypatch.setattr(functional, "_explicit",
+    monkeypatch.setattr(row_chunks._RowChunks, "apply", spy_row_chunks)
+    monkeypatch.setattr(functional, "explicit",
                         lambda *a: taken.append("explicit") or explicit(*a))
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **k: taken.append("fused") or TORCH_SDPA(*a, **k))
-    return taken
+    with record() as recorded:
+        yield taken, recorded
 
 
-# (call, the path None takes when the weights have ≥ BLOCKWISE_MIN_ELEMENTS elements)
+# (call, what None runs when the weights have more than ROW_CHUNKS_ABOVE elements)
 AUTO = {
-    "grad": (dict(grad=True), "blockwise"),
+    "grad": (dict(grad=True), "row_chunks"),
     "grad_return_weights": (dict(grad=True, return_weights=True), "explicit"),
     "no_grad": (dict(), "fused"),
-    "no_grad_softcap": (dict(softcap=1.0), "blockwise"),
-    "no_grad_dropout": (dict(dropout_rate=0.1), "blockwise"),
+    "no_grad_softcap": (dict(softcap=1.0), "row_chunks"),
+    "no_grad_dropout": (dict(dropout_rate=0.1), "row_chunks"),
     "grad_disabled": (dict(grad=True, no_grad=True), "fused"),
 }
 
@@ -270,64 +279,107 @@ AUTO = {
 @pytest.mark.parametrize("large", [True, False], ids=["large", "small"])
 @pytest.mark.parametrize("call", AUTO)
 def test_automatic_choice(call, large, paths, monkeypatch):
-    """None is blockwise where dense would form weights nobody asked for and they are large
-    (here the threshold is the test's size: B·H·Lq·Lk elements); dense otherwise."""
+    """None is row_chunks where the weights would be formed though nobody asked for them, and
+    are large (here the threshold is the test's size: B·H·Lq·Lk elements); explicit where they
+    are asked for or small; fused where nothing needs them. The record says the same."""
     kw, expected = AUTO[call]
     kw = dict(kw)
     size = B * H * LQ * LK
-    monkeypatch.setattr(functional, "BLOCKWISE_MIN_ELEMENTS", size if large else size + 1)
+    monkeypatch.setattr(functional, "ROW_CHUNKS_ABOVE", size - 1 if large else size)
     rng, _ = fresh_rng()
     grad, no_grad = kw.pop("grad", False), kw.pop("no_grad", False)
     q, k, v = (torch.tensor(rng.standard_normal(s), requires_grad=grad)
                for s in [(B, H, LQ, DK), (B, HKV, LK, DK), (B, HKV, LK, DV)])
     with torch.set_grad_enabled(not no_grad):
         sdpa(q, k, v, is_causal=True, **kw)
-    if not large and expected == "blockwise":
+    if not large and expected == "row_chunks":
         expected = "explicit"
-    assert paths == [expected]
+    taken, recorded = paths
+    assert taken == [expected] and recorded == [("torch", expected)]
 
 
-@pytest.mark.parametrize("implementation", ["dense", "blockwise"])
-def test_a_named_implementation_is_taken_at_any_size(implementation, paths):
+@pytest.mark.parametrize("implementation", ["explicit", "row_chunks", "fused"])
+def test_each_name_runs_the_algorithm_it_names_at_any_size(implementation, paths):
     rng, _ = fresh_rng()
-    q, k, v = (torch.tensor(rng.standard_normal((LQ, DK)), requires_grad=True)
+    grad = implementation != "fused"  # fused refuses gradients (below)
+    q, k, v = (torch.tensor(rng.standard_normal((LQ, DK)), requires_grad=grad)
                for _ in range(3))
     out = sdpa(q, k, v, implementation=implementation)
-    assert paths == ["explicit" if implementation == "dense" else "blockwise"]
-    out.sum().backward()
+    taken, recorded = paths
+    assert taken == [implementation] and recorded == [("torch", implementation)]
+    expected = sdpa(q, k, v, return_weights=True)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def auto(shape, **asked):
+    """The implementation None runs for weights of ``shape`` and these demands."""
+    return functional.IMPLEMENTATIONS.select(None, Asked(**asked), functional.choose(shape)).name
 
 
 def test_default_threshold_and_rows():
-    """The measured constants: None switches at 2²⁴ weights; chunks of about 2²¹ weights and
-    at least 64 rows (see the core's docstring)."""
-    choose = functional._choose
-    assert choose(None, (4, 8, 1024, 1024), True, False) == "blockwise"  # 2²⁵
-    assert choose(None, (1, 1, 4096, 4096), True, False) == "blockwise"  # 2²⁴
-    assert choose(None, (1, 1, 4096, 4095), True, False) == "dense"
-    assert choose(None, (4, 8, 512, 1024), False, False) == "dense"  # forward only: fused
-    assert functional._chunk_rows((1, 1), 16384) == 128
-    assert functional._chunk_rows((1, 1), 65536) == 64  # the floor
-    assert functional._chunk_rows((4, 8), 1024) == 64
+    """The measured constants: None takes row_chunks from 2²⁴ weights up; chunks of about 2²¹
+    weights and at least 64 rows (see the core's docstring)."""
+    assert auto((4, 8, 1024, 1024), gradients=True) == "row_chunks"  # 2²⁵
+    assert auto((1, 1, 4096, 4096), gradients=True) == "row_chunks"  # 2²⁴
+    assert auto((1, 1, 4096, 4095), gradients=True) == "explicit"
+    assert auto((4, 8, 1024, 1024), gradients=True, return_weights=True) == "explicit"
+    assert auto((4, 8, 1024, 1024)) == "fused"  # forward only
+    assert auto((1, 1, 4, 4), block_sizes=(2, None)) == "row_chunks"  # blocks asked for
+    assert row_chunks.chunk_rows((1, 1), 16384) == 128
+    assert row_chunks.chunk_rows((1, 1), 65536) == 64  # the floor
+    assert row_chunks.chunk_rows((4, 8), 1024) == 64
 
 
-def test_dense_is_todays_explicit_path():
-    rng, _ = fresh_rng()
-    q, k, v = (torch.tensor(rng.standard_normal((B, H, LQ, DK))) for _ in range(3))
-    out = sdpa(q, k, v, is_causal=True, softcap=2.0, implementation="dense")
-    out_w, _ = sdpa(q, k, v, is_causal=True, softcap=2.0, return_weights=True)
-    torch.testing.assert_close(out, out_w, rtol=0, atol=0)
+def test_block_sizes_set_the_rows_per_chunk(monkeypatch):
+    rows = []
+    explicit = explicit_module.explicit
+    monkeypatch.setattr(explicit_module, "explicit",
+                        lambda q, *a: rows.append(q.shape[-2]) or explicit(q, *a))
+    q = torch.zeros(2, 7, DK)
+    sdpa(q, q, q, implementation="row_chunks", block_sizes=(3, None))
+    assert rows == [1, 3, 3]  # the last chunk first
 
 
-@pytest.mark.parametrize("implementation", ["flash", "Dense", ""])
+@pytest.mark.parametrize("implementation", ["flash", "Dense", "", "blockwise"])
 def test_unknown_implementation(implementation):
     q = torch.zeros(LQ, DK)
-    with pytest.raises(ValueError, match=r"implementation should be None, 'dense' or "
-                                         rf"'blockwise', got '{implementation}'"):
+    with pytest.raises(ValueError, match=r"implementation should be None or one of 'explicit', "
+                                         rf"'fused', 'row_chunks' \(torch\), "
+                                         rf"got '{implementation}'"):
         sdpa(q, q, q, implementation=implementation)
 
 
-def test_blockwise_cannot_return_weights():
+def test_dense_names_its_successor():
     q = torch.zeros(LQ, DK)
-    with pytest.raises(ValueError, match=r"return_weights=True needs implementation='dense' "
-                                         r"or None: the blockwise path never forms"):
-        sdpa(q, q, q, implementation="blockwise", return_weights=True)
+    with pytest.raises(ValueError, match=r"got 'dense' \('dense' is now 'explicit'"):
+        sdpa(q, q, q, implementation="dense")
+
+
+# (implementation, arguments it cannot honour, the reason it gives)
+REFUSED = [
+    ("row_chunks", dict(return_weights=True), "never forms all the"),
+    ("fused", dict(return_weights=True), "does not return the weights"),
+    ("fused", dict(softcap=2.0), "cannot soft-cap"),
+    ("fused", dict(dropout_rate=0.1), "draws its own dropout"),
+    ("fused", dict(grad=True), "backward loses accuracy"),
+    ("fused", dict(block_sizes=(2, None)), "block_sizes is for 'row_chunks'"),
+    ("explicit", dict(block_sizes=(2, None)), "block_sizes is for 'row_chunks'"),
+]
+
+
+@pytest.mark.parametrize("implementation, kw, reason", REFUSED)
+def test_an_argument_it_cannot_honour_raises_instead_of_falling_back(implementation, kw, reason,
+                                                                     paths):
+    kw = dict(kw)
+    q = torch.zeros(LQ, DK, requires_grad=kw.pop("grad", False))
+    with pytest.raises(ValueError, match=rf"implementation='{implementation}' cannot run this "
+                                         rf"call: .*{reason}"):
+        sdpa(q, q, q, implementation=implementation, **kw)
+    assert paths == ([], [])  # nothing ran
+
+
+@pytest.mark.parametrize("block_sizes", [(2, 2), (0, None), 3, (None, None), (True, None)])
+def test_bad_block_sizes(block_sizes):
+    q = torch.zeros(LQ, DK)
+    with pytest.raises(ValueError, match=r"block_sizes should be None or a pair \(rows, None\)"):
+        sdpa(q, q, q, block_sizes=block_sizes)

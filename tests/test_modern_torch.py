@@ -1,6 +1,6 @@
 """The torch core's issue-9 arguments: grouped-query heads, softcap, query offsets, sliding
-windows and sequence lengths, on the explicit and the fused path, against PyTorch's own kernel,
-a boolean mask built here by hand, and the float64 reference."""
+windows and sequence lengths, with the explicit and the fused implementations, against
+PyTorch's own kernel, a boolean mask built here by hand, and the float64 reference."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from golden import reference
+from golden.implementations import record
 from golden.tolerances import compare
 from golden.validate import window
 from tests.helpers import fresh_rng
@@ -74,42 +75,47 @@ def fused_calls(monkeypatch):
     return calls
 
 
-def run_path(path, q, k, v, **kw):
-    """The output on the explicit path (weights asked for) or the fused one (no_grad)."""
-    if path == "explicit":
-        return sdpa(q, k, v, return_weights=True, **kw)[0]
-    with torch.no_grad():
-        return sdpa(q, k, v, **kw)
+def run_implementation(implementation, q, k, v, **kw):
+    """The output of "explicit" (weights asked for) or of "fused" (no_grad: the automatic
+    choice), each checked to be the one recorded."""
+    with record() as ran:
+        if implementation == "explicit":
+            out = sdpa(q, k, v, return_weights=True, **kw)[0]
+        else:
+            with torch.no_grad():
+                out = sdpa(q, k, v, **kw)
+    assert ran == [("torch", implementation)]
+    return out
 
 
-@pytest.mark.parametrize("path", ["explicit", "fused"])
+@pytest.mark.parametrize("implementation", ["explicit", "fused"])
 @pytest.mark.parametrize("hkv", [1, 2, 3], ids=["mqa", "gqa2", "gqa3"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("batch", [(B,), ()], ids=["batched", "unbatched"])
-def test_grouped_heads_match_torch_kernel(path, hkv, is_causal, batch, fused_calls):
+def test_grouped_heads_match_torch_kernel(implementation, hkv, is_causal, batch, fused_calls):
     rng, seed = fresh_rng()
     q, k, v = tensors(rng, hkv, torch.float32, batch)
-    out = run_path(path, q, k, v, is_causal=is_causal, scale=0.7)
+    out = run_implementation(implementation, q, k, v, is_causal=is_causal, scale=0.7)
     expected = TORCH_SDPA(q, k, v, is_causal=is_causal, enable_gqa=True, scale=0.7)
-    assert bool(fused_calls) == (path == "fused")
-    if path == "fused":
+    assert bool(fused_calls) == (implementation == "fused")
+    if implementation == "fused":
         assert fused_calls[0].get("enable_gqa") is True
     assert compare(out.numpy(), expected.numpy(), "float32").ok, f"seed {seed}"
 
 
-@pytest.mark.parametrize("path", ["explicit", "fused"])
+@pytest.mark.parametrize("implementation", ["explicit", "fused"])
 @pytest.mark.parametrize("case", ALLOWED_CASES)
-def test_allowed_set_matches_hand_built_mask(path, case, fused_calls):
+def test_allowed_set_matches_hand_built_mask(implementation, case, fused_calls):
     """On rows with an allowed key, PyTorch's kernel with the mask built by hand; the other
     rows are zeros."""
     rng, seed = fresh_rng()
     q, k, v = tensors(rng, hkv=3)
     kw = ALLOWED_CASES[case]
-    out = run_path(path, q, k, v, **torch_kwargs(kw)).numpy()
+    out = run_implementation(implementation, q, k, v, **torch_kwargs(kw)).numpy()
     ok = allowed_by_hand(kw)
     live = np.broadcast_to(ok.any(-1), (B, H, LQ))
     expected = TORCH_SDPA(q, k, v, attn_mask=torch.from_numpy(ok), enable_gqa=True).numpy()
-    assert bool(fused_calls) == (path == "fused")
+    assert bool(fused_calls) == (implementation == "fused")
     assert compare(out[live], expected[live], "float64").ok, f"seed {seed}"
     assert (out[~live] == 0).all()
 
@@ -131,15 +137,17 @@ def test_grouped_heads_equal_repeated_kv_with_group_sum_gradients():
         assert compare(x.grad.numpy(), group_sum.numpy(), "float64", "grad", terms=g).ok
 
 
-@pytest.mark.parametrize("path", ["explicit", "fused"])
-def test_int_and_tensor_offsets_agree(path):
+@pytest.mark.parametrize("implementation", ["explicit", "fused"])
+def test_int_and_tensor_offsets_agree(implementation):
     rng, _ = fresh_rng()
     q, k, v = tensors(rng, hkv=2)
     kw = dict(is_causal=True, local_window_size=(2, 1))
-    as_int = run_path(path, q, k, v, query_offset=3, **kw)
-    as_tensor = run_path(path, q, k, v, query_offset=torch.tensor([3, 3]), **kw)
+    as_int = run_implementation(implementation, q, k, v, query_offset=3, **kw)
+    as_tensor = run_implementation(implementation, q, k, v, query_offset=torch.tensor([3, 3]),
+                                   **kw)
     torch.testing.assert_close(as_int, as_tensor, rtol=0, atol=0)
-    unbatched = run_path(path, q[1], k[1], v[1], query_offset=torch.tensor(3), **kw)
+    unbatched = run_implementation(implementation, q[1], k[1], v[1],
+                                   query_offset=torch.tensor(3), **kw)
     torch.testing.assert_close(unbatched, as_int[1], rtol=0, atol=0)
 
 
@@ -187,7 +195,7 @@ def test_query_lengths_give_zero_rows_and_zero_gradients():
     assert (q.grad[0] != 0).all()
 
 
-# Softcap runs the explicit path only.
+# Softcap runs the explicit implementation only.
 REFERENCE_CASES = {**ALLOWED_CASES, "softcap_gqa": dict(softcap=1.0, scale=3.0, is_causal=True),
                    "softcap_all": dict(ALLOWED_CASES["all"], softcap=0.3, scale=2.0)}
 
@@ -205,17 +213,17 @@ def _reference_takes_new_arguments() -> bool:
 
 @pytest.mark.skipif(not _reference_takes_new_arguments(),
                     reason="golden.reference does not take the issue-9 arguments yet")
-@pytest.mark.parametrize("path, case", [(p, c) for c in REFERENCE_CASES
-                                         for p in ("explicit", "fused")
-                                         if p == "explicit" or "softcap" not in c])
-def test_matches_float64_reference(path, case):
+@pytest.mark.parametrize("implementation, case", [(p, c) for c in REFERENCE_CASES
+                                                   for p in ("explicit", "fused")
+                                                   if p == "explicit" or "softcap" not in c])
+def test_matches_float64_reference(implementation, case):
     rng, seed = fresh_rng()
     q, k, v = tensors(rng, hkv=2)
     kw = REFERENCE_CASES[case]
-    out = run_path(path, q, k, v, **torch_kwargs(kw))
+    out = run_implementation(implementation, q, k, v, **torch_kwargs(kw))
     expected, expected_w = reference.scaled_dot_product_attention(
         q.numpy(), k.numpy(), v.numpy(), **kw)
     assert compare(out.numpy(), expected, "float64").ok, f"seed {seed}"
-    if path == "explicit":
+    if implementation == "explicit":
         _, w = sdpa(q, k, v, return_weights=True, **torch_kwargs(kw))
         assert compare(w.numpy(), expected_w, "float64", "weights").ok, f"seed {seed}"

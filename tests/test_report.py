@@ -23,12 +23,12 @@ def _array(name, kind="value", *, err=1e-7, ok=True, missing=False):
             "ok": ok and not missing, "zero": False, "missing": missing}
 
 
-def _row(fixture, implementation, path, dtype, status, reason=None, arrays=()):
+def _row(fixture, implementation, core, dtype, status, reason=None, arrays=()):
     """A row; its worst errors over its arrays (inf where one is missing)."""
     errs = [math.inf if a["max_abs"] is None else a["max_abs"] for a in arrays]
     worst = max(errs, default=None)
     return {"fixture": fixture, "variant": "scaled_dot_product_attention",
-            "implementation": implementation, "path": path, "dtype": dtype, "status": status,
+            "implementation": implementation, "core": core, "dtype": dtype, "status": status,
             "reason": reason, "seconds": 0.01, "max_abs": worst, "max_rel": worst,
             "arrays": list(arrays)}
 
@@ -37,16 +37,16 @@ def _report():
     """Three fixtures; rows of every status, a missing gradient, a non-finite error, a reason
     to escape and one fixture the reference does not regenerate."""
     rows = [
-        _row("sdpa_plain", "torch", "autograd", "float32", "pass",
+        _row("sdpa_plain", "torch", "explicit", "float32", "pass",
              arrays=[_array("output"), _array("weights", "weights")]),
-        _row("sdpa_plain", "jax", "vmap", "float32", "fail", "weights, grad W_query",
+        _row("sdpa_plain", "jax", "explicit", "float32", "fail", "weights, grad W_query",
              arrays=[_array("output"), _array("weights", "weights", err=math.inf, ok=False),
                      _array("grad W_query", "grad", missing=True)]),
-        _row("sdpa_plain", "mypkg.port:runner", "numpy", "float64", "error",
+        _row("sdpa_plain", "mypkg.port:runner", "", "float64", "error",
              "ValueError: " + NASTY),
-        _row("causal_mask", "torch", "autograd", "float64", "pass",
+        _row("causal_mask", "torch", "explicit", "float64", "pass",
              arrays=[_array("output", err=np.float64(2e-16))]),
-        _row("causal_mask", "jax", "vmap", "float64", "not supported", NASTY),
+        _row("causal_mask", "jax", "explicit", "float64", "not supported", NASTY),
         _row("dropout_only", "torch", "fused", "float32", "not supported", "dropout"),
     ]
     summary = {"rows": 6, "passed": 2, "failed": 1, "errors": 1, "not_supported": 2,
@@ -68,8 +68,8 @@ def _weights():
     ref = rng.dirichlet(np.ones(5), size=(2, 3, 4))  # (B, H, Lq, Lk), rows sum to 1
     off = ref.copy()
     off[0, 0, 1, 2] += 1e-7
-    return {"sdpa_plain": {"reference": ref, "torch autograd float32": ref.astype(np.float32),
-                           "jax vmap float32": off},
+    return {"sdpa_plain": {"reference": ref, "torch explicit float32": ref.astype(np.float32),
+                           "jax explicit float32": off},
             "causal_mask": {"reference": rng.dirichlet(np.ones(5), size=4)}}
 
 
@@ -80,7 +80,7 @@ def test_json_round_trips_with_the_documented_schema(tmp_path):
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     assert list(data) == list(rp.KEYS)
-    assert data["schema"] == "attn-parity-check" and data["schema_version"] == 1
+    assert data["schema"] == "attn-parity-check" and data["schema_version"] == 2
     assert all(list(row) == list(rp.ROW_KEYS) for row in data["rows"])
     assert all(list(a) == list(rp.ARRAY_KEYS) for row in data["rows"] for a in row["arrays"])
     assert list(data["summary"]) == list(rp.SUMMARY_KEYS)
@@ -148,7 +148,7 @@ def test_junit_failure_names_the_arrays_and_escapes(tmp_path):
     root = ET.parse(rp.write_junit(_report(), tmp_path / "junit.xml")).getroot()
     jax = root.find("testsuite[@name='jax']")
     case = jax.find("testcase[@classname='sdpa_plain']")
-    assert case.get("name") == "jax vmap float32"
+    assert case.get("name") == "jax explicit float32"
     failure = case.find("failure")
     assert failure.get("type") == "tolerance" and "grad W_query" in failure.get("message")
     assert "grad W_query: max_abs=n/a rel_norm=n/a ok=False (missing)" in failure.text

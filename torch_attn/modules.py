@@ -145,14 +145,14 @@ class MultiHeadAttentionWrapper(nn.Module):
         rate = _dropout_rate(self)
         check_self_inputs(x, self.d_in, mask, dropout_mask, heads=self.num_heads, rate=rate)
         outs, weights = [], []
-        if dropout_mask is not None:  # (B, N, Lq, Lk): one keep-mask per head
+        if dropout_mask is not None:  # (B, N, Lq, Lk): one dropout mask per head
             dropout_mask = dropout_mask.expand(x.shape[:-2] + (self.num_heads,) +
                                                2 * x.shape[-2:-1])
         for h, head in enumerate(self.heads):
             q, k, v = head.project(x)
-            keep = None if dropout_mask is None else dropout_mask[..., h, :, :]
+            head_mask = None if dropout_mask is None else dropout_mask[..., h, :, :]
             o = scaled_dot_product_attention(q, k, v, mask, is_causal=self.causal,
-                                             dropout_rate=rate, dropout_mask=keep,
+                                             dropout_rate=rate, dropout_mask=head_mask,
                                              return_weights=return_weights)
             o, w = o if return_weights else (o, None)
             outs.append(o)      # (B, L, Dh)
@@ -265,21 +265,21 @@ class GroupedQueryAttention(nn.Module):
         q = self._split(self.W_query(x), self.num_heads)       # (B, N, L, Dh)
         k = self._split(self.W_key(x), self.num_kv_heads)      # (B, Nkv, L, Dh)
         v = self._split(self.W_value(x), self.num_kv_heads)
-        offset, q_len, kv_len = None, query_seq_lengths, query_seq_lengths
+        offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
-            offset, q_len, kv_len = _cache_positions(cache, x.shape[1], query_seq_lengths)
+            offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
         if self.rope_theta is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
                                      offset=offset, max_position=bound) for t in (q, k))
         if cache is not None:
-            cache = _append(cache, k, v, q_len)
+            cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, L, Lk)
         o = scaled_dot_product_attention(
             q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
-            query_seq_lengths=q_len, key_value_seq_lengths=kv_len, dropout_rate=rate,
+            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, return_weights=return_weights)
         o, w = o if return_weights else (o, None)
         y = self.out_proj(o.transpose(-2, -3).flatten(-2))  # (B, L, N·Dh) -> (B, L, d_out)

@@ -7,7 +7,7 @@ import torch
 
 from golden.positions import rope_cos_sin, rope_tables, rope_turn
 from golden.validate import check_rotary
-from torch_attn.functional import _LOW_PRECISION, _per_batch
+from torch_attn.explicit import LOW_PRECISION, per_batch
 
 
 def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=None):
@@ -26,12 +26,12 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     if dh % 2:
         raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")
     positions = torch.arange(length, device=x.device)  # (L,)
-    offset = _per_batch(offset, x.device)  # 0, an int or (B, 1, 1, 1)
+    offset = per_batch(offset, x.device)  # 0, an int or (B, 1, 1, 1)
     if torch.is_tensor(offset):
         offset = offset.reshape(-1, *(1,) * (x.dim() - 2))  # (B, 1, 1): against (B, H, L)
     positions = positions + offset  # (L,) or (B, 1, L)
     max_position = length if max_position is None else max_position
-    compute = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    compute = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
     tables = [torch.tensor(t, dtype=compute, device=x.device)  # a copy: the tables are shared
               for t in rope_tables(float(theta), dh, max_position)]
     cos, sin = rope_cos_sin(tables, positions)

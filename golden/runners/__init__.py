@@ -11,8 +11,9 @@ The runner contract, public: any callable ``run_fixture(fixture, dtype) -> dict`
     "loss"                (optional) "output" when the gradients are of Σ output ⊙ dO alone (an
                           implementation that returns no weights); default "both"
     "dtype"               the dtype the computation ran in
-    "path"                (optional) which of the implementation's paths ran
-What a result holds is what gets checked: a forward-only runner (torch's fused path, a NumPy
+    "core"                (optional) which named implementation(s) of the core ran
+                          (golden.implementations: "explicit", "fused", ...), as recorded
+What a result holds is what gets checked: a forward-only runner (torch's fused kernel, a NumPy
 port) returns no "grads". A runner that cannot run a fixture raises
 ``golden.runners.adapt.NotSupported`` with the reason; any other exception is a failure.
 A module variant is built from the fixture's parameters cast to ``dtype``, in training mode when
@@ -55,23 +56,27 @@ def run_reference(fixture, dtype="float64", *, weights_cotangent=True, exact=Tru
     return {"output": out, "weights": weights, "dtype": "float64", "grads": grads}
 
 
-def fused_applies(fixture) -> bool:
-    """Whether torch's core runs a forward-only call of the fixture through PyTorch's fused
-    kernel: not with dropout (a keep-mask) or soft-capping, which take the explicit path."""
-    return "dropout_mask" not in fixture.inputs and not fixture.config.get("softcap")
+def refuses(framework, core, fixture) -> str | None:
+    """Why ``framework``'s core implementation ``core`` cannot run the fixture (the twin's own
+    rule, from its registry), or None."""
+    return _module(framework).refuses(core, fixture)
 
 
-def get(framework, path=None):
-    """The ``run_fixture`` of "reference", "torch" or "jax" (``path="fused"``: torch's
+def get(framework, core=None):
+    """The ``run_fixture`` of "reference", "torch" or "jax" (``core="fused"``: torch's
     forward-only ``run_fused``); ImportError naming the missing framework and the extra that
     installs it."""
     if framework == "reference":
         return run_reference
+    module = _module(framework)
+    return module.run_fused if core == "fused" else module.run_fixture
+
+
+def _module(framework):
     if framework not in _MODULES:
         raise ValueError(f"framework should be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     try:
-        module = importlib.import_module(_MODULES[framework])
+        return importlib.import_module(_MODULES[framework])
     except ImportError as e:
         raise ImportError(f"the {framework} runner needs {e.name}: "
                           f"pip install 'attn-parity[{framework}]'") from e
-    return module.run_fused if path == "fused" else module.run_fixture

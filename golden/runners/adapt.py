@@ -26,13 +26,12 @@ from functools import partial
 
 import numpy as np
 
+from golden import implementations, variants
 from golden import mapping as mappings
-from golden import variants
-from golden.validate import DTYPES
+from golden.frameworks import ADAPTERS, JAX, NUMPY, TORCH
 
 CORE = variants.SDPA
 FRAMEWORKS = ("numpy", "torch", "jax")
-_DTYPES = {"numpy": ("float32", "float64"), "torch": DTYPES, "jax": DTYPES}
 _CONFIG_DEFAULTS = {a.name: a.default for a in variants.get(CORE).args}
 
 
@@ -55,7 +54,11 @@ class Runner:
         reason = self.unsupported(fixture, dtype)
         if reason:
             raise NotSupported(reason)
-        return self._run(fixture, dtype)
+        with implementations.record() as ran:
+            result = self._run(fixture, dtype)
+        if ran and "core" not in result:  # it ran this project's core: say which one
+            result = {**result, "core": implementations.names(ran)}
+        return result
 
     def __repr__(self) -> str:
         return f"<runner {self.name} ({self.framework})>"
@@ -65,10 +68,10 @@ def _framework(framework, dtypes):
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework should be one of {', '.join(FRAMEWORKS)}, "
                          f"got {framework!r}")
-    dtypes = tuple(_DTYPES[framework] if dtypes is None else dtypes)
-    bad = [d for d in dtypes if d not in _DTYPES[framework]]
+    dtypes = tuple(ADAPTERS[framework].dtypes if dtypes is None else dtypes)
+    bad = [d for d in dtypes if d not in ADAPTERS[framework].dtypes]
     if bad:
-        raise ValueError(f"dtypes should be drawn from {', '.join(_DTYPES[framework])} for "
+        raise ValueError(f"dtypes should be drawn from {', '.join(ADAPTERS[framework].dtypes)} for "
                          f"{framework}, got {', '.join(bad)}")
     return dtypes
 
@@ -257,12 +260,12 @@ def as_runner(runner, name=None) -> Runner:
                   getattr(runner, "framework", ""), runner)
 
 
-# ---- the frameworks ---------------------------------------------------------------------------
+# ---- the frameworks (their adapters: golden.frameworks) ---------------------------------------
 
-def _result(out, weights, grads, dtype):
-    result = {"output": np.asarray(out, dtype=np.float64), "dtype": dtype}
+def _result(adapter, out, weights, grads, dtype):
+    result = {"output": adapter.numpy(out), "dtype": dtype}
     if weights is not None:
-        result["weights"] = np.asarray(weights, dtype=np.float64)
+        result["weights"] = adapter.numpy(weights)
     if grads is not None:
         result["grads"] = grads
         if weights is None:
@@ -270,79 +273,40 @@ def _result(out, weights, grads, dtype):
     return result
 
 
-def _numpy_inputs(arrays, dtype):
-    return {n: a.astype(dtype) if a.dtype.kind == "f" else a.copy() for n, a in arrays.items()}
-
-
-def _numpy_keywords(keywords, dtype):
-    return {n: (a.astype(dtype) if a.dtype.kind == "f" else a.copy())
-            if isinstance(a, np.ndarray) else a for n, a in keywords.items()}
-
-
 def _run_numpy_call(call, fixture, dtype, arrays, keywords):
-    out, weights = call(_numpy_inputs(arrays, dtype), _numpy_keywords(keywords, dtype))
-    return _result(out, weights, None, dtype)
+    out, weights = call(NUMPY.leaves(arrays, dtype), _keywords(NUMPY, keywords, dtype))
+    return _result(NUMPY, out, weights, None, dtype)
 
 
-def _torch_tensor(a, dtype):
-    import torch
-
-    if not isinstance(a, np.ndarray):
-        return a
-    t = torch.from_numpy(np.array(a))
-    return t.to(getattr(torch, dtype)).requires_grad_() if t.is_floating_point() else t
-
-
-def _torch_loss(fixture, out, weights, dtype):
-    import torch
-
-    dt = getattr(torch, dtype)
-    loss = (out * torch.from_numpy(fixture.cotangents["output"]).to(dt)).sum()
-    if weights is not None:
-        loss = loss + (weights * torch.from_numpy(fixture.cotangents["weights"]).to(dt)).sum()
-    return loss
-
-
-def _torch_numpy(t):
-    import torch
-
-    return None if t is None else t.detach().to(torch.float64).numpy()
+def _keywords(adapter, keywords, dtype):
+    """The arrays among ``keywords`` in the framework (floats in ``dtype``), the rest as is."""
+    arrays = adapter.leaves({n: a for n, a in keywords.items() if isinstance(a, np.ndarray)},
+                            dtype)
+    return {n: arrays.get(n, a) for n, a in keywords.items()}
 
 
 def _run_torch(call, fixture, dtype, arrays, keywords):
-    arrays = {n: _torch_tensor(a, dtype) for n, a in arrays.items()}
-    keywords = {n: _torch_tensor(a, dtype) for n, a in keywords.items()}
+    arrays, keywords = TORCH.leaves(arrays, dtype), _keywords(TORCH, keywords, dtype)
     out, weights = call(arrays, keywords)
-    _torch_loss(fixture, out, weights, dtype).backward()
-    grads = {n: _torch_numpy(t.grad) for n, t in {**arrays, **keywords}.items()
+    TORCH.loss(fixture.cotangents, out, weights, dtype).backward()
+    grads = {n: TORCH.numpy(t.grad) for n, t in {**arrays, **keywords}.items()
              if getattr(t, "requires_grad", False)}
-    return _result(_torch_numpy(out), _torch_numpy(weights), grads, dtype)
+    return _result(TORCH, out, weights, grads, dtype)
 
 
 def _jax_split(arrays, keywords, dtype):
     """(float arrays, other arrays, static keywords) as JAX arrays of ``dtype``."""
-    import jax.numpy as jnp
-
     every = {**arrays, **{n: a for n, a in keywords.items() if isinstance(a, np.ndarray)}}
-    floats = {n: jnp.asarray(a, dtype=dtype) for n, a in every.items() if a.dtype.kind == "f"}
-    others = {n: jnp.asarray(a) for n, a in every.items() if a.dtype.kind != "f"}
+    floats = JAX.leaves({n: a for n, a in every.items() if a.dtype.kind == "f"}, dtype)
+    others = JAX.leaves({n: a for n, a in every.items() if a.dtype.kind != "f"}, dtype)
     static = {n: a for n, a in keywords.items() if not isinstance(a, np.ndarray)}
     return floats, others, static
-
-
-def _jax_loss(fixture, out, weights, dtype):
-    import jax.numpy as jnp
-
-    loss = jnp.sum(out * jnp.asarray(fixture.cotangents["output"], dtype=dtype))
-    if weights is not None:
-        loss = loss + jnp.sum(weights * jnp.asarray(fixture.cotangents["weights"], dtype=dtype))
-    return loss
 
 
 def _run_jax(call, fixture, dtype, arrays, keywords):
     import jax
 
-    with jax.enable_x64(dtype == "float64"):
+    with JAX.float64(dtype == "float64"):
         floats, others, static = _jax_split(arrays, keywords, dtype)
         names = list(arrays)
 
@@ -350,12 +314,10 @@ def _run_jax(call, fixture, dtype, arrays, keywords):
             every = {**floats, **others}
             out, weights = call({n: every[n] for n in names},
                                 {**{n: every[n] for n in every if n not in names}, **static})
-            return _jax_loss(fixture, out, weights, dtype), (out, weights)
+            return JAX.loss(fixture.cotangents, out, weights, dtype), (out, weights)
 
         grads, (out, weights) = jax.jit(jax.grad(loss, has_aux=True))(floats, others)
-        return _result(np.asarray(out, np.float64),
-                       None if weights is None else np.asarray(weights, np.float64),
-                       {n: np.asarray(g, np.float64) for n, g in grads.items()}, dtype)
+        return _result(JAX, out, weights, {n: JAX.numpy(g) for n, g in grads.items()}, dtype)
 
 
 _RUN = {"numpy": _run_numpy_call, "torch": _run_torch, "jax": _run_jax}
@@ -411,15 +373,15 @@ def _module_numpy(module, table, fixture, dtype):
         else:
             setattr(obj, last, value)
     _set_mode(module, fixture)
-    arrays = _numpy_inputs(fixture.inputs, dtype)
+    arrays = NUMPY.leaves(fixture.inputs, dtype)
     out, weights = _module_call(module, fixture, arrays)
-    return _result(out, weights, None, dtype)
+    return _result(NUMPY, out, weights, None, dtype)
 
 
 def _module_torch(module, table, fixture, dtype):
     import torch
 
-    module = module.to(getattr(torch, dtype))
+    module = module.to(TORCH.dtype(dtype))
     params = {}
     with torch.no_grad():
         for neutral, (path, rule) in table.items():
@@ -430,27 +392,24 @@ def _module_torch(module, table, fixture, dtype):
             params[neutral] = param
     _set_mode(module, fixture)
     module.zero_grad(set_to_none=True)
-    arrays = {n: _torch_tensor(a, dtype) for n, a in fixture.inputs.items()}
+    arrays = TORCH.leaves(fixture.inputs, dtype)
     out, weights = _module_call(module, fixture, arrays)
-    _torch_loss(fixture, out, weights, dtype).backward()
-    grads = {n: _torch_numpy(t.grad) for n, t in arrays.items() if t.requires_grad}
+    TORCH.loss(fixture.cotangents, out, weights, dtype).backward()
+    grads = {n: TORCH.numpy(t.grad) for n, t in arrays.items() if t.requires_grad}
     for neutral, param in params.items():
         path, rule = table[neutral]
         grads[neutral] = (None if param.grad is None else
-                          rule.inverse(_torch_numpy(param.grad), fixture.params[neutral].shape))
-    return _result(_torch_numpy(out), _torch_numpy(weights), grads, dtype)
+                          rule.inverse(TORCH.numpy(param.grad), fixture.params[neutral].shape))
+    return _result(TORCH, out, weights, grads, dtype)
 
 
 def _module_jax(module, table, fixture, dtype):
-    import jax
-
-    with jax.enable_x64(dtype == "float64"):
+    with JAX.float64(dtype == "float64"):
         return _module_jax_x64(module, table, fixture, dtype)
 
 
 def _module_jax_x64(module, table, fixture, dtype):
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     for neutral, (path, rule) in table.items():
@@ -460,7 +419,7 @@ def _module_jax_x64(module, table, fixture, dtype):
             raise ValueError(f"mapping: {neutral} -> {path}: the module's {path} should be an "
                              f"nnx.Param, got {type(variable).__name__}")
         _check_shape(neutral, path, rule, value, variable.get_value())
-        variable.set_value(jnp.asarray(value, dtype=dtype))
+        variable.set_value(JAX.array(value, dtype))
     _set_mode(module, fixture)
     floats, others, _ = _jax_split(fixture.inputs, {}, dtype)
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -468,19 +427,18 @@ def _module_jax_x64(module, table, fixture, dtype):
     def loss(floats, params):
         merged = nnx.merge(graphdef, params, rest)
         out, weights = _module_call(merged, fixture, {**floats, **others})
-        return _jax_loss(fixture, out, weights, dtype), (out, weights)
+        return JAX.loss(fixture.cotangents, out, weights, dtype), (out, weights)
 
     (g_in, g_params), (out, weights) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(
         floats, params)
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(g_params)}
-    grads = {n: np.asarray(g, np.float64) for n, g in g_in.items()}
+    grads = {n: JAX.numpy(g) for n, g in g_in.items()}
     for neutral, (path, rule) in table.items():
         g = flat.get(path)
         grads[neutral] = None if g is None else rule.inverse(
-            np.asarray(g.get_value() if isinstance(g, nnx.Variable) else g, np.float64),
+            JAX.numpy(g.get_value() if isinstance(g, nnx.Variable) else g),
             fixture.params[neutral].shape)
-    return _result(np.asarray(out, np.float64),
-                   None if weights is None else np.asarray(weights, np.float64), grads, dtype)
+    return _result(JAX, out, weights, grads, dtype)
 
 
 _MODULE_RUN = {"numpy": _module_numpy, "torch": _module_torch, "jax": _module_jax}

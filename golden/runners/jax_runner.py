@@ -11,22 +11,25 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import jax_attn
-from golden import variants
+from golden import implementations, variants
+from golden.frameworks import JAX
+
+# The core implementations a compiled program ran, recorded when it was traced: a later call
+# of the same program (jit's cache) does not trace again, so it reads them here.
+_TRACED: dict = {}
 
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
     """float64 runs inside ``jax.enable_x64(True)``, so the setting does not leak to the
     caller."""
-    with jax.enable_x64(dtype == "float64"):
+    with JAX.float64(dtype == "float64"):
         module = None
         if variants.get(fixture.variant).is_module:
             module = jax_attn.build(fixture.variant, fixture.config,
-                                    {n: jnp.asarray(a, dtype=dtype)
-                                     for n, a in fixture.params.items()})
+                                    JAX.leaves(fixture.params, dtype))
             module.train() if "dropout_mask" in fixture.inputs else module.eval()
         return run_module(module, fixture, dtype)
 
@@ -35,33 +38,30 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
     """The runner's result for ``module``, of the fixture's variant in the mode and dtype it
     has (None: the core with the fixture's settings), on the fixture's inputs. float64 needs the
     caller's ``jax.enable_x64``."""
-    arrays = {n: jnp.asarray(a, dtype=dtype if a.dtype.kind == "f" else a.dtype)
-              for n, a in fixture.inputs.items()}
+    arrays = JAX.leaves(fixture.inputs, dtype)
     floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
     others = {n: a for n, a in arrays.items() if n not in floats}
-    cot = {n: jnp.asarray(a, dtype=dtype) for n, a in fixture.cotangents.items()}
+    cot = JAX.leaves(fixture.cotangents, dtype)
     graphdef, params, rest = (None, {}, {}) if module is None else nnx.split(module, nnx.Param,
                                                                              ...)
-    out, weights, g_in, g_params = _value_and_grads(
-        floats, others, params, rest, cot, variant=fixture.variant, graphdef=graphdef,
-        config=_static(fixture.config))
-    grads = {n: _numpy(g) for n, g in g_in.items()}
+    static = dict(variant=fixture.variant, graphdef=graphdef, config=_static(fixture.config))
+    with implementations.record() as ran:
+        out, weights, g_in, g_params = _value_and_grads(floats, others, params, rest, cot,
+                                                        **static)
+    key = (fixture.variant, graphdef, static["config"], dtype,
+           tuple((n, a.shape, str(a.dtype)) for n, a in arrays.items()))
+    core = _TRACED.setdefault(key, implementations.names(ran)) if ran else _TRACED.get(key, "")
+    grads = {n: JAX.numpy(g) for n, g in g_in.items()}
     if module is not None:  # a module holding the gradients in its weights' places, exported
-        grads.update({n: _numpy(g) for n, g in
+        grads.update({n: JAX.numpy(g) for n, g in
                       jax_attn.export_params(nnx.merge(graphdef, g_params, rest)).items()})
-    return {"output": _numpy(out), "weights": _numpy(weights), "grads": grads,
-            "dtype": str(out.dtype), "path": _path(weights.shape)}
+    return {"output": JAX.numpy(out), "weights": JAX.numpy(weights), "grads": grads,
+            "dtype": JAX.dtype_name(out), "core": core}
 
 
 def _static(config) -> tuple:
     """The fixture's config as a hashable jit argument: JSON gives a window pair as a list."""
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()))
-
-
-def _path(weights_shape) -> str:
-    """How the core batched its (batch, head) pairs at these weights: one vmap or chunks."""
-    chunk = jax_attn.functional.heads_per_step(weights_shape[:-1] + (1,), weights_shape[-1:] + (1,))
-    return "vmap" if chunk is None else "chunks"
 
 
 @partial(jax.jit, static_argnames=("variant", "graphdef", "config"))
@@ -80,7 +80,3 @@ def _value_and_grads(floats, others, params, rest, cot, *, variant, graphdef, co
     (g_in, g_params), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(floats,
                                                                                  params)
     return out, weights, g_in, g_params
-
-
-def _numpy(a):
-    return np.asarray(a).astype(np.float64)

@@ -82,16 +82,16 @@ def _sharded_like(x, mesh, spec):
 # name: (dtype, Hkv, key/value spec, settings, {extra: (shape, spec)}). Key and value are split
 # over "model" with the query when n = 4 divides Hkv, else replicated over it.
 CORE_CASES = {
-    "dense_mask_bias_weights": ("float64", H, HEADS, dict(is_causal=True, return_weights=True),
+    "explicit_mask_bias_weights": ("float64", H, HEADS, dict(is_causal=True, return_weights=True),
                                 {"mask": ((B, H, LQ, LK), HEADS),
                                  "bias": ((1, H, LQ, LK), P(None, "model"))}),
-    "dense_gqa_softcap_window_lengths": (
+    "explicit_gqa_softcap_window_lengths": (
         "float32", 4, HEADS, dict(softcap=5.0, local_window_size=(9, 3)),
         {"query_offset": ((B,), BATCH), "query_seq_lengths": ((B,), BATCH),
          "key_value_seq_lengths": ((B,), BATCH)}),
-    "dense_gqa_kv_replicated": ("float64", 2, BATCH, dict(is_causal=True),
+    "explicit_gqa_kv_replicated": ("float64", 2, BATCH, dict(is_causal=True),
                                 {"mask": ((B, 1, LQ, LK), BATCH)}),
-    "dense_mqa_dropout": ("float32", 1, BATCH, dict(dropout_rate=0.25),
+    "explicit_mqa_dropout": ("float32", 1, BATCH, dict(dropout_rate=0.25),
                           {"bias": ((B, 1, LQ, LK), BATCH)}),
     "blockwise_gqa_lengths_mask": (
         "float64", 4, HEADS, dict(is_causal=True, implementation="blockwise",

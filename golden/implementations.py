@@ -1,0 +1,128 @@
+"""Named implementations of the core: the contract both twins' registries follow, and the record
+of which implementation ran (framework-free: the spec layer).
+
+Each twin keeps an explicit registry (``torch_attn.IMPLEMENTATIONS``,
+``jax_attn.IMPLEMENTATIONS``): a name, the function that runs it (one signature per twin,
+returning ``(output, weights | None)``), and ``refuses(asked)``, the reason it cannot honour a
+call's arguments (None when it can). ``implementation=name`` runs that implementation or raises
+the ValueError with its reason: never a silent fallback. ``implementation=None`` takes the first
+implementation of the twin's preference order (its ``choose``, written once) that does not
+refuse. A name means one algorithm in both twins; the names in use:
+
+    explicit     the (Lq, Lk) weights formed, softmax, then the weighted sum of values
+    fused        PyTorch's scaled_dot_product_attention kernel (torch only)
+    row_chunks   the explicit path by chunks of query rows, the backward recomputing each
+                 chunk's weights (torch only: O(rows · Lk) memory)
+    blockwise    FlashAttention-2: an online softmax over key blocks and a backward of its own
+                 from the saved log-sum-exp (JAX only: O(L) memory)
+
+``record()`` collects, in the running thread, the (framework, name) of every core call that runs
+inside it: the harness reads which implementation ran instead of working it out again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Asked(NamedTuple):
+    """What a call asks of an implementation beyond the arrays themselves."""
+
+    return_weights: bool = False
+    softcap: bool = False
+    dropout: bool = False
+    gradients: bool = False
+    block_sizes: object = None  # as the caller gave it (None: not given)
+
+
+class Implementation(NamedTuple):
+    """One named implementation: ``run`` computes, ``refuses(asked)`` says why it cannot."""
+
+    name: str
+    run: Callable
+    refuses: Callable[[Asked], str | None]
+
+
+class Registry:
+    """A twin's implementations by name. ``select`` is the one place a call's implementation is
+    decided, given the twin's order of preference for ``implementation=None``."""
+
+    def __init__(self, framework: str, *implementations: Implementation):
+        self.framework = framework
+        self._by_name = {i.name: i for i in implementations}
+
+    def __iter__(self):
+        return iter(self._by_name)
+
+    def __contains__(self, name) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name) -> Implementation:
+        return self._by_name[name]
+
+    def refuses(self, name: str, asked: Asked) -> str | None:
+        """Why implementation ``name`` cannot honour ``asked`` (None: it can)."""
+        return self.named(name).refuses(asked)
+
+    def named(self, name) -> Implementation:
+        """The implementation called ``name``; ValueError listing the names otherwise."""
+        if not isinstance(name, str) or name not in self._by_name:
+            names = ", ".join(repr(n) for n in self._by_name)
+            hint = (" ('dense' is now 'explicit', the weights formed)"
+                    if name == "dense" else "")
+            raise ValueError(f"implementation should be None or one of {names} "
+                             f"({self.framework}), got {name!r}{hint}")
+        return self._by_name[name]
+
+    def select(self, name, asked: Asked, preference) -> Implementation:
+        """The implementation a call runs: ``name``, or when None the first of ``preference``
+        that does not refuse; ValueError with the reason when it (or every one) refuses."""
+        if name is not None:
+            implementation = self.named(name)
+            reason = implementation.refuses(asked)
+            if reason:
+                raise ValueError(f"implementation={name!r} cannot run this call: {reason}")
+            ran(self.framework, name)
+            return implementation
+        reasons = []
+        for candidate in preference:
+            reason = self._by_name[candidate].refuses(asked)
+            if reason is None:
+                ran(self.framework, candidate)
+                return self._by_name[candidate]
+            reasons.append(f"{candidate}: {reason}")
+        raise ValueError("no implementation can run this call (" + "; ".join(reasons) + ")")
+
+
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("ran", default=None)
+
+
+@contextlib.contextmanager
+def record():
+    """A list that collects (framework, implementation name) for every core call inside the
+    block. Under a framework's own tracing (``jax.jit`` around the call, or a JAX module's
+    compiled ``__call__``) a call is recorded when it is traced, not each time the compiled
+    program runs again: a caller that needs the name on every call keeps the first one per
+    program (as golden.runners.jax_runner does)."""
+    ran_here: list = []
+    token = _RECORD.set(ran_here)
+    try:
+        yield ran_here
+    finally:
+        _RECORD.reset(token)
+
+
+def ran(framework: str, name: str) -> None:
+    """Note that ``framework``'s core ran implementation ``name`` (inside ``record()``)."""
+    ran_here = _RECORD.get()
+    if ran_here is not None:
+        ran_here.append((framework, name))
+
+
+def names(ran: list) -> str:
+    """The names in a ``record()`` list, each once, in the order they first ran ("explicit",
+    "explicit, fused"); "" when none ran."""
+    return ", ".join(dict.fromkeys(name for _, name in ran))
