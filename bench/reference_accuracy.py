@@ -60,8 +60,8 @@ def oracle(fixture, real):
               for n, a in fixture.inputs.items()}
     forward, backward = reference.VARIANTS[fixture.variant]
     with reference.exact_arithmetic(real):
-        out, weights, cache = forward(fixture.config, inputs, fixture.params)
-        grads = backward(cache, *(fixture.cotangents[n].astype(np.float64)
+        out, weights, saved = forward(fixture.config, inputs, fixture.params)
+        grads = backward(saved, *(fixture.cotangents[n].astype(np.float64)
                                   for n in ("output", "weights")))
     return {"output": out, "weights": weights, **{f"grad {n}": g for n, g in grads.items()}}
 
@@ -109,8 +109,8 @@ def fast(fixture):
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
     forward, backward = reference.VARIANTS[fixture.variant]
-    out, weights, cache = forward(fixture.config, inputs, fixture.params)
-    grads = backward(cache, *(fixture.cotangents[n].astype(np.float64)
+    out, weights, saved = forward(fixture.config, inputs, fixture.params)
+    grads = backward(saved, *(fixture.cotangents[n].astype(np.float64)
                               for n in ("output", "weights")))
     return {"output": out, "weights": weights, "grads": grads}
 

@@ -5,7 +5,7 @@ An input spec is a tuple naming how the array is drawn from the case's generator
     ("ints", shape, high)             integers in [-high, high] (exact in any float dtype)
     ("mask", shape, p, dead_rows)     bool, True with probability p; rows listed as index tuples
                                       of the leading axes plus the query index are all False
-    ("keep", shape, rate)             dropout keep-mask: True with probability 1 − rate
+    ("keep", shape, rate)             dropout mask: True with probability 1 − rate
     ("grid", shape)                   standard normal rounded to a multiple of 1/64 in [-4, 4]:
                                       exact in bfloat16 and float16 too
     ("values", values, dtype)         exactly these values (a number or nested list) in an

@@ -121,17 +121,17 @@ def _work(fixtures, frameworks, impls, dtypes):
     return work
 
 
-def _baseline(fixture, loss, prof, cache):
+def _baseline(fixture, loss, prof, memo):
     """The plain low-precision implementation's result on the fixture (cached)."""
     key = (fixture.name, loss)
-    if key not in cache:
+    if key not in memo:
         with reference.rounded_products(prof.bits):
-            cache[key] = runners.run_reference(fixture, weights_cotangent=(loss == "both"),
+            memo[key] = runners.run_reference(fixture, weights_cotangent=(loss == "both"),
                                                exact=False)
-    return cache[key]
+    return memo[key]
 
 
-def _row(fixture, runner, label, core, dtype, prof, cache):
+def _row(fixture, runner, label, core, dtype, prof, memo):
     """(the report's row, the result or None)."""
     row = {"fixture": fixture.name, "variant": fixture.variant, "implementation": label,
            "core": core or "", "dtype": dtype, "status": "pass", "reason": None, "seconds": 0.0,
@@ -139,7 +139,7 @@ def _row(fixture, runner, label, core, dtype, prof, cache):
     start = time.perf_counter()
     try:
         result = runner(fixture, dtype)
-        base = (_baseline(fixture, result.get("loss", "both"), prof, cache)
+        base = (_baseline(fixture, result.get("loss", "both"), prof, memo)
                 if prof.bits and dtype == "float32" else None)
         comps = compare_all(fixture, result, dtype, profile_name=prof.name, baseline=base)
     except NotSupported as e:
@@ -195,9 +195,9 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
                                   *(i.name for i in impls)],
               "rows": [], "regeneration": None}
     bar, log = _progress(work, progress, log)
-    cache = {}
+    memo = {}
     for fixture, runner, label, core, dtype in bar:
-        row, result = _row(fixture, runner, label, core, dtype, prof, cache)
+        row, result = _row(fixture, runner, label, core, dtype, prof, memo)
         report["rows"].append(row)
         log(row)
         if weights is not None:

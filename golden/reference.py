@@ -14,7 +14,7 @@ fixtures' values, the same bits on every machine (docs/reproducibility.md).
 Shape legend: B batch, H heads (Hkv of key and value, H a multiple of Hkv), Lq query length,
 Lk key length, Dk key width, Dv value width, G = H / Hkv query heads per key-value head.
 
-Forward, with P the masked softmax and K the dropout keep-mask:
+Forward, with P the masked softmax and K the dropout mask:
     K', V' = K, V with each kv head repeated G times     query head h reads kv head h // G
     R = scale · Q K'ᵀ                                     (..., H, Lq, Lk)
     S = c · tanh(R / c) + bias                            (softcap c; S = R + bias without)
@@ -215,11 +215,11 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
     keep_scaled = keep / (number(1) - number(dropout_rate))
     weights = probs * keep_scaled
     out = einsum("...qk,...kv->...qv", weights, v)
-    cache = dict(q=q, k=k, v=v, kv_heads=kv_heads, scale=scale, capped=capped,
+    saved = dict(q=q, k=k, v=v, kv_heads=kv_heads, scale=scale, capped=capped,
                  capped_arg=capped_arg, probs=probs,
                  keep_scaled=keep_scaled, weights=weights,
                  bias_shape=None if bias is None else np.shape(bias))
-    return out, weights, cache
+    return out, weights, saved
 
 
 # Gradients that are zero in exact arithmetic, whatever the inputs, because softmax is unchanged
@@ -263,13 +263,13 @@ def unbroadcast(grad, shape):
     return grad.sum(axis=axes, keepdims=True)
 
 
-def sdpa_backward(cache, d_output, d_weights):
+def sdpa_backward(saved, d_output, d_weights):
     """Gradients of L = Σ O ⊙ dO + Σ A ⊙ dA with respect to query, key, value (and bias)."""
-    q, k, v, weights, probs = cache["q"], cache["k"], cache["v"], cache["weights"], cache["probs"]
+    q, k, v, weights, probs = saved["q"], saved["k"], saved["v"], saved["weights"], saved["probs"]
     d_output, d_weights = real(d_output), real(d_weights)
     g_weights = einsum("...qv,...kv->...qk", d_output, v) + d_weights   # dL/dA
     g_value = einsum("...qk,...qv->...kv", weights, d_output)
-    g_probs = g_weights * cache["keep_scaled"]                              # dL/dP
+    g_probs = g_weights * saved["keep_scaled"]                              # dL/dP
     exact_mode = _EXACT.get() is not None
     if not exact_mode:  # the softmax vjp P ⊙ (g − Σ g ⊙ P)
         g_scores = probs * (g_probs - (g_probs * probs).sum(axis=-1, keepdims=True))
@@ -278,43 +278,43 @@ def sdpa_backward(cache, d_output, d_weights):
         diff = g_probs[..., :, None] - g_probs[..., None, :]               # (..., Lq, Lk, Lk)
         g_scores = probs * (diff * probs[..., None, :]).sum(axis=-1)
     g_raw = g_scores                                                        # dL/dR
-    if cache["capped"] is not None:  # d(c·tanh(R/c))/dR = 1 − tanh²(R/c) = 4 / (e^x + e^−x)²
-        g_raw = g_scores * (4 / (np.exp(cache["capped_arg"]) + np.exp(-cache["capped_arg"])) ** 2
-                            if exact_mode else number(1) - cache["capped"] ** 2)
+    if saved["capped"] is not None:  # d(c·tanh(R/c))/dR = 1 − tanh²(R/c) = 4 / (e^x + e^−x)²
+        g_raw = g_scores * (4 / (np.exp(saved["capped_arg"]) + np.exp(-saved["capped_arg"])) ** 2
+                            if exact_mode else number(1) - saved["capped"] ** 2)
     grads = {
-        "query": cache["scale"] * einsum("...qk,...kd->...qd", g_raw, k),
-        "key": cache["scale"] * einsum("...qk,...qd->...kd", g_raw, q),
+        "query": saved["scale"] * einsum("...qk,...kd->...qd", g_raw, k),
+        "key": saved["scale"] * einsum("...qk,...qd->...kd", g_raw, q),
         "value": g_value,
     }
-    if cache["kv_heads"] is not None:
-        grads["key"] = sum_groups(grads["key"], cache["kv_heads"])
-        grads["value"] = sum_groups(grads["value"], cache["kv_heads"])
-    if cache["bias_shape"] is not None:
-        grads["bias"] = unbroadcast(g_scores, cache["bias_shape"])
+    if saved["kv_heads"] is not None:
+        grads["key"] = sum_groups(grads["key"], saved["kv_heads"])
+        grads["value"] = sum_groups(grads["value"], saved["kv_heads"])
+    if saved["bias_shape"] is not None:
+        grads["bias"] = unbroadcast(g_scores, saved["bias_shape"])
     return grads
 
 
-def sdpa_term_sizes(cache, d_output, d_weights):
+def sdpa_term_sizes(saved, d_output, d_weights):
     """The output A V and each gradient of ``sdpa_backward`` computed from absolute values,
     M ≥ |array| elementwise: the size of the terms each element sums, which its rounding is
     relative to (golden.tolerances.compare_terms). The output's is A |V|; dL/dscores is
     P ⊙ (g − Σ g ⊙ P), whose subtraction cancels (to nothing on a saturated row), so M takes
     P ⊙ (|g| + Σ |g| ⊙ P) and leaves out the soft-cap's 1 − tanh², itself a cancelling
     difference near ±c."""
-    v, q, k, probs = (np.abs(cache[n]) for n in ("v", "q", "k", "probs"))
+    v, q, k, probs = (np.abs(saved[n]) for n in ("v", "q", "k", "probs"))
     g = (np.einsum("...qv,...kv->...qk", np.abs(d_output), v) + np.abs(d_weights)) * (
-        cache["keep_scaled"])
+        saved["keep_scaled"])
     g_scores = probs * (g + (g * probs).sum(axis=-1, keepdims=True))
-    scale = abs(cache["scale"])
-    sizes = {"output": np.einsum("...qk,...kv->...qv", cache["weights"], v),
+    scale = abs(saved["scale"])
+    sizes = {"output": np.einsum("...qk,...kv->...qv", saved["weights"], v),
              "query": scale * np.einsum("...qk,...kd->...qd", g_scores, k),
              "key": scale * np.einsum("...qk,...qd->...kd", g_scores, q),
-             "value": np.einsum("...qk,...qv->...kv", cache["weights"], np.abs(d_output))}
-    if cache["kv_heads"] is not None:
-        sizes["key"], sizes["value"] = (sum_groups(sizes[n], cache["kv_heads"])
+             "value": np.einsum("...qk,...qv->...kv", saved["weights"], np.abs(d_output))}
+    if saved["kv_heads"] is not None:
+        sizes["key"], sizes["value"] = (sum_groups(sizes[n], saved["kv_heads"])
                                         for n in ("key", "value"))
-    if cache["bias_shape"] is not None:
-        sizes["bias"] = unbroadcast(g_scores, cache["bias_shape"])
+    if saved["bias_shape"] is not None:
+        sizes["bias"] = unbroadcast(g_scores, saved["bias_shape"])
     return sizes
 
 # ---------------------------------------------------------------------------------------------
@@ -396,31 +396,31 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, rope=None, mask
     out, weights, attn = sdpa_forward(q, k, v, head_mask, **core)
     merged = merge_heads(out)  # (..., Lq, N·Dv)
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
-    cache = dict(x=(x_q, x_k, x_v), p=p, heads=heads, rope=rope, merged=merged, attn=attn)
-    return y, weights, cache
+    saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, rope=rope, merged=merged, attn=attn)
+    return y, weights, saved
 
 
-def block_backward(cache, d_y, d_weights):
+def block_backward(saved, d_y, d_weights):
     """Gradients of Σ y⊙dy + Σ A⊙dA: keys x_query, x_key, x_value and every parameter name."""
-    p, grads = cache["p"], {}
+    p, grads = saved["p"], {}
     g_merged, d_weights = real(d_y), real(d_weights)
     if "W_out" in p:
-        g_merged = linear_backward(cache["merged"], p["W_out"], g_merged, grads,
+        g_merged = linear_backward(saved["merged"], p["W_out"], g_merged, grads,
                                    ("W_out", "b_out" if "b_out" in p else None))
-    g = sdpa_backward(cache["attn"], split_heads(g_merged, cache["heads"]["query"]), d_weights)
-    if cache["rope"] is not None:  # a rotation's transpose turns by the opposite angle
-        angles, interleaved = cache["rope"]
+    g = sdpa_backward(saved["attn"], split_heads(g_merged, saved["heads"]["query"]), d_weights)
+    if saved["rope"] is not None:  # a rotation's transpose turns by the opposite angle
+        angles, interleaved = saved["rope"]
         g["query"], g["key"] = (rotate(g[n], -angles, interleaved) for n in ("query", "key"))
-    for x, n in zip(cache["x"], ("query", "key", "value")):
+    for x, n in zip(saved["x"], ("query", "key", "value")):
         grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
                                           (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
     return grads
 
 
 # ---------------------------------------------------------------------------------------------
-# Variants: forward(config, inputs, params) -> (output, weights, cache) and
-# backward(cache, d_output, d_weights) -> {input or parameter name: gradient}.
-# Dropout is active exactly when the inputs hold a keep-mask (the module is in training mode).
+# Variants: forward(config, inputs, params) -> (output, weights, saved) and
+# backward(saved, d_output, d_weights) -> {input or parameter name: gradient}.
+# Dropout is active exactly when the inputs hold a dropout mask (the module is in training mode).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -442,11 +442,11 @@ def _simple_backward(attn, d_out, d_weights):
 def _one_head(config, inputs, params, x_q, x_k, x_v, is_causal):
     """A single head: the block with N = 1, the head axis removed from the weights."""
     keep = inputs.get("dropout_mask")
-    y, weights, cache = block_forward(
+    y, weights, saved = block_forward(
         x_q, x_k, x_v, params, num_heads=1, is_causal=is_causal, mask=inputs.get("mask"),
         dropout_rate=config.get("dropout", 0.0) if keep is not None else 0.0,
         dropout_mask=None if keep is None else keep[..., None, :, :])
-    return y, weights[..., 0, :, :], cache
+    return y, weights[..., 0, :, :], saved
 
 
 def _self(config, inputs, params):
@@ -459,24 +459,24 @@ def _causal(config, inputs, params):
     return _one_head(config, inputs, params, x, x, x, is_causal=True)
 
 
-def _self_backward(cache, d_y, d_weights):
-    g = block_backward(cache, d_y, d_weights[..., None, :, :])
+def _self_backward(saved, d_y, d_weights):
+    g = block_backward(saved, d_y, d_weights[..., None, :, :])
     g["x"] = g.pop("x_query") + g.pop("x_key") + g.pop("x_value")
     return g
 
 
 def _cross(config, inputs, params):
     x_v = inputs.get("x_v", inputs["x_kv"])
-    y, weights, cache = _one_head(config, inputs, params, inputs["x_q"], inputs["x_kv"], x_v,
+    y, weights, saved = _one_head(config, inputs, params, inputs["x_q"], inputs["x_kv"], x_v,
                                   is_causal=False)
-    cache["separate_values"] = "x_v" in inputs
-    return y, weights, cache
+    saved["separate_values"] = "x_v" in inputs
+    return y, weights, saved
 
 
-def _cross_backward(cache, d_y, d_weights):
-    g = block_backward(cache, d_y, d_weights[..., None, :, :])
+def _cross_backward(saved, d_y, d_weights):
+    g = block_backward(saved, d_y, d_weights[..., None, :, :])
     g["x_q"], g["x_kv"] = g.pop("x_query"), g.pop("x_key")
-    if cache["separate_values"]:
+    if saved["separate_values"]:
         g["x_v"] = g.pop("x_value")
     else:
         g["x_kv"] = g["x_kv"] + g.pop("x_value")
@@ -492,8 +492,8 @@ def _multi_head(config, inputs, params):
                          dropout_mask=inputs.get("dropout_mask"))
 
 
-def _multi_head_backward(cache, d_y, d_weights):
-    g = block_backward(cache, d_y, d_weights)
+def _multi_head_backward(saved, d_y, d_weights):
+    g = block_backward(saved, d_y, d_weights)
     g["x"] = g.pop("x_query") + g.pop("x_key") + g.pop("x_value")
     return g
 
@@ -517,9 +517,9 @@ def _wrapper(config, inputs, params):
     return _multi_head(config, inputs, fused)
 
 
-def _wrapper_backward(cache, d_y, d_weights):
-    g = _multi_head_backward(cache, d_y, d_weights)
-    return {n: _fused_to_stacked(n, a, cache["heads"]["query"]) for n, a in g.items()}
+def _wrapper_backward(saved, d_y, d_weights):
+    g = _multi_head_backward(saved, d_y, d_weights)
+    return {n: _fused_to_stacked(n, a, saved["heads"]["query"]) for n, a in g.items()}
 
 
 def _grouped_query(config, inputs, params):

@@ -70,10 +70,10 @@ def build(case: Case) -> Fixture:
     params = draw_params(case.variant, case.config, rng, grid=bool(low))
     forward, backward = reference.VARIANTS[case.variant]
     with reference.exact_arithmetic():  # the same bits on every machine (golden.exact)
-        out, weights, cache = forward(case.config, inputs, params)
+        out, weights, saved = forward(case.config, inputs, params)
         cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
                "weights": rng.standard_normal(weights.shape).astype(np.float32)}
-        grads = backward(cache, cot["output"], cot["weights"])
+        grads = backward(saved, cot["output"], cot["weights"])
     out, weights, grads, zero = reference.stored(case.config, out, weights, grads)
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
                    dtypes=list(case.dtypes), inputs=inputs, params=params, cotangents=cot,

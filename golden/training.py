@@ -4,7 +4,7 @@
 The model is our ``MultiHeadAttention`` (causal, dropout, biases) followed by a linear head,
 loss the mean squared error against targets a causal model can learn (a fixed linear map of the
 running mean of the inputs). Both frameworks start from the same neutral weights and see the
-same batches and the same dropout keep-masks, all drawn once with NumPy (``problem``).
+same batches and the same dropout masks, all drawn once with NumPy (``problem``).
 
 Each entry of ``PAIRINGS`` is a torch optimizer (with its scheduler or gradient clipping) and an
 optax transformation that compute the same updates; where a library default differs, its comment
@@ -111,7 +111,7 @@ class Pairing:
     ``torch`` makes the optimizer from the parameters; ``scheduler`` (optional) makes its
     learning-rate scheduler, stepped once after each ``optimizer.step()`` (before, when
     ``scheduler_first``: the off-by-one); ``clip`` is clip_grad_norm_'s max_norm, applied between
-    ``backward`` and ``step``. ``masks``: "shared" keep-masks, or "drawn" by each framework.
+    ``backward`` and ``step``. ``masks``: "shared" dropout masks, or "drawn" by each framework.
     ``differs``: what differs by default and what makes them equal. ``naive``: the pairings of
     library defaults or plausible ports, each measured apart by the tests.
     """
@@ -185,7 +185,7 @@ PAIRINGS = [
             differs="scheduler.step() after optimizer.step() is optax's count; in float64, "
                     "optax's warm-up rates are float32 unless the count is a float"),
     # Dropout: each framework draws its own masks (torch's global generator, the module's nnx
-    # stream); the same keep-masks passed as dropout_mask make the runs equal.
+    # stream); the same dropout masks passed as dropout_mask make the runs equal.
     Pairing("dropout", lambda p: _SGD(p, lr=LR_SGD), lambda: optax.sgd(LR_SGD),
             differs="each framework draws its own masks: pass the same dropout_mask to both"),
 ]
@@ -222,11 +222,11 @@ class Problem(NamedTuple):
     params: dict  # neutral float64 weights: the attention's, W_head (D, C) and b_head (C,)
     x: np.ndarray  # (S, B, L, d_in) float64
     y: np.ndarray  # (S, B, L, C) float64
-    keep: np.ndarray  # (S, B, N, L, L) bool keep-masks, keep probability 1 − dropout
+    dropout_masks: np.ndarray  # (S, B, N, L, L) bool, True = kept (probability 1 − dropout)
 
 
 def problem(seed: int = 0, steps: int = STEPS) -> Problem:
-    """Initial weights, batches and keep-masks, drawn once with NumPy from ``seed``."""
+    """Initial weights, batches and dropout masks, drawn once with NumPy from ``seed``."""
     rng = np.random.default_rng(seed)
     shapes = {**VARIANTS[VARIANT].param_shapes(CONFIG), "W_head": (CONFIG["d_out"], C),
               "b_head": (C,)}
@@ -235,8 +235,8 @@ def problem(seed: int = 0, steps: int = STEPS) -> Problem:
     x = rng.standard_normal((steps, B, L, CONFIG["d_in"]))
     mean = np.cumsum(x, axis=-2) / np.arange(1, L + 1)[:, None]  # causal running mean
     y = mean @ rng.standard_normal((CONFIG["d_in"], C))  # (S, B, L, C)
-    keep = rng.random((steps, B, CONFIG["num_heads"], L, L)) >= CONFIG["dropout"]
-    return Problem(params, x, y, keep)
+    dropout_masks = rng.random((steps, B, CONFIG["num_heads"], L, L)) >= CONFIG["dropout"]
+    return Problem(params, x, y, dropout_masks)
 
 
 # ---- the twin loops ---------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def train(pairing, framework: str, dtype: str = "float64", steps: int = STEPS,
     data = data._replace(params={n: a.astype(dtype) for n, a in data.params.items()},
                          x=data.x.astype(dtype), y=data.y.astype(dtype))
     if pairing.masks == "drawn":
-        data = data._replace(keep=None)
+        data = data._replace(dropout_masks=None)
     return {"torch": _train_torch, "jax": _train_jax}[framework](pairing, data, steps)
 
 
@@ -311,9 +311,10 @@ def _torch_loop(pairing, data, steps) -> dict:
     scheduler = pairing.scheduler and pairing.scheduler(optimizer)
     history = {"params": [], "loss": [], "grad_norm": []}
     for i in range(steps):
-        keep = None if data.keep is None else torch.from_numpy(data.keep[i])
+        dropout_mask = (None if data.dropout_masks is None
+                        else torch.from_numpy(data.dropout_masks[i]))
         optimizer.zero_grad()
-        out = model(torch.from_numpy(data.x[i]), dropout_mask=keep)
+        out = model(torch.from_numpy(data.x[i]), dropout_mask=dropout_mask)
         loss = torch.mean((out - torch.from_numpy(data.y[i])) ** 2)
         loss.backward()
         if pairing.clip is not None:  # returns the norm before clipping
@@ -331,13 +332,13 @@ def _torch_loop(pairing, data, steps) -> dict:
     return history
 
 
-def _loss(model, x, y, keep):
-    return jnp.mean((model(x, dropout_mask=keep) - y) ** 2)
+def _loss(model, x, y, dropout_mask):
+    return jnp.mean((model(x, dropout_mask=dropout_mask) - y) ** 2)
 
 
 @nnx.jit
-def _jax_step(model, optimizer, x, y, keep):
-    loss, grads = nnx.value_and_grad(_loss)(model, x, y, keep)
+def _jax_step(model, optimizer, x, y, dropout_mask):
+    loss, grads = nnx.value_and_grad(_loss)(model, x, y, dropout_mask)
     optimizer.update(model, grads)
     return loss
 
@@ -349,9 +350,10 @@ def _train_jax(pairing, data, steps) -> dict:
         optimizer = nnx.Optimizer(model, pairing.optax(), wrt=nnx.Param)
         history = {"params": [], "loss": []}
         for i in range(steps):
-            keep = None if data.keep is None else jnp.asarray(data.keep[i])
+            dropout_mask = (None if data.dropout_masks is None
+                            else jnp.asarray(data.dropout_masks[i]))
             loss = _jax_step(model, optimizer, jnp.asarray(data.x[i]), jnp.asarray(data.y[i]),
-                             keep)
+                             dropout_mask)
             history["loss"].append(float(loss))
             history["params"].append(model.export())
         return history

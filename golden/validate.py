@@ -164,13 +164,13 @@ def window(local_window_size) -> tuple:
     """(left, right) of a sliding window, each None (unbounded) or an int ≥ 0; an int w means
     (w, w), None means no window."""
     w = local_window_size
-    sides = (w, w) if isinstance(w, int) and not isinstance(w, bool) else w
-    ok = w is None or (isinstance(sides, (tuple, list)) and len(sides) == 2 and all(
-        s is None or (isinstance(s, int) and not isinstance(s, bool) and s >= 0) for s in sides))
+    pair = (w, w) if isinstance(w, int) and not isinstance(w, bool) else w
+    ok = w is None or (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+        s is None or (isinstance(s, int) and not isinstance(s, bool) and s >= 0) for s in pair))
     if not ok:
         raise ValueError("local_window_size should be None, an int ≥ 0 or a pair (left, right) "
                          f"of ints ≥ 0 or None, got {w!r}")
-    return (None, None) if w is None else tuple(sides)
+    return (None, None) if w is None else tuple(pair)
 
 
 def _expect_integers(arg, x, batch, letter) -> None:
@@ -210,7 +210,7 @@ def check_sequence(arg, x, width_name, width, lead=None) -> tuple[int, ...]:
 
 def check_self_inputs(x, d_in, mask=None, dropout_mask=None, *, heads=None, rate=0.0):
     """A self-attention module's input x (B, L, d_in) or (L, d_in) (d_in None: any width), its
-    mask and its keep-mask (see check_module_masks). Returns the weights' shape."""
+    mask and its dropout mask (see check_module_masks). Returns the weights' shape."""
     lead = check_sequence("x", x, "d_in", d_in)
     return check_module_masks(lead, x.shape[-2], x.shape[-2], mask, dropout_mask, heads, rate)
 
@@ -229,7 +229,7 @@ def check_cross_inputs(x_q, x_kv, x_v, d_q_in, d_kv_in, mask=None):
 
 
 def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0):
-    """A module's mask against (B, Lq, Lk); its keep-mask against its weights (B, [N,] Lq, Lk).
+    """A module's mask against (B, Lq, Lk); its dropout mask against its weights (B, [N,] Lq, Lk).
 
     ``lead`` is the batch shape (empty when unbatched), ``heads`` N for multi-head modules and
     ``rate`` the dropout rate in force (0 in eval mode). Returns the weights' shape.

@@ -13,7 +13,7 @@ reads and builds the Flax objects. Every array handed over is a copy.
 
 Build our module from (variant, config, params) with ``jax_attn.build``. Flax's modules take
 masks with a heads axis, ``(B, H, Lq, Lk)`` or broadcastable (ours ``mask[:, None]``), and are
-causal through the call argument ``is_causal``, not a setting; their dropout draws one keep-mask
+causal through the call argument ``is_causal``, not a setting; their dropout draws one dropout mask
 for the whole batch and all heads (``broadcast_dropout``) from their own stream, so only
 evaluation-mode numbers can agree. Numerics: ``nnx.MultiHeadAttention``'s default
 ``attention_fn`` (no dropout, ``sow_weights=False``) calls ``jax.nn.dot_product_attention``,

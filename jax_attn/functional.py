@@ -50,7 +50,7 @@ def scaled_dot_product_attention(
     gives zeros in the output and the weights. ``is_causal``, ``softcap`` and the window are
     static (one compilation each); offsets and lengths are traced (a growing offset does not
     recompile).
-    dropout_mask: bool dropout mask (weights kept are scaled by 1/(1 − dropout_rate)); without it,
+    dropout_mask: bool, True = kept (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn from ``dropout_rng`` (a ``jax.random`` key), which is then required.
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
     (..., H, Lq, Lk), after masking and dropout, in the query's dtype.
@@ -99,7 +99,7 @@ def scaled_dot_product_attention(
         dropout_rng = None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     batch = query.shape[:1] if query.ndim == 4 else ()  # the offsets' and lengths' shape
-    positions = (per_batch(x, batch) for x in
+    positions = (batch_int32(x, batch) for x in
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
     check_head_sharding(query, key)
     spec = explicit_spec(query)  # None unless on a mesh with explicit axes
@@ -127,7 +127,7 @@ def _is_key(rng) -> bool:
         dtype == jnp.uint32 and len(rng.shape) >= 1)
 
 
-def per_batch(x, batch):
+def batch_int32(x, batch):
     """An offset or lengths (Python int or integer array) as an int32 array of shape ``batch``:
     traced by the jitted core, so a new value does not recompile."""
     return None if x is None else jnp.broadcast_to(jnp.asarray(x, dtype=jnp.int32), batch)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from golden.validate import check_attention_args, check_flags, window
 from jax_attn import blockwise
-from jax_attn.functional import DEFAULT_PRECISION, per_batch
+from jax_attn.functional import DEFAULT_PRECISION, batch_int32
 
 LAYOUTS = ("zigzag", "contiguous", "zigzag_ordered")
 
@@ -97,7 +97,7 @@ def ring_attention(
                       batch_axis=batch_axis, head_axis=head_axis, is_causal=is_causal,
                       scale=scale, softcap=softcap, local_window_size=local_window_size,
                       block_sizes=block_sizes, precision=precision)
-    positions = (per_batch(x, query.shape[:1]) for x in
+    positions = (batch_int32(x, query.shape[:1]) for x in
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
     return _sharded(query, key, value, *positions, ring=ring, mesh=mesh)
 
@@ -436,7 +436,7 @@ def blocks_per_device(query, key, value, *, mesh, axis="seq", layout="zigzag", b
                       batch_axis=batch_axis, head_axis=head_axis, is_causal=is_causal,
                       scale=scale, softcap=softcap, local_window_size=local_window_size,
                       block_sizes=block_sizes, precision=DEFAULT_PRECISION)
-    positions = tuple(per_batch(x, query.shape[:1]) for x in
+    positions = tuple(batch_int32(x, query.shape[:1]) for x in
                       (query_offset, query_seq_lengths, key_value_seq_lengths))
     return _counted(query, key, value, *positions, ring=ring, mesh=mesh)
 

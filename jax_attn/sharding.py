@@ -12,7 +12,7 @@ to shard so that no device needs another's activations inside attention (the com
 has no collective there; tests/devices8/test_mesh.py reads the programs):
 
 - the core: query, key, value (B, H, L, D) ``HEADS = P(data, model)``, and so its output and
-  weights; a mask, bias or keep-mask (B, H, Lq, Lk) likewise, ``BATCH = P(data)`` when its head
+  weights; a mask, bias or dropout mask (B, H, Lq, Lk) likewise, ``BATCH = P(data)`` when its head
   axis is 1; offsets and lengths (B,) ``BATCH``. Key and value with Hkv heads: ``HEADS`` when n
   divides Hkv, else ``BATCH`` (replicated over model, Hkv dividing n: each device's query heads
   then read one key-value head; the backward sums dK and dV over the devices sharing it).

@@ -220,9 +220,9 @@ def reference_fixture(variant_name, config, inputs, params, cotangents, dtype) -
     ``dtype``; compare a run against it with ``golden.check.compare_all(fixture, result,
     dtype)``. Training mode (dropout) exactly when ``inputs`` hold a ``dropout_mask``."""
     forward, backward = reference.VARIANTS[variant_name]
-    out, weights, cache = forward(config, _float64(inputs), _float64(params))
+    out, weights, saved = forward(config, _float64(inputs), _float64(params))
     cot = _float64(cotangents)
-    grads = backward(cache, cot["output"], cot["weights"])
+    grads = backward(saved, cot["output"], cot["weights"])
     return Fixture(name=f"random {variant_name}", variant=variant_name, seed=0, config=config,
                    inputs=dict(inputs), dtypes=[dtype], params=dict(params),
                    cotangents=dict(cotangents), expected={"output": out, "weights": weights},

@@ -70,8 +70,8 @@ def test_check_fails_when_the_reference_no_longer_reproduces_a_fixture(capsys, m
     forward, backward = reference.VARIANTS["scaled_dot_product_attention"]
 
     def drifted(config, inputs, params):
-        out, weights, cache = forward(config, inputs, params)
-        return out * (1 + 2**-52), weights, cache
+        out, weights, saved = forward(config, inputs, params)
+        return out * (1 + 2**-52), weights, saved
 
     monkeypatch.setitem(reference.VARIANTS, "scaled_dot_product_attention", (drifted, backward))
     assert main(["check", "sdpa_plain", "--framework", "reference"]) == 1

@@ -91,9 +91,9 @@ def test_reference_gradients_match_finite_differences():
     keep = rng.random((2, 3, 5)) > 0.2
     d_out, d_w = rng.standard_normal((2, 3, 3)), rng.standard_normal((2, 3, 5))
     args = dict(q=q, k=k, v=v, bias=bias)
-    _, _, cache = reference.sdpa_forward(q, k, v, mask, bias, is_causal=True, scale=0.7,
+    _, _, saved = reference.sdpa_forward(q, k, v, mask, bias, is_causal=True, scale=0.7,
                                          dropout_rate=0.2, dropout_mask=keep)
-    grads = reference.sdpa_backward(cache, d_out, d_w)
+    grads = reference.sdpa_backward(saved, d_out, d_w)
     h = 1e-6
     for name, key in [("q", "query"), ("k", "key"), ("v", "value"), ("bias", "bias")]:
         numeric = np.zeros_like(args[name])

@@ -66,9 +66,9 @@ def reference_grads(fixture):
     """The float64 reference's gradients of the output-only loss Σ O ⊙ dO."""
     arrays = {n: a.astype(np.float64) if a.dtype.kind == "f" else a
               for n, a in fixture.inputs.items()}
-    _, weights, cache = reference.sdpa_forward(**arrays, **fixture.config)
+    _, weights, saved = reference.sdpa_forward(**arrays, **fixture.config)
     d_out = fixture.cotangents["output"].astype(np.float64)
-    return reference.sdpa_backward(cache, d_out, np.zeros_like(weights))
+    return reference.sdpa_backward(saved, d_out, np.zeros_like(weights))
 
 
 def terms(name, arrays, weights_size) -> int:
@@ -179,8 +179,8 @@ def test_row_chunks_low_precision_gradients_accumulate_in_float32(chunks):
     q, k, v = (torch.tensor(a, dtype=torch.bfloat16, requires_grad=True) for a in grid)
     out = sdpa(q, k, v, implementation="row_chunks")
     out.backward(torch.tensor(d_out, dtype=torch.bfloat16))
-    _, w, cache = reference.sdpa_forward(*grid)
-    expected = reference.sdpa_backward(cache, d_out, np.zeros_like(w))
+    _, w, saved = reference.sdpa_forward(*grid)
+    expected = reference.sdpa_backward(saved, d_out, np.zeros_like(w))
     for n, x in zip(("query", "key", "value"), (q, k, v)):
         c = compare(as_numpy(x.grad), expected[n], "bfloat16", "grad")
         assert c.ok, f"{n}: {c}, seed {seed}"

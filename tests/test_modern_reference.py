@@ -25,9 +25,9 @@ def _loss(arrays, kw, d_out, d_w):
 
 def _check_finite_differences(arrays, kw, rng, seed, h=1e-6):
     """Every float argument's analytic gradient against central differences of the loss."""
-    out, w, cache = reference.sdpa_forward(**arrays, **kw)
+    out, w, saved = reference.sdpa_forward(**arrays, **kw)
     d_out, d_w = rng.standard_normal(out.shape), rng.standard_normal(w.shape)
-    grads = reference.sdpa_backward(cache, d_out, d_w)
+    grads = reference.sdpa_backward(saved, d_out, d_w)
     for name in (n for n in FLOAT_ARGS if n in arrays):
         assert grads[name].shape == arrays[name].shape, name
         numeric = np.zeros_like(arrays[name])
@@ -158,7 +158,7 @@ def test_lengths_zero_rows_and_exclude_keys():
     rng, seed = fresh_rng()
     arrays = _qkv(rng, (2, 3), (2, 3), 5, 7)
     kw = dict(query_seq_lengths=np.array([3, 5]), key_value_seq_lengths=np.array([7, 4]))
-    out, w, cache = reference.sdpa_forward(**arrays, **kw)
+    out, w, saved = reference.sdpa_forward(**arrays, **kw)
     assert np.all(out[0, :, 3:] == 0) and np.all(w[0, :, 3:] == 0), f"seed {seed}"
     assert np.all(w[1, :, :, 4:] == 0) and np.all(w[1, :, :, :4] > 0), f"seed {seed}"
     np.testing.assert_allclose(w.sum(-1)[0, :, :3], 1, rtol=1e-15)
@@ -167,7 +167,7 @@ def test_lengths_zero_rows_and_exclude_keys():
     cut = reference.scaled_dot_product_attention(arrays["query"][1], arrays["key"][1, :, :4],
                                                  arrays["value"][1, :, :4])
     np.testing.assert_allclose(out[1], cut[0], rtol=1e-14)
-    g = reference.sdpa_backward(cache, rng.standard_normal(out.shape),
+    g = reference.sdpa_backward(saved, rng.standard_normal(out.shape),
                                 rng.standard_normal(w.shape))
     assert np.all(g["query"][0, :, 3:] == 0), "dead query rows received a gradient"
     assert np.all(g["key"][1, :, 4:] == 0) and np.all(g["value"][1, :, 4:] == 0)
@@ -180,8 +180,8 @@ def test_softcap_with_fully_masked_row_gives_zeros_not_nan():
     mask[1, 2, 3] = False
     kw = dict(softcap=0.5, scale=100.0, bias=rng.standard_normal((5, 7)),
               local_window_size=(0, 0), query_offset=np.array([5, 0]))  # batch 0: no key at i+5
-    out, w, cache = reference.sdpa_forward(**arrays, mask=mask, **kw)
-    g = reference.sdpa_backward(cache, np.ones(out.shape), np.ones(w.shape))
+    out, w, saved = reference.sdpa_forward(**arrays, mask=mask, **kw)
+    g = reference.sdpa_backward(saved, np.ones(out.shape), np.ones(w.shape))
     for a in (out, w, *g.values()):
         assert np.all(np.isfinite(a)), f"seed {seed}"
     assert np.all(w[1, 2, 3] == 0) and np.all(out[1, 2, 3] == 0)

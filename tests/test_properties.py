@@ -253,10 +253,10 @@ GRAD_NAMES = ("query", "key", "value", "bias")
 def run_reference(args, kw, cotangents):
     """Output, weights, gradients, and the sizes of the terms the output and each gradient sum
     (``magnitudes``: golden.reference.sdpa_term_sizes)."""
-    out, weights, cache = reference.sdpa_forward(*args, **kw)
+    out, weights, saved = reference.sdpa_forward(*args, **kw)
     d_out, d_weights = (c.astype(np.float64) for c in cotangents)
-    return dict(output=out, weights=weights, grads=reference.sdpa_backward(cache, d_out, d_weights),
-                magnitudes=reference.sdpa_term_sizes(cache, d_out, d_weights))
+    return dict(output=out, weights=weights, grads=reference.sdpa_backward(saved, d_out, d_weights),
+                magnitudes=reference.sdpa_term_sizes(saved, d_out, d_weights))
 
 
 def run_torch(args, kw, cotangents, dtype):

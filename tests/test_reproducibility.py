@@ -145,8 +145,8 @@ def test_softcap_key_bias_gradient_is_not_zero():
               "softcap": 1.0}
     forward, backward = reference.VARIANTS["grouped_query_attention"]
     with reference.exact_arithmetic():
-        out, w, cache = forward(config, {"x": x}, params)
-        grads = backward(cache, np.ones(out.shape), np.zeros(w.shape))
+        out, w, saved = forward(config, {"x": x}, params)
+        grads = backward(saved, np.ones(out.shape), np.zeros(w.shape))
     b_key = np.abs(exact.to_float64(grads["b_key"]))
     assert b_key.max() > 1e-3 * np.abs(exact.to_float64(grads["W_key"])).max()
 
@@ -185,9 +185,9 @@ def test_fast_path_agrees_with_exact_path_on_random_cases(seed):
     runs = {}
     for mode in ("fast", "exact"):
         with reference.exact_arithmetic() if mode == "exact" else contextlib.nullcontext():
-            out, weights, cache = reference.sdpa_forward(q, k, v, None, bias, **kw)
+            out, weights, saved = reference.sdpa_forward(q, k, v, None, bias, **kw)
             runs[mode] = {"output": out, "weights": weights,
-                          **reference.sdpa_backward(cache, d_out, d_weights)}
+                          **reference.sdpa_backward(saved, d_out, d_weights)}
     for name, got in runs["fast"].items():
         error = accuracy.normwise(got, runs["exact"][name])
         assert error <= FAST_BOUND_RANDOM, (seed, name, error)

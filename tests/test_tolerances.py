@@ -122,10 +122,10 @@ def test_sdpa_term_sizes_bound_the_reference_arrays():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))
     bias = rng.standard_normal((3, 5, 5))
-    out, _, cache = reference.sdpa_forward(q, k, v, None, bias, is_causal=True, softcap=2.0)
+    out, _, saved = reference.sdpa_forward(q, k, v, None, bias, is_causal=True, softcap=2.0)
     d_out, d_w = rng.standard_normal(out.shape), rng.standard_normal((2, 3, 5, 5))
-    grads = reference.sdpa_backward(cache, d_out, d_w)
-    sizes = reference.sdpa_term_sizes(cache, d_out, d_w)
+    grads = reference.sdpa_backward(saved, d_out, d_w)
+    sizes = reference.sdpa_term_sizes(saved, d_out, d_w)
     assert set(sizes) == {"output", "query", "key", "value", "bias"}
     for name, x in dict(grads, output=out).items():
         assert np.all(sizes[name] >= np.abs(x) * (1 - 1e-12)), name

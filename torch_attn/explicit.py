@@ -40,7 +40,7 @@ def explicit(query, key, value, allowed, may_empty, bias, scale, softcap, dropou
 
 
 def draw_dropout_mask(shape, rate, generator, device):
-    """A bool keep-mask of ``shape``, True with probability 1 − rate."""
+    """A bool dropout mask of ``shape``, True (kept) with probability 1 − rate."""
     return torch.rand(shape, generator=generator, device=device) >= rate
 
 

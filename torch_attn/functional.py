@@ -36,7 +36,7 @@ def scaled_dot_product_attention(
     − left ≤ j ≤ position + right, None = unbounded), ``key_value_seq_lengths`` (j < len[b]) and
     ``query_seq_lengths`` (i < len[b]). A query row with no allowed key gives zeros in the
     output and the weights (and zero gradients).
-    dropout_mask: bool keep-mask (weights kept are scaled by 1/(1 − dropout_rate)); without it,
+    dropout_mask: bool, True = kept (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn with ``dropout_rng`` (a ``torch.Generator``, or the global generator).
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
     (..., H, Lq, Lk), after masking and dropout, in the query's dtype.

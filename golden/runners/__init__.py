@@ -17,7 +17,7 @@ What a result holds is what gets checked: a forward-only runner (torch's fused k
 port) returns no "grads". A runner that cannot run a fixture raises
 ``golden.runners.adapt.NotSupported`` with the reason; any other exception is a failure.
 A module variant is built from the fixture's parameters cast to ``dtype``, in training mode when
-the fixture holds a dropout keep-mask and in eval mode otherwise. ``golden.runners.adapt``
+the fixture holds a dropout mask and in eval mode otherwise. ``golden.runners.adapt``
 builds runners from a plain function or a module class in one line.
 
 This is the harness layer: it imports torch and JAX, but only when their runner is asked for, so
@@ -50,8 +50,8 @@ def run_reference(fixture, dtype="float64", *, weights_cotangent=True, exact=Tru
     if not weights_cotangent:
         cot["weights"] = np.zeros_like(cot["weights"])
     with reference.exact_arithmetic() if exact else contextlib.nullcontext():
-        out, weights, cache = forward(fixture.config, inputs, fixture.params)
-        grads = backward(cache, cot["output"], cot["weights"])
+        out, weights, saved = forward(fixture.config, inputs, fixture.params)
+        grads = backward(saved, cot["output"], cot["weights"])
     out, weights, grads, _ = reference.stored(fixture.config, out, weights, grads)
     return {"output": out, "weights": weights, "dtype": "float64", "grads": grads}
 

@@ -152,7 +152,7 @@ def from_module(factory, framework: str, *, mapping, name: str | None = None,
     layout rule (golden.mapping): ``{"W_query": ("q_proj.weight", "T"), "b_query":
     "q_proj.bias"}``. The module is called like this project's modules (inputs, mask,
     keywords, ``return_weights=True`` when it takes it), in training mode when the fixture has
-    a dropout keep-mask (``.train()``/``.eval()`` where the module has them)."""
+    a dropout mask (``.train()``/``.eval()`` where the module has them)."""
     if not callable(factory):
         raise ValueError(f"factory should be a callable (variant, config) -> module, "
                          f"got {type(factory).__name__}")
