@@ -52,10 +52,15 @@ class Adapter:
         return None if x is None else np.asarray(x, dtype=np.float64).copy()
 
     def loss(self, cotangents: dict, out, weights, dtype):
-        """The fixtures' loss Σ out ⊙ dO + Σ weights ⊙ dA (the second term only with weights)."""
-        total = (out * self.array(cotangents["output"], dtype)).sum()
+        """The fixtures' loss Σ out ⊙ dO + Σ weights ⊙ dA (the second term only with weights);
+        cotangents NumPy (converted to ``dtype``) or already the framework's (traced ones)."""
+        def cot(name):
+            c = cotangents[name]
+            return self.array(c, dtype) if isinstance(c, np.ndarray) else c
+
+        total = (out * cot("output")).sum()
         if weights is not None:
-            total = total + (weights * self.array(cotangents["weights"], dtype)).sum()
+            total = total + (weights * cot("weights")).sum()
         return total
 
     def float64(self, on=True):

@@ -54,12 +54,6 @@ class Registry:
         self.framework = framework
         self._by_name = {i.name: i for i in implementations}
 
-    def __iter__(self):
-        return iter(self._by_name)
-
-    def __contains__(self, name) -> bool:
-        return name in self._by_name
-
     def __getitem__(self, name) -> Implementation:
         return self._by_name[name]
 

@@ -75,7 +75,7 @@ def _value_and_grads(floats, others, params, rest, cot, *, variant, graphdef, co
         else:
             out, weights = nnx.merge(graphdef, params, rest)(*args, **kwargs,
                                                              return_weights=True)
-        return jnp.sum(out * cot["output"]) + jnp.sum(weights * cot["weights"]), (out, weights)
+        return JAX.loss(cot, out, weights, None), (out, weights)
 
     (g_in, g_params), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(floats,
                                                                                  params)
