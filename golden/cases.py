@@ -206,7 +206,8 @@ CASES += [
 ]
 
 # GroupedQueryAttention (issue 10): Hkv key-value heads, rotary embeddings in both conventions,
-# the core's soft-cap, window and scale reaching it from the constructor, right-padded rows
+# the core's soft-cap, window (Hugging Face's sliding_window) and scale reaching it from the
+# constructor, right-padded rows
 # (query_seq_lengths), dropout, unbatched input, low precision. B=2, L=7, d_in 5 or 8.
 GQA = "grouped_query_attention"
 CASES += [
@@ -219,7 +220,7 @@ CASES += [
     Case("gqa_window_softcap_lengths_mask", GQA, 263,  # head_dim = d_in // num_heads = 2
          {"x": ("normal", (2, 7, 8)), "mask": ("mask", (2, 7, 7), 0.8, ()),
           "query_seq_lengths": _ints([7, 4])},
-         {"d_in": 8, "num_heads": 4, "num_kv_heads": 2, "local_window_size": 2, "softcap": 2.0,
+         {"d_in": 8, "num_heads": 4, "num_kv_heads": 2, "sliding_window": 3, "softcap": 2.0,
           "scale": 0.6, "rope_theta": 10000.0, "out_bias": True}),
     Case("gqa_dropout_bidirectional_padding", GQA, 264,  # padding is neither query nor key
          {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([5, 7]),
@@ -233,4 +234,41 @@ CASES += [
     Case("gqa_low_precision_rope", GQA, 309, {"x": ("grid", (2, 7, 5))},
          {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8, "d_out": 3,
           "qkv_bias": True, "rope_theta": 10000.0}, dtypes=LOW),
+]
+
+# GroupedQueryAttention's options of 2025–26 decoders (issue 23): the five QK norms, Llama 4's
+# query temperature, Qwen3-Next's output gate, Hugging Face's sliding_window. Seeds from 401.
+CASES += [
+    Case("gqa_qk_rms_qwen3", GQA, 401, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "qk_norm": "rms", "rope_theta": 1000.0}),
+    Case("gqa_qk_rms_one_plus_window_gemma3", GQA, 402,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 5])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 3,
+          "qk_norm": "rms_one_plus", "qk_norm_eps": 1e-3, "sliding_window": 3, "scale": 0.4,
+          "rope_theta": 10000.0}),
+    Case("gqa_qk_across_heads_olmo2", GQA, 403, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 3, "num_kv_heads": 3, "head_dim": 4, "d_out": 6,
+          "qk_norm": "rms_across_heads", "rope_theta": 500.0}),
+    Case("gqa_qk_layer_interleaved_cohere", GQA, 404, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 3, "head_dim": 4, "d_out": 3,
+          "qk_norm": "layer", "qk_norm_eps": 1e-5, "rope_theta": 100.0,
+          "rope_interleaved": True, "qkv_bias": True}),
+    Case("gqa_qk_l2_after_rope_llama4", GQA, 405, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 1, "head_dim": 6, "d_out": 3,
+          "qk_norm": "l2", "rope_theta": 300.0, "rope_interleaved": True}),
+    Case("gqa_temperature_nope_llama4", GQA, 406,
+         {"x": ("normal", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.8, ())},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3, "d_out": 6,
+          "query_temperature": {"beta": 0.7, "floor_scale": 2, "shift": 1}}),
+    Case("gqa_output_gate_qwen3_next", GQA, 407,
+         {"x": ("normal", (2, 7, 5)), "dropout_mask": ("keep", (2, 6, 7, 7), 0.25)},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "qkv_bias": True, "out_bias": True, "output_gate": True, "qk_norm": "rms_one_plus",
+          "rope_theta": 10000.0, "dropout": 0.25}),
+    Case("gqa_all_options_unbatched", GQA, 408, {"x": ("normal", (7, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 3,
+          "qk_norm": "layer", "output_gate": True, "sliding_window": 4, "softcap": 2.5,
+          "query_temperature": {"beta": 0.4, "floor_scale": 3, "shift": 0},
+          "rope_theta": 50.0}),
 ]

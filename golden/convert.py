@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from golden.variants import VARIANTS, head_dim
+from golden.variants import VARIANTS, check_defaults, head_dim
 
 HF_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # Hugging Face's Llama, Mistral, Qwen, Gemma
 META_NAMES = ("wq", "wk", "wv", "wo")                  # Meta's original Llama checkpoints
@@ -190,15 +190,18 @@ def neutral_to_llama(params, *, num_heads, prefix="", names=HF_NAMES, interleave
     return out
 
 
-def llama_config(params, *, num_heads, rope_theta) -> dict:
+def llama_config(params, *, num_heads, rope_theta, sliding_window=None) -> dict:
     """The complete GroupedQueryAttention configuration for Llama-style neutral parameters:
     sizes from their shapes, ``qkv_bias``/``out_bias`` from the biases present, causal,
-    rotate-half RoPE with ``rope_theta`` (the model's config.json ``rope_theta``)."""
+    rotate-half RoPE with ``rope_theta`` (the model's config.json ``rope_theta``), and the
+    config's ``sliding_window`` (Mistral's; Hugging Face's meaning, W keys including the
+    query's own)."""
     dh = _head_dim(params, num_heads)
     return VARIANTS[GQA].config(dict(
         d_in=params["W_query"].shape[0], num_heads=num_heads,
         num_kv_heads=params["W_key"].shape[1] // dh, head_dim=dh, d_out=params["W_out"].shape[1],
-        qkv_bias="b_query" in params, out_bias="b_out" in params, rope_theta=rope_theta))
+        qkv_bias="b_query" in params, out_bias="b_out" in params, rope_theta=rope_theta,
+        sliding_window=sliding_window))
 
 
 # ---- Flax MultiHeadAttention ------------------------------------------------------------------
@@ -269,6 +272,12 @@ def flax_mha_to_neutral(tree, *, causal=False, dropout=0.0):
     return variant, config, params
 
 
+# GroupedQueryAttention's arguments a plain multi-head module expresses (Flax's MultiHeadAttention,
+# torch.nn.MultiheadAttention; scale only as 1/√Dh): every other must be at its default
+MHA_SETTINGS = ("d_in", "num_heads", "num_kv_heads", "head_dim", "d_out", "qkv_bias",
+                     "out_bias", "causal", "scale", "dropout")
+
+
 def flax_mha_settings(variant, config) -> dict:
     """The sizes of the Flax MultiHeadAttention that holds ``variant``'s parameters: num_heads,
     in_features, qkv_features, out_features, num_kv_heads, dropout_rate, use_bias. Our settings
@@ -283,11 +292,7 @@ def flax_mha_settings(variant, config) -> dict:
     else:
         h, hkv, dh = c["num_heads"], c["num_kv_heads"], head_dim(c)
         e_out = c["d_in"] if c["d_out"] is None else c["d_out"]
-        for name, default in (("rope_theta", None), ("softcap", None),
-                              ("local_window_size", None)):
-            if c[name] != default:
-                raise ValueError(f"{name} should be None for Flax's MultiHeadAttention, which "
-                                 f"has no such setting, got {c[name]!r}")
+        check_defaults(variant, c, MHA_SETTINGS, "Flax's MultiHeadAttention")
         if c["scale"] is not None and c["scale"] != dh ** -0.5:
             raise ValueError(f"scale should be None or 1/√Dh = {dh ** -0.5!r} for Flax's "
                              f"MultiHeadAttention, got {c['scale']!r}")

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from golden import exact
+from golden import exact, variants
+from golden.decoder import sliding_window
 from golden.validate import check_attention_args, window
 
 _PRODUCT_BITS = contextvars.ContextVar("product_bits", default=None)
@@ -381,22 +383,43 @@ def rotate(x, angles, interleaved):
     return np.concatenate(turned, axis=-1)
 
 
-def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, rope=None, mask=None, **core):
-    """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out. Key and
-    value have ``kv_heads`` heads (default num_heads); ``rope`` = (angles (L, Dh/2), interleaved)
-    rotates q and k; ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
+class Stage(NamedTuple):
+    """A differentiable step on the split heads q (..., N, L, Dh) and k (..., Nkv, L, Dh)
+    between the projections and the core (RoPE, a QK norm, the query temperature):
+    ``forward(q, k) -> (q, k, saved)`` and ``backward(saved, g_q, g_k) -> (g_q, g_k, {parameter:
+    gradient})``."""
+
+    forward: Callable
+    backward: Callable
+
+
+def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None, **core):
+    """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
+    GroupedQueryAttention's options W_gate/b_gate (the output gate) and sinks. Key and value
+    have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
+    ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
     p = {n: real(a) for n, a in p.items()}
     heads = {"query": num_heads, "key": kv_heads or num_heads, "value": kv_heads or num_heads}
     q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), heads[n])
                for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
-    if rope is not None:
-        q, k = rotate(q, *rope), rotate(k, *rope)
+    staged = []
+    for stage in stages:
+        q, k, s = stage.forward(q, k)
+        staged.append(s)
     head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
+    if "sinks" in p:
+        core["sinks"] = p["sinks"]
     out, weights, attn = sdpa_forward(q, k, v, head_mask, **core)
     merged = merge_heads(out)  # (..., Lq, N·Dv)
+    gate = None
+    if "W_gate" in p:  # merged ⊙ σ(x_q W_gate + b_gate), σ(z) = 1 / (1 + e^−z)
+        e = np.exp(-linear(x_q, p["W_gate"], p.get("b_gate")))
+        gate = (merged, e, number(1) / (number(1) + e))
+        merged = merged * gate[2]
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
-    saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, rope=rope, merged=merged, attn=attn)
+    saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
+                 merged=merged, gate=gate, attn=attn)
     return y, weights, saved
 
 
@@ -407,14 +430,101 @@ def block_backward(saved, d_y, d_weights):
     if "W_out" in p:
         g_merged = linear_backward(saved["merged"], p["W_out"], g_merged, grads,
                                    ("W_out", "b_out" if "b_out" in p else None))
+    g_gate = None
+    if saved["gate"] is not None:  # dσ/dz = e^−z σ², no cancellation
+        ungated, e, sigma = saved["gate"]
+        g_gate, g_merged = g_merged * ungated * e * sigma * sigma, g_merged * sigma
     g = sdpa_backward(saved["attn"], split_heads(g_merged, saved["heads"]["query"]), d_weights)
-    if saved["rope"] is not None:  # a rotation's transpose turns by the opposite angle
-        angles, interleaved = saved["rope"]
-        g["query"], g["key"] = (rotate(g[n], -angles, interleaved) for n in ("query", "key"))
+    if "sinks" in p:
+        grads["sinks"] = g["sinks"]
+    for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
+        g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])
+        grads.update(g_params)
     for x, n in zip(saved["x"], ("query", "key", "value")):
         grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
                                           (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
+    if g_gate is not None:
+        grads["x_query"] = grads["x_query"] + linear_backward(
+            saved["x"][0], p["W_gate"], g_gate, grads, ("W_gate", "b_gate" if "b_gate" in p
+                                                         else None))
     return grads
+
+
+def rope_stage(angles, interleaved) -> Stage:
+    """RoPE on q and k by ``angles`` (..., L, Dh/2); the transpose of a rotation turns by the
+    opposite angle."""
+    return Stage(lambda q, k: (rotate(q, angles, interleaved), rotate(k, angles, interleaved),
+                               None),
+                 lambda s, g_q, g_k: (rotate(g_q, -angles, interleaved),
+                                      rotate(g_k, -angles, interleaved), {}))
+
+
+# QK normalisation: y = x̂ · w with x̂ = (x − μ) r, r = (mean((x − μ)²) + ε)^(−1/2) over the last
+# axis (μ = mean(x) for "layer", 0 for the RMS kinds), and w the weight ("rms", "layer",
+# "rms_across_heads"), 1 + the weight ("rms_one_plus") or 1 ("l2"). Where each applies and its
+# weight's shape: golden.variants.QK_NORMS.
+
+
+def _normalize(kind, x, weight, eps):
+    """(y, saved) of one QK norm on x (..., width); ``weight`` already broadcastable to x."""
+    n = number(x.shape[-1])
+    centred = x - x.sum(axis=-1, keepdims=True) / n if kind == "layer" else x
+    r = number(1) / np.sqrt((centred * centred).sum(axis=-1, keepdims=True) / n + eps)
+    unit = centred * r
+    w = (None if weight is None else number(1) + weight if kind == "rms_one_plus" else weight)
+    return (unit if w is None else unit * w), (unit, r, w)
+
+
+def _normalize_backward(kind, saved, g):
+    """(dL/dx, dL/dw broadcast like w, or None) of ``_normalize``: with h = g ⊙ w,
+    dL/dx = r (h − mean(h) − x̂ mean(h ⊙ x̂)), the mean(h) term for "layer" only."""
+    unit, r, w = saved
+    n = number(unit.shape[-1])
+    h = g if w is None else g * w
+    inner = h - unit * ((h * unit).sum(axis=-1, keepdims=True) / n)
+    if kind == "layer":
+        inner = inner - h.sum(axis=-1, keepdims=True) / n
+    return r * inner, None if w is None else g * unit
+
+
+def qk_norm_stage(kind, q_weight, k_weight, eps) -> Stage:
+    """The QK norm ``kind`` on q and k: per head over Dh ("rms", "rms_one_plus", "l2": no
+    weight; "layer": weights (N, Dh) and (Nkv, Dh), one row per head), or over all of a
+    token's heads ("rms_across_heads": weights (N·Dh,) and (Nkv·Dh,), OLMo 2)."""
+    across = kind == "rms_across_heads"
+
+    def shaped(w):  # the weight broadcast against (..., heads, L, Dh), or the merged heads
+        return None if w is None else w[:, None, :] if kind == "layer" else w
+
+    def forward(q, k):
+        if across:
+            heads = (q.shape[-3], k.shape[-3])
+            (q, sq), (k, sk) = (_normalize(kind, merge_heads(t), w, eps)
+                                for t, w in ((q, q_weight), (k, k_weight)))
+            return split_heads(q, heads[0]), split_heads(k, heads[1]), (sq, sk)
+        (q, sq), (k, sk) = (_normalize(kind, t, shaped(w), eps)
+                            for t, w in ((q, q_weight), (k, k_weight)))
+        return q, k, (sq, sk)
+
+    def backward(saved, g_q, g_k):
+        grads = {}
+        out = []
+        for g, s, name, w in ((g_q, saved[0], "q_norm", q_weight),
+                              (g_k, saved[1], "k_norm", k_weight)):
+            heads = g.shape[-3]
+            gx, gw = _normalize_backward(kind, s, merge_heads(g) if across else g)
+            out.append(split_heads(gx, heads) if across else gx)
+            if gw is not None:
+                grads[name] = unbroadcast(gw, shaped(w).shape).reshape(w.shape)
+        return out[0], out[1], grads
+
+    return Stage(forward, backward)
+
+
+def temperature_stage(factors) -> Stage:
+    """The query temperature: q times ``factors`` (..., 1, L, 1), k unchanged."""
+    return Stage(lambda q, k: (q * factors, k, None),
+                 lambda s, g_q, g_k: (g_q * factors, g_k, {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,23 +632,47 @@ def _wrapper_backward(saved, d_y, d_weights):
     return {n: _fused_to_stacked(n, a, saved["heads"]["query"]) for n, a in g.items()}
 
 
+def temperature_factors(positions, beta, floor_scale, shift):
+    """Llama 4's query temperature at integer ``positions``: 1 + β·ln(1 + ⌊(p + shift) / F⌋)
+    (Llama 4: shift 1; Ministral 3: shift 0)."""
+    steps = (np.asarray(positions) + int(shift)) // int(floor_scale)
+    return number(1) + number(beta) * np.log(real((1 + steps).astype(np.float64)))
+
+
 def _grouped_query(config, inputs, params):
-    """GroupedQueryAttention: Hkv key-value heads, RoPE at positions 0 … L − 1, the padding
-    past query_seq_lengths neither querying nor attended."""
-    c, x = config, inputs["x"]
-    num_heads, theta = c["num_heads"], c.get("rope_theta")
+    """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE at positions 0 … L − 1 and
+    the query temperature on q and k (golden.variants.QK_NORMS says which norm runs before RoPE
+    and which after); sinks and the output gate when the parameters hold them; the padding past
+    query_seq_lengths neither querying nor attended."""
+    c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
+    num_heads, theta, kind = c["num_heads"], c["rope_theta"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads
-    rope = None if theta is None else (rope_angles(x.shape[-2], dh, theta),
-                                       c.get("rope_interleaved", False))
+    norm = None if kind is None else qk_norm_stage(
+        kind, *(None if params.get(n) is None else real(params[n])
+                for n in ("q_norm", "k_norm")), number(c["qk_norm_eps"]))
+    stages = [norm] if norm is not None and kind != "l2" else []
+    if theta is not None:
+        stages.append(rope_stage(rope_angles(x.shape[-2], dh, theta),
+                                 c.get("rope_interleaved", False)))
+    if kind == "l2":  # Llama 4: after RoPE
+        stages.append(norm)
+    if c.get("query_temperature") is not None:
+        t = c["query_temperature"]
+        positions = np.arange(x.shape[-2])
+        stages.append(temperature_stage(temperature_factors(
+            positions, t["beta"], t["floor_scale"], t["shift"])[:, None]))  # (L, 1)
     lengths = inputs.get("query_seq_lengths")
     train = "dropout_mask" in inputs
+    core = {} if c.get("attention_chunk_size") is None else {
+        "attention_chunk_size": c["attention_chunk_size"]}
+    causal = c.get("causal", True)
     return block_forward(x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"],
-                         rope=rope, mask=inputs.get("mask"), is_causal=c.get("causal", True),
+                         stages=stages, mask=inputs.get("mask"), is_causal=causal,
                          scale=c.get("scale"), softcap=c.get("softcap"),
-                         local_window_size=c.get("local_window_size"),
+                         local_window_size=sliding_window(c.get("sliding_window"), causal),
                          query_seq_lengths=lengths, key_value_seq_lengths=lengths,
                          dropout_rate=c.get("dropout", 0.0) if train else 0.0,
-                         dropout_mask=inputs.get("dropout_mask"))
+                         dropout_mask=inputs.get("dropout_mask"), **core)
 
 
 VARIANTS = {

@@ -90,6 +90,7 @@ class Variant:
     call_names: tuple[str, ...] = ()  # positional inputs of the core beyond inputs and mask
     dropout: bool = False              # the call takes ``dropout_mask=`` (training mode)
     layers: dict = field(default_factory=dict)  # role -> attribute path; "*" = one per head
+    vectors: tuple = ()  # parameters the module holds as plain arrays, each under its own name
     sample: dict = field(default_factory=dict)  # small configuration for tests, sizes distinct
 
     @property
@@ -204,6 +205,52 @@ def head_dim(c) -> int:
     return c["d_in"] // c["num_heads"] if c["head_dim"] is None else c["head_dim"]
 
 
+# The QK norms in use (golden.reference.qk_norm_stage): kind -> (the weight's shape for
+# ``heads`` heads of width Dh, or None for no weight; an example family).
+QK_NORMS = {
+    "rms": (lambda heads, dh: (dh,), "Qwen3: RMSNorm per head before RoPE, one weight (Dh,)"),
+    "rms_one_plus": (lambda heads, dh: (dh,), "Gemma 3, Qwen3-Next: RMSNorm · (1 + w) per head"),
+    "rms_across_heads": (lambda heads, dh: (heads * dh,),
+                         "OLMo 2: RMSNorm over all heads' features (N·Dh,) before the split"),
+    "layer": (lambda heads, dh: (heads, dh),
+              "Cohere, StableLM: LayerNorm per head, no bias, weights (N, Dh)"),
+    "l2": (lambda heads, dh: None, "Llama 4: RMS normalisation without weight, after RoPE"),
+}
+
+
+def _qk_norm(name, kind) -> None:
+    if kind is not None and kind not in QK_NORMS:
+        raise ValueError(f"{name} should be None or one of {', '.join(map(repr, QK_NORMS))}, "
+                         f"got {kind!r}")
+
+
+def _epsilon(name, eps) -> None:
+    """A finite number > 0 (None is not one)."""
+    try:
+        check_positive_or_none(name, float("nan") if eps is None else eps)
+    except ValueError:
+        raise ValueError(f"{name} should be a positive number, got {eps!r}") from None
+
+
+TEMPERATURE_FIELDS = ("beta", "floor_scale", "shift")
+
+
+def _temperature(name, t) -> None:
+    """None or {"beta": a finite number, "floor_scale": an int > 0, "shift": 0 or 1}."""
+    if t is None:
+        return
+    if not isinstance(t, dict) or set(t) != set(TEMPERATURE_FIELDS):
+        got = sorted(t) if isinstance(t, dict) else type(t).__name__
+        raise ValueError(f"{name} should be None or a dict with keys "
+                         f"{', '.join(TEMPERATURE_FIELDS)}, got {got}")
+    if t["beta"] is None:
+        raise ValueError(f"{name}['beta'] should be a finite number, got None")
+    check_scale(f"{name}['beta']", t["beta"])
+    _positive(f"{name}['floor_scale']", t["floor_scale"])
+    if t["shift"] not in (0, 1) or isinstance(t["shift"], bool):
+        raise ValueError(f"{name}['shift'] should be 0 or 1, got {t['shift']!r}")
+
+
 def _grouped_query_shapes(c):
     h, hkv, dh = c["num_heads"], c["num_kv_heads"], head_dim(c)
     if h % hkv:
@@ -217,10 +264,19 @@ def _grouped_query_shapes(c):
     d_out = c["d_in"] if c["d_out"] is None else c["d_out"]
     shapes = {"W_query": (c["d_in"], h * dh), "W_key": (c["d_in"], hkv * dh),
               "W_value": (c["d_in"], hkv * dh), "W_out": (h * dh, d_out)}
+    if c["output_gate"]:
+        shapes["W_gate"] = (c["d_in"], h * dh)
     if c["qkv_bias"]:
         shapes.update({"b_query": (h * dh,), "b_key": (hkv * dh,), "b_value": (hkv * dh,)})
+        if c["output_gate"]:
+            shapes["b_gate"] = (h * dh,)
     if c["out_bias"]:
         shapes["b_out"] = (d_out,)
+    if c["qk_norm"] is not None and QK_NORMS[c["qk_norm"]][0](h, dh) is not None:
+        shapes["q_norm"] = QK_NORMS[c["qk_norm"]][0](h, dh)
+        shapes["k_norm"] = QK_NORMS[c["qk_norm"]][0](hkv, dh)
+    if c["sinks"]:
+        shapes["sinks"] = (h,)
     return shapes
 
 
@@ -305,11 +361,16 @@ _VARIANTS = [
              Arg("head_dim", _positive_or_none, None), Arg("d_out", _positive_or_none, None),
              Arg("qkv_bias", _flag, False), Arg("out_bias", _flag, False),
              Arg("causal", _flag, True), Arg("scale", _scale, None),
-             Arg("softcap", check_positive_or_none, None), Arg("local_window_size", _window, None),
+             Arg("softcap", check_positive_or_none, None),
+             Arg("sliding_window", _positive_or_none, None),
              Arg("rope_theta", check_positive_or_none, None),
-             Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0)),
+             Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0),
+             Arg("qk_norm", _qk_norm, None), Arg("qk_norm_eps", _epsilon, 1e-6),
+             Arg("sinks", _flag, False), Arg("attention_chunk_size", _positive_or_none, None),
+             Arg("query_temperature", _temperature, None), Arg("output_gate", _flag, False)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
-            layers={**QKV_LAYERS, "out": "out_proj"},
+            layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate"},
+            vectors=("q_norm", "k_norm", "sinks"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
 ]
@@ -331,6 +392,42 @@ def module_variant(name) -> Variant:
         raise ValueError(f"variant should be one of {', '.join(v.name for v in MODULES)}, "
                          f"got {name!r}")
     return VARIANTS[name]
+
+
+def check_defaults(variant, config, supported, target) -> None:
+    """ValueError naming the first argument of ``variant`` outside ``supported`` that ``config``
+    sets to other than its default: an option ``target`` (another library's module) lacks."""
+    for arg in VARIANTS[variant].args:
+        if arg.name not in supported and config[arg.name] != arg.default:
+            raise ValueError(f"{arg.name} should be {arg.default!r} for {target}, which has no "
+                             f"such option, got {config[arg.name]!r}")
+
+
+# Configuration values that are dicts (query_temperature), and the lists inside them, as
+# hashable values: a JAX module's configuration is static under jit, and jit hashes it.
+@dataclass(frozen=True)
+class Frozen:
+    """A dict (``items``: its (key, frozen value) pairs, sorted) or a list inside one
+    (``items``: its frozen values); not a pytree, so JAX and NNX keep it whole and static."""
+
+    kind: str  # "dict" or "list"
+    items: tuple
+
+
+def freeze(value):
+    """``value`` hashable: dicts, and the lists inside them, as Frozen."""
+    if isinstance(value, dict):
+        return Frozen("dict", tuple((k, freeze(v)) for k, v in sorted(value.items())))
+    return Frozen("list", tuple(freeze(v) for v in value)) if isinstance(value, list) else value
+
+
+def thaw(value):
+    """The inverse of ``freeze``."""
+    if not isinstance(value, Frozen):
+        return value
+    if value.kind == "dict":
+        return {k: thaw(v) for k, v in value.items}
+    return [thaw(v) for v in value.items]
 
 
 # ---- a module's layers, for either framework --------------------------------------------------
@@ -357,9 +454,16 @@ def projections(module) -> dict:
     return out
 
 
-def export_layers(module, weight, bias) -> dict:
+def _vectors(module) -> dict:
+    """{name: the module's array} for the variant's ``vectors`` the module holds (not None)."""
+    held = ((n, getattr(module, n, None)) for n in VARIANTS[module.variant].vectors)
+    return {n: a for n, a in held if a is not None}
+
+
+def export_layers(module, weight, bias, vector) -> dict:
     """Neutral-layout parameters: ``weight(layer)`` gives W as (in, out), ``bias(layer)`` gives
-    b or None; per-head arrays of the wrapper are stacked."""
+    b or None, ``vector(array)`` a plain parameter (a norm's weight, the sinks) as NumPy;
+    per-head arrays of the wrapper are stacked."""
     out = {}
     for role, (layers, stacked) in projections(module).items():
         pick = np.stack if stacked else (lambda arrays: arrays[0])
@@ -367,12 +471,14 @@ def export_layers(module, weight, bias) -> dict:
         biases = [bias(layer) for layer in layers]
         if biases[0] is not None:
             out[f"b_{role}"] = pick(biases)
+    out.update({n: vector(a) for n, a in _vectors(module).items()})
     return out
 
 
-def load_layers(module, params, set_weight, set_bias) -> None:
+def load_layers(module, params, set_weight, set_bias, set_vector) -> None:
     """Check ``params`` against the module's configuration, then hand each layer its slice:
-    ``set_weight(layer, W (in, out))`` and ``set_bias(layer, b)``."""
+    ``set_weight(layer, W (in, out))`` and ``set_bias(layer, b)``, and each plain parameter
+    ``set_vector(module's array, array)``."""
     found = projections(module)
     VARIANTS[module.variant].check_params(module.config, params)
     for role, (layers, stacked) in found.items():
@@ -381,3 +487,5 @@ def load_layers(module, params, set_weight, set_bias) -> None:
             set_weight(layer, pick(params[f"W_{role}"]))
             if f"b_{role}" in params:
                 set_bias(layer, pick(params[f"b_{role}"]))
+    for name, held in _vectors(module).items():
+        set_vector(held, np.asarray(params[name]))

@@ -131,15 +131,17 @@ def to_linen_mha(variant, config, params, *, precision=DEFAULT_PRECISION):
 # ---- Llama-style checkpoints ------------------------------------------------------------------
 
 def from_llama(state_dict, *, num_heads, rope_theta, num_kv_heads=None, head_dim=None,
-               prefix="", names=HF_NAMES, interleaved=False, rngs=None):
+               prefix="", names=HF_NAMES, interleaved=False, sliding_window=None, rngs=None):
     """A GroupedQueryAttention holding one attention layer of a Llama-style state dict (torch
     tensors or arrays, (out, in)): ``golden.convert.llama_to_neutral`` (see there for
     ``prefix``, ``names`` and ``interleaved``, Meta's RoPE pairs, moved to rotate-half), then
-    ``build`` with ``llama_config``: causal, rotate-half RoPE of ``rope_theta``."""
+    ``build`` with ``llama_config``: causal, rotate-half RoPE of ``rope_theta``, Hugging Face's
+    ``sliding_window`` (Mistral's config)."""
     params = llama_to_neutral(state_dict, num_heads=num_heads, num_kv_heads=num_kv_heads,
                               head_dim=head_dim, prefix=prefix, names=names,
                               interleaved=interleaved)
-    config = llama_config(params, num_heads=num_heads, rope_theta=rope_theta)
+    config = llama_config(params, num_heads=num_heads, rope_theta=rope_theta,
+                          sliding_window=sliding_window)
     return build("grouped_query_attention", config, params, rngs=rngs)
 
 

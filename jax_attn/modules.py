@@ -26,6 +26,8 @@ import numpy as np
 from flax import nnx
 
 from golden import variants
+from golden.decoder import qk_normalize, temperature, weight_broadcast
+from golden.decoder import sliding_window as core_window
 from golden.positions import KVCache, check_fits
 from golden.validate import (
     cache_shape,
@@ -68,12 +70,13 @@ class _Variant(nnx.Module):
     def _configure(self, **given) -> None:
         """Check the constructor arguments (golden.variants); kept as a hashable tuple, because
         a module's plain attributes are static under jit."""
-        self._config = tuple(VARIANTS[self.variant].config(given).items())
+        self._config = tuple((n, variants.freeze(v))
+                             for n, v in VARIANTS[self.variant].config(given).items())
 
     @property
     def config(self) -> dict:
         """The constructor arguments (what ``build`` needs besides the parameters)."""
-        return dict(self._config)
+        return {n: variants.thaw(v) for n, v in self._config}
 
     def _init_dropout(self, dropout, rngs):
         self.dropout = dropout
@@ -291,26 +294,41 @@ class GroupedQueryAttention(_Variant):
     variant = "grouped_query_attention"
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
-                 out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
-                 rope_theta=None, rope_interleaved=False, dropout=0.0, *, rngs,
+                 out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
+                 qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
+                 query_temperature=None, output_gate=False, *, rngs,
                  precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
-                        local_window_size=local_window_size, rope_theta=rope_theta,
-                        rope_interleaved=rope_interleaved, dropout=dropout)
+                        sliding_window=sliding_window, rope_theta=rope_theta,
+                        rope_interleaved=rope_interleaved, dropout=dropout, qk_norm=qk_norm,
+                        qk_norm_eps=qk_norm_eps, sinks=sinks,
+                        attention_chunk_size=attention_chunk_size,
+                        query_temperature=query_temperature, output_gate=output_gate)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
         self.head_dim = variants.head_dim(self.config)
         self.causal, self.scale, self.softcap = causal, scale, softcap
-        self.local_window_size = _static_window(local_window_size)
+        self.local_window_size = core_window(sliding_window, causal)
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.attention_chunk_size = attention_chunk_size
+        self.query_temperature = (None if query_temperature is None else tuple(
+            query_temperature[n] for n in variants.TEMPERATURE_FIELDS))  # static: hashable
         self.precision = precision
         self._init_dropout(dropout, rngs)
         width, kv_width = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.W_query = _linear(d_in, width, qkv_bias, rngs, precision)
         self.W_key = _linear(d_in, kv_width, qkv_bias, rngs, precision)
         self.W_value = _linear(d_in, kv_width, qkv_bias, rngs, precision)
+        self.W_gate = _linear(d_in, width, qkv_bias, rngs, precision) if output_gate else None
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
+        shapes = VARIANTS[self.variant].shapes(self.config)
+        start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
+        self.q_norm, self.k_norm, self.sinks = (
+            nnx.Param(jnp.full(shapes[n], 0.0 if n == "sinks" else start)) if n in shapes
+            else None for n in ("q_norm", "k_norm", "sinks"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -348,9 +366,14 @@ class GroupedQueryAttention(_Variant):
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        q = self._split(self.W_query(x), self.num_heads)       # (B, N, L, Dh)
-        k = self._split(self.W_key(x), self.num_kv_heads)      # (B, Nkv, L, Dh)
+        q, k = self.W_query(x), self.W_key(x)                  # (B, L, N·Dh), (B, L, Nkv·Dh)
+        if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
+        k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
         v = self._split(self.W_value(x), self.num_kv_heads)
+        if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
@@ -358,6 +381,10 @@ class GroupedQueryAttention(_Variant):
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
                                      offset=offset, max_position=bound) for t in (q, k))
+        if self.qk_norm == "l2":  # Llama 4: after RoPE
+            q, k = self._norm(q, None), self._norm(k, None)
+        if self.query_temperature is not None:
+            q = self._temperature(q, offset)
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
@@ -367,9 +394,10 @@ class GroupedQueryAttention(_Variant):
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
-            return_weights=return_weights, precision=self.precision)
+            return_weights=return_weights, precision=self.precision, **self._extra())
         o, w = o if return_weights else (o, None)
-        y = _merge_heads(self.out_proj, o)  # (B, L, d_out)
+        gate = None if self.W_gate is None else jax.nn.sigmoid(self.W_gate(x))  # (B, L, N·Dh)
+        y = _merge_heads(self.out_proj, o, gate)  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 
@@ -378,23 +406,47 @@ class GroupedQueryAttention(_Variant):
         y = y.reshape(y.shape[:-1] + (heads, self.head_dim))  # (B, L, heads, Dh)
         return jnp.swapaxes(y, -2, -3)
 
+    def _extra(self) -> dict:
+        """The core's sinks and attention_chunk_size, when the module has them."""
+        extra = {"sinks": None if self.sinks is None else self.sinks.get_value(),
+                 "attention_chunk_size": self.attention_chunk_size}
+        return {n: a for n, a in extra.items() if a is not None}
 
-def _merge_heads(out_proj, o):
-    """out_proj of the heads' outputs o (B, N, L, Dh) side by side, (B, L, N·Dh) -> (B, L, d_out).
-    With the heads split over a mesh axis (jax_attn.sharding: out_proj row-parallel) the
-    product sums over devices, and explicit mesh axes ask where its result lies: as o's batch
-    and length, the features whole on every device (the all-reduce Megatron's layout implies)."""
+    def _norm(self, t, weight):
+        """The QK norm of t, computed in at least float32 and rounded once to t's dtype."""
+        compute = jnp.promote_types(t.dtype, jnp.float32)
+        w = None if weight is None else weight_broadcast(self.qk_norm,
+                                                         weight.get_value().astype(compute))
+        return qk_normalize(t.astype(compute), self.qk_norm, w, self.qk_norm_eps,
+                            mean=lambda a: a.mean(-1, keepdims=True),
+                            rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+    def _temperature(self, q, offset):
+        """q times the query temperature at each token's position (index + offset)."""
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        positions = jnp.arange(q.shape[-2])  # (L,)
+        if offset is not None:
+            positions = positions + offset[:, None]  # (B, L)
+        factors = temperature(positions, *self.query_temperature,
+                              log1p=lambda n: jnp.log1p(n.astype(compute)))
+        factors = factors[..., None] if offset is None else factors[:, None, :, None]
+        return (q.astype(compute) * factors).astype(q.dtype)  # (L, 1) or (B, 1, L, 1)
+
+
+def _merge_heads(out_proj, o, gate=None):
+    """out_proj of the heads' outputs o (B, N, L, Dh) side by side, (B, L, N·Dh) -> (B, L, d_out),
+    times ``gate`` (B, L, N·Dh) first when given. With the heads split over a mesh axis
+    (jax_attn.sharding: out_proj row-parallel) the product sums over devices, and explicit mesh
+    axes ask where its result lies: as o's batch and length, the features whole on every device
+    (the all-reduce Megatron's layout implies)."""
     merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
     merged = merged.reshape(merged.shape[:-2] + (-1,))  # (B, L, N·Dh)
+    if gate is not None:
+        merged = merged * gate
     spec = explicit_spec(merged)
     out = None if spec is None else jax.typeof(merged).sharding.update(
         spec=jax.sharding.PartitionSpec(*spec[:-1], None))  # on merged's (abstract) mesh
     return out_proj(merged, out_sharding=out)
-
-
-def _static_window(w):
-    """A window as a hashable static setting: a pair becomes a tuple."""
-    return tuple(w) if isinstance(w, list) else w
 
 
 def _cache_positions(cache, length, query_seq_lengths):

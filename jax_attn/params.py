@@ -30,7 +30,8 @@ def export_params(module) -> dict:
     training step may free or reuse)."""
     _ours(module)
     return export_layers(module, lambda lin: np.array(lin.kernel.get_value()),
-                         lambda lin: None if lin.bias is None else np.array(lin.bias.get_value()))
+                         lambda lin: None if lin.bias is None else np.array(lin.bias.get_value()),
+                         lambda p: np.array(p.get_value()))
 
 
 def _device(array, dtype=None):
@@ -47,7 +48,8 @@ def load_params(module, params) -> None:
     _ours(module)
     check_param_arrays(params)
     load_layers(module, params, lambda lin, w: lin.kernel.set_value(_device(w)),
-                lambda lin, b: lin.bias.set_value(_device(b)))
+                lambda lin, b: lin.bias.set_value(_device(b)),
+                lambda p, a: p.set_value(_device(a)))
 
 
 def build(variant, config, params, *, rngs=None):

@@ -149,21 +149,21 @@ BATCH = P(DATA)  # (B, ...): offsets, lengths, masks without heads, the modules'
 def layer_specs(module, mesh, *, model=MODEL) -> dict:
     """{(layer path, "kernel" | "bias"): PartitionSpec} for a jax_attn module on ``mesh``.
 
-    Megatron's tensor parallelism for the modules that fuse their heads into one projection
-    per role (MultiHeadAttention, GroupedQueryAttention): W_query, W_key and W_value hold their
+    Megatron's tensor parallelism for the modules that fuse their heads into one projection per
+    role (MultiHeadAttention, GroupedQueryAttention): W_query, W_key and W_value hold their
     heads as contiguous blocks of the output features, so splitting that axis over ``model``
     gives each device whole heads (column-parallel: kernel ``P(None, model)``, bias
-    ``P(model)``, no communication); out_proj reads the heads' features on its input axis, so
-    it is split there (row-parallel: kernel ``P(model, None)``; each device multiplies its
-    heads' part and one all-reduce sums them; the bias is replicated, added once). W_key and
-    W_value of Hkv heads are split when n divides Hkv, else replicated (each device computes
-    every key-value head, n a multiple of Hkv). The other modules (one head, or the wrapper's
-    independent heads) have no head axis to split and are replicated, as is everything with
-    ``model=None`` (data parallelism alone)."""
+    ``P(model)``, no communication; the output gate W_gate alike); out_proj reads the heads'
+    features on its input axis, so it is split there (row-parallel: kernel ``P(model, None)``;
+    each device multiplies its heads' part and one all-reduce sums them; the bias is replicated,
+    added once). W_key and W_value of Hkv heads are split when n divides Hkv, else replicated
+    (each device computes every key-value head, n a multiple of Hkv). The other modules (one
+    head, or the wrapper's independent heads) have no head axis to split and are replicated, as
+    is everything with ``model=None`` (data parallelism alone)."""
     _check_module(module)
     n = _axis_size(mesh, model)
     fused = n > 1 and hasattr(module, "num_heads") and not projections(module)["query"][1]
-    heads = {"query": getattr(module, "num_heads", 1), "out": getattr(module, "num_heads", 1)}
+    heads = {role: getattr(module, "num_heads", 1) for role in ("query", "out", "gate")}
     heads["key"] = heads["value"] = getattr(module, "num_kv_heads", heads["query"])
     if fused and heads["query"] % n:
         raise ValueError(f"num_heads should be a multiple of the size of mesh axis {model!r}, "

@@ -21,10 +21,12 @@ key/value heads, Dh head width, d_* feature widths.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
 
+from golden import variants
 from golden.runners.adapt import combine, from_function, from_module
 
 CORE = "scaled_dot_product_attention"
@@ -320,16 +322,25 @@ class GroupedQueryAttention(Module):
     """N query heads over Nkv key/value heads, RoPE, causal by default:
     x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
 
-    layers = {**QKV, "out": "out_proj"}
+    layers = {**QKV, "out": "out_proj", "gate": "gate_proj"}
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
-                 out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
-                 rope_theta=None, rope_interleaved=False, dropout=0.0, *, core=None):
+                 out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
+                 qk_norm_eps=1e-6, query_temperature=None, output_gate=False, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
+        self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
+        shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
+                  "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh)}
+        self.q_norm, self.k_norm = (np.zeros(shapes[qk_norm](n)) if qk_norm in shapes else None
+                                    for n in (num_heads, num_kv_heads))
+        self.gate_proj = Linear(d_in, num_heads * dh, qkv_bias) if output_gate else None
         self.heads, self.kv_heads = num_heads, num_kv_heads
+        window = None if sliding_window is None else (  # W keys, the query's own included
+            sliding_window - 1, 0 if causal else sliding_window - 1)
         self.attend = dict(is_causal=causal, scale=scale, softcap=softcap,
-                           local_window_size=local_window_size)
+                           local_window_size=window)
         self.rope_theta, self.rope_interleaved, self.dropout = rope_theta, rope_interleaved, dropout
         self.q_proj = Linear(d_in, num_heads * dh, qkv_bias)
         self.k_proj, self.v_proj = (Linear(d_in, num_kv_heads * dh, qkv_bias) for _ in "kv")
@@ -337,18 +348,48 @@ class GroupedQueryAttention(Module):
 
     def __call__(self, x, mask=None, *, query_seq_lengths=None, dropout_mask=None,
                  return_weights=False):
-        q = _split(self.q_proj(x), self.heads)      # (..., N, L, Dh)
-        k = _split(self.k_proj(x), self.kv_heads)   # (..., Nkv, L, Dh)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "rms_across_heads":  # OLMo 2: over all heads, before the split
+            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
+        q = _split(q, self.heads)                   # (..., N, L, Dh)
+        k = _split(k, self.kv_heads)                # (..., Nkv, L, Dh)
         v = _split(self.v_proj(x), self.kv_heads)
+        if self.qk_norm in ("rms", "rms_one_plus", "layer"):
+            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.rope_theta is not None:
             q, k = (rope(t, self.rope_theta, self.rope_interleaved) for t in (q, k))
+        if self.qk_norm == "l2":  # Llama 4: after RoPE, no weight
+            q, k = self.norm(q, None), self.norm(k, None)
+        if self.temperature is not None:  # 1 + β ln(1 + ⌊(p + shift) / F⌋) at position p
+            t = self.temperature
+            steps = (np.arange(x.shape[-2]) + t["shift"]) // t["floor_scale"]
+            q = q * (1 + t["beta"] * np.log1p(steps)).astype(x.dtype)[:, None]
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), **self.attend,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
                               dropout_rate=self.rate(dropout_mask),
                               dropout_mask=self.keep(dropout_mask), return_weights=True)
-        y = self.out_proj(_merge(o))
+        merged = _merge(o)
+        if self.gate_proj is not None:  # Qwen3-Next: times σ(x W_gate + b_gate)
+            merged = merged / (1 + np.exp(-self.gate_proj(x)))
+        y = self.out_proj(merged)
         return (y, w) if return_weights else y
+
+    def norm(self, t, weight):
+        """The QK norm over t's last axis: (t − mean) / √(mean((t − mean)²) + ε) for LayerNorm,
+        t / √(mean(t²) + ε) otherwise; times the weight (1 + weight for Gemma's)."""
+        if self.qk_norm == "layer":
+            t = t - t.mean(-1, keepdims=True)
+            weight = weight[:, None, :]  # (N, Dh) against (..., N, L, Dh)
+        t = t / np.sqrt((t * t).mean(-1, keepdims=True) + self.eps).astype(t.dtype)
+        if weight is None:
+            return t
+        return t * (1 + weight if self.qk_norm == "rms_one_plus" else weight).astype(t.dtype)
+
+    def mapping(self) -> dict:
+        table = super().mapping()
+        table.update({n: (n, "") for n in ("q_norm", "k_norm") if getattr(self, n) is not None})
+        return table
 
 
 def rope(x, theta, interleaved):
@@ -377,9 +418,17 @@ MODULES = {
 
 
 def build(variant, config, core=None):
-    """The NumPy module of a variant (weights zero until set), None for one it lacks."""
+    """The NumPy module of a variant (weights zero until set), None for one it lacks or for an
+    option it does not implement (a configuration value other than the default of an argument
+    its class does not take)."""
     cls = MODULES.get(variant)
-    return None if cls is None else cls(**config, core=core)
+    if cls is None:
+        return None
+    defaults = {a.name: a.default for a in variants.get(variant).args}
+    takes = inspect.signature(cls).parameters
+    if any(n not in takes and v != defaults[n] for n, v in config.items()):
+        return None
+    return cls(**{n: v for n, v in config.items() if n in takes}, core=core)
 
 
 def mapping(variant, config) -> dict:

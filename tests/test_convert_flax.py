@@ -310,6 +310,11 @@ def test_what_flax_and_ours_cannot_share():
     with pytest.raises(ValueError, match="rope_theta should be None .* got 10000.0"):
         convert.to_nnx_mha(gqa, config, _zeros(gqa, config))
     config = dict(config, rope_theta=None)
+    for option, value in (("qk_norm", "rms"), ("sliding_window", 3), ("output_gate", True)):
+        with pytest.raises(ValueError, match=f"{option} should be (None|False) for Flax's "
+                                             f"MultiHeadAttention, .* got {value!r}"):
+            convert.to_nnx_mha(gqa, dict(config, **{option: value}),
+                               _zeros(gqa, dict(config, **{option: value})))
     with pytest.raises(ValueError, match="num_kv_heads should equal num_heads = 4 .* got 2"):
         convert.to_linen_mha(gqa, config, _zeros(gqa, config))
     with pytest.raises(ValueError, match=r"scale should be None or 1/√Dh = 0.7071.* got 0.25"):

@@ -131,6 +131,27 @@ def test_llama_checkpoint_matches_ours_in_both_frameworks(biases):
             _close(results[name][what], results["llama"][what], (name, what, seed))
 
 
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_mistral_sliding_window_in_hugging_faces_meaning(framework):
+    """from_llama(sliding_window=W) is Mistral's window: each query sees W keys, its own
+    included (Hugging Face's kv_idx > q_idx − W), to 1e-12 against the written-out attention."""
+    rng, seed = fresh_rng()
+    llama, window = _randomize(LlamaAttention(False, False), rng), 3
+    arrays, _ = _arrays(rng)
+    row, key = np.arange(L)[:, None], np.arange(L)
+    mask = np.broadcast_to(key > row - window, (B, L, L))
+    with torch.no_grad():
+        want = llama(torch.from_numpy(arrays["x"]), torch.from_numpy(mask.copy()))[0].numpy()
+    twin = TWINS[framework]
+    with twin.float64():
+        converters = torch_attn.convert if framework == "torch" else convert
+        module = converters.from_llama(llama.state_dict(), num_heads=H, rope_theta=THETA,
+                                       sliding_window=window)
+        assert module.config["sliding_window"] == window
+        got = twin.numpy(module(twin.array(arrays["x"])))
+    _close(got, want, (framework, seed))
+
+
 def test_transformers_llama_attention():
     """transformers' own LlamaAttention, where it is installed (not a project dependency): its
     sdpa attention fed float64 cos/sin against the reference, gradients included; its eager

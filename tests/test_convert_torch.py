@@ -414,9 +414,13 @@ def test_options_we_cannot_represent():
      r"d_in, the heads' width N·Dh and d_out should all equal .* got d_in = 5, N·Dh = 12, "
      r"d_out = 12"),
     (lambda: torch_attn.GroupedQueryAttention(E, H, 1),
-     "num_kv_heads should be 3 for torch.nn.MultiheadAttention .* got 1"),
+     "num_kv_heads should be num_heads = 3 for torch.nn.MultiheadAttention, got 1"),
     (lambda: torch_attn.GroupedQueryAttention(E, H, H, rope_theta=100.0),
-     "rope_theta should be None for torch.nn.MultiheadAttention .* got 100.0"),
+     "rope_theta should be None for torch.nn.MultiheadAttention, which has no such option, "
+     "got 100.0"),
+    (lambda: torch_attn.GroupedQueryAttention(E, H, H, qk_norm="rms"),
+     "qk_norm should be None for torch.nn.MultiheadAttention, which has no such option, "
+     "got 'rms'"),
     (lambda: torch_attn.GroupedQueryAttention(E, H, H, scale=0.1),
      r"scale should be None \(1/√Dh\) for torch.nn.MultiheadAttention, got 0.1"),
     (lambda: torch_attn.GroupedQueryAttention(E, H, H, head_dim=5),
@@ -424,7 +428,7 @@ def test_options_we_cannot_represent():
     (lambda: torch_attn.SelfAttention(E, E),
      "source should be a MultiHeadAttention, a GroupedQueryAttention or a dict .* got "
      "SelfAttention"),
-], ids=["d_in", "num_kv_heads", "rope", "scale", "head_dim", "variant"])
+], ids=["d_in", "num_kv_heads", "rope", "qk_norm", "scale", "head_dim", "variant"])
 def test_to_torch_refuses_what_it_cannot_represent(source, message):
     with pytest.raises(ValueError, match=message):
         convert.to_torch_mha(source())

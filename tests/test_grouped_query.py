@@ -36,8 +36,17 @@ CONFIG = dict(d_in=D_IN, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_b
 DECODE_CONFIGS = {
     "gqa_rope": CONFIG,
     "mqa_interleaved_window_softcap": dict(CONFIG, num_kv_heads=1, rope_interleaved=True,
-                                           local_window_size=(3, 0), softcap=2.0, scale=0.7),
+                                           sliding_window=4, softcap=2.0, scale=0.7),
     "mha_no_rope": dict(CONFIG, num_kv_heads=6, rope_theta=None),
+    # issue 23's options: the temperature reads each token's position (index + cache length)
+    "qk_layer_gate_temperature": dict(CONFIG, qk_norm="layer", output_gate=True,
+                                      query_temperature={"beta": 0.5, "floor_scale": 2,
+                                                         "shift": 1}),
+    "qk_across_heads_window": dict(CONFIG, qk_norm="rms_across_heads", sliding_window=3),
+    "qk_l2_interleaved_nope_temperature": dict(
+        CONFIG, qk_norm="l2", rope_theta=None,
+        query_temperature={"beta": 0.3, "floor_scale": 3, "shift": 0}),
+    "qk_rms_one_plus": dict(CONFIG, qk_norm="rms_one_plus", rope_interleaved=True),
 }
 EXACT = 1e-12  # float64: decoding and the full forward differ only in summation order
 
@@ -104,7 +113,7 @@ def test_decoding_a_ragged_batch_equals_each_rows_full_forward(twin):
     # Prompts of 2, 6 and 4 tokens, right-padded in one prefill; then one token per row per step.
     rng, seed = fresh_rng()
     x = rng.standard_normal((3, 8, D_IN))
-    config = dict(CONFIG, local_window_size=(4, 0))
+    config = dict(CONFIG, sliding_window=5)
     with twin.float64():
         module = _built(twin, config, _params(config, rng))
         full = _call(twin, module, x)
@@ -325,7 +334,7 @@ def test_torch_and_jax_kernels_agree_with_the_module_core_call():
     # Where their semantics overlap (GQA, causal, a left window, a scale): PyTorch's
     # scaled_dot_product_attention(enable_gqa=True) and jax.nn.dot_product_attention, float64.
     rng, seed = fresh_rng()
-    config = dict(CONFIG, local_window_size=(2, 0), scale=0.6)
+    config = dict(CONFIG, sliding_window=3, scale=0.6)
     params, x = _params(config, rng), rng.standard_normal((2, 7, D_IN))
     q, k, v = _rotated_qkv(params, x, config)
     window = np.tril(np.ones((7, 7), bool)) & np.triu(np.ones((7, 7), bool), -2)
@@ -374,7 +383,7 @@ def test_twin_cache_signatures():
     (dict(rope_theta=-1.0), r"rope_theta should be a positive number or None, got -1.0"),
     (dict(d_in=4, num_heads=6, head_dim=None),
      r"head_dim should be given when d_in < num_heads"),
-    (dict(local_window_size=(1, 2, 3)), r"local_window_size should be None"),
+    (dict(sliding_window=0), r"sliding_window should be a positive int, got 0"),
 ])
 def test_bad_configuration(twin, change, message):
     with pytest.raises(ValueError, match=message):

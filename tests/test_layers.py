@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "golden.reference",
           "golden.exact",
           "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping",
-          "golden.convert", "golden.implementations"}
+          "golden.convert", "golden.implementations", "golden.decoder"}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
        "golden.runners.adapt", "golden.report", "golden.compare", "golden.training",

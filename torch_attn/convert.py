@@ -41,6 +41,7 @@ from golden import variants
 from golden.convert import (
     HF_NAMES,
     META_NAMES,
+    MHA_SETTINGS,
     llama_config,
     llama_to_neutral,
     neutral_to_llama,
@@ -200,12 +201,11 @@ def _fit_config(variant, config, num_heads) -> int:
                          f"embed_dim is all three), got d_in = {config['d_in']}, N·Dh = {width}, "
                          f"d_out = {d_out}")
     if variant == "grouped_query_attention":
-        wanted = {"num_kv_heads": h, "rope_theta": None, "softcap": None,
-                  "local_window_size": None}
-        for name, want in wanted.items():
-            if config[name] != want:
-                raise ValueError(f"{name} should be {want} for torch.nn.MultiheadAttention "
-                                 f"(which has no such option), got {config[name]}")
+        if config["num_kv_heads"] != h:
+            raise ValueError(f"num_kv_heads should be num_heads = {h} for "
+                             f"torch.nn.MultiheadAttention, got {config['num_kv_heads']}")
+        variants.check_defaults(variant, config, MHA_SETTINGS,
+                                "torch.nn.MultiheadAttention")
         if config["scale"] not in (None, 1.0 / math.sqrt(width // h)):
             raise ValueError(f"scale should be None (1/√Dh) for torch.nn.MultiheadAttention, "
                              f"got {config['scale']}")
@@ -387,16 +387,18 @@ def mask_to_torch(mask=None, bias=None, *, batch_size, num_heads, lq, lk, per_he
 # ---- Llama-style checkpoints (the mapping is golden.convert's, shared with jax_attn) ---------
 
 def from_llama(state_dict, *, num_heads, rope_theta, num_kv_heads=None, head_dim=None,
-               prefix="", names=HF_NAMES, interleaved=False):
+               prefix="", names=HF_NAMES, interleaved=False, sliding_window=None):
     """A GroupedQueryAttention holding one attention layer of a Llama-style state dict (tensors
     or arrays, (out, in)): ``golden.convert.llama_to_neutral`` (see there for ``prefix``,
     ``names`` and ``interleaved``, Meta's RoPE pairs, moved to rotate-half), then ``build``
-    with ``llama_config``: causal, rotate-half RoPE of ``rope_theta``."""
+    with ``llama_config``: causal, rotate-half RoPE of ``rope_theta``, Hugging Face's
+    ``sliding_window`` (Mistral's config)."""
     params = llama_to_neutral(state_dict, num_heads=num_heads, num_kv_heads=num_kv_heads,
                               head_dim=head_dim, prefix=prefix, names=names,
                               interleaved=interleaved)
     return build("grouped_query_attention",
-                 llama_config(params, num_heads=num_heads, rope_theta=rope_theta), params)
+                 llama_config(params, num_heads=num_heads, rope_theta=rope_theta,
+                               sliding_window=sliding_window), params)
 
 
 def to_llama(module, *, prefix="", names=HF_NAMES, interleaved=False) -> dict:

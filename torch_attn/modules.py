@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from golden import variants
+from golden.decoder import qk_normalize, sliding_window, temperature, weight_broadcast
 from golden.positions import KVCache, check_fits
 from golden.validate import (
     cache_shape,
@@ -24,6 +25,7 @@ from golden.validate import (
     check_sequence,
 )
 from golden.variants import VARIANTS
+from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.rotary import rotary_embedding
 
@@ -199,8 +201,9 @@ class MultiHeadAttention(nn.Module):
 
 
 class GroupedQueryAttention(nn.Module):
-    """The attention of Llama, Mistral, Qwen and Gemma: N query heads sharing Nkv key-value heads
-    (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
+    """Decoder attention as Llama, Mistral, Qwen, Gemma and their 2025–26 successors write it
+    (docs/modules.md lists which families load exactly): N query heads sharing Nkv key-value
+    heads (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
     embeddings on q and k (``rope_theta``), causal by default, and a functional KV cache.
 
     Shapes: x (B, L, d_in) or (L, d_in); q (B, N, L, Dh), k and v (B, Nkv, L, Dh), Dh =
@@ -208,6 +211,15 @@ class GroupedQueryAttention(nn.Module):
     Lk = L, or the cache's max_length M. ``query_seq_lengths`` (B,): the real tokens of each row
     (right padding); a padding token neither queries (its row of the weights is zero, its output
     row is the output bias) nor is attended, and is not written to a cache.
+
+    Options, in Hugging Face's terms: ``sliding_window`` W (a query sees W keys, itself
+    included: the core's window (W − 1, 0)); ``qk_norm`` (golden.variants.QK_NORMS: "rms"
+    Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere, "l2" Llama 4,
+    with ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
+    ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C
+    positions); ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers:
+    q · (1 + β·ln(1 + ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times
+    σ(x W_gate + b_gate) before out_proj).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -221,25 +233,37 @@ class GroupedQueryAttention(nn.Module):
     variant = "grouped_query_attention"
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
-                 out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
-                 rope_theta=None, rope_interleaved=False, dropout=0.0):
+                 out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
+                 qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
+                 query_temperature=None, output_gate=False):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
                               qkv_bias=qkv_bias, out_bias=out_bias, causal=causal, scale=scale,
-                              softcap=softcap, local_window_size=local_window_size,
+                              softcap=softcap, sliding_window=sliding_window,
                               rope_theta=rope_theta, rope_interleaved=rope_interleaved,
-                              dropout=dropout)
+                              dropout=dropout, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                              sinks=sinks, attention_chunk_size=attention_chunk_size,
+                              query_temperature=query_temperature, output_gate=output_gate)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
         self.head_dim = variants.head_dim(self.config)
         self.causal, self.scale, self.softcap = causal, scale, softcap
-        self.local_window_size, self.dropout = local_window_size, dropout
+        self.sliding_window, self.dropout = sliding_window, dropout
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
-        self.W_query = nn.Linear(d_in, num_heads * self.head_dim, bias=qkv_bias)
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.attention_chunk_size, self.query_temperature = attention_chunk_size, query_temperature
+        width = num_heads * self.head_dim
+        self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.out_proj = nn.Linear(num_heads * self.head_dim, d_in if d_out is None else d_out,
-                                  bias=out_bias)
+        self.W_gate = nn.Linear(d_in, width, bias=qkv_bias) if output_gate else None
+        self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
+        shapes = variants.VARIANTS[self.variant].shapes(self.config)
+        start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
+        self.q_norm, self.k_norm, self.sinks = (
+            nn.Parameter(torch.full(shapes[n], 0.0 if n == "sinks" else start)) if n in shapes
+            else None for n in ("q_norm", "k_norm", "sinks"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -262,9 +286,14 @@ class GroupedQueryAttention(nn.Module):
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
                        cache.key.shape[2], x.shape[-2])
-        q = self._split(self.W_query(x), self.num_heads)       # (B, N, L, Dh)
-        k = self._split(self.W_key(x), self.num_kv_heads)      # (B, Nkv, L, Dh)
+        q, k = self.W_query(x), self.W_key(x)                  # (B, L, N·Dh), (B, L, Nkv·Dh)
+        if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
+        k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
         v = self._split(self.W_value(x), self.num_kv_heads)
+        if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
@@ -272,23 +301,54 @@ class GroupedQueryAttention(nn.Module):
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
                                      offset=offset, max_position=bound) for t in (q, k))
+        if self.qk_norm == "l2":  # Llama 4: after RoPE
+            q, k = self._norm(q, None), self._norm(k, None)
+        if self.query_temperature is not None:
+            q = self._temperature(q, offset)
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, L, Lk)
+        extra = {n: a for n, a in (("sinks", self.sinks),
+                                   ("attention_chunk_size", self.attention_chunk_size))
+                 if a is not None}
         o = scaled_dot_product_attention(
             q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
-            local_window_size=self.local_window_size, query_offset=offset,
-            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
-            dropout_mask=dropout_mask, return_weights=return_weights)
+            local_window_size=sliding_window(self.sliding_window, self.causal),
+            query_offset=offset, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            dropout_rate=rate, dropout_mask=dropout_mask, return_weights=return_weights,
+            **extra)
         o, w = o if return_weights else (o, None)
-        y = self.out_proj(o.transpose(-2, -3).flatten(-2))  # (B, L, N·Dh) -> (B, L, d_out)
+        merged = o.transpose(-2, -3).flatten(-2)  # (B, L, N·Dh)
+        if self.W_gate is not None:
+            merged = merged * torch.sigmoid(self.W_gate(x))
+        y = self.out_proj(merged)  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
         return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
+
+    def _norm(self, t, weight):
+        """The QK norm of t, computed in at least float32 and rounded once to t's dtype."""
+        compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+        w = None if weight is None else weight_broadcast(self.qk_norm, weight.to(compute))
+        return qk_normalize(t.to(compute), self.qk_norm, w, self.qk_norm_eps,
+                            mean=lambda a: a.mean(-1, keepdim=True),
+                            rsqrt=torch.rsqrt).to(t.dtype)
+
+    def _temperature(self, q, offset):
+        """q times the query temperature at each token's position (index + offset)."""
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        positions = torch.arange(q.shape[-2], device=q.device)  # (L,)
+        if offset is not None:
+            positions = positions + offset[:, None]  # (B, L)
+        t = self.query_temperature
+        factors = temperature(positions, t["beta"], t["floor_scale"], t["shift"],
+                              log1p=lambda n: torch.log1p(n.to(compute)))
+        factors = factors[..., None] if offset is None else factors[:, None, :, None]
+        return (q.to(compute) * factors).to(q.dtype)  # (L, 1) or (B, 1, L, 1)
 
 
 def _cache_positions(cache, length, query_seq_lengths):

@@ -35,14 +35,15 @@ def export_params(module) -> dict:
     copies, a snapshot of the weights now."""
     _ours(module)
     return export_layers(module, lambda lin: _numpy(lin.weight).T,
-                         lambda lin: None if lin.bias is None else _numpy(lin.bias))
+                         lambda lin: None if lin.bias is None else _numpy(lin.bias), _numpy)
 
 
 def export_grads(module) -> dict:
     """The parameters' ``.grad`` in the neutral layout (after a backward pass)."""
     _ours(module)
     return export_layers(module, lambda lin: _numpy(lin.weight.grad).T,
-                         lambda lin: None if lin.bias is None else _numpy(lin.bias.grad))
+                         lambda lin: None if lin.bias is None else _numpy(lin.bias.grad),
+                         lambda p: _numpy(p.grad))
 
 
 def load_params(module, params) -> None:
@@ -56,7 +57,10 @@ def load_params(module, params) -> None:
     def set_bias(lin, b):
         lin.bias.data = torch.as_tensor(b.copy(), device=lin.bias.device)
 
-    load_layers(module, params, set_weight, set_bias)
+    def set_vector(held, a):
+        held.data = torch.as_tensor(a.copy(), device=held.device)
+
+    load_layers(module, params, set_weight, set_bias, set_vector)
 
 
 def build(variant, config, params):
