@@ -5,9 +5,10 @@ Written from the README's definitions, not from ``golden.reference`` nor either 
 
     scores   s = cap(scale · Q Kᵀ) + bias,  cap(s) = c·tanh(s/c) with softcap c (none if None)
     allowed  mask (True = may attend) ∧ causal (key j ≤ query position p = i + query_offset)
-             ∧ window (p − left ≤ j ≤ p + right) ∧ j < key_value_seq_lengths[b]
-             ∧ i < query_seq_lengths[b]
-    weights  softmax of s over the allowed keys (a row with none: zeros), times keep / (1 − p)
+             ∧ window (p − left ≤ j ≤ p + right) ∧ chunk (j // C = p // C)
+             ∧ j < key_value_seq_lengths[b] ∧ i < query_seq_lengths[b]
+    weights  softmax of s over the allowed keys (a row with none: zeros), times keep / (1 − p);
+             with sinks, head h's logit s_h joins each row's softmax and its column is dropped
     output   weights V
 
 Everything runs in the inputs' dtype (float32 or float64); only RoPE's angles are float64, as
@@ -63,9 +64,9 @@ class Attention:
     # ---- the core ----
 
     def sdpa(self, query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
-             softcap=None, local_window_size=None, query_offset=None, query_seq_lengths=None,
-             key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
-             return_weights=False):
+             softcap=None, local_window_size=None, attention_chunk_size=None, query_offset=None,
+             query_seq_lengths=None, key_value_seq_lengths=None, sinks=None, dropout_rate=0.0,
+             dropout_mask=None, return_weights=False):
         """query (..., H, Lq, Dk), key (..., Hkv, Lk, Dk), value (..., Hkv, Lk, Dv) ->
         output (..., H, Lq, Dv) [, weights (..., H, Lq, Lk)]; (Lq, Dk) inputs work too."""
         scale = self.default_scale(query.shape[-1]) if scale is None else float(scale)
@@ -75,14 +76,22 @@ class Attention:
         if bias is not None:
             scores = scores + bias
         allowed = self.allowed(scores.shape, mask, is_causal, local_window_size, query_offset,
-                               query_seq_lengths, key_value_seq_lengths)
-        weights = self.softmax(scores, allowed)
+                               query_seq_lengths, key_value_seq_lengths, attention_chunk_size)
+        if sinks is None:
+            weights = self.softmax(scores, allowed)
+        else:  # softmax over [S, s_h], always allowed, then the sink's column dropped
+            column = np.broadcast_to(np.reshape(sinks, np.shape(sinks) + (1, 1)),
+                                     scores.shape[:-1] + (1,))
+            every = np.concatenate([np.broadcast_to(allowed, scores.shape),
+                                    np.ones(column.shape, bool)], axis=-1)
+            weights = self.softmax(np.concatenate([scores, column], -1), every)[..., :-1]
         if dropout_mask is not None:
             weights = weights * dropout_mask * self.dropout_scale(dropout_rate)
         out = _grouped(weights, value)
         return (out, weights) if return_weights else out
 
-    def allowed(self, shape, mask, is_causal, window, offset, q_lengths, kv_lengths):
+    def allowed(self, shape, mask, is_causal, window, offset, q_lengths, kv_lengths,
+                chunk=None):
         """Boolean (..., H, Lq, Lk): which key each query row may attend."""
         lq, lk = shape[-2:]
         i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]  # (Lq, 1), (1, Lk)
@@ -97,6 +106,8 @@ class Attention:
             allowed = allowed & (j >= position - left)
         if right is not None:
             allowed = allowed & (j <= position + right)
+        if chunk is not None:
+            allowed = allowed & (j // chunk == position // chunk)
         if kv_lengths is not None:
             allowed = allowed & (j < _per_batch(kv_lengths, len(shape)))
         if q_lengths is not None:
