@@ -5,20 +5,23 @@ and key block sizes, Nq = ⌈Lq / Bq⌉ and Nk = ⌈Lk / Bk⌉ the block counts,
 Lk' = Nk·Bk the padded lengths.
 
 The forward takes the query blocks one after another (``lax.map``) and, for each, runs over only
-the key blocks it may see, found by index from the causal bound, the window and the lengths (a
-block wholly outside is never read), keeping a running maximum m, sum l and accumulator acc
-(online softmax). It saves the output and each row's m and 1 / l (the log-sum-exp m + log l, in
-two parts); the backward recomputes each block's probabilities from them, key block by key
-block (``lax.scan``, dK and dV per key block, dQ carried whole), over the query blocks that can
-see it. Neither pass forms (Lq, Lk): memory is O(L·D + Bq·Bk). Blocks whose every entry the
-positional rules allow take a body without the mask (unless a ``mask`` or drawn dropout is
-given); blocks on a boundary are masked. mask, bias and dropout_mask stay as broadcast as they
-came, (Lq|1, Lk|1), and are sliced per block.
+the key blocks it may see, found by index from the causal bound, the window, the chunks of
+attention_chunk_size and the lengths (a block wholly outside is never read), keeping a running
+maximum m, sum l and accumulator acc (online softmax), which start from the head's sink logit
+when there is one (m = sink, l = 1, acc = 0: it joins the denominator and takes no value; its
+gradient comes from the saved statistics, ``sink_grad``). It saves the output and each row's m
+and 1 / l (the log-sum-exp m + log l, in two parts); the backward recomputes each block's
+probabilities from them, key block by key block (``lax.scan``, dK and dV per key block, dQ
+carried whole), over the query blocks that can see it. Neither pass forms (Lq, Lk): memory is
+O(L·D + Bq·Bk). Blocks whose every entry the positional rules allow take a body without the mask
+(unless a ``mask`` or drawn dropout is given); blocks on a boundary are masked. mask, bias and
+dropout_mask stay as broadcast as they came, (Lq|1, Lk|1), and are sliced per block.
 
 The pieces are public for ``jax_attn.ring``, which runs them on each block of keys that reaches
 a device: ``Head.make`` (one head, padded), ``start``, ``accumulate`` and ``finish`` (the
 forward's running state, its update by a block of keys, the output and statistics),
-``backward`` and ``visited`` (how many blocks the forward computes).
+``backward``, ``sink_grad`` (a sink's gradient from the statistics) and ``visited`` (how many
+blocks the forward computes).
 """
 
 from __future__ import annotations

@@ -119,6 +119,8 @@ CASES = {
                 softcap=1.5, dropout_rate=0.2, keep_shape=(B, 1, LQ, LK)),
     "sinks_chunks": dict(attention_chunk_size=2, is_causal=True, query_offset=np.array([1, 4]),
                          sinks=True),
+    "window_chunks": dict(attention_chunk_size=3, local_window_size=(2, 1),
+                          query_offset=np.array([2, 5])),  # chunk bounds tighter than the window
 }
 BIAS_SHAPES = [(H, 1, LK), (B, 1, LQ, LK), (LQ, LK), (LK,)]  # each sliced differently
 

@@ -1,7 +1,8 @@
 """The torch core's "explicit" implementation, and the allowed set every implementation shares.
 
-explicit: the (..., H, Lq, Lk) weights formed (scores and softmax in at least float32), then
-the weighted sum of values; autograd differentiates it. ``Where`` turns the allowed-set
+explicit: the (..., H, Lq, Lk) weights formed (scores and softmax in at least float32; with
+sinks, the head's sink logit as one more column of the softmax, dropped after it), then the
+weighted sum of values; autograd differentiates it. ``Where`` turns the allowed-set
 arguments into a boolean mask through golden.positions.allowed_terms, the rule JAX's core uses
 too, and cuts it into chunks for "row_chunks".
 

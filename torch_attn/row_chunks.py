@@ -1,12 +1,13 @@
 """The torch core's "row_chunks" implementation: the explicit path by chunks of query rows.
 
 Memory O(rows · Lk) with gradients, never all the weights (so it cannot return them). The
-queries are cut into chunks of rows, each run through the explicit path on the keys its rows
-can see under the causal and window bounds; the forward keeps only the inputs and the output,
-the backward recomputes each chunk's weights (FlashAttention's recipe, by chunks of rows, but
-not its online softmax: that is JAX's "blockwise"). Each row's arithmetic is the explicit
-path's, so the errors are the same (the gradients of key, value and bias are summed over chunks
-in at least float32).
+queries are cut into chunks of rows, each run through the explicit path on the keys its rows can
+see under the causal, window and attention-chunk bounds (the sinks, one logit per head, go whole
+to every chunk, and their gradient sums over the chunks); the forward keeps only the inputs and
+the output, the backward recomputes each chunk's weights (FlashAttention's recipe, by chunks of
+rows, but not its online softmax: that is JAX's "blockwise"). Each row's arithmetic is the
+explicit path's, so the errors are the same (the gradients of key, value and bias are summed
+over chunks in at least float32).
 
 Shape legend: B batch, H heads (Hkv of key and value), Lq query length, Lk key length, Dk key
 width, Dv value width.
