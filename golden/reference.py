@@ -240,9 +240,10 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
         scores = scores + real(bias)
     allowed = allowed_positions(shape, mask, is_causal, local_window_size=local_window_size,
                                 attention_chunk_size=attention_chunk_size, **lengths)
-    sink = None if sinks is None else sink_logits(sinks)               # (..., H, 1, 1)
-    probs, p_sink = (masked_softmax(scores, allowed), None) if sink is None else (
-        masked_softmax(scores, allowed, sink))                         # p_sink (..., H, Lq, 1)
+    if sinks is None:
+        probs, p_sink = masked_softmax(scores, allowed), None
+    else:  # the sinks (H, 1, 1) join each row; p_sink (..., H, Lq, 1)
+        probs, p_sink = masked_softmax(scores, allowed, sink_logits(sinks))
     keep = np.ones(shape) if dropout_mask is None else np.broadcast_to(dropout_mask, shape)
     keep_scaled = keep / (number(1) - number(dropout_rate))
     weights = probs * keep_scaled
