@@ -329,14 +329,15 @@ def start(st, lq, dv, dtype, sink=None):
     """The running state (m, l, acc) of Lq query rows before any key, per query block:
     m (Nq, Bq) at the dtype's least finite number (so that exp(−inf − m) = 0, never
     −inf − (−inf)), l (Nq, Bq) and acc (Nq, Bq, Dv) at 0. With a ``sink`` logit (a scalar) the
-    softmax starts from it: m = sink, l = 1 (its exp(sink − m)), acc 0 (it takes no value)."""
+    softmax starts from it: m = sink, l = 1 (its exp(sink − m)), acc 0 (it takes no value); a
+    sink of −inf is no sink (m stays finite, l = 0)."""
     n_q = _cdiv(lq, st.block_q)
     acc = jnp.zeros((n_q, st.block_q, dv), dtype)
-    if sink is not None:
-        return (jnp.full((n_q, st.block_q), sink.astype(dtype), dtype),
-                jnp.ones((n_q, st.block_q), dtype), acc)
-    return (jnp.full((n_q, st.block_q), jnp.finfo(dtype).min, dtype),
-            jnp.zeros((n_q, st.block_q), dtype), acc)
+    m = jnp.full((n_q, st.block_q), jnp.finfo(dtype).min, dtype)
+    if sink is None:
+        return m, jnp.zeros((n_q, st.block_q), dtype), acc
+    m = jnp.maximum(m, sink.astype(dtype))
+    return m, jnp.exp(sink.astype(dtype) - m), acc
 
 
 def accumulate(st, h, state):

@@ -274,7 +274,8 @@ def _forward(ring, q, k, v, pos, sinks=None):
     if sinks is not None:
         m, total, acc = state
         sink = sinks.astype(compute).reshape(qs.shape[2:4])[None, None, :, :, None, None]
-        state = (jnp.maximum(m, sink), total + 1.0, acc)  # the sink folded in: exp(0) = 1
+        m = jnp.maximum(m, sink)  # the sink folded in (m finite, l = 0 for a sink of −inf)
+        state = (m, total + jnp.exp(sink - m), acc)
     me = lax.axis_index(ring.axis)
 
     def step(carry, s):

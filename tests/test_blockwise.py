@@ -286,6 +286,24 @@ def test_blocks_outside_the_chunks_are_never_read():
         assert np.all(clean[1][n][~seen] == 0)
 
 
+def test_sink_at_minus_infinity_is_no_sink():
+    # The online softmax starts from the sink: at −inf it must start as without one (m finite,
+    # l = 0), a fully masked row included (zeros, not NaN), the sink's gradient 0.
+    rng, seed = fresh_rng()
+    inputs = _qkv(rng)
+    mask = np.ones((B, 1, LQ, LK), bool)
+    mask[1, 0, 3] = False
+    arrays = {**JAX.arrays(inputs, "float32"), "mask": jnp.asarray(mask)}
+    d_out = jnp.asarray(rng.standard_normal((B, H, LQ, DV)), "float32")
+    kw = dict(is_causal=True, block_sizes=(2, 3))
+    plain = _grads(_blockwise, arrays, d_out, **kw)
+    sunk = _grads(_blockwise, {**arrays, "sinks": jnp.full(H, -jnp.inf)}, d_out, **kw)
+    np.testing.assert_array_equal(sunk[0], plain[0], err_msg=f"seed {seed}")
+    for n, g in plain[1].items():
+        np.testing.assert_array_equal(sunk[1][n], g, err_msg=f"{n}, seed {seed}")
+    assert np.all(sunk[1]["sinks"] == 0) and np.all(sunk[0][1, :, 3] == 0)
+
+
 @pytest.mark.parametrize("is_causal, offset, expected", [
     (False, 0, 12),  # each query block of 2 visits the 2 key blocks of its chunk of 4
     (True, 0, 9),  # and causally 1 or 2 of them: 3 per chunk (causal alone: 21)
