@@ -77,6 +77,8 @@ class Grid:
     decode: tuple = (1, 512, 8, 2, 64, 4096, 2048)
     # long sequences, causal: (B, H, D), the lengths L, and the longest L the explicit ones run at
     long: tuple = ((1, 1, 64), (4096, 16384, 65536), 4096)
+    # sinks and chunked attention, causal: B, H, L, D, attention_chunk_size
+    modern: tuple = (1, 4, 4096, 64, 1024)
 
 
 def _self(L, B=4, H=8, D=64):
@@ -90,7 +92,7 @@ FULL = Grid(shapes=(_self(128), _self(512), _self(1024), Shape(4, 8, 256, 1024, 
 QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
              bf16_shape=_self(64, B=1, H=2, D=16), matmul_n=256, repeats=3, budget_s=60.0,
              gqa=(1, 4, 2, 64, 16), decode=(1, 32, 4, 2, 8, 64, 16),
-             long=((1, 1, 16), (256, 512), 256))
+             long=((1, 1, 16), (256, 512), 256), modern=(1, 2, 256, 16, 64))
 
 
 # --- implementations: f(q, k, v, *, is_causal), all (B, H, L, D) except jax_peer ----------------
@@ -512,6 +514,119 @@ def run_long(grid: Grid, rng) -> list[dict]:
     return rows
 
 
+# --- attention sinks (GPT-OSS) and chunked attention (Llama 4), causal ---------------------------
+
+def _torch_peer_sinks(q, k, v, sinks):
+    """torch's fused kernel given what sinks mean: one more key of zeros whose additive bias is
+    the head's sink logit and whose value is 0 (K and V copied with it, a float (Lq, Lk + 1)
+    mask formed: why torch_attn's "fused" refuses sinks)."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    zeros = lambda x: x.new_zeros(x.shape[:-2] + (1, x.shape[-1]))  # noqa: E731
+    k, v = torch.cat([k, zeros(k)], dim=-2), torch.cat([v, zeros(v)], dim=-2)
+    causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    mask = torch.zeros(q.shape[-3:-1] + (lk + 1,), dtype=q.dtype, device=q.device)
+    mask[..., :lk] = mask[..., :lk].masked_fill(~causal, -math.inf)
+    mask[..., lk] = sinks[:, None]  # (H, Lq, Lk + 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _torch_peer_chunks(q, k, v, chunk):
+    """torch's fused kernel with the chunked causal mask as a boolean (Lq, Lk)."""
+    i = torch.arange(q.shape[-2], device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], device=q.device)
+    mask = (j <= i) & (j // chunk == i // chunk)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _ours(core, implementation):
+    """Our core with an implementation, sinks or chunks passed through."""
+    def f(q, k, v, sinks=None, chunk=None):
+        extra = {} if sinks is None else {"sinks": sinks}
+        return core(q, k, v, is_causal=True, attention_chunk_size=chunk,
+                    implementation=implementation, **extra)
+    return f
+
+
+MODERN_IMPLS = {  # impl: f(q, k, v, sinks=..., chunk=...) on (B, H, L, D), causal
+    "jax_blockwise": _ours(jax_attn.scaled_dot_product_attention, "blockwise"),
+    "jax_explicit": _ours(jax_attn.scaled_dot_product_attention, "explicit"),
+    "torch_peer": None,  # torch's fused kernel, given the feature as _torch_peer_* does
+    "torch_explicit": _ours(torch_attn.scaled_dot_product_attention, "explicit"),
+}
+
+
+def modern_call(impl: str, feature: str, chunk: int, backward: bool):
+    """f(q, k, v, sinks) for a sinks or chunks row (the sinks an input, differentiated too);
+    JAX's backward jitted, torch's forward under no_grad."""
+    if impl == "torch_peer":
+        f = (_torch_peer_sinks if feature == "sinks" else
+             lambda q, k, v, sinks: _torch_peer_chunks(q, k, v, chunk))
+    elif feature == "sinks":
+        f = MODERN_IMPLS[impl]
+    else:
+        f = partial(lambda g, q, k, v, sinks: g(q, k, v, chunk=chunk), MODERN_IMPLS[impl])
+    args = (0, 1, 2, 3) if feature == "sinks" else (0, 1, 2)
+    if framework(impl) == "jax":
+        if backward:
+            return jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=args))
+        return jax.jit(f)
+    if backward:
+        return lambda *a: torch.autograd.grad(f(*a).sum(), [a[n] for n in args])
+
+    def forward(*a):
+        with torch.no_grad():
+            return f(*a)
+    return forward
+
+
+def run_modern(grid: Grid, rng) -> list[dict]:
+    """Sinks rows and chunked rows (causal, float32), forward and forward+backward, each
+    implementation; peer_ratio = torch_peer's time / this row's (> 1: faster)."""
+    b, h, length, d, chunk = grid.modern
+    shape = Shape(b, h, length, length, d)
+    host = random_qkv(shape, rng) + [rng.standard_normal(h, dtype=np.float32)]
+    rows = []
+    for feature in ("sinks", "chunks"):
+        for backward in (False, True):
+            block = []
+            for impl in MODERN_IMPLS:
+                args = make_inputs(shape, "float32", impl, backward, host[:3])
+                sinks = host[3]
+                args.append(jnp.asarray(sinks) if framework(impl) == "jax" else
+                            torch.from_numpy(sinks).requires_grad_(backward))
+                fn = modern_call(impl, feature, chunk, backward)
+                m = measure(fn, args, grid.repeats)
+                block.append({"feature": feature, "shape": shape.name + (
+                    f",C={chunk}" if feature == "chunks" else ""),
+                    "pass": "fwd+bwd" if backward else "fwd", "impl": impl,
+                    "framework": framework(impl), **m})
+                print(f"  {feature} {block[-1]['pass']:7} {impl:15} {m['median_ms']:10.1f} ms",
+                      file=sys.stderr, flush=True)
+            peer = next(r["median_ms"] for r in block if r["impl"] == "torch_peer")
+            for r in block:
+                r["peer_ratio"] = peer / r["median_ms"]
+            rows += block
+    return rows
+
+
+def modern_markdown(rows: list[dict]) -> list[str]:
+    lines = [
+        "", "## Attention sinks and chunked attention (causal, float32)", "",
+        "- sinks: one logit per head (GPT-OSS), differentiated in fwd+bwd; torch_peer is "
+        "`F.scaled_dot_product_attention` given an extra key of zeros whose float mask entry is "
+        "the sink (value 0), K and V copied with it. chunks: attention_chunk_size C (Llama 4), "
+        "torch_peer given the chunked causal mask as a boolean (Lq, Lk). jax_blockwise: "
+        "default blocks (1024, 1024), key blocks outside a query block's chunk skipped. "
+        "*_explicit: `implementation=\"explicit\"`.",
+        "- ÷ peer: torch_peer's time ÷ this row's (> 1: faster than torch's fused kernel).", "",
+        "| feature | shape | pass | impl | median ms | n | ÷ peer | others % |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    return lines + [f"| {r['feature']} | {r['shape']} | {r['pass']} | {r['impl']} "
+                    f"| {r['median_ms']:.1f} | {r['repeats']} | {r['peer_ratio']:.2f} "
+                    f"| {_f(r['other_cpu_pct'], '{:.0f}')} |" for r in rows]
+
+
 def _xla_temp_mb(fn, args, impl, backward):
     """XLA's temporary memory of a JAX long row's program, MiB (None for torch: in-process RSS
     growth reads ~0 once earlier rows have grown the heap, so torch's memory is measured by the
@@ -613,10 +728,11 @@ def run(grid: Grid) -> dict:
             rows += run_block(shape, "float32", causal, True, host, grid, ceilings)
     add_ratios(rows)
     long = run_long(grid, rng)  # after the grid: its seconds do not eat the grid's budget
+    modern = run_modern(grid, rng)
     wall_s = time.perf_counter() - start
     return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
             "ceilings": list(ceilings.values()), "results": rows, "modules": modules,
-            "gqa": gqa, "decode": decode, "long": long,
+            "gqa": gqa, "decode": decode, "long": long, "modern": modern,
             "targets": (targets(rows, grid.bf16_shape) + [decode_target(decode)]
                         + long_targets(long)),
             "skipped": skipped,
@@ -772,6 +888,7 @@ def markdown(report: dict) -> str:
     lines += [f"| {r['L']} | {r['pass']} | {r['impl']} | {r['median_ms']:.1f} "
               f"| {r['peer_ratio']:.2f} | {_f(r['xla_temp_mb'], '{:.0f}')} "
               f"| {r['first_call_ms']:.0f} |" for r in report["long"]]
+    lines += modern_markdown(report["modern"])
     lines += ["", "## Targets (float32; attention non-causal at L=1024, decoding and long "
               "sequences causal)", ""]
     for t in report["targets"]:
@@ -797,12 +914,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="most steady calls per measurement (default 10, quick 3); "
                              "slow cases use fewer, down to 3")
+    parser.add_argument("--only", choices=("modern",), default=None,
+                        help="run one section alone and print it, writing DIR/modern.json "
+                             "(latest.* untouched): modern = attention sinks and chunked "
+                             "attention")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else FULL
     if args.repeats is not None:
         if args.repeats < 1:
             parser.error("--repeats should be at least 1")
         grid = replace(grid, repeats=args.repeats)
+    if args.only == "modern":
+        info, cpu_start, start = machine(), _cpu_seconds(), time.perf_counter()
+        rows = run_modern(grid, np.random.default_rng())
+        section = {"machine": info, "grid": asdict(grid), "modern": rows,
+                   "other_cpu_pct": other_cpu(cpu_start, time.perf_counter() - start)}
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "modern.json", (json.dumps(section, indent=1) + "\n").encode())
+        print("\n".join(modern_markdown(rows)))
+        return 0
     report = run(grid)
     text = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)

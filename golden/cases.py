@@ -17,7 +17,8 @@ draws grid inputs, and its parameters are rounded to the same grid, so that ever
 from the same exact numbers and only the arithmetic differs.
 
 Shape legend: B=2 batch, H=3 heads, Lq=5 query length, Lk=7 key length, Dk=4, Dv=6; Hkv the
-heads of key and value where they differ from H (grouped-query attention).
+heads of key and value where they differ from H (grouped-query attention). ``sinks``: one logit
+per query head, (H,), or () for unbatched (Lq, Dk) inputs.
 """
 
 from __future__ import annotations
@@ -236,6 +237,28 @@ CASES += [
           "qkv_bias": True, "rope_theta": 10000.0}, dtypes=LOW),
 ]
 
+# Attention sinks (GPT-OSS: one logit per query head in every row's softmax, taking no value)
+# and chunked attention (Llama 4's attention_chunk_size C: key j // C = position // C).
+CASES += [
+    Case("sdpa_sinks", SDPA, 138, {**_qkv(), "sinks": ("normal", (H,))}),
+    Case("sdpa_sinks_masked_row", SDPA, 139,  # rows (1, 2, 3) and (0, 0, 0): the sink takes all
+         {**_qkv(lq=6, dv=5), "mask": ("mask", (B, H, 6, LK), 0.7, ((1, 2, 3), (0, 0, 0))),
+          "sinks": ("normal", (H,))}),
+    Case("sdpa_sinks_gqa_causal_window", SDPA, 140,  # H=6, Hkv=3; keys p − 3 … p, p = i + [4, 2]
+         {**_qkv(lead=(B, 6), lk=9, dv=7, kv_lead=(B, 3)), "query_offset": _ints([4, 2]),
+          "sinks": ("normal", (6,))},
+         {"is_causal": True, "local_window_size": 3}),
+    Case("sdpa_chunks", SDPA, 141, _qkv(lk=8), {"attention_chunk_size": 3}),
+    Case("sdpa_chunks_offset_lengths", SDPA, 142,  # positions i + [4, 1] in chunks of 4, causal
+         {**_qkv(lk=9), "query_offset": _ints([4, 1]), "query_seq_lengths": _ints([5, 3]),
+          "key_value_seq_lengths": _ints([9, 6])},
+         {"attention_chunk_size": 4, "is_causal": True}),
+    Case("sdpa_sinks_chunks_softcap", SDPA, 143,  # unbatched (Lq, Dk): one sink, shape ()
+         {**_qkv(lead=(), lq=6, lk=9, dk=5, dv=3), "sinks": ("normal", ()),
+          "bias": ("normal", (6, 9))},
+         {"attention_chunk_size": 2, "is_causal": True, "softcap": 1.5, "scale": 1.0}),
+]
+
 # GroupedQueryAttention's options of 2025–26 decoders (issue 23): the five QK norms, Llama 4's
 # query temperature, Qwen3-Next's output gate, Hugging Face's sliding_window. Seeds from 401.
 CASES += [
@@ -271,4 +294,13 @@ CASES += [
           "qk_norm": "layer", "output_gate": True, "sliding_window": 4, "softcap": 2.5,
           "query_temperature": {"beta": 0.4, "floor_scale": 3, "shift": 0},
           "rope_theta": 50.0}),
+    Case("gqa_sinks_window_gpt_oss", GQA, 409,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([6, 7])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 3,
+          "qkv_bias": True, "out_bias": True, "sinks": True, "sliding_window": 3,
+          "rope_theta": 150000.0}),
+    Case("gqa_chunked_l2_llama4", GQA, 410, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "attention_chunk_size": 3, "qk_norm": "l2", "rope_theta": 500000.0,
+          "rope_interleaved": True}),
 ]

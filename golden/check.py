@@ -71,7 +71,7 @@ def _terms(fixture, what) -> int:
     name = what.removeprefix("grad ")
     if name in fixture.params:  # one term per position of the longest input sequence
         return max(a.size // a.shape[-1] for a in fixture.inputs.values() if a.dtype.kind == "f")
-    if name == "bias":  # the core's one input that broadcasts against the weights
+    if name in ("bias", "sinks"):  # core inputs summed over the weights (sinks: per head)
         return max(1, fixture.expected["weights"].size // fixture.inputs[name].size)
     return 1
 

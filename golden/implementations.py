@@ -36,6 +36,7 @@ class Asked(NamedTuple):
     dropout: bool = False
     gradients: bool = False
     block_sizes: object = None  # as the caller gave it (None: not given)
+    sinks: bool = False
 
 
 class Implementation(NamedTuple):

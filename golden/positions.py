@@ -93,18 +93,23 @@ def check_fits(held, new, room, length) -> None:
                          f"{new.tolist()} more within max_length M = {room}")
 
 
-def allowed_terms(row, key, pos, *, is_causal, window, q_lengths=None, kv_lengths=None) -> list:
+def allowed_terms(row, key, pos, *, is_causal, window, chunk=None, q_lengths=None,
+                  kv_lengths=None, key_start=0) -> list:
     """The conditions whose AND is the allowed set, for the twins' implementations
     (the reference states the same rule on its own, golden.reference.allowed_positions): query
     ``row`` i at position ``pos`` (= i + offset) may attend key position ``key`` j when
     j ≤ pos (``is_causal``), pos − left ≤ j ≤ pos + right (``window`` = (left, right), None
-    for an unbounded side), j < ``kv_lengths`` and i < ``q_lengths``. Integer arrays of any
-    framework, shaped to broadcast against each other; a condition whose argument is None is
-    left out."""
+    for an unbounded side), j // C = pos // C (``chunk`` C, Llama 4's attention_chunk_size),
+    j < ``kv_lengths`` and i < ``q_lengths``. Integer arrays of any framework, shaped to
+    broadcast against each other; a condition whose argument is None is left out.
+    ``key_start``: where key and pos count from when they are relative to a block of keys
+    (JAX's ring): chunks are of absolute positions, key_start + j."""
     left, right = window
     terms = [key <= pos if is_causal else None,
              key >= pos - left if left is not None else None,
              key <= pos + right if right is not None else None,
+             (key + key_start) // chunk == (pos + key_start) // chunk if chunk is not None
+             else None,
              key < kv_lengths if kv_lengths is not None else None,
              row < q_lengths if q_lengths is not None else None]
     return [t for t in terms if t is not None]

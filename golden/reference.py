@@ -23,7 +23,11 @@ Forward, with P the masked softmax and K the dropout mask:
     O = A V'                                              (..., H, Lq, Dv)
 Key j sits at position j, query i at i + query_offset. Query i may attend key j when the mask
 allows it, j ≤ position (is_causal), position − left ≤ j ≤ position + right (the window),
+j // C = position // C (attention_chunk_size C: Llama 4's chunks of C tokens),
 j < key_value_seq_lengths and i < query_seq_lengths (rows past it attend nothing).
+With sinks (GPT-OSS), head h's logit s_h joins every row's softmax as one more entry that takes
+no value: P = exp(S − m) · allowed / (Σ_row + exp(s_h − m)), m = max(max_row S, s_h), so a
+row's weights sum to 1 − p_sink and a row with nothing allowed gives zeros.
 The fixtures' scalar loss is  L = Σ O ⊙ dO + Σ A ⊙ dA  for fixed random cotangents dO and dA.
 
 ``rounded_products(bits)`` turns the same code into the plain low-precision implementation that
@@ -128,7 +132,8 @@ def per_batch(x, rank):
 
 
 def allowed_positions(weights_shape, mask=None, is_causal=False, *, local_window_size=None,
-                      query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None):
+                      attention_chunk_size=None, query_offset=None, query_seq_lengths=None,
+                      key_value_seq_lengths=None):
     """Boolean (..., Lq, Lk): True where query i may attend to key j."""
     rank, (lq, lk) = len(weights_shape), weights_shape[-2:]
     row = np.arange(lq)[:, None]                                # query index i   (Lq, 1)
@@ -142,6 +147,8 @@ def allowed_positions(weights_shape, mask=None, is_causal=False, *, local_window
         allowed = allowed & (key >= pos - left)
     if right is not None:
         allowed = allowed & (key <= pos + right)
+    if attention_chunk_size is not None:                        # the same chunk of C tokens
+        allowed = allowed & (key // attention_chunk_size == pos // attention_chunk_size)
     if key_value_seq_lengths is not None:
         allowed = allowed & (key < per_batch(key_value_seq_lengths, rank))
     if query_seq_lengths is not None:
@@ -162,42 +169,65 @@ def sum_groups(grad, kv_heads):
     return grad.reshape(shape).sum(axis=-3)  # (..., Hkv, G, Lk, D) summed over G
 
 
-def masked_softmax(scores, allowed):
-    """Softmax over the last axis among allowed entries; an all-masked row gives zeros."""
+def masked_softmax(scores, allowed, sink=None):
+    """Softmax over the last axis among allowed entries; an all-masked row gives zeros. With
+    ``sink`` (broadcastable to (..., 1)), one more logit joins each row's denominator: returns
+    (probabilities, the sink's probability (..., 1)); without, the probabilities alone."""
     zero = number(0)
     allowed = np.broadcast_to(allowed, np.shape(scores))
     row_max = np.where(allowed, scores, -np.inf).max(axis=-1, keepdims=True)
     row_max = np.where(allowed.any(axis=-1, keepdims=True) & (row_max > -np.inf), row_max, zero)
+    if sink is not None:  # m = max(max S, s): every exponent ≤ 0
+        sink = np.broadcast_to(sink, row_max.shape)
+        live = allowed.any(axis=-1, keepdims=True)
+        row_max = np.where(~live | (sink > row_max), sink, row_max)
+        row_max = np.where(row_max > -np.inf, row_max, zero)  # a sink of −inf: no sink
     e = np.where(allowed, np.exp(np.where(allowed, scores - row_max, zero)), zero)
     total = e.sum(axis=-1, keepdims=True)
-    return e / np.where(total > 0, total, number(1))
+    if sink is None:
+        return e / np.where(total > 0, total, number(1))
+    e_sink = np.exp(sink - row_max)
+    total = total + e_sink
+    total = np.where(total > 0, total, number(1))
+    return e / total, e_sink / total
+
+
+def sink_logits(sinks):
+    """sinks (H,) or () shaped (H, 1, 1) or (1, 1), to broadcast against (..., H, Lq, 1)."""
+    return real(sinks).reshape(np.shape(sinks) + (1, 1))
 
 
 def scaled_dot_product_attention(
     query, key, value, mask=None, bias=None, *, is_causal=False, scale=None, softcap=None,
-    local_window_size=None, query_offset=None, query_seq_lengths=None,
-    key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
+    local_window_size=None, attention_chunk_size=None, query_offset=None,
+    query_seq_lengths=None, key_value_seq_lengths=None, sinks=None, dropout_rate=0.0,
+    dropout_mask=None,
 ):
     """Return (output, weights) in float64."""
     out, weights, _ = sdpa_forward(
         query, key, value, mask, bias, is_causal=is_causal, scale=scale, softcap=softcap,
-        local_window_size=local_window_size, query_offset=query_offset,
-        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        dropout_rate=dropout_rate, dropout_mask=dropout_mask,
+        local_window_size=local_window_size, attention_chunk_size=attention_chunk_size,
+        query_offset=query_offset, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, sinks=sinks, dropout_rate=dropout_rate,
+        dropout_mask=dropout_mask,
     )
     return out, weights
 
 
 def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
-                 softcap=None, local_window_size=None, query_offset=None, query_seq_lengths=None,
-                 key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None):
-    """Forward pass; also returns what the backward pass needs."""
+                 softcap=None, local_window_size=None, attention_chunk_size=None,
+                 query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                 sinks=None, dropout_rate=0.0, dropout_mask=None):
+    """Forward pass; also returns what the backward pass needs. The sink logits are added
+    after the scale and the soft-cap (never capped) and no mask or bias touches them."""
     lengths = dict(query_offset=query_offset, query_seq_lengths=query_seq_lengths,
                    key_value_seq_lengths=key_value_seq_lengths)
     shape = check_attention_args(*map(_checkable, (query, key, value)), mask,
                                  None if bias is None else _checkable(bias), scale=scale,
                                  softcap=softcap, local_window_size=local_window_size, **lengths,
-                                 dropout_rate=dropout_rate, dropout_mask=dropout_mask)
+                                 dropout_rate=dropout_rate, dropout_mask=dropout_mask,
+                                 sinks=None if sinks is None else _checkable(sinks),
+                                 attention_chunk_size=attention_chunk_size)
     q, k, v = (real(a) for a in (query, key, value))
     kv_heads = k.shape[-3] if k.ndim >= 3 else None
     if kv_heads is not None:
@@ -211,16 +241,20 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
     if bias is not None:
         scores = scores + real(bias)
     allowed = allowed_positions(shape, mask, is_causal, local_window_size=local_window_size,
-                                **lengths)
-    probs = masked_softmax(scores, allowed)
+                                attention_chunk_size=attention_chunk_size, **lengths)
+    if sinks is None:
+        probs, p_sink = masked_softmax(scores, allowed), None
+    else:  # the sinks (H, 1, 1) join each row; p_sink (..., H, Lq, 1)
+        probs, p_sink = masked_softmax(scores, allowed, sink_logits(sinks))
     keep = np.ones(shape) if dropout_mask is None else np.broadcast_to(dropout_mask, shape)
     keep_scaled = keep / (number(1) - number(dropout_rate))
     weights = probs * keep_scaled
     out = einsum("...qk,...kv->...qv", weights, v)
     saved = dict(q=q, k=k, v=v, kv_heads=kv_heads, scale=scale, capped=capped,
                  capped_arg=capped_arg, probs=probs,
-                 keep_scaled=keep_scaled, weights=weights,
-                 bias_shape=None if bias is None else np.shape(bias))
+                 keep_scaled=keep_scaled, weights=weights, p_sink=p_sink,
+                 bias_shape=None if bias is None else np.shape(bias),
+                 sinks_shape=None if sinks is None else np.shape(sinks))
     return out, weights, saved
 
 
@@ -273,12 +307,15 @@ def sdpa_backward(saved, d_output, d_weights):
     g_value = einsum("...qk,...qv->...kv", weights, d_output)
     g_probs = g_weights * saved["keep_scaled"]                              # dL/dP
     exact_mode = _EXACT.get() is not None
+    p_sink = saved.get("p_sink")  # the sink takes no value: its g is 0
     if not exact_mode:  # the softmax vjp P ⊙ (g − Σ g ⊙ P)
         g_scores = probs * (g_probs - (g_probs * probs).sum(axis=-1, keepdims=True))
     else:  # the same, as P_j Σ_k P_k (g_j − g_k) (Σ P = 1): nothing cancels when one key takes
-        # nearly all the weight, where g_j − Σ g ⊙ P would lose 1 − P_j below the precision
+        # nearly all the weight, where g_j − Σ g ⊙ P would lose 1 − P_j below the precision;
+        # with a sink Σ P = 1 − p_sink, and the sink's share adds p_sink · g_j
         diff = g_probs[..., :, None] - g_probs[..., None, :]               # (..., Lq, Lk, Lk)
-        g_scores = probs * (diff * probs[..., None, :]).sum(axis=-1)
+        spread = (diff * probs[..., None, :]).sum(axis=-1)
+        g_scores = probs * (spread if p_sink is None else spread + p_sink * g_probs)
     g_raw = g_scores                                                        # dL/dR
     if saved["capped"] is not None:  # d(c·tanh(R/c))/dR = 1 − tanh²(R/c) = 4 / (e^x + e^−x)²
         g_raw = g_scores * (4 / (np.exp(saved["capped_arg"]) + np.exp(-saved["capped_arg"])) ** 2
@@ -293,7 +330,16 @@ def sdpa_backward(saved, d_output, d_weights):
         grads["value"] = sum_groups(grads["value"], saved["kv_heads"])
     if saved["bias_shape"] is not None:
         grads["bias"] = unbroadcast(g_scores, saved["bias_shape"])
+    if p_sink is not None:  # dL/ds = −p_sink Σ_j g_j P_j per row, summed over rows and batch
+        g_sink = -(p_sink * (g_probs * probs).sum(axis=-1, keepdims=True))  # (..., H, Lq, 1)
+        grads["sinks"] = _sum_to_sinks(g_sink, saved["sinks_shape"])
     return grads
+
+
+def _sum_to_sinks(g, sinks_shape):
+    """(..., H, Lq, 1) summed over the rows and the batch -> (H,), or () unbatched."""
+    g = np.asarray(g.sum(axis=(-2, -1)), dtype=g.dtype)  # (..., H), or () unbatched
+    return g.reshape((-1,) + sinks_shape).sum(axis=0) if sinks_shape else g
 
 
 def sdpa_term_sizes(saved, d_output, d_weights):
@@ -317,6 +363,9 @@ def sdpa_term_sizes(saved, d_output, d_weights):
                                         for n in ("key", "value"))
     if saved["bias_shape"] is not None:
         sizes["bias"] = unbroadcast(g_scores, saved["bias_shape"])
+    if saved.get("p_sink") is not None:
+        sizes["sinks"] = _sum_to_sinks(np.abs(saved["p_sink"]) * (g * probs).sum(
+            axis=-1, keepdims=True), saved["sinks_shape"])
     return sizes
 
 # ---------------------------------------------------------------------------------------------

@@ -70,14 +70,16 @@ def _expect_broadcastable(arg, x, letters, target, kind) -> None:
 def check_attention_args(
     query, key, value, mask=None, bias=None, *, scale=None, softcap=None, local_window_size=None,
     query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, dropout_rate=0.0,
-    dropout_mask=None,
+    dropout_mask=None, sinks=None, attention_chunk_size=None,
 ) -> tuple[int, ...]:
     """Validate the core's arguments; return the weights' shape (..., H, Lq, Lk).
 
     key and value may have Hkv heads where the query has H, H a multiple of Hkv (grouped-query
     attention). Offsets and lengths are integers: a Python int, or an integer array of the batch
     shape ((B,) for rank-4 inputs, () otherwise); only a Python int's value is checked here, so
-    that no framework array is read back from its device.
+    that no framework array is read back from its device. ``sinks``: one float logit per query
+    head, (H,) for inputs with a head axis, () for unbatched (Lq, Dk) ones, in the query's
+    dtype; ``attention_chunk_size``: None or an int ≥ 1.
     """
     for arg, x in (("query", query), ("key", key), ("value", value)):
         _expect_array(arg, x)
@@ -109,6 +111,12 @@ def check_attention_args(
     check_scale("scale", scale)
     check_positive_or_none("softcap", softcap)
     window(local_window_size)
+    check_chunk_size("attention_chunk_size", attention_chunk_size)
+    if sinks is not None:
+        _expect_array("sinks", sinks)
+        heads = q_shape[-3:-2]  # (H,), or () unbatched
+        _expect_shape("sinks", tuple(sinks.shape), ("H",) if heads else (), heads)
+        _expect_float("sinks", sinks, like=q_dtype)
     batch = q_shape[:1] if rank == 4 else ()
     for arg, x in (("query_offset", query_offset), ("query_seq_lengths", query_seq_lengths),
                    ("key_value_seq_lengths", key_value_seq_lengths)):
@@ -137,6 +145,12 @@ def check_rate(arg, p) -> None:
     """A dropout rate in [0, 1)."""
     if not (_real_number(p) and 0.0 <= p < 1.0):
         raise ValueError(f"{arg} should be in [0, 1), got {p!r}")
+
+
+def check_chunk_size(arg, c) -> None:
+    """None or an int ≥ 1 (Llama 4's attention_chunk_size)."""
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+        raise ValueError(f"{arg} should be None or an int ≥ 1, got {c!r}")
 
 
 def check_positive_or_none(arg, c) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from golden.validate import (
     FLOAT_DTYPES,
     check_attention_args,
+    check_chunk_size,
     check_cross_inputs,
     check_decoder_inputs,
     check_flags,
@@ -289,7 +290,9 @@ def _core_inputs(c, i, rate):
                                 query_offset=i.get("query_offset"),
                                 query_seq_lengths=i.get("query_seq_lengths"),
                                 key_value_seq_lengths=i.get("key_value_seq_lengths"),
-                                dropout_rate=c["dropout_rate"], dropout_mask=i.get("dropout_mask"))
+                                dropout_rate=c["dropout_rate"], dropout_mask=i.get("dropout_mask"),
+                                sinks=i.get("sinks"),
+                                attention_chunk_size=c["attention_chunk_size"])
 
 
 def _self_inputs(c, i, rate):
@@ -316,6 +319,7 @@ _VARIANTS = [
     Variant(SDPA, None,
             (Arg("is_causal", _flag, False), Arg("scale", _scale, None),
              Arg("softcap", check_positive_or_none, None), Arg("local_window_size", _window, None),
+             Arg("attention_chunk_size", check_chunk_size, None),
              Arg("dropout_rate", _rate, 0.0)),
             shapes=lambda c: {}, check_inputs=_core_inputs,
             inputs=(Input("query", None), Input("key", None, "key"),

@@ -5,20 +5,23 @@ and key block sizes, Nq = ⌈Lq / Bq⌉ and Nk = ⌈Lk / Bk⌉ the block counts,
 Lk' = Nk·Bk the padded lengths.
 
 The forward takes the query blocks one after another (``lax.map``) and, for each, runs over only
-the key blocks it may see, found by index from the causal bound, the window and the lengths (a
-block wholly outside is never read), keeping a running maximum m, sum l and accumulator acc
-(online softmax). It saves the output and each row's m and 1 / l (the log-sum-exp m + log l, in
-two parts); the backward recomputes each block's probabilities from them, key block by key
-block (``lax.scan``, dK and dV per key block, dQ carried whole), over the query blocks that can
-see it. Neither pass forms (Lq, Lk): memory is O(L·D + Bq·Bk). Blocks whose every entry the
-positional rules allow take a body without the mask (unless a ``mask`` or drawn dropout is
-given); blocks on a boundary are masked. mask, bias and dropout_mask stay as broadcast as they
-came, (Lq|1, Lk|1), and are sliced per block.
+the key blocks it may see, found by index from the causal bound, the window, the chunks of
+attention_chunk_size and the lengths (a block wholly outside is never read), keeping a running
+maximum m, sum l and accumulator acc (online softmax), which start from the head's sink logit
+when there is one (m = sink, l = 1, acc = 0: it joins the denominator and takes no value; its
+gradient comes from the saved statistics, ``sink_grad``). It saves the output and each row's m
+and 1 / l (the log-sum-exp m + log l, in two parts); the backward recomputes each block's
+probabilities from them, key block by key block (``lax.scan``, dK and dV per key block, dQ
+carried whole), over the query blocks that can see it. Neither pass forms (Lq, Lk): memory is
+O(L·D + Bq·Bk). Blocks whose every entry the positional rules allow take a body without the mask
+(unless a ``mask`` or drawn dropout is given); blocks on a boundary are masked. mask, bias and
+dropout_mask stay as broadcast as they came, (Lq|1, Lk|1), and are sliced per block.
 
 The pieces are public for ``jax_attn.ring``, which runs them on each block of keys that reaches
 a device: ``Head.make`` (one head, padded), ``start``, ``accumulate`` and ``finish`` (the
 forward's running state, its update by a block of keys, the output and statistics),
-``backward`` and ``visited`` (how many blocks the forward computes).
+``backward``, ``sink_grad`` (a sink's gradient from the statistics) and ``visited`` (how many
+blocks the forward computes).
 """
 
 from __future__ import annotations
@@ -54,17 +57,19 @@ class Static(NamedTuple):
     precision: Any
     block_q: int
     block_k: int
+    chunk_size: int | None = None  # attention_chunk_size C: key j // C = position // C
 
 
-def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, *, static):
+def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None, *,
+           static):
     """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, dropout_mask broadcastable to
     (Lq, Lk) with size-1 axes kept; rng a key (drawn dropout) or None; offset, q_lengths, kv_lengths
-    int scalars or None. Returns (the output (Lq, Dv) in q's dtype, None): the weights are
-    never formed."""
+    int scalars or None; sink the head's sink logit (a scalar) or None. Returns (the output
+    (Lq, Dv) in q's dtype, None): the weights are never formed."""
     static = static._replace(block_q=fit(q.shape[0], static.block_q),
                              block_k=fit(k.shape[0], static.block_k))
     return _flash(static, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths,
-                  kv_lengths), None
+                  kv_lengths, sink), None
 
 
 def fit(length, block):
@@ -74,27 +79,29 @@ def fit(length, block):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths):
+def _flash(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink):
     out, _ = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
-                                    q_lengths, kv_lengths))
+                                    q_lengths, kv_lengths), sink)
     return out.astype(q.dtype)
 
 
-def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths):
+def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink):
     out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
-                                        q_lengths, kv_lengths))
+                                        q_lengths, kv_lengths), sink)
     out = out.astype(q.dtype)
-    return out, (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, out, stats)
+    return out, (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
+                 out, stats)
 
 
 def _flash_bwd(st, res, d_out):
-    q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, out, stats = res
+    q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink, out, stats = res
     h = Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths)
     dq, dk, dv, dbias = backward(st, h, out, stats, d_out)
     if bias is not None:
         dbias = dbias[:bias.shape[0], :bias.shape[1]].astype(bias.dtype)  # (Lq|1, Lk|1)
+    dsink = None if sink is None else sink_grad(st, sink, out, stats, d_out).astype(sink.dtype)
     grads = tuple(g.astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return grads + (None, dbias, None, None, None, None, None)
+    return grads + (None, dbias, None, None, None, None, None, dsink)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -117,9 +124,11 @@ class Head(NamedTuple):
     kv_lengths: Any  # keys at or past it are never attended: min(Lk, kv_lengths)
     lq: int  # the unpadded lengths
     lk: int
+    key_start: Any = 0  # the absolute position of key 0 (jax_attn.ring), for the chunks
 
     @classmethod
-    def make(cls, st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths):
+    def make(cls, st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
+             key_start=0):
         compute = jnp.promote_types(q.dtype, jnp.float32)
         lq, lk = q.shape[0], k.shape[0]
         rows, cols = _padding(lq, st.block_q), _padding(lk, st.block_k)
@@ -131,7 +140,7 @@ class Head(NamedTuple):
         kv_lengths = lk if kv_lengths is None else jnp.minimum(kv_lengths, lk)
         return cls(q, k, v, pad(mask, False), pad(None if bias is None else bias.astype(compute),
                                                   0), pad(dropout_mask, False), rng,
-                   0 if offset is None else offset, q_lengths, kv_lengths, lq, lk)
+                   0 if offset is None else offset, q_lengths, kv_lengths, lq, lk, key_start)
 
 
 def _padding(length, block):
@@ -152,17 +161,22 @@ def _key_blocks(st, h, i):
     last = jnp.minimum(r0 + st.block_q,
                        h.lq if h.q_lengths is None else jnp.minimum(h.q_lengths, h.lq))
     p0, p1 = r0 + h.offset, last - 1 + h.offset  # positions of its first and last valid rows
-    first = jnp.maximum(0, p0 - left) if left is not None else 0
+    c, ks = st.chunk_size, h.key_start
+    first = _max(0, None if left is None else p0 - left,
+                 None if c is None else _chunk_first(p0, c, ks))
     final = _min(h.kv_lengths - 1, p1 if st.is_causal else None,
-                 None if right is None else p1 + right)  # the last key any row may see
+                 None if right is None else p1 + right,
+                 None if c is None else _chunk_last(p1, c, ks))  # the last key any row may see
     lo = first // st.block_k
     hi = jnp.where(last > r0, jnp.maximum(lo, final // st.block_k + 1), lo)
     if not _split(st, h):
         return _int32(lo, None, None, hi)
     q_end = r0 + st.block_q - 1 + h.offset  # every row of the block, padding included
-    full_first = 0 if left is None else q_end - left
+    full_first = _max(0, None if left is None else q_end - left,
+                      None if c is None else _chunk_first(q_end, c, ks))
     full_final = _min(h.kv_lengths - 1, p0 if st.is_causal else None,
-                      None if right is None else p0 + right)  # the last key every row sees
+                      None if right is None else p0 + right,
+                      None if c is None else _chunk_last(p0, c, ks))  # the last key every row sees
     a = jnp.clip(_cdiv(full_first, st.block_k), lo, hi)
     b = jnp.clip((full_final + 1) // st.block_k, a, hi)
     if h.q_lengths is not None:  # rows past the length need the mask
@@ -174,25 +188,40 @@ def _query_blocks(st, h, j):
     """The query blocks that see some key of key block j, [lo, hi), and among them [a, b),
     those whose every entry the positional rules allow (None when _split is False)."""
     left, right = st.window
+    c, ks = st.chunk_size, h.key_start
     c0 = j * st.block_k
     c1 = jnp.minimum(c0 + st.block_k, h.kv_lengths) - 1  # its last valid key
     row_lo = _max(0, c0 - h.offset if st.is_causal else None,
-                  None if right is None else c0 - right - h.offset)
+                  None if right is None else c0 - right - h.offset,
+                  None if c is None else _chunk_first(c0, c, ks) - h.offset)
     row_hi = _min(h.lq - 1, None if h.q_lengths is None else h.q_lengths - 1,
-                  None if left is None else c1 + left - h.offset)
+                  None if left is None else c1 + left - h.offset,
+                  None if c is None else _chunk_last(c1, c, ks) - h.offset)
     lo = row_lo // st.block_q
     hi = jnp.where((c1 >= c0) & (row_hi >= row_lo), jnp.maximum(lo, row_hi // st.block_q + 1), lo)
     if not _split(st, h):
         return _int32(lo, None, None, hi)
     c_end = c0 + st.block_k - 1  # every key of the block, padding included
     full_lo = _max(0, c_end - h.offset if st.is_causal else None,
-                   None if right is None else c_end - right - h.offset)
+                   None if right is None else c_end - right - h.offset,
+                   None if c is None else _chunk_first(c_end, c, ks) - h.offset)
     full_hi = _min(None if h.q_lengths is None else h.q_lengths - 1,
-                   None if left is None else c0 + left - h.offset)  # None: unbounded
+                   None if left is None else c0 + left - h.offset,
+                   None if c is None else _chunk_last(c0, c, ks) - h.offset)  # None: unbounded
     a = jnp.clip(_cdiv(full_lo, st.block_q), lo, hi)
     b = jnp.clip(hi if full_hi is None else (full_hi + 1) // st.block_q, a, hi)
     a, b = (jnp.where(c_end < h.kv_lengths, x, hi) for x in (a, b))  # padded keys need the mask
     return _int32(lo, a, b, hi)
+
+
+def _chunk_first(p, c, ks):
+    """The first key (relative to key_start ks) in the chunk of C tokens of position p."""
+    return (p + ks) // c * c - ks
+
+
+def _chunk_last(p, c, ks):
+    """The last key (relative to key_start ks) in the chunk of C tokens of position p."""
+    return ((p + ks) // c + 1) * c - 1 - ks
 
 
 def _split(st, h):
@@ -225,8 +254,8 @@ def _allowed(st, h, i, j, mask):
     key = j * st.block_k + lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)  # (1, Bk)
     pos = row + h.offset
     terms = [t for t in [mask] if t is not None] + allowed_terms(
-        row, key, pos, is_causal=st.is_causal, window=(left, right), q_lengths=h.q_lengths,
-        kv_lengths=h.kv_lengths)
+        row, key, pos, is_causal=st.is_causal, window=(left, right), chunk=st.chunk_size,
+        q_lengths=h.q_lengths, kv_lengths=h.kv_lengths, key_start=h.key_start)
     allowed = reduce(jnp.logical_and, terms)
     return jnp.broadcast_to(allowed, (st.block_q, st.block_k))
 
@@ -285,23 +314,30 @@ def _loops(ranges, masked, plain, carry):
 
 # ---- forward ------------------------------------------------------------------------------------
 
-def _forward(st, h):
+def _forward(st, h, sink=None):
     """The output (Lq, Dv) in the compute dtype and each row's softmax statistics (2, Lq): its
     largest score m and 1 / l, l = Σ exp(s − m) (the log-sum-exp m + log l kept in two parts, so
     that the backward's exp(s − m) / l is as exact as the forward's at large logits). Rows that
-    attend nothing have m = the dtype's largest finite number and 1 / l = 0, so p = 0.
+    attend nothing have m = the dtype's largest finite number and 1 / l = 0, so p = 0. With a
+    ``sink`` logit, m and l count it too (a row that attends nothing has m = sink, l = 1).
     """
-    state = accumulate(st, h, start(st, h.lq, h.v.shape[1], h.q.dtype))
+    state = accumulate(st, h, start(st, h.lq, h.v.shape[1], h.q.dtype, sink))
     return finish(st, state, h.lq)
 
 
-def start(st, lq, dv, dtype):
+def start(st, lq, dv, dtype, sink=None):
     """The running state (m, l, acc) of Lq query rows before any key, per query block:
     m (Nq, Bq) at the dtype's least finite number (so that exp(−inf − m) = 0, never
-    −inf − (−inf)), l (Nq, Bq) and acc (Nq, Bq, Dv) at 0."""
+    −inf − (−inf)), l (Nq, Bq) and acc (Nq, Bq, Dv) at 0. With a ``sink`` logit (a scalar) the
+    softmax starts from it: m = sink, l = 1 (its exp(sink − m)), acc 0 (it takes no value); a
+    sink of −inf is no sink (m stays finite, l = 0)."""
     n_q = _cdiv(lq, st.block_q)
-    return (jnp.full((n_q, st.block_q), jnp.finfo(dtype).min, dtype),
-            jnp.zeros((n_q, st.block_q), dtype), jnp.zeros((n_q, st.block_q, dv), dtype))
+    acc = jnp.zeros((n_q, st.block_q, dv), dtype)
+    m = jnp.full((n_q, st.block_q), jnp.finfo(dtype).min, dtype)
+    if sink is None:
+        return m, jnp.zeros((n_q, st.block_q), dtype), acc
+    m = jnp.maximum(m, sink.astype(dtype))
+    return m, jnp.exp(sink.astype(dtype) - m), acc
 
 
 def accumulate(st, h, state):
@@ -411,6 +447,18 @@ def backward(st, h, out, stats, d_out):
                                        jnp.arange(n_k, dtype=jnp.int32))
     flat = lambda x: x.reshape(-1, x.shape[-1])[:h.lk]  # noqa: E731  (Nk, Bk, D) -> (Lk, D)
     return st.scale * dq_t.T[:h.lq], (st.softcap or 1.0) * flat(dk), flat(dv), dbias
+
+
+def sink_grad(st, sink, out, stats, d_out):
+    """dL/d(sink) of one head, a scalar in the statistics' dtype: each row's −p_sink Σ_j P_j g_j
+    (g = dL/dP), where Σ_j P_j g_j = D = rowsum(dO ⊙ O) as in the backward and p_sink =
+    exp(sink − m) / l from the saved statistics, summed over the rows (padded and empty rows
+    have O = 0, so D = 0)."""
+    dt = stats.dtype
+    delta = jnp.einsum("qv,qv->q", d_out.astype(dt), out.astype(dt), precision=st.precision,
+                       preferred_element_type=dt)
+    p_sink = jnp.exp(sink.astype(dt) - stats[0]) * stats[1]  # (Lq,)
+    return -jnp.sum(p_sink * delta)
 
 
 def _scores_t(st, q_i, k_j, bias_t):

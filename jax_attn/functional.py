@@ -33,10 +33,10 @@ NO_WINDOW = explicit.NO_WINDOW
 
 def scaled_dot_product_attention(
     query, key, value, mask=None, bias=None, *,
-    is_causal=False, scale=None, softcap=None, local_window_size=None, query_offset=None,
-    query_seq_lengths=None, key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
-    dropout_rng=None, implementation=None, return_weights=False, block_sizes=None,
-    precision=DEFAULT_PRECISION,
+    is_causal=False, scale=None, softcap=None, local_window_size=None, attention_chunk_size=None,
+    query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
+    dropout_rate=0.0, dropout_mask=None, dropout_rng=None, implementation=None,
+    return_weights=False, block_sizes=None, precision=DEFAULT_PRECISION,
 ):
     """softmax(c · tanh(scale · Q Kᵀ / c) + bias, over allowed keys) V (without ``softcap`` c:
     scale · Q Kᵀ + bias).
@@ -45,11 +45,19 @@ def scaled_dot_product_attention(
     Key j sits at position j, query row i at i + ``query_offset`` (an int, or an integer array
     (B,) for rank-4 inputs, () otherwise). Row i may attend key j when ``mask`` (bool, True = may
     attend) allows it, j ≤ its position (``is_causal``), position − left ≤ j ≤ position + right
-    (``local_window_size`` w or (left, right), a side None = unbounded), j < the batch's
+    (``local_window_size`` w or (left, right), a side None = unbounded), j // C = position // C
+    (``attention_chunk_size`` C, Llama 4's chunked attention), j < the batch's
     ``key_value_seq_lengths`` and i < its ``query_seq_lengths``. A query row with no allowed key
-    gives zeros in the output and the weights. ``is_causal``, ``softcap`` and the window are
-    static (one compilation each); offsets and lengths are traced (a growing offset does not
-    recompile).
+    gives zeros in the output and the weights. ``is_causal``, ``softcap``, the window and the
+    chunk size are static (one compilation each); offsets and lengths are traced (a growing
+    offset does not recompile).
+    sinks: GPT-OSS's attention sinks, one logit per query head ((H,), or () for (Lq, Dk)
+    inputs, the query's dtype; traced and differentiable) that joins every row's softmax
+    denominator and takes no value: weights = softmax([S, s_h])[..., :-1], so a row's weights
+    sum to less than 1 and a row with no allowed key still gives zeros. The sink is added after
+    the scale and the soft-cap (GPT-OSS has no soft-cap; we never cap the sink) and no mask or
+    bias touches it. "blockwise" starts each row's online softmax from it (m = s_h, l = 1)
+    and gives its gradient from the saved log-sum-exp.
     dropout_mask: bool, True = kept (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn from ``dropout_rng`` (a ``jax.random`` key), which is then required.
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
@@ -83,7 +91,8 @@ def scaled_dot_product_attention(
                          local_window_size=local_window_size, query_offset=query_offset,
                          query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths,
-                         dropout_rate=dropout_rate, dropout_mask=dropout_mask)
+                         dropout_rate=dropout_rate, dropout_mask=dropout_mask, sinks=sinks,
+                         attention_chunk_size=attention_chunk_size)
     check_flags(is_causal=is_causal, return_weights=return_weights)
     block_sizes = check_block_sizes(block_sizes)
     asked = Asked(return_weights=bool(return_weights), softcap=softcap is not None,
@@ -107,9 +116,10 @@ def scaled_dot_product_attention(
     one_device = on_one_device(query, key, value)
     attention = on_mesh(_attention, query, spec, return_weights)
     out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
-                             *positions, scale=scale, is_causal=bool(is_causal),
+                             *positions, sinks, scale=scale, is_causal=bool(is_causal),
                              softcap=None if softcap is None else float(softcap),
                              window=window(local_window_size),
+                             chunk_size=attention_chunk_size,
                              dropout_rate=float(dropout_rate), precision=precision,
                              return_weights=bool(return_weights),
                              chunk=heads_per_step(query.shape, key.shape) if one_device else None,
@@ -177,7 +187,7 @@ def _blockwise_refuses(asked):
 
 
 # Each implementation runs one head: run(q, k, v, mask, bias, dropout_mask, rng, offset,
-# q_lengths, kv_lengths, *, static) -> (output, weights | None); the core vmaps it.
+# q_lengths, kv_lengths, sink, *, static) -> (output, weights | None); the core vmaps it.
 IMPLEMENTATIONS = Registry(
     "jax",
     Implementation("explicit", explicit.attend, _explicit_refuses),
@@ -187,11 +197,11 @@ IMPLEMENTATIONS = Registry(
 
 @partial(jax.jit, static_argnames=("scale", "is_causal", "softcap", "window", "dropout_rate",
                                    "precision", "return_weights", "chunk", "implementation",
-                                   "block_sizes"))
+                                   "block_sizes", "chunk_size"))
 def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_lengths=None,
-               kv_lengths=None, *, scale, is_causal, dropout_rate, precision, return_weights,
-               softcap=None, window=NO_WINDOW, chunk=None, implementation="explicit",
-               block_sizes=blockwise.DEFAULT_BLOCK_SIZES):
+               kv_lengths=None, sinks=None, *, scale, is_causal, dropout_rate, precision,
+               return_weights, softcap=None, window=NO_WINDOW, chunk_size=None, chunk=None,
+               implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES):
     """Lift to (B, Hkv, G, ...), vmap the implementation's one-head core over G (key and value
     not mapped), Hkv and B, drop the added axes. offset, q_lengths, kv_lengths: int arrays (B,)
     or (), or None. "explicit" draws one dropout mask for every head here; "blockwise" draws
@@ -208,19 +218,20 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
                    for x in (mask, bias, dropout_mask))  # (B|1, Hkv|1, G|1, Lq|1, Lk|1)
     extras += tuple(None if x is None else x.reshape((x.shape[:1] or (1,)) + (1, 1))
                     for x in (offset, q_lengths, kv_lengths))  # (B|1, 1, 1)
+    extras += (None if sinks is None else sinks.reshape((1,) + q.shape[1:3]),)  # (1, Hkv, G)
     drawn = blocks and dropout_rate > 0.0 and dropout_mask is None
     extras += (jnp.arange(math.prod(q.shape[:3]), dtype=jnp.int32).reshape(q.shape[:3])
                if drawn else None,)  # (B, Hkv, G): the head's dropout stream
 
     static = blockwise.Static(scale, is_causal, softcap, window, dropout_rate, precision,
-                              *block_sizes)
+                              *block_sizes, chunk_size=chunk_size)
 
     attend = IMPLEMENTATIONS[implementation].run
 
-    def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, stream):
+    def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink, stream):
         head_rng = None if stream is None else jax.random.fold_in(rng, stream)
         out, weights = attend(q, k, v, mask, bias, dropout_mask, head_rng, offset, q_lengths,
-                              kv_lengths, static=static)
+                              kv_lengths, sink, static=static)
         return (out, weights) if return_weights else (out, None)  # weights only when asked for
 
     run = _vmap_all if chunk is None else partial(_vmap_chunks, chunk=chunk)

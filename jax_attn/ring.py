@@ -53,9 +53,9 @@ class Ring(NamedTuple):
 def ring_attention(
     query, key, value, mask=None, bias=None, *, mesh, axis="seq", layout="zigzag",
     batch_axis=None, head_axis=None, is_causal=False, scale=None, softcap=None,
-    local_window_size=None, query_offset=None, query_seq_lengths=None,
-    key_value_seq_lengths=None, dropout_rate=0.0, block_sizes=None,
-    precision=DEFAULT_PRECISION,
+    local_window_size=None, attention_chunk_size=None, query_offset=None,
+    query_seq_lengths=None, key_value_seq_lengths=None, sinks=None, dropout_rate=0.0,
+    block_sizes=None, precision=DEFAULT_PRECISION,
 ):
     """jax_attn.scaled_dot_product_attention with the sequence sharded over ``mesh``'s ``axis``
     of P devices, by ring attention; the same numbers to rounding, gradients included.
@@ -67,10 +67,12 @@ def ring_attention(
     XLA gathers them). Returns the output (B, H, Lq, Dv), sharded the same way. Each device
     holds its own slices, one more K/V block in flight, and its rows' statistics; the
     gradients (a custom VJP) run the ring again and never gather (L, L) or the whole K and V.
-    ``is_causal``, ``scale``, ``softcap``, ``local_window_size``, ``query_offset``,
-    ``query_seq_lengths``, ``key_value_seq_lengths``, ``block_sizes`` (the blocks within a
-    device's chunks) and ``precision`` mean what they mean in the core; positions are global
-    (query row i at i + offset, key j at j, whichever device holds them).
+    ``is_causal``, ``scale``, ``softcap``, ``local_window_size``, ``attention_chunk_size``,
+    ``query_offset``, ``query_seq_lengths``, ``key_value_seq_lengths``, ``sinks`` (H,) (sharded
+    over ``head_axis`` with the heads; its gradient summed over every device's rows),
+    ``block_sizes`` (the blocks within a device's chunks) and ``precision`` mean what they mean
+    in the core; positions are global (query row i at i + offset, key j at j, whichever device
+    holds them; chunks of attention_chunk_size tokens too).
 
     layout: which tokens each device computes. "contiguous": device i the i-th of P equal
     slices of the arrays as given (causal work grows with i: the last device does 2P − 1 times
@@ -91,15 +93,17 @@ def ring_attention(
     check_attention_args(query, key, value, mask, bias, scale=scale, softcap=softcap,
                          local_window_size=local_window_size, query_offset=query_offset,
                          query_seq_lengths=query_seq_lengths,
-                         key_value_seq_lengths=key_value_seq_lengths, dropout_rate=dropout_rate)
+                         key_value_seq_lengths=key_value_seq_lengths, dropout_rate=dropout_rate,
+                         sinks=sinks, attention_chunk_size=attention_chunk_size)
     check_flags(is_causal=is_causal)
     ring = _configure(query, key, mask, bias, dropout_rate, mesh=mesh, axis=axis, layout=layout,
                       batch_axis=batch_axis, head_axis=head_axis, is_causal=is_causal,
                       scale=scale, softcap=softcap, local_window_size=local_window_size,
-                      block_sizes=block_sizes, precision=precision)
+                      block_sizes=block_sizes, precision=precision,
+                      attention_chunk_size=attention_chunk_size)
     positions = (batch_int32(x, query.shape[:1]) for x in
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
-    return _sharded(query, key, value, *positions, ring=ring, mesh=mesh)
+    return _sharded(query, key, value, *positions, sinks, ring=ring, mesh=mesh)
 
 
 def zigzag_order(length, devices):
@@ -114,7 +118,8 @@ def zigzag_order(length, devices):
 # ---- arguments ----------------------------------------------------------------------------------
 
 def _configure(query, key, mask, bias, dropout_rate, *, mesh, axis, layout, batch_axis,
-               head_axis, is_causal, scale, softcap, local_window_size, block_sizes, precision):
+               head_axis, is_causal, scale, softcap, local_window_size, block_sizes, precision,
+               attention_chunk_size=None):
     """The Ring of these arguments, after the checks the core does not make."""
     _check_ring(query, key, mask, bias, dropout_rate, mesh, axis, layout, batch_axis, head_axis)
     chunks = 1 if layout == "contiguous" else 2
@@ -124,7 +129,8 @@ def _configure(query, key, mask, bias, dropout_rate, *, mesh, axis, layout, batc
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     static = blockwise.Static(scale, bool(is_causal), None if softcap is None else float(softcap),
                               window(local_window_size), 0.0, precision,
-                              blockwise.fit(cq, block_q), blockwise.fit(ck, block_k))
+                              blockwise.fit(cq, block_q), blockwise.fit(ck, block_k),
+                              chunk_size=attention_chunk_size)
     return Ring(static, axis, devices, chunks, layout == "zigzag", batch_axis, head_axis)
 
 
@@ -173,14 +179,16 @@ def _check_ring(query, key, mask, bias, dropout_rate, mesh, axis, layout, batch_
 # ---- the mesh and the zig-zag moves -------------------------------------------------------------
 
 @partial(jax.jit, static_argnames=("ring", "mesh"))
-def _sharded(query, key, value, offset, q_lengths, kv_lengths, *, ring, mesh):
+def _sharded(query, key, value, offset, q_lengths, kv_lengths, sinks, *, ring, mesh):
     """One program: every device runs _on_device on its slices."""
     seq = PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis, None)  # (B, H, L, D)
     rows = PartitionSpec(ring.batch_axis)  # (B,)
+    heads = PartitionSpec(ring.head_axis)  # (H,)
     run = jax.shard_map(partial(_on_device, ring), mesh=mesh, out_specs=seq,
-                        in_specs=(seq, seq, seq, rows, rows, rows))
+                        in_specs=(seq, seq, seq, rows, rows, rows, heads))
     return run(*_laid_out(mesh, (query, key, value), seq),
-               *_laid_out(mesh, (offset, q_lengths, kv_lengths), rows))
+               *_laid_out(mesh, (offset, q_lengths, kv_lengths), rows),
+               *_laid_out(mesh, (sinks,), heads))
 
 
 def _laid_out(mesh, arrays, spec):
@@ -190,13 +198,13 @@ def _laid_out(mesh, arrays, spec):
     return [None if x is None else jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays]
 
 
-def _on_device(ring, q, k, v, offset, q_lengths, kv_lengths):
+def _on_device(ring, q, k, v, offset, q_lengths, kv_lengths, sinks):
     """One device: q (B, H, n·Cq, Dk), k (B, Hkv, n·Ck, Dk), v (B, Hkv, n·Ck, Dv) ->
-    (B, H, n·Cq, Dv); offset and lengths (B,) or None."""
+    (B, H, n·Cq, Dv); offset and lengths (B,) or None; sinks (H,) or None."""
     if not ring.relayout:
-        return _ring(ring, q, k, v, (offset, q_lengths, kv_lengths))
+        return _ring(ring, q, k, v, (offset, q_lengths, kv_lengths), sinks)
     q, k, v = (_to_zigzag(ring, x) for x in (q, k, v))
-    return _from_zigzag(ring, _ring(ring, q, k, v, (offset, q_lengths, kv_lengths)))
+    return _from_zigzag(ring, _ring(ring, q, k, v, (offset, q_lengths, kv_lengths), sinks))
 
 
 def _zigzag_device(chunk, devices):
@@ -231,35 +239,43 @@ def _from_zigzag(ring, x):
 # ---- the ring: forward and backward -------------------------------------------------------------
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring, q, k, v, pos):
-    out, _ = _forward(ring, q, k, v, pos)
+def _ring(ring, q, k, v, pos, sinks):
+    out, _ = _forward(ring, q, k, v, pos, sinks)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(ring, q, k, v, pos):
-    out, stats = _forward(ring, q, k, v, pos)
+def _ring_fwd(ring, q, k, v, pos, sinks):
+    out, stats = _forward(ring, q, k, v, pos, sinks)
     out = out.astype(q.dtype)  # the backward's D = rowsum(dO ⊙ O) uses the output returned
-    return out, (q, k, v, pos, out, stats)
+    return out, (q, k, v, pos, sinks, out, stats)
 
 
 def _ring_bwd(ring, res, d_out):
-    q, k, v, pos, out, stats = res
+    q, k, v, pos, sinks, out, stats = res
     dq, dk, dv = _backward(ring, q, k, v, pos, out, stats, d_out)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), (None, None, None)
+    d_sinks = None if sinks is None else _sink_grads(ring, q, k, sinks, out, stats, d_out)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), (None, None, None),
+            d_sinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _forward(ring, q, k, v, pos):
+def _forward(ring, q, k, v, pos, sinks=None):
     """The local output (B, H, n·Cq, Dv) in the compute dtype and each row's statistics
-    (n, B, Hkv, G, 2, Cq) (m and 1 / l, as blockwise saves them)."""
+    (n, B, Hkv, G, 2, Cq) (m and 1 / l, as blockwise saves them). With sinks (H,) every row's
+    softmax starts from its head's sink (m = sink, l = 1)."""
     st, p, n = ring.static, ring.devices, ring.chunks
     qs = _chunked(_grouped(q, k), n)  # (n, B, Hkv, G, Cq, Dk)
     kv = (_chunked(k, n), _chunked(v, n))  # (n, B, Hkv, Ck, Dk), (n, B, Hkv, Ck, Dv)
     lq, compute = qs.shape[-2], jnp.promote_types(q.dtype, jnp.float32)
     state = _varying(_lead(partial(blockwise.start, st, lq, v.shape[-1], compute),
                            qs.shape[:4]), ring)  # (m, l, acc), each (n, B, Hkv, G, Nq, Bq, ...)
+    if sinks is not None:
+        m, total, acc = state
+        sink = sinks.astype(compute).reshape(qs.shape[2:4])[None, None, :, :, None, None]
+        m = jnp.maximum(m, sink)  # the sink folded in (m finite, l = 0 for a sink of −inf)
+        state = (m, total + jnp.exp(sink - m), acc)
     me = lax.axis_index(ring.axis)
 
     def step(carry, s):
@@ -289,9 +305,10 @@ def _fold(ring, state, qs, kv, src, pos):
     return lax.fori_loop(0, n * n, pair, state)
 
 
-def _fold_head(st, state, q, k, v, offset, q_lengths, kv_lengths):
+def _fold_head(st, state, q, k, v, offset, q_lengths, kv_lengths, key_start):
     """One head: state after the keys k (Ck, Dk) and values v (Ck, Dv)."""
-    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths)
+    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths,
+                            key_start)
     return blockwise.accumulate(st, h, state)
 
 
@@ -338,10 +355,11 @@ def _backward(ring, q, k, v, pos, out, stats, d_out):
     return _unchunked(d_q).reshape(q.shape), _unchunked(dk), _unchunked(dv)
 
 
-def _grads_head(st, q, out, stats, d_out, k, v, offset, q_lengths, kv_lengths):
+def _grads_head(st, q, out, stats, d_out, k, v, offset, q_lengths, kv_lengths, key_start):
     """One head: this block's share of dQ (Cq, Dk), dK (Ck, Dk) and dV (Ck, Dv), from the
     output and statistics of the whole softmax."""
-    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths)
+    h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths,
+                            key_start)
     dq, dk, dv, _ = blockwise.backward(st, h, out, stats, d_out)
     return dq, dk, dv
 
@@ -361,12 +379,24 @@ def _chunk_ids(ring, device):
 
 def _positions(a, b, cq, ck, pos):
     """Query chunk a against key chunk b as one blockwise head whose keys start at 0: its
-    query offset, query length and key length, (B,) or scalars, or None."""
+    query offset, query length and key length, (B,) or scalars, or None, and the global
+    position of its first key (for the chunks of attention_chunk_size)."""
     offset, q_lengths, kv_lengths = pos
     shift = a * cq - b * ck  # global query position − global key position, at their starts
     return (shift if offset is None else offset + shift,
             None if q_lengths is None else q_lengths - a * cq,
-            None if kv_lengths is None else jnp.maximum(kv_lengths - b * ck, 0))
+            None if kv_lengths is None else jnp.maximum(kv_lengths - b * ck, 0), b * ck)
+
+
+def _sink_grads(ring, q, k, sinks, out, stats, d_out):
+    """dL/dsinks (H,) of the device's heads: each row's −p_sink · rowsum(dO ⊙ O)
+    (blockwise.sink_grad) summed over the local rows and batch, then over the devices along
+    the sequence (and the batch) axis."""
+    outs, d_outs = (_chunked(_grouped(x, k), ring.chunks) for x in (out, d_out))
+    sink = jnp.broadcast_to(sinks.reshape(outs.shape[2:4]), outs.shape[:4])  # (n, B, Hkv, G)
+    grads = _batched(partial(blockwise.sink_grad, ring.static), 4)(sink, outs, stats, d_outs)
+    axes = tuple(a for a in (ring.axis, ring.batch_axis) if a is not None)
+    return lax.psum(grads.sum(axis=(0, 1)).reshape(sinks.shape), axes).astype(sinks.dtype)
 
 
 def _grouped(x, like):
@@ -422,8 +452,8 @@ def _varying(tree, ring):
 
 def blocks_per_device(query, key, value, *, mesh, axis="seq", layout="zigzag", batch_axis=None,
                       head_axis=None, is_causal=False, scale=None, softcap=None,
-                      local_window_size=None, query_offset=None, query_seq_lengths=None,
-                      key_value_seq_lengths=None, block_sizes=None):
+                      local_window_size=None, attention_chunk_size=None, query_offset=None,
+                      query_seq_lengths=None, key_value_seq_lengths=None, block_sizes=None):
     """How many (Bq, Bk) blocks of scores each device along ``axis`` computes in the forward
     of ring_attention with these arguments, summed over its heads and the ring's steps: an
     int32 array (P,). The same chunks, positions and skipping rules (blockwise.visited, the
@@ -431,11 +461,13 @@ def blocks_per_device(query, key, value, *, mesh, axis="seq", layout="zigzag", b
     check_attention_args(query, key, value, scale=scale, softcap=softcap,
                          local_window_size=local_window_size, query_offset=query_offset,
                          query_seq_lengths=query_seq_lengths,
-                         key_value_seq_lengths=key_value_seq_lengths)
+                         key_value_seq_lengths=key_value_seq_lengths,
+                         attention_chunk_size=attention_chunk_size)
     ring = _configure(query, key, None, None, 0.0, mesh=mesh, axis=axis, layout=layout,
                       batch_axis=batch_axis, head_axis=head_axis, is_causal=is_causal,
                       scale=scale, softcap=softcap, local_window_size=local_window_size,
-                      block_sizes=block_sizes, precision=DEFAULT_PRECISION)
+                      block_sizes=block_sizes, precision=DEFAULT_PRECISION,
+                      attention_chunk_size=attention_chunk_size)
     positions = tuple(batch_int32(x, query.shape[:1]) for x in
                       (query_offset, query_seq_lengths, key_value_seq_lengths))
     return _counted(query, key, value, *positions, ring=ring, mesh=mesh)

@@ -5,9 +5,10 @@ Written from the README's definitions, not from ``golden.reference`` nor either 
 
     scores   s = cap(scale · Q Kᵀ) + bias,  cap(s) = c·tanh(s/c) with softcap c (none if None)
     allowed  mask (True = may attend) ∧ causal (key j ≤ query position p = i + query_offset)
-             ∧ window (p − left ≤ j ≤ p + right) ∧ j < key_value_seq_lengths[b]
-             ∧ i < query_seq_lengths[b]
-    weights  softmax of s over the allowed keys (a row with none: zeros), times keep / (1 − p)
+             ∧ window (p − left ≤ j ≤ p + right) ∧ chunk (j // C = p // C)
+             ∧ j < key_value_seq_lengths[b] ∧ i < query_seq_lengths[b]
+    weights  softmax of s over the allowed keys (a row with none: zeros), times keep / (1 − p);
+             with sinks, head h's logit s_h joins each row's softmax and its column is dropped
     output   weights V
 
 Everything runs in the inputs' dtype (float32 or float64); only RoPE's angles are float64, as
@@ -65,9 +66,9 @@ class Attention:
     # ---- the core ----
 
     def sdpa(self, query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
-             softcap=None, local_window_size=None, query_offset=None, query_seq_lengths=None,
-             key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
-             return_weights=False):
+             softcap=None, local_window_size=None, attention_chunk_size=None, query_offset=None,
+             query_seq_lengths=None, key_value_seq_lengths=None, sinks=None, dropout_rate=0.0,
+             dropout_mask=None, return_weights=False):
         """query (..., H, Lq, Dk), key (..., Hkv, Lk, Dk), value (..., Hkv, Lk, Dv) ->
         output (..., H, Lq, Dv) [, weights (..., H, Lq, Lk)]; (Lq, Dk) inputs work too."""
         scale = self.default_scale(query.shape[-1]) if scale is None else float(scale)
@@ -77,14 +78,22 @@ class Attention:
         if bias is not None:
             scores = scores + bias
         allowed = self.allowed(scores.shape, mask, is_causal, local_window_size, query_offset,
-                               query_seq_lengths, key_value_seq_lengths)
-        weights = self.softmax(scores, allowed)
+                               query_seq_lengths, key_value_seq_lengths, attention_chunk_size)
+        if sinks is None:
+            weights = self.softmax(scores, allowed)
+        else:  # softmax over [S, s_h], always allowed, then the sink's column dropped
+            column = np.broadcast_to(np.reshape(sinks, np.shape(sinks) + (1, 1)),
+                                     scores.shape[:-1] + (1,))
+            every = np.concatenate([np.broadcast_to(allowed, scores.shape),
+                                    np.ones(column.shape, bool)], axis=-1)
+            weights = self.softmax(np.concatenate([scores, column], -1), every)[..., :-1]
         if dropout_mask is not None:
             weights = weights * dropout_mask * self.dropout_scale(dropout_rate)
         out = _grouped(weights, value)
         return (out, weights) if return_weights else out
 
-    def allowed(self, shape, mask, is_causal, window, offset, q_lengths, kv_lengths):
+    def allowed(self, shape, mask, is_causal, window, offset, q_lengths, kv_lengths,
+                chunk=None):
         """Boolean (..., H, Lq, Lk): which key each query row may attend."""
         lq, lk = shape[-2:]
         i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]  # (Lq, 1), (1, Lk)
@@ -99,6 +108,8 @@ class Attention:
             allowed = allowed & (j >= position - left)
         if right is not None:
             allowed = allowed & (j <= position + right)
+        if chunk is not None:
+            allowed = allowed & (j // chunk == position // chunk)
         if kv_lengths is not None:
             allowed = allowed & (j < _per_batch(kv_lengths, len(shape)))
         if q_lengths is not None:
@@ -327,7 +338,8 @@ class GroupedQueryAttention(Module):
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
                  rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
-                 qk_norm_eps=1e-6, query_temperature=None, output_gate=False, *, core=None):
+                 qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
+                 query_temperature=None, output_gate=False, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
@@ -340,7 +352,8 @@ class GroupedQueryAttention(Module):
         window = None if sliding_window is None else (  # W keys, the query's own included
             sliding_window - 1, 0 if causal else sliding_window - 1)
         self.attend = dict(is_causal=causal, scale=scale, softcap=softcap,
-                           local_window_size=window)
+                           local_window_size=window, attention_chunk_size=attention_chunk_size)
+        self.sinks = np.zeros(num_heads) if sinks else None
         self.rope_theta, self.rope_interleaved, self.dropout = rope_theta, rope_interleaved, dropout
         self.q_proj = Linear(d_in, num_heads * dh, qkv_bias)
         self.k_proj, self.v_proj = (Linear(d_in, num_kv_heads * dh, qkv_bias) for _ in "kv")
@@ -367,6 +380,7 @@ class GroupedQueryAttention(Module):
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), **self.attend,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
+                              sinks=None if self.sinks is None else self.sinks.astype(q.dtype),
                               dropout_rate=self.rate(dropout_mask),
                               dropout_mask=self.keep(dropout_mask), return_weights=True)
         merged = _merge(o)
@@ -388,7 +402,8 @@ class GroupedQueryAttention(Module):
 
     def mapping(self) -> dict:
         table = super().mapping()
-        table.update({n: (n, "") for n in ("q_norm", "k_norm") if getattr(self, n) is not None})
+        table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks")
+                      if getattr(self, n) is not None})
         return table
 
 

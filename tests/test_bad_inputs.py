@@ -194,6 +194,22 @@ twin_case("core-window-float-side", lambda t: core(t, local_window_size=(1.5, No
           ValueError, E(f"{WINDOW}, got (1.5, None)"))
 twin_case("core-window-str", lambda t: core(t, local_window_size="4"), ValueError,
           E(f"{WINDOW}, got '4'"))
+twin_case("core-sinks-shape", lambda t: core(t, sinks=np.ones((2, 3), np.float32)), ValueError,
+          E("sinks shape should be (H,) = (3,), got (2, 3)"))
+twin_case("core-sinks-unbatched", lambda t: core(t, shapes=((5, 4), (7, 4), (7, 6)),
+                                                 sinks=np.ones(1, np.float32)), ValueError,
+          E("sinks shape should be () = (), got (1,)"))
+twin_case("core-sinks-dtype", lambda t: core(t, sinks=np.ones(3, np.float16)), ValueError,
+          E("sinks dtype should be float32 (the query's), got float16"))
+twin_case("core-sinks-list", lambda t: core(t, sinks=[0.0, 0.0, 0.0]), TypeError,
+          not_an_array("sinks", "list"))
+CHUNK = "attention_chunk_size should be None or an int ≥ 1"
+twin_case("core-chunk-zero", lambda t: core(t, attention_chunk_size=0), ValueError,
+          E(f"{CHUNK}, got 0"))
+twin_case("core-chunk-float", lambda t: core(t, attention_chunk_size=2.0), ValueError,
+          E(f"{CHUNK}, got 2.0"))
+twin_case("core-chunk-bool", lambda t: core(t, attention_chunk_size=True), ValueError,
+          E(f"{CHUNK}, got True"))
 twin_case("core-offset-python-float", lambda t: core(t, query_offset=1.5), ValueError,
           E("query_offset dtype should be an integer type, got float"))
 twin_case("core-offset-negative", lambda t: core(t, query_offset=-1), ValueError,

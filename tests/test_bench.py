@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from golden.bench import DECODE_IMPLS, IMPLS, LONG_IMPLS, MODULES
+from golden.bench import DECODE_IMPLS, IMPLS, LONG_IMPLS, MODERN_IMPLS, MODULES
 from golden.cli import main
 
 
@@ -14,7 +14,11 @@ def test_quick_run_writes_both_reports(tmp_path):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # as attn-parity bench
     report = json.loads((tmp_path / "latest.json").read_text())
     assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "long",
-            "targets", "skipped", "wall_s"} <= set(report)
+            "modern", "targets", "skipped", "wall_s"} <= set(report)
+    modern = report["modern"]  # sinks and chunks: every implementation, both passes
+    assert {(r["feature"], r["pass"], r["impl"]) for r in modern} == {
+        (f, p, i) for f in ("sinks", "chunks") for p in ("fwd", "fwd+bwd") for i in MODERN_IMPLS}
+    assert all(r["median_ms"] > 0 and r["peer_ratio"] > 0 for r in modern)
     assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
     assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
         ("jax", "float32"), ("torch", "float32")}
@@ -84,3 +88,11 @@ def test_ring_comm_paper_figures_are_the_hand_derived_ones():
     _, _, least_fwd, _ = ring_comm.overlap(1, 32, 8, 131072, 128, 8, "bfloat16", flops, link,
                                            causal=True)
     assert math.isclose(least_fwd, 1970.0)
+
+
+def test_only_modern_runs_that_section_alone(tmp_path, capsys):
+    assert main(["bench", "--quick", "--only", "modern", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "modern.json").read_text())
+    assert len(report["modern"]) == 2 * 2 * len(MODERN_IMPLS)
+    assert not (tmp_path / "latest.json").exists()
+    assert "## Attention sinks and chunked attention" in capsys.readouterr().out

@@ -25,7 +25,7 @@ import jax_attn
 from golden import runners, variants
 from golden.implementations import Asked, record
 from golden.tolerances import compare
-from jax_attn import functional
+from jax_attn import blockwise, functional
 from tests.helpers import JAX, count_compiles, fresh_rng
 
 BLOCKS = (2, 3)  # (Bq, Bk): the fixtures' lengths 5, 7, 8, 9 span several blocks
@@ -74,7 +74,9 @@ FIXTURE_DTYPES = {"sdpa_window_softcap_mask": "float64", "sdpa_lengths": "float6
                   "sdpa_gqa_causal_offset": "float64", "sdpa_dropout_causal_bias": "float64",
                   "sdpa_mqa_decode_ragged": "float64", "sdpa_bias_query1": "float64",
                   "sdpa_low_precision_gqa_softcap": "bfloat16",
-                  "sdpa_low_precision_bias_dropout_masked_row": "float16"}
+                  "sdpa_low_precision_bias_dropout_masked_row": "float16",
+                  "sdpa_sinks_gqa_causal_window": "float64", "sdpa_sinks_masked_row": "float64",
+                  "sdpa_chunks_offset_lengths": "float64", "sdpa_sinks_chunks_softcap": "float64"}
 
 
 def _fixture_cases(chosen=FIXTURE_DTYPES):
@@ -98,7 +100,8 @@ def test_fixture_matches_reference(name, dtype):
                             jnp.asarray(d_out, "float32"), **config, block_sizes=BLOCKS)
     assert set(grads) == set(expected)
     comps = {"output": compare(out, out_ref, dtype)}
-    terms = {"bias": weights_ref.size // fixture.inputs["bias"].size} if "bias" in grads else {}
+    terms = {n: weights_ref.size // fixture.inputs[n].size for n in ("bias", "sinks")
+             if n in grads}  # summed over the weights (sinks: over each head's rows)
     comps.update({f"grad {n}": compare(g, expected[n], dtype, "grad", terms=terms.get(n, 1))
                   for n, g in grads.items()})  # a broadcast bias sums terms partial gradients
     bad = {what: c for what, c in comps.items() if not c.ok}
@@ -124,6 +127,10 @@ DENSE_CASES = {  # (inputs beyond q, k, v: shapes or values; the core's settings
              query_offset=np.array(3, "int32"), query_seq_lengths=np.array(5, "int32"),
              key_value_seq_lengths=np.array(9, "int32")),
         dict(local_window_size=(2, 3), softcap=3.0)),
+    "sinks_chunks_causal_offsets_lengths": (
+        dict(sinks=(H,), bias=(B, 1, LQ, LK), query_offset=np.array([2, 6], "int32"),
+             query_seq_lengths=np.array([7, 5], "int32")),
+        dict(is_causal=True, attention_chunk_size=4, softcap=2.0)),
 }
 
 
@@ -144,7 +151,7 @@ def test_matches_explicit_float64(name):
         explicit = _grads(jax_attn.scaled_dot_product_attention, arrays, jnp.asarray(d_out),
                           implementation="explicit", **config)
         blocks = _grads(_blockwise, arrays, jnp.asarray(d_out), block_sizes=(3, 4), **config)
-    assert set(blocks[1]) == {"query", "key", "value", "bias"}
+    assert set(blocks[1]) == {"query", "key", "value", "bias"} | set(inputs) & {"sinks"}
     for what, a, e in [("output", blocks[0], explicit[0])] + [
             (f"grad {n}", blocks[1][n], g) for n, g in explicit[1].items()]:
         assert a.shape == e.shape, what
@@ -253,6 +260,61 @@ def test_blocks_outside_the_allowed_set_are_never_read():
         seen = np.isfinite(poisoned[n])
         np.testing.assert_array_equal(dirty[1][n][seen], clean[1][n][seen])
         assert np.all(clean[1][n][~seen] == 0)
+
+
+def test_blocks_outside_the_chunks_are_never_read():
+    # Chunks of 4 (attention_chunk_size), queries at 4 … 7 (batch 0) and 8 … 11 (batch 1): the
+    # keys of the other chunks hold NaN, in whole key blocks of 2, and are never read, with a
+    # sink (whose gradient they would poison too) and without causality.
+    rng, seed = fresh_rng()
+    inputs = {**_qkv(rng, lq=4, lk=12), "sinks": rng.standard_normal(H)}
+    kw = dict(attention_chunk_size=4, query_offset=jnp.array([4, 8]), block_sizes=(2, 2))
+    poisoned = {n: x.copy() for n, x in inputs.items()}
+    for n in ("key", "value"):
+        poisoned[n][0, :, :4] = poisoned[n][0, :, 8:] = np.nan
+        poisoned[n][1, :, :8] = np.nan
+    d_out = jnp.asarray(rng.standard_normal((B, H, 4, DV)), "float32")
+    run = _grads_of(_blockwise, **kw)
+    clean, dirty = run(JAX.arrays(inputs, "float32"), d_out), run(JAX.arrays(poisoned, "float32"),
+                                                                  d_out)
+    np.testing.assert_array_equal(dirty[0], clean[0], err_msg=f"seed {seed}")
+    for n in ("query", "sinks"):
+        np.testing.assert_array_equal(dirty[1][n], clean[1][n], err_msg=f"{n}, seed {seed}")
+    for n in ("key", "value"):
+        seen = np.isfinite(poisoned[n])
+        np.testing.assert_array_equal(dirty[1][n][seen], clean[1][n][seen])
+        assert np.all(clean[1][n][~seen] == 0)
+
+
+def test_sink_at_minus_infinity_is_no_sink():
+    # The online softmax starts from the sink: at −inf it must start as without one (m finite,
+    # l = 0), a fully masked row included (zeros, not NaN), the sink's gradient 0.
+    rng, seed = fresh_rng()
+    inputs = _qkv(rng)
+    mask = np.ones((B, 1, LQ, LK), bool)
+    mask[1, 0, 3] = False
+    arrays = {**JAX.arrays(inputs, "float32"), "mask": jnp.asarray(mask)}
+    d_out = jnp.asarray(rng.standard_normal((B, H, LQ, DV)), "float32")
+    kw = dict(is_causal=True, block_sizes=(2, 3))
+    plain = _grads(_blockwise, arrays, d_out, **kw)
+    sunk = _grads(_blockwise, {**arrays, "sinks": jnp.full(H, -jnp.inf)}, d_out, **kw)
+    np.testing.assert_array_equal(sunk[0], plain[0], err_msg=f"seed {seed}")
+    for n, g in plain[1].items():
+        np.testing.assert_array_equal(sunk[1][n], g, err_msg=f"{n}, seed {seed}")
+    assert np.all(sunk[1]["sinks"] == 0) and np.all(sunk[0][1, :, 3] == 0)
+
+
+@pytest.mark.parametrize("is_causal, offset, expected", [
+    (False, 0, 12),  # each query block of 2 visits the 2 key blocks of its chunk of 4
+    (True, 0, 9),  # and causally 1 or 2 of them: 3 per chunk (causal alone: 21)
+    (True, 2, 8),  # positions 2 … 13: 2, 1, 2, 1, 2 blocks, and none past key 11 for 12, 13
+])
+def test_visited_blocks_count_only_the_chunks(is_causal, offset, expected):
+    st = blockwise.Static(1.0, is_causal, None, (None, None), 0.0, jax_attn.DEFAULT_PRECISION,
+                          2, 2, chunk_size=4)
+    x = jnp.zeros((12, 4))
+    h = blockwise.Head.make(st, x, x, x, None, None, None, None, jnp.int32(offset), None, None)
+    assert int(blockwise.visited(st, h)) == expected
 
 
 # ---- the compiled program: linear memory, one compilation, no (Lq, Lk) tensor --------------------

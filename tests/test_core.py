@@ -142,9 +142,9 @@ def test_default_scale_is_one_over_sqrt_key_width(impl):
 
 # The core's parameters, in order, in both frameworks (issue 9 added softcap … lengths).
 CORE_PARAMETERS = ["query", "key", "value", "mask", "bias", "is_causal", "scale", "softcap",
-                   "local_window_size", "query_offset", "query_seq_lengths",
-                   "key_value_seq_lengths", "dropout_rate", "dropout_mask", "dropout_rng",
-                   "implementation", "return_weights"]
+                   "local_window_size", "attention_chunk_size", "query_offset",
+                   "query_seq_lengths", "key_value_seq_lengths", "sinks", "dropout_rate",
+                   "dropout_mask", "dropout_rng", "implementation", "return_weights"]
 
 
 def test_twin_signatures():

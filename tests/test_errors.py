@@ -81,6 +81,17 @@ BAD = [
      "query_seq_lengths shape should be (B,) = (2,), got ()"),
     (dict(shapes=((3, 5, 4), (3, 7, 4), (3, 7, 6)), query_seq_lengths=np.ones(3, dtype=np.int32)),
      "query_seq_lengths shape should be () = (), got (3,)"),
+    # Attention sinks (one logit per query head) and chunked attention.
+    (dict(sinks=np.ones(4, np.float32)), "sinks shape should be (H,) = (3,), got (4,)"),
+    (dict(shapes=((6, 5, 4), (2, 7, 4), (2, 7, 6)), sinks=np.ones(2, np.float32)),
+     "sinks shape should be (H,) = (6,), got (2,)"),  # one per query head, not per kv head
+    (dict(shapes=((5, 4), (7, 4), (7, 6)), sinks=np.ones(1, np.float32)),
+     "sinks shape should be () = (), got (1,)"),
+    (dict(sinks=np.ones(3, np.float16)),
+     "sinks dtype should be float32 (the query's), got float16"),
+    (dict(attention_chunk_size=0), "attention_chunk_size should be None or an int ≥ 1, got 0"),
+    (dict(attention_chunk_size="4"),
+     "attention_chunk_size should be None or an int ≥ 1, got '4'"),
 ]
 
 
@@ -112,3 +123,7 @@ def test_good_modern_input_passes(impl):
              is_causal=True)
     call(impl, shapes=((3, 5, 4), (1, 7, 4), (1, 7, 6)), local_window_size=[1, 0],
          query_offset=np.array(2, dtype=np.int32), key_value_seq_lengths=np.array(6))
+    call(impl, shapes=((6, 5, 4), (2, 7, 4), (2, 7, 6)), sinks=np.ones(6, np.float32),
+         attention_chunk_size=3, is_causal=True)
+    call(impl, shapes=((5, 4), (7, 4), (7, 6)), sinks=np.ones((), np.float32),
+         attention_chunk_size=1)

@@ -47,6 +47,8 @@ DECODE_CONFIGS = {
         CONFIG, qk_norm="l2", rope_theta=None,
         query_temperature={"beta": 0.3, "floor_scale": 3, "shift": 0}),
     "qk_rms_one_plus": dict(CONFIG, qk_norm="rms_one_plus", rope_interleaved=True),
+    "sinks_window": dict(CONFIG, sinks=True, sliding_window=3),
+    "chunks_l2": dict(CONFIG, attention_chunk_size=3, qk_norm="l2"),
 }
 EXACT = 1e-12  # float64: decoding and the full forward differ only in summation order
 

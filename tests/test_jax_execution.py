@@ -204,10 +204,12 @@ def test_chunked_core_matches_fixture(name, dtype):
             out, w = functional._attention(
                 a["query"], a["key"], a["value"], a.get("mask"), a.get("bias"),
                 a.get("dropout_mask"), None, a.get("query_offset"), a.get("query_seq_lengths"),
-                a.get("key_value_seq_lengths"), scale=scale, is_causal=config["is_causal"],
-                softcap=config["softcap"], window=window(config["local_window_size"]),
-                dropout_rate=config["dropout_rate"], precision=jax_attn.DEFAULT_PRECISION,
-                return_weights=True, chunk=functional.CPU_HEADS_PER_STEP)
+                a.get("key_value_seq_lengths"), a.get("sinks"), scale=scale,
+                is_causal=config["is_causal"], softcap=config["softcap"],
+                window=window(config["local_window_size"]),
+                chunk_size=config["attention_chunk_size"], dropout_rate=config["dropout_rate"],
+                precision=jax_attn.DEFAULT_PRECISION, return_weights=True,
+                chunk=functional.CPU_HEADS_PER_STEP)
             return jnp.sum(out * cot["output"]) + jnp.sum(w * cot["weights"]), (out, w)
 
         grads, (out, w) = jax.grad(loss, has_aux=True)(floats)

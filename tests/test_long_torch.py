@@ -72,8 +72,9 @@ def reference_grads(fixture):
 
 
 def terms(name, arrays, weights_size) -> int:
-    """Partial gradients summed per element: a bias's over its broadcast axes."""
-    return max(1, weights_size // arrays[name].size) if name == "bias" else 1
+    """Partial gradients summed per element: a bias's over its broadcast axes, the sinks' over
+    each head's rows."""
+    return max(1, weights_size // arrays[name].size) if name in ("bias", "sinks") else 1
 
 
 def as_numpy(t):
@@ -116,6 +117,10 @@ CASES = {
     "all": dict(query_offset=np.array([1, 4]), local_window_size=(3, 0), is_causal=True,
                 key_value_seq_lengths=np.array([6, 4]), query_seq_lengths=np.array([4, 5]),
                 softcap=1.5, dropout_rate=0.2, keep_shape=(B, 1, LQ, LK)),
+    "sinks_chunks": dict(attention_chunk_size=2, is_causal=True, query_offset=np.array([1, 4]),
+                         sinks=True),
+    "window_chunks": dict(attention_chunk_size=3, local_window_size=(2, 1),
+                          query_offset=np.array([2, 5])),  # chunk bounds tighter than the window
 }
 BIAS_SHAPES = [(H, 1, LK), (B, 1, LQ, LK), (LQ, LK), (LK,)]  # each sliced differently
 
@@ -130,6 +135,8 @@ def random_case(rng, case, hkv, bias_shape):
     mask = rng.random((B, 1, LQ, LK)) < 0.8
     mask[1, 0, 2] = False  # an empty row
     arrays["mask"] = mask
+    if kw.pop("sinks", False):
+        arrays["sinks"] = rng.standard_normal(H)
     if "keep_shape" in kw:
         arrays["dropout_mask"] = rng.random(kw.pop("keep_shape")) < 0.7
     kw = {n: torch.from_numpy(a) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
@@ -157,7 +164,7 @@ def test_row_chunks_matches_explicit_on_fresh_inputs(case, hkv, bias_shape, rows
     explicit_out, explicit_grads = run_with_grads(arrays, kw, d_out, "explicit")
     assert np.isfinite(out).all() and (out[1, :, 2] == 0).all(), f"empty row, seed {seed}"
     assert compare(out, explicit_out, "float64").ok, f"output, seed {seed}"
-    assert set(grads) == {"query", "key", "value", "bias"}
+    assert set(grads) == {"query", "key", "value", "bias"} | set(arrays) & {"sinks"}
     for n, g in grads.items():
         c = compare(g, explicit_grads[n], "float64", "grad",
                     terms=terms(n, arrays, B * H * LQ * LK))

@@ -1,8 +1,8 @@
 """The JAX core's modern arguments (issue 9): grouped-query attention by shape, soft-capping,
-query offsets, sliding windows and sequence lengths. Checked against jax.nn.dot_product_attention
-(float32, non-empty rows), the float64 reference (output, weights, every gradient), an explicit
-repetition of K and V, and the lowered program (K and V never repeated to H heads; a growing
-offset never recompiles).
+query offsets, sliding windows and sequence lengths; sinks and chunks with the heads in steps.
+Checked against jax.nn.dot_product_attention (float32, non-empty rows), the float64 reference
+(output, weights, every gradient), an explicit repetition of K and V, and the lowered program
+(K and V never repeated to H heads; a growing offset never recompiles).
 
 Shape legend: B batch, H query heads, Hkv key-value heads, G = H / Hkv, Lq query length, Lk key
 length, Dk key width, Dv value width.
@@ -283,3 +283,34 @@ def test_window_is_static_and_normalised():
     assert window([2, None]) == (2, None)
     for o in outs[1:]:
         np.testing.assert_array_equal(outs[0], o)
+
+
+# ---- sinks and chunks: the heads taken in steps, as on large problems ---------------------------
+
+@pytest.mark.parametrize("heads, implementation", [((H, HKV), "explicit"), ((H, H), "explicit"),
+                                                   ((H, 1), "blockwise")],
+                         ids=["gqa-explicit", "mha-explicit", "mqa-blockwise"])
+def test_sinks_and_chunks_alike_in_one_vmap_and_in_head_steps(heads, implementation):
+    # On CPU, large problems take the (batch, kv head) pairs in steps of chunk query heads
+    # (functional.heads_per_step), a group larger than a step in steps of its own: each query
+    # head must still read its own sink. Forward and the gradients, sinks included.
+    rng, seed = fresh_rng()
+    q, k, v = (jnp.asarray(x) for x in _qkv(rng, heads=heads))
+    sinks, d_out = jnp.asarray(rng.standard_normal(H), "float32"), jnp.asarray(
+        rng.standard_normal((B, H, LQ, DV)), "float32")
+    kw = dict(scale=0.5, is_causal=True, dropout_rate=0.0, precision=jax_attn.DEFAULT_PRECISION,
+              return_weights=False, chunk_size=3, implementation=implementation,
+              block_sizes=(2, 3))
+
+    def grads(chunk):
+        def loss(q, k, v, sinks):
+            out, _ = functional._attention(q, k, v, None, None, None, None, jnp.array([0, 2]),
+                                           None, None, sinks, chunk=chunk, **kw)
+            return jnp.sum(out * d_out)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+
+    whole, steps = grads(None), grads(2)
+    for what, a, e in zip(("loss", "query", "key", "value", "sinks"),
+                          (steps[0], *steps[1]), (whole[0], *whole[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{what}, seed {seed}")

@@ -1,6 +1,6 @@
 """The reference's grouped-query attention, soft-capping, query offsets, sliding windows and
-sequence lengths (issue 9): answers derived by hand, and its backward against finite differences
-for each feature and for all of them at once.
+sequence lengths (issue 9), attention sinks and chunked attention: answers derived by hand, and
+its backward against finite differences for each feature and for all of them at once.
 
 Shape legend: B batch, H query heads, Hkv key-value heads, Lq, Lk lengths, Dk, Dv widths.
 """
@@ -15,7 +15,7 @@ import pytest
 from golden import reference
 from tests.helpers import fresh_rng
 
-FLOAT_ARGS = ("query", "key", "value", "bias")
+FLOAT_ARGS = ("query", "key", "value", "bias", "sinks")
 
 
 def _loss(arrays, kw, d_out, d_w):
@@ -71,6 +71,16 @@ FD_CASES = {
                                  "key_value_seq_lengths": np.array([6, 5]),
                                  "dropout_rate": 0.2,
                                  "dropout_mask": rng.random((2, 6, 4, 7)) > 0.2}),
+    "sinks_gqa_chunks_masked_row": lambda rng: (
+        {**_qkv(rng, (2, 6), (2, 3), 5, 7), "sinks": rng.standard_normal(6),
+         # batch 0: row 3 has no key
+         "mask": np.arange(5)[:, None] != np.array([3, 9])[:, None, None, None]},
+        {"is_causal": True, "attention_chunk_size": 3, "query_offset": np.array([1, 2])}),
+    "sinks_unbatched_softcap_dropout": lambda rng: (
+        {**_qkv(rng, (), (), 4, 6), "sinks": rng.standard_normal(()),
+         "bias": rng.standard_normal((4, 6))},
+        {"softcap": 0.9, "attention_chunk_size": 2, "dropout_rate": 0.3,
+         "dropout_mask": rng.random((4, 6)) > 0.3}),
 }
 
 
@@ -187,3 +197,83 @@ def test_softcap_with_fully_masked_row_gives_zeros_not_nan():
     assert np.all(w[1, 2, 3] == 0) and np.all(out[1, 2, 3] == 0)
     assert np.all(w[0, :, 2:] == 0) and np.all(out[0, :, 2:] == 0)  # positions 7-9 past Lk
     assert np.all(g["query"][1, 2, 3] == 0) and np.all(g["query"][0, :, 2:] == 0)
+
+
+# ---- attention sinks and chunks, by hand -------------------------------------------------------
+
+def test_sink_by_hand():
+    # Scores (2, 0) with scale 1 and a sink logit of 1: weights e^s_j / (e² + e⁰ + e¹), no value
+    # for the sink, so the row sums to 1 − e / (e² + 1 + e).
+    q, k = np.array([[1.0, 0.0]]), np.array([[2.0, 0.0], [0.0, 5.0]])
+    v = np.array([[1.0, 0.0, 3.0], [0.0, 1.0, -1.0]])
+    out, w = reference.scaled_dot_product_attention(q, k, v, scale=1.0, sinks=np.array(1.0))
+    total = math.exp(2) + 1 + math.exp(1)
+    expected = [math.exp(2) / total, 1 / total]
+    np.testing.assert_allclose(w, [expected], rtol=1e-15)
+    np.testing.assert_allclose(out, [[expected[0], expected[1], 3 * expected[0] - expected[1]]],
+                               rtol=1e-15)
+    # The sink is not capped: softcap 0.5 bounds the scores, not the sink's logit of 1.
+    _, w = reference.scaled_dot_product_attention(q, k, v, scale=1.0, softcap=0.5,
+                                                  sinks=np.array(1.0))
+    t = 0.5 * math.tanh(4.0)
+    total = math.exp(t) + 1 + math.exp(1)
+    np.testing.assert_allclose(w, [[math.exp(t) / total, 1 / total]], rtol=1e-15)
+
+
+def test_sink_with_every_key_masked_gives_zeros():
+    rng, seed = fresh_rng()
+    arrays = {**_qkv(rng, (2, 3), (2, 3), 5, 7), "sinks": rng.standard_normal(3)}
+    mask = np.ones((2, 3, 5, 7), dtype=bool)
+    mask[1, 2, 3] = False
+    mask[0] = False  # batch 0: every row empty
+    out, w, saved = reference.sdpa_forward(**arrays, mask=mask, is_causal=True)
+    g = reference.sdpa_backward(saved, rng.standard_normal(out.shape),
+                                rng.standard_normal(w.shape))
+    assert np.all(out[1, 2, 3] == 0) and np.all(w[1, 2, 3] == 0), f"seed {seed}"
+    assert np.all(out[0] == 0) and np.all(w[0] == 0)
+    assert np.all(g["query"][1, 2, 3] == 0) and np.all(g["query"][0] == 0)
+    assert np.all(g["key"][0] == 0) and np.all(g["value"][0] == 0)
+    assert np.all(w.sum(-1)[1] < 1)  # the sink keeps a share of every live row
+    only_empty = reference.sdpa_forward(**arrays, mask=np.zeros((5, 7), bool))
+    g = reference.sdpa_backward(only_empty[2], np.ones(out.shape), np.ones(w.shape))
+    assert np.all(g["sinks"] == 0) and np.all(only_empty[0] == 0)
+
+
+def test_sink_at_minus_infinity_is_no_sink():
+    rng, seed = fresh_rng()
+    arrays = _qkv(rng, (2, 6), (2, 3), 5, 7)
+    kw = dict(mask=rng.random((2, 1, 5, 7)) < 0.7, is_causal=True, softcap=2.0)
+    with_sink = reference.sdpa_forward(**arrays, sinks=np.full(6, -np.inf), **kw)
+    without = reference.sdpa_forward(**arrays, **kw)
+    np.testing.assert_array_equal(with_sink[0], without[0], err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(with_sink[1], without[1])
+    d_out, d_w = rng.standard_normal(without[0].shape), rng.standard_normal(without[1].shape)
+    g_sink, g = (reference.sdpa_backward(r[2], d_out, d_w) for r in (with_sink, without))
+    for name in ("query", "key", "value"):
+        np.testing.assert_array_equal(g_sink[name], g[name], err_msg=name)
+    np.testing.assert_array_equal(g_sink["sinks"], 0)
+
+
+def test_chunks_by_hand():
+    # Chunks of 3 with offset 2: positions 2 … 5 fall in chunks 0, 1, 1, 1 (keys 0-2, 3-5).
+    _, w = _uniform_weights(4, 7, attention_chunk_size=3, query_offset=2)
+    allowed = [[1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 0],
+               [0, 0, 0, 1, 1, 1, 0]]
+    np.testing.assert_array_equal(w, _expected(allowed))
+    _, w = _uniform_weights(4, 7, attention_chunk_size=3, query_offset=2, is_causal=True)
+    allowed = [[1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0],
+               [0, 0, 0, 1, 1, 1, 0]]
+    np.testing.assert_array_equal(w, _expected(allowed))
+
+
+def test_chunk_covering_every_position_is_no_chunk_and_one_is_the_diagonal():
+    rng, seed = fresh_rng()
+    arrays = {**_qkv(rng, (2, 3), (2, 3), 5, 8), "bias": rng.standard_normal((5, 8))}
+    kw = dict(is_causal=True, query_offset=np.array([3, 1]))
+    plain = reference.scaled_dot_product_attention(**arrays, **kw)
+    for c in (8 + 3, 100):  # C ≥ Lk + offset: one chunk holds every key and query
+        chunked = reference.scaled_dot_product_attention(**arrays, attention_chunk_size=c, **kw)
+        np.testing.assert_array_equal(chunked[0], plain[0], err_msg=f"C = {c}, seed {seed}")
+        np.testing.assert_array_equal(chunked[1], plain[1])
+    _, w = reference.scaled_dot_product_attention(**arrays, is_causal=True, attention_chunk_size=1)
+    np.testing.assert_array_equal(w, np.broadcast_to(np.eye(5, 8), w.shape))  # itself only

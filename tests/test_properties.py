@@ -26,7 +26,9 @@ every array (``draw_arrays``), so shrinking works on the structure, never on flo
   none, w in 0..5 or (left, right) each none or in 0..5; query_seq_lengths in 0..Lq+1 and
   key_value_seq_lengths in 0..Lk+1 (none, an int or per batch row); softcap none (two thirds)
   or in [0.5, 50] ([0.5, 8] with "exact" values, see ``cases``); dropout in a quarter of the
-  cases, rate 0.25 or 0.5 with a keep-mask of any broadcastable shape.
+  cases, rate 0.25 or 0.5 with a keep-mask of any broadcastable shape; attention_chunk_size
+  none (two thirds) or in 1..6; sinks (one logit per query head) in a third of the cases,
+  drawn as the bias is (its sizes, on the scores' grid with "exact" values).
 - values and logits. The tolerance table bounds the arithmetic on exact inputs, and a float32
   logit of size |s| carries an error of about |s|·2⁻²⁴ that no float32 implementation avoids
   (scale·q·k, the bias's sum) and that the table does not budget for. So there are two kinds:
@@ -40,7 +42,7 @@ every array (``draw_arrays``), so shrinking works on the structure, never on flo
 What is compared (property 1): the output and weights of torch (autograd, the explicit path),
 torch's output under no_grad (PyTorch's fused kernel where the core takes it) and JAX, with
 ``golden.tolerances.compare`` at the case's dtype; and the gradients of Σ O ⊙ dO + Σ A ⊙ dA
-(query, key, value, bias; torch by autograd, JAX by ``jax.vjp``). Outputs and gradients sum
+(query, key, value, bias, sinks; torch by autograd, JAX by ``jax.vjp``). Outputs and gradients sum
 terms that may cancel: they pass ``compare`` or, failing it, the same table relative to the
 size of those terms (golden.tolerances.compare_terms: a sum that cancels carries its terms'
 rounding, not its own size's). Property 2 runs
@@ -107,6 +109,8 @@ class Case:
     key_value_seq_lengths: object
     softcap: float | None
     dropout: tuple | None  # (rate, keep-mask shape)
+    attention_chunk_size: int | None = None
+    sinks: float | None = None  # drawn like the bias, of this size; None: no sinks
 
     @property
     def weights_shape(self):
@@ -173,6 +177,11 @@ def cases(draw):
     local_window_size = draw(st.none() | st.integers(0, 5) | st.tuples(side, side))
     if draw(st.integers(0, 3)) == 0:
         dropout = (draw(st.sampled_from([0.25, 0.5])), _broadcast_shape(draw, target))
+    chunk = draw(st.integers(1, 6)) if draw(st.integers(0, 2)) == 0 else None
+    sinks = None
+    if draw(st.integers(0, 2)) == 0:
+        sinks = draw(st.sampled_from([0.1, 1.0, 3.0] if values == "normal" else [100, 1]
+                                     if softcap is None else [1, 3]))
     batched = layout[0] if rank == 4 else 0
     return Case(
         seed=draw(st.integers(0, 2**32 - 1)), dtype=dtype, layout=layout,
@@ -182,7 +191,7 @@ def cases(draw):
         local_window_size=local_window_size,
         query_seq_lengths=_position(draw, batched, range(lq + 1, -1, -1)),
         key_value_seq_lengths=_position(draw, batched, range(lk + 1, -1, -1)),
-        softcap=softcap, dropout=dropout)
+        softcap=softcap, dropout=dropout, attention_chunk_size=chunk, sinks=sinks)
 
 
 def draw_arrays(case):
@@ -205,6 +214,17 @@ def draw_arrays(case):
         q, k = (rng.integers(-case.magnitude, case.magnitude, s, endpoint=True).astype(np.float32)
                 for s in (q_shape, k_shape))
     v = normal(kv_lead + (case.lk, case.dv))
+    def like_bias(shape, size):
+        """An array drawn as the bias: normal of that size, or exact (see the docstring)."""
+        if case.values == "normal":
+            return normal(shape, size)
+        if case.softcap is not None:  # integers: small beside the capped scores
+            return rng.integers(-size, size, shape, endpoint=True).astype(np.float32)
+        # about ±size, on the scores' grid (multiples of the scale): sums stay exact
+        units = min(max(1, round(size / case.scale)), 2**22)
+        return (case.scale * rng.integers(-units, units, shape, endpoint=True)).astype(
+            np.float32)
+
     mask = bias = None
     if case.mask is not None:
         shape, p, dead = case.mask
@@ -214,17 +234,10 @@ def draw_arrays(case):
             rows[rng.random(len(rows)) < 1 / 3] = False
             mask = rows.reshape(shape)
     if case.bias is not None:
-        shape, size = case.bias
-        if case.values == "normal":
-            bias = normal(shape, size)
-        elif case.softcap is not None:  # integers: small beside the capped scores
-            bias = rng.integers(-size, size, shape, endpoint=True).astype(np.float32)
-        else:  # about ±size, on the scores' grid (multiples of the scale): sums stay exact
-            units = min(max(1, round(size / case.scale)), 2**22)
-            bias = (case.scale * rng.integers(-units, units, shape, endpoint=True)).astype(
-                np.float32)
+        bias = like_bias(*case.bias)
     kw = dict(is_causal=case.is_causal, scale=case.scale, softcap=case.softcap,
-              local_window_size=case.local_window_size)
+              local_window_size=case.local_window_size,
+              attention_chunk_size=case.attention_chunk_size)
     for name in ("query_offset", "query_seq_lengths", "key_value_seq_lengths"):
         x = getattr(case, name)
         if isinstance(x, tuple):
@@ -234,26 +247,28 @@ def draw_arrays(case):
     if case.dropout is not None:
         rate, shape = case.dropout
         kw.update(dropout_rate=rate, dropout_mask=np.asarray(rng.random(shape) >= rate))
+    sinks = None if case.sinks is None else like_bias(case.layout[-1:], case.sinks)  # (H,), ()
     cotangents = (normal(case.layout + (case.lq, case.dv)), normal(case.weights_shape))
     # float32 holds every low-precision value (torch.from_numpy takes no bfloat16); rounding
     # through the dtype is exact but for an "exact" bias beyond 2⁸ (bfloat16) or 2¹¹ units,
     # which becomes what the frameworks are given
     exact_in = jax.numpy.dtype(case.dtype)
-    q, k, v, bias, *cotangents = (
+    q, k, v, bias, sinks, *cotangents = (
         None if a is None else np.asarray(a).astype(exact_in).astype(
-            np.float32 if low else case.dtype) for a in (q, k, v, bias, *cotangents))
-    return (q, k, v, mask, bias), kw, tuple(cotangents)
+            np.float32 if low else case.dtype) for a in (q, k, v, bias, sinks, *cotangents))
+    return (q, k, v, mask, bias, sinks), kw, tuple(cotangents)
 
 
 # ---- running the three ----------------------------------------------------------------------
 
-GRAD_NAMES = ("query", "key", "value", "bias")
+GRAD_NAMES = ("query", "key", "value", "bias", "sinks")
 
 
 def run_reference(args, kw, cotangents):
     """Output, weights, gradients, and the sizes of the terms the output and each gradient sum
     (``magnitudes``: golden.reference.sdpa_term_sizes)."""
-    out, weights, saved = reference.sdpa_forward(*args, **kw)
+    *args, sinks = args
+    out, weights, saved = reference.sdpa_forward(*args, sinks=sinks, **kw)
     d_out, d_weights = (c.astype(np.float64) for c in cotangents)
     return dict(output=out, weights=weights, grads=reference.sdpa_backward(saved, d_out, d_weights),
                 magnitudes=reference.sdpa_term_sizes(saved, d_out, d_weights))
@@ -264,15 +279,15 @@ def run_torch(args, kw, cotangents, dtype):
     Σ O ⊙ dO + Σ A ⊙ dA; "fused": the output under no_grad (PyTorch's kernel where the core
     takes it: no weights, softcap or dropout)."""
     twin = IMPLS["torch"]
-    q, k, v, mask, bias = (None if a is None else twin.array(a, dtype) for a in args)
+    q, k, v, mask, bias, sinks = (None if a is None else twin.array(a, dtype) for a in args)
     tkw = {n: twin.array(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     with torch.no_grad():
-        fused = twin.numpy(twin.sdpa(q, k, v, mask, bias, **tkw))
-    inputs = dict(zip(GRAD_NAMES, (q, k, v, bias)))
+        fused = twin.numpy(twin.sdpa(q, k, v, mask, bias, sinks=sinks, **tkw))
+    inputs = dict(zip(GRAD_NAMES, (q, k, v, bias, sinks)))
     for t in inputs.values():
         if t is not None:
             t.requires_grad_(True)
-    out, weights = twin.sdpa(q, k, v, mask, bias, return_weights=True, **tkw)
+    out, weights = twin.sdpa(q, k, v, mask, bias, sinks=sinks, return_weights=True, **tkw)
     d_out, d_weights = (twin.array(c, dtype) for c in cotangents)
     ((out * d_out).sum() + (weights * d_weights).sum()).backward()
     return dict(output=twin.numpy(out), weights=twin.numpy(weights), fused=fused,
@@ -284,16 +299,16 @@ def run_jax(args, kw, cotangents, dtype, grads=True):
     time of the forward alone)."""
     twin = IMPLS["jax"]
     with twin.float64(dtype == "float64"):
-        q, k, v, mask, bias = (None if a is None else twin.array(a, dtype) for a in args)
+        q, k, v, mask, bias, sinks = (None if a is None else twin.array(a, dtype) for a in args)
         jkw = {n: twin.array(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
 
-        def sdpa(q, k, v, bias):
-            return twin.sdpa(q, k, v, mask, bias, return_weights=True, **jkw)
+        def sdpa(q, k, v, bias, sinks):
+            return twin.sdpa(q, k, v, mask, bias, sinks=sinks, return_weights=True, **jkw)
 
         if not grads:
-            out, weights = sdpa(q, k, v, bias)
+            out, weights = sdpa(q, k, v, bias, sinks)
             return dict(output=twin.numpy(out), weights=twin.numpy(weights))
-        (out, weights), vjp = jax.vjp(sdpa, q, k, v, bias)
+        (out, weights), vjp = jax.vjp(sdpa, q, k, v, bias, sinks)
         g = vjp(tuple(twin.array(c, dtype) for c in cotangents))
         return dict(output=twin.numpy(out), weights=twin.numpy(weights),
                     grads={n: twin.numpy(x) for n, x in zip(GRAD_NAMES, g) if x is not None})
@@ -311,9 +326,11 @@ def run_all(case, jax_grads=True):
 # ---- the properties ------------------------------------------------------------------------
 
 
-def _terms(name, bias, weights_shape):
-    """As golden.check._terms: a broadcast bias's gradient sums weights.size / bias.size."""
-    return max(1, math.prod(weights_shape) // bias.size) if name == "bias" else 1
+def _terms(name, args, weights_shape):
+    """As golden.check._terms: a broadcast bias's gradient sums weights.size / bias.size, the
+    sinks' weights.size / H."""
+    array = {"bias": args[4], "sinks": args[5]}.get(name)
+    return 1 if array is None else max(1, math.prod(weights_shape) // array.size)
 
 
 def _zero(name, bias):
@@ -333,7 +350,7 @@ def agreement_failures(case, runs, args):
         outputs = {"output": run["output"], "output (no_grad)": run.get("fused")}
         pairs = [(what, a, "output", "value", 1, False) for what, a in outputs.items()
                  if a is not None]
-        pairs += [(f"grad {n}", g, n, "grad", _terms(n, bias, case.weights_shape), _zero(n, bias))
+        pairs += [(f"grad {n}", g, n, "grad", _terms(n, args, case.weights_shape), _zero(n, bias))
                   for n, g in run.get("grads", {}).items()]
         for what, a, key, kind, terms, zero in pairs:
             e = ref["grads"][key] if kind == "grad" else ref[key]
@@ -353,7 +370,8 @@ def allowed_positions(case, args, kw):
     """Where query i may attend key j, (..., H, Lq, Lk), by the reference's definition."""
     return reference.allowed_positions(
         case.weights_shape, args[3], case.is_causal, local_window_size=kw["local_window_size"],
-        query_offset=kw["query_offset"], query_seq_lengths=kw["query_seq_lengths"],
+        attention_chunk_size=kw["attention_chunk_size"], query_offset=kw["query_offset"],
+        query_seq_lengths=kw["query_seq_lengths"],
         key_value_seq_lengths=kw["key_value_seq_lengths"])
 
 

@@ -1,7 +1,8 @@
 """The torch core's "explicit" implementation, and the allowed set every implementation shares.
 
-explicit: the (..., H, Lq, Lk) weights formed (scores and softmax in at least float32), then
-the weighted sum of values; autograd differentiates it. ``Where`` turns the allowed-set
+explicit: the (..., H, Lq, Lk) weights formed (scores and softmax in at least float32; with
+sinks, the head's sink logit as one more column of the softmax, dropped after it), then the
+weighted sum of values; autograd differentiates it. ``Where`` turns the allowed-set
 arguments into a boolean mask through golden.positions.allowed_terms, the rule JAX's core uses
 too, and cuts it into chunks for "row_chunks".
 
@@ -22,8 +23,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def explicit(query, key, value, allowed, may_empty, bias, scale, softcap, dropout_rate,
-             dropout_mask):
-    """(output (..., H, Lq, Dv), weights (..., H, Lq, Lk)), the weights formed."""
+             dropout_mask, sinks=None):
+    """(output (..., H, Lq, Dv), weights (..., H, Lq, Lk)), the weights formed. ``sinks`` (H,)
+    or (): one logit per query head in every row's softmax, taking no value."""
     compute = torch.float32 if query.dtype in LOW_PRECISION else query.dtype
     # Scores and softmax in at least float32, as JAX's preferred_element_type: low-precision q
     # and k are widened (exactly) before the product, so the scores are never rounded to them.
@@ -32,7 +34,10 @@ def explicit(query, key, value, allowed, may_empty, bias, scale, softcap, dropou
         scores = softcap * torch.tanh(scores / softcap)  # after scaling, before bias and masks
     if bias is not None:
         scores = scores + bias.to(compute)
-    weights = masked_softmax(scores, allowed, may_empty)  # (..., H, Lq, Lk)
+    if sinks is None:
+        weights = masked_softmax(scores, allowed, may_empty)  # (..., H, Lq, Lk)
+    else:
+        weights = sink_softmax(scores, allowed, sinks.to(compute))
     if dropout_rate > 0.0:
         weights = torch.where(dropout_mask, weights / (1.0 - dropout_rate), 0.0)
     weights = weights.to(query.dtype)
@@ -65,15 +70,27 @@ def masked_softmax(scores, allowed, may_empty):
     return weights * allowed.any(dim=-1, keepdim=True) if may_empty else weights
 
 
+def sink_softmax(scores, allowed, sinks):
+    """Softmax over the keys and the head's sink logit (sinks (H,) or ()), the sink's column
+    dropped: softmax([S, s])[..., :-1], as GPT-OSS. Masked entries are exactly 0; a row with
+    every key masked gives zeros (the sink takes it all)."""
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    sink = sinks.reshape(sinks.shape + (1, 1)).expand(scores.shape[:-1] + (1,))  # (..., H, Lq, 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights if allowed is None else weights * allowed  # exp(min − s) is 0 but for s ≈ min
+
+
 class Where(NamedTuple):
     """The allowed-set arguments other than the mask: is_causal, the window's (left, right),
-    query_offset, query_seq_lengths and key_value_seq_lengths."""
+    query_offset, query_seq_lengths, key_value_seq_lengths and attention_chunk_size."""
 
     is_causal: bool
     window: tuple
     offset: object
     q_lengths: object
     kv_lengths: object
+    chunk_size: int | None = None  # attention_chunk_size
 
     def allowed(self, shape, mask, device):
         """(allowed, may_empty): a boolean broadcastable to ``shape`` (..., H, Lq, Lk), True =
@@ -84,7 +101,7 @@ class Where(NamedTuple):
         pos = q + per_batch(self.offset, device)  # query positions: (Lq, 1), or (B, 1, Lq, 1)
         q_lengths, kv_lengths = self.q_lengths, self.kv_lengths
         terms = [t for t in [mask] if t is not None] + allowed_terms(
-            q, k, pos, is_causal=self.is_causal, window=self.window,
+            q, k, pos, is_causal=self.is_causal, window=self.window, chunk=self.chunk_size,
             q_lengths=None if q_lengths is None else per_batch(q_lengths, device),  # (B,1,1,1)
             kv_lengths=None if kv_lengths is None else per_batch(kv_lengths, device))
         allowed = functools.reduce(torch.logical_and, terms) if terms else None
@@ -97,10 +114,15 @@ class Where(NamedTuple):
         causal and window bounds lies in k0:k1 (non-empty when Lk > 0), and the offset and
         lengths move with the slices (row i of the chunk is query start + i, key j is key
         k0 + j), so the allowed set is the same."""
-        (low, high), (left, right) = offsets, self.window
+        (low, high), (left, right), c = offsets, self.window, self.chunk_size
         ahead = [r for r in (0 if self.is_causal else None, right) if r is not None]
         k1 = lk if not ahead else min(lk, stop + high + min(ahead))  # past the last one seen
-        k0 = 0 if left is None else min(max(0, start + low - left), max(lk - 1, 0))
+        k0 = 0 if left is None else max(0, start + low - left)
+        if c is not None:  # the chunks of the rows' positions; k0 a multiple of C, so that
+            # key j − k0 and position p − k0 fall in chunks k0 / C apart, as j and p do
+            k0, k1 = max(k0, (start + low) // c * c), min(k1, ((stop - 1 + high) // c + 1) * c)
+        k0 = min(k0, max(lk - 1, 0))
+        k0 = k0 if c is None else k0 // c * c
         return k0, k1, self._replace(
             offset=(0 if self.offset is None else self.offset) + start - k0,
             q_lengths=_minus(self.q_lengths, start), kv_lengths=_minus(self.kv_lengths, k0))

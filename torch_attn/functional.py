@@ -21,9 +21,10 @@ from torch_attn.row_chunks import row_chunks
 
 def scaled_dot_product_attention(
     query, key, value, mask=None, bias=None, *,
-    is_causal=False, scale=None, softcap=None, local_window_size=None, query_offset=None,
-    query_seq_lengths=None, key_value_seq_lengths=None, dropout_rate=0.0, dropout_mask=None,
-    dropout_rng=None, implementation=None, return_weights=False, block_sizes=None,
+    is_causal=False, scale=None, softcap=None, local_window_size=None, attention_chunk_size=None,
+    query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
+    dropout_rate=0.0, dropout_mask=None, dropout_rng=None, implementation=None,
+    return_weights=False, block_sizes=None,
 ):
     """softmax(cap(scale · Q Kᵀ) + bias, over allowed keys) V, cap(s) = c·tanh(s/c) with
     ``softcap`` c (no cap when None).
@@ -33,9 +34,15 @@ def scaled_dot_product_attention(
     i + ``query_offset`` (an int, or an integer tensor of shape (B,) for (B, H, L, D) inputs).
     Query i may attend key j when all of these allow it: ``mask`` (bool, True = may attend),
     ``is_causal`` (j ≤ the query's position), ``local_window_size`` w or (left, right) (position
-    − left ≤ j ≤ position + right, None = unbounded), ``key_value_seq_lengths`` (j < len[b]) and
+    − left ≤ j ≤ position + right, None = unbounded), ``attention_chunk_size`` C (Llama 4's
+    chunked attention: j // C = position // C), ``key_value_seq_lengths`` (j < len[b]) and
     ``query_seq_lengths`` (i < len[b]). A query row with no allowed key gives zeros in the
     output and the weights (and zero gradients).
+    sinks: GPT-OSS's attention sinks, one logit per query head ((H,), or () for (Lq, Dk)
+    inputs, the query's dtype; differentiable) that joins every row's softmax denominator and
+    takes no value: weights = softmax([S, s_h])[..., :-1], so a row's weights sum to less than
+    1 and a row with no allowed key still gives zeros. The sink is added after the scale and
+    the soft-cap (GPT-OSS has no soft-cap; we never cap the sink) and no mask or bias touches it.
     dropout_mask: bool, True = kept (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn with ``dropout_rng`` (a ``torch.Generator``, or the global generator).
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
@@ -47,9 +54,9 @@ def scaled_dot_product_attention(
       but ``block_sizes``.
     - "fused": PyTorch's ``F.scaled_dot_product_attention`` (``enable_gqa`` for grouped heads)
       with the same allowed set, bias and scale, an empty row giving zeros. No weights, no
-      softcap, no dropout, and no gradients: its backward recomputes the weights from a float32
-      log-sum-exp and errs up to 3.5e-5 on large scores, above the float32 gradient tolerance
-      (docs/core.md, "The implementations").
+      softcap, no dropout, no sinks, and no gradients: its backward recomputes the weights from
+      a float32 log-sum-exp and errs up to 3.5e-5 on large scores, above the float32 gradient
+      tolerance (docs/core.md, "The implementations").
     - "row_chunks": the explicit path by chunks of query rows (torch_attn.row_chunks), memory
       O(rows · Lk) with gradients; ``block_sizes=(rows, None)`` sets the rows per chunk. It
       cannot return the weights; a mask drawn from ``dropout_rng`` is drawn chunk by chunk (not
@@ -61,7 +68,7 @@ def scaled_dot_product_attention(
     ``golden.implementations.record()`` collects the name each call ran.
     """
     _expect_tensors(query=query, key=key, value=value, mask=mask, bias=bias,
-                    dropout_mask=dropout_mask)
+                    dropout_mask=dropout_mask, sinks=sinks)
     check_flags(is_causal=is_causal, return_weights=return_weights)
     if dropout_rng is not None and not isinstance(dropout_rng, torch.Generator):
         raise TypeError(f"dropout_rng should be a torch.Generator or None, "
@@ -70,18 +77,20 @@ def scaled_dot_product_attention(
         query, key, value, mask, bias, scale=scale, softcap=softcap,
         local_window_size=local_window_size, query_offset=query_offset,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        dropout_rate=dropout_rate, dropout_mask=dropout_mask)
+        dropout_rate=dropout_rate, dropout_mask=dropout_mask, sinks=sinks,
+        attention_chunk_size=attention_chunk_size)
     block_sizes = check_block_sizes(block_sizes, key_blocks=False)
     asked = Asked(return_weights=bool(return_weights), softcap=softcap is not None,
-                  dropout=dropout_rate > 0.0, gradients=_needs_grad(query, key, value, bias),
-                  block_sizes=block_sizes)
+                  dropout=dropout_rate > 0.0,
+                  gradients=_needs_grad(query, key, value, bias, sinks),
+                  block_sizes=block_sizes, sinks=sinks is not None)
     chosen = IMPLEMENTATIONS.select(implementation, asked, choose(shape))
     call = Call(query, key, value, mask, bias, dropout_mask, dropout_rng,
                 Where(bool(is_causal), window(local_window_size), query_offset,
-                      query_seq_lengths, key_value_seq_lengths),
+                      query_seq_lengths, key_value_seq_lengths, attention_chunk_size),
                 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
                 None if softcap is None else float(softcap), float(dropout_rate), block_sizes,
-                shape)
+                shape, sinks)
     out, weights = chosen.run(call)
     return (out, weights) if return_weights else out
 
@@ -103,6 +112,7 @@ class Call(NamedTuple):
     dropout_rate: float
     block_sizes: object
     shape: tuple  # the weights' (..., H, Lq, Lk)
+    sinks: object = None  # (H,) or (), or None
 
 
 def _expect_tensors(**arrays) -> None:
@@ -138,7 +148,7 @@ def _run_explicit(call):
         dropout_mask = draw_dropout_mask(call.shape, call.dropout_rate, call.dropout_rng,
                                          call.query.device)
     return explicit(call.query, call.key, call.value, allowed, may_empty, call.bias, call.scale,
-                    call.softcap, call.dropout_rate, dropout_mask)
+                    call.softcap, call.dropout_rate, dropout_mask, call.sinks)
 
 
 def _run_fused(call):
@@ -151,7 +161,7 @@ def _run_row_chunks(call):
     rows = None if call.block_sizes is None else call.block_sizes[0]
     return row_chunks(call.query, call.key, call.value, call.mask, call.bias, call.dropout_mask,
                       call.where, call.scale, call.softcap, call.dropout_rate, call.dropout_rng,
-                      rows), None
+                      rows, call.sinks), None
 
 
 _NO_BLOCKS = "block_sizes is for 'row_chunks'"
@@ -167,6 +177,8 @@ def _fused_refuses(asked):
         ("it cannot soft-cap the scores", asked.softcap),
         ("it draws its own dropout, from neither a dropout_mask nor a torch.Generator",
          asked.dropout),
+        ("it has no sink logit (emulating one needs K and V copied with an extra key and a "
+         "float (Lq, Lk + 1) mask formed: use 'explicit' or 'row_chunks')", asked.sinks),
         ("its backward loses accuracy on large scores (docs/core.md); use 'explicit' or "
          "'row_chunks' for gradients", asked.gradients),
         (_NO_BLOCKS, asked.block_sizes is not None)] if asks]

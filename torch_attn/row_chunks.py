@@ -1,12 +1,13 @@
 """The torch core's "row_chunks" implementation: the explicit path by chunks of query rows.
 
 Memory O(rows · Lk) with gradients, never all the weights (so it cannot return them). The
-queries are cut into chunks of rows, each run through the explicit path on the keys its rows
-can see under the causal and window bounds; the forward keeps only the inputs and the output,
-the backward recomputes each chunk's weights (FlashAttention's recipe, by chunks of rows, but
-not its online softmax: that is JAX's "blockwise"). Each row's arithmetic is the explicit
-path's, so the errors are the same (the gradients of key, value and bias are summed over chunks
-in at least float32).
+queries are cut into chunks of rows, each run through the explicit path on the keys its rows can
+see under the causal, window and attention-chunk bounds (the sinks, one logit per head, go whole
+to every chunk, and their gradient sums over the chunks); the forward keeps only the inputs and
+the output, the backward recomputes each chunk's weights (FlashAttention's recipe, by chunks of
+rows, but not its online softmax: that is JAX's "blockwise"). Each row's arithmetic is the
+explicit path's, so the errors are the same (the gradients of key, value and bias are summed
+over chunks in at least float32).
 
 Shape legend: B batch, H heads (Hkv of key and value), Lq query length, Lk key length, Dk key
 width, Dv value width.
@@ -31,7 +32,7 @@ CHUNK_MIN_ROWS = 64
 
 
 def row_chunks(query, key, value, mask, bias, dropout_mask, where: Where, scale, softcap,
-               dropout_rate, generator, rows=None):
+               dropout_rate, generator, rows=None, sinks=None):
     """The output (..., H, Lq, Dv) of _RowChunks, its chunks planned here: ``rows`` query rows
     per chunk (None: chunk_rows)."""
     lq, lk = query.shape[-2], key.shape[-2]
@@ -45,7 +46,7 @@ def row_chunks(query, key, value, mask, bias, dropout_mask, where: Where, scale,
     chunks = [_Chunk(start, stop, *where.chunk(start, stop, lk, offsets), seed)
               for (start, stop), seed in zip(bounds, seeds)]
     plan = _Plan(chunks, mask, dropout_mask, scale, softcap, dropout_rate)
-    return _RowChunks.apply(query, key, value, bias, plan)
+    return _RowChunks.apply(query, key, value, bias, sinks, plan)
 
 
 def chunk_rows(batch_heads, lk) -> int:
@@ -75,13 +76,13 @@ class _Chunk(NamedTuple):
             x = x[..., self.start:self.stop, :]
         return x[..., self.k0:self.k1] if x.shape[-1] != 1 else x
 
-    def inputs(self, query, key, value, bias):
+    def inputs(self, query, key, value, bias, sinks):
         """The chunk's query (..., H, rows, Dk), key and value (..., Hkv, keys, D) and bias
-        (views; None stays None)."""
+        (views; None stays None), and the sinks (H,) or (), whole."""
         rows, keys = slice(self.start, self.stop), slice(self.k0, self.k1)
         qkv = [None if x is None else x[..., cut, :]
                for x, cut in zip((query, key, value), (rows, keys, keys))]
-        return qkv + [self.part(bias)]
+        return qkv + [self.part(bias), sinks]
 
 
 class _Plan(NamedTuple):
@@ -95,7 +96,7 @@ class _Plan(NamedTuple):
     softcap: object
     dropout_rate: float
 
-    def output(self, chunk, query, key, value, bias):
+    def output(self, chunk, query, key, value, bias, sinks):
         """One chunk's output (..., H, rows, Dv): its allowed set and dropout mask, then the
         explicit path."""
         shape = query.shape[:-1] + key.shape[-2:-1]  # (..., H, rows, keys)
@@ -106,7 +107,7 @@ class _Plan(NamedTuple):
             dropout_mask = draw_dropout_mask(shape, self.dropout_rate, generator, query.device)
         return _explicit_module.explicit(query, key, value, allowed, may_empty, bias,
                                          self.scale, self.softcap, self.dropout_rate,
-                                         dropout_mask)[0]
+                                         dropout_mask, sinks)[0]
 
 
 class _RowChunks(torch.autograd.Function):
@@ -116,21 +117,21 @@ class _RowChunks(torch.autograd.Function):
     range when causal) to the first, so each one's temporaries fit where the last one's were."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, plan):
-        ctx.save_for_backward(query, key, value, bias)
+    def forward(ctx, query, key, value, bias, sinks, plan):
+        ctx.save_for_backward(query, key, value, bias, sinks)
         ctx.plan = plan
         out = query.new_empty(query.shape[:-1] + value.shape[-1:])  # (..., H, Lq, Dv)
         for chunk in reversed(plan.chunks):
             out[..., chunk.start:chunk.stop, :] = plan.output(chunk, *chunk.inputs(
-                query, key, value, bias))
+                query, key, value, bias, sinks))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
         inputs, plan = ctx.saved_tensors, ctx.plan
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[:4]) if need]
-        grads = [None] * 4
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[:5]) if need]
+        grads = [None] * 5
         for i in wanted:
             wider = torch.promote_types(inputs[i].dtype, torch.float32)
             grads[i] = torch.zeros(inputs[i].shape, dtype=wider, device=inputs[i].device)
@@ -143,5 +144,5 @@ class _RowChunks(torch.autograd.Function):
                 found = torch.autograd.grad(out, [parts[i] for i in wanted],
                                             d_out[..., chunk.start:chunk.stop, :])
             for i, g in zip(wanted, found):
-                chunk.inputs(*grads)[i].add_(g)  # the same slice of the buffer: a view
+                chunk.inputs(*grads)[i].add_(g)  # the same slice of the buffer (sinks: whole)
         return (*(g if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)), None)

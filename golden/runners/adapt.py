@@ -112,10 +112,11 @@ def _takes(fn) -> tuple[set | None, bool]:
 def from_function(fn, framework: str, *, name: str | None = None, dtypes=None) -> Runner:
     """A runner of the core's fixtures through ``fn(query, key, value, **keywords)``, where
     keywords are those the fixture sets (mask, bias, is_causal, scale, softcap,
-    local_window_size, query_offset, query_seq_lengths, key_value_seq_lengths, dropout_rate,
-    dropout_mask), each passed only when set, and ``return_weights=True`` when ``fn`` takes it
-    (it then returns ``(output, weights)``). Arrays are ``framework``'s ("numpy", "torch",
-    "jax") in the run's dtype; masks bool, offsets and lengths int32."""
+    local_window_size, attention_chunk_size, query_offset, query_seq_lengths,
+    key_value_seq_lengths, sinks, dropout_rate, dropout_mask), each passed only when set, and
+    ``return_weights=True`` when ``fn`` takes it (it then returns ``(output, weights)``).
+    Arrays are ``framework``'s ("numpy", "torch", "jax") in the run's dtype; masks bool,
+    offsets and lengths int32."""
     if not callable(fn):
         raise ValueError(f"fn should be a callable, got {type(fn).__name__}")
     dtypes = _framework(framework, dtypes)

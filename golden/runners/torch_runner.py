@@ -57,7 +57,8 @@ def refuses(core, fixture) -> str | None:
     """Why torch's core implementation ``core`` cannot run the fixture's forward (its own rule,
     from torch_attn.IMPLEMENTATIONS), or None."""
     asked = implementations.Asked(softcap=fixture.config.get("softcap") is not None,
-                                  dropout="dropout_mask" in fixture.inputs)
+                                  dropout="dropout_mask" in fixture.inputs,
+                                  sinks="sinks" in fixture.inputs or "sinks" in fixture.params)
     return torch_attn.IMPLEMENTATIONS.refuses(core, asked)
 
 

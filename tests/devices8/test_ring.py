@@ -2,7 +2,8 @@
 a mesh axis gives the single-device core's output and gradients (float64 to 1e-12, float32 by
 the tolerance table) in each layout, causal or not, with GQA and MQA, soft-capping, windows,
 offsets, lengths and Lq ≠ Lk, on a mesh of 8 and on 2 × 4 meshes (auto and explicit axes) that
-shard the batch or the heads too; keys past the lengths are never read; the compiled programs
+shard the batch or the heads too; attention sinks and chunks (dL/dsinks summed over devices,
+blocks outside the chunks skipped); keys past the lengths are never read; the compiled programs
 move K and V by collective-permutes, gather nothing, and send exactly the bytes of
 bench/ring_comm.py's formula; the zig-zag layout gives every device the same causal work; bad
 arguments.
@@ -165,6 +166,58 @@ def test_new_offsets_and_lengths_do_not_recompile():
     assert compiles == [], compiles
 
 
+# ---- attention sinks and chunks -----------------------------------------------------------------
+
+SINK_CASES = {  # (mesh, ring_attention's own arguments, the core's arguments)
+    # chunks of 12 straddle the zig-zag chunks of 4 and the blocks: key_start matters
+    "zigzag_causal_chunks_offsets_softcap": (
+        {"seq": 8}, dict(block_sizes=(2, 3)),
+        dict(is_causal=True, attention_chunk_size=12, query_offset=[3, 0], softcap=2.0)),
+    "heads2_seq4_contiguous_chunks_lengths": (
+        {"heads": 2, "seq": 4}, dict(layout="contiguous", head_axis="heads"),
+        dict(attention_chunk_size=8, key_value_seq_lengths=[64, 21])),
+}
+
+
+@pytest.mark.parametrize("name", SINK_CASES)
+def test_sinks_and_chunks_match_single_device(name):
+    # Sinks (H,) start every row's online softmax on each device; dL/dsinks sums every
+    # device's rows (sharded with the heads over head_axis). Chunk bounds use global positions.
+    rng, seed = fresh_rng()
+    axes, ring_kw, core_kw = SINK_CASES[name]
+    mesh = _mesh(axes)
+    q, k, v = _inputs(rng)
+    sinks, d_out = rng.standard_normal(H), rng.standard_normal((B, H, L, DV))
+    kw = {n: np.array(x, "int32") if isinstance(x, list) else x for n, x in core_kw.items()}
+
+    def grads(fn):
+        def loss(q, k, v, sinks):
+            return jnp.sum(fn(q, k, v, sinks=sinks, **kw) * d_out)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+
+    with jax.enable_x64(True):
+        core = grads(partial(jax_attn.scaled_dot_product_attention, implementation="explicit"))
+        with jax.set_mesh(mesh):
+            ringed = grads(partial(jax_attn.ring_attention, mesh=mesh, **ring_kw))
+    for what, a, e in zip(("loss", "query", "key", "value", "sinks"),
+                          (ringed[0], *ringed[1]), (core[0], *core[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12, atol=1e-13,
+                                   err_msg=f"{what}, seed {seed}")
+
+
+@pytest.mark.parametrize("is_causal, per_head", [(False, 16), (True, 10)])
+def test_chunks_of_one_device_keep_the_work_on_it(is_causal, per_head):
+    # Contiguous slices of L / P = 8 tokens and chunks of 8: every device's queries see its own
+    # keys only, so the K/V blocks from the other devices are skipped by index: per head, the
+    # n² = 16 blocks of 2 × 2 of its own pair (n(n+1)/2 = 10 causal), none of the 7 others.
+    mesh, heads = _mesh({"seq": 8}), B * H
+    q, k = jax.ShapeDtypeStruct((B, H, L, DK), jnp.float32), jax.ShapeDtypeStruct(
+        (B, HKV, L, DK), jnp.float32)
+    count = ring.blocks_per_device(q, k, k, mesh=mesh, layout="contiguous", is_causal=is_causal,
+                                   attention_chunk_size=8, block_sizes=(2, 2))
+    np.testing.assert_array_equal(np.asarray(count), heads * per_head)
+
+
 # ---- the compiled program: what it sends -------------------------------------------------------
 
 def _bench():
@@ -261,6 +314,8 @@ BAD = [  # (arguments changed from a valid call, the message expected)
     (dict(key=_struct(B, HKV, L, 5)), r"key shape should be \(B, Hkv, Lk, Dk\) = \(2, \?, \?, 8\)"),
     (dict(softcap=0), r"softcap should be a positive number or None, got 0"),
     (dict(block_sizes=(0, 4)), r"block_sizes should be None or a pair"),
+    (dict(sinks=_struct(HKV)), r"sinks shape should be \(H,\) = \(4,\), got \(2,\)"),
+    (dict(attention_chunk_size=0), r"attention_chunk_size should be None or an int ≥ 1, got 0"),
 ]
 
 
