@@ -234,3 +234,48 @@ CASES += [
          {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8, "d_out": 3,
           "qkv_bias": True, "rope_theta": 10000.0}, dtypes=LOW),
 ]
+
+# RoPE of 2025–26 models (issue 23): Hugging Face's rope_parameters (llama3 bands, YaRN with
+# DeepSeek's mscale ratio and truncate off, LongRoPE past a small original max, linear, dynamic
+# NTK), the rotary fraction (partial rotary, rotate-half and GLM's interleaved), and all of
+# them at once with GQA and a window. Every size distinct within a case.
+CASES += [
+    Case("gqa_rope_llama3", GQA, 401, {"x": ("normal", (2, 9, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8, "d_out": 3,
+          "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 64}}),
+    Case("gqa_rope_yarn_mscale", GQA, 402, {"x": ("normal", (3, 7, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "d_out": 6,
+          "qkv_bias": True, "rope_theta": 100.0,
+          "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 32, "truncate": False,
+                              "mscale": 1.0, "mscale_all_dim": 0.8}}),
+    Case("gqa_rope_longrope_long", GQA, 403, {"x": ("normal", (2, 9, 7))},
+         {"d_in": 7, "num_heads": 3, "num_kv_heads": 1, "head_dim": 6, "d_out": 4,
+          "rope_parameters": {"rope_type": "longrope", "rope_theta": 500.0, "factor": 4.0,
+                              "short_factor": [1.0, 1.25, 2.0], "long_factor": [1.5, 3.0, 5.0],
+                              "original_max_position_embeddings": 6}}),
+    Case("gqa_rope_linear", GQA, 404, {"x": ("normal", (2, 8, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 3, "head_dim": 4, "d_out": 7,
+          "rope_theta": 1000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.5}}),
+    Case("gqa_rope_dynamic", GQA, 405, {"x": ("normal", (3, 8, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 1, "head_dim": 6, "d_out": 2,
+          "rope_parameters": {"rope_type": "dynamic", "rope_theta": 100.0, "factor": 3.0,
+                              "original_max_position_embeddings": 5}}),
+    Case("gqa_partial_rotary_half", GQA, 406, {"x": ("normal", (2, 7, 9))},
+         {"d_in": 9, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "d_out": 5,
+          "qkv_bias": True, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    Case("gqa_partial_rotary_interleaved", GQA, 407, {"x": ("normal", (2, 5, 7))},
+         {"d_in": 7, "num_heads": 3, "num_kv_heads": 1, "head_dim": 12, "d_out": 4,
+          "rope_interleaved": True,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 100.0,
+                              "partial_rotary_factor": 0.5}}),
+    Case("gqa_yarn_partial_window_lengths", GQA, 408,
+         {"x": ("normal", (2, 9, 5)), "query_seq_lengths": _ints([9, 6])},
+         {"d_in": 5, "num_heads": 8, "num_kv_heads": 2, "head_dim": 8, "d_out": 3,
+          "local_window_size": [3, 0], "out_bias": True, "partial_rotary_factor": 0.75,
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 50.0, "factor": 2.0,
+                              "original_max_position_embeddings": 12, "beta_fast": 8.0,
+                              "beta_slow": 2.0}}),
+]

@@ -20,6 +20,8 @@ inner ``jit`` is inlined and NNX carries the same updates through.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,8 @@ from golden.validate import (
     check_flags,
     check_self_inputs,
     check_sequence,
+    rope_arguments,
+    rope_settings,
 )
 from golden.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
@@ -59,6 +63,28 @@ def _linear(d_in, d_out, bias, rngs, precision):
     return nnx.Linear(d_in, d_out, use_bias=bias, precision=precision, rngs=rngs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    """A list or dict constructor argument (a window pair from JSON, rope_parameters) kept
+    hashable, a static leaf under jit: its items, lists inside as tuples; ``thawed`` gives the
+    list or dict back."""
+
+    items: tuple
+    is_dict: bool
+
+    @classmethod
+    def of(cls, value):
+        if isinstance(value, dict):
+            return cls(tuple((k, tuple(v) if isinstance(v, list) else v)
+                             for k, v in value.items()), True)
+        return cls(tuple(value), False) if isinstance(value, list) else value
+
+    def thawed(self):
+        if not self.is_dict:
+            return list(self.items)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.items}
+
+
 class _Variant(nnx.Module):
     """What every variant shares: its checked configuration and its dropout stream."""
 
@@ -67,13 +93,14 @@ class _Variant(nnx.Module):
 
     def _configure(self, **given) -> None:
         """Check the constructor arguments (golden.variants); kept as a hashable tuple, because
-        a module's plain attributes are static under jit."""
-        self._config = tuple(VARIANTS[self.variant].config(given).items())
+        a module's plain attributes are static under jit (a list or dict as _Frozen)."""
+        self._config = tuple((n, _Frozen.of(v)) for n, v in
+                             VARIANTS[self.variant].config(given).items())
 
     @property
     def config(self) -> dict:
         """The constructor arguments (what ``build`` needs besides the parameters)."""
-        return dict(self._config)
+        return {n: v.thawed() if isinstance(v, _Frozen) else v for n, v in self._config}
 
     def _init_dropout(self, dropout, rngs):
         self.dropout = dropout
@@ -292,13 +319,18 @@ class GroupedQueryAttention(_Variant):
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
-                 rope_theta=None, rope_interleaved=False, dropout=0.0, *, rngs,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, rope_parameters=None,
+                 partial_rotary_factor=1.0, rope_precision="exact", *, rngs,
                  precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
                         local_window_size=local_window_size, rope_theta=rope_theta,
-                        rope_interleaved=rope_interleaved, dropout=dropout)
+                        rope_interleaved=rope_interleaved, dropout=dropout,
+                        rope_parameters=rope_parameters,
+                        partial_rotary_factor=partial_rotary_factor, rope_precision=rope_precision)
+        self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
+                                    rope_precision)  # None without RoPE; hashable (static)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
         self.head_dim = variants.head_dim(self.config)
         self.causal, self.scale, self.softcap = causal, scale, softcap
@@ -354,10 +386,11 @@ class GroupedQueryAttention(_Variant):
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
-        if self.rope_theta is not None:
+        if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
-            q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
-                                     offset=offset, max_position=bound) for t in (q, k))
+            q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
+                                     max_position=bound, **rope_arguments(self.rotary))
+                    for t in (q, k))
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)

@@ -25,7 +25,9 @@ import math
 
 import numpy as np
 
+from golden.positions import rope_frequencies
 from golden.runners.adapt import combine, from_function, from_module
+from golden.validate import rope_settings
 
 CORE = "scaled_dot_product_attention"
 
@@ -324,9 +326,11 @@ class GroupedQueryAttention(Module):
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
-                 rope_theta=None, rope_interleaved=False, dropout=0.0, *, core=None):
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, rope_parameters=None,
+                 partial_rotary_factor=1.0, rope_precision="exact", *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
+        self.rope_settings = rope_settings(rope_theta, rope_parameters, partial_rotary_factor)
         self.heads, self.kv_heads = num_heads, num_kv_heads
         self.attend = dict(is_causal=causal, scale=scale, softcap=softcap,
                            local_window_size=local_window_size)
@@ -340,8 +344,8 @@ class GroupedQueryAttention(Module):
         q = _split(self.q_proj(x), self.heads)      # (..., N, L, Dh)
         k = _split(self.k_proj(x), self.kv_heads)   # (..., Nkv, L, Dh)
         v = _split(self.v_proj(x), self.kv_heads)
-        if self.rope_theta is not None:
-            q, k = (rope(t, self.rope_theta, self.rope_interleaved) for t in (q, k))
+        if self.rope_settings is not None:
+            q, k = (rope(t, self.rope_settings, self.rope_interleaved) for t in (q, k))
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), **self.attend,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
@@ -351,18 +355,23 @@ class GroupedQueryAttention(Module):
         return (y, w) if return_weights else y
 
 
-def rope(x, theta, interleaved):
-    """Rotary embedding of x (..., L, Dh), token i at position i: feature pair k, (k, k + Dh/2)
-    or (2k, 2k + 1) when ``interleaved``, turns by i·θ^(−2k/Dh). Angles, cos and sin in
-    float64, rounded once to x's dtype; the turn in x's dtype."""
+def rope(x, settings, interleaved):
+    """Rotary embedding of x (..., L, Dh), token i at position i: feature pair k of the first
+    rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k (golden.positions'
+    float64 frequencies, Hugging Face's rope_types), cos and sin times the attention factor;
+    the other features pass. Angles, cos and sin in float64, rounded once to x's dtype; the
+    turn in x's dtype."""
     length, dh = x.shape[-2:]
-    angles = np.arange(length)[:, None] * theta ** (-np.arange(0, dh, 2) / dh)  # (L, Dh/2)
-    cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :dh // 2], x[..., dh // 2:])
+    rd = int(dh * dict(settings)["partial_rotary_factor"])
+    f, m = rope_frequencies(settings, rd, length)
+    angles = np.arange(length)[:, None] * f  # (L, rd/2)
+    cos, sin = (m * np.cos(angles)).astype(x.dtype), (m * np.sin(angles)).astype(x.dtype)
+    x, rest = x[..., :rd], x[..., rd:]
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :rd // 2], x[..., rd // 2:])
     turned = (a * cos - b * sin, b * cos + a * sin)
     if interleaved:
-        return np.stack(turned, axis=-1).reshape(x.shape)
-    return np.concatenate(turned, axis=-1)
+        return np.concatenate([np.stack(turned, axis=-1).reshape(x.shape), rest], axis=-1)
+    return np.concatenate([*turned, rest], axis=-1)
 
 
 MODULES = {

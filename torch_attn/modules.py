@@ -22,6 +22,8 @@ from golden.validate import (
     check_flags,
     check_self_inputs,
     check_sequence,
+    rope_arguments,
+    rope_settings,
 )
 from golden.variants import VARIANTS
 from torch_attn.functional import scaled_dot_product_attention
@@ -222,14 +224,19 @@ class GroupedQueryAttention(nn.Module):
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, local_window_size=None,
-                 rope_theta=None, rope_interleaved=False, dropout=0.0):
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, rope_parameters=None,
+                 partial_rotary_factor=1.0, rope_precision="exact"):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
                               qkv_bias=qkv_bias, out_bias=out_bias, causal=causal, scale=scale,
                               softcap=softcap, local_window_size=local_window_size,
                               rope_theta=rope_theta, rope_interleaved=rope_interleaved,
-                              dropout=dropout)
+                              dropout=dropout, rope_parameters=rope_parameters,
+                              partial_rotary_factor=partial_rotary_factor,
+                              rope_precision=rope_precision)
+        self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
+                                    rope_precision)  # None without RoPE
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
         self.head_dim = variants.head_dim(self.config)
         self.causal, self.scale, self.softcap = causal, scale, softcap
@@ -268,10 +275,11 @@ class GroupedQueryAttention(nn.Module):
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
-        if self.rope_theta is not None:
+        if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
-            q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
-                                     offset=offset, max_position=bound) for t in (q, k))
+            q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
+                                     max_position=bound, **rope_arguments(self.rotary))
+                    for t in (q, k))
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)

@@ -60,8 +60,10 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
 
 
 def _static(config) -> tuple:
-    """The fixture's config as a hashable jit argument: JSON gives a window pair as a list."""
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()))
+    """The fixture's config as a hashable jit argument: JSON gives a window pair as a list, and
+    rope_parameters as a dict (its pairs here; only the core's settings are read back)."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else _static(v)
+                         if isinstance(v, dict) else v) for k, v in config.items()))
 
 
 @partial(jax.jit, static_argnames=("variant", "graphdef", "config"))
