@@ -203,7 +203,9 @@ class MultiHeadAttention(nn.Module):
 class GroupedQueryAttention(nn.Module):
     """The attention of Llama, Mistral, Qwen and Gemma: N query heads sharing Nkv key-value heads
     (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
-    embeddings on q and k (``rope_theta``), causal by default, and a functional KV cache.
+    embeddings on q and k (``rope_theta``; Hugging Face's ``rope_parameters`` scaling, the
+    ``partial_rotary_factor`` of features turned, ``rope_precision`` "exact" or "hf": see
+    rotary_embedding), causal by default, and a functional KV cache.
 
     Shapes: x (B, L, d_in) or (L, d_in); q (B, N, L, Dh), k and v (B, Nkv, L, Dh), Dh =
     ``head_dim`` (default d_in // num_heads); output (B, L, d_out), weights (B, N, L, Lk) with
