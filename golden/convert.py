@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from golden.validate import rope_settings, rotary_dims
 from golden.variants import VARIANTS, head_dim
 
 HF_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # Hugging Face's Llama, Mistral, Qwen, Gemma
@@ -190,6 +191,21 @@ def neutral_to_llama(params, *, num_heads, prefix="", names=HF_NAMES, interleave
     return out
 
 
+def check_pair_move(config, interleaved) -> None:
+    """ValueError when ``to_llama`` would have to move RoPE pairs (``interleaved`` differs from
+    the module's ``rope_interleaved``) of a partial rotary module: rope_permute moves pairs
+    across the whole head, where only the first rd features turn."""
+    settings = rope_settings(config["rope_theta"], config.get("rope_parameters"),
+                             config.get("partial_rotary_factor", 1.0))
+    dh = head_dim(config)
+    if interleaved != config["rope_interleaved"] and settings is not None and rotary_dims(
+            dh, settings) < dh:
+        raise ValueError(f"interleaved should be the module's rope_interleaved = "
+                         f"{config['rope_interleaved']} with partial rotary (only "
+                         f"{rotary_dims(dh, settings)} of Dh = {dh} features turn), got "
+                         f"{interleaved}")
+
+
 def llama_config(params, *, num_heads, rope_theta) -> dict:
     """The complete GroupedQueryAttention configuration for Llama-style neutral parameters:
     sizes from their shapes, ``qkv_bias``/``out_bias`` from the biases present, causal,
@@ -283,8 +299,8 @@ def flax_mha_settings(variant, config) -> dict:
     else:
         h, hkv, dh = c["num_heads"], c["num_kv_heads"], head_dim(c)
         e_out = c["d_in"] if c["d_out"] is None else c["d_out"]
-        for name, default in (("rope_theta", None), ("softcap", None),
-                              ("local_window_size", None)):
+        for name, default in (("rope_theta", None), ("rope_parameters", None),
+                              ("softcap", None), ("local_window_size", None)):
             if c[name] != default:
                 raise ValueError(f"{name} should be None for Flax's MultiHeadAttention, which "
                                  f"has no such setting, got {c[name]!r}")

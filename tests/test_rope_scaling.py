@@ -350,3 +350,23 @@ def test_bad_positions(twin):
                                          r"\(L = 4\), got int32 \(2, 5\)"):
         twin.lib.rotary_embedding(x, theta=10.0,
                                   positions=twin.array(np.zeros((2, 5), np.int32)))
+
+
+def test_converters_refuse_what_they_cannot_carry(twin):
+    # RoPE given only inside rope_parameters still has no place in torch's or Flax's
+    # MultiheadAttention, and to_llama cannot move the pairs of a partial rotary module.
+    config = dict(d_in=8, num_heads=2, num_kv_heads=2, rope_parameters={"rope_theta": 100.0})
+    module = twin.make("grouped_query_attention", config)
+    convert = twin.lib.convert
+    to_mha = convert.to_torch_mha if twin.name == "torch" else convert.to_nnx_mha
+    args = (module,) if twin.name == "torch" else ("grouped_query_attention", module.config,
+                                                   twin.lib.export_params(module))
+    with pytest.raises(ValueError, match=r"rope_parameters should be None .*got"):
+        to_mha(*args)
+    partial = twin.make("grouped_query_attention", dict(config, partial_rotary_factor=0.5,
+                                                        rope_interleaved=True))
+    with pytest.raises(ValueError, match=r"interleaved should be the module's rope_interleaved "
+                                         r"= True with partial rotary \(only 2 of Dh = 4 "
+                                         r"features turn\), got False"):
+        convert.to_llama(partial)
+    assert set(convert.to_llama(partial, interleaved=True)) >= {"q_proj.weight"}

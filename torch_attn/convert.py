@@ -41,6 +41,7 @@ from golden import variants
 from golden.convert import (
     HF_NAMES,
     META_NAMES,
+    check_pair_move,
     llama_config,
     llama_to_neutral,
     neutral_to_llama,
@@ -200,8 +201,8 @@ def _fit_config(variant, config, num_heads) -> int:
                          f"embed_dim is all three), got d_in = {config['d_in']}, N·Dh = {width}, "
                          f"d_out = {d_out}")
     if variant == "grouped_query_attention":
-        wanted = {"num_kv_heads": h, "rope_theta": None, "softcap": None,
-                  "local_window_size": None}
+        wanted = {"num_kv_heads": h, "rope_theta": None, "rope_parameters": None,
+                  "softcap": None, "local_window_size": None}
         for name, want in wanted.items():
             if config[name] != want:
                 raise ValueError(f"{name} should be {want} for torch.nn.MultiheadAttention "
@@ -407,6 +408,7 @@ def to_llama(module, *, prefix="", names=HF_NAMES, interleaved=False) -> dict:
     if getattr(module, "variant", None) != "grouped_query_attention":
         raise ValueError(f"module should be a torch_attn.GroupedQueryAttention, got "
                          f"{type(module).__name__}")
+    check_pair_move(module.config, interleaved)
     return neutral_to_llama(export_params(module), num_heads=module.num_heads, prefix=prefix,
                             names=names, interleaved=interleaved,
                             rope_interleaved=module.config["rope_interleaved"])
