@@ -19,6 +19,7 @@ Shape legend: B batch, H heads, L tokens, Dh head width, rd rotated features.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -26,7 +27,7 @@ import torch
 from golden import reference
 from golden.positions import rope_frequencies
 from golden.validate import rope_settings
-from tests.helpers import TWINS, fresh_rng
+from tests.helpers import JAX, TWINS, count_compiles, fresh_rng
 from torch_attn import export_params as torch_attn_export
 
 transformers = pytest.importorskip("transformers")
@@ -276,17 +277,71 @@ def test_call_dependent_decoding_follows_hf(name):
     got = torch.cat(steps, 1).numpy()
     assert np.abs(got - want).max() <= EXACT, f"seed {seed}"
     assert np.abs(got - full).max() > 1e-6  # the full forward turns every key as position 8's
-    jax_twin = TWINS["jax"]  # the same decode compiled, the largest position traced
+    jax_twin = JAX  # the same decode compiled, the largest position traced
     with jax_twin.float64():
         twin_module = jax_twin.build("grouped_query_attention", config,
                                      torch_attn_export(module))
         xs = jax_twin.array(x.numpy())
         y, cache = twin_module(xs[:, :4], cache=twin_module.init_cache(2, 12))
         steps = [jax_twin.numpy(y)]
-        for i in range(4, 9):
-            y, cache = twin_module(xs[:, i:i + 1], cache=cache)
-            steps.append(jax_twin.numpy(y))
+        y, cache = twin_module(xs[:, 4:5], cache=cache)  # the step's one compilation
+        steps.append(jax_twin.numpy(y))
+        with count_compiles() as compiled:  # positions 5 … 8, past L0 or not: traced
+            for i in range(5, 9):
+                y, cache = twin_module(xs[:, i:i + 1], cache=cache)
+                steps.append(jax_twin.numpy(y))
+    assert compiled == [], compiled
     assert np.abs(np.concatenate(steps, 1) - want).max() <= 1e-6, f"seed {seed}"  # float32 cos
+
+
+def test_jax_dynamic_ntk_in_the_program_float64_and_float32():
+    # Dynamic NTK's θ' depends on the traced largest position: JAX forms its angles in the
+    # program, in float64 under x64 (against torch's host-built float64 tables: 1e-12 at
+    # positions near 5,000) and in float32 without it, whose angle p·f errs by about p·2⁻²⁴
+    # (bounded here by 4·p·2⁻²⁴ relative to |x|; torch, exact tables, is within float32's few
+    # roundings). Measured, relative to |x|: 1.2e-13 (x64) and 4.1e-5 (float32; torch's float32
+    # 8.1e-8).
+    rng, seed = fresh_rng()
+    params = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0,
+              "original_max_position_embeddings": 2048}
+    x = rng.standard_normal((2, 3, 5, 16))
+    positions = np.arange(5) + 4990
+    want = TWINS["torch"].lib.rotary_embedding(torch.from_numpy(x), theta=None,
+                                               rope_parameters=params,
+                                               positions=torch.from_numpy(positions)).numpy()
+    step = JAX.lib.rotary_embedding
+    with JAX.float64():
+        wide = np.asarray(jax.jit(lambda a, p: step(a, theta=None, rope_parameters=params,
+                                                    positions=p, max_position=5000))(
+            JAX.array(x), JAX.array(positions)))
+    narrow = np.asarray(jax.jit(lambda a, p: step(a, theta=None, rope_parameters=params,
+                                                  positions=p, max_position=5000))(
+        JAX.array(x.astype(np.float32)), JAX.array(positions.astype(np.int32))))
+    scale = np.abs(x).max()
+    assert np.abs(wide - want).max() / scale <= EXACT, f"seed {seed}"
+    assert np.abs(narrow - want).max() / scale <= 4 * 5000 * 2.0**-24, f"seed {seed}"
+
+
+def test_reference_hf_precision_is_hf_float32(twin):
+    # The reference's rope_precision="hf" (HF's float32 operations in NumPy, whose float32
+    # power and cos may differ from torch's in the last bit) against each twin's, float64
+    # GroupedQueryAttention with yarn and partial rotary: float32's level.
+    rng, seed = fresh_rng()
+    config = dict(d_in=5, num_heads=4, num_kv_heads=2, head_dim=8, d_out=3,
+                  partial_rotary_factor=0.75, rope_precision="hf",
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 50.0, "factor": 2.0,
+                                   "original_max_position_embeddings": 12})
+    module = TWINS["torch"].make("grouped_query_attention", config)
+    params = {n: a.astype(np.float64) for n, a in torch_attn_export(module).items()}
+    x = rng.standard_normal((2, 9, 5))
+    want = reference.VARIANTS["grouped_query_attention"][0](
+        TWINS["torch"].lib.build("grouped_query_attention", config, params).config,
+        {"x": x}, params)[0]
+    with twin.float64():
+        built = twin.build("grouped_query_attention", config, params)
+        built.eval()
+        got = twin.numpy(built(twin.array(x)))
+    assert np.abs(got - want).max() <= 1e-6, f"seed {seed}"
 
 
 # ---- bad settings -----------------------------------------------------------------------------
