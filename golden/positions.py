@@ -1,7 +1,10 @@
 """Token positions, shared by both frameworks: the KV cache's layout, and the rotary
 embeddings' angle tables and arithmetic (written once for both: the twins' ``rotary`` modules
-only convert the tables and choose the compute dtype). NumPy only (the bottom layer); the
-float64 reference computes its angles on its own, directly, and does not use these tables.
+only convert the tables and choose the compute dtype), and Hugging Face's rope_parameters
+(the frequencies and attention factor of each rope_type in float64, and ``hf_inv_freq``, HF's
+own float32 operations for ``precision="hf"``). NumPy only (the bottom layer); the reference
+computes its angles on its own (golden.reference.rope_frequencies, exact arithmetic), and uses
+``hf_inv_freq`` only for "hf", which is HF's arithmetic by definition.
 
 Shape legend: B batch, Hkv key-value heads, M the cache's max_length, Dh head width, L the
 tokens of one call.
