@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from golden.validate import rope_settings, rotary_dims
 from golden.variants import VARIANTS, check_defaults, head_dim
 
 HF_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # Hugging Face's Llama, Mistral, Qwen, Gemma
@@ -188,6 +189,21 @@ def neutral_to_llama(params, *, num_heads, prefix="", names=HF_NAMES, interleave
         if f"b_{role}" in params:
             out[f"{prefix}{name}.bias"] = params[f"b_{role}"].copy()
     return out
+
+
+def check_pair_move(config, interleaved) -> None:
+    """ValueError when ``to_llama`` would have to move RoPE pairs (``interleaved`` differs from
+    the module's ``rope_interleaved``) of a partial rotary module: rope_permute moves pairs
+    across the whole head, where only the first rd features turn."""
+    settings = rope_settings(config["rope_theta"], config.get("rope_parameters"),
+                             config.get("partial_rotary_factor", 1.0))
+    dh = head_dim(config)
+    if interleaved != config["rope_interleaved"] and settings is not None and rotary_dims(
+            dh, settings) < dh:
+        raise ValueError(f"interleaved should be the module's rope_interleaved = "
+                         f"{config['rope_interleaved']} with partial rotary (only "
+                         f"{rotary_dims(dh, settings)} of Dh = {dh} features turn), got "
+                         f"{interleaved}")
 
 
 def llama_config(params, *, num_heads, rope_theta, sliding_window=None) -> dict:

@@ -182,6 +182,11 @@ def _sin_cos(x: Decimal, prec: int) -> tuple[Decimal, Decimal]:
     return [(sin, cos), (cos, neg_sin), (neg_sin, neg_cos), (neg_cos, sin)][k % 4]
 
 
+def pi(real: type = Real):
+    """π correctly rounded to ``real``'s precision (from guard digits)."""
+    return real(real.ctx.plus(_pi(real.ctx.prec + _GUARD)))
+
+
 def is_exact(a) -> bool:
     """Whether ``a`` is an array (or scalar) of this module's numbers."""
     return isinstance(a, Number) or (isinstance(a, np.ndarray) and a.dtype == object)

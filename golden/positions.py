@@ -1,7 +1,10 @@
 """Token positions, shared by both frameworks: the KV cache's layout, and the rotary
 embeddings' angle tables and arithmetic (written once for both: the twins' ``rotary`` modules
-only convert the tables and choose the compute dtype). NumPy only (the bottom layer); the
-float64 reference computes its angles on its own, directly, and does not use these tables.
+only convert the tables and choose the compute dtype), and Hugging Face's rope_parameters
+(the frequencies and attention factor of each rope_type in float64, and ``hf_inv_freq``, HF's
+own float32 operations for ``precision="hf"``). NumPy only (the bottom layer); the reference
+computes its angles on its own (golden.reference.rope_frequencies, exact arithmetic), and uses
+``hf_inv_freq`` only for "hf", which is HF's arithmetic by definition.
 
 Shape legend: B batch, Hkv key-value heads, M the cache's max_length, Dh head width, L the
 tokens of one call.
@@ -9,6 +12,7 @@ tokens of one call.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -37,22 +41,157 @@ class KVCache(NamedTuple):
 ROPE_BLOCK = 256
 
 
-def rope_frequencies(theta: float, head_dim: int) -> np.ndarray:
-    """f_i = θ^(−2i/Dh) for i = 0 … Dh/2 − 1, float64."""
-    return float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+def rope_frequencies(settings, rd, seq_len=None) -> tuple:
+    """(f (rd/2,) float64, attention factor m) of ``settings`` (golden.validate.rope_settings)
+    for rd rotated features, as Hugging Face's rope_type defines them, written in float64 (HF
+    forms them in float32). ``seq_len``: the call's largest position + 1, read by longrope
+    (long_factor past original_max_position_embeddings) and dynamic (θ' past it)."""
+    s = dict(settings)
+    kind, theta, s_ = s["rope_type"], s["rope_theta"], s.get("factor")
+    exponent = np.arange(0, rd, 2, dtype=np.float64) / rd
+    l0 = s.get("original_max_position_embeddings")
+    if kind == "dynamic" and seq_len is not None and seq_len > l0:
+        ratio = s_ * seq_len / s["original_max_position_embeddings"] - (s_ - 1)
+        theta = theta * ratio ** (rd / (rd - 2))
+    f = theta ** -exponent
+    m = 1.0
+    if kind == "linear":
+        f = f / s_
+    elif kind == "llama3":
+        f = _llama3(f, s)
+    elif kind == "yarn":
+        f, m = _yarn(f, s, rd, theta)
+    elif kind == "longrope":
+        long = seq_len is not None and seq_len > s["original_max_position_embeddings"]
+        f = f / np.asarray(s["long_factor" if long else "short_factor"], dtype=np.float64)
+        m = _longrope_factor(s)
+    return f, m
+
+
+def _llama3(f, s):
+    """Llama 3.1: wavelengths 2π/f above L0/low_freq_factor divided by the factor, below
+    L0/high_freq_factor kept, between them a linear blend in L0/wavelength."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    l0 = s["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / f
+    smooth = (l0 / wavelength - low) / (high - low)
+    blended = (1 - smooth) * f / factor + smooth * f
+    return np.where(wavelength > l0 / low, f / factor,
+                    np.where(wavelength < l0 / high, f, blended))
+
+
+def yarn_attention_factor(s) -> float:
+    """YaRN's m: attention_factor, or mscale(s, mscale) / mscale(s, mscale_all_dim) when both
+    are given (DeepSeek), or 0.1 · ln s + 1, where mscale(s, a) = 0.1 · a · ln s + 1 (1 for
+    s ≤ 1)."""
+    def mscale(scale, a=1.0):
+        return 1.0 if scale <= 1 else 0.1 * a * math.log(scale) + 1.0
+    if s["attention_factor"] is not None:
+        return s["attention_factor"]
+    if s["mscale"] and s["mscale_all_dim"]:
+        return mscale(s["factor"], s["mscale"]) / mscale(s["factor"], s["mscale_all_dim"])
+    return mscale(s["factor"])
+
+
+def yarn_ramp(s, rd, theta) -> tuple:
+    """YaRN's correction range (low, high) in pair indices: the pairs turning beta_fast and
+    beta_slow times within L0, floored and ceiled when ``truncate``, clipped to [0, rd − 1]."""
+    l0 = s["original_max_position_embeddings"]
+
+    def dim(rotations):
+        return rd * math.log(l0 / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim(s["beta_fast"]), dim(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rd - 1)
+    return low, (high + 0.001 if low == high else high)
+
+
+def _yarn(f, s, rd, theta):
+    """YaRN: f/s (interpolated) for the pairs past the ramp, f (extrapolated) before it, a
+    linear ramp between; m as yarn_attention_factor."""
+    low, high = yarn_ramp(s, rd, theta)
+    ramp = np.clip((np.arange(rd // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return f / s["factor"] * ramp + f * (1 - ramp), yarn_attention_factor(s)
+
+
+def _longrope_factor(s) -> float:
+    """LongRoPE's m: attention_factor, or √(1 + ln s / ln L0) (1 for s ≤ 1)."""
+    if s["attention_factor"] is not None:
+        return s["attention_factor"]
+    factor, l0 = s["factor"], s["original_max_position_embeddings"]
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(l0))
+
+
+def call_dependent(settings) -> bool:
+    """Whether the frequencies depend on the call's largest position (longrope, dynamic): then a
+    KV-cache decode does not equal the full forward (as in Hugging Face)."""
+    return dict(settings)["rope_type"] in ("longrope", "dynamic")
 
 
 @lru_cache(maxsize=64)
-def rope_tables(theta: float, head_dim: int, positions: int) -> tuple:
+def rope_tables(frequencies: tuple, factor: float, positions: int) -> tuple:
     """(cos_hi, sin_hi, cos_lo, sin_lo), float64: the hi tables (⌈positions / ROPE_BLOCK⌉,
-    Dh/2) at a·ROPE_BLOCK, the lo tables (ROPE_BLOCK, Dh/2) at b. Read-only (shared)."""
-    f = rope_frequencies(theta, head_dim)
+    rd/2) at a·ROPE_BLOCK, times the attention factor m (so that the combined cos and sin carry
+    it with no extra rounding), the lo tables (ROPE_BLOCK, rd/2) at b. Read-only (shared)."""
+    f = np.asarray(frequencies, dtype=np.float64)
     hi = np.arange(-(-positions // ROPE_BLOCK), dtype=np.float64)[:, None] * ROPE_BLOCK * f
     lo = np.arange(ROPE_BLOCK, dtype=np.float64)[:, None] * f
-    tables = (np.cos(hi), np.sin(hi), np.cos(lo), np.sin(lo))
+    tables = (factor * np.cos(hi), factor * np.sin(hi), np.cos(lo), np.sin(lo))
     for t in tables:
         t.flags.writeable = False
     return tables
+
+
+def settings_tables(settings, rd, positions, seq_len=None) -> tuple:
+    """rope_tables of ``settings`` for rd rotated features (seq_len: as rope_frequencies)."""
+    f, m = rope_frequencies(settings, rd, seq_len)
+    return rope_tables(tuple(f.tolist()), float(m), positions)
+
+
+def hf_inv_freq(settings, rd, array, seq_len=None):
+    """Hugging Face's float32 (inv_freq, attention factor), by its own operations in its order,
+    on the caller's framework: ``array(values)`` makes a float32 array of it (torch: HF's own
+    bits on the same machine; JAX and NumPy: their float32 power may differ in the last bit).
+    ``seq_len``: the call's largest position + 1 (longrope: a Python int; dynamic: an int, or
+    a float32 scalar of the framework, as HF's float32 θ' takes it)."""
+    s = dict(settings)
+    kind, base, factor = s["rope_type"], s["rope_theta"], s.get("factor")
+    l0 = s.get("original_max_position_embeddings")
+    exponents = array(np.arange(0, rd, 2)) / rd  # HF: arange(0, dim, 2).float() / dim
+    if kind == "dynamic" and seq_len is not None:
+        seq = max(seq_len, l0) if isinstance(seq_len, int) else seq_len + (l0 - seq_len) * (
+            seq_len < l0)
+        base = base * (factor * seq / l0 - (factor - 1)) ** (rd / (rd - 2))
+    if kind == "yarn":
+        pos_freqs = base ** exponents
+        low, high = yarn_ramp(s, rd, base)
+        ramp = (array(np.arange(rd // 2)) - low) / (high - low)
+        ramp = ramp * (ramp > 0) * (ramp < 1) + 1.0 * (ramp >= 1)  # clamp to [0, 1]
+        extrapolation = 1 - ramp
+        inv = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+        return inv, yarn_attention_factor(s)
+    if kind == "longrope":
+        long = seq_len is not None and seq_len > l0
+        ext = array(np.asarray(s["long_factor" if long else "short_factor"]))
+        return 1.0 / (ext * base ** exponents), _longrope_factor(s)
+    inv = 1.0 / (base ** exponents)
+    if kind == "linear":
+        inv = inv / factor
+    elif kind == "llama3":
+        low_f, high_f = s["low_freq_factor"], s["high_freq_factor"]
+        wavelength = 2 * math.pi / inv
+        scaled = _select(wavelength > l0 / low_f, inv / factor, inv)
+        smooth = (l0 / wavelength - low_f) / (high_f - low_f)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        inv = _select((wavelength >= l0 / high_f) & (wavelength <= l0 / low_f), smoothed, scaled)
+    return inv, 1.0
+
+
+def _select(condition, a, b):
+    """where(condition, a, b) by arithmetic (exact for finite a and b): the same code for any
+    framework's arrays."""
+    return a * condition + b * (~condition)
 
 
 def rope_cos_sin(tables, positions):
@@ -66,16 +205,20 @@ def rope_cos_sin(tables, positions):
 
 
 def rope_turn(x, cos, sin, interleaved, *, stack, concat):
-    """Each feature pair of x (..., L, Dh), (a, b) -> (a cos − b sin, b cos + a sin): the pairs
-    (i, i + Dh/2) ("rotate half") or, ``interleaved``, (2i, 2i + 1). ``stack(arrays, axis)`` and
-    ``concat(arrays, axis)`` are the framework's (torch.stack/torch.cat, jnp.stack/
-    jnp.concatenate)."""
-    half = x.shape[-1] // 2
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    """The first rd = 2 · cos.shape[-1] features of x (..., L, Dh) turned pair by pair, (a, b)
+    -> (a cos − b sin, b cos + a sin), the pairs (i, i + rd/2) ("rotate half") or, with
+    ``interleaved``, (2i, 2i + 1); the other Dh − rd features passed through (partial rotary).
+    ``stack(arrays, axis)`` and ``concat(arrays, axis)`` are the framework's (torch.stack/
+    torch.cat, jnp.stack/jnp.concatenate)."""
+    half = cos.shape[-1]
+    rot, rest = x[..., :2 * half], x[..., 2 * half:]
+    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
     turned = (a * cos - b * sin, b * cos + a * sin)
     if interleaved:
-        return stack(turned, -1).reshape(x.shape)  # (..., L, Dh/2, 2) -> (..., L, Dh)
-    return concat(turned, -1)
+        turned = stack(turned, -1).reshape(rot.shape)  # (..., L, rd/2, 2) -> (..., L, rd)
+    else:
+        turned = concat(turned, -1)
+    return turned if rest.shape[-1] == 0 else concat((turned, rest), -1)
 
 
 def check_fits(held, new, room, length) -> None:

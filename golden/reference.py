@@ -40,13 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Callable, NamedTuple
 
 import numpy as np
 
 from golden import exact, variants
 from golden.decoder import sliding_window
-from golden.validate import check_attention_args, window
+from golden.positions import hf_inv_freq
+from golden.validate import check_attention_args, rope_settings, rotary_dims, window
 
 _PRODUCT_BITS = contextvars.ContextVar("product_bits", default=None)
 _EXACT = contextvars.ContextVar("exact", default=None)  # the number type, None for float64
@@ -262,8 +264,11 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
 # by a constant added to a row of scores:
 # - the key projection's bias adds q_i · b_key to every score of query row i. Not with rotary
 #   embeddings (the bias is rotated by each key's position, so the shift is no longer constant
-#   along the row), nor with soft-capping (tanh bends a constant shift differently per key);
+#   along the row), nor with soft-capping (tanh bends a constant shift differently per key),
+#   nor with a QK norm (the bias is normalised with the rest of k);
 # - a score bias that is broadcast along the key axis (its last axis of size 1, or 0-d).
+# Neither with sinks: a sink's logit is not shifted with its row, so the shift moves weight
+# between the keys and the sink.
 # Computed, they are rounding residue; fixtures store exact zeros and list the names (meta
 # "zero"), which are checked against an absolute bound instead of a relative one.
 ZERO_GRADS = {"b_key"}
@@ -272,12 +277,33 @@ ZERO_GRADS = {"b_key"}
 def zero_grads(config, grads) -> list:
     """The names among ``grads`` that are zero by structure for this configuration, sorted."""
     names = set()
-    if config.get("rope_theta") is None and not config.get("softcap"):
+    rope = config.get("rope_theta") is not None or "rope_theta" in (
+        config.get("rope_parameters") or {})
+    if "sinks" in grads:
+        return []
+    if not rope and not config.get("softcap") and not config.get("qk_norm"):
         names |= set(grads) & ZERO_GRADS
     bias = grads.get("bias")
     if bias is not None and (np.ndim(bias) == 0 or np.shape(bias)[-1] == 1):
         names.add("bias")
     return sorted(names)
+
+
+def zero_elements(config):
+    """Boolean (Hkv·Dh,) or None: the elements of b_key's gradient that are zero by structure
+    although the whole is not (zero_grads). With partial rotary (GroupedQueryAttention) the key
+    bias's features that are not turned add a constant to each row of scores, as the whole
+    b_key does without RoPE: their gradient is zero, stored as zeros, not residue (no soft-cap,
+    which bends a constant shift, no QK norm, no sinks: see zero_grads)."""
+    shifts = not (config.get("softcap") or config.get("qk_norm") or config.get("sinks"))
+    settings = None if "num_kv_heads" not in config or not shifts else rope_settings(
+        config.get("rope_theta"), config.get("rope_parameters"),
+        config.get("partial_rotary_factor", 1.0))
+    if settings is None:
+        return None
+    dh = config.get("head_dim") or config["d_in"] // config["num_heads"]
+    passed = np.tile(np.arange(dh) >= rotary_dims(dh, settings), config["num_kv_heads"])
+    return passed if passed.any() else None
 
 
 def stored(config, output, weights, grads):
@@ -288,6 +314,9 @@ def stored(config, output, weights, grads):
     zero = zero_grads(config, grads)
     for n in zero:
         grads[n] = np.zeros_like(grads[n])
+    passed = zero_elements(config)
+    if passed is not None and "b_key" in grads:
+        grads["b_key"] = np.where(passed, 0.0, grads["b_key"])
     return exact.to_float64(output), exact.to_float64(weights), grads, zero
 
 
@@ -407,29 +436,138 @@ def merge_heads(y):
     return y.reshape(y.shape[:-2] + (-1,))
 
 
-def rope_angles(length, head_dim, theta):
-    """(L, Dh/2) float64: position p times frequency θ^(−2i/Dh), for p = 0 … L − 1 (inside
-    exact_arithmetic() θ^(−2i/Dh) = exp(−2i · ln θ / Dh), the exponent a decimal too)."""
-    if _EXACT.get() is not None:
-        log_theta = np.log(number(theta))
-        frequencies = np.array([np.exp(log_theta * -2 * i / number(head_dim))
-                                for i in range(head_dim // 2)], dtype=object)
-    else:
-        frequencies = float(theta) ** (-np.arange(0, head_dim, 2) / head_dim)
-    return np.arange(length)[:, None] * frequencies
+def _power(base, exponent):
+    """base^exponent for base > 0: NumPy's power in float64; exp(exponent · ln base) inside
+    exact_arithmetic(), where only integer powers exist."""
+    if _EXACT.get() is None:
+        return base ** exponent
+    return np.exp(np.log(base) * exponent)
 
 
-def rotate(x, angles, interleaved):
-    """Rotary embedding of x (..., L, Dh) by angles (..., L, Dh/2): feature pair i, the pair
-    (i, i + Dh/2) ("rotate half", interleaved=False) or (2i, 2i + 1) (interleaved=True),
-    is turned by its angle: (a, b) -> (a cos − b sin, b cos + a sin)."""
-    half = x.shape[-1] // 2
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    cos, sin = np.cos(angles), np.sin(angles)
+def _pi():
+    real_type = _EXACT.get()
+    return np.pi if real_type is None else exact.pi(real_type)
+
+
+def rope_frequencies(settings, rd, seq_len=None):
+    """(f (rd/2,), attention factor m) of RoPE ``settings`` (golden.validate.rope_settings)
+    for rd rotated features, Hugging Face's rope_types written out (it forms them in float32):
+        default   f_i = θ^(−2i/rd)
+        linear    f_i / s
+        dynamic   θ replaced by θ · (s · seq / L0 − (s − 1))^(rd / (rd − 2)) when seq > L0
+        llama3    wavelength λ = 2π / f: λ > L0 / low: f / s; λ < L0 / high: f; between,
+                  (1 − a) f / s + a f with a = (L0 / λ − low) / (high − low)
+        yarn      r = clip((i − lo) / (hi − lo), 0, 1): f / s · r + f · (1 − r), lo and hi
+                  the pairs turning beta_fast and beta_slow times within L0 (floored and
+                  ceiled when truncate); m = attention_factor, or mscale(s, mscale) /
+                  mscale(s, mscale_all_dim), or 0.1 ln s + 1
+        longrope  f_i / long_factor_i when seq > L0, else / short_factor_i; m =
+                  attention_factor or √(1 + ln s / ln L0)
+    with s the factor, L0 original_max_position_embeddings, seq the call's largest position
+    + 1. Float64, or exact inside exact_arithmetic()."""
+    s = dict(settings)
+    kind, theta, l0 = s["rope_type"], number(s["rope_theta"]), s.get(
+        "original_max_position_embeddings")
+    factor = None if s.get("factor") is None else number(s["factor"])
+    exponent = 2 * np.arange(rd // 2) / number(rd)  # 2i / rd
+    one, m = number(1), number(1)
+    if kind == "dynamic" and seq_len is not None and seq_len > l0:
+        theta = theta * _power(factor * seq_len / l0 - (factor - one), number(rd) / (rd - 2))
+    f = _power(theta, -exponent)
+    if kind == "linear":
+        f = f / factor
+    elif kind == "llama3":
+        low, high = number(s["low_freq_factor"]), number(s["high_freq_factor"])
+        wavelength = 2 * _pi() / f
+        a = (l0 / wavelength - low) / (high - low)
+        f = np.where(wavelength > l0 / low, f / factor,
+                     np.where(wavelength < l0 / high, f, (one - a) * f / factor + a * f))
+    elif kind == "yarn":
+        f, m = _yarn(s, f, rd, theta, factor)
+    elif kind == "longrope":
+        long = seq_len is not None and seq_len > l0
+        f = f / real(np.asarray(s["long_factor" if long else "short_factor"], np.float64))
+        m = (number(s["attention_factor"]) if s["attention_factor"] is not None
+             else one if factor <= 1 else np.sqrt(one + np.log(factor) / np.log(number(l0))))
+    return f, m
+
+
+def _yarn(s, f, rd, theta, factor):
+    """YaRN's frequencies and attention factor (rope_frequencies)."""
+    one, l0 = number(1), s["original_max_position_embeddings"]
+
+    def correction(rotations):  # the pair index turning ``rotations`` times within L0
+        return rd * np.log(l0 / (number(rotations) * 2 * _pi())) / (2 * np.log(theta))
+    lo, hi = correction(s["beta_fast"]), correction(s["beta_slow"])
+    if s["truncate"]:
+        lo, hi = number(math.floor(lo)), number(math.ceil(hi))
+    lo, hi = max(lo, number(0)), min(hi, number(rd - 1))
+    hi = hi + number(0.001) if lo == hi else hi
+    r = (np.arange(rd // 2) - lo) / (hi - lo)
+    r = np.where(r < 0, number(0), np.where(r > 1, one, r))
+    f = f / factor * r + f * (one - r)
+
+    def mscale(a):
+        return one if factor <= 1 else number(0.1) * number(a) * np.log(factor) + one
+    if s["attention_factor"] is not None:
+        return f, number(s["attention_factor"])
+    if s["mscale"] and s["mscale_all_dim"]:
+        return f, mscale(s["mscale"]) / mscale(s["mscale_all_dim"])
+    return f, mscale(1.0)
+
+
+def rope_angles(positions, head_dim, theta, rope_parameters=None, partial_rotary_factor=1.0):
+    """(..., L, rd/2): position p times frequency f_i (rope_frequencies; θ^(−2i/Dh) by default,
+    inside exact_arithmetic() exp(−2i · ln θ / Dh), the exponent a decimal too), for
+    ``positions`` an int L (p = 0 … L − 1) or an integer array (..., L); rd = int(Dh ·
+    partial_rotary_factor). The attention factor is rope_frequencies'."""
+    settings = rope_settings(theta, rope_parameters, partial_rotary_factor)
+    positions = np.arange(positions) if np.ndim(positions) == 0 else np.asarray(positions)
+    rd = rotary_dims(head_dim, settings)
+    f, _ = rope_frequencies(settings, rd, int(positions.max()) + 1)
+    return positions[..., None] * f
+
+
+def rope_cos_sin(settings, head_dim, positions):
+    """(cos, sin) (..., L, rd/2) times the attention factor, for integer ``positions``
+    (..., L): exact (or float64), or with settings' precision "hf" Hugging Face's float32
+    arithmetic (golden.positions.hf_inv_freq in NumPy float32; np.cos in float32 is NumPy's,
+    whose last bit depends on the CPU: no fixture uses it)."""
+    rd = rotary_dims(head_dim, settings)
+    seq_len = int(np.max(positions)) + 1
+    if dict(settings)["precision"] == "hf":
+        inv, m = hf_inv_freq(settings, rd, lambda v: np.asarray(v, np.float32), seq_len)
+        angles = np.asarray(positions, np.float32)[..., None] * inv
+        return tuple(real((t(angles) * np.float32(m)).astype(np.float64)) for t in (np.cos,
+                                                                                   np.sin))
+    f, m = rope_frequencies(settings, rd, seq_len)
+    angles = positions[..., None] * f
+    return m * np.cos(angles), m * np.sin(angles)
+
+
+def turn(x, cos, sin, interleaved):
+    """The first rd = 2 · cos.shape[-1] features of x (..., L, Dh) turned pair by pair by
+    (cos, sin) (..., L, rd/2): the pair (i, i + rd/2) ("rotate half", interleaved=False) or
+    (2i, 2i + 1) (interleaved=True), (a, b) -> (a cos − b sin, b cos + a sin); the other
+    Dh − rd features passed through (partial rotary)."""
+    half = cos.shape[-1]
+    rot, rest = x[..., :2 * half], x[..., 2 * half:]
+    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
     turned = (a * cos - b * sin, b * cos + a * sin)
     if interleaved:
-        return np.stack(turned, axis=-1).reshape(x.shape)  # (..., L, Dh/2, 2) -> (..., L, Dh)
-    return np.concatenate(turned, axis=-1)
+        turned = np.stack(turned, axis=-1).reshape(rot.shape)  # (..., L, rd/2, 2) -> (..., rd)
+    else:
+        turned = np.concatenate(turned, axis=-1)
+    return np.concatenate([turned, rest], axis=-1)
+
+
+def rotate(x, angles, interleaved, factor=None):
+    """Rotary embedding of x (..., L, Dh) by angles (..., L, rd/2) (turn), cos and sin times
+    ``factor`` (the attention factor) when given."""
+    cos, sin = np.cos(angles), np.sin(angles)
+    if factor is not None:
+        cos, sin = factor * cos, factor * sin
+    return turn(x, cos, sin, interleaved)
 
 
 class Stage(NamedTuple):
@@ -499,13 +637,14 @@ def block_backward(saved, d_y, d_weights):
     return grads
 
 
-def rope_stage(angles, interleaved) -> Stage:
-    """RoPE on q and k by ``angles`` (..., L, Dh/2); the transpose of a rotation turns by the
-    opposite angle."""
-    return Stage(lambda q, k: (rotate(q, angles, interleaved), rotate(k, angles, interleaved),
+def rope_stage(cos, sin, interleaved) -> Stage:
+    """RoPE on q and k by (cos, sin) (..., L, rd/2), the attention factor in both (turn); the
+    transpose of a rotation turns by the opposite angle, times the same factor, and the
+    pass-through features' is the identity."""
+    return Stage(lambda q, k: (turn(q, cos, sin, interleaved), turn(k, cos, sin, interleaved),
                                None),
-                 lambda s, g_q, g_k: (rotate(g_q, -angles, interleaved),
-                                      rotate(g_k, -angles, interleaved), {}))
+                 lambda s, g_q, g_k: (turn(g_q, cos, -sin, interleaved),
+                                      turn(g_k, cos, -sin, interleaved), {}))
 
 
 # QK normalisation: y = x̂ · w with x̂ = (x − μ) r, r = (mean((x − μ)²) + ε)^(−1/2) over the last
@@ -694,15 +833,17 @@ def _grouped_query(config, inputs, params):
     and which after); sinks and the output gate when the parameters hold them; the padding past
     query_seq_lengths neither querying nor attended."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
-    num_heads, theta, kind = c["num_heads"], c["rope_theta"], c["qk_norm"]
+    num_heads, kind = c["num_heads"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads
     norm = None if kind is None else qk_norm_stage(
         kind, *(None if params.get(n) is None else real(params[n])
                 for n in ("q_norm", "k_norm")), number(c["qk_norm_eps"]))
     stages = [norm] if norm is not None and kind != "l2" else []
-    if theta is not None:
-        stages.append(rope_stage(rope_angles(x.shape[-2], dh, theta),
-                                 c.get("rope_interleaved", False)))
+    settings = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
+                             c["rope_precision"])
+    if settings is not None:
+        stages.append(rope_stage(*rope_cos_sin(settings, dh, np.arange(x.shape[-2])),
+                                 c["rope_interleaved"]))
     if kind == "l2":  # Llama 4: after RoPE
         stages.append(norm)
     if c.get("query_temperature") is not None:

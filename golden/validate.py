@@ -159,12 +159,172 @@ def check_positive_or_none(arg, c) -> None:
         raise ValueError(f"{arg} should be a positive number or None, got {c!r}")
 
 
-def check_rotary(x, theta) -> None:
-    """rotary_embedding's x (an array; its Dh is checked where it is used) and θ, a finite
-    number > 0."""
+def check_rotary(x, theta, rope_parameters=None, partial_rotary_factor=1.0, precision="exact",
+                 positions=None):
+    """rotary_embedding's x (an array; its Dh is checked where it is used), θ (a finite number
+    > 0, or None when rope_parameters holds it), the other settings (rope_settings) and the
+    explicit ``positions``: integers shaped (L,), (B, L) against x (B, H, L, Dh), or
+    broadcasting to x's (..., L). Returns the settings (rope_settings)."""
     _expect_array("x", x)
-    if not (_real_number(theta) and math.isfinite(theta) and theta > 0):
-        raise ValueError(f"theta should be a positive number, got {theta!r}")
+    if not (isinstance(rope_parameters, Mapping) and "rope_theta" in rope_parameters):
+        if not (_real_number(theta) and math.isfinite(theta) and theta > 0):
+            raise ValueError(f"theta should be a positive number, got {theta!r}")
+    settings = rope_settings(theta, rope_parameters, partial_rotary_factor, precision)
+    if positions is not None:
+        _expect_array("positions", positions)
+        lead, length = tuple(x.shape[:-2]), x.shape[-2]
+        shape = tuple(positions.shape)
+        fits = shape[-1:] == (length,) and (
+            len(shape) == 1 or (len(lead) == 2 and shape == (lead[0], length))
+            or _broadcasts(shape, lead + (length,)))
+        if not fits or dtype_name(positions.dtype) not in ("int32", "int64", "int16", "uint8"):
+            raise ValueError(f"positions should be integers shaped (L,), (B, L) or (..., L) "
+                             f"against x's {lead + (length, x.shape[-1])} (L = {length}), got "
+                             f"{dtype_name(positions.dtype)} {shape}")
+    return settings
+
+
+def _broadcasts(shape, target) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (same rank or fewer axes)."""
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+
+
+# Hugging Face's rope_parameters, per rope_type: (required fields, optional fields with their
+# defaults). Every type also takes rope_type, rope_theta and partial_rotary_factor. Two fields
+# HF reads from the model's config instead are fields here: dynamic's original_max_position_
+# embeddings (HF: config.max_position_embeddings), and longrope's factor (HF: config.
+# max_position_embeddings / original_max_position_embeddings when the dict has none).
+ROPE_TYPES = {
+    "default": ((), {}),
+    "linear": (("factor",), {}),
+    "dynamic": (("factor", "original_max_position_embeddings"), {}),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"), {}),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             {"attention_factor": None, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": None,
+              "mscale_all_dim": None, "truncate": True}),
+    "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"),
+                 {"factor": None, "attention_factor": None}),
+}
+ROPE_PRECISIONS = ("exact", "hf")
+
+
+def _rope_field(name, value) -> None:
+    """One field of rope_parameters: ValueError naming it, what it expects and what it got."""
+    where = f"rope_parameters['{name}']"
+    if name == "original_max_position_embeddings":
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{where} should be a positive int, got {value!r}")
+    elif name == "truncate":
+        check_flags(**{where: value})
+    elif name in ("short_factor", "long_factor"):
+        if not (isinstance(value, (list, tuple)) and value
+                and all(_real_number(v) and math.isfinite(v) and v > 0 for v in value)):
+            raise ValueError(f"{where} should be a list of positive numbers (one per rotated "
+                             f"pair), got {value!r}")
+    elif name in ("mscale", "mscale_all_dim"):
+        if value is not None and not (_real_number(value) and math.isfinite(value)):
+            raise ValueError(f"{where} should be a number or None, got {value!r}")
+    elif value is not None or name not in ("attention_factor", "factor"):
+        if not (_real_number(value) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{where} should be a positive number, got {value!r}")
+
+
+def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1.0,
+                  rope_precision="exact"):
+    """The checked RoPE settings as a hashable tuple of (field, value) pairs (lists as tuples),
+    every field of the type present, defaults filled in; None when there is no RoPE (no θ
+    anywhere). θ and the rotary fraction may be given as arguments or inside the dict, as
+    Hugging Face 5.x puts them; given in both places they must agree."""
+    if rope_parameters is not None and not isinstance(rope_parameters, Mapping):
+        raise ValueError(f"rope_parameters should be a dict (Hugging Face's rope_parameters) or "
+                         f"None, got {type(rope_parameters).__name__}")
+    if rope_precision not in ROPE_PRECISIONS:
+        raise ValueError(f"rope_precision should be one of {', '.join(ROPE_PRECISIONS)}, "
+                         f"got {rope_precision!r}")
+    given = dict(rope_parameters or {})
+    kind = given.pop("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_parameters['rope_type'] should be one of "
+                         f"{', '.join(ROPE_TYPES)}, got {kind!r}")
+    required, optional = ROPE_TYPES[kind]
+    known = ("rope_theta", "partial_rotary_factor") + required + tuple(optional)
+    for name in given:
+        if name not in known:
+            raise ValueError(f"rope_parameters has an unknown field {name!r} for rope_type "
+                             f"{kind!r}; it takes rope_type, {', '.join(known)}")
+    for name in required:
+        if name not in given:
+            raise ValueError(f"rope_parameters['{name}'] is required by rope_type {kind!r} "
+                             f"(it takes rope_type, {', '.join(known)})")
+    theta = _given_once("rope_theta", rope_theta, given.pop("rope_theta", None), None)
+    fraction = _given_once("partial_rotary_factor", partial_rotary_factor,
+                           given.pop("partial_rotary_factor", None), 1.0)
+    if theta is None:
+        if rope_parameters is not None or fraction != 1.0:
+            raise ValueError("rope_theta should be given (as rope_theta or inside "
+                             "rope_parameters) with rope_parameters or partial_rotary_factor, "
+                             "got None")
+        return None
+    check_positive_or_none("rope_theta", theta)
+    if not (_real_number(fraction) and 0 < fraction <= 1):
+        raise ValueError(f"partial_rotary_factor should be a number in (0, 1], got {fraction!r}")
+    fields = {**optional, **given}
+    for name, value in fields.items():
+        _rope_field(name, value)
+    if kind == "llama3" and not fields["high_freq_factor"] > fields["low_freq_factor"]:
+        raise ValueError(f"rope_parameters['high_freq_factor'] should be greater than "
+                         f"low_freq_factor = {fields['low_freq_factor']}, got "
+                         f"{fields['high_freq_factor']}")
+    if kind == "longrope" and fields["factor"] is None and fields["attention_factor"] is None:
+        raise ValueError("rope_parameters['factor'] is required by rope_type 'longrope' without "
+                         "attention_factor (Hugging Face's max_position_embeddings / "
+                         "original_max_position_embeddings), got None")
+    fields = {n: tuple(v) if isinstance(v, list) else v for n, v in sorted(fields.items())}
+    return (("rope_type", kind), ("rope_theta", float(theta)),
+            ("partial_rotary_factor", float(fraction)), ("precision", rope_precision),
+            *fields.items())
+
+
+def rope_arguments(settings) -> dict:
+    """rotary_embedding's keyword arguments (theta, rope_parameters, partial_rotary_factor,
+    precision) for checked ``settings`` (rope_settings)."""
+    fields = dict(settings)
+    return {"theta": fields.pop("rope_theta"), "precision": fields.pop("precision"),
+            "partial_rotary_factor": fields.pop("partial_rotary_factor"),
+            "rope_parameters": fields}
+
+
+def _given_once(name, argument, field, default):
+    """A setting given as an argument or as a rope_parameters field: ValueError if both differ."""
+    if field is None:
+        return argument
+    if argument not in (None, default) and argument != field:
+        raise ValueError(f"{name} is given twice and they differ: {name} = {argument!r}, "
+                         f"rope_parameters['{name}'] = {field!r}")
+    return field
+
+
+def rotary_dims(head_dim, settings) -> int:
+    """rd = int(Dh · partial_rotary_factor), the rotated features of each head (the first rd):
+    ValueError unless even, ≥ 2, and matching longrope's per-pair factors (and > 2 for the
+    dynamic type, whose θ' has the exponent rd / (rd − 2))."""
+    s = dict(settings)
+    rd = int(head_dim * s["partial_rotary_factor"])
+    if rd < 2 or rd % 2:
+        raise ValueError(f"the rotated width int(head_dim · partial_rotary_factor) should be even "
+                         f"and at least 2, got int({head_dim} · {s['partial_rotary_factor']}) "
+                         f"= {rd}")
+    if s["rope_type"] == "dynamic" and rd == 2:
+        raise ValueError("the rotated width should be at least 4 for rope_type 'dynamic' "
+                         "(θ' has the exponent rd / (rd − 2)), got 2")
+    for name in ("short_factor", "long_factor"):
+        if name in s and len(s[name]) != rd // 2:
+            raise ValueError(f"rope_parameters['{name}'] should have rd / 2 = {rd // 2} numbers "
+                             f"(one per rotated pair), got {len(s[name])}")
+    return rd
 
 
 def check_flags(**flags) -> None:

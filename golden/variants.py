@@ -15,6 +15,7 @@ Shape legend: B batch, L sequence length (Lq queries, Lk keys), N heads, d_* fea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +33,8 @@ from golden.validate import (
     check_scale,
     check_self_inputs,
     dtype_name,
+    rope_settings,
+    rotary_dims,
     window,
 )
 
@@ -58,6 +61,19 @@ def _flag(name, b) -> None:
 
 def _window(name, w) -> None:
     window(w)  # raises naming local_window_size
+
+
+def _rope_parameters(name, p) -> None:
+    theta = None if isinstance(p, Mapping) and "rope_theta" in p else 10000.0
+    rope_settings(theta, p)  # a dict (or None) of known, valid fields
+
+
+def _rotary_fraction(name, x) -> None:
+    rope_settings(1.0, None, x)  # a number in (0, 1]
+
+
+def _rope_precision(name, x) -> None:
+    rope_settings(None, None, 1.0, x)  # "exact" or "hf"
 
 
 @dataclass(frozen=True)
@@ -262,6 +278,10 @@ def _grouped_query_shapes(c):
     if c["rope_theta"] is not None and dh % 2:
         raise ValueError(f"head_dim should be even with rotary embeddings (rope_theta), "
                          f"got {dh}")
+    rope = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
+                         c["rope_precision"])
+    if rope is not None:
+        rotary_dims(dh, rope)
     d_out = c["d_in"] if c["d_out"] is None else c["d_out"]
     shapes = {"W_query": (c["d_in"], h * dh), "W_key": (c["d_in"], hkv * dh),
               "W_value": (c["d_in"], hkv * dh), "W_out": (h * dh, d_out)}
@@ -371,7 +391,10 @@ _VARIANTS = [
              Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0),
              Arg("qk_norm", _qk_norm, None), Arg("qk_norm_eps", _epsilon, 1e-6),
              Arg("sinks", _flag, False), Arg("attention_chunk_size", _positive_or_none, None),
-             Arg("query_temperature", _temperature, None), Arg("output_gate", _flag, False)),
+             Arg("query_temperature", _temperature, None), Arg("output_gate", _flag, False),
+             Arg("rope_parameters", _rope_parameters, None),
+             Arg("partial_rotary_factor", _rotary_fraction, 1.0),
+             Arg("rope_precision", _rope_precision, "exact")),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate"},
             vectors=("q_norm", "k_norm", "sinks"),

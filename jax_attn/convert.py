@@ -35,6 +35,7 @@ from flax.core import unfreeze
 from golden.convert import (
     HF_NAMES,
     META_NAMES,
+    check_pair_move,
     flax_mha_settings,
     flax_mha_to_neutral,
     llama_config,
@@ -153,6 +154,7 @@ def to_llama(module, *, prefix="", names=HF_NAMES, interleaved=False) -> dict:
     if getattr(module, "variant", None) != "grouped_query_attention":
         raise ValueError(f"module should be a jax_attn.GroupedQueryAttention, got "
                          f"{type(module).__name__}")
+    check_pair_move(module.config, interleaved)
     return neutral_to_llama(export_params(module), num_heads=module.num_heads, prefix=prefix,
                             names=names, interleaved=interleaved,
                             rope_interleaved=module.config["rope_interleaved"])

@@ -28,7 +28,9 @@ import math
 import numpy as np
 
 from golden import variants
+from golden.positions import rope_frequencies
 from golden.runners.adapt import combine, from_function, from_module
+from golden.validate import rope_settings
 
 CORE = "scaled_dot_product_attention"
 
@@ -339,7 +341,8 @@ class GroupedQueryAttention(Module):
                  out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
                  rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
                  qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
-                 query_temperature=None, output_gate=False, *, core=None):
+                 query_temperature=None, output_gate=False, rope_parameters=None,
+                 partial_rotary_factor=1.0, rope_precision="exact", *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
@@ -348,6 +351,7 @@ class GroupedQueryAttention(Module):
         self.q_norm, self.k_norm = (np.zeros(shapes[qk_norm](n)) if qk_norm in shapes else None
                                     for n in (num_heads, num_kv_heads))
         self.gate_proj = Linear(d_in, num_heads * dh, qkv_bias) if output_gate else None
+        self.rope_settings = rope_settings(rope_theta, rope_parameters, partial_rotary_factor)
         self.heads, self.kv_heads = num_heads, num_kv_heads
         window = None if sliding_window is None else (  # W keys, the query's own included
             sliding_window - 1, 0 if causal else sliding_window - 1)
@@ -369,8 +373,8 @@ class GroupedQueryAttention(Module):
         v = _split(self.v_proj(x), self.kv_heads)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
-        if self.rope_theta is not None:
-            q, k = (rope(t, self.rope_theta, self.rope_interleaved) for t in (q, k))
+        if self.rope_settings is not None:
+            q, k = (rope(t, self.rope_settings, self.rope_interleaved) for t in (q, k))
         if self.qk_norm == "l2":  # Llama 4: after RoPE, no weight
             q, k = self.norm(q, None), self.norm(k, None)
         if self.temperature is not None:  # 1 + β ln(1 + ⌊(p + shift) / F⌋) at position p
@@ -407,18 +411,23 @@ class GroupedQueryAttention(Module):
         return table
 
 
-def rope(x, theta, interleaved):
-    """Rotary embedding of x (..., L, Dh), token i at position i: feature pair k, (k, k + Dh/2)
-    or (2k, 2k + 1) when ``interleaved``, turns by i·θ^(−2k/Dh). Angles, cos and sin in
-    float64, rounded once to x's dtype; the turn in x's dtype."""
+def rope(x, settings, interleaved):
+    """Rotary embedding of x (..., L, Dh), token i at position i: feature pair k of the first
+    rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k (golden.positions'
+    float64 frequencies, Hugging Face's rope_types), cos and sin times the attention factor;
+    the other features pass. Angles, cos and sin in float64, rounded once to x's dtype; the
+    turn in x's dtype."""
     length, dh = x.shape[-2:]
-    angles = np.arange(length)[:, None] * theta ** (-np.arange(0, dh, 2) / dh)  # (L, Dh/2)
-    cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :dh // 2], x[..., dh // 2:])
+    rd = int(dh * dict(settings)["partial_rotary_factor"])
+    f, m = rope_frequencies(settings, rd, length)
+    angles = np.arange(length)[:, None] * f  # (L, rd/2)
+    cos, sin = (m * np.cos(angles)).astype(x.dtype), (m * np.sin(angles)).astype(x.dtype)
+    x, rest = x[..., :rd], x[..., rd:]
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :rd // 2], x[..., rd // 2:])
     turned = (a * cos - b * sin, b * cos + a * sin)
     if interleaved:
-        return np.stack(turned, axis=-1).reshape(x.shape)
-    return np.concatenate(turned, axis=-1)
+        return np.concatenate([np.stack(turned, axis=-1).reshape(x.shape), rest], axis=-1)
+    return np.concatenate([*turned, rest], axis=-1)
 
 
 MODULES = {

@@ -204,7 +204,8 @@ def test_fixtures_list_exactly_the_gradients_zero_by_structure(fixture_name):
     # under rotary embeddings, which turn the bias by each key's position; the float64
     # reference leaves rounding noise far below every other gradient's scale.
     f = golden.load(fixture_name)
-    rope = f.config.get("rope_theta") is not None
+    rope = f.config.get("rope_theta") is not None or "rope_theta" in (
+        f.config.get("rope_parameters") or {})
     assert f.zero == ([] if rope else sorted(set(f.grads) & {"b_key"}))
     scale = max(np.abs(g).max() for n, g in f.grads.items() if n not in f.zero)
     for name in f.zero:

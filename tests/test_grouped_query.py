@@ -49,6 +49,17 @@ DECODE_CONFIGS = {
     "qk_rms_one_plus": dict(CONFIG, qk_norm="rms_one_plus", rope_interleaved=True),
     "sinks_window": dict(CONFIG, sinks=True, sliding_window=3),
     "chunks_l2": dict(CONFIG, attention_chunk_size=3, qk_norm="l2"),
+    # Hugging Face's rope_types whose frequencies do not depend on the call, and partial
+    # rotary (longrope and dynamic decode as HF does instead: tests/test_rope_scaling.py)
+    "llama3": dict(CONFIG, head_dim=8, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "yarn_partial": dict(CONFIG, head_dim=8, partial_rotary_factor=0.75, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6,
+        "mscale": 1.0, "mscale_all_dim": 0.5}),
+    "linear_partial_interleaved": dict(CONFIG, head_dim=6, rope_interleaved=True,
+                                       partial_rotary_factor=0.67,
+                                       rope_parameters={"rope_type": "linear", "factor": 2.0}),
 }
 EXACT = 1e-12  # float64: decoding and the full forward differ only in summation order
 

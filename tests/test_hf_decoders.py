@@ -22,7 +22,8 @@ reference alike, as they agree to ~1e-15): the largest relative error against HF
     Gemma 3, sliding window (1 + w)   1.6e-7      Llama 4, NoPE + temperature   2.1e-8
     OLMo 2 (rms across heads)         6.2e-8      Ministral 3, int positions    2.7e-8
     Cohere (layer, interleaved)       1.2e-7      Ministral 3, float64 pos.     1.4e-15
-    Qwen3-Next (1 + w, output gate)   1.6e-7
+    Qwen3-Next (1 + w, output gate)   1.6e-7 (with partial rotary, 30 seeds: 1.2e-7)
+    GPT-OSS sliding-window layer (sinks; eager, float64 throughout; 30 seeds)   7.2e-16
 and Gemma 3's eager weights (float32 softmax) 1.8e-7; the smallest error of any family with a
 float32 step, 7.1e-10 (Qwen3).
 
@@ -58,6 +59,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import masking_utils  # noqa: E402
 from transformers.models.cohere import modeling_cohere  # noqa: E402
 from transformers.models.gemma3 import modeling_gemma3  # noqa: E402
+from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 from transformers.models.llama4 import modeling_llama4  # noqa: E402
 from transformers.models.ministral3 import modeling_ministral3  # noqa: E402
 from transformers.models.olmo2 import modeling_olmo2  # noqa: E402
@@ -71,19 +73,25 @@ PRE_ATTN = 10       # Gemma 3's query_pre_attn_scalar: scale 10^−1/2, not Dh^�
 FLOOR, BETA = 3, 0.3  # the query temperature's floor_scale and β: floors 0, 1, 2 within L
 FLOAT32_LEVEL = (1e-12, 1e-6)  # (above, below): an error float32 rounding makes, not float64's
 SIZES = dict(d_in=D, num_heads=H, num_kv_heads=HKV, head_dim=DH)
+PARTIAL = 0.67        # Qwen3-Next's partial_rotary_factor here: 4 of Dh = 6 features turn
 
 
 # ---- inputs HF's attention modules take: float64 positions -----------------------------------
 
-def _angles():
-    """(L, Dh/2) float64: position p times θ^(−2i/Dh)."""
-    return np.arange(L)[:, None] * THETA ** (-np.arange(0, DH, 2) / DH)
+def _angles(rd=DH):
+    """(L, rd/2) float64: position p times θ^(−2i/rd) (rd < Dh: partial rotary)."""
+    return np.arange(L)[:, None] * THETA ** (-np.arange(0, rd, 2) / rd)
 
 
-def rotate_half_cos_sin():
-    """(cos, sin), each (1, L, Dh): the angles repeated as two halves (Llama's layout)."""
-    emb = np.concatenate([_angles()] * 2, -1)
+def rotate_half_cos_sin(rd=DH):
+    """(cos, sin), each (1, L, rd): the angles repeated as two halves (Llama's layout)."""
+    emb = np.concatenate([_angles(rd)] * 2, -1)
     return tuple(torch.from_numpy(f(emb))[None] for f in (np.cos, np.sin))
+
+
+def half_cos_sin():
+    """(cos, sin), each (1, L, Dh/2): the angles once (GPT-OSS's layout, turning the halves)."""
+    return tuple(torch.from_numpy(f(_angles()))[None] for f in (np.cos, np.sin))
 
 
 def interleaved_cos_sin():
@@ -180,6 +188,15 @@ def _ministral3():
             "original_max_position_embeddings": FLOOR}), 0)
 
 
+def _gpt_oss():
+    """GPT-OSS's sliding-window layer; eager, its only attention with sinks, whose softmax runs
+    in the logits' dtype (float64 here: no float32 step)."""
+    config = hf_config(transformers.GptOssConfig, num_hidden_layers=1, attention_bias=True,
+                       layer_types=["sliding_attention"], sliding_window=WINDOW)
+    config._attn_implementation = "eager"
+    return modeling_gpt_oss.GptOssAttention(config, 0)
+
+
 def _llama4(no_rope_layers):
     config = hf_config(transformers.Llama4TextConfig, num_hidden_layers=1, attention_bias=True,
                        no_rope_layers=no_rope_layers, use_qk_norm=True,
@@ -205,6 +222,10 @@ FAMILIES = {
                             qk_norm="rms_one_plus", qk_norm_eps=1e-6),
         lambda hf, x: hf(x, rotate_half_cos_sin(), additive(hf_window_mask(WINDOW)))[0],
         "Gemma3RMSNorm in float32"),
+    "gpt_oss_sliding": Family(
+        _gpt_oss, lambda sd: {**projections(sd), "sinks": sd["sinks"]},
+        dict(qkv_bias=True, out_bias=True, rope_theta=THETA, sinks=True, sliding_window=WINDOW),
+        lambda hf, x: hf(x, half_cos_sin(), additive(hf_window_mask(WINDOW)))[0], None),
     "olmo2": Family(
         lambda: modeling_olmo2.Olmo2Attention(hf_config(
             transformers.Olmo2Config, attention_bias=True, rms_norm_eps=1e-6), 0),
@@ -236,17 +257,16 @@ FAMILIES = {
         _ministral3, projections, MINISTRAL3,
         lambda hf, x: hf(x, rotate_half_cos_sin(), None, _positions(torch.float64))[0], None),
     "qwen3_next": Family(
-        # TODO(partial rotary): Qwen3-Next turns only the first partial_rotary_factor · Dh
-        # features of each head (0.25 in its checkpoints); our module has no rotary fraction
-        # yet, so the config says 1.0 and cos/sin span all of Dh. Add the partial case (cos/sin
-        # of width 0.25·Dh, frequencies θ^(−2i/(0.25·Dh))) once GroupedQueryAttention has it.
+        # partial rotary: rd = int(Dh · 0.67) = 4 of Dh = 6 features turn (0.25 in its
+        # checkpoints, which have Dh = 256)
         lambda: modeling_qwen3_next.Qwen3NextAttention(hf_config(
             transformers.Qwen3NextConfig, num_hidden_layers=1, layer_types=["full_attention"],
-            attention_bias=True, rms_norm_eps=1e-6, partial_rotary_factor=1.0), 0),
+            attention_bias=True, rms_norm_eps=1e-6, partial_rotary_factor=PARTIAL), 0),
         qwen3_next_to_neutral, dict(qkv_bias=True, out_bias=True, rope_theta=THETA,
                                     qk_norm="rms_one_plus", qk_norm_eps=1e-6,
-                                    output_gate=True),
-        lambda hf, x: hf(x, rotate_half_cos_sin(), None)[0], "Qwen3NextRMSNorm in float32"),
+                                    output_gate=True, partial_rotary_factor=PARTIAL),
+        lambda hf, x: hf(x, rotate_half_cos_sin(int(DH * PARTIAL)), None)[0],
+        "Qwen3NextRMSNorm in float32"),
 }
 
 

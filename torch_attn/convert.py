@@ -42,6 +42,7 @@ from golden.convert import (
     HF_NAMES,
     META_NAMES,
     MHA_SETTINGS,
+    check_pair_move,
     llama_config,
     llama_to_neutral,
     neutral_to_llama,
@@ -409,6 +410,7 @@ def to_llama(module, *, prefix="", names=HF_NAMES, interleaved=False) -> dict:
     if getattr(module, "variant", None) != "grouped_query_attention":
         raise ValueError(f"module should be a torch_attn.GroupedQueryAttention, got "
                          f"{type(module).__name__}")
+    check_pair_move(module.config, interleaved)
     return neutral_to_llama(export_params(module), num_heads=module.num_heads, prefix=prefix,
                             names=names, interleaved=interleaved,
                             rope_interleaved=module.config["rope_interleaved"])

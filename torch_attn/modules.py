@@ -23,6 +23,8 @@ from golden.validate import (
     check_flags,
     check_self_inputs,
     check_sequence,
+    rope_arguments,
+    rope_settings,
 )
 from golden.variants import VARIANTS
 from torch_attn.explicit import LOW_PRECISION
@@ -204,7 +206,9 @@ class GroupedQueryAttention(nn.Module):
     """Decoder attention as Llama, Mistral, Qwen, Gemma and their 2025–26 successors write it
     (docs/modules.md lists which families load exactly): N query heads sharing Nkv key-value
     heads (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
-    embeddings on q and k (``rope_theta``), causal by default, and a functional KV cache.
+    embeddings on q and k (``rope_theta``; Hugging Face's ``rope_parameters`` scaling, the
+    ``partial_rotary_factor`` of features turned, ``rope_precision`` "exact" or "hf": see
+    rotary_embedding), causal by default, and a functional KV cache.
 
     Shapes: x (B, L, d_in) or (L, d_in); q (B, N, L, Dh), k and v (B, Nkv, L, Dh), Dh =
     ``head_dim`` (default d_in // num_heads); output (B, L, d_out), weights (B, N, L, Lk) with
@@ -236,7 +240,8 @@ class GroupedQueryAttention(nn.Module):
                  out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
                  rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
                  qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
-                 query_temperature=None, output_gate=False):
+                 query_temperature=None, output_gate=False, rope_parameters=None,
+                 partial_rotary_factor=1.0, rope_precision="exact"):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -245,7 +250,12 @@ class GroupedQueryAttention(nn.Module):
                               rope_theta=rope_theta, rope_interleaved=rope_interleaved,
                               dropout=dropout, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
                               sinks=sinks, attention_chunk_size=attention_chunk_size,
-                              query_temperature=query_temperature, output_gate=output_gate)
+                              query_temperature=query_temperature, output_gate=output_gate,
+                              rope_parameters=rope_parameters,
+                              partial_rotary_factor=partial_rotary_factor,
+                              rope_precision=rope_precision)
+        self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
+                                    rope_precision)  # None without RoPE
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
         self.head_dim = variants.head_dim(self.config)
         self.causal, self.scale, self.softcap = causal, scale, softcap
@@ -297,10 +307,11 @@ class GroupedQueryAttention(nn.Module):
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
-        if self.rope_theta is not None:
+        if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
-            q, k = (rotary_embedding(t, theta=self.rope_theta, interleaved=self.rope_interleaved,
-                                     offset=offset, max_position=bound) for t in (q, k))
+            q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
+                                     max_position=bound, **rope_arguments(self.rotary))
+                    for t in (q, k))
         if self.qk_norm == "l2":  # Llama 4: after RoPE
             q, k = self._norm(q, None), self._norm(k, None)
         if self.query_temperature is not None:

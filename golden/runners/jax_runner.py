@@ -61,7 +61,7 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
 
 def _static(config) -> tuple:
     """The fixture's config as a hashable jit argument: JSON gives a window pair as a list, and
-    a dict option (query_temperature) is frozen (golden.variants.freeze)."""
+    a dict option (query_temperature, rope_parameters) is frozen (golden.variants.freeze)."""
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else variants.freeze(v))
                         for k, v in config.items()))
 
