@@ -303,6 +303,15 @@ CASES += [
          {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
           "attention_chunk_size": 3, "qk_norm": "l2", "rope_theta": 500000.0,
           "rope_interleaved": True}),
+    Case("gqa_positions_left_pad_and_packed", GQA, 431,  # row 0 left-padded, row 1 two packed
+         {"x": ("normal", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.85, ()),
+          "positions": _ints([[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3]])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 3,
+          "qk_norm": "rms", "partial_rotary_factor": 0.67,
+          "rope_parameters": {"rope_type": "llama3", "rope_theta": 100.0, "factor": 4.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+                              "original_max_position_embeddings": 4},
+          "query_temperature": {"beta": 0.6, "floor_scale": 2, "shift": 1}}),
 ]
 
 # RoPE of 2025–26 models (issue 23): Hugging Face's rope_parameters (llama3 bands, YaRN with

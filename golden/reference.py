@@ -828,10 +828,11 @@ def temperature_factors(positions, beta, floor_scale, shift):
 
 
 def _grouped_query(config, inputs, params):
-    """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE at positions 0 … L − 1 and
-    the query temperature on q and k (golden.variants.QK_NORMS says which norm runs before RoPE
-    and which after); sinks and the output gate when the parameters hold them; the padding past
-    query_seq_lengths neither querying nor attended."""
+    """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE and the query temperature at
+    the tokens' positions (0 … L − 1, or the inputs' ``positions``) on q and k
+    (golden.variants.QK_NORMS says which norm runs before RoPE and which after); sinks and the
+    output gate when the parameters hold them; the padding past query_seq_lengths neither
+    querying nor attended."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
     num_heads, kind = c["num_heads"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads
@@ -841,16 +842,18 @@ def _grouped_query(config, inputs, params):
     stages = [norm] if norm is not None and kind != "l2" else []
     settings = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                              c["rope_precision"])
+    positions = inputs.get("positions")  # (B, L) or (L,): each token's, default its index
+    positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
+    heads_axis = (slice(None), None) if positions.ndim == 2 else ()  # (B, L) -> (B, 1, L)
     if settings is not None:
-        stages.append(rope_stage(*rope_cos_sin(settings, dh, np.arange(x.shape[-2])),
-                                 c["rope_interleaved"]))
+        cos, sin = rope_cos_sin(settings, dh, positions)  # (..., L, rd/2)
+        stages.append(rope_stage(cos[heads_axis], sin[heads_axis], c["rope_interleaved"]))
     if kind == "l2":  # Llama 4: after RoPE
         stages.append(norm)
     if c.get("query_temperature") is not None:
         t = c["query_temperature"]
-        positions = np.arange(x.shape[-2])
-        stages.append(temperature_stage(temperature_factors(
-            positions, t["beta"], t["floor_scale"], t["shift"])[:, None]))  # (L, 1)
+        factors = temperature_factors(positions, t["beta"], t["floor_scale"], t["shift"])
+        stages.append(temperature_stage(factors[heads_axis][..., None]))  # (L, 1), (B, 1, L, 1)
     lengths = inputs.get("query_seq_lengths")
     train = "dropout_mask" in inputs
     core = {} if c.get("attention_chunk_size") is None else {

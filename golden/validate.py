@@ -424,14 +424,23 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
 
 
 def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_lengths=None, *,
-                         heads, rate=0.0, cache=None, kv_heads=None, head_dim=None):
+                         heads, rate=0.0, cache=None, kv_heads=None, head_dim=None,
+                         positions=None):
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
-    array of the batch shape ((B,), or () unbatched). Without a cache the keys are x's L tokens;
-    with one (a golden.positions.KVCache, see check_cache) they are its max_length positions M,
-    and x must be batched like it. Returns the weights' shape (B, H, L, L or M)."""
+    array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,). Without
+    a cache the keys are x's L tokens; with one (a golden.positions.KVCache, see check_cache)
+    they are its max_length positions M, and x must be batched like it. Returns the weights'
+    shape (B, H, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
     if query_seq_lengths is not None:
         _expect_integers("query_seq_lengths", query_seq_lengths, lead, "B" if lead else None)
+    if positions is not None:  # each token's position: (B, L), or (L,) unbatched
+        _expect_array("positions", positions)
+        _expect_integers("positions", positions, tuple(positions.shape), None)  # the dtype
+        want = tuple(lead) + tuple(x.shape[-2:-1])
+        if tuple(positions.shape) != want:
+            raise ValueError(f"positions shape should be {'(B, L)' if lead else '(L,)'} = "
+                             f"{_fmt(want)}, got {_fmt(tuple(positions.shape))}")
     lk = x.shape[-2]
     if cache is not None:
         lk = check_cache(cache, x, kv_heads, head_dim)

@@ -322,7 +322,8 @@ def _self_inputs(c, i, rate):
 
 def _decoder_inputs(c, i, rate):
     return check_decoder_inputs(i["x"], c["d_in"], i.get("mask"), i.get("dropout_mask"),
-                                i.get("query_seq_lengths"), heads=c["num_heads"], rate=rate)
+                                i.get("query_seq_lengths"), heads=c["num_heads"], rate=rate,
+                                positions=i.get("positions"))
 
 
 def _cross_inputs(c, i, rate):

@@ -347,13 +347,14 @@ class GroupedQueryAttention(_Variant):
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                        jnp.zeros((batch_size,), jnp.int32))
 
-    def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
-                 return_weights=False, strict=False):
+    def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+                 dropout_mask=None, return_weights=False, strict=False):
         check_flags(strict=strict)
         if strict and cache is not None:
             self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask)
         return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
-                          dropout_mask=dropout_mask, return_weights=return_weights)
+                          positions=positions, dropout_mask=dropout_mask,
+                          return_weights=return_weights)
 
     def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask):
         """strict=True: the lengths read on the host (as torch does), ValueError when the call's
@@ -369,12 +370,13 @@ class GroupedQueryAttention(_Variant):
         check_fits(np.asarray(cache.lengths), np.asarray(new), cache.key.shape[2], x.shape[-2])
 
     @compiled_call
-    def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
-              return_weights=False):
+    def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+              dropout_mask=None, return_weights=False):
         rate = self._rate()
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
-                             kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             positions=positions)
         q, k = self.W_query(x), self.W_key(x)                  # (B, L, N·Dh), (B, L, Nkv·Dh)
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
@@ -389,12 +391,12 @@ class GroupedQueryAttention(_Variant):
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
-                                     max_position=bound, **rope_arguments(self.rotary))
-                    for t in (q, k))
+                                     positions=positions, max_position=bound,
+                                     **rope_arguments(self.rotary)) for t in (q, k))
         if self.qk_norm == "l2":  # Llama 4: after RoPE
             q, k = self._norm(q, None), self._norm(k, None)
         if self.query_temperature is not None:
-            q = self._temperature(q, offset)
+            q = self._temperature(q, offset, positions)
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
@@ -431,15 +433,17 @@ class GroupedQueryAttention(_Variant):
                             mean=lambda a: a.mean(-1, keepdims=True),
                             rsqrt=jax.lax.rsqrt).astype(t.dtype)
 
-    def _temperature(self, q, offset):
-        """q times the query temperature at each token's position (index + offset)."""
+    def _temperature(self, q, offset, positions):
+        """q times the query temperature at each token's position (``positions``, or index +
+        offset)."""
         compute = jnp.promote_types(q.dtype, jnp.float32)
-        positions = jnp.arange(q.shape[-2])  # (L,)
-        if offset is not None:
-            positions = positions + offset[:, None]  # (B, L)
+        if positions is None:
+            positions = jnp.arange(q.shape[-2])  # (L,)
+            if offset is not None:
+                positions = positions + offset[:, None]  # (B, L)
         factors = temperature(positions, *self.query_temperature,
                               log1p=lambda n: jnp.log1p(n.astype(compute)))
-        factors = factors[..., None] if offset is None else factors[:, None, :, None]
+        factors = factors[..., None] if factors.ndim == 1 else factors[:, None, :, None]
         return (q.astype(compute) * factors).astype(q.dtype)  # (L, 1) or (B, 1, L, 1)
 
 

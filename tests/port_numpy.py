@@ -363,8 +363,11 @@ class GroupedQueryAttention(Module):
         self.k_proj, self.v_proj = (Linear(d_in, num_kv_heads * dh, qkv_bias) for _ in "kv")
         self.out_proj = Linear(num_heads * dh, d_in if d_out is None else d_out, out_bias)
 
-    def __call__(self, x, mask=None, *, query_seq_lengths=None, dropout_mask=None,
-                 return_weights=False):
+    def __call__(self, x, mask=None, *, query_seq_lengths=None, positions=None,
+                 dropout_mask=None, return_weights=False):
+        positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
+        if positions.ndim == 2:
+            positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
         q, k = self.q_proj(x), self.k_proj(x)
         if self.qk_norm == "rms_across_heads":  # OLMo 2: over all heads, before the split
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
@@ -374,13 +377,14 @@ class GroupedQueryAttention(Module):
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.rope_settings is not None:
-            q, k = (rope(t, self.rope_settings, self.rope_interleaved) for t in (q, k))
+            q, k = (rope(t, self.rope_settings, self.rope_interleaved, positions)
+                    for t in (q, k))
         if self.qk_norm == "l2":  # Llama 4: after RoPE, no weight
             q, k = self.norm(q, None), self.norm(k, None)
         if self.temperature is not None:  # 1 + β ln(1 + ⌊(p + shift) / F⌋) at position p
             t = self.temperature
-            steps = (np.arange(x.shape[-2]) + t["shift"]) // t["floor_scale"]
-            q = q * (1 + t["beta"] * np.log1p(steps)).astype(x.dtype)[:, None]
+            steps = (positions + t["shift"]) // t["floor_scale"]
+            q = q * (1 + t["beta"] * np.log1p(steps)).astype(x.dtype)[..., None]
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), **self.attend,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
@@ -411,16 +415,16 @@ class GroupedQueryAttention(Module):
         return table
 
 
-def rope(x, settings, interleaved):
-    """Rotary embedding of x (..., L, Dh), token i at position i: feature pair k of the first
+def rope(x, settings, interleaved, positions):
+    """Rotary embedding of x (..., L, Dh), token i at positions[..., i]: feature pair k of the first
     rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k (golden.positions'
     float64 frequencies, Hugging Face's rope_types), cos and sin times the attention factor;
     the other features pass. Angles, cos and sin in float64, rounded once to x's dtype; the
     turn in x's dtype."""
-    length, dh = x.shape[-2:]
+    dh = x.shape[-1]
     rd = int(dh * dict(settings)["partial_rotary_factor"])
-    f, m = rope_frequencies(settings, rd, length)
-    angles = np.arange(length)[:, None] * f  # (L, rd/2)
+    f, m = rope_frequencies(settings, rd, int(positions.max()) + 1)
+    angles = positions[..., None] * f  # (L, rd/2), or (B, 1, L, rd/2)
     cos, sin = (m * np.cos(angles)).astype(x.dtype), (m * np.sin(angles)).astype(x.dtype)
     x, rest = x[..., :rd], x[..., rd:]
     a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :rd // 2], x[..., rd // 2:])

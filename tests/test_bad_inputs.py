@@ -444,6 +444,13 @@ twin_case("call-gqa-query-lengths-float",
 twin_case("call-gqa-query-lengths-shape",
           lambda t: gqa_call(t, query_seq_lengths=arr(t, (3,), "int32")), ValueError,
           E("query_seq_lengths shape should be (B,) = (2,), got (3,)"))
+twin_case("call-gqa-positions-float", lambda t: gqa_call(t, positions=arr(t, (2, 3))),
+          ValueError, E("positions dtype should be an integer type, got float32"))
+twin_case("call-gqa-positions-shape",
+          lambda t: gqa_call(t, positions=arr(t, (3,), "int32")), ValueError,
+          E("positions shape should be (B, L) = (2, 3), got (3,)"))
+twin_case("call-gqa-positions-list", lambda t: gqa_call(t, positions=[[0, 1, 2]] * 2),
+          TypeError, E("positions should be an array (NumPy, torch or JAX), got list"))
 # strict=True reads the lengths' values on a cached call, in both twins (without it both drop
 # what does not fit, tests/test_grouped_query.py)
 twin_case("call-gqa-query-lengths-range",

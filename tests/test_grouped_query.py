@@ -431,3 +431,70 @@ def test_bad_cache(twin):
         module.init_cache(2, 0)
     with pytest.raises(ValueError, match=r"query_seq_lengths shape should be \(B,\) = \(2,\)"):
         module(twin.array(x), query_seq_lengths=twin.array(np.array([3], np.int32)))
+
+
+# ---- positions: left padding and packed sequences ---------------------------------------------
+
+# Everything that reads a position (RoPE scaled by llama3, the query temperature) or a token's
+# order (causal, Hugging Face's window, a QK norm beside them).
+POSITIONED = dict(CONFIG, qk_norm="rms", sliding_window=4, head_dim=8, rope_parameters={
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 4},
+    query_temperature={"beta": 0.5, "floor_scale": 2, "shift": 1})
+
+
+def _rows_alone(twin, module, x, real):
+    """Each row's real tokens (``real`` (B, L) bool) through the module alone, unpadded, as
+    one full causal forward: a list of (n_b, d_out)."""
+    return [_call(twin, module, x[b:b + 1, real[b]])[0] for b in range(x.shape[0])]
+
+
+def test_left_padded_prompts_decode_like_unpadded_ones(twin):
+    """Row 0: 3 padding tokens, then a 5-token prompt; row 1: an 8-token prompt; then 3 tokens
+    each, one at a time. positions = cumsum(real) − 1 and a mask hiding the padding's cache
+    slots: every real token's output equals its row's unpadded full forward to 1e-12."""
+    rng, seed = fresh_rng()
+    pad, prompt, steps, room = 3, 8, 3, 16
+    x = rng.standard_normal((2, prompt + steps, D_IN))
+    real = np.ones((2, prompt + steps), bool)
+    real[0, :pad] = False
+    positions = np.maximum(np.cumsum(real, axis=1) - 1, 0).astype(np.int32)
+    slots = np.zeros((2, room), bool)
+    slots[:, :prompt + steps] = real  # the cache slot of each token: its index
+    with twin.float64():
+        module = _built(twin, POSITIONED, _params(POSITIONED, rng))
+        alone = _rows_alone(twin, module, x, real)
+        mask = np.broadcast_to(slots[:, None], (2, prompt, room))
+        y, cache = module(twin.array(x[:, :prompt]), twin.array(mask),
+                          cache=module.init_cache(2, room),
+                          positions=twin.array(positions[:, :prompt]))
+        outputs = [twin.numpy(y)]
+        for t in range(prompt, prompt + steps):
+            y, cache = module(twin.array(x[:, t:t + 1]), twin.array(slots[:, None]),
+                              cache=cache, positions=twin.array(positions[:, t:t + 1]))
+            outputs.append(twin.numpy(y))
+    decoded = np.concatenate(outputs, axis=1)
+    for b in range(2):
+        assert np.abs(decoded[b, real[b]] - alone[b]).max() <= EXACT, (b, seed)
+    # without the positions, the padded row is another function (RoPE counts the padding)
+    with twin.float64():
+        shifted = twin.numpy(module(twin.array(x[:, :prompt]), twin.array(
+            np.broadcast_to(real[:, None, :prompt], (2, prompt, prompt)))))
+    assert np.abs(shifted[0, pad:] - alone[0][:prompt - pad]).max() > 1e-6, seed
+
+
+def test_packed_sequences_compute_each_sequence_alone(twin):
+    """Two sequences of 3 and 5 tokens packed in one row (positions restarting at 0, a
+    block-diagonal mask): each equals its own forward to 1e-12."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((1, 8, D_IN))
+    segment = np.array([0, 0, 0, 1, 1, 1, 1, 1])
+    positions = np.array([[0, 1, 2, 0, 1, 2, 3, 4]], np.int32)
+    mask = (segment[:, None] == segment[None, :])[None]  # (1, L, L): its own sequence only
+    with twin.float64():
+        module = _built(twin, POSITIONED, _params(POSITIONED, rng))
+        packed = twin.numpy(module(twin.array(x), twin.array(mask),
+                                   positions=twin.array(positions)))
+        apart = [_call(twin, module, x[:, segment == s])[0] for s in (0, 1)]
+    for s in (0, 1):
+        assert np.abs(packed[0, segment == s] - apart[s]).max() <= EXACT, (s, seed)

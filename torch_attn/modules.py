@@ -285,12 +285,13 @@ class GroupedQueryAttention(nn.Module):
                        torch.zeros(shape, dtype=dtype, device=device),
                        torch.zeros(batch_size, dtype=torch.int32, device=device))
 
-    def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, dropout_mask=None,
-                return_weights=False, strict=False):
+    def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+                dropout_mask=None, return_weights=False, strict=False):
         rate = _dropout_rate(self)
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
-                             kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             positions=positions)
         check_flags(strict=strict)
         if strict and cache is not None:  # reads the lengths: a device sync
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
@@ -310,12 +311,12 @@ class GroupedQueryAttention(nn.Module):
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
-                                     max_position=bound, **rope_arguments(self.rotary))
-                    for t in (q, k))
+                                     positions=positions, max_position=bound,
+                                     **rope_arguments(self.rotary)) for t in (q, k))
         if self.qk_norm == "l2":  # Llama 4: after RoPE
             q, k = self._norm(q, None), self._norm(k, None)
         if self.query_temperature is not None:
-            q = self._temperature(q, offset)
+            q = self._temperature(q, offset, positions)
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
@@ -349,16 +350,19 @@ class GroupedQueryAttention(nn.Module):
                             mean=lambda a: a.mean(-1, keepdim=True),
                             rsqrt=torch.rsqrt).to(t.dtype)
 
-    def _temperature(self, q, offset):
-        """q times the query temperature at each token's position (index + offset)."""
+    def _temperature(self, q, offset, positions):
+        """q times the query temperature at each token's position (``positions``, or index +
+        offset)."""
         compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
-        positions = torch.arange(q.shape[-2], device=q.device)  # (L,)
-        if offset is not None:
-            positions = positions + offset[:, None]  # (B, L)
+        if positions is None:
+            positions = torch.arange(q.shape[-2], device=q.device)  # (L,)
+            if offset is not None:
+                positions = positions + offset[:, None]  # (B, L)
+        positions = positions.to(q.device)
         t = self.query_temperature
         factors = temperature(positions, t["beta"], t["floor_scale"], t["shift"],
                               log1p=lambda n: torch.log1p(n.to(compute)))
-        factors = factors[..., None] if offset is None else factors[:, None, :, None]
+        factors = factors[..., None] if factors.dim() == 1 else factors[:, None, :, None]
         return (q.to(compute) * factors).to(q.dtype)  # (L, 1) or (B, 1, L, 1)
 
 
