@@ -417,6 +417,80 @@ def run_decode(grid: Grid, rng) -> list[dict]:
     return rows
 
 
+# --- the decode step with each option of 2025–26 decoders ---------------------------------------
+
+def decode_features(held: int) -> dict:
+    """{feature: GroupedQueryAttention options} for a cache holding ``held`` tokens: each option
+    alone (chunks and the window of held / 2 tokens, so that they cut what the step reads)."""
+    half = max(held // 2, 1)
+    return {
+        "plain": {},
+        "qk_norm (rms)": dict(qk_norm="rms"),
+        "sinks": dict(sinks=True),
+        "chunks": dict(attention_chunk_size=half),
+        "sliding_window": dict(sliding_window=half),
+        "llama3": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": half}),
+        "yarn, partial 0.5": dict(partial_rotary_factor=0.5, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": half}),
+        "temperature": dict(query_temperature={"beta": 0.1, "floor_scale": half, "shift": 1}),
+        "output_gate": dict(output_gate=True),
+    }
+
+
+def run_decode_features(grid: Grid, rng) -> list[dict]:
+    """One decode step (a token on a cache holding P tokens, as run_decode's) of the module with
+    each option of decode_features, torch_module and jax_module; plain_ratio: time ÷ the plain
+    module's in the same framework; torch_ratio: time ÷ torch_module's, same option."""
+    b, d_in, h, hkv, dh, max_len, held = grid.decode
+    shape = f"B={b},d={d_in},H={h},Hkv={hkv},Dh={dh},M={max_len},P={held}"
+    prompt, token = (rng.standard_normal((b, n, d_in), dtype=np.float32) for n in (held, 1))
+    rows, features = [], decode_features(held)
+    # the plain module twice, its first measurement discarded: the process's first decode
+    # steps measured here ran 1.5–2× slower (a warm-up the later options did not pay)
+    for n, (feature, options) in enumerate([("plain", {})] + list(features.items())):
+        torch_module = torch_attn.GroupedQueryAttention(d_in, h, hkv, head_dim=dh,
+                                                        rope_theta=10000.0, **options).eval()
+        jax_module = jax_attn.build("grouped_query_attention", torch_module.config,
+                                    torch_attn.export_params(torch_module))
+        jax_module.eval()
+        for impl, module, to_array in (
+                ("torch_module", torch_module, torch.from_numpy),
+                ("jax_module", jax_module, lambda a: jax.block_until_ready(jnp.asarray(a)))):
+            with torch.no_grad():
+                filled = jax.block_until_ready(
+                    module(to_array(prompt), cache=module.init_cache(b, max_len))[1])
+                m = measure(partial(module, cache=filled), [to_array(token)],
+                            grid.repeats * SHORT_CALL_REPEATS)
+            print(f"  decode step {feature:18} {impl:12} {m['median_ms']:9.3f} ms"
+                  + (" (warm-up, discarded)" if n == 0 else ""), file=sys.stderr, flush=True)
+            if n:
+                rows.append({"feature": feature, "impl": impl, "framework": framework(impl),
+                             "shape": shape, **m})
+    plain = {r["impl"]: r["median_ms"] for r in rows if r["feature"] == "plain"}
+    torch_ms = {r["feature"]: r["median_ms"] for r in rows if r["impl"] == "torch_module"}
+    for r in rows:
+        r["plain_ratio"] = r["median_ms"] / plain[r["impl"]]
+        r["torch_ratio"] = r["median_ms"] / torch_ms[r["feature"]]
+    return rows
+
+
+def decode_features_markdown(rows: list[dict]) -> list[str]:
+    shape = rows[0]["shape"] if rows else ""
+    lines = [
+        "", f"## The decode step with each option of 2025–26 decoders ({shape}, float32)", "",
+        "- One token on a cache holding P tokens, each option alone (chunks and window: P/2 "
+        "tokens). ÷ plain: this row's time ÷ the plain module's, same framework (< 1.1: the "
+        "option costs under 10 %). ÷ torch: jax_module's time ÷ torch_module's, same option.", "",
+        "| option | impl | median ms | ÷ plain | ÷ torch | others % |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    return lines + [f"| {r['feature']} | {r['impl']} | {r['median_ms']:.3f} "
+                    f"| {r['plain_ratio']:.2f} | {r['torch_ratio']:.2f} "
+                    f"| {_f(r['other_cpu_pct'], '{:.0f}')} |" for r in rows]
+
+
 def decode_target(rows: list[dict]) -> dict:
     """The decode-step target in TARGETS' form: torch time / JAX time ≥ 1 / DECODE_TARGET."""
     at = {r["impl"]: r for r in rows if r["phase"] == "decode step"}
@@ -729,10 +803,12 @@ def run(grid: Grid) -> dict:
     add_ratios(rows)
     long = run_long(grid, rng)  # after the grid: its seconds do not eat the grid's budget
     modern = run_modern(grid, rng)
+    decode_options = run_decode_features(grid, rng)
     wall_s = time.perf_counter() - start
     return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
             "ceilings": list(ceilings.values()), "results": rows, "modules": modules,
             "gqa": gqa, "decode": decode, "long": long, "modern": modern,
+            "decode_features": decode_options,
             "targets": (targets(rows, grid.bf16_shape) + [decode_target(decode)]
                         + long_targets(long)),
             "skipped": skipped,
@@ -889,6 +965,7 @@ def markdown(report: dict) -> str:
               f"| {r['peer_ratio']:.2f} | {_f(r['xla_temp_mb'], '{:.0f}')} "
               f"| {r['first_call_ms']:.0f} |" for r in report["long"]]
     lines += modern_markdown(report["modern"])
+    lines += decode_features_markdown(report.get("decode_features", []))
     lines += ["", "## Targets (float32; attention non-causal at L=1024, decoding and long "
               "sequences causal)", ""]
     for t in report["targets"]:
@@ -904,6 +981,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SECTIONS = {"modern": (run_modern, modern_markdown),  # --only: (run, markdown)
+            "decode_features": (run_decode_features, decode_features_markdown)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attn-parity bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -914,24 +995,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None,
                         help="most steady calls per measurement (default 10, quick 3); "
                              "slow cases use fewer, down to 3")
-    parser.add_argument("--only", choices=("modern",), default=None,
-                        help="run one section alone and print it, writing DIR/modern.json "
+    parser.add_argument("--only", choices=tuple(SECTIONS), default=None,
+                        help="run one section alone and print it, writing DIR/SECTION.json "
                              "(latest.* untouched): modern = attention sinks and chunked "
-                             "attention")
+                             "attention; decode_features = the decode step with each option "
+                             "of GroupedQueryAttention")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else FULL
     if args.repeats is not None:
         if args.repeats < 1:
             parser.error("--repeats should be at least 1")
         grid = replace(grid, repeats=args.repeats)
-    if args.only == "modern":
+    if args.only is not None:
+        run_section, section_markdown = SECTIONS[args.only]
         info, cpu_start, start = machine(), _cpu_seconds(), time.perf_counter()
-        rows = run_modern(grid, np.random.default_rng())
-        section = {"machine": info, "grid": asdict(grid), "modern": rows,
+        rows = run_section(grid, np.random.default_rng())
+        section = {"machine": info, "grid": asdict(grid), args.only: rows,
                    "other_cpu_pct": other_cpu(cpu_start, time.perf_counter() - start)}
         args.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out / "modern.json", (json.dumps(section, indent=1) + "\n").encode())
-        print("\n".join(modern_markdown(rows)))
+        write_atomic(args.out / f"{args.only}.json",
+                     (json.dumps(section, indent=1) + "\n").encode())
+        print("\n".join(section_markdown(rows)))
         return 0
     report = run(grid)
     text = markdown(report)

@@ -312,6 +312,15 @@ CASES += [
                               "low_freq_factor": 1.0, "high_freq_factor": 2.0,
                               "original_max_position_embeddings": 4},
           "query_temperature": {"beta": 0.6, "floor_scale": 2, "shift": 1}}),
+    Case("gqa_every_option", GQA, 432,  # YaRN × partial × interleaved × norm × sinks × chunks
+         {"x": ("normal", (2, 9, 5)), "query_seq_lengths": _ints([9, 6])},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 8, "d_out": 3,
+          "qkv_bias": True, "qk_norm": "rms_one_plus", "sinks": True,
+          "attention_chunk_size": 4, "sliding_window": 3, "output_gate": True,
+          "rope_interleaved": True, "partial_rotary_factor": 0.5,
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 300.0, "factor": 2.0,
+                              "original_max_position_embeddings": 5},
+          "query_temperature": {"beta": 0.2, "floor_scale": 4, "shift": 0}}),
 ]
 
 # RoPE of 2025–26 models (issue 23): Hugging Face's rope_parameters (llama3 bands, YaRN with

@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 import math
 
-from golden.bench import DECODE_IMPLS, IMPLS, LONG_IMPLS, MODERN_IMPLS, MODULES
+from golden.bench import (
+    DECODE_IMPLS,
+    IMPLS,
+    LONG_IMPLS,
+    MODERN_IMPLS,
+    MODULES,
+    decode_features,
+)
 from golden.cli import main
 
 
@@ -19,6 +26,11 @@ def test_quick_run_writes_both_reports(tmp_path):
     assert {(r["feature"], r["pass"], r["impl"]) for r in modern} == {
         (f, p, i) for f in ("sinks", "chunks") for p in ("fwd", "fwd+bwd") for i in MODERN_IMPLS}
     assert all(r["median_ms"] > 0 and r["peer_ratio"] > 0 for r in modern)
+    options = report["decode_features"]  # the decode step with each option, both frameworks
+    assert {(r["feature"], r["impl"]) for r in options} == {
+        (f, i) for f in decode_features(report["grid"]["decode"][-1])
+        for i in ("torch_module", "jax_module")}
+    assert all(r["median_ms"] > 0 and r["plain_ratio"] > 0 for r in options)
     assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
     assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
         ("jax", "float32"), ("torch", "float32")}
@@ -96,3 +108,11 @@ def test_only_modern_runs_that_section_alone(tmp_path, capsys):
     assert len(report["modern"]) == 2 * 2 * len(MODERN_IMPLS)
     assert not (tmp_path / "latest.json").exists()
     assert "## Attention sinks and chunked attention" in capsys.readouterr().out
+
+
+def test_only_decode_features_runs_that_section_alone(tmp_path, capsys):
+    assert main(["bench", "--quick", "--only", "decode_features", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_features.json").read_text())
+    assert len(report["decode_features"]) == 2 * len(decode_features(16))
+    assert not (tmp_path / "latest.json").exists()
+    assert "## The decode step with each option" in capsys.readouterr().out

@@ -49,6 +49,12 @@ DECODE_CONFIGS = {
     "qk_rms_one_plus": dict(CONFIG, qk_norm="rms_one_plus", rope_interleaved=True),
     "sinks_window": dict(CONFIG, sinks=True, sliding_window=3),
     "chunks_l2": dict(CONFIG, attention_chunk_size=3, qk_norm="l2"),
+    "every_option": dict(CONFIG, head_dim=8, qk_norm="rms_one_plus", sinks=True,
+                         attention_chunk_size=4, sliding_window=3, output_gate=True,
+                         rope_interleaved=True, partial_rotary_factor=0.5,
+                         rope_parameters={"rope_type": "yarn", "factor": 2.0,
+                                          "original_max_position_embeddings": 5},
+                         query_temperature={"beta": 0.2, "floor_scale": 4, "shift": 0}),
     # Hugging Face's rope_types whose frequencies do not depend on the call, and partial
     # rotary (longrope and dynamic decode as HF does instead: tests/test_rope_scaling.py)
     "llama3": dict(CONFIG, head_dim=8, rope_parameters={

@@ -252,9 +252,10 @@ MODULE_CASES = {
     "grouped_query_attention-kv_replicated": (
         "float64", dict(d_in=6, num_heads=8, num_kv_heads=2, head_dim=3, d_out=5, qkv_bias=True,
                         softcap=10.0, sliding_window=4)),
-    "grouped_query_attention-options": (  # issue 23's: norms, gate, temperature (sinks: core)
+    "grouped_query_attention-options": (  # issue 23's: norms, gate, temperature, sinks, chunks
         "float64", dict(d_in=6, num_heads=8, num_kv_heads=4, head_dim=2, d_out=5, qkv_bias=True,
-                        qk_norm="layer", output_gate=True, rope_theta=100.0,
+                        qk_norm="layer", output_gate=True, rope_theta=100.0, sinks=True,
+                        attention_chunk_size=3,
                         query_temperature={"beta": 0.5, "floor_scale": 2, "shift": 1})),
 }
 HEAD_PARALLEL = {"multi_head_attention", "grouped_query_attention"}
