@@ -367,3 +367,24 @@ CASES += [
                               "original_max_position_embeddings": 12, "beta_fast": 8.0,
                               "beta_slow": 2.0}}),
 ]
+
+# MultiHeadCrossAttention (issue 24): queries from x, keys and values from a context of another
+# length and width; Whisper's encoder_attn (no bias on k_proj), T5's (no biases, scale 1),
+# multi-query, padded contexts (context_lengths) and a row with no context at all.
+MHCA = "multi_head_cross_attention"
+CASES += [
+    Case("mhca_whisper_padding_gqa", MHCA, 601,
+         {"x": ("normal", (2, 5, 7)), "context": ("normal", (2, 9, 11)),
+          "mask": ("mask", (2, 5, 9), 0.8, ()), "context_lengths": _ints([9, 4])},
+         {"d_in": 7, "d_context": 11, "num_heads": 6, "num_kv_heads": 3, "head_dim": 4,
+          "d_out": 10, "qkv_bias": True, "key_bias": False, "out_bias": True}),
+    Case("mhca_t5_scale_one_unbatched", MHCA, 602,
+         {"x": ("normal", (6, 5)), "context": ("normal", (8, 3)),
+          "mask": ("mask", (6, 8), 0.7, ((2,),))},
+         {"d_in": 5, "d_context": 3, "num_heads": 4, "head_dim": 2, "d_out": 7, "scale": 1.0}),
+    Case("mhca_mqa_empty_context_row", MHCA, 603,  # row 1 has no context: its weights are zero
+         {"x": ("normal", (3, 4, 6)), "context": ("normal", (3, 7, 5)),
+          "context_lengths": _ints([7, 0, 2])},
+         {"d_in": 6, "d_context": 5, "num_heads": 8, "num_kv_heads": 1, "head_dim": 2,
+          "d_out": 9, "qkv_bias": True}),
+]

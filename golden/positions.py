@@ -32,6 +32,33 @@ class KVCache(NamedTuple):
     lengths: Any
 
 
+class ContextCache(NamedTuple):
+    """A cross-attention module's keys and values of one context, computed once and reused by
+    every later call (the same fields in torch and JAX; a pytree in JAX).
+
+    key, value: (B, Nkv, Lc, Dh), already projected; lengths: (B,) int32, the real tokens of each
+    row (right padding; Lc without context_lengths); fingerprint: (B, 4) of the context
+    (``context_fingerprint``), so that a call given another context with this cache raises
+    instead of mixing them. Unbatched: the same without B.
+    """
+
+    key: Any
+    value: Any
+    lengths: Any
+    fingerprint: Any
+
+
+def context_fingerprint(context, stack):
+    """(..., 4): Σ c, Σ c², and the sums of products of neighbours along Lc and along d_context
+    of a context (..., Lc, d_context) in its own dtype (at least float32: the caller's): equal
+    contexts give equal fingerprints, and a different context (other values, another order)
+    almost surely not. ``stack``: the framework's stack(list, axis)."""
+    c, axes = context, (-2, -1)
+    return stack([c.sum(axis=axes), (c * c).sum(axis=axes),
+                  (c[..., 1:, :] * c[..., :-1, :]).sum(axis=axes),
+                  (c[..., :, 1:] * c[..., :, :-1]).sum(axis=axes)], -1)
+
+
 # RoPE angles p·f_i, f_i = θ^(−2i/Dh), for integer positions p = ROPE_BLOCK·a + b (0 ≤ b <
 # ROPE_BLOCK): cos and sin of a·ROPE_BLOCK·f_i and of b·f_i are tabulated in float64 and rounded
 # once to the compute dtype; the angle-addition formulas combine them. The error is a few units

@@ -868,6 +868,22 @@ def _grouped_query(config, inputs, params):
                          dropout_mask=inputs.get("dropout_mask"), **core)
 
 
+def _multi_head_cross(config, inputs, params):
+    """MultiHeadCrossAttention: queries from x, keys and values from the context (its tokens
+    past context_lengths not attended), N query heads over Nkv key-value heads, no causality."""
+    c = variants.get("multi_head_cross_attention").config(config)  # defaults in
+    s = variants.cross_sizes(c)
+    context = inputs["context"]
+    return block_forward(inputs["x"], context, context, params, num_heads=c["num_heads"],
+                         kv_heads=s["num_kv_heads"], mask=inputs.get("mask"),
+                         scale=c["scale"], key_value_seq_lengths=inputs.get("context_lengths"))
+
+
+def _multi_head_cross_backward(saved, d_y, d_weights):
+    g = block_backward(saved, d_y, d_weights)
+    g["x"], g["context"] = g.pop("x_query"), g.pop("x_key") + g.pop("x_value")
+    return g
+
 VARIANTS = {
     "scaled_dot_product_attention": (_sdpa, sdpa_backward),
     "simple_self_attention": (_simple, _simple_backward),
@@ -877,4 +893,5 @@ VARIANTS = {
     "multi_head_attention_wrapper": (_wrapper, _wrapper_backward),
     "multi_head_attention": (_multi_head, _multi_head_backward),
     "grouped_query_attention": (_grouped_query, _multi_head_backward),
+    "multi_head_cross_attention": (_multi_head_cross, _multi_head_cross_backward),
 }

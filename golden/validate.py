@@ -402,6 +402,72 @@ def check_cross_inputs(x_q, x_kv, x_v, d_q_in, d_kv_in, mask=None):
     return check_module_masks(lead, x_q.shape[-2], x_kv.shape[-2], mask)
 
 
+def check_context_inputs(x, context, d_in, d_context, mask=None, context_lengths=None, *,
+                         heads, cache=None, kv_heads=None, head_dim=None):
+    """MultiHeadCrossAttention's call: x (B, Lq, d_in) or (Lq, d_in); the context (B, Lc,
+    d_context) unless a cache (a golden.positions.ContextCache) holds its keys and values, and
+    then, if given too, of the cache's shape (its values are compared by the module); the
+    context's real lengths (B,) integers, never with a cache (it holds them); a mask
+    broadcastable to (B, Lq, Lc). Returns the weights' shape (B, N, Lq, Lc)."""
+    lead = check_sequence("x", x, "d_in", d_in)
+    if cache is None and context is None:
+        raise ValueError("context should be an array (B, Lc, d_context) when no cache is given, "
+                         "got None")
+    if context_lengths is not None and cache is not None:
+        raise ValueError("context_lengths should be None with a cache (the cache holds the "
+                         "lengths it was made with), got an array")
+    if context is not None:
+        check_context(context, d_context, context_lengths, lead)
+    lc = None if context is None else context.shape[-2]
+    if cache is not None:
+        lc = check_context_cache(cache, x, context, lc, kv_heads, head_dim)
+    return check_module_masks(lead, x.shape[-2], lc, mask, heads=heads)
+
+
+def check_context(context, d_context, context_lengths=None, lead=None) -> tuple:
+    """A context (B, Lc, d_context) or (Lc, d_context), batched like ``lead`` when given, and
+    its real lengths: integers of its batch shape. Returns the batch shape."""
+    lead = check_sequence("context", context, "d_context", d_context, lead=lead)
+    if context_lengths is not None:
+        _expect_integers("context_lengths", context_lengths, lead, "B" if lead else None)
+    return lead
+
+
+def check_context_cache(cache, x, context, lc, kv_heads, head_dim) -> int:
+    """A ContextCache for x: key and value (B, Nkv, Lc, Dh) in x's dtype, lengths (B,) integers,
+    fingerprint (B, 4); Lc the context's length when one is given. Returns Lc."""
+    fields = ("key", "value", "lengths", "fingerprint")
+    if not all(hasattr(cache, f) for f in fields):
+        raise ValueError("cache should be a ContextCache (key, value, lengths, fingerprint) from "
+                         f"context_cache, got {type(cache).__name__}")
+    for name in fields:
+        _expect_array(f"cache.{name}", getattr(cache, name))
+    lead = tuple(x.shape[:-2])
+    letters = ("B",) * len(lead) + ("Nkv", "Lc", "Dh")
+    _expect_shape("cache.key", tuple(cache.key.shape), letters, lead + (kv_heads, None, head_dim))
+    held = cache.key.shape[-2]
+    if lc is not None and lc != held:
+        raise ValueError(f"context length Lc should be the cache's {held}, got {lc}; make a new "
+                         "cache with context_cache(context)")
+    _expect_shape("cache.value", tuple(cache.value.shape), letters, lead + (kv_heads, held,
+                                                                           head_dim))
+    _expect_integers("cache.lengths", cache.lengths, lead, "B" if lead else None)
+    _expect_shape("cache.fingerprint", tuple(cache.fingerprint.shape),
+                  ("B",) * len(lead) + ("4",), lead + (4,))
+    for name in ("key", "value"):
+        _expect_float(f"cache.{name}", getattr(cache, name), like=dtype_name(x.dtype),
+                      whose="x's")
+    return held
+
+
+def check_same_context(same: bool) -> None:
+    """Raise unless the context given with a cache is the one the cache was made from."""
+    if not same:
+        raise ValueError("context should be the one the cache was made from (its fingerprint "
+                         "differs); make a new cache with context_cache(context), or pass "
+                         "context=None to use the cached one")
+
+
 def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0):
     """A module's mask against (B, Lq, Lk); its dropout mask against its weights (B, [N,] Lq, Lk).
 

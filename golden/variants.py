@@ -25,6 +25,7 @@ from golden.validate import (
     FLOAT_DTYPES,
     check_attention_args,
     check_chunk_size,
+    check_context_inputs,
     check_cross_inputs,
     check_decoder_inputs,
     check_flags,
@@ -301,6 +302,41 @@ def _grouped_query_shapes(c):
     return shapes
 
 
+def cross_sizes(c) -> dict:
+    """MultiHeadCrossAttention's sizes: Nkv (default N), Dh (default d_in // N), d_out (default
+    d_in) and whether the key projection has a bias (key_bias, default qkv_bias)."""
+    h = c["num_heads"]
+    hkv = h if c["num_kv_heads"] is None else c["num_kv_heads"]
+    dh = c["d_in"] // h if c["head_dim"] is None else c["head_dim"]
+    if h % hkv:
+        raise ValueError(f"num_kv_heads should divide num_heads = {h}, got {hkv}")
+    if dh == 0:
+        raise ValueError(f"head_dim should be given when d_in < num_heads (d_in // num_heads "
+                         f"= 0), got d_in = {c['d_in']}, num_heads = {h}")
+    key_bias = c["qkv_bias"] if c["key_bias"] is None else c["key_bias"]
+    return dict(num_kv_heads=hkv, head_dim=dh, d_out=c["d_in"] if c["d_out"] is None
+                else c["d_out"], key_bias=key_bias)
+
+
+def _multi_head_cross_shapes(c):
+    s, h = cross_sizes(c), c["num_heads"]
+    hkv, dh = s["num_kv_heads"], s["head_dim"]
+    shapes = {"W_query": (c["d_in"], h * dh), "W_key": (c["d_context"], hkv * dh),
+              "W_value": (c["d_context"], hkv * dh), "W_out": (h * dh, s["d_out"])}
+    if c["qkv_bias"]:
+        shapes.update({"b_query": (h * dh,), "b_value": (hkv * dh,)})
+    if s["key_bias"]:
+        shapes["b_key"] = (hkv * dh,)
+    if c["out_bias"]:
+        shapes["b_out"] = (s["d_out"],)
+    return shapes
+
+
+def _key_bias(name, b) -> None:
+    if b is not None:
+        _flag(name, b)
+
+
 # ---- input checks: (config, arrays, dropout rate in force) -> weights shape ------------------
 
 def _core_inputs(c, i, rate):
@@ -330,6 +366,12 @@ def _cross_inputs(c, i, rate):
     return check_cross_inputs(i["x_q"], i["x_kv"], i.get("x_v"), c["d_q_in"], c["d_kv_in"],
                               i.get("mask"))
 
+
+def _context_inputs(c, i, rate):
+    s = cross_sizes(c)
+    return check_context_inputs(i["x"], i["context"], c["d_in"], c["d_context"], i.get("mask"),
+                                i.get("context_lengths"), heads=c["num_heads"],
+                                kv_heads=s["num_kv_heads"], head_dim=s["head_dim"])
 
 # ---- the variants -----------------------------------------------------------------------------
 
@@ -401,6 +443,17 @@ _VARIANTS = [
             vectors=("q_norm", "k_norm", "sinks"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
+    Variant("multi_head_cross_attention", "MultiHeadCrossAttention",
+            (Arg("d_in", _positive), Arg("d_context", _positive), Arg("num_heads", _positive),
+             Arg("num_kv_heads", _positive_or_none, None),
+             Arg("head_dim", _positive_or_none, None), Arg("d_out", _positive_or_none, None),
+             Arg("qkv_bias", _flag, False), Arg("key_bias", _key_bias, None),
+             Arg("out_bias", _flag, False), Arg("scale", _scale, None)),
+            shapes=_multi_head_cross_shapes, check_inputs=_context_inputs,
+            inputs=(Input("x", "d_in"), Input("context", "d_context", "key")),
+            layers={**QKV_LAYERS, "out": "out_proj"},
+            sample=dict(d_in=5, d_context=3, num_heads=4, num_kv_heads=2, head_dim=6, d_out=7,
+                        qkv_bias=True, key_bias=False, out_bias=True, scale=0.3)),
 ]
 
 VARIANTS = {v.name: v for v in _VARIANTS}

@@ -415,6 +415,33 @@ class GroupedQueryAttention(Module):
         return table
 
 
+class MultiHeadCrossAttention(Module):
+    """N query heads from x over Nkv key/value heads from a context, never causal:
+    x (..., Lq, d_in), context (..., Lc, d_context) -> (..., Lq, d_out), weights
+    (..., N, Lq, Lc); context tokens past context_lengths are not attended."""
+
+    layers = {**QKV, "out": "out_proj"}
+
+    def __init__(self, d_in, d_context, num_heads, num_kv_heads=None, head_dim=None, d_out=None,
+                 qkv_bias=False, key_bias=None, out_bias=False, scale=None, *, core=None):
+        super().__init__(core)
+        dh = d_in // num_heads if head_dim is None else head_dim
+        kv = (num_heads if num_kv_heads is None else num_kv_heads) * dh
+        self.heads, self.kv_heads, self.scale = num_heads, kv // dh, scale
+        self.q_proj = Linear(d_in, num_heads * dh, qkv_bias)
+        self.k_proj = Linear(d_context, kv, qkv_bias if key_bias is None else key_bias)
+        self.v_proj = Linear(d_context, kv, qkv_bias)
+        self.out_proj = Linear(num_heads * dh, d_in if d_out is None else d_out, out_bias)
+
+    def __call__(self, x, context, mask=None, *, context_lengths=None, return_weights=False):
+        q = _split(self.q_proj(x), self.heads)                 # (..., N, Lq, Dh)
+        k = _split(self.k_proj(context), self.kv_heads)        # (..., Nkv, Lc, Dh)
+        v = _split(self.v_proj(context), self.kv_heads)
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), scale=self.scale,
+                              key_value_seq_lengths=context_lengths, return_weights=True)
+        y = self.out_proj(_merge(o))
+        return (y, w) if return_weights else y
+
 def rope(x, settings, interleaved, positions):
     """Rotary embedding of x (..., L, Dh), token i at positions[..., i]: feature pair k of the first
     rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k (golden.positions'
@@ -442,6 +469,7 @@ MODULES = {
     "multi_head_attention_wrapper": MultiHeadAttentionWrapper,
     "multi_head_attention": MultiHeadAttention,
     "grouped_query_attention": GroupedQueryAttention,
+    "multi_head_cross_attention": MultiHeadCrossAttention,
 }
 
 

@@ -36,7 +36,8 @@ def test_build_is_deterministic_and_per_case():
     assert fx.to_bytes(build(SOME)) == (fx.FIXTURE_DIR / f"{SOME.name}.npz").read_bytes()
 
 
-INTEGER_INPUTS = ("query_offset", "query_seq_lengths", "key_value_seq_lengths", "positions")
+INTEGER_INPUTS = ("query_offset", "query_seq_lengths", "key_value_seq_lengths", "positions",
+                  "context_lengths")
 
 
 def test_inputs_are_float32_bool_or_int32_and_expectations_float64(fixture_name):
