@@ -1,0 +1,303 @@
+"""MultiHeadCrossAttention beyond the golden fixtures: decoding with the context's keys and
+values cached (ContextCache) equals the full computation (float64, both frameworks, padded
+contexts, under the caller's jit too), a cache refuses another context, and the module against
+transformers' own encoder-decoder attention (WhisperAttention and BartAttention as the decoder's
+encoder_attn, float64: output, weights, and the gradients of x, the context and every
+parameter), with their state dicts mapped to the neutral layout.
+
+Shape legend: B batch, Lq query tokens, Lc context tokens, N query heads, Nkv key-value heads,
+Dh head width, d_in and d_context the widths of x and the context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import torch_attn
+from golden.check import compare_all
+from tests.helpers import JAX, fresh_rng, random_cotangents, reference_fixture
+
+MHCA = "multi_head_cross_attention"
+# Every size distinct: B=2, Lq=5, Lc=9, d_in=7, d_context=11, N=6, Nkv=3, Dh=4, d_out=10.
+CONFIG = dict(d_in=7, d_context=11, num_heads=6, num_kv_heads=3, head_dim=4, d_out=10,
+              qkv_bias=True, key_bias=False, out_bias=True)
+B, LQ, LC = 2, 5, 9
+EXACT = 1e-12  # float64: the cached and the full computation differ only in summation order
+
+
+def _params(config, rng, dtype="float64"):
+    """Random neutral-layout parameters: N(0, 1/fan_in) weights, N(0, 1) biases."""
+    module = torch_attn.MultiHeadCrossAttention(**config)
+    return {n: (rng.standard_normal(a.shape) / (np.sqrt(a.shape[0]) if n.startswith("W_") else 1)
+                ).astype(dtype) for n, a in torch_attn.export_params(module).items()}
+
+
+def _inputs(rng):
+    x = rng.standard_normal((B, LQ, CONFIG["d_in"]))
+    context = rng.standard_normal((B, LC, CONFIG["d_context"]))
+    return x, context, np.array([LC, 4], np.int32)
+
+
+# ---- decoding with the cached context equals the full computation ---------------------------
+
+@pytest.mark.parametrize("config", [CONFIG, dict(CONFIG, num_kv_heads=1, scale=1.0,
+                                                 qkv_bias=False, key_bias=None)],
+                         ids=["whisper_gqa", "t5_mqa"])
+def test_decoding_with_a_cached_context_equals_the_full_computation(twin, config):
+    rng, seed = fresh_rng()
+    x, context, lengths = _inputs(rng)
+    mask = rng.random((B, LQ, LC)) < 0.8
+    with twin.float64():
+        module = twin.build(MHCA, config, _params(config, rng))
+        xs, ctx, lens, m = (twin.array(a) for a in (x, context, lengths, mask))
+        full, full_w = (twin.numpy(a) for a in module(xs, ctx, m, context_lengths=lens,
+                                                       return_weights=True))
+        cache = module.context_cache(ctx, lens)
+        for i in range(LQ):  # one query token at a time, the context given or not
+            given = ctx if i % 2 else None
+            y, w = module(xs[:, i:i + 1], given, m[:, i:i + 1], cache=cache,
+                          return_weights=True)
+            assert np.abs(twin.numpy(y)[:, 0] - full[:, i]).max() <= EXACT, f"seed {seed}"
+            assert np.abs(twin.numpy(w)[:, :, 0] - full_w[:, :, i]).max() <= EXACT, seed
+    assert not full_w[1, ..., 4:].any(), "padding attended"
+    np.testing.assert_array_equal(twin.numpy(cache.lengths), lengths)
+    assert twin.numpy(cache.key).shape == (B, config.get("num_kv_heads") or 6, LC, 4)
+
+
+def test_jax_cache_made_and_used_under_jit():
+    """The cache is a pytree: made inside the caller's nnx.jit and used there (the fingerprint
+    check needs concrete values: an eager call made with it still checks it)."""
+    rng, seed = fresh_rng()
+    x, context, lengths = _inputs(rng)
+    with JAX.float64():
+        module = JAX.build(MHCA, CONFIG, _params(CONFIG, rng))
+        xs, ctx, lens = (JAX.array(a) for a in (x, context, lengths))
+        full = JAX.numpy(module(xs, ctx, context_lengths=lens))
+
+        @nnx.jit
+        def step(module, x, context, lengths):
+            cache = module.context_cache(context, lengths)
+            return module(x, context, cache=cache), cache
+
+        y, cache = step(module, xs, ctx, lens)
+        assert np.abs(JAX.numpy(y) - full).max() <= EXACT, f"seed {seed}"
+        assert np.abs(JAX.numpy(module(xs, ctx, cache=cache)) - full).max() <= EXACT, seed
+        with pytest.raises(ValueError, match="context should be the one the cache was made"):
+            module(xs, ctx.at[1, 2, 3].add(1e-3), cache=cache)
+
+
+def test_context_gradient_flows_through_the_cache(twin):
+    """A cache made inside the differentiated function carries the context's gradient."""
+    rng, _ = fresh_rng()
+    x, context, lengths = _inputs(rng)
+    cot = random_cotangents(rng, (B, LQ, CONFIG["d_out"]), (B, 6, LQ, LC))
+    cot["weights"] = np.zeros_like(cot["weights"])  # the loss below reads the output only
+    params = _params(CONFIG, rng)
+    fixture = reference_fixture(MHCA, CONFIG, {"x": x, "context": context,
+                                               "context_lengths": lengths}, params, cot, "float64")
+    with twin.float64():
+        module = twin.build(MHCA, CONFIG, params)
+        grad = _context_grad(twin, module, x, context, lengths, cot["output"])
+    assert np.abs(grad - fixture.grads["context"]).max() <= 1e-12 * np.abs(grad).max()
+
+
+def _context_grad(twin, module, x, context, lengths, d_out):
+    """d Σ (y ⊙ d_out) / d context, y = module(x, cache=module.context_cache(context))."""
+    if twin.name == "torch":
+        ctx = torch.from_numpy(context).requires_grad_()
+        y = module(torch.from_numpy(x), cache=module.context_cache(ctx, torch.from_numpy(lengths)))
+        (y * torch.from_numpy(d_out.astype(np.float64))).sum().backward()
+        return ctx.grad.numpy()
+    import jax
+    import jax.numpy as jnp
+
+    def loss(ctx):
+        cache = module.context_cache(ctx, jnp.asarray(lengths))
+        return (module(jnp.asarray(x), cache=cache) * d_out.astype(np.float64)).sum()
+    return np.asarray(jax.grad(loss)(jnp.asarray(context)))
+
+
+# ---- a cache refuses another context -----------------------------------------------------------
+
+def _cache_errors(twin):
+    rng, _ = fresh_rng()
+    x, context, lengths = _inputs(rng)
+    module = twin.build(MHCA, CONFIG, _params(CONFIG, rng, "float32"))
+    xs, ctx = twin.array(x, "float32"), twin.array(context, "float32")
+    cache = module.context_cache(ctx)
+    other = twin.array(np.roll(context, 1, axis=1), "float32")  # the same values, reordered
+    shorter = twin.array(context[:, :6], "float32")
+    other_kv = twin.build(MHCA, dict(CONFIG, num_kv_heads=2), _params(
+        dict(CONFIG, num_kv_heads=2), rng, "float32")).context_cache(ctx)
+    return [
+        (lambda: module(xs, other, cache=cache),
+         r"context should be the one the cache was made from \(its fingerprint differs\)"),
+        (lambda: module(xs, shorter, cache=cache),
+         r"context length Lc should be the cache's 9, got 6"),
+        (lambda: module(xs, ctx, cache=cache, context_lengths=twin.array(lengths)),
+         "context_lengths should be None with a cache"),
+        (lambda: module(xs), r"context should be an array \(B, Lc, d_context\) when no cache"),
+        (lambda: module(xs, cache=other_kv),
+         r"cache.key shape should be \(B, Nkv, Lc, Dh\) = \(2, 3, \?, 4\), got \(2, 2, 9, 4\)"),
+        (lambda: module(xs, cache=(1, 2)), "cache should be a ContextCache"),
+        (lambda: module.context_cache(ctx, twin.array(np.ones(3, np.int32))),
+         r"context_lengths shape should be \(B,\) = \(2,\), got \(3,\)"),
+        (lambda: module(xs, twin.array(context[..., :5], "float32")),
+         r"context shape should be \(B, L, d_context\) = \(2, \?, 11\), got \(2, 9, 5\)"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_bad_calls_name_the_argument(twin, index):
+    call, message = _cache_errors(twin)[index]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_the_same_context_with_its_cache_is_accepted(twin):
+    rng, _ = fresh_rng()
+    x, context, _ = _inputs(rng)
+    module = twin.build(MHCA, CONFIG, _params(CONFIG, rng, "float32"))
+    xs, ctx = twin.array(x, "float32"), twin.array(context, "float32")
+    np.testing.assert_array_equal(twin.numpy(module(xs, ctx, cache=module.context_cache(ctx))),
+                                  twin.numpy(module(xs, ctx)))
+
+
+# ---- against transformers' encoder-decoder attention, float64 ------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.bart import modeling_bart  # noqa: E402
+from transformers.models.whisper import modeling_whisper  # noqa: E402
+
+D, H, HF_LQ, HF_LC = 12, 3, 5, 7  # Dh = 4; B = 2; every size distinct
+
+
+def _hf_module(family):
+    """The decoder's encoder_attn of ``family``, float64, eager (it returns the weights)."""
+    if family == "whisper":
+        config = transformers.WhisperConfig(d_model=D, decoder_attention_heads=H)
+        cls = modeling_whisper.WhisperAttention
+    else:
+        config = transformers.BartConfig(d_model=D, decoder_attention_heads=H)
+        cls = modeling_bart.BartAttention
+    config._attn_implementation = "eager"
+    return cls(D, H, is_decoder=True, config=config, layer_idx=0).double().eval()
+
+
+def _neutral(hf):
+    """The state dict as neutral parameters: W (in, out) = Linear weight transposed."""
+    sd = {n: t.detach().numpy().copy() for n, t in hf.state_dict().items()}
+    names = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "out_proj"}
+    params = {f"W_{ours}": sd[f"{theirs}.weight"].T for ours, theirs in names.items()}
+    params.update({f"b_{ours}": sd[f"{theirs}.bias"] for ours, theirs in names.items()
+                   if f"{theirs}.bias" in sd})
+    return params
+
+
+FAMILIES = {  # our configuration of each family's encoder_attn
+    "whisper": dict(d_in=D, d_context=D, num_heads=H, qkv_bias=True, key_bias=False,
+                    out_bias=True),
+    "bart": dict(d_in=D, d_context=D, num_heads=H, qkv_bias=True, out_bias=True),
+}
+
+
+def _hf_run(family, rng):
+    """HF's output, weights and gradients (x, context, neutral parameters) of Σ y ⊙ dO +
+    Σ A ⊙ dA on a padded context (lengths [7, 4]), with the reference's fixture on the same."""
+    hf = _hf_module(family)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    x, context = rng.standard_normal((2, HF_LQ, D)), rng.standard_normal((2, HF_LC, D))
+    lengths = np.array([HF_LC, 4], np.int32)
+    cot = random_cotangents(rng, (2, HF_LQ, D), (2, H, HF_LQ, HF_LC))
+    padding = np.arange(HF_LC)[None, :] >= lengths[:, None]                    # (B, Lc)
+    additive = np.where(padding, torch.finfo(torch.float64).min, 0.0)[:, None, None, :]
+    xt, ct = (torch.from_numpy(a).requires_grad_() for a in (x, context))
+    y, w = hf(xt, key_value_states=ct, attention_mask=torch.from_numpy(additive),
+              output_attentions=True)[:2]
+    loss = ((y * torch.from_numpy(cot["output"].astype(np.float64))).sum()
+            + (w * torch.from_numpy(cot["weights"].astype(np.float64))).sum())
+    loss.backward()
+    grads = {"x": xt.grad.numpy(), "context": ct.grad.numpy()}
+    named = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}
+    for name, p in hf.named_parameters():
+        layer, kind = name.split(".")
+        grad = p.grad.numpy()
+        grads[f"{'W' if kind == 'weight' else 'b'}_{named[layer]}"] = (
+            grad.T if kind == "weight" else grad)
+    params = _neutral(hf)
+    fixture = reference_fixture(MHCA, FAMILIES[family], {"x": x, "context": context,
+                                                         "context_lengths": lengths},
+                                params, cot, "float64")
+    return dict(hf=hf, output=y.detach().numpy(), weights=w.detach().numpy(), grads=grads,
+                params=params, fixture=fixture)
+
+
+def rel(actual, expected):
+    """max |actual − expected| / max |expected|."""
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reference_matches_transformers(family):
+    """The float64 reference against HF's module: output, weights, and the gradients of x,
+    the context and every parameter, to 1e-12 relative (HF scales q before the product)."""
+    rng, seed = fresh_rng()
+    run = _hf_run(family, rng)
+    f = run["fixture"]
+    assert ("b_key" in run["params"]) == (family == "bart")
+    errors = {"output": rel(f.expected["output"], run["output"]),
+              "weights": rel(f.expected["weights"], run["weights"])}
+    assert set(f.grads) == set(run["grads"])
+    errors.update({f"grad {n}": rel(f.grads[n], g) for n, g in run["grads"].items()
+                   if n not in f.zero})
+    assert all(e <= 1e-12 for e in errors.values()), (errors, seed)
+    for n in f.zero:  # b_key (BART): zero by structure; HF's is rounding residue
+        assert np.abs(run["grads"][n]).max() <= 1e-12 * np.abs(run["grads"]["W_key"]).max()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_twins_built_from_transformers_weights(twin, family):
+    """Our modules built from HF's mapped weights: output, weights and every gradient against
+    the reference (float64 tolerances), and the output against HF's to 1e-12."""
+    rng, seed = fresh_rng()
+    run = _hf_run(family, rng)
+    f = run["fixture"]
+    with twin.float64():
+        module = twin.build(MHCA, FAMILIES[family], run["params"])
+        result = twin.run_with_grads(module, f, "float64")
+    comps = compare_all(f, result, "float64")
+    assert set(comps) == {"output", "weights", "grad x", "grad context",
+                          *(f"grad {n}" for n in run["params"])}
+    bad = {what: c for what, c in comps.items() if not c.ok}
+    assert not bad, f"{twin.name}, seed {seed}: {bad}"
+    assert rel(result["output"], run["output"]) <= 1e-12, seed
+
+
+def test_whisper_decoding_with_its_cross_attention_cache(twin):
+    """Whisper's encoder_attn decoding one query token at a time with an EncoderDecoderCache
+    (the context's keys and values computed on the first call, is_updated, then reused, even
+    though the context is passed again; no padding) against ours with a ContextCache, float64,
+    ≤ 1e-12."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    rng, seed = fresh_rng()
+    run = _hf_run("whisper", rng)
+    hf, f = run["hf"], run["fixture"]
+    x, context = (torch.from_numpy(f.inputs[n]) for n in ("x", "context"))
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with torch.no_grad():
+        hf_steps = [hf(x[:, i:i + 1], key_value_states=context, past_key_values=cache)[0]
+                    for i in range(HF_LQ)]
+    assert cache.is_updated[0]
+    with twin.float64():
+        module = twin.build(MHCA, FAMILIES["whisper"], run["params"])
+        ours = module.context_cache(twin.array(f.inputs["context"]))
+        for i, expected in enumerate(hf_steps):
+            y = twin.numpy(module(twin.array(f.inputs["x"][:, i:i + 1]), cache=ours))
+            assert rel(y, expected.numpy()) <= 1e-12, (i, seed)
