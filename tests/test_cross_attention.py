@@ -2,14 +2,18 @@
 values cached (ContextCache) equals the full computation (float64, both frameworks, padded
 contexts, under the caller's jit too), a cache refuses another context, and the module against
 transformers' own encoder-decoder attention (WhisperAttention and BartAttention as the decoder's
-encoder_attn, float64: output, weights, and the gradients of x, the context and every
-parameter), with their state dicts mapped to the neutral layout.
+encoder_attn, T5Attention as its EncDecAttention; float64: output, weights, and the gradients
+of x, the context and every parameter, 1e-12), with their state dicts mapped to the neutral
+layout.
 
 Shape legend: B batch, Lq query tokens, Lc context tokens, N query heads, Nkv key-value heads,
 Dh head width, d_in and d_context the widths of x and the context.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -171,44 +175,66 @@ def test_the_same_context_with_its_cache_is_accepted(twin):
 transformers = pytest.importorskip("transformers")
 
 from transformers.models.bart import modeling_bart  # noqa: E402
+from transformers.models.t5 import modeling_t5  # noqa: E402
 from transformers.models.whisper import modeling_whisper  # noqa: E402
 
-D, H, HF_LQ, HF_LC = 12, 3, 5, 7  # Dh = 4; B = 2; every size distinct
+D, H, HF_LQ, HF_LC, T5_DH = 12, 3, 5, 7, 5  # Dh = 4 (T5: d_kv = 5); B = 2; every size distinct
+BART_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "out_proj"}
 
 
-def _hf_module(family):
-    """The decoder's encoder_attn of ``family``, float64, eager (it returns the weights)."""
-    if family == "whisper":
-        config = transformers.WhisperConfig(d_model=D, decoder_attention_heads=H)
-        cls = modeling_whisper.WhisperAttention
-    else:
-        config = transformers.BartConfig(d_model=D, decoder_attention_heads=H)
-        cls = modeling_bart.BartAttention
+def _encoder_attn(config_class, cls):
+    """Whisper's or BART's decoder encoder_attn, D wide with H heads."""
+    config = config_class(d_model=D, decoder_attention_heads=H)
+    config._attn_implementation = "eager"  # it returns the weights
+    return cls(D, H, is_decoder=True, config=config, layer_idx=0)
+
+
+def _t5():
+    """T5's decoder cross-attention (EncDecAttention): no relative bias, no biases, scale 1,
+    inner width N·d_kv = 15 ≠ d_model."""
+    config = transformers.T5Config(d_model=D, num_heads=H, d_kv=T5_DH, is_decoder=True)
     config._attn_implementation = "eager"
-    return cls(D, H, is_decoder=True, config=config, layer_idx=0).double().eval()
+    return modeling_t5.T5Attention(config, has_relative_attention_bias=False, layer_idx=0)
 
 
-def _neutral(hf):
+@dataclass(frozen=True)
+class Family:
+    """HF's cross-attention module, its layers' names by our role, our configuration, and
+    which of its outputs are (y, weights)."""
+
+    hf: Callable
+    names: dict
+    ours: dict
+    outputs: tuple = (0, 1)
+
+
+FAMILIES = {
+    "whisper": Family(lambda: _encoder_attn(transformers.WhisperConfig,
+                                            modeling_whisper.WhisperAttention), BART_NAMES,
+                      dict(d_in=D, d_context=D, num_heads=H, qkv_bias=True, key_bias=False,
+                           out_bias=True)),
+    "bart": Family(lambda: _encoder_attn(transformers.BartConfig, modeling_bart.BartAttention),
+                   BART_NAMES, dict(d_in=D, d_context=D, num_heads=H, qkv_bias=True,
+                                    out_bias=True)),
+    "t5": Family(_t5, {"query": "q", "key": "k", "value": "v", "out": "o"},
+                 dict(d_in=D, d_context=D, num_heads=H, head_dim=T5_DH, scale=1.0), (0, 2)),
+}
+
+
+def _neutral(hf, names):
     """The state dict as neutral parameters: W (in, out) = Linear weight transposed."""
     sd = {n: t.detach().numpy().copy() for n, t in hf.state_dict().items()}
-    names = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "out_proj"}
     params = {f"W_{ours}": sd[f"{theirs}.weight"].T for ours, theirs in names.items()}
     params.update({f"b_{ours}": sd[f"{theirs}.bias"] for ours, theirs in names.items()
                    if f"{theirs}.bias" in sd})
     return params
 
 
-FAMILIES = {  # our configuration of each family's encoder_attn
-    "whisper": dict(d_in=D, d_context=D, num_heads=H, qkv_bias=True, key_bias=False,
-                    out_bias=True),
-    "bart": dict(d_in=D, d_context=D, num_heads=H, qkv_bias=True, out_bias=True),
-}
-
-
 def _hf_run(family, rng):
     """HF's output, weights and gradients (x, context, neutral parameters) of Σ y ⊙ dO +
     Σ A ⊙ dA on a padded context (lengths [7, 4]), with the reference's fixture on the same."""
-    hf = _hf_module(family)
+    family = FAMILIES[family]
+    hf = family.hf().double().eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
@@ -218,20 +244,22 @@ def _hf_run(family, rng):
     padding = np.arange(HF_LC)[None, :] >= lengths[:, None]                    # (B, Lc)
     additive = np.where(padding, torch.finfo(torch.float64).min, 0.0)[:, None, None, :]
     xt, ct = (torch.from_numpy(a).requires_grad_() for a in (x, context))
-    y, w = hf(xt, key_value_states=ct, attention_mask=torch.from_numpy(additive),
-              output_attentions=True)[:2]
+    mask = torch.from_numpy(additive)
+    out = (hf(xt, key_value_states=ct, mask=mask) if family is FAMILIES["t5"] else
+           hf(xt, key_value_states=ct, attention_mask=mask, output_attentions=True))
+    y, w = (out[i] for i in family.outputs)
     loss = ((y * torch.from_numpy(cot["output"].astype(np.float64))).sum()
             + (w * torch.from_numpy(cot["weights"].astype(np.float64))).sum())
     loss.backward()
     grads = {"x": xt.grad.numpy(), "context": ct.grad.numpy()}
-    named = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}
+    named = {theirs: ours for ours, theirs in family.names.items()}
     for name, p in hf.named_parameters():
         layer, kind = name.split(".")
         grad = p.grad.numpy()
         grads[f"{'W' if kind == 'weight' else 'b'}_{named[layer]}"] = (
             grad.T if kind == "weight" else grad)
-    params = _neutral(hf)
-    fixture = reference_fixture(MHCA, FAMILIES[family], {"x": x, "context": context,
+    params = _neutral(hf, family.names)
+    fixture = reference_fixture(MHCA, family.ours, {"x": x, "context": context,
                                                          "context_lengths": lengths},
                                 params, cot, "float64")
     return dict(hf=hf, output=y.detach().numpy(), weights=w.detach().numpy(), grads=grads,
@@ -269,7 +297,7 @@ def test_twins_built_from_transformers_weights(twin, family):
     run = _hf_run(family, rng)
     f = run["fixture"]
     with twin.float64():
-        module = twin.build(MHCA, FAMILIES[family], run["params"])
+        module = twin.build(MHCA, FAMILIES[family].ours, run["params"])
         result = twin.run_with_grads(module, f, "float64")
     comps = compare_all(f, result, "float64")
     assert set(comps) == {"output", "weights", "grad x", "grad context",
@@ -296,7 +324,7 @@ def test_whisper_decoding_with_its_cross_attention_cache(twin):
                     for i in range(HF_LQ)]
     assert cache.is_updated[0]
     with twin.float64():
-        module = twin.build(MHCA, FAMILIES["whisper"], run["params"])
+        module = twin.build(MHCA, FAMILIES["whisper"].ours, run["params"])
         ours = module.context_cache(twin.array(f.inputs["context"]))
         for i, expected in enumerate(hf_steps):
             y = twin.numpy(module(twin.array(f.inputs["x"][:, i:i + 1]), cache=ours))
