@@ -298,6 +298,14 @@ for id, variant, config, message in [
      "d_kv_in should be a positive int, got None"),
     ("wrapper-num_heads-zero", "multi_head_attention_wrapper",
      dict(d_in=5, d_head=2, num_heads=0), "num_heads should be a positive int, got 0"),
+    ("mhca-kv-heads-divide", "multi_head_cross_attention",
+     dict(d_in=5, d_context=3, num_heads=4, num_kv_heads=3),
+     "num_kv_heads should divide num_heads = 4, got 3"),
+    ("mhca-key_bias-str", "multi_head_cross_attention",
+     dict(d_in=5, d_context=3, num_heads=4, key_bias="no"),
+     "key_bias should be True or False, got 'no'"),
+    ("mhca-d_context-zero", "multi_head_cross_attention",
+     dict(d_in=5, d_context=0, num_heads=4), "d_context should be a positive int, got 0"),
     ("wrapper-causal-int", "multi_head_attention_wrapper",
      dict(d_in=5, d_head=2, num_heads=3, causal=1), "causal should be True or False, got 1"),
     ("wrapper-out_proj-none", "multi_head_attention_wrapper",
@@ -422,6 +430,23 @@ twin_case("call-cross-x_v-shape",
 twin_case("call-cross-mask-shape",
           lambda t: module(t, "cross_attention")(arr(t, XQ), arr(t, (2, 9, 3)),
                                                  mask=arr(t, (2, 9, 6), bool)),
+          ValueError, E("mask shape should broadcast to (B, Lq, Lk) = (2, 6, 9), got (2, 9, 6)"))
+MHCA = "multi_head_cross_attention"  # x (2, 6, 5) is (B, Lq, d_in); context (B, Lc, 3)
+twin_case("call-mhca-context-width",
+          lambda t: module(t, MHCA)(arr(t, XQ), arr(t, (2, 9, 4))), ValueError,
+          E("context shape should be (B, L, d_context) = (2, ?, 3), got (2, 9, 4)"))
+twin_case("call-mhca-no-context", lambda t: module(t, MHCA)(arr(t, XQ)), ValueError,
+          E("context should be an array (B, Lc, d_context) when no cache is given, got None"))
+twin_case("call-mhca-context-lengths-float",
+          lambda t: module(t, MHCA)(arr(t, XQ), arr(t, (2, 9, 3)),
+                                    context_lengths=arr(t, (2,))), ValueError,
+          E("context_lengths dtype should be an integer type, got float32"))
+twin_case("call-mhca-context-lengths-shape",
+          lambda t: module(t, MHCA)(arr(t, XQ), arr(t, (2, 9, 3)),
+                                    context_lengths=arr(t, (3,), "int32")), ValueError,
+          E("context_lengths shape should be (B,) = (2,), got (3,)"))
+twin_case("call-mhca-mask-shape",
+          lambda t: module(t, MHCA)(arr(t, XQ), arr(t, (2, 9, 3)), arr(t, (2, 9, 6), bool)),
           ValueError, E("mask shape should broadcast to (B, Lq, Lk) = (2, 6, 9), got (2, 9, 6)"))
 twin_case("call-gqa-cache-not-a-cache", lambda t: gqa_call(t, cache=(1, 2)), ValueError,
           E("cache should be a KVCache (key, value, lengths) from init_cache, got tuple"))
