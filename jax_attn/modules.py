@@ -494,35 +494,43 @@ class MultiHeadCrossAttention(_Variant):
     def context_cache(self, context, context_lengths=None) -> ContextCache:
         """The context's keys and values (B, Nkv, Lc, Dh), its lengths (B,) int32 (Lc without
         context_lengths) and its fingerprint (B, 4), for later calls."""
-        lead = check_context(context, self.d_context, context_lengths)
-        return self._context_cache(context, context_lengths, lead)
+        check_context(context, self.d_context, context_lengths)
+        return self._context_cache(context, context_lengths)
 
-    @nnx.jit(graph=False, static_argnames="lead")
-    def _context_cache(self, context, context_lengths, lead):
-        lengths = (jnp.full(lead, context.shape[-2], jnp.int32) if context_lengths is None
-                   else jnp.asarray(context_lengths, jnp.int32))
-        k = self._split(self.W_key(context))                   # (B, Nkv, Lc, Dh)
-        v = self._split(self.W_value(context))
-        return ContextCache(k, v, lengths, _fingerprint(context))
+    @nnx.jit(graph=False)
+    def _context_cache(self, context, context_lengths):
+        return ContextCache(*self._project_context(context, context_lengths),
+                            _fingerprint(context))
+
+    def _project_context(self, context, context_lengths):
+        """k, v (B, Nkv, Lc, Dh) of the context and its lengths (B,) int32 (Lc when None)."""
+        lengths = (jnp.full(context.shape[:-2], context.shape[-2], jnp.int32)
+                   if context_lengths is None else jnp.asarray(context_lengths, jnp.int32))
+        return self._split(self.W_key(context)), self._split(self.W_value(context)), lengths
 
     def __call__(self, x, context=None, mask=None, *, cache=None, context_lengths=None,
                  return_weights=False):
         check_context_inputs(x, context, self.d_in, self.d_context, mask, context_lengths,
                              heads=self.num_heads, cache=cache, kv_heads=self.num_kv_heads,
                              head_dim=self.head_dim)
-        if cache is None:
-            cache = self.context_cache(context, context_lengths)
-        elif context is not None and not any(isinstance(a, jax.core.Tracer)
-                                             for a in (context, cache.fingerprint)):
+        if cache is not None and context is not None and not any(
+                isinstance(a, jax.core.Tracer) for a in (context, cache.fingerprint)):
             check_same_context(_same_fingerprint(_fingerprint(context), cache.fingerprint))
-        return self._attend(x, mask, cache, return_weights=return_weights)
+        if cache is not None:
+            context = None  # the cache's keys and values are used
+        return self._attend(x, context, mask, cache=cache, context_lengths=context_lengths,
+                            return_weights=return_weights)
 
     @compiled_call
-    def _attend(self, x, mask, cache, *, return_weights=False):
+    def _attend(self, x, context, mask, *, cache, context_lengths, return_weights=False):
+        if cache is None:
+            k, v, lengths = self._project_context(context, context_lengths)
+        else:
+            k, v, lengths = cache.key, cache.value, cache.lengths
         q = self._split(self.W_query(x))                       # (B, N, Lq, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, Lq, Lc)
-        o = scaled_dot_product_attention(q, cache.key, cache.value, head_mask, scale=self.scale,
-                                         key_value_seq_lengths=cache.lengths,
+        o = scaled_dot_product_attention(q, k, v, head_mask, scale=self.scale,
+                                         key_value_seq_lengths=lengths,
                                          return_weights=return_weights, precision=self.precision)
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o)                     # (B, Lq, d_out)

@@ -412,11 +412,9 @@ class MultiHeadCrossAttention(nn.Module):
     def context_cache(self, context, context_lengths=None) -> ContextCache:
         """The context's keys and values (B, Nkv, Lc, Dh), its lengths (B,) int32 (Lc without
         context_lengths) and its fingerprint (B, 4), for later calls."""
-        lead = check_context(context, self.d_context, context_lengths)
-        lengths = (torch.full(lead, context.shape[-2], dtype=torch.int32, device=context.device)
-                   if context_lengths is None else context_lengths.to(torch.int32))
-        k, v = self._split(self.W_key(context)), self._split(self.W_value(context))
-        return ContextCache(k, v, lengths, _fingerprint(context))
+        check_context(context, self.d_context, context_lengths)
+        return ContextCache(*self._project_context(context, context_lengths),
+                            _fingerprint(context))
 
     def forward(self, x, context=None, mask=None, *, cache=None, context_lengths=None,
                 return_weights=False):
@@ -424,17 +422,26 @@ class MultiHeadCrossAttention(nn.Module):
                              heads=self.num_heads, cache=cache, kv_heads=self.num_kv_heads,
                              head_dim=self.head_dim)
         if cache is None:
-            cache = self.context_cache(context, context_lengths)
-        elif context is not None:
-            check_same_context(torch.equal(_fingerprint(context), cache.fingerprint))
+            k, v, lengths = self._project_context(context, context_lengths)
+        else:
+            if context is not None:
+                check_same_context(torch.equal(_fingerprint(context), cache.fingerprint))
+            k, v, lengths = cache.key, cache.value, cache.lengths
         q = self._split(self.W_query(x))                       # (B, N, Lq, Dh)
         head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, Lq, Lc)
-        o = scaled_dot_product_attention(q, cache.key, cache.value, head_mask, scale=self.scale,
-                                         key_value_seq_lengths=cache.lengths,
+        o = scaled_dot_product_attention(q, k, v, head_mask, scale=self.scale,
+                                         key_value_seq_lengths=lengths,
                                          return_weights=return_weights)
         o, w = o if return_weights else (o, None)
         y = self.out_proj(o.transpose(-2, -3).flatten(-2))     # (B, Lq, N·Dh) -> (B, Lq, d_out)
         return (y, w) if return_weights else y
+
+    def _project_context(self, context, context_lengths):
+        """k, v (B, Nkv, Lc, Dh) of the context and its lengths (B,) int32 (Lc when None)."""
+        lengths = (torch.full(context.shape[:-2], context.shape[-2], dtype=torch.int32,
+                              device=context.device)
+                   if context_lengths is None else context_lengths.to(torch.int32))
+        return self._split(self.W_key(context)), self._split(self.W_value(context)), lengths
 
     def _split(self, y):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
