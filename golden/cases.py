@@ -367,3 +367,20 @@ CASES += [
                               "original_max_position_embeddings": 12, "beta_fast": 8.0,
                               "beta_slow": 2.0}}),
 ]
+
+# Position biases in GroupedQueryAttention (issue 24): ALiBi's slopes of BLOOM (and Falcon's,
+# added before the scale), MPT's with its reordering for a head count that is not a power of
+# two. Seeds from 501.
+CASES += [
+    Case("gqa_alibi_bloom", GQA, 501, {"x": ("normal", (3, 7, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 9,
+          "qkv_bias": True, "alibi": "bloom"}),
+    Case("gqa_alibi_mpt_six_heads_lengths", GQA, 502,
+         {"x": ("normal", (2, 8, 5)), "query_seq_lengths": _ints([8, 5])},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 3, "head_dim": 4, "d_out": 7,
+          "alibi": "mpt", "sliding_window": 6}),
+    Case("gqa_alibi_falcon_bidirectional_unbatched", GQA, 503,
+         {"x": ("normal", (6, 7)), "mask": ("mask", (6, 6), 0.8, ())},
+         {"d_in": 7, "num_heads": 5, "num_kv_heads": 1, "head_dim": 4, "d_out": 3,
+          "causal": False, "out_bias": True, "alibi": "falcon"}),
+]

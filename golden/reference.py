@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from golden import exact, variants
-from golden.decoder import sliding_window
+from golden.decoder import alibi_slopes, sliding_window
 from golden.positions import hf_inv_freq
 from golden.validate import check_attention_args, rope_settings, rotary_dims, window
 
@@ -827,12 +827,25 @@ def temperature_factors(positions, beta, floor_scale, shift):
     return number(1) + number(beta) * np.log(real((1 + steps).astype(np.float64)))
 
 
+def alibi_term(c, length, dh):
+    """ALiBi's score bias (N, L, L) for ``length`` tokens: m_h · (j − i), key j and query i in
+    token order (golden.decoder.alibi_slopes gives m_h); Falcon adds it before the scale, so
+    its bias is multiplied by the scale (default 1/√Dh). Exact: powers of two times integers,
+    then the scale in the arithmetic in force. Not a parameter: no gradient."""
+    slopes = alibi_slopes(c["num_heads"], c["alibi"], c["alibi_bias_max"])
+    distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
+    bias = real(slopes[:, None, None] * distance)
+    if c["alibi"] != "falcon":
+        return bias
+    return bias * (number(1) / np.sqrt(number(dh)) if c["scale"] is None else number(c["scale"]))
+
+
 def _grouped_query(config, inputs, params):
     """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE and the query temperature at
     the tokens' positions (0 … L − 1, or the inputs' ``positions``) on q and k
     (golden.variants.QK_NORMS says which norm runs before RoPE and which after); sinks and the
-    output gate when the parameters hold them; the padding past query_seq_lengths neither
-    querying nor attended."""
+    output gate when the parameters hold them; ALiBi's bias (alibi_term); the padding past
+    query_seq_lengths neither querying nor attended."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
     num_heads, kind = c["num_heads"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads
@@ -858,6 +871,8 @@ def _grouped_query(config, inputs, params):
     train = "dropout_mask" in inputs
     core = {} if c.get("attention_chunk_size") is None else {
         "attention_chunk_size": c["attention_chunk_size"]}
+    if c["alibi"] is not None:
+        core["bias"] = alibi_term(c, x.shape[-2], dh)
     causal = c.get("causal", True)
     return block_forward(x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"],
                          stages=stages, mask=inputs.get("mask"), is_causal=causal,

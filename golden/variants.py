@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from golden.decoder import ALIBI_KINDS
 from golden.validate import (
     FLOAT_DTYPES,
     check_attention_args,
@@ -249,6 +250,17 @@ def _epsilon(name, eps) -> None:
         raise ValueError(f"{name} should be a positive number, got {eps!r}") from None
 
 
+def _alibi(name, kind) -> None:
+    if kind is not None and kind not in ALIBI_KINDS:
+        raise ValueError(f"{name} should be None or one of {', '.join(map(repr, ALIBI_KINDS))}, "
+                         f"got {kind!r}")
+
+
+def _alibi_bias_max(name, x) -> None:
+    """A finite number > 0 (MPT's alibi_bias_max)."""
+    _epsilon(name, x)
+
+
 TEMPERATURE_FIELDS = ("beta", "floor_scale", "shift")
 
 
@@ -278,6 +290,9 @@ def _grouped_query_shapes(c):
     if c["rope_theta"] is not None and dh % 2:
         raise ValueError(f"head_dim should be even with rotary embeddings (rope_theta), "
                          f"got {dh}")
+    if c["alibi"] != "mpt" and c["alibi_bias_max"] != 8:
+        raise ValueError(f"alibi_bias_max should be 8 (its default) unless alibi is 'mpt', got "
+                         f"{c['alibi_bias_max']!r} with alibi = {c['alibi']!r}")
     rope = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                          c["rope_precision"])
     if rope is not None:
@@ -395,7 +410,8 @@ _VARIANTS = [
              Arg("query_temperature", _temperature, None), Arg("output_gate", _flag, False),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("partial_rotary_factor", _rotary_fraction, 1.0),
-             Arg("rope_precision", _rope_precision, "exact")),
+             Arg("rope_precision", _rope_precision, "exact"), Arg("alibi", _alibi, None),
+             Arg("alibi_bias_max", _alibi_bias_max, 8)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate"},
             vectors=("q_norm", "k_norm", "sinks"),

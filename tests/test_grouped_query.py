@@ -66,6 +66,13 @@ DECODE_CONFIGS = {
     "linear_partial_interleaved": dict(CONFIG, head_dim=6, rope_interleaved=True,
                                        partial_rotary_factor=0.67,
                                        rope_parameters={"rope_type": "linear", "factor": 2.0}),
+    # issue 24's ALiBi: the bias m_h · (j − p) at the cache's positions
+    "alibi_bloom": dict(CONFIG, rope_theta=None, alibi="bloom"),
+    "alibi_mpt_bias_max_window": dict(CONFIG, rope_theta=None, alibi="mpt", alibi_bias_max=6,
+                                      sliding_window=4),
+    "alibi_falcon_mqa_softcap_scale": dict(CONFIG, num_kv_heads=1, rope_theta=None,
+                                           alibi="falcon", softcap=2.0, scale=0.7),
+    "alibi_bloom_sinks_rope_gate": dict(CONFIG, alibi="bloom", sinks=True, output_gate=True),
 }
 EXACT = 1e-12  # float64: decoding and the full forward differ only in summation order
 
