@@ -384,3 +384,18 @@ CASES += [
          {"d_in": 7, "num_heads": 5, "num_kv_heads": 1, "head_dim": 4, "d_out": 3,
           "causal": False, "out_bias": True, "alibi": "falcon"}),
 ]
+
+# T5's relative position buckets (a learned table (num_buckets, N) at the bucket of j − i,
+# bidirectional unless causal; no 1/√Dh: scale 1), distances past max_distance included.
+CASES += [
+    Case("gqa_t5_buckets_bidirectional", GQA, 504,
+         {"x": ("normal", (2, 9, 5)), "mask": ("mask", (2, 9, 9), 0.85, ())},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 1, "head_dim": 3, "d_out": 6,
+          "causal": False, "scale": 1.0, "relative_attention_num_buckets": 8,
+          "relative_attention_max_distance": 5}),
+    Case("gqa_t5_buckets_causal_lengths", GQA, 505,
+         {"x": ("normal", (3, 8, 5)), "query_seq_lengths": _ints([8, 5, 3])},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 7,
+          "scale": 1.0, "relative_attention_num_buckets": 10,
+          "relative_attention_max_distance": 6}),
+]

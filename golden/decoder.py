@@ -83,3 +83,41 @@ def alibi_bias(slopes, distance):
     HF's BLOOM and Falcon add m_h · j and MPT m_h · (j − (Lk − 1)): the same row by row up to a
     constant, which softmax removes; this relative form is the one a KV cache reproduces."""
     return slopes[:, None, None] * distance[..., None, :, :]
+
+
+# T5's relative position buckets (Hugging Face's T5Attention._relative_position_bucket).
+def relative_position_bucket(distance, bidirectional, num_buckets, max_distance):
+    """The bucket (int64, distance's shape) of each integer ``distance`` = key − query, by HF's
+    rule in its float32 operations and order: bidirectional, half the buckets for keys after
+    the query; then max_exact = (those buckets) // 2 exact buckets for |d| < max_exact, and
+    max_exact + ⌊ln(|d| / max_exact) / ln(max_distance / max_exact) · (buckets − max_exact)⌋
+    (at most buckets − 1) beyond. Causal: keys after the query share bucket 0."""
+    d = np.asarray(distance, dtype=np.int64)
+    buckets = np.zeros_like(d)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (d > 0) * num_buckets
+        d = np.abs(d)
+    else:
+        d = -np.minimum(d, 0)
+    max_exact = num_buckets // 2
+    with np.errstate(divide="ignore"):  # d = 0: log 0, never selected
+        ratio = np.log(d.astype(np.float32) / np.float32(max_exact))
+        large = ratio / np.float32(math.log(max_distance / max_exact)) * np.float32(
+            num_buckets - max_exact)
+    large = max_exact + np.where(d < max_exact, 0, large).astype(np.int64)
+    return buckets + np.where(d < max_exact, d, np.minimum(large, num_buckets - 1))
+
+
+def bucket_table(span, bidirectional, num_buckets, max_distance):
+    """relative_position_bucket of the distances −span … span, (2·span + 1,): the bucket of
+    distance d is entry d + span (what a twin indexes with distances it computes, traced)."""
+    return relative_position_bucket(np.arange(-span, span + 1), bidirectional, num_buckets,
+                                    max_distance)
+
+
+def relative_bias(table, buckets, *, moveaxis):
+    """T5's score bias (..., N, L, Lk): the learned ``table`` (num_buckets, N) at each of
+    ``buckets`` (..., L, Lk), heads moved before the two position axes; ``moveaxis`` is the
+    framework's (torch.movedim, jnp.moveaxis, np.moveaxis)."""
+    return moveaxis(table[buckets], -1, -3)  # (..., L, Lk, N) -> (..., N, L, Lk)
