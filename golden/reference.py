@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from golden import exact, variants
-from golden.decoder import sliding_window
+from golden.decoder import alibi_slopes, relative_position_bucket, sliding_window
 from golden.positions import hf_inv_freq
 from golden.validate import check_attention_args, rope_settings, rotary_dims, window
 
@@ -624,6 +624,9 @@ def block_backward(saved, d_y, d_weights):
     g = sdpa_backward(saved["attn"], split_heads(g_merged, saved["heads"]["query"]), d_weights)
     if "sinks" in p:
         grads["sinks"] = g["sinks"]
+    if saved.get("buckets") is not None:  # T5: the bias's gradient summed into its buckets
+        grads["relative_attention_bias"] = bucket_sums(g["bias"], saved["buckets"],
+                                                       p["relative_attention_bias"].shape)
     for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
         g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])
         grads.update(g_params)
@@ -827,12 +830,46 @@ def temperature_factors(positions, beta, floor_scale, shift):
     return number(1) + number(beta) * np.log(real((1 + steps).astype(np.float64)))
 
 
+def alibi_term(c, length, dh):
+    """ALiBi's score bias (N, L, L) for ``length`` tokens: m_h · (j − i), key j and query i in
+    token order (golden.decoder.alibi_slopes gives m_h); Falcon adds it before the scale, so
+    its bias is multiplied by the scale (default 1/√Dh). Exact: powers of two times integers,
+    then the scale in the arithmetic in force. Not a parameter: no gradient."""
+    slopes = alibi_slopes(c["num_heads"], c["alibi"], c["alibi_bias_max"])
+    distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
+    bias = real(slopes[:, None, None] * distance)
+    if c["alibi"] != "falcon":
+        return bias
+    return bias * (number(1) / np.sqrt(number(dh)) if c["scale"] is None else number(c["scale"]))
+
+
+def relative_term(c, length, table):
+    """T5's score bias (N, L, L): the learned table (num_buckets, N) at the bucket of each
+    distance j − i (golden.decoder.relative_position_bucket, bidirectional unless causal);
+    returns (bias, buckets (L, L))."""
+    distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
+    buckets = relative_position_bucket(distance, not c["causal"],
+                                       c["relative_attention_num_buckets"],
+                                       c["relative_attention_max_distance"])
+    return np.moveaxis(real(table)[buckets], -1, -3), buckets
+
+
+def bucket_sums(g_bias, buckets, shape):
+    """The gradient of relative_term's gather: g_bias (..., N, L, L) summed over the batch and
+    scattered into the buckets, (num_buckets, N), in index order."""
+    g = g_bias.reshape((-1,) + g_bias.shape[-3:]).sum(axis=0)  # (N, L, L)
+    out = real(np.zeros(shape))
+    np.add.at(out, buckets, np.moveaxis(g, 0, -1))  # (L, L, N) into (num_buckets, N)
+    return out
+
+
 def _grouped_query(config, inputs, params):
     """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE and the query temperature at
     the tokens' positions (0 … L − 1, or the inputs' ``positions``) on q and k
     (golden.variants.QK_NORMS says which norm runs before RoPE and which after); sinks and the
-    output gate when the parameters hold them; the padding past query_seq_lengths neither
-    querying nor attended."""
+    output gate when the parameters hold them; ALiBi's or T5's bias (alibi_term,
+    relative_term, the table's gradient by bucket_sums); the padding past
+    query_seq_lengths neither querying nor attended."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
     num_heads, kind = c["num_heads"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads
@@ -858,14 +895,21 @@ def _grouped_query(config, inputs, params):
     train = "dropout_mask" in inputs
     core = {} if c.get("attention_chunk_size") is None else {
         "attention_chunk_size": c["attention_chunk_size"]}
+    if c["alibi"] is not None:
+        core["bias"] = alibi_term(c, x.shape[-2], dh)
+    buckets = None
+    if c["relative_attention_num_buckets"] is not None:
+        core["bias"], buckets = relative_term(c, x.shape[-2], params["relative_attention_bias"])
     causal = c.get("causal", True)
-    return block_forward(x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"],
-                         stages=stages, mask=inputs.get("mask"), is_causal=causal,
-                         scale=c.get("scale"), softcap=c.get("softcap"),
-                         local_window_size=sliding_window(c.get("sliding_window"), causal),
-                         query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
-                         dropout_mask=inputs.get("dropout_mask"), **core)
+    y, weights, saved = block_forward(
+        x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"], stages=stages,
+        mask=inputs.get("mask"), is_causal=causal, scale=c.get("scale"), softcap=c.get("softcap"),
+        local_window_size=sliding_window(c.get("sliding_window"), causal),
+        query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+        dropout_rate=c.get("dropout", 0.0) if train else 0.0,
+        dropout_mask=inputs.get("dropout_mask"), **core)
+    saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
+    return y, weights, saved
 
 
 def _multi_head_cross(config, inputs, params):

@@ -26,7 +26,15 @@ import numpy as np
 from flax import nnx
 
 from golden import variants
-from golden.decoder import qk_normalize, temperature, weight_broadcast
+from golden.decoder import (
+    alibi_bias,
+    alibi_slopes,
+    bucket_table,
+    qk_normalize,
+    relative_bias,
+    temperature,
+    weight_broadcast,
+)
 from golden.decoder import sliding_window as core_window
 from golden.positions import ContextCache, KVCache, check_fits, context_fingerprint
 from golden.validate import (
@@ -306,7 +314,9 @@ class GroupedQueryAttention(_Variant):
                  rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
                  qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
                  query_temperature=None, output_gate=False, rope_parameters=None,
-                 partial_rotary_factor=1.0, rope_precision="exact", *, rngs,
+                 partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
+                 alibi_bias_max=8, relative_attention_num_buckets=None,
+                 relative_attention_max_distance=128, *, rngs,
                  precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -317,7 +327,10 @@ class GroupedQueryAttention(_Variant):
                         attention_chunk_size=attention_chunk_size,
                         query_temperature=query_temperature, output_gate=output_gate,
                         rope_parameters=rope_parameters,
-                        partial_rotary_factor=partial_rotary_factor, rope_precision=rope_precision)
+                        partial_rotary_factor=partial_rotary_factor, rope_precision=rope_precision,
+                        alibi=alibi, alibi_bias_max=alibi_bias_max,
+                        relative_attention_num_buckets=relative_attention_num_buckets,
+                        relative_attention_max_distance=relative_attention_max_distance)
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -327,6 +340,9 @@ class GroupedQueryAttention(_Variant):
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         self.attention_chunk_size = attention_chunk_size
+        self.alibi = alibi
+        self.alibi_slopes = None if alibi is None else tuple(
+            alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,): static, hashable
         self.query_temperature = (None if query_temperature is None else tuple(
             query_temperature[n] for n in variants.TEMPERATURE_FIELDS))  # static: hashable
         self.precision = precision
@@ -339,9 +355,11 @@ class GroupedQueryAttention(_Variant):
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
         shapes = VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
-        self.q_norm, self.k_norm, self.sinks = (
-            nnx.Param(jnp.full(shapes[n], 0.0 if n == "sinks" else start)) if n in shapes
-            else None for n in ("q_norm", "k_norm", "sinks"))
+        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
+        self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias = (
+            nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
+            if n in shapes else None
+            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -405,8 +423,9 @@ class GroupedQueryAttention(_Variant):
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
+        bias = self._position_bias(q, k.shape[-2], offset)
         o = scaled_dot_product_attention(
-            q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            q, k, v, head_mask, bias, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
@@ -436,6 +455,31 @@ class GroupedQueryAttention(_Variant):
         return qk_normalize(t.astype(compute), self.qk_norm, w, self.qk_norm_eps,
                             mean=lambda a: a.mean(-1, keepdims=True),
                             rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+    def _position_bias(self, q, keys, offset):
+        """ALiBi's or T5's score bias (N, L, Lk), or (B, N, L, Lk) with a cache (query i at
+        p = offset + i), in at least float32; None without. Both read the distance j − p in
+        token order, as the mask (``positions`` move RoPE and the temperature, not these: on
+        the pairs a left-padded or packed row attends, the two differ by a constant per
+        sequence). ALiBi: m_h · (j − p), Falcon's added before the scale (times the scale,
+        default 1/√Dh). T5: the learned table at the bucket of j − p (the buckets of every
+        distance tabulated on the host, indexed by the traced distances)."""
+        if self.alibi is None and self.relative_attention_bias is None:
+            return None
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        pos = jnp.arange(q.shape[-2])[:, None]  # (L, 1)
+        if offset is not None:
+            pos = pos + offset[:, None, None]  # (B, L, 1)
+        distance = jnp.arange(keys) - pos  # (..., L, Lk)
+        if self.relative_attention_bias is not None:
+            span = keys + q.shape[-2]  # every distance j − p lies in [−span, span]
+            table = jnp.asarray(bucket_table(span, not self.causal, *self.buckets))
+            return relative_bias(self.relative_attention_bias.get_value().astype(compute),
+                                 table[distance + span], moveaxis=jnp.moveaxis)
+        bias = alibi_bias(jnp.asarray(self.alibi_slopes, compute), distance.astype(compute))
+        if self.alibi == "falcon":
+            bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
+        return bias
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +
