@@ -27,11 +27,9 @@ from flax import nnx
 
 from golden import variants
 from golden.decoder import (
-    alibi_bias,
     alibi_slopes,
     bucket_table,
     qk_normalize,
-    relative_bias,
     temperature,
     weight_broadcast,
 )
@@ -423,9 +421,9 @@ class GroupedQueryAttention(_Variant):
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
-        bias = self._position_bias(q, k.shape[-2], offset)
         o = scaled_dot_product_attention(
-            q, k, v, head_mask, bias, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]),
+            is_causal=self.causal, scale=self.scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
@@ -456,27 +454,24 @@ class GroupedQueryAttention(_Variant):
                             mean=lambda a: a.mean(-1, keepdims=True),
                             rsqrt=jax.lax.rsqrt).astype(t.dtype)
 
-    def _position_bias(self, q, keys, offset):
-        """ALiBi's or T5's score bias (N, L, Lk), or (B, N, L, Lk) with a cache (query i at
-        p = offset + i), in at least float32; None without. Both read the distance j − p in
-        token order, as the mask (``positions`` move RoPE and the temperature, not these: on
-        the pairs a left-padded or packed row attends, the two differ by a constant per
-        sequence). ALiBi: m_h · (j − p), Falcon's added before the scale (times the scale,
-        default 1/√Dh). T5: the learned table at the bucket of j − p (the buckets of every
-        distance tabulated on the host, indexed by the traced distances)."""
+    def _position_bias(self, q, keys):
+        """ALiBi's or T5's bias as the core's ``distance_bias`` (N, 2S + 1), S = L + Lk (every
+        distance j − p of the call, query i at p = i + offset, lies in −S … S), in at least
+        float32; None without. The core forms it per block ("blockwise": O(L) memory) or as
+        (L, Lk) terms ("explicit"). Both read the distance j − p in token order, as the mask
+        (``positions`` move RoPE and the temperature, not these: on the pairs a left-padded or
+        packed row attends, the two differ by a constant per sequence). ALiBi: m_h · (j − p),
+        Falcon's added before the scale (times the scale, default 1/√Dh). T5: the learned
+        table at the bucket of j − p (the buckets of every distance tabulated on the host)."""
         if self.alibi is None and self.relative_attention_bias is None:
             return None
         compute = jnp.promote_types(q.dtype, jnp.float32)
-        pos = jnp.arange(q.shape[-2])[:, None]  # (L, 1)
-        if offset is not None:
-            pos = pos + offset[:, None, None]  # (B, L, 1)
-        distance = jnp.arange(keys) - pos  # (..., L, Lk)
+        span = keys + q.shape[-2]
         if self.relative_attention_bias is not None:
-            span = keys + q.shape[-2]  # every distance j − p lies in [−span, span]
-            table = jnp.asarray(bucket_table(span, not self.causal, *self.buckets))
-            return relative_bias(self.relative_attention_bias.get_value().astype(compute),
-                                 table[distance + span], moveaxis=jnp.moveaxis)
-        bias = alibi_bias(jnp.asarray(self.alibi_slopes, compute), distance.astype(compute))
+            table = bucket_table(span, not self.causal, *self.buckets)  # (2S + 1,) NumPy
+            return self.relative_attention_bias.get_value().astype(compute)[table].T
+        distance = jnp.arange(-span, span + 1, dtype=compute)  # (2S + 1,)
+        bias = jnp.asarray(self.alibi_slopes, compute)[:, None] * distance  # (N, 2S + 1)
         if self.alibi == "falcon":
             bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
         return bias
