@@ -420,3 +420,11 @@ CASES += [
           "scale": 1.0, "relative_attention_num_buckets": 10,
           "relative_attention_max_distance": 6}),
 ]
+
+# MPT's clip_qkv (q, k and v clamped to [−c, c] after their projections; OLMo's too), with its
+# ALiBi: about half the projected entries clipped here, so the gradient's zeros are exercised.
+CASES += [
+    Case("gqa_mpt_clip_qkv", GQA, 506, {"x": ("normal", (2, 6, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 4, "head_dim": 3, "d_out": 5,
+          "alibi": "mpt", "clip_qkv": 0.6}),
+]

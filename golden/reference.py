@@ -580,16 +580,23 @@ class Stage(NamedTuple):
     backward: Callable
 
 
-def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None, **core):
+def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
+                  clip=None, **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate) and sinks. Key and value
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
+    ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
     p = {n: real(a) for n, a in p.items()}
     heads = {"query": num_heads, "key": kv_heads or num_heads, "value": kv_heads or num_heads}
     q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), heads[n])
                for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
+    inside = None
+    if clip is not None:  # the derivative is 1 inside [−c, c] (ends included, as torch's), else 0
+        c = number(clip)
+        inside = [((a >= -c) & (a <= c)).astype(bool) for a in (q, k, v)]
+        q, k, v = (np.where(i, a, np.where(a > c, c, -c)) for i, a in zip(inside, (q, k, v)))
     staged = []
     for stage in stages:
         q, k, s = stage.forward(q, k)
@@ -606,7 +613,7 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         merged = merged * gate[2]
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
-                 merged=merged, gate=gate, attn=attn)
+                 merged=merged, gate=gate, attn=attn, inside=inside)
     return y, weights, saved
 
 
@@ -630,6 +637,8 @@ def block_backward(saved, d_y, d_weights):
     for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
         g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])
         grads.update(g_params)
+    for i, n in enumerate(("query", "key", "value") if saved.get("inside") else ()):
+        g[n] = np.where(saved["inside"][i], g[n], number(0))
     for x, n in zip(saved["x"], ("query", "key", "value")):
         grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
                                           (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
@@ -907,7 +916,7 @@ def _grouped_query(config, inputs, params):
         local_window_size=sliding_window(c.get("sliding_window"), causal),
         query_seq_lengths=lengths, key_value_seq_lengths=lengths,
         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
-        dropout_mask=inputs.get("dropout_mask"), **core)
+        dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"], **core)
     saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
     return y, weights, saved
 

@@ -294,6 +294,9 @@ class GroupedQueryAttention(_Variant):
     (right padding); a padding token neither queries (its row of the weights is zero, its output
     row is the output bias) nor is attended, and is not written to a cache.
 
+    Options: as torch_attn.GroupedQueryAttention's (docs/modules.md), ``clip_qkv`` c included
+    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
+
     With ``cache`` (from ``init_cache``, a pytree), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there (a scatter, in place when the
     caller's jit donates the cache), it attends the cached keys and this call's (bottom-right
@@ -314,7 +317,7 @@ class GroupedQueryAttention(_Variant):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, *, rngs,
+                 relative_attention_max_distance=128, clip_qkv=None, *, rngs,
                  precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -328,7 +331,9 @@ class GroupedQueryAttention(_Variant):
                         partial_rotary_factor=partial_rotary_factor, rope_precision=rope_precision,
                         alibi=alibi, alibi_bias_max=alibi_bias_max,
                         relative_attention_num_buckets=relative_attention_num_buckets,
-                        relative_attention_max_distance=relative_attention_max_distance)
+                        relative_attention_max_distance=relative_attention_max_distance,
+                        clip_qkv=clip_qkv)
+        self.clip_qkv = clip_qkv
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -397,12 +402,12 @@ class GroupedQueryAttention(_Variant):
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              positions=positions)
-        q, k = self.W_query(x), self.W_key(x)                  # (B, L, N·Dh), (B, L, Nkv·Dh)
+        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
-        v = self._split(self.W_value(x), self.num_kv_heads)
+        v = self._split(v, self.num_kv_heads)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
@@ -433,6 +438,10 @@ class GroupedQueryAttention(_Variant):
         y = _merge_heads(self.out_proj, o, gate)  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
+
+    def _clip(self, y):
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
+        return y if self.clip_qkv is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""

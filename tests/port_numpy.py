@@ -345,7 +345,7 @@ class GroupedQueryAttention(Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, *, core=None):
+                 relative_attention_max_distance=128, clip_qkv=None, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         self.slopes = None if alibi is None else alibi_slopes(num_heads, alibi, alibi_bias_max)
@@ -356,6 +356,7 @@ class GroupedQueryAttention(Module):
         self.relative_attention_bias = (None if relative_attention_num_buckets is None else
                                         np.zeros((relative_attention_num_buckets, num_heads)))
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
+        self.clip = clip_qkv
         shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
                   "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh)}
         self.q_norm, self.k_norm = (np.zeros(shapes[qk_norm](n)) if qk_norm in shapes else None
@@ -378,12 +379,14 @@ class GroupedQueryAttention(Module):
         positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
         if positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
-        q, k = self.q_proj(x), self.k_proj(x)
+        q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.clip is not None:  # MPT's and OLMo's clip_qkv
+            q, k, v = (np.clip(t, -self.clip, self.clip) for t in (q, k, v))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: over all heads, before the split
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         q = _split(q, self.heads)                   # (..., N, L, Dh)
         k = _split(k, self.kv_heads)                # (..., Nkv, L, Dh)
-        v = _split(self.v_proj(x), self.kv_heads)
+        v = _split(v, self.kv_heads)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.rope_settings is not None:

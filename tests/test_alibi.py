@@ -128,9 +128,10 @@ def _bloom(rng, x):
     return ours, params, y, w, FLOAT32_LEVEL
 
 
-def _mpt(rng, x, bias_max):
+def _mpt(rng, x, bias_max, clip_qkv=None):
     config = modeling_mpt.MptConfig(d_model=D, n_heads=N, max_seq_len=L,
-                                    attn_config={"alibi_bias_max": bias_max})
+                                    attn_config={"alibi_bias_max": bias_max,
+                                                 "clip_qkv": clip_qkv})
     hf = modeling_mpt.MptAttention(config, layer_idx=0).double().eval()
     _randomize(hf, rng)
     bias = modeling_mpt.build_mpt_alibi_tensor(N, L, bias_max).double()  # (N, 1, L)
@@ -138,7 +139,8 @@ def _mpt(rng, x, bias_max):
     y, w = hf(x, bias, attention_mask=masked)
     params = _neutral(hf.Wqkv.weight, None, "mpt")
     params["W_out"] = hf.out_proj.weight.detach().numpy().T.copy()
-    ours = dict(d_in=D, num_heads=N, num_kv_heads=N, alibi="mpt", alibi_bias_max=bias_max)
+    ours = dict(d_in=D, num_heads=N, num_kv_heads=N, alibi="mpt", alibi_bias_max=bias_max,
+                clip_qkv=clip_qkv)
     return ours, params, y, w, FLOAT32_LEVEL
 
 
@@ -162,7 +164,9 @@ def _falcon(rng, x):
 
 
 FAMILIES = {"bloom": _bloom, "mpt_bias_max_8": lambda rng, x: _mpt(rng, x, 8),
-            "mpt_bias_max_6": lambda rng, x: _mpt(rng, x, 6), "falcon_multi_query": _falcon}
+            "mpt_bias_max_6": lambda rng, x: _mpt(rng, x, 6),
+            "mpt_clip_qkv": lambda rng, x: _mpt(rng, x, 8, clip_qkv=3.0),  # ~1/5 clipped here
+            "falcon_multi_query": _falcon}
 
 
 def _rel(actual, expected):

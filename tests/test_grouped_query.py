@@ -73,6 +73,7 @@ DECODE_CONFIGS = {
     "alibi_falcon_mqa_softcap_scale": dict(CONFIG, num_kv_heads=1, rope_theta=None,
                                            alibi="falcon", softcap=2.0, scale=0.7),
     "alibi_bloom_sinks_rope_gate": dict(CONFIG, alibi="bloom", sinks=True, output_gate=True),
+    "alibi_mpt_clip_qkv": dict(CONFIG, rope_theta=None, alibi="mpt", clip_qkv=0.5),
     # and T5's buckets of j − p, past max_distance too (9 tokens)
     "t5_buckets": dict(CONFIG, rope_theta=None, scale=1.0, relative_attention_num_buckets=8,
                        relative_attention_max_distance=6),

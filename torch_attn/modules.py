@@ -236,7 +236,10 @@ class GroupedQueryAttention(nn.Module):
     ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C
     positions); ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers:
     q · (1 + β·ln(1 + ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times
-    σ(x W_gate + b_gate) before out_proj).
+    σ(x W_gate + b_gate) before out_proj); ``alibi`` ("bloom", "mpt" with
+    ``alibi_bias_max``, "falcon") and T5's ``relative_attention_num_buckets`` (a learned bias
+    per bucket of key − query distance, ``relative_attention_max_distance``); ``clip_qkv`` c
+    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -256,7 +259,7 @@ class GroupedQueryAttention(nn.Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128):
+                 relative_attention_max_distance=128, clip_qkv=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -271,7 +274,9 @@ class GroupedQueryAttention(nn.Module):
                               rope_precision=rope_precision, alibi=alibi,
                               alibi_bias_max=alibi_bias_max,
                               relative_attention_num_buckets=relative_attention_num_buckets,
-                              relative_attention_max_distance=relative_attention_max_distance)
+                              relative_attention_max_distance=relative_attention_max_distance,
+                              clip_qkv=clip_qkv)
+        self.clip_qkv = clip_qkv
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -320,12 +325,12 @@ class GroupedQueryAttention(nn.Module):
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
                        cache.key.shape[2], x.shape[-2])
-        q, k = self.W_query(x), self.W_key(x)                  # (B, L, N·Dh), (B, L, Nkv·Dh)
+        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
-        v = self._split(self.W_value(x), self.num_kv_heads)
+        v = self._split(v, self.num_kv_heads)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
@@ -362,6 +367,10 @@ class GroupedQueryAttention(nn.Module):
         y = self.out_proj(merged)  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
+
+    def _clip(self, y):
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
+        return y if self.clip_qkv is None else y.clamp(-self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
