@@ -17,11 +17,11 @@ Shape legend: B batch, L tokens, D model width, N heads, Nkv key-value heads, Dh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import golden.convert
 from golden.hf import FAMILIES as SUPPORTED
@@ -29,26 +29,20 @@ from tests.helpers import TWINS, fresh_rng
 
 transformers = pytest.importorskip("transformers")
 
-B, L, D, N, NKV, DH = 2, 9, 16, 4, 2, 6
-EXACT = 1e-12        # float64 against float64
-FLOAT32_LEVEL = 1e-6  # relative: a float32 step inside HF (its RoPE angles, norms)
+from tests.hf_harness import (  # noqa: E402
+    BASE,
+    EXACT,
+    FLOAT32_LEVEL,
+    B,
+    Family,
+    L,
+    attention_of,
+    build_model,
+    captured,
+    rel,
+    state_dict,
+)
 
-
-@dataclass(frozen=True)
-class Family:
-    """A tiny configuration of one family (``config`` the class, ``kw`` beyond the sizes),
-    the layers to check (one of each kind), and HF's float32 steps besides RoPE's angles
-    (None: none, so rope_precision="hf" agrees to EXACT)."""
-
-    config: str
-    kw: dict = field(default_factory=dict)
-    layers: tuple = (0,)
-    float32: str | None = None
-    attention: str = "sdpa"  # eager's softmax is float32 in most families
-
-
-BASE = dict(hidden_size=D, num_attention_heads=N, num_key_value_heads=NKV, head_dim=DH,
-            intermediate_size=32, vocab_size=64, max_position_embeddings=64)
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
         "original_max_position_embeddings": 4, "beta_fast": 8.0, "beta_slow": 1.0}
 FAMILIES = {
@@ -130,66 +124,23 @@ DISTINCT = {
 }
 
 
-def _model(name, rng):
-    """The tiny base model, float64, sdpa attention (or the family's), every parameter drawn
-    N(0, 0.5²) (norm weights, biases and sinks included)."""
-    family = FAMILIES[name]
-    config = getattr(transformers, family.config)(**{**BASE, **family.kw})
-    config._attn_implementation = family.attention
-    config._experts_implementation = "eager"  # the grouped kernels take no float64
-    model = transformers.AutoModel.from_config(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
-    return config, model
-
-
-def _attention(model, i):
-    return model.layers[i].self_attn
-
-
-def _captured(model, layers, ids, **kw):
-    """Each layer's attention input (B, L, D) and output, from one forward of the model."""
-    seen = {}
-
-    def hook(i):
-        def record(module, args, kwargs, output):
-            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            seen[i] = (x.detach().numpy().copy(), output[0].detach().numpy().copy())
-        return record
-
-    handles = [_attention(model, i).register_forward_hook(hook(i), with_kwargs=True)
-               for i in layers]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.from_numpy(ids), **kw)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
-def _state_dict(module):
-    return {n: t.detach().numpy().copy() for n, t in module.state_dict().items()}
-
-
-def rel(actual, expected):
-    return float(np.abs(actual - expected).max() / np.abs(expected).max())
-
-
 def test_every_supported_family_is_tested():
-    assert set(FAMILIES) == set(SUPPORTED)
+    """Every model_type golden.hf converts has its tiny model in a tests/test_hf_import*.py."""
+    tested = set()
+    for path in sorted(Path(__file__).parent.glob("test_hf_import*.py")):
+        tested |= set(importlib.import_module(f"tests.{path.stem}").FAMILIES)
+    assert tested == set(SUPPORTED)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_layers_equal_the_models_own_attention(name, twin):
     family = FAMILIES[name]
     rng, seed = fresh_rng()
-    config, model = _model(name, rng)
+    config, model = build_model(FAMILIES[name], rng)
     ids = rng.integers(0, BASE["vocab_size"], (B, L))
-    seen = _captured(model, family.layers, ids)
+    seen = captured(family, model, family.layers, ids)
     for i in family.layers:
-        sd = _state_dict(_attention(model, i))
+        sd = state_dict(attention_of(FAMILIES[name], model, i))
         x, expected = seen[i]
         for precision in ("exact", "hf"):
             variant, ours, params = golden.convert.from_hf(config.to_dict(), sd, layer_idx=i)
@@ -209,9 +160,9 @@ def test_layers_equal_the_models_own_attention(name, twin):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_round_trip_gives_back_the_same_arrays(name):
     rng, _ = fresh_rng()
-    config, model = _model(name, rng)
+    config, model = build_model(FAMILIES[name], rng)
     for i in FAMILIES[name].layers:
-        sd = _state_dict(_attention(model, i))
+        sd = state_dict(attention_of(FAMILIES[name], model, i))
         result = golden.convert.from_hf(config, sd, layer_idx=i)
         back = golden.convert.to_hf(*result)
         assert set(back) == set(sd), name
@@ -230,11 +181,11 @@ def test_unsupported_family_and_settings_are_named():
                                          r"= 'mrope' is not supported"):
         golden.convert.from_hf(config, {})
     rng, _ = fresh_rng()
-    config, model = _model("qwen3_next", rng)
+    config, model = build_model(FAMILIES["qwen3_next"], rng)
     with pytest.raises(ValueError, match=r"model_type 'qwen3_next': layer 0 is a "
                                          r"'linear_attention' layer"):
         golden.convert.from_hf(config, {}, layer_idx=0)
-    sd = _state_dict(_attention(model, 1))
+    sd = state_dict(attention_of(FAMILIES["qwen3_next"], model, 1))
     del sd["k_proj.weight"]
     with pytest.raises(ValueError, match=r"model_type 'qwen3_next': the state dict has no "
                                          r"'k_proj.weight'"):
@@ -249,11 +200,11 @@ def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(n
     from golden import variants
     twin = TWINS["torch"]
     rng, seed = fresh_rng()
-    config, model = _model(name, rng)
+    config, model = build_model(FAMILIES[name], rng)
     layers = {layer for layer, _ in DISTINCT[name]}
-    seen = _captured(model, layers, rng.integers(0, BASE["vocab_size"], (B, L)))
+    seen = captured(FAMILIES[name], model, layers, rng.integers(0, BASE["vocab_size"], (B, L)))
     for layer, change in DISTINCT[name]:
-        sd = _state_dict(_attention(model, layer))
+        sd = state_dict(attention_of(FAMILIES[name], model, layer))
         x, expected = seen[layer]
         variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=layer)
         changed = {n: v for n, v in {**ours, **change}.items() if v is not None}
