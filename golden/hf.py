@@ -346,9 +346,10 @@ def _family(mt) -> Family:
     return FAMILIES[mt]
 
 
-def from_hf(config, state_dict, *, layer_idx=0):
+def from_hf(config, state_dict, *, layer_idx=0, rope_precision="exact"):
     """(variant, config, params) of one attention layer of a Hugging Face checkpoint: see the
-    module's docstring."""
+    module's docstring. ``rope_precision="hf"`` asks for HF's float32 RoPE angles (to compare
+    with HF itself; "exact": float64 angles rounded once)."""
     c = _as_dict(config)
     mt = c.get("model_type")
     family = _family(mt)
@@ -362,6 +363,8 @@ def from_hf(config, state_dict, *, layer_idx=0):
             raise ValueError(f"model_type {mt!r}: {name} = {c.get(name)!r} is not supported "
                              f"({why})")
     ours = family.settings(c, layer_idx, state_dict)
+    if rope_precision != "exact" and ("rope_parameters" in ours or "rope_theta" in ours):
+        ours["rope_precision"] = rope_precision
     try:
         variants.VARIANTS[family.variant].config(ours)
     except (ValueError, TypeError) as e:

@@ -58,15 +58,18 @@ def attention_of(family, model, i):
     return model.layers[i].self_attn
 
 
-def captured(family, model, layers, ids, **kw):
+def captured(family, model, layers, ids, *, calls=None, **kw):
     """Each layer's attention input (B, L, D) and output, from one forward of the model on
-    token ids ``ids`` (``kw`` to the model: attention_mask, position_ids, ...)."""
+    token ids ``ids`` (``kw`` to the model: attention_mask, position_ids, ...). ``calls``, a
+    dict, also receives each layer's (args, kwargs) of the call, to call it again."""
     seen = {}
 
     def hook(i):
         def record(module, args, kwargs, output):
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             seen[i] = (x.detach().numpy().copy(), output[0].detach().numpy().copy())
+            if calls is not None:
+                calls[i] = (args, dict(kwargs))
         return record
 
     handles = [attention_of(family, model, i).register_forward_hook(hook(i), with_kwargs=True)
