@@ -16,6 +16,7 @@ import numpy as np
 
 import golden
 from golden import reference, runners
+from golden.fixture import Fixture
 from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES
 from golden.runners.adapt import NotSupported, as_runner
 from golden.tolerances import compare_profile, profile
@@ -89,7 +90,9 @@ def select(names, pattern):
     if not pattern:
         return names
     wild = any(c in pattern for c in "*?[")
-    return [n for n in names if (fnmatch.fnmatch(n, pattern) if wild else pattern in n)]
+    name = lambda n: getattr(n, "name", n)  # noqa: E731  (a Fixture made in memory)
+    return [n for n in names if (fnmatch.fnmatch(name(n), pattern) if wild
+                                 else pattern in name(n))]
 
 
 def available(frameworks, log) -> list[str]:
@@ -173,17 +176,20 @@ def _array(what, c) -> dict:
 # ---- run and main -----------------------------------------------------------------------------
 
 def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variants=(),
-        profile_name="exact", log=None, progress=None, weights=None, command="") -> dict:
-    """The report (see ``golden.report``) of the selected fixtures through the frameworks
-    (default: all installed, unless ``impls`` are given, then only those) and the runners in
-    ``impls``. ``log`` gets one line per row as it finishes; ``weights``, a dict, is filled
-    with {fixture: {label: attention weights}} for the HTML page."""
+        profile_name="exact", log=None, progress=None, weights=None, command="",
+        regeneration=True) -> dict:
+    """The report (see ``golden.report``) of the selected fixtures (names, paths, or Fixture
+    objects made in memory) through the frameworks (default: all installed, unless ``impls``
+    are given, then only those) and the runners in ``impls``. ``log`` gets one line per row as
+    it finishes; ``weights``, a dict, is filled with {fixture: {label: attention weights}} for
+    the HTML page; ``regeneration``: also check that the reference rewrites each fixture bit
+    for bit (False for fixtures that are not from golden/cases.py)."""
     log = log or (lambda line: None)
     prof = profile(profile_name)
     impls = [as_runner(i) for i in impls]
     start = time.perf_counter()
     names = select(list(names or golden.names()), pattern)
-    fixtures = [golden.load(n) for n in names]
+    fixtures = [n if isinstance(n, Fixture) else golden.load(n) for n in names]
     fixtures = [f for f in fixtures if not variants or f.variant in variants]
     wanted = list(frameworks) or ([] if impls else list(runners.FRAMEWORKS))
     use = available(wanted, log)
@@ -202,7 +208,7 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
         log(row)
         if weights is not None:
             _keep_weights(weights, fixture, row, result)
-    if fixtures and "reference" in use and (not dtypes or "float64" in dtypes):
+    if regeneration and fixtures and "reference" in use and (not dtypes or "float64" in dtypes):
         differ = {f.name: what for f in fixtures if (what := regenerated(f))}
         report["regeneration"] = {"checked": len(fixtures), "reproduced":
                                   len(fixtures) - len(differ), "differ": differ}

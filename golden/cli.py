@@ -1,4 +1,5 @@
-"""The ``attn-parity`` command: ``check``, ``compare``, ``regenerate [--check]``, ``bench``.
+"""The ``attn-parity`` command: ``check``, ``compare``, ``hf``, ``regenerate [--check]``,
+``bench``.
 
 User errors (a bad ``--impl``, a missing file) get a one-line message and exit status 2.
 """
@@ -53,6 +54,11 @@ def main(argv=None) -> int:
     regen = sub.add_parser("regenerate", help="rebuild the fixtures from golden/cases.py")
     regen.add_argument("--check", action="store_true",
                        help="compare in memory with the files on disk; exit 1 on any difference")
+    hf = sub.add_parser("hf", help="convert and check every attention layer of a local Hugging "
+                                   "Face checkpoint (attn-parity hf --help)")
+    from golden.hf_check import add_arguments as hf_arguments
+
+    hf_arguments(hf)
     sub.add_parser("bench", add_help=False,
                    help="time attention against the peers (attn-parity bench --help)")
     args, rest = parser.parse_known_args(argv)
@@ -64,6 +70,10 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args, argv)
+    if args.command == "hf":
+        from golden.hf_check import main as hf_main
+
+        return hf_main(args)
     if args.command == "compare":
         from golden.compare import run_cli
 
