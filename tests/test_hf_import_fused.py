@@ -279,3 +279,28 @@ def test_stablelm_norms_are_stacked_per_head():
     assert params["k_norm"].shape == (config.num_key_value_heads, 6)
     np.testing.assert_array_equal(params["q_norm"][2],
                                   attention.q_layernorm.norms[2].weight.detach().numpy())
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "falcon_multi_query_alibi"])
+def test_prefill_then_decode_with_our_cache_equals_the_models_forward(name, twin):
+    """A prompt of 4 tokens, then one token at a time through our module's KV cache (with
+    room to spare): every step equals the captured full forward of the HF model, at the bound
+    the full forward is held to (partial RoPE; Falcon's multi-query ALiBi, exact in both)."""
+    family = CASES[name]
+    rng, seed, config, model = _setup(name)
+    x, expected = captured(name, model, (0,), rng.integers(0, BASE["vocab_size"], (B, L)))[0]
+    variant, ours, params = golden.convert.from_hf(config, state_dict(
+        attention_of(family, model, 0)))
+    roped = "rope_parameters" in ours
+    ours = dict(ours, rope_precision="hf") if roped else dict(ours)
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        cache = module.init_cache(B, L + 3)
+        steps = []
+        for start, stop in [(0, 4)] + [(i, i + 1) for i in range(4, L)]:
+            out, cache = module(twin.array(x[:, start:stop]), cache=cache)
+            steps.append(twin.numpy(out))
+    assert twin.numpy(cache.lengths).tolist() == [L] * B
+    bound = EXACT if twin.name == "torch" or not roped else FLOAT32_LEVEL
+    assert rel(np.concatenate(steps, axis=1), expected) <= bound, (name, seed)
