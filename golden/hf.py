@@ -346,6 +346,8 @@ FAMILIES: dict[str, Family] = {
 #              (view (N + 2, Dh)); BLOOM, GPT-NeoX and Falcon's multi-head are Nkv = N
 #              (view (N, 3, Dh), per head [q_h, k_h, v_h]).
 # GPT-2's Conv1D stores its weight (in, out), already ours; nn.Linear (out, in) is transposed.
+# Dropout (training only) is on the attention weights, as each family drops them; GPT-2's
+# resid_pdrop and BLOOM's hidden_dropout act on the module's output and are the caller's.
 
 def _fused_rows(layout, n, nkv, dh) -> tuple:
     """The fused weight's rows holding q, k and v, three index arrays of N·Dh, Nkv·Dh, Nkv·Dh."""
@@ -452,10 +454,9 @@ def _falcon_kv_heads(c) -> int:
 
 def _falcon(c, layer_idx):
     ours = _heads(c, c["num_attention_heads"], "falcon", _falcon_kv_heads(c))
-    if c.get("alibi"):
-        ours["alibi"] = "falcon"  # (q kᵀ + m_h · j) / √Dh, bfloat16 slopes
-    else:
-        ours.update(_rope(c, None, "falcon"))
+    if not c.get("alibi"):  # FalconAttention drops its weights only on the ALiBi path
+        return {**ours, **_rope(c, None, "falcon")}
+    ours["alibi"] = "falcon"  # (q kᵀ + m_h · j) / √Dh, bfloat16 slopes
     return _dropout(c, ours)
 
 
@@ -489,9 +490,8 @@ def _gpt2(c, layer_idx):
     ours = _heads(c, c["n_head"], "gpt2")
     scale = ours["head_dim"] ** -0.5 if c.get("scale_attn_weights", True) else 1.0
     if c.get("scale_attn_by_inverse_layer_idx"):
-        scale /= float(layer_idx + 1)  # as GPT2Attention forms its scaling, the same float
-    if scale != ours["head_dim"] ** -0.5:
-        ours["scale"] = scale
+        scale /= float(layer_idx + 1)
+    ours["scale"] = scale  # GPT2Attention's scaling, the same float
     return _dropout(c, ours, "attn_pdrop")
 
 

@@ -304,3 +304,17 @@ def test_prefill_then_decode_with_our_cache_equals_the_models_forward(name, twin
     assert twin.numpy(cache.lengths).tolist() == [L] * B
     bound = EXACT if twin.name == "torch" or not roped else FLOAT32_LEVEL
     assert rel(np.concatenate(steps, axis=1), expected) <= bound, (name, seed)
+
+
+@pytest.mark.parametrize("flags", [dict(scale_attn_by_inverse_layer_idx=True),
+                                   dict(scale_attn_weights=False),
+                                   dict(scale_attn_weights=False,
+                                        scale_attn_by_inverse_layer_idx=True)])
+def test_gpt2_scale_is_the_very_float_gpt2_attention_uses(flags):
+    """scale_attn_weights and scale_attn_by_inverse_layer_idx are one number, our scale."""
+    from transformers.models.gpt2 import modeling_gpt2
+    config = transformers.GPT2Config(n_embd=D, n_head=4, n_layer=4, **flags)
+    for i in range(4):
+        module = modeling_gpt2.GPT2Attention(config, layer_idx=i)
+        _, ours, _ = golden.convert.from_hf(config, state_dict(module), layer_idx=i)
+        assert ours["scale"] == module.scaling, (flags, i)
