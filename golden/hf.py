@@ -367,8 +367,7 @@ def _weight(sd, name, conv1d, mt) -> np.ndarray:
 def _fused_family(mt, settings, layout, fused, out, *, conv1d=False, **family) -> Family:
     """A family whose q, k and v come from one projection ``fused`` in ``layout`` (above) and
     whose output projection is ``out``; ``settings(c, layer_idx)`` -> our configuration
-    (sizes included), qkv_bias and out_bias read from which biases the state dict has;
-    ``layout(c)`` may choose the layout from the config."""
+    (sizes included), qkv_bias and out_bias read from which biases the state dict has."""
 
     def our_settings(c, layer_idx, sd):
         ours = settings(c, layer_idx)

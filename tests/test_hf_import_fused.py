@@ -318,3 +318,12 @@ def test_gpt2_scale_is_the_very_float_gpt2_attention_uses(flags):
         module = modeling_gpt2.GPT2Attention(config, layer_idx=i)
         _, ours, _ = golden.convert.from_hf(config, state_dict(module), layer_idx=i)
         assert ours["scale"] == module.scaling, (flags, i)
+
+
+def test_falcon_key_value_heads_that_do_not_divide_the_heads_are_named():
+    config = dict(transformers.FalconConfig(hidden_size=D, num_attention_heads=4,
+                                            new_decoder_architecture=True).to_dict(),
+                  num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"model_type 'falcon': num_kv_heads should divide "
+                                         r"num_heads = 4, got 3"):
+        golden.convert.from_hf(config, {"query_key_value.weight": np.zeros((60, D))})
