@@ -340,12 +340,12 @@ def neutral_to_flax_mha(variant, config, params) -> dict:
     return tree
 
 
-def from_hf(config, state_dict, *, layer_idx=0):
+def from_hf(config, state_dict, *, layer_idx=0, kind=None):
     """(variant, config, params) of one attention layer of a Hugging Face checkpoint, for
     ``torch_attn.build`` and ``jax_attn.build``: golden.hf.from_hf (the families and their
-    settings are there)."""
+    settings are there; ``kind`` chooses an encoder-decoder's attention)."""
     from golden import hf
-    return hf.from_hf(config, state_dict, layer_idx=layer_idx)
+    return hf.from_hf(config, state_dict, layer_idx=layer_idx, kind=kind)
 
 
 def to_hf(variant, config, params, *, model_type=None) -> dict:
