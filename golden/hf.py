@@ -1,13 +1,15 @@
 """Hugging Face attention checkpoints <-> our variants: ``from_hf`` and ``to_hf``, NumPy only.
 
-``from_hf(config, state_dict, *, layer_idx=0) -> (variant, config, params)``: ``config`` is a
-transformers config's ``to_dict()`` (or an object with ``to_dict()``; for composite models the
-text or decoder sub-config's), ``state_dict`` the attention module's own state dict (keys as
-its ``state_dict()`` names them, arrays of NumPy, torch or JAX), ``layer_idx`` the layer the
-weights come from (sliding or full, RoPE or NoPE, local or global θ). The result goes straight
-into ``torch_attn.build(*result)`` and ``jax_attn.build(*result)``. ``to_hf(variant, config,
+``from_hf(config, state_dict, *, layer_idx=0, kind=None) -> (variant, config, params)``:
+``config`` is a transformers config's ``to_dict()`` (or an object with ``to_dict()``; for
+composite models the text or decoder sub-config's), ``state_dict`` the attention module's own
+state dict (keys as its ``state_dict()`` names them, arrays of NumPy, torch or JAX),
+``layer_idx`` the layer the weights come from (sliding or full, RoPE or NoPE, local or global
+θ), ``kind`` which attention of an encoder-decoder's layer ("encoder", "decoder", "cross":
+Whisper, BART, T5; None elsewhere; see the section at the end). The result goes straight into
+``torch_attn.build(*result)`` and ``jax_attn.build(*result)``. ``to_hf(variant, config,
 params)`` gives back the same arrays under the family's names (a round trip is exact); the
-config ``from_hf`` returns remembers its ``model_type`` (``HFConfig``), or pass
+config ``from_hf`` returns remembers its ``model_type`` and ``kind`` (``HFConfig``), or pass
 ``model_type=``.
 
 A family, or a setting of one, that we do not express is a ValueError naming the
@@ -316,7 +318,7 @@ def _gate_join(params, ours, sd):
     return sd
 
 
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, Family | Kinds] = {  # Kinds: see the end
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
     "mixtral": _llama_like("mixtral"),
@@ -423,7 +425,9 @@ def to_hf(variant, config, params, *, model_type=None) -> dict:
 # T5 computes its relative position bias in layer 0 of each stack (``relative_attention_bias``,
 # (K, N)) and passes it to the later layers, whose state dicts have no table: for layer_idx > 0
 # put layer 0's ``relative_attention_bias.weight`` (of the same stack) into the state dict;
-# each of our modules holds its own copy, and to_hf gives it back under that name.
+# each of our modules holds its own copy, and to_hf gives it back under that name. T5's
+# cross-attention has no table (a ``relative_attention_bias.weight`` some checkpoints store for
+# it is unused by transformers and not read here).
 #
 # Dropout on the attention weights (attention_probs_dropout_prob, attention_dropout,
 # dropout_rate) becomes GroupedQueryAttention's ``dropout`` (training only); our

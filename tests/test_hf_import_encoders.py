@@ -271,3 +271,38 @@ def test_unsupported_settings_and_kinds_are_named():
                                layer_idx=1, kind="encoder")
     with pytest.raises(ValueError, match=r"model_type 'clip' is not supported; supported: "):
         golden.convert.from_hf({"model_type": "clip"}, {})
+
+
+PREFILL = 4  # decoder tokens given at once before decoding the rest one at a time
+
+
+@pytest.mark.parametrize("name", ["whisper", "bart", "t5"])
+def test_decoding_with_our_caches_equals_the_models_attention(name, twin):
+    """The decoder's last layer, converted, decodes as HF's forward computed it: its causal
+    self-attention with our KV cache (a prefill of PREFILL tokens, then one token at a time; T5's
+    buckets at the cache's positions) and its cross-attention with a ContextCache of the
+    encoder's output (made once, one query token at a time), every step's rows against the
+    captured output, EXACT."""
+    family = FAMILIES[name]
+    rng, seed = fresh_rng()
+    config, model, seen = _model(name, rng)
+    for kind in ("decoder", "cross"):
+        layer = (kind, 1)
+        variant, ours, params = golden.convert.from_hf(
+            config, _layer_state(family, model, layer), layer_idx=1, kind=kind)
+        x, expected, *context = seen[layer]
+        with twin.float64():
+            module = twin.build(variant, ours, params)
+            module.eval()
+            if kind == "decoder":
+                y, cache = module(twin.array(x[:, :PREFILL]), cache=module.init_cache(B, L))
+                steps = [twin.numpy(y)]
+                for i in range(PREFILL, L):
+                    y, cache = module(twin.array(x[:, i:i + 1]), cache=cache)
+                    steps.append(twin.numpy(y))
+            else:
+                cache = module.context_cache(twin.array(context[0]))
+                steps = [twin.numpy(module(twin.array(x[:, i:i + 1]), cache=cache))
+                         for i in range(L)]
+        error = rel(np.concatenate(steps, axis=1), expected)
+        assert error <= EXACT, (name, kind, error, seed)
