@@ -343,7 +343,8 @@ def neutral_to_flax_mha(variant, config, params) -> dict:
 def from_hf(config, state_dict, *, layer_idx=0, **options):
     """(variant, config, params) of one attention layer of a Hugging Face checkpoint, for
     ``torch_attn.build`` and ``jax_attn.build``: golden.hf.from_hf (the families, their
-    settings and the options are there)."""
+    settings and the options are there: ``kind`` chooses an encoder-decoder's attention,
+    ``rope_precision``)."""
     from golden import hf
     return hf.from_hf(config, state_dict, layer_idx=layer_idx, **options)
 

@@ -1,13 +1,15 @@
 """Hugging Face attention checkpoints <-> our variants: ``from_hf`` and ``to_hf``, NumPy only.
 
-``from_hf(config, state_dict, *, layer_idx=0) -> (variant, config, params)``: ``config`` is a
-transformers config's ``to_dict()`` (or an object with ``to_dict()``; for composite models the
-text or decoder sub-config's), ``state_dict`` the attention module's own state dict (keys as
-its ``state_dict()`` names them, arrays of NumPy, torch or JAX), ``layer_idx`` the layer the
-weights come from (sliding or full, RoPE or NoPE, local or global θ). The result goes straight
-into ``torch_attn.build(*result)`` and ``jax_attn.build(*result)``. ``to_hf(variant, config,
+``from_hf(config, state_dict, *, layer_idx=0, kind=None) -> (variant, config, params)``:
+``config`` is a transformers config's ``to_dict()`` (or an object with ``to_dict()``; for
+composite models the text or decoder sub-config's), ``state_dict`` the attention module's own
+state dict (keys as its ``state_dict()`` names them, arrays of NumPy, torch or JAX),
+``layer_idx`` the layer the weights come from (sliding or full, RoPE or NoPE, local or global
+θ), ``kind`` which attention of an encoder-decoder's layer ("encoder", "decoder", "cross":
+Whisper, BART, T5; None elsewhere; see the section at the end). The result goes straight into
+``torch_attn.build(*result)`` and ``jax_attn.build(*result)``. ``to_hf(variant, config,
 params)`` gives back the same arrays under the family's names (a round trip is exact); the
-config ``from_hf`` returns remembers its ``model_type`` (``HFConfig``), or pass
+config ``from_hf`` returns remembers its ``model_type`` and ``kind`` (``HFConfig``), or pass
 ``model_type=``.
 
 A family, or a setting of one, that we do not express is a ValueError naming the
@@ -34,11 +36,13 @@ LLAMA_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "o_
 
 class HFConfig(dict):
     """Our module's configuration (a plain dict to ``build``), remembering the Hugging Face
-    ``model_type`` it came from, which ``to_hf`` reads to name the arrays."""
+    ``model_type`` it came from, which ``to_hf`` reads to name the arrays (and the ``kind`` of
+    attention, for a model_type with several: see ``Kinds``)."""
 
-    def __init__(self, settings, model_type):
+    def __init__(self, settings, model_type, kind=None):
         super().__init__(settings)
         self.model_type = model_type
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -314,7 +318,7 @@ def _gate_join(params, ours, sd):
     return sd
 
 
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, Family | Kinds] = {  # Kinds: see the end
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
     "mixtral": _llama_like("mixtral"),
@@ -540,13 +544,15 @@ def _family(mt) -> Family:
     return FAMILIES[mt]
 
 
-def from_hf(config, state_dict, *, layer_idx=0, rope_precision="exact"):
+def from_hf(config, state_dict, *, layer_idx=0, kind=None, rope_precision="exact"):
     """(variant, config, params) of one attention layer of a Hugging Face checkpoint: see the
-    module's docstring. ``rope_precision="hf"`` asks for HF's float32 RoPE angles (to compare
-    with HF itself; "exact": float64 angles rounded once)."""
+    module's docstring. ``kind`` says which attention of an encoder-decoder's layer ("encoder",
+    "decoder" or "cross", see ``Kinds``); None for the families with one attention.
+    ``rope_precision="hf"`` asks for HF's float32 RoPE angles (to compare with HF itself;
+    "exact": float64 angles rounded once)."""
     c = _as_dict(config)
     mt = c.get("model_type")
-    family = _family(mt)
+    family = _kind(_family(mt), mt, kind)
     if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
         raise ValueError(f"layer_idx should be an int >= 0, got {layer_idx!r}")
     if not isinstance(state_dict, Mapping):
@@ -576,7 +582,7 @@ def from_hf(config, state_dict, *, layer_idx=0, rope_precision="exact"):
     if extra:
         raise ValueError(f"model_type {mt!r}: arrays the configuration has no place for: "
                          f"{', '.join(sorted(extra))}")
-    return family.variant, HFConfig(ours, mt), params
+    return family.variant, HFConfig(ours, mt, kind), params
 
 
 def to_hf(variant, config, params, *, model_type=None) -> dict:
@@ -587,9 +593,207 @@ def to_hf(variant, config, params, *, model_type=None) -> dict:
     if mt is None:
         raise ValueError("model_type should be given (config did not come from from_hf), "
                          "got None")
-    family = _family(mt)
+    family = _kind_of_variant(_family(mt), mt, variant, getattr(config, "kind", None))
     if variant != family.variant:
         raise ValueError(f"variant should be {family.variant!r} for model_type {mt!r}, got "
                          f"{variant!r}")
     ours = variants.VARIANTS[variant].config(dict(config))
     return family.from_neutral({n: _numpy(a) for n, a in params.items()}, ours)
+
+
+# ---- encoders, encoder-decoders and vision towers (issue 25, step 2) ---------------------------
+#
+# Which arrays and which output. BERT and RoBERTa: the state dict of ``layer.attention``
+# (``self.query``, ``self.key``, ``self.value``, ``output.dense``); its ``output.LayerNorm.*``
+# belong to the residual block after the attention (LayerNorm(dense(a) + x)) and are not read
+# (to_hf does not give them): our module's output is ``output.dense``'s. ViT (5.x: ``q_proj`` ...
+# ``o_proj`` on ``layer.attention``), CLIP and SigLIP (``self_attn``: ``q_proj`` ... ``out_proj``)
+# compute exactly the attention. Whisper, BART and T5 have three attentions: ``kind="encoder"``
+# (the encoder's self-attention, bidirectional), ``"decoder"`` (the decoder's, causal) and
+# ``"cross"`` (the decoder's ``encoder_attn`` / ``EncDecAttention``, our
+# MultiHeadCrossAttention); ``layer_idx`` counts the layers of that stack. Composite configs
+# (``clip``, ``siglip``) are not read: pass their ``text_config`` or ``vision_config``
+# (``clip_text_model``, ``clip_vision_model``, ``siglip_text_model``, ``siglip_vision_model``).
+#
+# Whisper's self-attention has no key bias (k_proj bias=False), our GroupedQueryAttention q, k
+# and v biases all or none: ``b_key`` is zeros, which changes nothing (k + 0 = k exactly; and
+# any b_key adds q·b_key, the same for every key of a query row, which softmax removes), so
+# to_hf leaves it out whatever it holds. Its cross-attention is key_bias=False as it is.
+#
+# T5 computes its relative position bias in layer 0 of each stack (``relative_attention_bias``,
+# (K, N)) and passes it to the later layers, whose state dicts have no table: for layer_idx > 0
+# put layer 0's ``relative_attention_bias.weight`` (of the same stack) into the state dict;
+# each of our modules holds its own copy, and to_hf gives it back under that name. T5's
+# cross-attention has no table (a ``relative_attention_bias.weight`` some checkpoints store for
+# it is unused by transformers and not read here).
+#
+# Dropout on the attention weights (attention_probs_dropout_prob, attention_dropout,
+# dropout_rate) becomes GroupedQueryAttention's ``dropout`` (training only); our
+# MultiHeadCrossAttention has none, so a cross-attention with a non-zero rate is refused
+# (set it to 0.0: in inference HF's dropout is off too).
+
+MHCA = "multi_head_cross_attention"
+KINDS = ("encoder", "decoder", "cross")
+BERT_NAMES = {"query": "self.query", "key": "self.key", "value": "self.value",
+              "out": "output.dense"}
+OUT_PROJ_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "out_proj"}
+T5_NAMES = {"query": "q", "key": "k", "value": "v", "out": "o"}
+T5_TABLE = "relative_attention_bias.weight"
+
+
+class Kinds(dict):
+    """A model_type with several attentions (an encoder-decoder): kind ("encoder", "decoder",
+    "cross") -> Family; from_hf's ``kind=`` chooses, to_hf reads it from the config (or, given
+    a plain dict, takes the kind whose variant it is: the encoder's and the decoder's
+    self-attention name their arrays alike)."""
+
+
+def _kind(entry, mt, kind) -> Family:
+    if not isinstance(entry, Kinds):
+        if kind is not None:
+            raise ValueError(f"model_type {mt!r}: kind should be None (one kind of attention "
+                             f"converts), got {kind!r}")
+        return entry
+    if kind not in entry:
+        raise ValueError(f"model_type {mt!r} has several attentions per layer: kind should be "
+                         f"{' or '.join(map(repr, entry))}, got {kind!r}")
+    return entry[kind]
+
+
+def _kind_of_variant(entry, mt, variant, kind) -> Family:
+    if not isinstance(entry, Kinds) or kind is not None:
+        return _kind(entry, mt, kind)
+    return next((f for f in entry.values() if f.variant == variant), next(iter(entry.values())))
+
+
+def _self_family(mt, names, *, width, heads, causal=False, dropout=None, head_dim=None,
+                 zero_key_bias=False, relative=False, unsupported=None) -> Family:
+    """A bidirectional (or causal) self-attention with separate q, k, v, out linears: sizes
+    from the config fields ``width`` and ``heads`` (Dh = width // N unless ``head_dim(c)``),
+    biases from the state dict; ``causal`` a bool or ``causal(c)``; ``dropout`` the config
+    field of the weights' dropout; ``zero_key_bias``: k has no bias where q and v have one
+    (Whisper); ``relative``: T5's scale 1 and bucketed bias table."""
+
+    def settings(c, layer_idx, sd):
+        n, d = int(c[heads]), int(c[width])
+        ours = dict(d_in=d, num_heads=n, num_kv_heads=n,
+                    head_dim=int(head_dim(c)) if head_dim is not None else d // n,
+                    causal=bool(causal(c) if callable(causal) else causal))
+        if zero_key_bias:
+            if f"{names['key']}.bias" in sd:
+                raise ValueError(f"model_type {mt!r}: {names['key']} should have no bias, got "
+                                 f"{names['key']}.bias")
+            ours.update(qkv_bias=f"{names['query']}.bias" in sd,
+                        out_bias=f"{names['out']}.bias" in sd)
+        else:
+            ours.update(_bias_flags(sd, names, mt))
+        if dropout is not None and c.get(dropout):
+            ours["dropout"] = float(c[dropout])
+        if relative:
+            ours.update(scale=1.0,
+                        relative_attention_num_buckets=int(c["relative_attention_num_buckets"]),
+                        relative_attention_max_distance=int(c["relative_attention_max_distance"]))
+            if T5_TABLE not in sd:
+                raise ValueError(f"model_type {mt!r}: the state dict has no {T5_TABLE!r}: T5 "
+                                 f"computes the position bias in layer 0 of each stack and "
+                                 f"shares it; for layer {layer_idx} put layer 0's table (of the "
+                                 f"same stack) into the state dict under that name")
+        return ours
+
+    def to_neutral(sd, ours):
+        params = _linears_to_neutral(sd, names, mt)
+        if zero_key_bias and ours["qkv_bias"]:
+            params["b_key"] = np.zeros(params["W_key"].shape[1], params["W_key"].dtype)
+        if relative:
+            params["relative_attention_bias"] = _read(sd, T5_TABLE, mt)
+        return params
+
+    def from_neutral(params, ours):
+        keep = {n: a for n, a in params.items()
+                if not (zero_key_bias and n == "b_key") and n != "relative_attention_bias"}
+        sd = _neutral_to_linears(keep, names)
+        if "relative_attention_bias" in params:
+            sd[T5_TABLE] = np.array(params["relative_attention_bias"])
+        return sd
+
+    return Family(GQA, settings, to_neutral, from_neutral, dict(unsupported or {}))
+
+
+def _cross_family(mt, names, *, width, heads, head_dim=None, scale=None, dropout) -> Family:
+    """The decoder's attention over the encoder's output: MultiHeadCrossAttention, d_context =
+    d_in = ``width``; q and v have biases or not alike, k may differ (key_bias)."""
+
+    def settings(c, layer_idx, sd):
+        if c.get(dropout):
+            raise ValueError(f"model_type {mt!r}: {dropout} = {c[dropout]!r} is not supported "
+                             f"for the cross-attention (MultiHeadCrossAttention has no dropout; "
+                             f"set it to 0.0, as in inference, where HF's is off too)")
+        has = {role: f"{names[role]}.bias" in sd for role in ROLES}
+        if has["query"] != has["value"]:
+            raise ValueError(f"model_type {mt!r}: q and v should both have a bias or neither, "
+                             f"got {names['query']}: {has['query']}, {names['value']}: "
+                             f"{has['value']}")
+        n, d = int(c[heads]), int(c[width])
+        ours = dict(d_in=d, d_context=d, num_heads=n,
+                    head_dim=int(head_dim(c)) if head_dim is not None else d // n,
+                    qkv_bias=has["query"], out_bias=has["out"])
+        if has["key"] != has["query"]:
+            ours["key_bias"] = has["key"]
+        if scale is not None:
+            ours["scale"] = scale
+        return ours
+
+    return Family(MHCA, settings, lambda sd, ours: _linears_to_neutral(sd, names, mt),
+                  lambda params, ours: _neutral_to_linears(params, names))
+
+
+def _encoder_decoder(mt, names, *, zero_key_bias=False) -> Kinds:
+    """Whisper and BART: encoder_attention_heads and decoder_attention_heads over d_model."""
+    common = dict(width="d_model", dropout="attention_dropout", zero_key_bias=zero_key_bias)
+    return Kinds(encoder=_self_family(mt, names, heads="encoder_attention_heads", **common),
+                 decoder=_self_family(mt, names, heads="decoder_attention_heads", causal=True,
+                                      **common),
+                 cross=_cross_family(mt, names, width="d_model", heads="decoder_attention_heads",
+                                     dropout="attention_dropout"))
+
+
+def _t5() -> Kinds:
+    common = dict(width="d_model", heads="num_heads", head_dim=lambda c: c["d_kv"])
+    return Kinds(encoder=_self_family("t5", T5_NAMES, dropout="dropout_rate", relative=True,
+                                      **common),
+                 decoder=_self_family("t5", T5_NAMES, dropout="dropout_rate", relative=True,
+                                      causal=True, **common),
+                 cross=_cross_family("t5", T5_NAMES, scale=1.0, dropout="dropout_rate",
+                                     **common))
+
+
+def _bert(mt) -> Family:
+    return _self_family(mt, BERT_NAMES, width="hidden_size", heads="num_attention_heads",
+                        causal=lambda c: c.get("is_decoder", False),
+                        dropout="attention_probs_dropout_prob", unsupported={
+                            "position_embedding_type": ((None, "absolute"), "relative_key and "
+                                                        "relative_key_query scores are not "
+                                                        "expressed")})
+
+
+def _tower(mt, causal) -> Family:
+    """CLIP's and SigLIP's text and vision transformers: CLIPAttention, SiglipAttention."""
+    return _self_family(mt, OUT_PROJ_NAMES, width="hidden_size", heads="num_attention_heads",
+                        causal=causal, dropout="attention_dropout")
+
+
+FAMILIES.update({
+    "bert": _bert("bert"),
+    "roberta": _bert("roberta"),
+    "vit": _self_family("vit", LLAMA_NAMES, width="hidden_size", heads="num_attention_heads",
+                        dropout="attention_probs_dropout_prob",
+                        head_dim=lambda c: c.get("head_dim") or (c["hidden_size"]
+                                                                 // c["num_attention_heads"])),
+    "clip_text_model": _tower("clip_text_model", causal=True),
+    "clip_vision_model": _tower("clip_vision_model", causal=False),
+    "siglip_text_model": _tower("siglip_text_model", causal=False),
+    "siglip_vision_model": _tower("siglip_vision_model", causal=False),
+    "whisper": _encoder_decoder("whisper", OUT_PROJ_NAMES, zero_key_bias=True),
+    "bart": _encoder_decoder("bart", OUT_PROJ_NAMES),
+    "t5": _t5(),
+})

@@ -32,6 +32,11 @@ class Family:
     attention: str = "sdpa"  # eager's softmax is float32 in most families
     attention_of: Callable | None = None  # (model, layer) -> the attention module; default
     # model.layers[layer].self_attn
+    output_of: Callable | None = None  # (model, layer) -> the module whose output is the
+    # attention's, when not attention_of's (BERT: output.dense, before its residual LayerNorm)
+    inputs: Callable | None = None  # (config, rng) -> the model's inputs (NumPy arrays) when
+    # not input_ids alone (pixel_values, input_features, decoder_input_ids)
+    model: str | None = None  # the transformers class, where AutoModel does not take the config
 
 
 BASE = dict(hidden_size=D, num_attention_heads=N, num_key_value_heads=NKV, head_dim=DH,
@@ -44,7 +49,9 @@ def build_model(family, rng):
     config = getattr(transformers, family.config)(**{**BASE, **family.kw})
     config._attn_implementation = family.attention
     config._experts_implementation = "eager"  # the grouped kernels take no float64
-    model = transformers.AutoModel.from_config(config).double().eval()
+    make = (transformers.AutoModel.from_config if family.model is None else
+            getattr(transformers, family.model))
+    model = make(config).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
@@ -60,23 +67,40 @@ def attention_of(family, model, i):
 
 def captured(family, model, layers, ids, *, calls=None, **kw):
     """Each layer's attention input (B, L, D) and output, from one forward of the model on
-    token ids ``ids`` (``kw`` to the model: attention_mask, position_ids, ...). ``calls``, a
-    dict, also receives each layer's (args, kwargs) of the call, to call it again."""
-    seen = {}
+    token ids ``ids`` (or on ``ids`` a dict of the model's inputs, NumPy arrays; ``kw`` to the
+    model: attention_mask, position_ids, ...); a cross-attention's entry adds its context
+    (B, Lc, D), the key_value_states it was called with. The output is the output_of module's
+    when the family names one. ``calls``, a dict, also receives each layer's (args, kwargs) of
+    the call, to call it again."""
+    seen, inputs = {}, {}
 
-    def hook(i):
-        def record(module, args, kwargs, output):
+    def read(i):
+        def record(module, args, kwargs):
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            seen[i] = (x.detach().numpy().copy(), output[0].detach().numpy().copy())
+            context = kwargs.get("key_value_states")
+            inputs[i] = (x,) if context is None else (x, context)
             if calls is not None:
                 calls[i] = (args, dict(kwargs))
         return record
 
-    handles = [attention_of(family, model, i).register_forward_hook(hook(i), with_kwargs=True)
-               for i in layers]
+    def write(i):
+        def record(module, args, output):
+            y = output if isinstance(output, torch.Tensor) else output[0]
+            x, *context = (a.detach().numpy().copy() for a in inputs[i])
+            seen[i] = (x, y.detach().numpy().copy(), *context)
+        return record
+
+    handles = []
+    for i in layers:
+        attention = attention_of(family, model, i)
+        handles.append(attention.register_forward_pre_hook(read(i), with_kwargs=True))
+        out = attention if family.output_of is None else family.output_of(model, i)
+        handles.append(out.register_forward_hook(write(i)))
+    if not isinstance(ids, dict):
+        ids = {"input_ids": ids}
     try:
         with torch.no_grad():
-            model(input_ids=torch.from_numpy(ids), **kw)
+            model(**{n: torch.from_numpy(a) for n, a in ids.items()}, **kw)
     finally:
         for h in handles:
             h.remove()
