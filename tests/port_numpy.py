@@ -446,7 +446,8 @@ class MultiHeadLatentAttention(Module):
     """DeepSeek's multi-head latent attention, as transformers' DeepseekV3Attention reads:
     q = x W_q (or RMSNorm(x W_qa + b) W_qb), each head [q_nope | q_pe]; x W_kva + b = [c | k_pe],
     c RMS-normalised, c W_kvb = each head's [k_nope | v]; RoPE on q_pe and on the one k_pe every
-    head shares; causal, scale (nope + rope)^−1/2 times yarn's (0.1·mscale_all_dim·ln s + 1)².
+    head shares; causal, scale (nope + rope)^−1/2 (the core's default) times yarn's
+    (0.1·mscale_all_dim·ln s + 1)², applied to q.
     x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
 
     layers = {"query": "q_proj", "q_a": "q_a_proj", "q_b": "q_b_proj",
@@ -464,11 +465,10 @@ class MultiHeadLatentAttention(Module):
         if rope_theta is None and "rope_theta" not in (rope_parameters or {}):
             rope_theta = 10000.0
         self.rope_settings = rope_settings(rope_theta, rope_parameters)
-        self.scale = dk ** -0.5 if scale is None else scale
-        fields = dict(self.rope_settings)
+        self.scale, self.mscale, fields = scale, 1.0, dict(self.rope_settings)
         if scale is None and fields["rope_type"] == "yarn" and fields.get("mscale_all_dim") and (
-                fields["factor"] > 1):
-            self.scale *= (0.1 * fields["mscale_all_dim"] * math.log(fields["factor"]) + 1) ** 2
+                fields["factor"] > 1):  # the core's default scale, the query times mscale²
+            self.mscale = (0.1 * fields["mscale_all_dim"] * math.log(fields["factor"]) + 1) ** 2
         lora = q_lora_rank is not None
         self.q_proj = None if lora else Linear(d_in, num_heads * dk, False)
         self.q_a_proj = Linear(d_in, q_lora_rank, bias) if lora else None
@@ -497,6 +497,7 @@ class MultiHeadLatentAttention(Module):
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
         q = np.concatenate([q[..., :self.nope], rope(q[..., self.nope:], self.rope_settings,
                                                      self.interleaved, positions)], axis=-1)
+        q = q * np.asarray(self.mscale, q.dtype)
         k = np.concatenate([k_nope, np.broadcast_to(k_pe, k_nope.shape[:-1] + k_pe.shape[-1:])],
                            axis=-1)
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), is_causal=self.causal, scale=self.scale,
