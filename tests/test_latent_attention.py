@@ -19,7 +19,7 @@ from flax import nnx
 import jax_attn
 import torch_attn
 from golden import reference, variants
-from tests.helpers import JAX, count_compiles, fresh_rng
+from tests.helpers import JAX, TWINS, count_compiles, fresh_rng
 
 MLA = "multi_head_latent_attention"
 B, L, M = 2, 10, 13
@@ -239,3 +239,204 @@ def test_cache_bytes_per_token(twin, dtype):
 def _nbytes(a) -> int:
     """Bytes an array allocates (torch or JAX)."""
     return a.numel() * a.element_size() if torch.is_tensor(a) else a.nbytes
+
+
+# ---- against transformers' DeepseekV3Attention -------------------------------------------------
+#
+# HF's module in float64 (``.double()``, sdpa: float64 on the CPU), random weights copied into
+# ours, fed cos and sin computed in float64 from golden.positions' frequencies (times the yarn
+# attention factor, as HF's rotary embedding multiplies them). One float32 step remains inside
+# it: DeepseekV3RMSNorm casts to float32 (q_a_layernorm, kv_a_layernorm). Unpatched, the
+# agreement is at float32 level: the relative error (max |ours − HF| / max |HF|, output, x's
+# gradient and every parameter's) lies in (1e-12, 1e-6), below float32 rounding's reach and
+# above float64's. With the norm patched to compute in its input's dtype, nothing is float32 and
+# everything agrees to 1e-12: the norm is what limits the agreement. HF's attention norms use
+# eps 1e-6 whatever config.rms_norm_eps says (DeepseekV3RMSNorm's default): ours is given 1e-6.
+# Measured with transformers 5.23.0 (the reference; 20 seeds per case, output and every gradient
+# but b_out's): with HF's norm, relative errors from 1.2e-8 to 4.6e-7; with it in float64, at
+# most 6.6e-15.
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: E402
+
+FLOAT32_LEVEL = (1e-12, 1e-6)  # (above, below), as tests/test_hf_decoders.py
+HF_CASES = {  # our configuration; HF's follows from it (_hf_config)
+    "q_lora_interleaved": CONFIG,
+    "no_lora_rotate_half": dict(CONFIG, q_lora_rank=None, rope_interleaved=False),
+    "yarn_mscale_all_dim": CONFIGS["yarn_mscale_all_dim"],
+    "yarn_mscale_all_dim_rotate_half": dict(CONFIGS["yarn_mscale_all_dim"],
+                                            rope_interleaved=False, q_lora_rank=None),
+}
+HF_NAMES = {"W_query": "q_proj", "W_q_a": "q_a_proj", "W_q_b": "q_b_proj",
+            "W_kv_a": "kv_a_proj_with_mqa", "W_kv_b": "kv_b_proj", "W_out": "o_proj",
+            "q_a_norm": "q_a_layernorm", "kv_a_norm": "kv_a_layernorm"}
+
+
+def _hf_config(config):
+    c = variants.get(MLA).config(config)
+    rope = dict(variants.latent_rope(c))
+    rope.pop("precision"), rope.pop("partial_rotary_factor")
+    hf = transformers.DeepseekV3Config(
+        hidden_size=c["d_in"], num_attention_heads=c["num_heads"],
+        num_key_value_heads=c["num_heads"], q_lora_rank=c["q_lora_rank"],
+        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+        attention_bias=c["attention_bias"], rope_interleave=c["rope_interleaved"],
+        rope_parameters=rope)
+    hf._attn_implementation = "sdpa"
+    return hf
+
+
+def _hf_module(config, rng):
+    """HF's DeepseekV3Attention of ``config`` (d_out = d_in: HF has no other) in float64 with
+    random weights, and those weights as our neutral parameters."""
+    hf = modeling_deepseek_v3.DeepseekV3Attention(_hf_config(config), 0).double().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            scale = 1 / np.sqrt(p.shape[1]) if p.dim() == 2 else 1.0
+            base = 1.0 if "layernorm" in name else 0.0
+            p.copy_(torch.from_numpy(base + scale * rng.standard_normal(tuple(p.shape))))
+    sd = {n: t.detach().numpy().copy() for n, t in hf.state_dict().items()}
+    params = {}
+    for ours, theirs in HF_NAMES.items():
+        if f"{theirs}.weight" in sd:
+            w = sd[f"{theirs}.weight"]
+            params[ours] = w if ours.endswith("_norm") else w.T
+            if f"{theirs}.bias" in sd:
+                params["b" + ours[1:]] = sd[f"{theirs}.bias"]
+    return hf, params
+
+
+def _hf_cos_sin(config, positions):
+    """(cos, sin) (1, L, Dr) float64 in HF's layout, cat(angles, angles), times the attention
+    factor: golden.positions' float64 frequencies."""
+    from golden.positions import rope_frequencies
+    c = variants.get(MLA).config(config)
+    f, m = rope_frequencies(variants.latent_rope(c), c["qk_rope_head_dim"])
+    angles = np.asarray(positions)[:, None] * f
+    emb = np.concatenate([angles, angles], -1)
+    return tuple(torch.from_numpy(m * t(emb))[None] for t in (np.cos, np.sin))
+
+
+def _hf_grads(hf, x, dy):
+    """HF's output and the gradients of Σ y ⊙ dy, in our names and layout."""
+    xt = torch.tensor(x, requires_grad=True)
+    y = hf(xt, _hf_cos_sin(_ours_of(hf), np.arange(x.shape[1])), None)[0]
+    (y * torch.from_numpy(dy)).sum().backward()
+    grads = {"x": xt.grad.numpy()}
+    for ours, theirs in HF_NAMES.items():
+        layer = getattr(hf, theirs)
+        if layer is None:
+            continue
+        g = layer.weight.grad.numpy()
+        grads[ours] = g if ours.endswith("_norm") else g.T
+        if getattr(layer, "bias", None) is not None:
+            grads["b" + ours[1:]] = layer.bias.grad.numpy()
+    return y.detach().numpy(), grads
+
+
+def _ours_of(hf):
+    """Our configuration of HF's module (its config read back)."""
+    c = hf.config
+    return dict(d_in=c.hidden_size, num_heads=c.num_attention_heads,
+                kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                q_lora_rank=c.q_lora_rank, attention_bias=c.attention_bias,
+                rope_interleaved=c.rope_interleave, rope_parameters=dict(c.rope_parameters))
+
+
+def _float64_norm(self, h):
+    """DeepseekV3RMSNorm without its float32 cast."""
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True)
+                                          + self.variance_epsilon))
+
+
+@pytest.mark.parametrize("float32_norm", [True, False], ids=["hf_norm", "float64_norm"])
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_matches_transformers(name, float32_norm, monkeypatch):
+    """The reference's output, x's gradient and every parameter's, and both twins' (plain and
+    absorbed), against DeepseekV3Attention's: at float32 level with HF's float32 RMSNorm (but
+    b_out's gradient, Σ dy, which no norm reaches), to 1e-12 without it; HF's scaling
+    (yarn_apply_mscale) is ours to the last bits."""
+    if not float32_norm:
+        monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3RMSNorm, "forward", _float64_norm)
+    rng, seed = fresh_rng()
+    config = dict(HF_CASES[name], d_out=None)
+    hf, params = _hf_module(config, rng)
+    assert abs(hf.scaling - variants.latent_scale(variants.get(MLA).config(config))) <= (
+        2e-16 * hf.scaling)
+    x = rng.standard_normal((B, L, config["d_in"]))
+    y_hf, g_hf = _hf_grads(hf, x, dy := rng.standard_normal((B, L, config["d_in"])))
+    y_ref, w_ref, saved = reference.VARIANTS[MLA][0](config, {"x": x}, params)
+    g_ref = reference.VARIANTS[MLA][1](saved, dy, np.zeros_like(w_ref))
+    assert set(g_ref) == set(g_hf) == {"x", *params}
+    errors = {"reference output": rel(y_ref, y_hf),
+              **{f"reference grad {n}": rel(g_ref[n], g_hf[n]) for n in g_hf}}
+    for twin in TWINS.values():
+        run = _grads_torch if twin.name == "torch" else _grads_jax
+        with twin.float64():
+            for absorb in (False, True):
+                y, _, grads = run(twin.build(MLA, config, params), x, dy, np.zeros_like(w_ref),
+                                  absorb)
+                errors[f"{twin.name} {absorb} output"] = rel(y, y_hf)
+                errors.update({f"{twin.name} {absorb} grad {n}": rel(grads[n], g_hf[n])
+                               for n in g_hf})
+    if float32_norm:
+        low, high = FLOAT32_LEVEL
+        # b_out's gradient is Σ dy over the positions, which no norm touches: exact anyway
+        bad = {what: e for what, e in errors.items() if not (
+            e <= EXACT if what.endswith("grad b_out") else low < e < high)}
+    else:
+        bad = {what: e for what, e in errors.items() if e > EXACT}
+    assert not bad, (bad, seed)
+
+
+def test_hf_attention_norms_ignore_rms_norm_eps():
+    """DeepseekV3Attention's q_a_layernorm and kv_a_layernorm keep DeepseekV3RMSNorm's default
+    eps 1e-6 whatever config.rms_norm_eps is (the decoder layer's norms read it): ours takes
+    rms_norm_eps as the attention's own, default 1e-6."""
+    hf_config = _hf_config(CONFIG)
+    hf_config.rms_norm_eps = 1e-3
+    hf = modeling_deepseek_v3.DeepseekV3Attention(hf_config, 0)
+    assert hf.q_a_layernorm.variance_epsilon == hf.kv_a_layernorm.variance_epsilon == 1e-6
+    assert variants.get(MLA).config(CONFIG)["rms_norm_eps"] == 1e-6
+
+
+def _deinterleave(a):
+    """Our interleaved rotated pairs (a0, b0, a1, b1, …) in HF's output layout (a0, a1, …, b0,
+    b1, …): apply_rotary_pos_emb_interleave returns the turned pairs as two halves."""
+    return np.concatenate([a[..., 0::2], a[..., 1::2]], -1)
+
+
+@pytest.mark.parametrize("name", ["q_lora_interleaved", "no_lora_rotate_half"])
+def test_decoding_matches_transformers_dynamic_cache(twin, name, monkeypatch):
+    """A 4-token prefill then one token at a time: our outputs (plain and absorbed) equal HF's
+    with its DynamicCache step by step, and our cache holds what HF's does: its latent, and its
+    rotated k_rot (in HF's half layout when interleaved). HF's norm in float64 (as above), so
+    1e-12."""
+    monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3RMSNorm, "forward", _float64_norm)
+    rng, seed = fresh_rng()
+    config = dict(HF_CASES[name], d_out=None)
+    hf, params = _hf_module(config, rng)
+    x = rng.standard_normal((1, 8, config["d_in"]))
+    past = transformers.DynamicCache()
+    outs = []
+    with torch.no_grad():
+        for start, stop in [(0, 4)] + [(i, i + 1) for i in range(4, 8)]:
+            outs.append(hf(torch.from_numpy(x[:, start:stop]),
+                           _hf_cos_sin(config, np.arange(start, stop)), None,
+                           past_key_values=past)[0].numpy())
+    y_hf = np.concatenate(outs, 1)
+    hf_latent, hf_rot = (t[:, 0].numpy() for t in (past.layers[0].keys, past.layers[0].values))
+    with twin.float64():
+        module = twin.build(MLA, config, params)
+        for absorb in (False, True):
+            cache, outs = module.init_cache(1, 9), []
+            for start, stop in [(0, 4)] + [(i, i + 1) for i in range(4, 8)]:
+                y, cache = _call(twin, module, x[:, start:stop], cache=cache, absorb=absorb)
+                outs.append(y)
+            assert rel(np.concatenate(outs, 1), y_hf) <= EXACT, (absorb, seed)
+    rot = twin.numpy(cache.rope_key)[:, :8]
+    assert rel(twin.numpy(cache.latent)[:, :8], hf_latent) <= EXACT, seed
+    interleaved = variants.get(MLA).config(config)["rope_interleaved"]
+    assert rel(_deinterleave(rot) if interleaved else rot, hf_rot) <= EXACT, seed
