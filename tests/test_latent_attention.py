@@ -191,7 +191,7 @@ def test_absorbed_path_makes_no_per_head_keys():
     assert latent_key in absorbed and per_head_key not in absorbed
 
 
-def test_jax_decode_step_compiles_once():
+def test_jax_decode_step_compiles_once_and_scatters():
     rng, _ = fresh_rng()
     module = JAX.build(MLA, CONFIG, {n: a.astype(np.float32)
                                      for n, a in _params(CONFIG, rng).items()})
@@ -205,6 +205,21 @@ def test_jax_decode_step_compiles_once():
                 _, cache = module(t, cache=cache, absorb=absorb)
         assert compiled == [], absorb
     np.testing.assert_array_equal(np.asarray(cache.lengths), [4 + 2 * len(tokens)] * B)
+
+    @nnx.jit(static_argnames="absorb")
+    def step(m, x, c, absorb):  # a caller's own jit around the module
+        return m(x, cache=c, absorb=absorb)
+
+    for absorb in (False, True):
+        cache = module.init_cache(B, 16)
+        with count_compiles() as compiled:
+            for t in tokens:
+                _, cache = step(module, t, cache, absorb)
+        assert len(compiled) == 1, (absorb, compiled)
+        np.testing.assert_array_equal(np.asarray(cache.lengths), [len(tokens)] * B)
+        program = str(jax.make_jaxpr(lambda x, c, a=absorb: module(x, cache=c, absorb=a))(
+            tokens[0], cache))
+        assert "scatter" in program and "callback" not in program
 
 
 # ---- what the cache costs ---------------------------------------------------------------------
