@@ -130,6 +130,25 @@ def test_decoding_equals_full_forward(twin, name, chunks, absorb):
         :, L:].any()
 
 
+def test_tokens_past_max_length_are_dropped_alike(twin):
+    """A cache of M = 5 holding 4 tokens takes 1 of a 3-token chunk: that token's output is the
+    full forward's, the 2 dropped are padding rows (the output bias), the lengths stop at M, and
+    both paths agree, as GroupedQueryAttention drops them."""
+    rng, seed = fresh_rng()
+    params = _params(CONFIG, rng)
+    x = rng.standard_normal((B, 7, CONFIG["d_in"]))
+    with twin.float64():
+        module = twin.build(MLA, CONFIG, params)
+        full = _call(twin, module, x[:, :5])
+        for absorb in (False, True):
+            _, cache = _call(twin, module, x[:, :4], cache=module.init_cache(B, 5), absorb=absorb)
+            y, cache = _call(twin, module, x[:, 4:7], cache=cache, absorb=absorb)
+            np.testing.assert_array_equal(np.asarray(cache.lengths), [5, 5])
+            assert np.abs(y[:, 0] - full[:, 4]).max() <= EXACT, (absorb, seed)
+            np.testing.assert_allclose(y[:, 1:], np.broadcast_to(params["b_out"], y[:, 1:].shape),
+                                       rtol=0, atol=EXACT)
+
+
 # ---- the absorbed path is the plain one ------------------------------------------------------
 
 def _grads_torch(module, x, dy, dw, absorb):
