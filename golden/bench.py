@@ -690,6 +690,44 @@ def _torch_peer_chunks(q, k, v, chunk):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def alibi_bias_table(heads, length):
+    """BLOOM's slopes times every distance key − query of a length-L call, (H, 2L + 1) float32:
+    the JAX core's distance_bias, O(L)."""
+    from golden.decoder import alibi_slopes
+    return (alibi_slopes(heads, "bloom")[:, None]
+            * np.arange(-length, length + 1)).astype(np.float32)
+
+
+def _alibi_materialised(q, k):
+    """ALiBi's (H, Lq, Lk) float bias m_h · (j − i) formed in the call, as torch users (and
+    HF's BLOOM) do; the causal entries −inf for torch_peer's float mask."""
+    from golden.decoder import alibi_slopes
+    slopes = torch.from_numpy(alibi_slopes(q.shape[-3], "bloom")).to(q.dtype)
+    i = torch.arange(q.shape[-2], device=q.device)[:, None]
+    j = torch.arange(k.shape[-2], device=q.device)
+    bias = slopes[:, None, None] * (j - i).to(q.dtype)  # (H, Lq, Lk)
+    return bias.masked_fill(j > i, -math.inf)
+
+
+def _ours_alibi(core, implementation):
+    """Our core with the ALiBi bias: JAX's as its distance_bias table (O(L)); torch's (no
+    blockwise path) as the (H, Lq, Lk) bias formed in the call."""
+    if core is jax_attn.scaled_dot_product_attention:
+        def f(q, k, v, sinks=None):
+            table = jnp.asarray(alibi_bias_table(q.shape[-3], q.shape[-2] + k.shape[-2]))
+            return core(q, k, v, is_causal=True, distance_bias=table,
+                        implementation=implementation)
+        return f
+    return lambda q, k, v, sinks=None: core(q, k, v, None, _alibi_materialised(q, k),
+                                            is_causal=True, implementation=implementation)
+
+
+def _torch_peer_alibi(q, k, v):
+    """torch's fused kernel given ALiBi's bias with the causal −inf as its float mask."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                            attn_mask=_alibi_materialised(q, k))
+
+
 def _ours(core, implementation):
     """Our core with an implementation, sinks or chunks passed through."""
     def f(q, k, v, sinks=None, chunk=None):
@@ -707,12 +745,23 @@ MODERN_IMPLS = {  # impl: f(q, k, v, sinks=..., chunk=...) on (B, H, L, D), caus
 }
 
 
+ALIBI_IMPLS = {
+    "jax_blockwise": _ours_alibi(jax_attn.scaled_dot_product_attention, "blockwise"),
+    "jax_explicit": _ours_alibi(jax_attn.scaled_dot_product_attention, "explicit"),
+    "torch_explicit": _ours_alibi(torch_attn.scaled_dot_product_attention, "explicit"),
+}
+MODERN_FEATURES = ("sinks", "chunks", "alibi")
+
+
 def modern_call(impl: str, feature: str, chunk: int, backward: bool):
     """f(q, k, v, sinks) for a sinks or chunks row (the sinks an input, differentiated too);
     JAX's backward jitted, torch's forward under no_grad."""
     if impl == "torch_peer":
         f = (_torch_peer_sinks if feature == "sinks" else
+             (lambda q, k, v, sinks: _torch_peer_alibi(q, k, v)) if feature == "alibi" else
              lambda q, k, v, sinks: _torch_peer_chunks(q, k, v, chunk))
+    elif feature == "alibi":
+        f = ALIBI_IMPLS[impl]
     elif feature == "sinks":
         f = MODERN_IMPLS[impl]
     else:
@@ -732,13 +781,13 @@ def modern_call(impl: str, feature: str, chunk: int, backward: bool):
 
 
 def run_modern(grid: Grid, rng) -> list[dict]:
-    """Sinks rows and chunked rows (causal, float32), forward and forward+backward, each
-    implementation; peer_ratio = torch_peer's time / this row's (> 1: faster)."""
+    """Sinks rows, chunked rows and ALiBi rows (causal, float32), forward and forward+backward,
+    each implementation; peer_ratio = torch_peer's time / this row's (> 1: faster)."""
     b, h, length, d, chunk = grid.modern
     shape = Shape(b, h, length, length, d)
     host = random_qkv(shape, rng) + [rng.standard_normal(h, dtype=np.float32)]
     rows = []
-    for feature in ("sinks", "chunks"):
+    for feature in MODERN_FEATURES:
         for backward in (False, True):
             block = []
             for impl in MODERN_IMPLS:
@@ -763,13 +812,16 @@ def run_modern(grid: Grid, rng) -> list[dict]:
 
 def modern_markdown(rows: list[dict]) -> list[str]:
     lines = [
-        "", "## Attention sinks and chunked attention (causal, float32)", "",
+        "", "## Attention sinks, chunked attention and ALiBi (causal, float32)", "",
         "- sinks: one logit per head (GPT-OSS), differentiated in fwd+bwd; torch_peer is "
         "`F.scaled_dot_product_attention` given an extra key of zeros whose float mask entry is "
         "the sink (value 0), K and V copied with it. chunks: attention_chunk_size C (Llama 4), "
         "torch_peer given the chunked causal mask as a boolean (Lq, Lk). jax_blockwise: "
         "default blocks (1024, 1024), key blocks outside a query block's chunk skipped. "
-        "*_explicit: `implementation=\"explicit\"`.",
+        "*_explicit: `implementation=\"explicit\"`. alibi: BLOOM's slopes m_h · (j − i), JAX's "
+        "as the core's distance_bias table (H, 2L + 1) gathered per block, torch's (torch_peer "
+        "and torch_explicit) as the (H, Lq, Lk) float bias formed in the call (causal entries "
+        "−inf in torch_peer's).",
         "- ÷ peer: torch_peer's time ÷ this row's (> 1: faster than torch's fused kernel).", "",
         "| feature | shape | pass | impl | median ms | n | ÷ peer | others % |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",

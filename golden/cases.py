@@ -389,6 +389,46 @@ CASES += [
           "d_out": 9, "qkv_bias": True}),
 ]
 
+# Position biases in GroupedQueryAttention (issue 24): ALiBi's slopes of BLOOM (and Falcon's,
+# added before the scale), MPT's with its reordering for a head count that is not a power of
+# two. Seeds from 501.
+CASES += [
+    Case("gqa_alibi_bloom", GQA, 501, {"x": ("normal", (3, 7, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 9,
+          "qkv_bias": True, "alibi": "bloom"}),
+    Case("gqa_alibi_mpt_six_heads_lengths", GQA, 502,
+         {"x": ("normal", (2, 8, 5)), "query_seq_lengths": _ints([8, 5])},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 3, "head_dim": 4, "d_out": 7,
+          "alibi": "mpt", "sliding_window": 6}),
+    Case("gqa_alibi_falcon_bidirectional_unbatched", GQA, 503,
+         {"x": ("normal", (6, 7)), "mask": ("mask", (6, 6), 0.8, ())},
+         {"d_in": 7, "num_heads": 5, "num_kv_heads": 1, "head_dim": 4, "d_out": 3,
+          "causal": False, "out_bias": True, "alibi": "falcon"}),
+]
+
+# T5's relative position buckets (a learned table (num_buckets, N) at the bucket of j − i,
+# bidirectional unless causal; no 1/√Dh: scale 1), distances past max_distance included.
+CASES += [
+    Case("gqa_t5_buckets_bidirectional", GQA, 504,
+         {"x": ("normal", (2, 9, 5)), "mask": ("mask", (2, 9, 9), 0.85, ())},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 1, "head_dim": 3, "d_out": 6,
+          "causal": False, "scale": 1.0, "relative_attention_num_buckets": 8,
+          "relative_attention_max_distance": 5}),
+    Case("gqa_t5_buckets_causal_lengths", GQA, 505,
+         {"x": ("normal", (3, 8, 5)), "query_seq_lengths": _ints([8, 5, 3])},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 7,
+          "scale": 1.0, "relative_attention_num_buckets": 10,
+          "relative_attention_max_distance": 6}),
+]
+
+# MPT's clip_qkv (q, k and v clamped to [−c, c] after their projections; OLMo's too), with its
+# ALiBi: about half the projected entries clipped here, so the gradient's zeros are exercised.
+CASES += [
+    Case("gqa_mpt_clip_qkv", GQA, 506, {"x": ("normal", (2, 6, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 4, "head_dim": 3, "d_out": 5,
+          "alibi": "mpt", "clip_qkv": 0.6}),
+]
+
 # MultiHeadLatentAttention (DeepSeek-V2/V3's MLA): with and without the query's low-rank
 # projection (q_lora_rank), DeepSeek's interleaved RoPE pairs and "rotate half", yarn with
 # mscale_all_dim (the softmax scale times mscale²), padding (query_seq_lengths) with explicit

@@ -338,3 +338,18 @@ def neutral_to_flax_mha(variant, config, params) -> dict:
             b = params.get(f"b_{r}", np.zeros(w.shape[1], w.dtype))
             tree[r]["bias"] = b.reshape(tree[r]["kernel"].shape[1:] if r != "out" else (-1,))
     return tree
+
+
+def from_hf(config, state_dict, *, layer_idx=0):
+    """(variant, config, params) of one attention layer of a Hugging Face checkpoint, for
+    ``torch_attn.build`` and ``jax_attn.build``: golden.hf.from_hf (the families and their
+    settings are there)."""
+    from golden import hf
+    return hf.from_hf(config, state_dict, layer_idx=layer_idx)
+
+
+def to_hf(variant, config, params, *, model_type=None) -> dict:
+    """The Hugging Face attention module's state dict (NumPy copies) from our variant, config
+    and params: golden.hf.to_hf."""
+    from golden import hf
+    return hf.to_hf(variant, config, params, model_type=model_type)

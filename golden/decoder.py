@@ -1,13 +1,18 @@
-"""What both twins' GroupedQueryAttention do to q and k besides RoPE, written once: the QK norms
-and the query temperature. Only arithmetic operators, indexing and the framework functions the
-caller passes (``mean``, ``rsqrt``, ``log1p``): the same code runs on torch tensors and JAX
-arrays. The float64 reference states the same maths on its own (golden.reference.qk_norm_stage,
-temperature_factors); golden.variants.QK_NORMS lists the kinds.
+"""What both twins' GroupedQueryAttention do besides RoPE, written once: the QK norms, the query
+temperature and ALiBi's bias (its slopes in NumPy float64). Only arithmetic operators, indexing
+and the framework functions the caller passes (``mean``, ``rsqrt``, ``log1p``): the same code
+runs on torch tensors and JAX arrays. The float64 reference states the same maths on its own
+(golden.reference.qk_norm_stage, temperature_factors, alibi_term: it shares only the slopes);
+golden.variants.QK_NORMS lists the kinds.
 
 Shape legend: N heads, L tokens, Dh head width.
 """
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
 
 
 def qk_normalize(x, kind, weight, eps, *, mean, rsqrt):
@@ -40,3 +45,79 @@ def sliding_window(w, causal):
     """The core's (left, right) window for Hugging Face's ``sliding_window`` W: W keys including
     the query itself (kv_idx > q_idx − W), on both sides when not causal; None for None."""
     return None if w is None else (w - 1, 0 if causal else w - 1)
+
+
+# ALiBi (Press et al.), as Hugging Face's BLOOM, MPT and Falcon define the per-head slopes.
+ALIBI_KINDS = ("bloom", "mpt", "falcon")
+
+
+def alibi_slopes(num_heads, kind, bias_max=8):
+    """The slopes m_h (N,) float64 of ALiBi ``kind``, each family's rule in HF's order of heads:
+    "bloom" and "falcon" (``_get_alibi_slopes``): with P = 2^⌊log2 N⌋, m_h = 2^(−8h/P) for
+    h = 1 … P, then for N > P the odd powers 2^(−4(2i − 1)/P), i = 1 … N − P; "falcon" rounds
+    them to bfloat16 as HF's ``build_alibi_tensor`` does. "mpt" (``build_mpt_alibi_tensor``):
+    with P = 2^⌈log2 N⌉, m_h = 2^(−h · bias_max / P) for h = 1 … P, and for N < P the even-
+    indexed ones first, then the odd, the first N kept. Powers of two, exact, when the
+    exponents are integers (N ≤ 8 with bias_max = 8); otherwise 2.0 ** x (HF: float32)."""
+    if kind == "mpt":
+        p = 2 ** math.ceil(math.log2(num_heads))
+        slopes = 2.0 ** -(np.arange(1, p + 1, dtype=np.float64) * (bias_max / p))
+        return np.concatenate([slopes[1::2], slopes[::2]])[:num_heads] if p != num_heads else slopes
+    p = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, p + 1, dtype=np.float64) / p)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - p), 2, dtype=np.float64) / p)
+    slopes = np.concatenate([slopes, extra[:min(p, num_heads - p)]])
+    return _bfloat16(slopes) if kind == "falcon" else slopes
+
+
+def _bfloat16(x):
+    """float64 ``x`` rounded to float32, then to bfloat16 (8 significant bits, ties to even)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32).astype(np.float64)
+
+
+def alibi_bias(slopes, distance):
+    """The ALiBi bias m_h · (j − p) (..., N, L, Lk) from the slopes (N,) and the distances
+    key position − query position ``distance`` (..., L, Lk), both of one framework and dtype.
+    HF's BLOOM and Falcon add m_h · j and MPT m_h · (j − (Lk − 1)): the same row by row up to a
+    constant, which softmax removes; this relative form is the one a KV cache reproduces."""
+    return slopes[:, None, None] * distance[..., None, :, :]
+
+
+# T5's relative position buckets (Hugging Face's T5Attention._relative_position_bucket).
+def relative_position_bucket(distance, bidirectional, num_buckets, max_distance):
+    """The bucket (int64, distance's shape) of each integer ``distance`` = key − query, by HF's
+    rule in its float32 operations and order: bidirectional, half the buckets for keys after
+    the query; then max_exact = (those buckets) // 2 exact buckets for |d| < max_exact, and
+    max_exact + ⌊ln(|d| / max_exact) / ln(max_distance / max_exact) · (buckets − max_exact)⌋
+    (at most buckets − 1) beyond. Causal: keys after the query share bucket 0."""
+    d = np.asarray(distance, dtype=np.int64)
+    buckets = np.zeros_like(d)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (d > 0) * num_buckets
+        d = np.abs(d)
+    else:
+        d = -np.minimum(d, 0)
+    max_exact = num_buckets // 2
+    with np.errstate(divide="ignore"):  # d = 0: log 0, never selected
+        ratio = np.log(d.astype(np.float32) / np.float32(max_exact))
+        large = ratio / np.float32(math.log(max_distance / max_exact)) * np.float32(
+            num_buckets - max_exact)
+    large = max_exact + np.where(d < max_exact, 0, large).astype(np.int64)
+    return buckets + np.where(d < max_exact, d, np.minimum(large, num_buckets - 1))
+
+
+def bucket_table(span, bidirectional, num_buckets, max_distance):
+    """relative_position_bucket of the distances −span … span, (2·span + 1,): the bucket of
+    distance d is entry d + span (what a twin indexes with distances it computes, traced)."""
+    return relative_position_bucket(np.arange(-span, span + 1), bidirectional, num_buckets,
+                                    max_distance)
+
+
+def relative_bias(table, buckets, *, moveaxis):
+    """T5's score bias (..., N, L, Lk): the learned ``table`` (num_buckets, N) at each of
+    ``buckets`` (..., L, Lk), heads moved before the two position axes; ``moveaxis`` is the
+    framework's (torch.movedim, jnp.moveaxis, np.moveaxis)."""
+    return moveaxis(table[buckets], -1, -3)  # (..., L, Lk, N) -> (..., N, L, Lk)

@@ -278,6 +278,14 @@ def check_fits(held, new, room, length) -> None:
                          f"{new.tolist()} more within max_length M = {room}")
 
 
+def distance_terms(distance_bias, key, pos):
+    """The bias at each key − query distance: ``distance_bias`` (..., 2S + 1) at entry
+    S + clip(key − pos, −S, S), for integer key and query positions of any framework
+    (broadcast together)."""
+    span = (distance_bias.shape[-1] - 1) // 2
+    return distance_bias[..., (key - pos).clip(-span, span) + span]
+
+
 def allowed_terms(row, key, pos, *, is_causal, window, chunk=None, q_lengths=None,
                   kv_lengths=None, key_start=0) -> list:
     """The conditions whose AND is the allowed set, for the twins' implementations

@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from golden import exact, variants
-from golden.decoder import sliding_window
+from golden.decoder import alibi_slopes, relative_position_bucket, sliding_window
 from golden.positions import hf_inv_freq
 from golden.validate import check_attention_args, rope_settings, rotary_dims, window
 
@@ -580,16 +580,23 @@ class Stage(NamedTuple):
     backward: Callable
 
 
-def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None, **core):
+def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
+                  clip=None, **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate) and sinks. Key and value
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
+    ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
     p = {n: real(a) for n, a in p.items()}
     heads = {"query": num_heads, "key": kv_heads or num_heads, "value": kv_heads or num_heads}
     q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), heads[n])
                for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
+    inside = None
+    if clip is not None:  # the derivative is 1 inside [−c, c] (ends included, as torch's), else 0
+        c = number(clip)
+        inside = [((a >= -c) & (a <= c)).astype(bool) for a in (q, k, v)]
+        q, k, v = (np.where(i, a, np.where(a > c, c, -c)) for i, a in zip(inside, (q, k, v)))
     staged = []
     for stage in stages:
         q, k, s = stage.forward(q, k)
@@ -606,7 +613,7 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         merged = merged * gate[2]
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
-                 merged=merged, gate=gate, attn=attn)
+                 merged=merged, gate=gate, attn=attn, inside=inside)
     return y, weights, saved
 
 
@@ -624,9 +631,14 @@ def block_backward(saved, d_y, d_weights):
     g = sdpa_backward(saved["attn"], split_heads(g_merged, saved["heads"]["query"]), d_weights)
     if "sinks" in p:
         grads["sinks"] = g["sinks"]
+    if saved.get("buckets") is not None:  # T5: the bias's gradient summed into its buckets
+        grads["relative_attention_bias"] = bucket_sums(g["bias"], saved["buckets"],
+                                                       p["relative_attention_bias"].shape)
     for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
         g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])
         grads.update(g_params)
+    for i, n in enumerate(("query", "key", "value") if saved.get("inside") else ()):
+        g[n] = np.where(saved["inside"][i], g[n], number(0))
     for x, n in zip(saved["x"], ("query", "key", "value")):
         grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
                                           (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
@@ -827,12 +839,46 @@ def temperature_factors(positions, beta, floor_scale, shift):
     return number(1) + number(beta) * np.log(real((1 + steps).astype(np.float64)))
 
 
+def alibi_term(c, length, dh):
+    """ALiBi's score bias (N, L, L) for ``length`` tokens: m_h · (j − i), key j and query i in
+    token order (golden.decoder.alibi_slopes gives m_h); Falcon adds it before the scale, so
+    its bias is multiplied by the scale (default 1/√Dh). Exact: powers of two times integers,
+    then the scale in the arithmetic in force. Not a parameter: no gradient."""
+    slopes = alibi_slopes(c["num_heads"], c["alibi"], c["alibi_bias_max"])
+    distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
+    bias = real(slopes[:, None, None] * distance)
+    if c["alibi"] != "falcon":
+        return bias
+    return bias * (number(1) / np.sqrt(number(dh)) if c["scale"] is None else number(c["scale"]))
+
+
+def relative_term(c, length, table):
+    """T5's score bias (N, L, L): the learned table (num_buckets, N) at the bucket of each
+    distance j − i (golden.decoder.relative_position_bucket, bidirectional unless causal);
+    returns (bias, buckets (L, L))."""
+    distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
+    buckets = relative_position_bucket(distance, not c["causal"],
+                                       c["relative_attention_num_buckets"],
+                                       c["relative_attention_max_distance"])
+    return np.moveaxis(real(table)[buckets], -1, -3), buckets
+
+
+def bucket_sums(g_bias, buckets, shape):
+    """The gradient of relative_term's gather: g_bias (..., N, L, L) summed over the batch and
+    scattered into the buckets, (num_buckets, N), in index order."""
+    g = g_bias.reshape((-1,) + g_bias.shape[-3:]).sum(axis=0)  # (N, L, L)
+    out = real(np.zeros(shape))
+    np.add.at(out, buckets, np.moveaxis(g, 0, -1))  # (L, L, N) into (num_buckets, N)
+    return out
+
+
 def _grouped_query(config, inputs, params):
     """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE and the query temperature at
     the tokens' positions (0 … L − 1, or the inputs' ``positions``) on q and k
     (golden.variants.QK_NORMS says which norm runs before RoPE and which after); sinks and the
-    output gate when the parameters hold them; the padding past query_seq_lengths neither
-    querying nor attended."""
+    output gate when the parameters hold them; ALiBi's or T5's bias (alibi_term,
+    relative_term, the table's gradient by bucket_sums); the padding past
+    query_seq_lengths neither querying nor attended."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
     num_heads, kind = c["num_heads"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads
@@ -858,14 +904,21 @@ def _grouped_query(config, inputs, params):
     train = "dropout_mask" in inputs
     core = {} if c.get("attention_chunk_size") is None else {
         "attention_chunk_size": c["attention_chunk_size"]}
+    if c["alibi"] is not None:
+        core["bias"] = alibi_term(c, x.shape[-2], dh)
+    buckets = None
+    if c["relative_attention_num_buckets"] is not None:
+        core["bias"], buckets = relative_term(c, x.shape[-2], params["relative_attention_bias"])
     causal = c.get("causal", True)
-    return block_forward(x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"],
-                         stages=stages, mask=inputs.get("mask"), is_causal=causal,
-                         scale=c.get("scale"), softcap=c.get("softcap"),
-                         local_window_size=sliding_window(c.get("sliding_window"), causal),
-                         query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
-                         dropout_mask=inputs.get("dropout_mask"), **core)
+    y, weights, saved = block_forward(
+        x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"], stages=stages,
+        mask=inputs.get("mask"), is_causal=causal, scale=c.get("scale"), softcap=c.get("softcap"),
+        local_window_size=sliding_window(c.get("sliding_window"), causal),
+        query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+        dropout_rate=c.get("dropout", 0.0) if train else 0.0,
+        dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"], **core)
+    saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
+    return y, weights, saved
 
 
 def _multi_head_cross(config, inputs, params):

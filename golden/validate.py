@@ -130,6 +130,23 @@ def check_attention_args(
     return target
 
 
+def check_distance_bias(distance_bias, query) -> None:
+    """The JAX core's ``distance_bias``: a float vector per query head, (D,) for (Lq, Dk)
+    queries, (H, D) for (H, Lq, Dk), (H, D) or (B, H, D) for (B, H, Lq, Dk), D = 2S + 1 odd."""
+    _expect_array("distance_bias", distance_bias)
+    q_shape = tuple(query.shape)
+    heads = q_shape[-3:-2]  # (H,), or () unbatched
+    got = tuple(distance_bias.shape)
+    letters = ("H", "D") if heads else ("D",)
+    if len(q_shape) == 4 and len(got) == 3:
+        letters, heads = ("B",) + letters, q_shape[:1] + heads
+    _expect_shape("distance_bias", got, letters, heads + (None,))
+    if got[-1] % 2 == 0:
+        raise ValueError(f"distance_bias's last axis D should be odd (2S + 1: distances −S … S), "
+                         f"got D = {got[-1]}")
+    _expect_float("distance_bias", distance_bias)
+
+
 def _real_number(x) -> bool:
     """A Python or NumPy int or float, not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from golden.decoder import ALIBI_KINDS
 from golden.validate import (
     FLOAT_DTYPES,
     check_attention_args,
@@ -252,6 +253,17 @@ def _epsilon(name, eps) -> None:
         raise ValueError(f"{name} should be a positive number, got {eps!r}") from None
 
 
+def _alibi(name, kind) -> None:
+    if kind is not None and kind not in ALIBI_KINDS:
+        raise ValueError(f"{name} should be None or one of {', '.join(map(repr, ALIBI_KINDS))}, "
+                         f"got {kind!r}")
+
+
+def _alibi_bias_max(name, x) -> None:
+    """A finite number > 0 (MPT's alibi_bias_max)."""
+    _epsilon(name, x)
+
+
 TEMPERATURE_FIELDS = ("beta", "floor_scale", "shift")
 
 
@@ -281,6 +293,10 @@ def _grouped_query_shapes(c):
     if c["rope_theta"] is not None and dh % 2:
         raise ValueError(f"head_dim should be even with rotary embeddings (rope_theta), "
                          f"got {dh}")
+    if c["alibi"] != "mpt" and c["alibi_bias_max"] != 8:
+        raise ValueError(f"alibi_bias_max should be 8 (its default) unless alibi is 'mpt', got "
+                         f"{c['alibi_bias_max']!r} with alibi = {c['alibi']!r}")
+    _relative_buckets(c)
     rope = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                          c["rope_precision"])
     if rope is not None:
@@ -301,6 +317,8 @@ def _grouped_query_shapes(c):
         shapes["k_norm"] = QK_NORMS[c["qk_norm"]][0](hkv, dh)
     if c["sinks"]:
         shapes["sinks"] = (h,)
+    if c["relative_attention_num_buckets"] is not None:
+        shapes["relative_attention_bias"] = (c["relative_attention_num_buckets"], h)
     return shapes
 
 
@@ -337,6 +355,28 @@ def _multi_head_cross_shapes(c):
 def _key_bias(name, b) -> None:
     if b is not None:
         _flag(name, b)
+
+
+def _relative_buckets(c) -> None:
+    """T5's buckets: max_exact = (num_buckets, halved when bidirectional) // 2 exact buckets,
+    at least 1, and max_distance beyond them; max_distance left at its default without them."""
+    nb, far = c["relative_attention_num_buckets"], c["relative_attention_max_distance"]
+    if nb is None:
+        if far != 128:
+            raise ValueError(f"relative_attention_max_distance should be 128 (its default) "
+                             f"unless relative_attention_num_buckets is set, got {far!r}")
+        return
+    if c["alibi"] is not None:
+        raise ValueError(f"alibi should be None with relative_attention_num_buckets (one "
+                         f"position bias), got {c['alibi']!r}")
+    least = 2 if c["causal"] else 4
+    if nb < least:
+        raise ValueError(f"relative_attention_num_buckets should be at least {least} "
+                         f"({'causal' if c['causal'] else 'bidirectional'}), got {nb}")
+    max_exact = (nb if c["causal"] else nb // 2) // 2
+    if far <= max_exact:
+        raise ValueError(f"relative_attention_max_distance should exceed the {max_exact} exact "
+                         f"buckets, got {far}")
 
 
 def latent_rope(c):
@@ -502,10 +542,14 @@ _VARIANTS = [
              Arg("query_temperature", _temperature, None), Arg("output_gate", _flag, False),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("partial_rotary_factor", _rotary_fraction, 1.0),
-             Arg("rope_precision", _rope_precision, "exact")),
+             Arg("rope_precision", _rope_precision, "exact"), Arg("alibi", _alibi, None),
+             Arg("alibi_bias_max", _alibi_bias_max, 8),
+             Arg("relative_attention_num_buckets", _positive_or_none, None),
+             Arg("relative_attention_max_distance", _positive, 128),
+             Arg("clip_qkv", check_positive_or_none, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate"},
-            vectors=("q_norm", "k_norm", "sinks"),
+            vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",

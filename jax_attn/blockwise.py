@@ -60,16 +60,18 @@ class Static(NamedTuple):
     chunk_size: int | None = None  # attention_chunk_size C: key j // C = position // C
 
 
-def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None, *,
-           static):
+def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None,
+           distance_bias=None, *, static):
     """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, dropout_mask broadcastable to
     (Lq, Lk) with size-1 axes kept; rng a key (drawn dropout) or None; offset, q_lengths, kv_lengths
-    int scalars or None; sink the head's sink logit (a scalar) or None. Returns (the output
-    (Lq, Dv) in q's dtype, None): the weights are never formed."""
+    int scalars or None; sink the head's sink logit (a scalar) or None; distance_bias
+    (2S + 1,) or None, the bias of each key − query distance, gathered block by block (ALiBi's
+    and T5's biases in O(L) memory). Returns (the output (Lq, Dv) in q's dtype, None): the
+    weights are never formed."""
     static = static._replace(block_q=fit(q.shape[0], static.block_q),
                              block_k=fit(k.shape[0], static.block_k))
     return _flash(static, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths,
-                  kv_lengths, sink), None
+                  kv_lengths, sink, distance_bias), None
 
 
 def fit(length, block):
@@ -79,29 +81,35 @@ def fit(length, block):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink):
+def _flash(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
+           distance_bias):
     out, _ = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
-                                    q_lengths, kv_lengths), sink)
+                                    q_lengths, kv_lengths, distance_bias=distance_bias), sink)
     return out.astype(q.dtype)
 
 
-def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink):
+def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
+               distance_bias):
     out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
-                                        q_lengths, kv_lengths), sink)
+                                        q_lengths, kv_lengths, distance_bias=distance_bias), sink)
     out = out.astype(q.dtype)
     return out, (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
-                 out, stats)
+                 distance_bias, out, stats)
 
 
 def _flash_bwd(st, res, d_out):
-    q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink, out, stats = res
-    h = Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths)
-    dq, dk, dv, dbias = backward(st, h, out, stats, d_out)
+    (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink, distance_bias,
+     out, stats) = res
+    h = Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
+                  distance_bias=distance_bias)
+    dq, dk, dv, dbias, ddistance = backward(st, h, out, stats, d_out)
     if bias is not None:
         dbias = dbias[:bias.shape[0], :bias.shape[1]].astype(bias.dtype)  # (Lq|1, Lk|1)
+    if distance_bias is not None:
+        ddistance = ddistance.astype(distance_bias.dtype)
     dsink = None if sink is None else sink_grad(st, sink, out, stats, d_out).astype(sink.dtype)
     grads = tuple(g.astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return grads + (None, dbias, None, None, None, None, None, dsink)
+    return grads + (None, dbias, None, None, None, None, None, dsink, ddistance)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -125,10 +133,12 @@ class Head(NamedTuple):
     lq: int  # the unpadded lengths
     lk: int
     key_start: Any = 0  # the absolute position of key 0 (jax_attn.ring), for the chunks
+    distance_bias: jax.Array | None = None  # (2S + 1,): the bias at key − query distance d is
+    # entry S + clip(d, −S, S), gathered per block (golden.positions.distance_terms)
 
     @classmethod
     def make(cls, st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
-             key_start=0):
+             key_start=0, distance_bias=None):
         compute = jnp.promote_types(q.dtype, jnp.float32)
         lq, lk = q.shape[0], k.shape[0]
         rows, cols = _padding(lq, st.block_q), _padding(lk, st.block_k)
@@ -140,7 +150,8 @@ class Head(NamedTuple):
         kv_lengths = lk if kv_lengths is None else jnp.minimum(kv_lengths, lk)
         return cls(q, k, v, pad(mask, False), pad(None if bias is None else bias.astype(compute),
                                                   0), pad(dropout_mask, False), rng,
-                   0 if offset is None else offset, q_lengths, kv_lengths, lq, lk, key_start)
+                   0 if offset is None else offset, q_lengths, kv_lengths, lq, lk, key_start,
+                   None if distance_bias is None else distance_bias.astype(compute))
 
 
 def _padding(length, block):
@@ -260,6 +271,24 @@ def _allowed(st, h, i, j, mask):
     return jnp.broadcast_to(allowed, (st.block_q, st.block_k))
 
 
+def _distances(st, i, j, h):
+    """The table entries of query block i against key block j: int32 (Bq, Bk), the distance
+    key − position clipped to the distance_bias's span, plus the span (golden.positions)."""
+    row = i * st.block_q + lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)  # (Bq, 1)
+    key = j * st.block_k + lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)  # (1, Bk)
+    span = (h.distance_bias.shape[0] - 1) // 2
+    return jnp.clip(key - (row + h.offset), -span, span) + span
+
+
+def _block_bias(st, h, i, j, bias_ij):
+    """The block's bias (Bq|1, Bk|1) or (Bq, Bk): ``bias`` sliced, plus the distance bias
+    gathered at its distances; None when neither is given."""
+    if h.distance_bias is None:
+        return bias_ij
+    near = h.distance_bias[_distances(st, i, j, h)]  # (Bq, Bk)
+    return near if bias_ij is None else bias_ij + near
+
+
 # ---- per-block slices and scores ----------------------------------------------------------------
 
 def _rows(x, i, size):
@@ -356,7 +385,7 @@ def accumulate(st, h, state):
         def step(j, carry, masked):
             m, total, acc = carry  # running max, running sum l, accumulator: (Bq,), (Bq,), (Bq, Dv)
             k_j, v_j = _rows(h.k, j, st.block_k), _rows(h.v, j, st.block_k)
-            s = _scores(st, q_i, k_j, _cols(bias_i, j, st.block_k))  # (Bq, Bk)
+            s = _scores(st, q_i, k_j, _block_bias(st, h, i, j, _cols(bias_i, j, st.block_k)))
             if masked:  # exp(−inf − m) = 0: m starts finite, so never −inf − (−inf)
                 s = jnp.where(_allowed(st, h, i, j, _cols(mask_i, j, st.block_k)), s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -394,10 +423,11 @@ def visited(st, h):
 # ---- backward -----------------------------------------------------------------------------------
 
 def backward(st, h, out, stats, d_out):
-    """dQ (Lq, Dk), dK (Lk, Dk), dV (Lk, Dv) in the compute dtype, and dbias (Lq'|1, Lk'|1) or
-    None. Each block is taken transposed, (Bk, Bq), so that dK and dV, summed over queries,
-    are plain products (on CPU a product contracting both operands' first axes runs at a third
-    of the speed); dQ is accumulated transposed, (Dk, Lq'), for the same reason."""
+    """dQ (Lq, Dk), dK (Lk, Dk), dV (Lk, Dv) in the compute dtype, dbias (Lq'|1, Lk'|1) or
+    None, and d(distance_bias) (2S + 1,) or None. Each block is taken transposed, (Bk, Bq), so
+    that dK and dV, summed over queries, are plain products (on CPU a product contracting both
+    operands' first axes runs at a third of the speed); dQ is accumulated transposed,
+    (Dk, Lq'), for the same reason."""
     dt = h.q.dtype
     rows = h.q.shape[0] - h.lq
     d_out = jnp.pad(d_out.astype(dt), ((0, rows), (0, 0)))  # (Lq', Dv)
@@ -414,9 +444,9 @@ def backward(st, h, out, stats, d_out):
                                      for x in (h.mask, h.bias, h.dropout_mask))
 
         def step(i, c, masked):
-            dq_t, dbias, dk_j, dv_j = c  # (Dk, Lq'), ..., (Bk, Dk), (Bk, Dv)
+            dq_t, dbias, ddistance, dk_j, dv_j = c  # (Dk, Lq'), ..., (Bk, Dk), (Bk, Dv)
             q_i, do_i = _rows(h.q, i, st.block_q), _rows(d_out, i, st.block_q)
-            bias_ij = _rows(bias_j, i, st.block_q)
+            bias_ij = _block_bias(st, h, i, j, _rows(bias_j, i, st.block_q))
             s_t, capped_t = _scores_t(st, q_i, k_j, None if bias_ij is None else bias_ij.T)
             p_t = jnp.exp(s_t - _rows(m, i, st.block_q)) * _rows(inv, i, st.block_q)  # (Bk, Bq)
             if masked:
@@ -434,19 +464,24 @@ def backward(st, h, out, stats, d_out):
             dq_i = _cols(dq_t, i, st.block_q) + jnp.einsum(
                 "kd,kq->dq", k_j, dr_t, precision=st.precision, preferred_element_type=dt)
             dq_t = lax.dynamic_update_slice_in_dim(dq_t, dq_i, i * st.block_q, axis=1)
-            return dq_t, _add_bias_grad(st, dbias, ds_t.T, i, j), dk_j, dv_j
+            if ddistance is not None:  # dS summed into each distance's entry
+                ddistance = ddistance.at[_distances(st, i, j, h).T].add(ds_t)
+            return dq_t, _add_bias_grad(st, dbias, ds_t.T, i, j), ddistance, dk_j, dv_j
 
-        dq_t, dbias = carry
-        init = (dq_t, dbias, jnp.zeros_like(k_j), jnp.zeros_like(v_j))
-        dq_t, dbias, dk_j, dv_j = _loops(_query_blocks(st, h, j), partial(step, masked=True),
-                                         partial(step, masked=False), init)
-        return (dq_t, dbias), (dk_j, dv_j)
+        dq_t, dbias, ddistance = carry
+        init = (dq_t, dbias, ddistance, jnp.zeros_like(k_j), jnp.zeros_like(v_j))
+        dq_t, dbias, ddistance, dk_j, dv_j = _loops(
+            _query_blocks(st, h, j), partial(step, masked=True), partial(step, masked=False),
+            init)
+        return (dq_t, dbias, ddistance), (dk_j, dv_j)
 
-    dbias = None if h.bias is None else jnp.zeros_like(h.bias)
-    (dq_t, dbias), (dk, dv) = lax.scan(key_block, (jnp.zeros_like(h.q.T), dbias),
-                                       jnp.arange(n_k, dtype=jnp.int32))
+    dbias, ddistance = (None if x is None else jnp.zeros_like(x)
+                        for x in (h.bias, h.distance_bias))
+    (dq_t, dbias, ddistance), (dk, dv) = lax.scan(
+        key_block, (jnp.zeros_like(h.q.T), dbias, ddistance), jnp.arange(n_k, dtype=jnp.int32))
     flat = lambda x: x.reshape(-1, x.shape[-1])[:h.lk]  # noqa: E731  (Nk, Bk, D) -> (Lk, D)
-    return st.scale * dq_t.T[:h.lq], (st.softcap or 1.0) * flat(dk), flat(dv), dbias
+    return (st.scale * dq_t.T[:h.lq], (st.softcap or 1.0) * flat(dk), flat(dv), dbias,
+            ddistance)
 
 
 def sink_grad(st, sink, out, stats, d_out):

@@ -12,17 +12,18 @@ from functools import reduce
 import jax
 import jax.numpy as jnp
 
-from golden.positions import allowed_terms
+from golden.positions import allowed_terms, distance_terms
 
 NO_WINDOW = (None, None)
 
 
-def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None, *,
-           static):
+def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None,
+           distance_bias=None, *, static):
     """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, dropout_mask broadcast to
     (Lq, Lk); offset, q_lengths, kv_lengths scalars or None; sink the head's sink logit (a
-    scalar) or None; ``static`` a blockwise.Static (its blocks unused). rng is unused: a
-    drawn dropout mask comes in as ``dropout_mask``.
+    scalar) or None; distance_bias (2S + 1,) or None, the bias of each key − query distance
+    (formed here as an (Lq, Lk) bias); ``static`` a blockwise.Static (its blocks unused). rng
+    is unused: a drawn dropout mask comes in as ``dropout_mask``.
     Returns (output (Lq, Dv), weights (Lq, Lk)) in q's dtype."""
     del rng
     compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
@@ -32,6 +33,10 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
         scores = static.softcap * jnp.tanh(scores / static.softcap)
     if bias is not None:
         scores = scores + bias.astype(compute)
+    if distance_bias is not None:
+        key = jnp.arange(k.shape[0])[None, :]  # (1, Lk)
+        pos = jnp.arange(q.shape[0])[:, None] + (0 if offset is None else offset)  # (Lq, 1)
+        scores = scores + distance_terms(distance_bias.astype(compute), key, pos)
     allowed = _allowed(scores.shape, mask, offset, q_lengths, kv_lengths,
                        is_causal=static.is_causal, window=static.window,
                        chunk=static.chunk_size)

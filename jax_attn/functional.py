@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from golden.implementations import Asked, Implementation, Registry
-from golden.validate import check_attention_args, check_block_sizes, check_flags, window
+from golden.validate import (
+    check_attention_args,
+    check_block_sizes,
+    check_distance_bias,
+    check_flags,
+    window,
+)
 from jax_attn import blockwise, explicit
 from jax_attn.sharding import (
     check_head_sharding,
@@ -36,7 +42,7 @@ def scaled_dot_product_attention(
     is_causal=False, scale=None, softcap=None, local_window_size=None, attention_chunk_size=None,
     query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
     dropout_rate=0.0, dropout_mask=None, dropout_rng=None, implementation=None,
-    return_weights=False, block_sizes=None, precision=DEFAULT_PRECISION,
+    return_weights=False, block_sizes=None, precision=DEFAULT_PRECISION, distance_bias=None,
 ):
     """softmax(c · tanh(scale · Q Kᵀ / c) + bias, over allowed keys) V (without ``softcap`` c:
     scale · Q Kᵀ + bias).
@@ -58,6 +64,12 @@ def scaled_dot_product_attention(
     the scale and the soft-cap (GPT-OSS has no soft-cap; we never cap the sink) and no mask or
     bias touches it. "blockwise" starts each row's online softmax from it (m = s_h, l = 1)
     and gives its gradient from the saved log-sum-exp.
+    distance_bias: a bias that depends only on key position − query position d (ALiBi's
+    m_h · d, T5's buckets), added as ``bias`` is: (H, 2S + 1) or (B, H, 2S + 1) ((2S + 1,)
+    for (Lq, Dk) inputs), any float dtype, entry S + d for d in −S … S (a farther d takes the
+    nearest end); traced and differentiable. "explicit" forms its (Lq, Lk) terms; "blockwise"
+    gathers each block's, so a long sequence's bias costs O(L) memory, not O(Lq·Lk). The
+    twins' modules build it (jax_attn.modules.GroupedQueryAttention's alibi and T5 buckets).
     dropout_mask: bool, True = kept (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn from ``dropout_rng`` (a ``jax.random`` key), which is then required.
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
@@ -93,6 +105,8 @@ def scaled_dot_product_attention(
                          key_value_seq_lengths=key_value_seq_lengths,
                          dropout_rate=dropout_rate, dropout_mask=dropout_mask, sinks=sinks,
                          attention_chunk_size=attention_chunk_size)
+    if distance_bias is not None:
+        check_distance_bias(distance_bias, query)
     check_flags(is_causal=is_causal, return_weights=return_weights)
     block_sizes = check_block_sizes(block_sizes)
     asked = Asked(return_weights=bool(return_weights), softcap=softcap is not None,
@@ -116,7 +130,8 @@ def scaled_dot_product_attention(
     one_device = on_one_device(query, key, value)
     attention = on_mesh(_attention, query, spec, return_weights)
     out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
-                             *positions, sinks, scale=scale, is_causal=bool(is_causal),
+                             *positions, sinks, distance_bias, scale=scale,
+                             is_causal=bool(is_causal),
                              softcap=None if softcap is None else float(softcap),
                              window=window(local_window_size),
                              chunk_size=attention_chunk_size,
@@ -187,7 +202,8 @@ def _blockwise_refuses(asked):
 
 
 # Each implementation runs one head: run(q, k, v, mask, bias, dropout_mask, rng, offset,
-# q_lengths, kv_lengths, sink, *, static) -> (output, weights | None); the core vmaps it.
+# q_lengths, kv_lengths, sink, distance_bias, *, static) -> (output, weights | None); the
+# core vmaps it.
 IMPLEMENTATIONS = Registry(
     "jax",
     Implementation("explicit", explicit.attend, _explicit_refuses),
@@ -199,9 +215,9 @@ IMPLEMENTATIONS = Registry(
                                    "precision", "return_weights", "chunk", "implementation",
                                    "block_sizes", "chunk_size"))
 def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_lengths=None,
-               kv_lengths=None, sinks=None, *, scale, is_causal, dropout_rate, precision,
-               return_weights, softcap=None, window=NO_WINDOW, chunk_size=None, chunk=None,
-               implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES):
+               kv_lengths=None, sinks=None, distance_bias=None, *, scale, is_causal, dropout_rate,
+               precision, return_weights, softcap=None, window=NO_WINDOW, chunk_size=None,
+               chunk=None, implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES):
     """Lift to (B, Hkv, G, ...), vmap the implementation's one-head core over G (key and value
     not mapped), Hkv and B, drop the added axes. offset, q_lengths, kv_lengths: int arrays (B,)
     or (), or None. "explicit" draws one dropout mask for every head here; "blockwise" draws
@@ -219,6 +235,9 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
     extras += tuple(None if x is None else x.reshape((x.shape[:1] or (1,)) + (1, 1))
                     for x in (offset, q_lengths, kv_lengths))  # (B|1, 1, 1)
     extras += (None if sinks is None else sinks.reshape((1,) + q.shape[1:3]),)  # (1, Hkv, G)
+    extras += (None if distance_bias is None else distance_bias.reshape(
+        (distance_bias.shape[:-2] or (1,)) + q.shape[1:3] + distance_bias.shape[-1:]),)
+    # (B|1, Hkv, G, 2S + 1)
     drawn = blocks and dropout_rate > 0.0 and dropout_mask is None
     extras += (jnp.arange(math.prod(q.shape[:3]), dtype=jnp.int32).reshape(q.shape[:3])
                if drawn else None,)  # (B, Hkv, G): the head's dropout stream
@@ -228,10 +247,11 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
 
     attend = IMPLEMENTATIONS[implementation].run
 
-    def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink, stream):
+    def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink, distance,
+            stream):
         head_rng = None if stream is None else jax.random.fold_in(rng, stream)
         out, weights = attend(q, k, v, mask, bias, dropout_mask, head_rng, offset, q_lengths,
-                              kv_lengths, sink, static=static)
+                              kv_lengths, sink, distance, static=static)
         return (out, weights) if return_weights else (out, None)  # weights only when asked for
 
     run = _vmap_all if chunk is None else partial(_vmap_chunks, chunk=chunk)

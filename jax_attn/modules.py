@@ -26,7 +26,13 @@ import numpy as np
 from flax import nnx
 
 from golden import variants
-from golden.decoder import qk_normalize, temperature, weight_broadcast
+from golden.decoder import (
+    alibi_slopes,
+    bucket_table,
+    qk_normalize,
+    temperature,
+    weight_broadcast,
+)
 from golden.decoder import sliding_window as core_window
 from golden.positions import ContextCache, KVCache, LatentCache, check_fits, context_fingerprint
 from golden.validate import (
@@ -289,6 +295,9 @@ class GroupedQueryAttention(_Variant):
     (right padding); a padding token neither queries (its row of the weights is zero, its output
     row is the output bias) nor is attended, and is not written to a cache.
 
+    Options: as torch_attn.GroupedQueryAttention's (docs/modules.md), ``clip_qkv`` c included
+    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
+
     With ``cache`` (from ``init_cache``, a pytree), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there (a scatter, in place when the
     caller's jit donates the cache), it attends the cached keys and this call's (bottom-right
@@ -307,7 +316,9 @@ class GroupedQueryAttention(_Variant):
                  rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
                  qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
                  query_temperature=None, output_gate=False, rope_parameters=None,
-                 partial_rotary_factor=1.0, rope_precision="exact", *, rngs,
+                 partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
+                 alibi_bias_max=8, relative_attention_num_buckets=None,
+                 relative_attention_max_distance=128, clip_qkv=None, *, rngs,
                  precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -318,7 +329,12 @@ class GroupedQueryAttention(_Variant):
                         attention_chunk_size=attention_chunk_size,
                         query_temperature=query_temperature, output_gate=output_gate,
                         rope_parameters=rope_parameters,
-                        partial_rotary_factor=partial_rotary_factor, rope_precision=rope_precision)
+                        partial_rotary_factor=partial_rotary_factor, rope_precision=rope_precision,
+                        alibi=alibi, alibi_bias_max=alibi_bias_max,
+                        relative_attention_num_buckets=relative_attention_num_buckets,
+                        relative_attention_max_distance=relative_attention_max_distance,
+                        clip_qkv=clip_qkv)
+        self.clip_qkv = clip_qkv
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -328,6 +344,9 @@ class GroupedQueryAttention(_Variant):
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         self.attention_chunk_size = attention_chunk_size
+        self.alibi = alibi
+        self.alibi_slopes = None if alibi is None else tuple(
+            alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,): static, hashable
         self.query_temperature = (None if query_temperature is None else tuple(
             query_temperature[n] for n in variants.TEMPERATURE_FIELDS))  # static: hashable
         self.precision = precision
@@ -340,9 +359,11 @@ class GroupedQueryAttention(_Variant):
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
         shapes = VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
-        self.q_norm, self.k_norm, self.sinks = (
-            nnx.Param(jnp.full(shapes[n], 0.0 if n == "sinks" else start)) if n in shapes
-            else None for n in ("q_norm", "k_norm", "sinks"))
+        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
+        self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias = (
+            nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
+            if n in shapes else None
+            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -382,12 +403,12 @@ class GroupedQueryAttention(_Variant):
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              positions=positions)
-        q, k = self.W_query(x), self.W_key(x)                  # (B, L, N·Dh), (B, L, Nkv·Dh)
+        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
-        v = self._split(self.W_value(x), self.num_kv_heads)
+        v = self._split(v, self.num_kv_heads)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
@@ -407,7 +428,8 @@ class GroupedQueryAttention(_Variant):
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
         o = scaled_dot_product_attention(
-            q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]),
+            is_causal=self.causal, scale=self.scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
@@ -417,6 +439,10 @@ class GroupedQueryAttention(_Variant):
         y = _merge_heads(self.out_proj, o, gate)  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
+
+    def _clip(self, y):
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
+        return y if self.clip_qkv is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
@@ -437,6 +463,28 @@ class GroupedQueryAttention(_Variant):
         return qk_normalize(t.astype(compute), self.qk_norm, w, self.qk_norm_eps,
                             mean=lambda a: a.mean(-1, keepdims=True),
                             rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+    def _position_bias(self, q, keys):
+        """ALiBi's or T5's bias as the core's ``distance_bias`` (N, 2S + 1), S = L + Lk (every
+        distance j − p of the call, query i at p = i + offset, lies in −S … S), in at least
+        float32; None without. The core forms it per block ("blockwise": O(L) memory) or as
+        (L, Lk) terms ("explicit"). Both read the distance j − p in token order, as the mask
+        (``positions`` move RoPE and the temperature, not these: on the pairs a left-padded or
+        packed row attends, the two differ by a constant per sequence). ALiBi: m_h · (j − p),
+        Falcon's added before the scale (times the scale, default 1/√Dh). T5: the learned
+        table at the bucket of j − p (the buckets of every distance tabulated on the host)."""
+        if self.alibi is None and self.relative_attention_bias is None:
+            return None
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        span = keys + q.shape[-2]
+        if self.relative_attention_bias is not None:
+            table = bucket_table(span, not self.causal, *self.buckets)  # (2S + 1,) NumPy
+            return self.relative_attention_bias.get_value().astype(compute)[table].T
+        distance = jnp.arange(-span, span + 1, dtype=compute)  # (2S + 1,)
+        bias = jnp.asarray(self.alibi_slopes, compute)[:, None] * distance  # (N, 2S + 1)
+        if self.alibi == "falcon":
+            bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
+        return bias
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +

@@ -360,7 +360,7 @@ def _grads_head(st, q, out, stats, d_out, k, v, offset, q_lengths, kv_lengths, k
     output and statistics of the whole softmax."""
     h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths,
                             key_start)
-    dq, dk, dv, _ = blockwise.backward(st, h, out, stats, d_out)
+    dq, dk, dv, _, _ = blockwise.backward(st, h, out, stats, d_out)
     return dq, dk, dv
 
 

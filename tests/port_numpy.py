@@ -28,6 +28,7 @@ import math
 import numpy as np
 
 from golden import variants
+from golden.decoder import alibi_slopes, relative_position_bucket
 from golden.positions import rope_frequencies
 from golden.runners.adapt import combine, from_function, from_module
 from golden.validate import rope_settings
@@ -342,10 +343,20 @@ class GroupedQueryAttention(Module):
                  rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
                  qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
                  query_temperature=None, output_gate=False, rope_parameters=None,
-                 partial_rotary_factor=1.0, rope_precision="exact", *, core=None):
+                 partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
+                 alibi_bias_max=8, relative_attention_num_buckets=None,
+                 relative_attention_max_distance=128, clip_qkv=None, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
+        self.slopes = None if alibi is None else alibi_slopes(num_heads, alibi, alibi_bias_max)
+        if alibi == "falcon":  # Falcon: ALiBi added before the scale
+            self.slopes = self.slopes * (dh ** -0.5 if scale is None else scale)
+        self.buckets = (not causal, relative_attention_num_buckets,
+                        relative_attention_max_distance)
+        self.relative_attention_bias = (None if relative_attention_num_buckets is None else
+                                        np.zeros((relative_attention_num_buckets, num_heads)))
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
+        self.clip = clip_qkv
         shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
                   "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh)}
         self.q_norm, self.k_norm = (np.zeros(shapes[qk_norm](n)) if qk_norm in shapes else None
@@ -368,12 +379,14 @@ class GroupedQueryAttention(Module):
         positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
         if positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
-        q, k = self.q_proj(x), self.k_proj(x)
+        q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.clip is not None:  # MPT's and OLMo's clip_qkv
+            q, k, v = (np.clip(t, -self.clip, self.clip) for t in (q, k, v))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: over all heads, before the split
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         q = _split(q, self.heads)                   # (..., N, L, Dh)
         k = _split(k, self.kv_heads)                # (..., Nkv, L, Dh)
-        v = _split(self.v_proj(x), self.kv_heads)
+        v = _split(v, self.kv_heads)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.rope_settings is not None:
@@ -385,7 +398,17 @@ class GroupedQueryAttention(Module):
             t = self.temperature
             steps = (positions + t["shift"]) // t["floor_scale"]
             q = q * (1 + t["beta"] * np.log1p(steps)).astype(x.dtype)[..., None]
-        o, w = self.core.sdpa(q, k, v, _head_mask(mask), **self.attend,
+        bias = None
+        if self.slopes is not None:  # ALiBi: m_h · (j − i), key j and query i in token order
+            length = x.shape[-2]
+            bias = (self.slopes[:, None, None] * (np.arange(length) - np.arange(length)[:, None])
+                    ).astype(q.dtype)  # (N, L, L)
+        if self.relative_attention_bias is not None:  # T5: the table at the bucket of j − i
+            length = x.shape[-2]
+            buckets = relative_position_bucket(np.arange(length) - np.arange(length)[:, None],
+                                               *self.buckets)  # (L, L)
+            bias = np.moveaxis(self.relative_attention_bias[buckets], -1, 0).astype(q.dtype)
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **self.attend,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
                               sinks=None if self.sinks is None else self.sinks.astype(q.dtype),
@@ -410,7 +433,7 @@ class GroupedQueryAttention(Module):
 
     def mapping(self) -> dict:
         table = super().mapping()
-        table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks")
+        table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias")
                       if getattr(self, n) is not None})
         return table
 

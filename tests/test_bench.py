@@ -23,9 +23,10 @@ def test_quick_run_writes_both_reports(tmp_path):
     report = json.loads((tmp_path / "latest.json").read_text())
     assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "long",
             "modern", "targets", "skipped", "wall_s"} <= set(report)
-    modern = report["modern"]  # sinks and chunks: every implementation, both passes
+    modern = report["modern"]  # sinks, chunks, ALiBi: every implementation, both passes
     assert {(r["feature"], r["pass"], r["impl"]) for r in modern} == {
-        (f, p, i) for f in ("sinks", "chunks") for p in ("fwd", "fwd+bwd") for i in MODERN_IMPLS}
+        (f, p, i) for f in ("sinks", "chunks", "alibi") for p in ("fwd", "fwd+bwd")
+        for i in MODERN_IMPLS}
     assert all(r["median_ms"] > 0 and r["peer_ratio"] > 0 for r in modern)
     options = report["decode_features"]  # the decode step with each option, both frameworks
     assert {(r["feature"], r["impl"]) for r in options} == {
@@ -108,9 +109,9 @@ def test_ring_comm_paper_figures_are_the_hand_derived_ones():
 def test_only_modern_runs_that_section_alone(tmp_path, capsys):
     assert main(["bench", "--quick", "--only", "modern", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "modern.json").read_text())
-    assert len(report["modern"]) == 2 * 2 * len(MODERN_IMPLS)
+    assert len(report["modern"]) == 3 * 2 * len(MODERN_IMPLS)
     assert not (tmp_path / "latest.json").exists()
-    assert "## Attention sinks and chunked attention" in capsys.readouterr().out
+    assert "## Attention sinks, chunked attention and ALiBi" in capsys.readouterr().out
 
 
 def test_only_decode_features_runs_that_section_alone(tmp_path, capsys):

@@ -365,6 +365,82 @@ def test_program_never_forms_the_scores_and_keeps_precision():
     assert len(dots) >= 7 and all("precision = [HIGH, HIGH]" in d for d in dots), dots
 
 
+def _materialised(distance_bias, lq, lk, offset):
+    """distance_bias (H, 2S + 1) as the (B, H, Lq, Lk) bias it stands for, by NumPy loops:
+    row i of batch b at position i + offset[b], key j, entry S + clip(j − position, −S, S)."""
+    span = (distance_bias.shape[-1] - 1) // 2
+    out = np.empty((len(offset), distance_bias.shape[0], lq, lk))
+    for b, h, i, j in np.ndindex(out.shape):
+        out[b, h, i, j] = distance_bias[h, span + min(max(j - (i + offset[b]), -span), span)]
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["explicit", "blockwise"])
+@pytest.mark.parametrize("span", [3, LQ + LK])  # 3: most distances take an end of the table
+def test_distance_bias_equals_the_bias_it_stands_for(implementation, span):
+    # ALiBi's and T5's biases depend on key − query only: passed as (H, 2S + 1), blockwise
+    # gathers each block's terms. Output and every gradient, the table's included (dS summed
+    # into each distance's entry), equal explicit with the (B, H, Lq, Lk) bias, float64.
+    rng, seed = fresh_rng()
+    arrays = _qkv(rng)
+    table = rng.standard_normal((H, 2 * span + 1))
+    offset = np.array([0, 5], "int32")
+    settings = dict(query_offset=offset, key_value_seq_lengths=np.array([LK, 6], "int32"),
+                    is_causal=True, local_window_size=(6, None))
+    kw = {"block_sizes": BLOCKS} if implementation == "blockwise" else {}
+    fn = partial(jax_attn.scaled_dot_product_attention, implementation=implementation, **kw)
+    d_out = JAX.array(rng.standard_normal((B, H, LQ, DV)), "float64")
+    with JAX.float64():
+        out, grads = _grads(lambda distance_bias, **a: fn(**a, distance_bias=distance_bias),
+                            JAX.arrays({**arrays, "distance_bias": table}, "float64"), d_out,
+                            **settings)
+        ref, ref_grads = _grads(partial(jax_attn.scaled_dot_product_attention,
+                                        implementation="explicit"),
+                                JAX.arrays({**arrays, "bias": _materialised(table, LQ, LK,
+                                                                            offset)}, "float64"),
+                                d_out, **settings)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12, err_msg=f"seed {seed}")
+    for n in ("query", "key", "value"):
+        np.testing.assert_allclose(grads[n], ref_grads[n], rtol=0, atol=1e-12,
+                                   err_msg=f"{n}, seed {seed}")
+    # the table's gradient: the bias's gradient summed over the entries that read each distance
+    index = _materialised(np.arange(2 * span + 1.0)[None].repeat(H, 0), LQ, LK, offset)
+    expected = np.zeros_like(table)
+    for b, h, i, j in np.ndindex(index.shape):
+        expected[h, int(index[b, h, i, j])] += ref_grads["bias"][b, h, i, j]
+    np.testing.assert_allclose(grads["distance_bias"], expected, rtol=0, atol=1e-12,
+                               err_msg=f"seed {seed}")
+
+
+def test_distance_bias_is_never_formed_as_scores():
+    # The blockwise program holds the table (2S + 1) and one block's terms, never (Lq, Lk).
+    lq, lk, d = 64, 96, 8
+    q = jax.ShapeDtypeStruct((1, 2, lq, d), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 2, lk, d), jnp.float32)
+    table = jax.ShapeDtypeStruct((2, 2 * (lq + lk) + 1), jnp.float32)
+
+    def loss(q, k, v, table):
+        return jnp.sum(_blockwise(q, k, v, is_causal=True, distance_bias=table,
+                                  block_sizes=(16, 32)))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, k, table).as_text()
+    sizes = [int(np.prod([int(n) for n in dims.split("x")[:-1]]))
+             for dims in re.findall(r"tensor<((?:\d+x)+)\w+>", text)]
+    assert "stablehlo.while" in text
+    assert max(sizes) <= 2 * max(16 * 32, lk * d) < lq * lk, max(sizes)
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((H, 8), r"distance_bias's last axis D should be odd .* got D = 8"),
+    ((HKV, 9), r"distance_bias shape should be \(H, D\) = \(6, \?\), got \(2, 9\)"),
+    ((3, H, 9), r"distance_bias shape should be \(B, H, D\) = \(2, 6, \?\), got \(3, 6, 9\)"),
+])
+def test_bad_distance_bias(shape, match):
+    arrays = JAX.arrays(_qkv(np.random.default_rng(0)), "float32")
+    with pytest.raises(ValueError, match=match):
+        jax_attn.scaled_dot_product_attention(**arrays, distance_bias=jnp.zeros(shape))
+
+
 def test_new_offsets_and_lengths_do_not_recompile():
     rng, seed = fresh_rng()
     arrays = JAX.arrays(_qkv(rng), "float32")

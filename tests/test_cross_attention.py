@@ -4,7 +4,8 @@ contexts, under the caller's jit too), a cache refuses another context, and the 
 transformers' own encoder-decoder attention (WhisperAttention and BartAttention as the decoder's
 encoder_attn, T5Attention as its EncDecAttention; float64: output, weights, and the gradients
 of x, the context and every parameter, 1e-12), with their state dicts mapped to the neutral
-layout.
+layout, and SigLIP's attention pooling head (its probe querying the tokens through
+torch.nn.MultiheadAttention; output and weights, 1e-12).
 
 Shape legend: B batch, Lq query tokens, Lc context tokens, N query heads, Nkv key-value heads,
 Dh head width, d_in and d_context the widths of x and the context.
@@ -329,3 +330,42 @@ def test_whisper_decoding_with_its_cross_attention_cache(twin):
         for i, expected in enumerate(hf_steps):
             y = twin.numpy(module(twin.array(f.inputs["x"][:, i:i + 1]), cache=ours))
             assert rel(y, expected.numpy()) <= 1e-12, (i, seed)
+
+
+def test_siglip_pooling_head_attention(twin):
+    """SigLIP's MultiheadAttentionPoolingHead: a learned probe (1, 1, D) repeated over the batch
+    queries the image tokens through torch.nn.MultiheadAttention (batch_first, biases on every
+    projection, in_proj_weight stacking q, k, v). Ours, with its weights mapped and the probe as
+    x, equals its output and per-head weights at 1e-12 (float64); a padded context here is
+    nn.MultiheadAttention's key_padding_mask (True = blocked) and our context_lengths."""
+    from transformers.models.siglip import modeling_siglip
+    rng, seed = fresh_rng()
+    config = transformers.SiglipVisionConfig(hidden_size=D, num_attention_heads=H,
+                                             intermediate_size=2 * D)
+    head = modeling_siglip.SiglipMultiheadAttentionPoolingHead(config).double().eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    attention = head.attention
+    tokens = rng.standard_normal((2, HF_LC, D))
+    lengths = np.array([HF_LC, 3], np.int32)
+    probe = head.probe.repeat(2, 1, 1)  # (B, 1, D), as the head's forward does
+    ctx = torch.from_numpy(tokens)
+    blocked = torch.from_numpy(np.arange(HF_LC)[None, :] >= lengths[:, None])
+    with torch.no_grad():
+        y, w = attention(probe, ctx, ctx, key_padding_mask=blocked, average_attn_weights=False)
+    w_qkv = attention.in_proj_weight.detach().numpy()
+    b_qkv = attention.in_proj_bias.detach().numpy()
+    params = {f"W_{n}": w_qkv[i * D:(i + 1) * D].T.copy() for i, n in
+              enumerate(("query", "key", "value"))}
+    params.update({f"b_{n}": b_qkv[i * D:(i + 1) * D].copy() for i, n in
+                   enumerate(("query", "key", "value"))})
+    params.update(W_out=attention.out_proj.weight.detach().numpy().T.copy(),
+                  b_out=attention.out_proj.bias.detach().numpy().copy())
+    ours = dict(d_in=D, d_context=D, num_heads=H, qkv_bias=True, out_bias=True)
+    with twin.float64():
+        module = twin.build(MHCA, ours, params)
+        out, weights = module(twin.array(probe.detach().numpy()), twin.array(tokens),
+                              context_lengths=twin.array(lengths), return_weights=True)
+    assert rel(twin.numpy(out), y.numpy()) <= 1e-12, seed
+    assert np.abs(twin.numpy(weights) - w.numpy()).max() <= 1e-12, seed

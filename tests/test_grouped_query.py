@@ -66,6 +66,20 @@ DECODE_CONFIGS = {
     "linear_partial_interleaved": dict(CONFIG, head_dim=6, rope_interleaved=True,
                                        partial_rotary_factor=0.67,
                                        rope_parameters={"rope_type": "linear", "factor": 2.0}),
+    # issue 24's ALiBi: the bias m_h · (j − p) at the cache's positions
+    "alibi_bloom": dict(CONFIG, rope_theta=None, alibi="bloom"),
+    "alibi_mpt_bias_max_window": dict(CONFIG, rope_theta=None, alibi="mpt", alibi_bias_max=6,
+                                      sliding_window=4),
+    "alibi_falcon_mqa_softcap_scale": dict(CONFIG, num_kv_heads=1, rope_theta=None,
+                                           alibi="falcon", softcap=2.0, scale=0.7),
+    "alibi_bloom_sinks_rope_gate": dict(CONFIG, alibi="bloom", sinks=True, output_gate=True),
+    "alibi_mpt_clip_qkv": dict(CONFIG, rope_theta=None, alibi="mpt", clip_qkv=0.5),
+    # and T5's buckets of j − p, past max_distance too (9 tokens)
+    "t5_buckets": dict(CONFIG, rope_theta=None, scale=1.0, relative_attention_num_buckets=8,
+                       relative_attention_max_distance=6),
+    "t5_buckets_rope_window": dict(CONFIG, scale=1.0, sliding_window=5,
+                                   relative_attention_num_buckets=5,
+                                   relative_attention_max_distance=3),
 }
 EXACT = 1e-12  # float64: decoding and the full forward differ only in summation order
 

@@ -62,6 +62,7 @@ from transformers.models.gemma3 import modeling_gemma3  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 from transformers.models.llama4 import modeling_llama4  # noqa: E402
 from transformers.models.ministral3 import modeling_ministral3  # noqa: E402
+from transformers.models.olmo import modeling_olmo  # noqa: E402
 from transformers.models.olmo2 import modeling_olmo2  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
@@ -71,6 +72,7 @@ GQA = "grouped_query_attention"
 WINDOW = 3          # Gemma 3's sliding_window: W keys, the query's own included
 PRE_ATTN = 10       # Gemma 3's query_pre_attn_scalar: scale 10^−1/2, not Dh^−1/2
 FLOOR, BETA = 3, 0.3  # the query temperature's floor_scale and β: floors 0, 1, 2 within L
+CLIP = 0.5  # OLMo's clip_qkv: about 70 % of the projected entries clamped with these weights
 FLOAT32_LEVEL = (1e-12, 1e-6)  # (above, below): an error float32 rounding makes, not float64's
 SIZES = dict(d_in=D, num_heads=H, num_kv_heads=HKV, head_dim=DH)
 PARTIAL = 0.67        # Qwen3-Next's partial_rotary_factor here: 4 of Dh = 6 features turn
@@ -232,6 +234,11 @@ FAMILIES = {
         with_qk_norms, dict(qkv_bias=True, out_bias=True, rope_theta=THETA,
                             qk_norm="rms_across_heads", qk_norm_eps=1e-6),
         lambda hf, x: hf(x, rotate_half_cos_sin(), None)[0], "Olmo2RMSNorm in float32"),
+    "olmo_clip_qkv": Family(  # OLMo (1): q, k and v clamped to [−c, c] after their projections
+        lambda: modeling_olmo.OlmoAttention(hf_config(
+            transformers.OlmoConfig, attention_bias=False, clip_qkv=CLIP), 0),
+        projections, dict(rope_theta=THETA, clip_qkv=CLIP),
+        lambda hf, x: hf(x, rotate_half_cos_sin(), None)[0], None),
     "cohere": Family(
         lambda: modeling_cohere.CohereAttention(hf_config(
             transformers.CohereConfig, use_qk_norm=True, layer_norm_eps=1e-5), 0),

@@ -14,8 +14,23 @@ import torch
 from torch import nn
 
 from golden import variants
-from golden.decoder import qk_normalize, sliding_window, temperature, weight_broadcast
-from golden.positions import ContextCache, KVCache, LatentCache, check_fits, context_fingerprint
+from golden.decoder import (
+    alibi_bias,
+    alibi_slopes,
+    bucket_table,
+    qk_normalize,
+    relative_bias,
+    sliding_window,
+    temperature,
+    weight_broadcast,
+)
+from golden.positions import (
+    ContextCache,
+    KVCache,
+    LatentCache,
+    check_fits,
+    context_fingerprint,
+)
 from golden.validate import (
     cache_shape,
     check_context,
@@ -228,7 +243,10 @@ class GroupedQueryAttention(nn.Module):
     ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C
     positions); ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers:
     q · (1 + β·ln(1 + ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times
-    σ(x W_gate + b_gate) before out_proj).
+    σ(x W_gate + b_gate) before out_proj); ``alibi`` ("bloom", "mpt" with
+    ``alibi_bias_max``, "falcon") and T5's ``relative_attention_num_buckets`` (a learned bias
+    per bucket of key − query distance, ``relative_attention_max_distance``); ``clip_qkv`` c
+    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -246,7 +264,9 @@ class GroupedQueryAttention(nn.Module):
                  rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
                  qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
                  query_temperature=None, output_gate=False, rope_parameters=None,
-                 partial_rotary_factor=1.0, rope_precision="exact"):
+                 partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
+                 alibi_bias_max=8, relative_attention_num_buckets=None,
+                 relative_attention_max_distance=128, clip_qkv=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -258,7 +278,12 @@ class GroupedQueryAttention(nn.Module):
                               query_temperature=query_temperature, output_gate=output_gate,
                               rope_parameters=rope_parameters,
                               partial_rotary_factor=partial_rotary_factor,
-                              rope_precision=rope_precision)
+                              rope_precision=rope_precision, alibi=alibi,
+                              alibi_bias_max=alibi_bias_max,
+                              relative_attention_num_buckets=relative_attention_num_buckets,
+                              relative_attention_max_distance=relative_attention_max_distance,
+                              clip_qkv=clip_qkv)
+        self.clip_qkv = clip_qkv
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -268,6 +293,9 @@ class GroupedQueryAttention(nn.Module):
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         self.attention_chunk_size, self.query_temperature = attention_chunk_size, query_temperature
+        self.alibi = alibi
+        self.alibi_slopes = None if alibi is None else tuple(
+            alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,), float64 values
         width = num_heads * self.head_dim
         self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -276,9 +304,11 @@ class GroupedQueryAttention(nn.Module):
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
         shapes = variants.VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
-        self.q_norm, self.k_norm, self.sinks = (
-            nn.Parameter(torch.full(shapes[n], 0.0 if n == "sinks" else start)) if n in shapes
-            else None for n in ("q_norm", "k_norm", "sinks"))
+        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
+        self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias = (
+            nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
+            if n in shapes else None
+            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -302,12 +332,12 @@ class GroupedQueryAttention(nn.Module):
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
                        cache.key.shape[2], x.shape[-2])
-        q, k = self.W_query(x), self.W_key(x)                  # (B, L, N·Dh), (B, L, Nkv·Dh)
+        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
-        v = self._split(self.W_value(x), self.num_kv_heads)
+        v = self._split(v, self.num_kv_heads)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
@@ -329,8 +359,10 @@ class GroupedQueryAttention(nn.Module):
         extra = {n: a for n, a in (("sinks", self.sinks),
                                    ("attention_chunk_size", self.attention_chunk_size))
                  if a is not None}
+        bias = self._position_bias(q, k.shape[-2], offset)
         o = scaled_dot_product_attention(
-            q, k, v, head_mask, is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            q, k, v, head_mask, bias, is_causal=self.causal, scale=self.scale,
+            softcap=self.softcap,
             local_window_size=sliding_window(self.sliding_window, self.causal),
             query_offset=offset, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
             dropout_rate=rate, dropout_mask=dropout_mask, return_weights=return_weights,
@@ -343,6 +375,10 @@ class GroupedQueryAttention(nn.Module):
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 
+    def _clip(self, y):
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
+        return y if self.clip_qkv is None else y.clamp(-self.clip_qkv, self.clip_qkv)
+
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
         return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
@@ -354,6 +390,32 @@ class GroupedQueryAttention(nn.Module):
         return qk_normalize(t.to(compute), self.qk_norm, w, self.qk_norm_eps,
                             mean=lambda a: a.mean(-1, keepdim=True),
                             rsqrt=torch.rsqrt).to(t.dtype)
+
+    def _position_bias(self, q, keys, offset):
+        """ALiBi's or T5's score bias (N, L, Lk), or (B, N, L, Lk) with a cache (query i at
+        p = offset + i), in at least float32; None without. Both read the distance j − p in
+        token order, as the mask (``positions`` move RoPE and the temperature, not these: on
+        the pairs a left-padded or packed row attends, the two differ by a constant per
+        sequence). ALiBi: m_h · (j − p), Falcon's added before the scale (times the scale,
+        default 1/√Dh). T5: the learned table at the bucket of j − p."""
+        if self.alibi is None and self.relative_attention_bias is None:
+            return None
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        pos = torch.arange(q.shape[-2], device=q.device)[:, None]  # (L, 1)
+        if offset is not None:
+            pos = pos + offset[:, None, None]  # (B, L, 1)
+        distance = torch.arange(keys, device=q.device) - pos  # (..., L, Lk)
+        if self.relative_attention_bias is not None:
+            span = keys + q.shape[-2]  # every distance j − p lies in [−span, span]
+            table = torch.as_tensor(bucket_table(span, not self.causal, *self.buckets),
+                                    device=q.device)
+            return relative_bias(self.relative_attention_bias.to(compute), table[distance + span],
+                                 moveaxis=torch.movedim)
+        slopes = torch.tensor(self.alibi_slopes, dtype=compute, device=q.device)
+        bias = alibi_bias(slopes, distance.to(compute))
+        if self.alibi == "falcon":
+            bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
+        return bias
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +

@@ -1,0 +1,226 @@
+"""golden.convert.from_hf and to_hf (issue 25) on tiny Hugging Face models of each family:
+random weights (biases and norm weights too), float64, sdpa attention (eager's softmax is
+float32 in most families); each attention layer's
+input and output are captured from the model's own forward (so its real masks, positions and
+layer kinds are used), the layer's state dict converted, and our twins run on the captured
+input must give the captured output. A round trip to_hf(from_hf(...)) gives back the very
+arrays; unsupported settings are named.
+
+Where the agreement is bounded: HF computes RoPE's angles in float32 (inv_freq and the
+position × frequency product), and some families' norms in float32. With
+``rope_precision="hf"`` our module reproduces HF's float32 angles and agrees to float64 level
+where nothing else is float32; with the default "exact" angles the agreement is float32's
+(FLOAT32_LEVEL), each family's float32 steps named in FAMILIES.
+
+Shape legend: B batch, L tokens, D model width, N heads, Nkv key-value heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import golden.convert
+from golden.hf import FAMILIES as SUPPORTED
+from tests.helpers import TWINS, fresh_rng
+
+transformers = pytest.importorskip("transformers")
+
+from tests.hf_harness import (  # noqa: E402
+    BASE,
+    EXACT,
+    FLOAT32_LEVEL,
+    B,
+    Family,
+    L,
+    attention_of,
+    build_model,
+    captured,
+    rel,
+    state_dict,
+)
+
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+        "original_max_position_embeddings": 4, "beta_fast": 8.0, "beta_slow": 1.0}
+FAMILIES = {
+    "llama": Family("LlamaConfig", dict(num_hidden_layers=1, attention_bias=True,
+                                        rope_parameters={
+                                            "rope_type": "llama3", "rope_theta": 500.0,
+                                            "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 4})),
+    "mistral": Family("MistralConfig", dict(num_hidden_layers=1, sliding_window=4)),
+    "mixtral": Family("MixtralConfig", dict(num_hidden_layers=1, sliding_window=5,
+                                            num_local_experts=2, num_experts_per_tok=1)),
+    "qwen2": Family("Qwen2Config", dict(num_hidden_layers=2, use_sliding_window=True,
+                                        sliding_window=4, max_window_layers=1,
+                                        rope_parameters=YARN), layers=(0, 1)),
+    "qwen3": Family("Qwen3Config", dict(num_hidden_layers=1, attention_bias=True),
+                    float32="Qwen3RMSNorm"),
+    "starcoder2": Family("Starcoder2Config", dict(num_hidden_layers=1, sliding_window=5,
+                                                  use_bias=True)),
+    "granite": Family("GraniteConfig", dict(num_hidden_layers=1, attention_multiplier=0.3,
+                                            attention_bias=True)),
+    "smollm3": Family("SmolLM3Config", dict(num_hidden_layers=2, no_rope_layers=[1, 0],
+                                            pad_token_id=0),
+                      layers=(0, 1)),
+    "olmo": Family("OlmoConfig", dict(num_hidden_layers=1, clip_qkv=0.8)),
+    "olmo2": Family("Olmo2Config", dict(num_hidden_layers=1, attention_bias=True),
+                    float32="Olmo2RMSNorm"),
+    "gemma2": Family("Gemma2Config", dict(num_hidden_layers=2, sliding_window=4,
+                                          query_pre_attn_scalar=10,
+                                          attn_logit_softcapping=3.0), layers=(0, 1),
+                     float32="eager softmax", attention="eager"),
+    "gemma3_text": Family("Gemma3TextConfig", dict(
+        num_hidden_layers=2, sliding_window=4, query_pre_attn_scalar=10,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000.0,
+                                            "factor": 2.0}}),
+        layers=(0, 1), float32="Gemma3RMSNorm"),
+    "cohere": Family("CohereConfig", dict(num_hidden_layers=1, use_qk_norm=True),
+                     float32="CohereLayerNorm and apply_rotary_pos_emb"),
+    "gpt_oss": Family("GptOssConfig", dict(
+        num_hidden_layers=2, sliding_window=4, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"], num_local_experts=2,
+        num_experts_per_tok=1, rope_parameters=dict(YARN, truncate=False)), layers=(0, 1),
+        attention="eager"),  # its eager softmax runs in the logits' dtype
+    "llama4_text": Family("Llama4TextConfig", dict(
+        num_hidden_layers=2, attention_bias=True, no_rope_layers=[1, 0], use_qk_norm=True,
+        attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"],
+        attn_temperature_tuning=True, floor_scale=3, attn_scale=0.4, num_local_experts=2,
+        intermediate_size_mlp=32), layers=(0, 1), float32="L2Norm, the temperature"),
+    "qwen3_next": Family("Qwen3NextConfig", dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        attention_bias=True, num_experts=2, num_experts_per_tok=1, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "partial_rotary_factor": 0.67}), layers=(1,),
+        float32="Qwen3NextRMSNorm"),
+}
+
+# The family's distinctive settings, each undone on one layer: (layer, our settings changed).
+DISTINCT = {
+    "llama": [(0, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}})],
+    "mistral": [(0, {"sliding_window": None})],
+    "mixtral": [(0, {"sliding_window": None})],
+    "qwen2": [(1, {"sliding_window": None}), (0, {"rope_parameters": {"rope_theta": 500.0}})],
+    "qwen3": [(0, {"qk_norm": None})],
+    "starcoder2": [(0, {"sliding_window": None})],
+    "granite": [(0, {"scale": None})],
+    "smollm3": [(1, {"rope_parameters": {"rope_theta": 100.0}})],
+    "olmo": [(0, {"clip_qkv": None})],
+    "olmo2": [(0, {"qk_norm": None})],
+    "gemma2": [(0, {"softcap": None}), (0, {"scale": None}), (0, {"sliding_window": None})],
+    "gemma3_text": [(0, {"qk_norm": None}), (1, {"rope_parameters": {"rope_theta": 1000.0}})],
+    "cohere": [(0, {"rope_interleaved": False}), (0, {"qk_norm": None})],
+    "gpt_oss": [(0, {"sinks": False}), (1, {"rope_parameters": {"rope_theta": 500.0}})],
+    "llama4_text": [(0, {"attention_chunk_size": None}), (0, {"qk_norm": None}),
+                    (1, {"query_temperature": None})],
+    "qwen3_next": [(1, {"output_gate": False}), (1, {"partial_rotary_factor": 1.0})],
+}
+
+
+def test_every_supported_family_is_tested():
+    """Every model_type golden.hf converts has its tiny model in a tests/test_hf_import*.py."""
+    tested = set()
+    for path in sorted(Path(__file__).parent.glob("test_hf_import*.py")):
+        tested |= set(importlib.import_module(f"tests.{path.stem}").FAMILIES)
+    assert tested == set(SUPPORTED)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_layers_equal_the_models_own_attention(name, twin):
+    family = FAMILIES[name]
+    rng, seed = fresh_rng()
+    config, model = build_model(FAMILIES[name], rng)
+    ids = rng.integers(0, BASE["vocab_size"], (B, L))
+    seen = captured(family, model, family.layers, ids)
+    for i in family.layers:
+        sd = state_dict(attention_of(FAMILIES[name], model, i))
+        x, expected = seen[i]
+        for precision in ("exact", "hf"):
+            variant, ours, params = golden.convert.from_hf(config.to_dict(), sd, layer_idx=i)
+            ours = dict(ours, rope_precision=precision) if (
+                "rope_parameters" in ours or "rope_theta" in ours) else dict(ours)
+            with twin.float64():
+                module = twin.build(variant, ours, params)
+                module.eval()
+                out = twin.numpy(module(twin.array(x)))
+            error = rel(out, expected)
+            exact = precision == "hf" and family.float32 is None and (
+                twin.name == "torch" or "rope_parameters" not in ours)
+            bound = EXACT if exact else FLOAT32_LEVEL
+            assert error <= bound, (name, i, precision, error, seed)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_round_trip_gives_back_the_same_arrays(name):
+    rng, _ = fresh_rng()
+    config, model = build_model(FAMILIES[name], rng)
+    for i in FAMILIES[name].layers:
+        sd = state_dict(attention_of(FAMILIES[name], model, i))
+        result = golden.convert.from_hf(config, sd, layer_idx=i)
+        back = golden.convert.to_hf(*result)
+        assert set(back) == set(sd), name
+        for key, a in sd.items():
+            np.testing.assert_array_equal(back[key], a, err_msg=f"{name} {key}")
+            assert not np.shares_memory(back[key], a)
+
+
+def test_unsupported_family_and_settings_are_named():
+    with pytest.raises(ValueError, match=r"model_type 'qwen2_vl' is not supported; supported: "):
+        golden.convert.from_hf({"model_type": "qwen2_vl"}, {})
+    config = dict(transformers.Qwen2Config(**BASE, num_hidden_layers=1).to_dict(),
+                  rope_parameters={"rope_type": "mrope", "rope_theta": 10.0,
+                                   "mrope_section": [1, 1, 1]})
+    with pytest.raises(ValueError, match=r"model_type 'qwen2': rope_parameters\['rope_type'\] "
+                                         r"= 'mrope' is not supported"):
+        golden.convert.from_hf(config, {})
+    rng, _ = fresh_rng()
+    config, model = build_model(FAMILIES["qwen3_next"], rng)
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_next': layer 0 is a "
+                                         r"'linear_attention' layer"):
+        golden.convert.from_hf(config, {}, layer_idx=0)
+    sd = state_dict(attention_of(FAMILIES["qwen3_next"], model, 1))
+    del sd["k_proj.weight"]
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_next': the state dict has no "
+                                         r"'k_proj.weight'"):
+        golden.convert.from_hf(config, sd, layer_idx=1)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(name):
+    """Undoing one of the family's settings (a window, a norm, the sinks, the RoPE scaling...)
+    changes the layer's output by more than 10³ times the bound we hold HF's output to, so the
+    agreement above is not blind to it."""
+    from golden import variants
+    twin = TWINS["torch"]
+    rng, seed = fresh_rng()
+    config, model = build_model(FAMILIES[name], rng)
+    layers = {layer for layer, _ in DISTINCT[name]}
+    seen = captured(FAMILIES[name], model, layers, rng.integers(0, BASE["vocab_size"], (B, L)))
+    for layer, change in DISTINCT[name]:
+        sd = state_dict(attention_of(FAMILIES[name], model, layer))
+        x, expected = seen[layer]
+        variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=layer)
+        changed = {n: v for n, v in {**ours, **change}.items() if v is not None}
+        if "rope_parameters" in change and "partial_rotary_factor" in ours.get("rope_parameters",
+                                                                                   {}):
+            changed["rope_parameters"] = dict(change["rope_parameters"],
+                                              partial_rotary_factor=ours["rope_parameters"][
+                                                  "partial_rotary_factor"])
+        if "partial_rotary_factor" in change:
+            changed["rope_parameters"] = {k: v for k, v in ours["rope_parameters"].items()
+                                          if k != "partial_rotary_factor"}
+        assert changed != dict(ours), (name, change)
+        shapes = variants.VARIANTS[variant].shapes(variants.VARIANTS[variant].config(changed))
+        with twin.float64():
+            module = twin.build(variant, changed, {n: a for n, a in params.items()
+                                                   if n in shapes})
+            module.eval()
+            out = twin.numpy(module(twin.array(x)))
+        assert rel(out, expected) > 1e3 * FLOAT32_LEVEL, (name, layer, change, seed)
