@@ -503,6 +503,84 @@ def decode_target(rows: list[dict]) -> dict:
             "other_cpu_pct": max((o for o in others if o is not None), default=None)}
 
 
+# --- multi-head latent attention's decode step against GroupedQueryAttention's ------------------
+
+def latent_config(grid: Grid) -> dict:
+    """MultiHeadLatentAttention of ``grid.decode``'s width and heads in DeepSeek-V3's proportions
+    (kv_lora_rank = 4 · Dn, Dr = Dn / 2, Dv = Dn, with Dn the GQA head width Dh), no q LoRA."""
+    _, d_in, h, _, dh, _, _ = grid.decode
+    return dict(d_in=d_in, num_heads=h, kv_lora_rank=4 * dh, qk_nope_head_dim=dh,
+                qk_rope_head_dim=max(dh // 4 * 2, 2), v_head_dim=dh, rope_theta=10000.0)
+
+
+def latent_models(grid: Grid) -> list:
+    """[(model, torch module, call keywords, cache bytes per token in float32)]: GQA of
+    grid.decode, multi-head attention (GQA with Hkv = H), and MLA plain and absorbed (one
+    module)."""
+    _, d_in, h, hkv, dh, _, _ = grid.decode
+    mla = torch_attn.MultiHeadLatentAttention(**latent_config(grid)).eval()
+    gqa, mha = (torch_attn.GroupedQueryAttention(d_in, h, n, head_dim=dh, rope_theta=10000.0)
+                .eval() for n in (hkv, h))
+    latent_bytes = mla.cache_bytes_per_token(torch.float32)
+    return [(f"GQA (Hkv = {hkv})", gqa, {}, 2 * hkv * dh * 4),
+            (f"MHA (Hkv = {h})", mha, {}, 2 * h * dh * 4),
+            ("MLA plain", mla, {"absorb": False}, latent_bytes),
+            ("MLA absorbed", mla, {"absorb": True}, latent_bytes)]
+
+
+def run_latent_decode(grid: Grid, rng) -> list[dict]:
+    """One decode step (a token on a cache holding P tokens, as run_decode's) of each of
+    latent_models, torch_module and jax_module (built from the same weights); gqa_ratio: time ÷
+    the GQA module's, same framework; bytes_ratio: cache bytes per token ÷ GQA's."""
+    b, d_in, _, _, _, max_len, held = grid.decode
+    c = latent_config(grid)
+    shape = (f"B={b},d={d_in},H={c['num_heads']},M={max_len},P={held}; MLA r={c['kv_lora_rank']},"
+             f"Dn={c['qk_nope_head_dim']},Dr={c['qk_rope_head_dim']},Dv={c['v_head_dim']}")
+    prompt, token = (rng.standard_normal((b, n, d_in), dtype=np.float32) for n in (held, 1))
+    models, rows = latent_models(grid), []
+    # the first model twice, its first measurement discarded (run_decode_features' warm-up)
+    for n, (model, torch_module, kw, per_token) in enumerate(models[:1] + models):
+        jax_module = jax_attn.build(torch_module.variant, torch_module.config,
+                                    torch_attn.export_params(torch_module))
+        jax_module.eval()
+        for impl, module, to_array in (
+                ("torch_module", torch_module, torch.from_numpy),
+                ("jax_module", jax_module, lambda a: jax.block_until_ready(jnp.asarray(a)))):
+            with torch.no_grad():
+                filled = jax.block_until_ready(
+                    module(to_array(prompt), cache=module.init_cache(b, max_len), **kw)[1])
+                m = measure(partial(module, cache=filled, **kw), [to_array(token)],
+                            grid.repeats * SHORT_CALL_REPEATS)
+            print(f"  decode step {model:16} {impl:12} {m['median_ms']:9.3f} ms"
+                  + (" (warm-up, discarded)" if n == 0 else ""), file=sys.stderr, flush=True)
+            if n:
+                rows.append({"model": model, "impl": impl, "framework": framework(impl),
+                             "shape": shape, "cache_bytes_per_token": per_token, **m})
+    gqa = {r["impl"]: r for r in rows if r["model"] == models[0][0]}
+    for r in rows:
+        r["gqa_ratio"] = r["median_ms"] / gqa[r["impl"]]["median_ms"]
+        r["bytes_ratio"] = r["cache_bytes_per_token"] / gqa[r["impl"]]["cache_bytes_per_token"]
+    return rows
+
+
+def latent_decode_markdown(rows: list[dict]) -> list[str]:
+    shape = rows[0]["shape"] if rows else ""
+    lines = [
+        "", f"## Multi-head latent attention's decode step ({shape}, float32)", "",
+        "- One token on a cache holding P tokens. Cache bytes per token and layer (float32); "
+        "÷ GQA: this row's time, and its cache bytes, ÷ the GQA module's, same framework. MLA "
+        "plain expands the latents through W_kv_b every step; absorbed folds W_kv_b into the "
+        "query and the output and attends the latents as one key-value head. Both have Dk ≠ Dv "
+        "(Dn + Dr against Dv; r + Dr against r), where torch's automatic core choice, \"fused\" "
+        "(F.scaled_dot_product_attention), is far slower on CPU than with Dk = Dv.", "",
+        "| model | impl | cache bytes/token | bytes ÷ GQA | median ms | ÷ GQA | others % |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    return lines + [f"| {r['model']} | {r['impl']} | {r['cache_bytes_per_token']} "
+                    f"| {r['bytes_ratio']:.2f} | {r['median_ms']:.3f} | {r['gqa_ratio']:.2f} "
+                    f"| {_f(r['other_cpu_pct'], '{:.0f}')} |" for r in rows]
+
+
 # --- long sequences: the O(L) paths against torch's fused kernel, causal -----------------------
 
 LONG_IMPLS = {  # impl: the core, f(q, k, v, *, is_causal), on (B, H, L, D)
@@ -856,11 +934,12 @@ def run(grid: Grid) -> dict:
     long = run_long(grid, rng)  # after the grid: its seconds do not eat the grid's budget
     modern = run_modern(grid, rng)
     decode_options = run_decode_features(grid, rng)
+    latent = run_latent_decode(grid, rng)
     wall_s = time.perf_counter() - start
     return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
             "ceilings": list(ceilings.values()), "results": rows, "modules": modules,
             "gqa": gqa, "decode": decode, "long": long, "modern": modern,
-            "decode_features": decode_options,
+            "decode_features": decode_options, "latent_decode": latent,
             "targets": (targets(rows, grid.bf16_shape) + [decode_target(decode)]
                         + long_targets(long)),
             "skipped": skipped,
@@ -1018,6 +1097,7 @@ def markdown(report: dict) -> str:
               f"| {r['first_call_ms']:.0f} |" for r in report["long"]]
     lines += modern_markdown(report["modern"])
     lines += decode_features_markdown(report.get("decode_features", []))
+    lines += latent_decode_markdown(report.get("latent_decode", []))
     lines += ["", "## Targets (float32; attention non-causal at L=1024, decoding and long "
               "sequences causal)", ""]
     for t in report["targets"]:
@@ -1034,7 +1114,8 @@ def markdown(report: dict) -> str:
 
 
 SECTIONS = {"modern": (run_modern, modern_markdown),  # --only: (run, markdown)
-            "decode_features": (run_decode_features, decode_features_markdown)}
+            "decode_features": (run_decode_features, decode_features_markdown),
+            "latent_decode": (run_latent_decode, latent_decode_markdown)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1051,7 +1132,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run one section alone and print it, writing DIR/SECTION.json "
                              "(latest.* untouched): modern = attention sinks and chunked "
                              "attention; decode_features = the decode step with each option "
-                             "of GroupedQueryAttention")
+                             "of GroupedQueryAttention; latent_decode = MultiHeadLatentAttention's "
+                             "decode step (plain, absorbed) against GroupedQueryAttention's")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else FULL
     if args.repeats is not None:

@@ -428,3 +428,32 @@ CASES += [
          {"d_in": 5, "num_heads": 4, "num_kv_heads": 4, "head_dim": 3, "d_out": 5,
           "alibi": "mpt", "clip_qkv": 0.6}),
 ]
+
+# MultiHeadLatentAttention (DeepSeek-V2/V3's MLA): with and without the query's low-rank
+# projection (q_lora_rank), DeepSeek's interleaved RoPE pairs and "rotate half", yarn with
+# mscale_all_dim (the softmax scale times mscale²), padding (query_seq_lengths) with explicit
+# positions (row 1 continuing at position 5), unbatched with a mask.
+MLA = "multi_head_latent_attention"
+CASES += [
+    Case("mla_q_lora_bias", MLA, 701, {"x": ("normal", (2, 7, 9))},
+         {"d_in": 9, "num_heads": 3, "kv_lora_rank": 6, "qk_nope_head_dim": 5,
+          "qk_rope_head_dim": 4, "v_head_dim": 8, "q_lora_rank": 10, "d_out": 11,
+          "attention_bias": True, "rope_theta": 100.0}),
+    Case("mla_no_lora_rotate_half_unbatched_mask", MLA, 702,
+         {"x": ("normal", (6, 5)), "mask": ("mask", (6, 6), 0.8, ())},
+         {"d_in": 5, "num_heads": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 8, "v_head_dim": 7, "d_out": 9, "rope_interleaved": False,
+          "rope_theta": 1000.0}),
+    Case("mla_yarn_mscale_all_dim", MLA, 703, {"x": ("normal", (3, 8, 6))},
+         {"d_in": 6, "num_heads": 2, "kv_lora_rank": 7, "qk_nope_head_dim": 3,
+          "qk_rope_head_dim": 4, "v_head_dim": 5, "q_lora_rank": 10, "d_out": 9,
+          "rms_norm_eps": 1e-5,
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                              "original_max_position_embeddings": 4, "beta_fast": 8.0,
+                              "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.8}}),
+    Case("mla_padding_positions", MLA, 704,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 4]),
+          "positions": _ints([[0, 1, 2, 3, 4, 5, 6], [5, 6, 7, 8, 0, 0, 0]])},
+         {"d_in": 5, "num_heads": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 6,
+          "qk_rope_head_dim": 2, "v_head_dim": 1, "attention_bias": True, "rope_theta": 50.0}),
+]

@@ -32,6 +32,21 @@ class KVCache(NamedTuple):
     lengths: Any
 
 
+class LatentCache(NamedTuple):
+    """MultiHeadLatentAttention's cache (DeepSeek-V2/V3's MLA), the same fields in torch and
+    JAX (a pytree in JAX): per token, not per head, what the keys and values are made from.
+
+    latent: (B, M, kv_lora_rank), the normalised latent c_kv (after kv_a_layernorm, before
+    kv_b_proj); rope_key: (B, M, qk_rope_head_dim), the one rotary key head shared by every
+    query head, already rotated; lengths: (B,) int32, tokens held per row. A call never changes
+    the cache it is given: it returns a new one.
+    """
+
+    latent: Any
+    rope_key: Any
+    lengths: Any
+
+
 class ContextCache(NamedTuple):
     """A cross-attention module's keys and values of one context, computed once and reused by
     every later call (the same fields in torch and JAX; a pytree in JAX).

@@ -560,6 +560,48 @@ def check_cache(cache, x, kv_heads, head_dim) -> int:
     return m
 
 
+def check_latent_inputs(x, d_in, mask=None, query_seq_lengths=None, *, heads, positions=None,
+                        cache=None, kv_lora_rank=None, rope_dim=None):
+    """MultiHeadLatentAttention's call: as GroupedQueryAttention's (check_decoder_inputs), the
+    cache a golden.positions.LatentCache (check_latent_cache). Returns the weights' shape
+    (B, N, L, L or M)."""
+    lead = check_sequence("x", x, "d_in", d_in)
+    check_decoder_inputs(x, d_in, None, None, query_seq_lengths, heads=heads,
+                         positions=positions)
+    lk = x.shape[-2] if cache is None else check_latent_cache(cache, x, kv_lora_rank, rope_dim)
+    return check_module_masks(lead, x.shape[-2], lk, mask, heads=heads)
+
+
+LATENT_FIELDS = ("latent", "rope_key", "lengths")
+
+
+def check_latent_cache(cache, x, kv_lora_rank, rope_dim) -> int:
+    """A latent cache for x (B, L, d_in): latent (B, M, kv_lora_rank) and rope_key (B, M,
+    qk_rope_head_dim) in x's dtype, lengths (B,) integers, L ≤ M. Returns M. Only shapes and
+    dtypes are read (never the lengths' values)."""
+    if not all(hasattr(cache, f) for f in LATENT_FIELDS):
+        raise ValueError("cache should be a LatentCache (latent, rope_key, lengths) from "
+                         f"init_cache, got {type(cache).__name__}")
+    for name in LATENT_FIELDS:
+        _expect_array(f"cache.{name}", getattr(cache, name))
+    if len(x.shape) != 3:
+        raise ValueError(f"x shape should be (B, L, d_in) with a cache, got {_fmt(tuple(x.shape))}")
+    b, length = x.shape[0], x.shape[1]
+    _expect_shape("cache.latent", tuple(cache.latent.shape), ("B", "M", "kv_lora_rank"),
+                  (b, None, kv_lora_rank))
+    m = cache.latent.shape[1]
+    _expect_shape("cache.rope_key", tuple(cache.rope_key.shape), ("B", "M", "qk_rope_head_dim"),
+                  (b, m, rope_dim))
+    _expect_integers("cache.lengths", cache.lengths, (b,), "B")
+    for name in ("latent", "rope_key"):
+        _expect_float(f"cache.{name}", getattr(cache, name), like=dtype_name(x.dtype),
+                      whose="x's")
+    if length > m:
+        raise ValueError(f"x length L should be at most the cache's max_length M = {m}, "
+                         f"got {length}")
+    return m
+
+
 def _expect_cache(cache) -> None:
     if not all(hasattr(cache, f) for f in ("key", "value", "lengths")):
         raise ValueError("cache should be a KVCache (key, value, lengths) from init_cache, got "

@@ -15,6 +15,7 @@ Shape legend: B batch, L sequence length (Lq queries, Lk keys), N heads, d_* fea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +31,7 @@ from golden.validate import (
     check_cross_inputs,
     check_decoder_inputs,
     check_flags,
+    check_latent_inputs,
     check_positive_or_none,
     check_rate,
     check_scale,
@@ -377,6 +379,63 @@ def _relative_buckets(c) -> None:
                          f"buckets, got {far}")
 
 
+def latent_rope(c):
+    """MultiHeadLatentAttention's RoPE settings (golden.validate.rope_settings): θ from
+    rope_theta or rope_parameters, 10000 (Hugging Face's default) when neither gives one."""
+    theta, given = c["rope_theta"], c["rope_parameters"] or {}
+    if theta is None and "rope_theta" not in given:
+        theta = 10000.0
+    return rope_settings(theta, c["rope_parameters"])
+
+
+def latent_sizes(c) -> dict:
+    """MultiHeadLatentAttention's sizes: qk_head_dim Dk = qk_nope_head_dim + qk_rope_head_dim,
+    d_out (default d_in), and the softmax scale's mscale factor (Hugging Face's
+    yarn_apply_mscale: mscale(s, mscale_all_dim)² with mscale(s, a) = 0.1·a·ln s + 1 (1 for
+    s ≤ 1) when rope_parameters are yarn with mscale_all_dim, else 1) as (factor s, a) or
+    None."""
+    if c["qk_rope_head_dim"] % 2:
+        raise ValueError(f"qk_rope_head_dim should be even (RoPE turns pairs), got "
+                         f"{c['qk_rope_head_dim']}")
+    rope = dict(latent_rope(c))
+    rotary_dims(c["qk_rope_head_dim"], latent_rope(c))
+    mscale = ((rope["factor"], rope["mscale_all_dim"]) if rope["rope_type"] == "yarn"
+              and rope.get("mscale_all_dim") else None)
+    return dict(qk_head_dim=c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
+                d_out=c["d_in"] if c["d_out"] is None else c["d_out"], mscale=mscale)
+
+
+def latent_scale(c) -> float:
+    """The softmax scale of MultiHeadLatentAttention: ``scale``, or Dk^−1/2 times the yarn
+    mscale² (latent_sizes), as Hugging Face's DeepseekV3Attention.scaling."""
+    if c["scale"] is not None:
+        return float(c["scale"])
+    s = latent_sizes(c)
+    scale = s["qk_head_dim"] ** -0.5
+    if s["mscale"] is not None and s["mscale"][0] > 1:
+        m = 0.1 * s["mscale"][1] * math.log(s["mscale"][0]) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+def _latent_shapes(c):
+    s, n = latent_sizes(c), c["num_heads"]
+    nope, rope, dv, r = (c[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                         "kv_lora_rank"))
+    shapes = {"W_kv_a": (c["d_in"], r + rope), "kv_a_norm": (r,),
+              "W_kv_b": (r, n * (nope + dv)), "W_out": (n * dv, s["d_out"])}
+    if c["q_lora_rank"] is None:
+        shapes["W_query"] = (c["d_in"], n * s["qk_head_dim"])
+    else:
+        shapes.update({"W_q_a": (c["d_in"], c["q_lora_rank"]), "q_a_norm": (c["q_lora_rank"],),
+                       "W_q_b": (c["q_lora_rank"], n * s["qk_head_dim"])})
+    if c["attention_bias"]:
+        shapes.update({"b_kv_a": (r + rope,), "b_out": (s["d_out"],)})
+        if c["q_lora_rank"] is not None:
+            shapes["b_q_a"] = (c["q_lora_rank"],)
+    return shapes
+
+
 # ---- input checks: (config, arrays, dropout rate in force) -> weights shape ------------------
 
 def _core_inputs(c, i, rate):
@@ -412,6 +471,12 @@ def _context_inputs(c, i, rate):
     return check_context_inputs(i["x"], i["context"], c["d_in"], c["d_context"], i.get("mask"),
                                 i.get("context_lengths"), heads=c["num_heads"],
                                 kv_heads=s["num_kv_heads"], head_dim=s["head_dim"])
+
+
+def _latent_inputs(c, i, rate):
+    return check_latent_inputs(i["x"], c["d_in"], i.get("mask"), i.get("query_seq_lengths"),
+                               heads=c["num_heads"], positions=i.get("positions"))
+
 
 # ---- the variants -----------------------------------------------------------------------------
 
@@ -498,6 +563,23 @@ _VARIANTS = [
             layers={**QKV_LAYERS, "out": "out_proj"},
             sample=dict(d_in=5, d_context=3, num_heads=4, num_kv_heads=2, head_dim=6, d_out=7,
                         qkv_bias=True, key_bias=False, out_bias=True, scale=0.3)),
+    Variant("multi_head_latent_attention", "MultiHeadLatentAttention",
+            (Arg("d_in", _positive), Arg("num_heads", _positive), Arg("kv_lora_rank", _positive),
+             Arg("qk_nope_head_dim", _positive), Arg("qk_rope_head_dim", _positive),
+             Arg("v_head_dim", _positive), Arg("q_lora_rank", _positive_or_none, None),
+             Arg("d_out", _positive_or_none, None), Arg("attention_bias", _flag, False),
+             Arg("rms_norm_eps", _epsilon, 1e-6),
+             Arg("rope_theta", check_positive_or_none, None),
+             Arg("rope_parameters", _rope_parameters, None),
+             Arg("rope_interleaved", _flag, True), Arg("causal", _flag, True),
+             Arg("scale", _scale, None)),
+            shapes=_latent_shapes, check_inputs=_latent_inputs,
+            layers={"query": "W_query", "q_a": "W_q_a", "q_b": "W_q_b", "kv_a": "W_kv_a",
+                    "kv_b": "W_kv_b", "out": "out_proj"},
+            vectors=("q_a_norm", "kv_a_norm"),
+            sample=dict(d_in=5, num_heads=3, kv_lora_rank=7, qk_nope_head_dim=2,
+                        qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=9, d_out=8,
+                        attention_bias=True, rope_theta=100.0)),
 ]
 
 VARIANTS = {v.name: v for v in _VARIANTS}

@@ -1,6 +1,6 @@
 """JAX twin of attn-parity: the attention core and the Flax NNX variant modules."""
 
-from golden.positions import ContextCache, KVCache
+from golden.positions import ContextCache, KVCache, LatentCache
 from jax_attn import convert, sharding
 from jax_attn.functional import (
     DEFAULT_PRECISION,
@@ -18,5 +18,6 @@ from jax_attn.rotary import rotary_embedding
 JAX_ONLY = ("DEFAULT_PRECISION", "sharding", "ring_attention")
 
 __all__ = [*_classes, "DEFAULT_PRECISION", "IMPLEMENTATIONS", "sharding", "ring_attention",
-           "ContextCache", "KVCache", "convert", "build", "export_cache", "export_params",
-           "load_cache", "load_params", "rotary_embedding", "scaled_dot_product_attention"]
+           "ContextCache", "KVCache", "LatentCache", "convert", "build", "export_cache",
+           "export_params", "load_cache", "load_params", "rotary_embedding",
+           "scaled_dot_product_attention"]

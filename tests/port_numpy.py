@@ -465,6 +465,82 @@ class MultiHeadCrossAttention(Module):
         y = self.out_proj(_merge(o))
         return (y, w) if return_weights else y
 
+class MultiHeadLatentAttention(Module):
+    """DeepSeek's multi-head latent attention, as transformers' DeepseekV3Attention reads:
+    q = x W_q (or RMSNorm(x W_qa + b) W_qb), each head [q_nope | q_pe]; x W_kva + b = [c | k_pe],
+    c RMS-normalised, c W_kvb = each head's [k_nope | v]; RoPE on q_pe and on the one k_pe every
+    head shares; causal, scale (nope + rope)^−1/2 (the core's default) times yarn's
+    (0.1·mscale_all_dim·ln s + 1)², applied to q.
+    x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
+
+    layers = {"query": "q_proj", "q_a": "q_a_proj", "q_b": "q_b_proj",
+              "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj", "out": "o_proj"}
+
+    def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                 v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
+                 rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
+                 causal=True, scale=None, *, core=None):
+        super().__init__(core)
+        dk, bias = qk_nope_head_dim + qk_rope_head_dim, attention_bias
+        self.heads, self.rank, self.nope, self.eps = (num_heads, kv_lora_rank, qk_nope_head_dim,
+                                                      rms_norm_eps)
+        self.causal, self.interleaved = causal, rope_interleaved
+        if rope_theta is None and "rope_theta" not in (rope_parameters or {}):
+            rope_theta = 10000.0
+        self.rope_settings = rope_settings(rope_theta, rope_parameters)
+        self.scale, self.mscale, fields = scale, 1.0, dict(self.rope_settings)
+        if scale is None and fields["rope_type"] == "yarn" and fields.get("mscale_all_dim") and (
+                fields["factor"] > 1):  # the core's default scale, the query times mscale²
+            self.mscale = (0.1 * fields["mscale_all_dim"] * math.log(fields["factor"]) + 1) ** 2
+        lora = q_lora_rank is not None
+        self.q_proj = None if lora else Linear(d_in, num_heads * dk, False)
+        self.q_a_proj = Linear(d_in, q_lora_rank, bias) if lora else None
+        self.q_a_norm = np.ones(q_lora_rank) if lora else None
+        self.q_b_proj = Linear(q_lora_rank, num_heads * dk, False) if lora else None
+        self.kv_a_proj_with_mqa = Linear(d_in, kv_lora_rank + qk_rope_head_dim, bias)
+        self.kv_a_norm = np.ones(kv_lora_rank)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False)
+        self.o_proj = Linear(num_heads * v_head_dim, d_in if d_out is None else d_out, bias)
+
+    def __call__(self, x, mask=None, *, query_seq_lengths=None, positions=None,
+                 return_weights=False):
+        positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
+        if positions.ndim == 2:
+            positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.rms(self.q_a_proj(x), self.q_a_norm))
+        q = _split(q, self.heads)                                   # (..., N, L, Dk)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        c = self.rms(kv_a[..., :self.rank], self.kv_a_norm)          # (..., L, r)
+        k_pe = rope(kv_a[..., None, :, self.rank:], self.rope_settings, self.interleaved,
+                    positions)                                      # (..., 1, L, Dr)
+        kv = _split(self.kv_b_proj(c), self.heads)                  # (..., N, L, Dn + Dv)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        q = np.concatenate([q[..., :self.nope], rope(q[..., self.nope:], self.rope_settings,
+                                                     self.interleaved, positions)], axis=-1)
+        q = q * np.asarray(self.mscale, q.dtype)
+        k = np.concatenate([k_nope, np.broadcast_to(k_pe, k_nope.shape[:-1] + k_pe.shape[-1:])],
+                           axis=-1)
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), is_causal=self.causal, scale=self.scale,
+                              query_seq_lengths=query_seq_lengths,
+                              key_value_seq_lengths=query_seq_lengths, return_weights=True)
+        y = self.o_proj(_merge(o))
+        return (y, w) if return_weights else y
+
+    def rms(self, t, weight):
+        """t / √(mean(t²) + ε) times the weight, over the last axis."""
+        return t / np.sqrt((t * t).mean(-1, keepdims=True) + self.eps).astype(t.dtype) * (
+            weight.astype(t.dtype))
+
+    def mapping(self) -> dict:
+        table = super().mapping()
+        table.update({n: (n, "") for n in ("q_a_norm", "kv_a_norm") if getattr(self, n)
+                      is not None})
+        return table
+
+
 def rope(x, settings, interleaved, positions):
     """Rotary embedding of x (..., L, Dh), token i at positions[..., i]: feature pair k of the first
     rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k (golden.positions'
@@ -493,6 +569,7 @@ MODULES = {
     "multi_head_attention": MultiHeadAttention,
     "grouped_query_attention": GroupedQueryAttention,
     "multi_head_cross_attention": MultiHeadCrossAttention,
+    "multi_head_latent_attention": MultiHeadLatentAttention,
 }
 
 

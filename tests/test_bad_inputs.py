@@ -279,6 +279,10 @@ twin_case("rope-x-list", lambda t: t.lib.rotary_embedding([[1.0, 2.0]], theta=10
 
 # ---- module constructors ----------------------------------------------------------------------
 
+MLA_NEW = "multi_head_latent_attention"
+MLA_SIZES = dict(d_in=8, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=3, qk_rope_head_dim=2,
+                 v_head_dim=5)
+
 for id, variant, config, message in [
     ("self-d_in-zero", "self_attention", dict(d_in=0, d_k=4), "d_in should be a positive int, "
      "got 0"),
@@ -374,6 +378,20 @@ for id, variant, config, message in [
     ("gqa-dropout-str", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, dropout="0.1"),
      "dropout should be in [0, 1), got '0.1'"),
+    ("mla-rope-odd", MLA_NEW, dict(MLA_SIZES, qk_rope_head_dim=3),
+     "qk_rope_head_dim should be even (RoPE turns pairs), got 3"),
+    ("mla-kv_lora_rank-zero", MLA_NEW, dict(MLA_SIZES, kv_lora_rank=0),
+     "kv_lora_rank should be a positive int, got 0"),
+    ("mla-q_lora_rank-float", MLA_NEW, dict(MLA_SIZES, q_lora_rank=1.5),
+     "q_lora_rank should be a positive int, got 1.5"),
+    ("mla-rms_norm_eps-zero", MLA_NEW, dict(MLA_SIZES, rms_norm_eps=0.0),
+     "rms_norm_eps should be a positive number, got 0.0"),
+    ("mla-attention_bias-str", MLA_NEW, dict(MLA_SIZES, attention_bias="yes"),
+     "attention_bias should be True or False, got 'yes'"),
+    ("mla-mscale_all_dim-str", MLA_NEW, dict(MLA_SIZES, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale_all_dim": "big"}),
+     "rope_parameters['mscale_all_dim'] should be a number or None, got 'big'"),
 ]:
     twin_case(f"new-{id}", lambda t, v=variant, c=config: make(t, v, **c), ValueError, E(message))
 twin_case("new-self-unknown-keyword", lambda t: make(t, "self_attention", d_in=5, d_k=4, bogus=1),
@@ -448,6 +466,47 @@ twin_case("call-mhca-context-lengths-shape",
 twin_case("call-mhca-mask-shape",
           lambda t: module(t, MHCA)(arr(t, XQ), arr(t, (2, 9, 3)), arr(t, (2, 9, 6), bool)),
           ValueError, E("mask shape should broadcast to (B, Lq, Lk) = (2, 6, 9), got (2, 9, 6)"))
+MLA = "multi_head_latent_attention"  # the sample: d_in 5, N 3, r 7, Dr 4; x (2, 3, 5)
+
+
+def mla_call(t, x=(2, 3, 5), **kw):
+    return module(t, MLA)(arr(t, x), **kw)
+
+
+def latent_cache(t, latent=(2, 8, 7), rope_key=(2, 8, 4), dtype="float32"):
+    return t.lib.LatentCache(arr(t, latent, dtype), arr(t, rope_key, dtype),
+                             t.array(np.zeros(latent[:1], dtype=np.int32)))
+
+
+twin_case("call-mla-cache-not-a-cache", lambda t: mla_call(t, cache=(1, 2)), ValueError,
+          E("cache should be a LatentCache (latent, rope_key, lengths) from init_cache, "
+            "got tuple"))
+twin_case("call-mla-cache-a-kv-cache", lambda t: mla_call(t, cache=cache(t)), ValueError,
+          E("cache should be a LatentCache (latent, rope_key, lengths) from init_cache, "
+            "got KVCache"))
+twin_case("call-mla-cache-latent-width",
+          lambda t: mla_call(t, cache=latent_cache(t, latent=(2, 8, 6))), ValueError,
+          E("cache.latent shape should be (B, M, kv_lora_rank) = (2, ?, 7), got (2, 8, 6)"))
+twin_case("call-mla-cache-rope-key-shape",
+          lambda t: mla_call(t, cache=latent_cache(t, rope_key=(2, 8, 2))), ValueError,
+          E("cache.rope_key shape should be (B, M, qk_rope_head_dim) = (2, 8, 4), "
+            "got (2, 8, 2)"))
+twin_case("call-mla-cache-dtype",
+          lambda t: mla_call(t, cache=latent_cache(t, dtype="float16")), ValueError,
+          E("cache.latent dtype should be float32 (x's), got float16"))
+twin_case("call-mla-cache-too-short",
+          lambda t: mla_call(t, cache=latent_cache(t, latent=(2, 2, 7), rope_key=(2, 2, 4))),
+          ValueError, E("x length L should be at most the cache's max_length M = 2, got 3"))
+twin_case("call-mla-mask-with-cache",
+          lambda t: mla_call(t, mask=arr(t, (2, 3, 3), bool), cache=latent_cache(t)), ValueError,
+          E("mask shape should broadcast to (B, Lq, Lk) = (2, 3, 8), got (2, 3, 3)"))
+twin_case("call-mla-absorb-str", lambda t: mla_call(t, absorb="yes"), ValueError,
+          E("absorb should be True or False, got 'yes'"))
+twin_case("call-mla-query-lengths-shape",
+          lambda t: mla_call(t, query_seq_lengths=arr(t, (3,), "int32")), ValueError,
+          E("query_seq_lengths shape should be (B,) = (2,), got (3,)"))
+twin_case("call-mla-init-cache-zero", lambda t: module(t, MLA).init_cache(2, 0), ValueError,
+          E("max_length should be a positive int, got 0"))
 twin_case("call-gqa-cache-not-a-cache", lambda t: gqa_call(t, cache=(1, 2)), ValueError,
           E("cache should be a KVCache (key, value, lengths) from init_cache, got tuple"))
 twin_case("call-gqa-cache-heads", lambda t: gqa_call(t, cache=cache(t, key=(2, 3, 8, 4))),

@@ -13,6 +13,7 @@ from golden.bench import (
     MODERN_IMPLS,
     MODULES,
     decode_features,
+    latent_models,
 )
 from golden.cli import main
 
@@ -32,6 +33,8 @@ def test_quick_run_writes_both_reports(tmp_path):
         (f, i) for f in decode_features(report["grid"]["decode"][-1])
         for i in ("torch_module", "jax_module")}
     assert all(r["median_ms"] > 0 and r["plain_ratio"] > 0 for r in options)
+    latent = report["latent_decode"]  # MLA plain and absorbed against GQA, both frameworks
+    assert len(latent) == 2 * 4 and all(r["median_ms"] > 0 for r in latent)
     assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
     assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
         ("jax", "float32"), ("torch", "float32")}
@@ -117,3 +120,19 @@ def test_only_decode_features_runs_that_section_alone(tmp_path, capsys):
     assert len(report["decode_features"]) == 2 * len(decode_features(16))
     assert not (tmp_path / "latest.json").exists()
     assert "## The decode step with each option" in capsys.readouterr().out
+
+
+def test_only_latent_decode_runs_that_section_alone(tmp_path, capsys):
+    """MLA's decode step, plain and absorbed, beside GQA's and MHA's of the same width, both
+    frameworks; cache bytes per token counted by hand for the quick grid (d_in 32, H 4, Hkv 2,
+    Dh 8; MLA r 32, Dr 4): GQA 2·2·8·4 = 128, MHA 2·4·8·4 = 256, MLA (32 + 4)·4 = 144."""
+    assert main(["bench", "--quick", "--only", "latent_decode", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "latent_decode.json").read_text())["latent_decode"]
+    from golden.bench import QUICK
+    models = [m[0] for m in latent_models(QUICK)]
+    assert [(r["model"], r["impl"]) for r in rows] == [
+        (m, i) for m in models for i in ("torch_module", "jax_module")]
+    assert [r["cache_bytes_per_token"] for r in rows[::2]] == [128, 256, 144, 144]
+    assert all(r["median_ms"] > 0 and r["gqa_ratio"] > 0 for r in rows)
+    assert not (tmp_path / "latest.json").exists()
+    assert "## Multi-head latent attention's decode step" in capsys.readouterr().out
