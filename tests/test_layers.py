@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "golden.reference",
           "golden.exact",
           "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping",
-          "golden.convert", "golden.implementations", "golden.decoder"}
+          "golden.convert", "golden.implementations", "golden.decoder", "golden.hf"}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
        "golden.runners.adapt", "golden.report", "golden.compare", "golden.training",
-       "golden.frameworks"}
+       "golden.frameworks", "golden.hf_check"}
 THIRD_PARTY = {"bottom": {"numpy"}, "torch_attn": {"numpy", "torch"},
                "jax_attn": {"numpy", "jax", "flax"}}
 

@@ -24,7 +24,13 @@ from golden.check import compare_all
 from golden.tolerances import compare
 from golden.validate import window
 from jax_attn import functional
-from tests.helpers import JAX, count_compiles, fresh_rng, random_cotangents, reference_fixture
+from tests.helpers import (
+    JAX,
+    count_compiles,
+    fresh_rng,
+    random_cotangents,
+    reference_fixture,
+)
 
 B, H, HKV, LQ, LK, DK, DV = 2, 6, 2, 5, 7, 4, 3  # every size different; G = 3
 
