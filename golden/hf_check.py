@@ -33,10 +33,19 @@ from golden.hf import FAMILIES, _layer_type, from_hf
 from golden.runners import FRAMEWORKS
 
 B, L = 2, 8  # the drawn inputs' batch and length
-# Where each family's attention modules sit in a checkpoint's keys: (the stack, the module),
-# e.g. "model.layers.3.self_attn.q_proj.weight"; the layer number is the stack's index.
-LAYOUTS = {mt: ("layers", "self_attn") for mt in FAMILIES}
-FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward")  # replaced by nothing in HF's run
+# Where each family's attention modules sit in a checkpoint's keys: (the stack, the module, the
+# submodule whose output is the attention's when not the module's own), e.g.
+# "model.layers.3.self_attn.q_proj.weight"; the layer number is the stack's index. The
+# encoders and encoder-decoders (several stacks, kind=) are not read by the command yet.
+DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_next", "starcoder2",
+            "granite", "smollm3", "olmo", "olmo2", "gemma2", "gemma3_text", "cohere", "gpt_oss",
+            "llama4_text", "deepseek_v3", "phi3", "stablelm")
+LAYOUTS = {**{mt: ("layers", "self_attn", None) for mt in DECODERS},
+           "gpt2": ("h", "attn", None), "gpt_neox": ("layers", "attention", None),
+           "falcon": ("h", "self_attention", None), "mpt": ("blocks", "attn", None),
+           # BLOOM adds the residual inside its attention: ours is the output of its dense
+           "bloom": ("h", "self_attention", "dense")}
+FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward", "ffn")  # replaced by nothing
 
 
 class CheckpointError(ValueError):
@@ -59,6 +68,10 @@ def read_config(directory) -> dict:
     if config.get("model_type") not in FAMILIES:
         raise CheckpointError(f"model_type {config.get('model_type')!r} is not supported; "
                               f"supported: {', '.join(sorted(FAMILIES))}")
+    if config["model_type"] not in LAYOUTS:
+        raise CheckpointError(f"model_type {config['model_type']!r}: attn-parity hf reads the "
+                              f"decoder-only families ({', '.join(sorted(LAYOUTS))}); convert "
+                              f"this one layer by layer with golden.convert.from_hf(..., kind=)")
     return config
 
 
@@ -117,7 +130,7 @@ def _bfloat16(path, key) -> np.ndarray:
 
 def attention_layers(config, keys) -> dict:
     """{layer index: key prefix of its attention module} found in the checkpoint's keys."""
-    stack, module = LAYOUTS[config["model_type"]]
+    stack, module, _ = LAYOUTS[config["model_type"]]
     pattern = re.compile(rf"^(.*?(?:^|\.){stack}\.(\d+)\.{module}\.)")
     layers = {}
     for key in keys:
@@ -154,6 +167,9 @@ def hf_runner(config, layer_idx, state_dict):
     def run(fixture, dtype):
         if dtype != "float32":
             raise NotSupported("HF computes RoPE's angles in float32: compared at float32")
+        if config.get("scale_attn_by_inverse_layer_idx") and layer_idx > 0:
+            raise NotSupported("GPT-2's scale_attn_by_inverse_layer_idx reads the layer's index "
+                               "in the whole model, which a one-layer model does not have")
         return {"output": _hf_output(config, layer_idx, state_dict, fixture.inputs["x"]),
                 "dtype": dtype}
 
@@ -167,10 +183,13 @@ def _one_layer_config(config, layer_idx):
     for key in ("layer_types", "no_rope_layers"):
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
-    c.update(num_hidden_layers=1, vocab_size=8, pad_token_id=None, bos_token_id=None,
-             eos_token_id=None, max_window_layers=0 if c.get("max_window_layers") else None)
+    c.update(pad_token_id=None, bos_token_id=None, eos_token_id=None,
+             max_window_layers=0 if c.get("max_window_layers") else None)
     c = {k: v for k, v in c.items() if v is not None or k in ("pad_token_id",)}
     model_type = c.pop("model_type")
+    names = getattr(transformers.CONFIG_MAPPING[model_type], "attribute_map", {})
+    c[names.get("num_hidden_layers", "num_hidden_layers")] = 1  # GPT-2's n_layer, ...
+    c[names.get("vocab_size", "vocab_size")] = 8
     return transformers.AutoConfig.for_model(model_type, **c)
 
 
@@ -194,7 +213,7 @@ def _hf_output(config, layer_idx, state_dict, x):
             break
         except ValueError:  # this family has no sdpa path
             continue
-    stack, module = LAYOUTS[config["model_type"]]
+    stack, module, output = LAYOUTS[config["model_type"]]
     layer = getattr(model, stack)[0]
     for name in FEED_FORWARD:
         if hasattr(layer, name):
@@ -210,11 +229,13 @@ def _hf_output(config, layer_idx, state_dict, x):
             return args, dict(kwargs, hidden_states=fed)
         return (fed,) + tuple(args[1:]), kwargs
 
-    def read(mod, args, kwargs, output):
-        seen["out"] = output[0].detach().numpy().astype(np.float64)
+    def read(mod, args, kwargs, out):
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        seen["out"] = out.detach().numpy().astype(np.float64)
 
+    read_from = attn if output is None else getattr(attn, output)
     handles = [attn.register_forward_pre_hook(feed, with_kwargs=True),
-               attn.register_forward_hook(read, with_kwargs=True)]
+               read_from.register_forward_hook(read, with_kwargs=True)]
     try:
         with torch.no_grad():
             model(input_ids=torch.zeros(x.shape[:2], dtype=torch.long), use_cache=False)

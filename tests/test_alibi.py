@@ -3,7 +3,8 @@ against transformers' own code, float64: the slopes against HF's functions for e
 to 70 (``_get_alibi_slopes``, ``build_mpt_alibi_tensor``, Falcon's ``build_alibi_tensor``), a few
 by hand, and our torch and JAX modules against BloomAttention, MptAttention and FalconAttention
 (eager, multi-query) themselves, fed HF's own alibi tensors and masks, with their fused
-query_key_value mapped to our neutral parameters here.
+query_key_value mapped to our neutral parameters here: output, weights, and (torch) the
+gradients of x and every parameter.
 
 Where HF has a float32 step: its slopes are float32 (bfloat16 for Falcon); they are powers of
 two, exact, when the exponents are integers (N ≤ 8 heads with alibi_bias_max = 8), and round
@@ -23,6 +24,7 @@ import torch
 
 from golden.decoder import alibi_slopes
 from tests.helpers import TWINS, fresh_rng
+from torch_attn.params import export_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,7 +127,7 @@ def _bloom(rng, x):
     params.update(W_out=hf.dense.weight.detach().numpy().T.copy(),
                   b_out=hf.dense.bias.detach().numpy().copy())
     ours = dict(d_in=D, num_heads=N, num_kv_heads=N, qkv_bias=True, out_bias=True, alibi="bloom")
-    return ours, params, y, w, FLOAT32_LEVEL
+    return ours, params, y, w, FLOAT32_LEVEL, hf
 
 
 def _mpt(rng, x, bias_max, clip_qkv=None):
@@ -141,7 +143,7 @@ def _mpt(rng, x, bias_max, clip_qkv=None):
     params["W_out"] = hf.out_proj.weight.detach().numpy().T.copy()
     ours = dict(d_in=D, num_heads=N, num_kv_heads=N, alibi="mpt", alibi_bias_max=bias_max,
                 clip_qkv=clip_qkv)
-    return ours, params, y, w, FLOAT32_LEVEL
+    return ours, params, y, w, FLOAT32_LEVEL, hf
 
 
 def _falcon(rng, x):
@@ -160,7 +162,7 @@ def _falcon(rng, x):
                   b_out=hf.dense.bias.detach().numpy().copy())
     ours = dict(d_in=D, num_heads=N, num_kv_heads=1, qkv_bias=True, out_bias=True,
                 alibi="falcon")
-    return ours, params, y, w, EXACT
+    return ours, params, y, w, EXACT, hf
 
 
 FAMILIES = {"bloom": _bloom, "mpt_bias_max_8": lambda rng, x: _mpt(rng, x, 8),
@@ -180,7 +182,7 @@ def test_module_matches_transformers(family, framework):
     rng, seed = fresh_rng()
     x = rng.standard_normal((B, L, D))
     with torch.no_grad():
-        config, params, y, w, level = FAMILIES[family](rng, torch.from_numpy(x))
+        config, params, y, w, level, _ = FAMILIES[family](rng, torch.from_numpy(x))
     with twin.float64():
         module = twin.build(GQA, config, params)
         module.eval()
@@ -188,6 +190,41 @@ def test_module_matches_transformers(family, framework):
     y, w = y.numpy(), w.reshape(B, N, L, L).numpy()
     assert _rel(twin.numpy(out), y) <= level, f"{family} seed {seed}: output"
     assert np.abs(twin.numpy(weights) - w).max() <= level, f"{family} seed {seed}: weights"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gradients_match_transformers(family):
+    # The gradients of Σ y ⊙ dO with respect to x and every parameter: HF's module by autograd,
+    # its fused weights' gradients mapped to ours as the weights are (_neutral), against the
+    # torch twin's, float64, at the family's level.
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((B, L, D))
+    d_out = torch.from_numpy(rng.standard_normal((B, L, D)))
+    xt = torch.from_numpy(x).requires_grad_()
+    config, params, y, _, level, hf = FAMILIES[family](rng, xt)
+    (y * d_out).sum().backward()
+    layout = {"bloom": "bloom", "falcon_multi_query": "falcon"}.get(family, "mpt")
+    fused = hf.Wqkv if layout == "mpt" else hf.query_key_value
+    out = hf.out_proj if layout == "mpt" else hf.dense
+    theirs = _neutral(fused.weight.grad, fused.bias.grad if fused.bias is not None else None,
+                      layout)
+    theirs["W_out"] = out.weight.grad.numpy().T
+    if out.bias is not None:
+        theirs["b_out"] = out.bias.grad.numpy()
+    twin = TWINS["torch"]
+    with twin.float64():
+        module = twin.build(GQA, config, params)
+        module.eval()
+        ours_x = torch.from_numpy(x).requires_grad_()
+        (module(ours_x) * d_out).sum().backward()
+    assert _rel(ours_x.grad.numpy(), xt.grad.numpy()) <= level, f"{family} seed {seed}: x"
+    ours = export_grads(module)
+    assert set(ours) == set(theirs), family
+    for name, g in theirs.items():
+        if name == "b_key":  # zero by structure (softmax ignores a constant per row)
+            assert np.abs(ours[name]).max() <= 1e-12 * np.abs(ours["W_key"]).max()
+            continue
+        assert _rel(ours[name], g) <= level, f"{family} seed {seed}: {name}"
 
 
 # ---- properties and errors ---------------------------------------------------------------------

@@ -151,8 +151,10 @@ def test_twin_signatures():
     t = inspect.signature(TWINS["torch"].sdpa).parameters
     j = inspect.signature(TWINS["jax"].sdpa).parameters
     # every JAX dot's precision (PyTorch has no per-call equivalent); block_sizes in both, for
-    # their block implementations (JAX's blockwise (Bq, Bk), torch's row_chunks (rows, None))
-    jax_only = ["precision"]
+    # their block implementations (JAX's blockwise (Bq, Bk), torch's row_chunks (rows, None));
+    # distance_bias, the bias of key − query distance that JAX's blockwise gathers per block
+    # (torch has no blockwise path: its modules form the bias)
+    jax_only = ["precision", "distance_bias"]
     assert list(t) == CORE_PARAMETERS + ["block_sizes"]
     assert list(j) == CORE_PARAMETERS + ["block_sizes"] + jax_only
     assert list(t) == [n for n in j if n not in jax_only]

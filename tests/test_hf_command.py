@@ -24,22 +24,28 @@ from tests.hf_harness import BASE
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tests.test_hf_import import FAMILIES  # noqa: E402
+from tests import test_hf_import_fused as fused  # noqa: E402
+from tests.test_hf_import import FAMILIES as DECODERS  # noqa: E402
 
-QUICK = ("qwen2", "gemma3_text", "gpt_oss")
+FAMILIES = {**DECODERS, **fused.FAMILIES}
+QUICK = ("qwen2", "gemma3_text", "gpt_oss", "gpt_neox", "bloom")
 NAMES = list(FAMILIES) if os.environ.get("ATTN_PARITY_LONG") == "1" else list(QUICK)
 
 
 def _checkpoint(name, directory, seed=0):
-    """A tiny causal-LM checkpoint of the family, float32, saved by save_pretrained."""
+    """A tiny causal-LM checkpoint of the family, float32, saved by save_pretrained (the
+    fused-layout families without BASE's head_dim and num_key_value_heads, as their tests)."""
     family = FAMILIES[name]
-    config = getattr(transformers, family.config)(**{**BASE, **family.kw})
+    base = BASE if name in DECODERS else {k: v for k, v in BASE.items()
+                                          if k not in ("head_dim", "num_key_value_heads")}
+    config = getattr(transformers, family.config)(**{**base, **family.kw})
     model = transformers.AutoModelForCausalLM.from_config(config)
     rng = np.random.default_rng(seed)
-    with torch.no_grad():
+    with torch.no_grad():  # weights N(0, 1/fan_in), as trained checkpoints' are scaled
         for p in model.parameters():
+            scale = 1 / np.sqrt(p.shape[-1]) if p.dim() == 2 else 0.5
             p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32)
-                                     * 0.5))
+                                     * scale))
     model.save_pretrained(directory)
     return directory
 
@@ -51,12 +57,17 @@ def test_every_layer_passes(name, tmp_path, capsys):
     assert main(["hf", str(directory), "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     rows = report["rows"]
-    layers = FAMILIES[name].kw.get("num_hidden_layers", 1)
+    layers = len(config_layers(name))
     assert len({r["fixture"] for r in rows}) == layers  # every attention layer
     assert {r["implementation"] for r in rows} == {"torch", "jax", "hf"}
     hf_rows = [r for r in rows if r["implementation"] == "hf"]
     assert [r["status"] for r in hf_rows if r["dtype"] == "float32"] == ["pass"] * layers
     assert "passed, 0 failed" in capsys.readouterr().out
+
+
+def config_layers(name):
+    kw = FAMILIES[name].kw
+    return range(kw.get("num_hidden_layers", kw.get("n_layer", kw.get("n_layers", 1))))
 
 
 def test_a_wrong_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
@@ -90,6 +101,10 @@ def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
     (directory / "config.json").write_text(json.dumps(dict(config, model_type="qwen2_vl")))
     assert main(["hf", str(directory)]) == 2
     assert "model_type 'qwen2_vl' is not supported" in capsys.readouterr().err
+    (directory / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    assert main(["hf", str(directory)]) == 2
+    assert "model_type 'bert': attn-parity hf reads the decoder-only families" in (
+        capsys.readouterr().err)
     weights.unlink()
     (directory / "pytorch_model.bin").write_bytes(b"\x80\x04")  # a pickle: never read
     (directory / "config.json").write_text(json.dumps(config))
