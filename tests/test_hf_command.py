@@ -4,8 +4,11 @@ twins against the float64 reference and by the checkpoint's own HF attention mod
 reports; a wrong conversion caught by HF's row; unreadable and unsupported checkpoints named
 with exit status 2.
 
-By default three families (a sliding/full mix, local/global θ with QK norms, sinks with
-sliding layers); ATTN_PARITY_LONG=1 runs every decoder family of tests/test_hf_import.py.
+By default five decoder families (a sliding/full mix, local/global θ with QK norms, sinks with
+sliding layers, fused layouts) and four encoder or encoder-decoder ones (BERT, ViT, Whisper,
+T5: every stack and kind, T5's shared position bias table, the cross-attention's context);
+ATTN_PARITY_LONG=1 runs every family of tests/test_hf_import*.py, and CLIP's and SigLIP's
+composite checkpoints (both towers).
 """
 
 from __future__ import annotations
@@ -24,12 +27,27 @@ from tests.hf_harness import BASE
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests import test_hf_import_encoders as encoders  # noqa: E402
 from tests import test_hf_import_fused as fused  # noqa: E402
 from tests.test_hf_import import FAMILIES as DECODERS  # noqa: E402
 
 FAMILIES = {**DECODERS, **fused.FAMILIES}
 QUICK = ("qwen2", "gemma3_text", "gpt_oss", "gpt_neox", "bloom")
-NAMES = list(FAMILIES) if os.environ.get("ATTN_PARITY_LONG") == "1" else list(QUICK)
+LONG = os.environ.get("ATTN_PARITY_LONG") == "1"
+NAMES = list(FAMILIES) if LONG else list(QUICK)
+# The encoders' checkpoints, saved from a model with a head where one is usual (its keys then
+# have the base model's prefix, "bert.", "model.", as published checkpoints do), and the
+# composite CLIP and SigLIP models (both towers, their keys under text_model. and
+# vision_model.).
+ENCODER_MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
+                  "vit": "ViTForImageClassification", "clip_text_model": "CLIPTextModel",
+                  "clip_vision_model": "CLIPVisionModel", "siglip_text_model": "SiglipTextModel",
+                  "siglip_vision_model": "SiglipVisionModel",
+                  "whisper": "WhisperForConditionalGeneration",
+                  "bart": "BartForConditionalGeneration", "t5": "T5ForConditionalGeneration"}
+COMPOSITE = {"clip": ("CLIPConfig", "CLIPModel"), "siglip": ("SiglipConfig", "SiglipModel")}
+ENCODER_NAMES = (list(ENCODER_MODELS) + list(COMPOSITE) if LONG
+                 else ["bert", "vit", "whisper", "t5"])
 
 
 def _checkpoint(name, directory, seed=0):
@@ -39,15 +57,67 @@ def _checkpoint(name, directory, seed=0):
     base = BASE if name in DECODERS else {k: v for k, v in BASE.items()
                                           if k not in ("head_dim", "num_key_value_heads")}
     config = getattr(transformers, family.config)(**{**base, **family.kw})
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    return _save(transformers.AutoModelForCausalLM.from_config(config), directory, seed)
+
+
+def _save(model, directory, seed):
     rng = np.random.default_rng(seed)
     with torch.no_grad():  # weights N(0, 1/fan_in), as trained checkpoints' are scaled
         for p in model.parameters():
             scale = 1 / np.sqrt(p.shape[-1]) if p.dim() == 2 else 0.5
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32)
-                                     * scale))
+            p.copy_(torch.from_numpy(np.asarray(  # CLIP's logit_scale: 0-d
+                rng.standard_normal(tuple(p.shape)).astype(np.float32) * scale)))
     model.save_pretrained(directory)
     return directory
+
+
+def _encoder_checkpoint(name, directory, seed=0):
+    """A tiny checkpoint of an encoder, encoder-decoder or tower family (the sizes of
+    tests/test_hf_import_encoders.py), or of a composite model of two towers, float32."""
+    if name in COMPOSITE:
+        config_class, model_class = COMPOSITE[name]
+        towers = {t: dict(encoders.FAMILIES[f"{name}_{t}_model"].kw)
+                  for t in ("text", "vision")}
+        config = getattr(transformers, config_class)(text_config={**BASE, **towers["text"]},
+                                                     vision_config=towers["vision"])
+    else:
+        family = encoders.FAMILIES[name]
+        config = getattr(transformers, family.config)(**{**BASE, **family.kw})
+        model_class = ENCODER_MODELS[name]
+    return _save(getattr(transformers, model_class)(config), directory, seed)
+
+
+def expected_layers(config) -> set:
+    """The rows' names of every attention layer of a checkpoint's config.json."""
+    mt = config["model_type"]
+    if mt in COMPOSITE:
+        return set().union(*(expected_layers(config[f"{t}_config"]) for t in ("text", "vision")))
+    if mt in ("whisper", "bart", "t5"):
+        encoder = config.get("encoder_layers", config.get("num_layers"))
+        decoder = config.get("decoder_layers", config.get("num_decoder_layers"))
+        return ({f"encoder layer {i} (encoder)" for i in range(encoder)}
+                | {f"decoder layer {i} ({k})" for i in range(decoder) for k in ("decoder",
+                                                                                 "cross")})
+    tower = mt.split("_")[1] + " " if mt.endswith("_model") else ""
+    return {f"{tower}layer {i} (attention)" for i in range(config["num_hidden_layers"])}
+
+
+@pytest.mark.parametrize("name", ENCODER_NAMES)
+def test_every_layer_of_every_stack_passes(name, tmp_path, capsys):
+    # Every attention of every stack and kind is read and checked by the twins and by HF's own
+    # module, at float32 and (no float32 step in these families' HF attention) float64.
+    directory = _encoder_checkpoint(name, tmp_path / name)
+    report = hf_check.run(directory, log=lambda row: None)
+    rows = report["rows"]
+    names = expected_layers(json.loads((directory / "config.json").read_text()))
+    assert {r["fixture"] for r in rows} == names
+    assert {r["implementation"] for r in rows} == {"torch", "jax", "hf"}
+    hf_rows = {(r["fixture"], r["dtype"]): r["status"] for r in rows
+               if r["implementation"] == "hf"}
+    assert hf_rows == {(n, d): "pass" for n in names for d in ("float32", "float64")}
+    assert report["summary"]["ok"], [r for r in rows if r["status"] != "pass"]
+    cross = [r for r in rows if "(cross)" in r["fixture"]]
+    assert all(r["variant"] == "multi_head_cross_attention" for r in cross)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -61,13 +131,19 @@ def test_every_layer_passes(name, tmp_path, capsys):
     assert len({r["fixture"] for r in rows}) == layers  # every attention layer
     assert {r["implementation"] for r in rows} == {"torch", "jax", "hf"}
     hf_rows = [r for r in rows if r["implementation"] == "hf"]
-    assert [r["status"] for r in hf_rows if r["dtype"] == "float32"] == ["pass"] * layers
+    assert [r["status"] for r in hf_rows if r["dtype"] == "float32"] == [
+        "not supported" if i and FAMILIES[name].kw.get("scale_attn_by_inverse_layer_idx")
+        else "pass" for i in range(layers)]  # GPT-2's scale past layer 0: no one-layer model
     assert "passed, 0 failed" in capsys.readouterr().out
 
 
 def config_layers(name):
+    """The softmax attention layers of the family's tiny config (not Qwen3-Next's
+    linear_attention)."""
     kw = FAMILIES[name].kw
-    return range(kw.get("num_hidden_layers", kw.get("n_layer", kw.get("n_layers", 1))))
+    count = kw.get("num_hidden_layers", kw.get("n_layer", kw.get("n_layers", 1)))
+    types = kw.get("layer_types") or ["full_attention"] * count
+    return [i for i in range(count) if types[i] != "linear_attention"]
 
 
 def test_a_wrong_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
@@ -89,6 +165,25 @@ def test_a_wrong_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
     assert not report["summary"]["ok"]
 
 
+def test_a_wrong_cross_attention_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
+    # Drop T5's scale 1 from its cross-attention's conversion (1/√Dh instead): HF's own module,
+    # given the same drawn context as its encoder output, disagrees on those layers only.
+    directory = _encoder_checkpoint("t5", tmp_path / "t5")
+    kinds = hf.FAMILIES["t5"]
+    cross = kinds["cross"]
+
+    def unscaled(c, layer_idx, sd):
+        return {k: v for k, v in cross.settings(c, layer_idx, sd).items() if k != "scale"}
+
+    monkeypatch.setitem(hf.FAMILIES, "t5", hf.Kinds(kinds, cross=cross.__class__(
+        cross.variant, unscaled, cross.to_neutral, cross.from_neutral)))
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    failed = {(r["fixture"], r["implementation"], r["dtype"]) for r in report["rows"]
+              if r["status"] != "pass"}
+    assert failed == {(f"decoder layer {i} (cross)", "hf", d) for i in (0, 1)
+                      for d in ("float32", "float64")}
+
+
 def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
     assert main(["hf", str(tmp_path / "nothing")]) == 2
     assert "config.json: cannot be read" in capsys.readouterr().err
@@ -101,16 +196,22 @@ def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
     (directory / "config.json").write_text(json.dumps(dict(config, model_type="qwen2_vl")))
     assert main(["hf", str(directory)]) == 2
     assert "model_type 'qwen2_vl' is not supported" in capsys.readouterr().err
-    (directory / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    (directory / "config.json").write_text(json.dumps(dict(
+        config, model_type="clip", text_config=dict(config, model_type="clip_text_model"),
+        vision_config={"model_type": "siglip2_vision_model"})))
     assert main(["hf", str(directory)]) == 2
-    assert "model_type 'bert': attn-parity hf reads the decoder-only families" in (
-        capsys.readouterr().err)
+    assert "model_type 'siglip2_vision_model' is not supported" in capsys.readouterr().err
     weights.unlink()
     (directory / "pytorch_model.bin").write_bytes(b"\x80\x04")  # a pickle: never read
     (directory / "config.json").write_text(json.dumps(config))
     assert main(["hf", str(directory)]) == 2
     assert "no *.safetensors file (pickled checkpoints are not read)" in (
         capsys.readouterr().err)
+
+
+def test_every_family_has_a_layout():
+    # A family golden.hf converts is a family the command reads: each knows its stacks.
+    assert set(hf_check.LAYOUTS) == set(hf.FAMILIES)
 
 
 def test_a_bfloat16_checkpoint_is_read_exactly(tmp_path):

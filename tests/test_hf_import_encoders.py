@@ -4,7 +4,8 @@ models, Whisper, BART and T5. As in tests/test_hf_import.py: random float64 weig
 too), sdpa attention, each attention's input and output captured from the model's own forward,
 and our torch and JAX twins built from the converted state dict must give the captured output;
 round trips give back the very arrays; each family's distinctive setting moves the output far
-more than the agreement; unsupported settings are named.
+more than the agreement; the input's gradient (and the context's) through our torch twin
+equals the one through HF's module called again; unsupported settings are named.
 
 What is compared. BERT and RoBERTa: the input of ``layer.attention`` and the output of its
 ``output.dense`` (the residual LayerNorm after it is not attention). ViT, CLIP, SigLIP: the
@@ -20,8 +21,11 @@ tokens, D model width, N heads, Dh head width.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
+import torch
 
 import golden.convert
 from tests.helpers import TWINS, fresh_rng
@@ -306,3 +310,67 @@ def test_decoding_with_our_caches_equals_the_models_attention(name, twin):
                          for i in range(L)]
         error = rel(np.concatenate(steps, axis=1), expected)
         assert error <= EXACT, (name, kind, error, seed)
+
+
+def _output_of(family, model, layer):
+    """The module whose output is the layer's attention output (BERT's output.dense)."""
+    return attention_of(family, model, layer) if family.output_of is None else (
+        family.output_of(model, layer))
+
+
+def _hf_again(family, model, layer, call, x, context):
+    """HF's attention module of the layer called again as the model called it (its masks,
+    T5's position bias), on x (and a cross-attention's context as its key_value_states): the
+    output_of module's output, which keeps its graph."""
+    args, kwargs = call
+    kwargs = dict(kwargs, **({"key_value_states": context} if context is not None else {}))
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = x
+    else:
+        args = (x,) + tuple(args[1:])
+    seen = {}
+
+    def read(module, args, output):
+        seen["out"] = output if isinstance(output, torch.Tensor) else output[0]
+
+    handle = _output_of(family, model, layer).register_forward_hook(read)
+    try:
+        attention_of(family, model, layer)(*args, **kwargs)
+    finally:
+        handle.remove()
+    return seen["out"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_input_gradient_through_the_torch_twin_equals_hfs(name):
+    """dL/dx of L = Σ out ⊙ dO (and dL/dcontext for a cross-attention), HF's module called
+    again as the model called it against our torch module's: EXACT (no float32 step in HF)."""
+    family, twin = FAMILIES[name], TWINS["torch"]
+    rng, seed = fresh_rng()
+    config, model = build_model(family, rng)
+    calls = {}
+    # no cache object to append to again (the decoders': RoBERTa's is_decoder, the seq2seq)
+    kw = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    seen = captured(family, model, family.layers, family.inputs(config, rng), calls=calls, **kw)
+    for layer in family.layers:
+        kind, i = _kind(layer)
+        # fresh inputs of the captured shapes (the captured context can be nearly the same
+        # row at every position, a softmax then nearly flat and x's gradient all cancellation)
+        drawn = [rng.standard_normal(a.shape) for a in (seen[layer][0], *seen[layer][2:])]
+        d_out = torch.from_numpy(rng.standard_normal(seen[layer][1].shape))
+        theirs = [torch.from_numpy(a).requires_grad_() for a in drawn]
+        out = _hf_again(family, model, layer, calls[layer], theirs[0], (theirs[1:] or [None])[0])
+        (out * d_out).sum().backward()
+        variant, ours, params = golden.convert.from_hf(
+            config, _layer_state(family, model, layer), layer_idx=i, kind=kind)
+        mine = [torch.from_numpy(a.copy()).requires_grad_() for a in drawn]
+        with twin.float64():
+            module = twin.build(variant, ours, params)
+            module.eval()
+            y = module(*mine)
+            (y * d_out).sum().backward()
+        assert len(mine) == (2 if kind == "cross" else 1)
+        assert rel(y.detach().numpy(), out.detach().numpy()) <= EXACT, (name, layer, seed)
+        for what, a, b in zip(("x", "context"), mine, theirs):
+            error = rel(a.grad.numpy(), b.grad.numpy())
+            assert error <= EXACT, (name, layer, what, error, seed)
