@@ -150,6 +150,11 @@ def _supported(config):
     if config.get("model_type") not in FAMILIES:
         raise CheckpointError(f"model_type {config.get('model_type')!r} is not supported; "
                               f"supported: {', '.join(sorted(FAMILIES))}")
+    if config["model_type"] in ("bert", "roberta") and config.get("add_cross_attention"):
+        raise CheckpointError(f"model_type {config['model_type']!r}: add_cross_attention = "
+                              f"True: its crossattention layers are not converted (from_hf "
+                              f"reads its self-attention only), so not every layer would be "
+                              f"checked")
     if config["model_type"] not in LAYOUTS:
         raise CheckpointError(f"model_type {config['model_type']!r}: attn-parity hf does not "
                               f"know where its attention modules sit (it reads "
@@ -219,20 +224,26 @@ def _bfloat16(path, key) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
 
 
-def attention_layers(config, stack, keys) -> dict:
+def attention_layers(stack, keys) -> dict:
     """{layer index: key prefix of its attention module} of the stack, from the checkpoint's
-    keys."""
+    keys (empty when the checkpoint has no such stack: T5EncoderModel's has no decoder)."""
     pattern = stack.pattern()
     layers = {}
     for key in keys:
         m = pattern.match(key)
         if m:
             layers.setdefault(int(m.group(2)), m.group(1))
-    if not layers:
-        raise CheckpointError(f"no attention layer found: no key of the form "
-                              f"'...{stack.within}{stack.stack}.N.{stack.module}.*' "
-                              f"(model_type {config['model_type']!r})")
     return dict(sorted(layers.items()))
+
+
+def plan(config, keys) -> list:
+    """[(config, Stack, its layers)] of every stack of the family the checkpoint has."""
+    found = [(c, stack, attention_layers(stack, keys)) for c, stack in stacks(config)]
+    if not any(layers for _, _, layers in found):
+        forms = " or ".join(f"'...{s.within}{s.stack}.N.{s.module}.*'" for _, s, _ in found)
+        raise CheckpointError(f"no attention layer found: no key of the form {forms} "
+                              f"(model_type {config['model_type']!r})")
+    return [entry for entry in found if entry[2]]
 
 
 def layer_state(arrays, stack, layers, layer_idx) -> dict:
@@ -423,8 +434,8 @@ def _hf_output(config, stack, state_dict, inputs, dtype_name):
 def _module(model, stack):
     """The one-layer model's attention module of the stack (its layer 0)."""
     pattern = stack.pattern("0")
-    found = [m for name, m in model.named_modules() if pattern.match(name + ".")
-             and pattern.match(name + ".").group(1) == name + "."]
+    found = [m for name, m in model.named_modules()
+             if (match := pattern.match(name + ".")) and match.group(1) == name + "."]
     if len(found) != 1:
         raise CheckpointError(f"the one-layer {type(model).__name__} has "
                               f"{len(found)} modules '...{stack.stack}.0.{stack.module}'")
@@ -446,11 +457,10 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
     ``weights``, a dict, receives each layer's attention weights for the HTML page."""
     config = read_config(directory)
     arrays = Arrays(directory)
-    plan = [(c, stack, attention_layers(c, stack, arrays.keys())) for c, stack in stacks(config)]
     rng = np.random.default_rng(seed)
     with_hf = with_hf and _hf_available()
     report = None
-    for c, stack, layers, layer_idx in _bar(plan, progress):
+    for c, stack, layers, layer_idx in _bar(plan(config, arrays.keys()), progress):
         state_dict = layer_state(arrays, stack, layers, layer_idx)
         try:
             fixture = layer_fixture(c, stack, layer_idx, state_dict, rng)
@@ -474,10 +484,10 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
     return report
 
 
-def _bar(plan, progress):
-    """(config, stack, layers, layer index) of every layer of the plan, with a progress bar
+def _bar(stacks_found, progress):
+    """(config, stack, layers, layer index) of every layer of every stack, with a progress bar
     on a terminal."""
-    every = [(c, stack, layers, i) for c, stack, layers in plan for i in layers]
+    every = [(c, stack, layers, i) for c, stack, layers in stacks_found for i in layers]
     if progress is False or not sys.stderr.isatty():
         return every
     try:

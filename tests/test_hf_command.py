@@ -184,6 +184,23 @@ def test_a_wrong_cross_attention_conversion_fails_on_hfs_row(tmp_path, monkeypat
                       for d in ("float32", "float64")}
 
 
+def test_an_encoder_only_checkpoint_of_an_encoder_decoder_family(tmp_path):
+    # T5EncoderModel's checkpoint (model_type t5, the text encoder of many pipelines) has no
+    # decoder: its encoder's layers are read, and nothing else is looked for.
+    family = encoders.FAMILIES["t5"]
+    config = transformers.T5Config(**{**BASE, **family.kw})
+    directory = _save(transformers.T5EncoderModel(config), tmp_path / "t5_encoder", 0)
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    assert {r["fixture"] for r in report["rows"]} == {"encoder layer 0 (encoder)",
+                                                      "encoder layer 1 (encoder)"}
+    assert report["summary"]["ok"]
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    with pytest.raises(hf_check.CheckpointError, match=r"no attention layer found: no key of "
+                       r"the form '\.\.\.encoder\.layer\.N\.attention\.\*' \(model_type 'bert'\)"):
+        hf_check.run(directory, log=lambda row: None)
+
+
 def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
     assert main(["hf", str(tmp_path / "nothing")]) == 2
     assert "config.json: cannot be read" in capsys.readouterr().err
@@ -201,6 +218,11 @@ def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
         vision_config={"model_type": "siglip2_vision_model"})))
     assert main(["hf", str(directory)]) == 2
     assert "model_type 'siglip2_vision_model' is not supported" in capsys.readouterr().err
+    (directory / "config.json").write_text(json.dumps(dict(config, model_type="bert",
+                                                           add_cross_attention=True)))
+    assert main(["hf", str(directory)]) == 2
+    assert "model_type 'bert': add_cross_attention = True: its crossattention layers are not " \
+        "converted" in capsys.readouterr().err
     weights.unlink()
     (directory / "pytorch_model.bin").write_bytes(b"\x80\x04")  # a pickle: never read
     (directory / "config.json").write_text(json.dumps(config))
