@@ -46,6 +46,10 @@ LAYOUTS = {**{mt: ("layers", "self_attn", None) for mt in DECODERS},
            # BLOOM adds the residual inside its attention: ours is the output of its dense
            "bloom": ("h", "self_attention", "dense")}
 FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward", "ffn")  # replaced by nothing
+# Families whose attention module reads its index in the whole model beyond layer_types (GPT-2's
+# scale_attn_by_inverse_layer_idx: GPT2Attention's scaling is divided by layer_idx + 1): in the
+# one-layer model it is built again with the layer's own index.
+OWN_INDEX = ("gpt2",)
 
 
 class CheckpointError(ValueError):
@@ -167,9 +171,6 @@ def hf_runner(config, layer_idx, state_dict):
     def run(fixture, dtype):
         if dtype != "float32":
             raise NotSupported("HF computes RoPE's angles in float32: compared at float32")
-        if config.get("scale_attn_by_inverse_layer_idx") and layer_idx > 0:
-            raise NotSupported("GPT-2's scale_attn_by_inverse_layer_idx reads the layer's index "
-                               "in the whole model, which a one-layer model does not have")
         return {"output": _hf_output(config, layer_idx, state_dict, fixture.inputs["x"]),
                 "dtype": dtype}
 
@@ -219,6 +220,9 @@ def _hf_output(config, layer_idx, state_dict, x):
         if hasattr(layer, name):
             setattr(layer, name, _Zero())  # adds nothing: the attention's output is all we read
     attn = getattr(layer, module)
+    if config["model_type"] in OWN_INDEX:
+        attn = type(attn)(hf_config, layer_idx=layer_idx).to(torch.float32).eval()
+        setattr(layer, module, attn)
     attn.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in
                           state_dict.items()}, strict=True)
     fed = torch.from_numpy(np.asarray(x, np.float32))

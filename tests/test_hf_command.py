@@ -89,6 +89,26 @@ def test_a_wrong_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
     assert not report["summary"]["ok"]
 
 
+def test_gpt2s_scale_by_the_inverse_layer_index_is_checked_by_hfs_row(tmp_path, monkeypatch):
+    # HF's one-layer model rebuilds GPT2Attention with the layer's own index: converting
+    # layer 1 as if it were layer 0 (its scale not divided by 2) fails HF's row on layer 1 only.
+    directory = _checkpoint("gpt2", tmp_path / "gpt2")
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    assert [r["status"] for r in report["rows"] if r["implementation"] == "hf"
+            and r["dtype"] == "float32"] == ["pass", "pass"]
+    family = hf.FAMILIES["gpt2"]
+
+    def as_layer_0(c, layer_idx, sd):
+        return family.settings(c, 0, sd)
+
+    monkeypatch.setitem(hf.FAMILIES, "gpt2", family.__class__(
+        family.variant, as_layer_0, family.to_neutral, family.from_neutral))
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    failed = {(r["fixture"], r["implementation"]) for r in report["rows"]
+              if r["status"] == "fail"}
+    assert failed == {("layer 1 (attention)", "hf")}
+
+
 def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
     assert main(["hf", str(tmp_path / "nothing")]) == 2
     assert "config.json: cannot be read" in capsys.readouterr().err
