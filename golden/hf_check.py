@@ -119,6 +119,10 @@ FLOAT64 = ("bert", "roberta", "vit", "clip_text_model", "clip_vision_model",
            "siglip_text_model", "siglip_vision_model", "whisper", "bart", "t5")
 # The transformers class of a config AutoModel does not take.
 MODELS = {"siglip_text_model": "SiglipTextModel"}
+# Families whose attention module reads its index in the whole model beyond layer_types (GPT-2's
+# scale_attn_by_inverse_layer_idx: GPT2Attention's scaling is divided by layer_idx + 1): in the
+# one-layer model it is built again with the layer's own index.
+OWN_INDEX = ("gpt2",)
 
 
 class CheckpointError(ValueError):
@@ -298,10 +302,8 @@ def hf_runner(config, stack, layer_idx, state_dict):
         if dtype != "float32" and config["model_type"] not in FLOAT64:
             raise NotSupported("HF computes RoPE's angles (or ALiBi's slopes, norms) in "
                                "float32: compared at float32")
-        if config.get("scale_attn_by_inverse_layer_idx") and layer_idx > 0:
-            raise NotSupported("GPT-2's scale_attn_by_inverse_layer_idx reads the layer's index "
-                               "in the whole model, which a one-layer model does not have")
-        return {"output": _hf_output(config, stack, state_dict, fixture.inputs, dtype),
+        return {"output": _hf_output(config, stack, state_dict, fixture.inputs, dtype,
+                                     layer_idx),
                 "dtype": dtype}
 
     return Runner("hf", "torch", run)
@@ -384,7 +386,7 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
     return given
 
 
-def _hf_output(config, stack, state_dict, inputs, dtype_name):
+def _hf_output(config, stack, state_dict, inputs, dtype_name, layer_idx=0):
     """The HF attention module's output on the fixture's inputs: a one-layer model of the
     config, the layer's weights loaded into its attention, x fed in place of the attention's
     input by a pre-hook (a cross-attention's context is the encoder output the model is
@@ -395,6 +397,11 @@ def _hf_output(config, stack, state_dict, inputs, dtype_name):
     model = _one_layer_model(config, dtype)
     where = stack.in_model or (stack.stack, stack.module)
     attn = _module(model, Stack(*where))
+    if config["model_type"] in OWN_INDEX:  # built again with the layer's own index
+        name = next(n for n, m in model.named_modules() if m is attn)
+        parent, _, child = name.rpartition(".")
+        attn = type(attn)(model.config, layer_idx=layer_idx).to(dtype).eval()
+        setattr(model.get_submodule(parent), child, attn)
     own = attn.state_dict()
     missing = sorted(set(own) - set(state_dict))
     if missing:

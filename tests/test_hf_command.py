@@ -131,9 +131,7 @@ def test_every_layer_passes(name, tmp_path, capsys):
     assert len({r["fixture"] for r in rows}) == layers  # every attention layer
     assert {r["implementation"] for r in rows} == {"torch", "jax", "hf"}
     hf_rows = [r for r in rows if r["implementation"] == "hf"]
-    assert [r["status"] for r in hf_rows if r["dtype"] == "float32"] == [
-        "not supported" if i and FAMILIES[name].kw.get("scale_attn_by_inverse_layer_idx")
-        else "pass" for i in range(layers)]  # GPT-2's scale past layer 0: no one-layer model
+    assert [r["status"] for r in hf_rows if r["dtype"] == "float32"] == ["pass"] * layers
     assert "passed, 0 failed" in capsys.readouterr().out
 
 
@@ -199,6 +197,26 @@ def test_an_encoder_only_checkpoint_of_an_encoder_decoder_family(tmp_path):
     with pytest.raises(hf_check.CheckpointError, match=r"no attention layer found: no key of "
                        r"the form '\.\.\.encoder\.layer\.N\.attention\.\*' \(model_type 'bert'\)"):
         hf_check.run(directory, log=lambda row: None)
+
+
+def test_gpt2s_scale_by_the_inverse_layer_index_is_checked_by_hfs_row(tmp_path, monkeypatch):
+    # HF's one-layer model rebuilds GPT2Attention with the layer's own index: converting
+    # layer 1 as if it were layer 0 (its scale not divided by 2) fails HF's row on layer 1 only.
+    directory = _checkpoint("gpt2", tmp_path / "gpt2")
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    assert [r["status"] for r in report["rows"] if r["implementation"] == "hf"
+            and r["dtype"] == "float32"] == ["pass", "pass"]
+    family = hf.FAMILIES["gpt2"]
+
+    def as_layer_0(c, layer_idx, sd):
+        return family.settings(c, 0, sd)
+
+    monkeypatch.setitem(hf.FAMILIES, "gpt2", family.__class__(
+        family.variant, as_layer_0, family.to_neutral, family.from_neutral))
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    failed = {(r["fixture"], r["implementation"]) for r in report["rows"]
+              if r["status"] == "fail"}
+    assert failed == {("layer 1 (attention)", "hf")}
 
 
 def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
