@@ -206,6 +206,33 @@ def check_pair_move(config, interleaved) -> None:
                          f"{interleaved}")
 
 
+def llama_from_hf(state_dict, *, num_heads, rope_theta, num_kv_heads=None, head_dim=None,
+                  prefix="", names=HF_NAMES, interleaved=False, sliding_window=None):
+    """(variant, config, params) of ``from_llama``: one Llama-style layer read by
+    ``llama_to_neutral`` (its ``prefix``, Meta's ``names``, interleaved pairs moved to
+    rotate-half, the shapes checked), put back under Hugging Face's names, and converted by
+    ``from_hf`` with the config those arguments describe (model_type "llama", or "mistral"
+    with a ``sliding_window``): the same conversion as any Llama checkpoint's."""
+    params = llama_to_neutral(state_dict, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, prefix=prefix, names=names,
+                              interleaved=interleaved)
+    dh = _head_dim(params, num_heads)
+    config = {"model_type": "llama" if sliding_window is None else "mistral",
+              "hidden_size": params["W_query"].shape[0], "num_attention_heads": num_heads,
+              "num_key_value_heads": params["W_key"].shape[1] // dh, "head_dim": dh,
+              "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+              "sliding_window": sliding_window}
+    if params["W_out"].shape[1] != config["hidden_size"]:
+        raise ValueError(f"{prefix}{names[3]}.weight should map N·Dh = {num_heads * dh} "
+                         f"features back to the model's width {config['hidden_size']}, got "
+                         f"{params['W_out'].shape[1]} outputs")
+    variant, ours, params = from_hf(config, neutral_to_llama(params, num_heads=num_heads))
+    # from_llama's configuration as it always was (llama_config's): θ as rope_theta, d_out given
+    ours = VARIANTS[variant].config({**{k: v for k, v in ours.items() if k != "rope_parameters"},
+                                     "rope_theta": rope_theta, "d_out": config["hidden_size"]})
+    return variant, ours, params
+
+
 def llama_config(params, *, num_heads, rope_theta, sliding_window=None) -> dict:
     """The complete GroupedQueryAttention configuration for Llama-style neutral parameters:
     sizes from their shapes, ``qkv_bias``/``out_bias`` from the biases present, causal,

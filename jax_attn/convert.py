@@ -39,6 +39,7 @@ from golden.convert import (
     flax_mha_settings,
     flax_mha_to_neutral,
     llama_config,
+    llama_from_hf,
     llama_to_neutral,
     neutral_to_flax_mha,
     neutral_to_llama,
@@ -134,16 +135,14 @@ def to_linen_mha(variant, config, params, *, precision=DEFAULT_PRECISION):
 def from_llama(state_dict, *, num_heads, rope_theta, num_kv_heads=None, head_dim=None,
                prefix="", names=HF_NAMES, interleaved=False, sliding_window=None, rngs=None):
     """A GroupedQueryAttention holding one attention layer of a Llama-style state dict (torch
-    tensors or arrays, (out, in)): ``golden.convert.llama_to_neutral`` (see there for
-    ``prefix``, ``names`` and ``interleaved``, Meta's RoPE pairs, moved to rotate-half), then
-    ``build`` with ``llama_config``: causal, rotate-half RoPE of ``rope_theta``, Hugging Face's
+    tensors or arrays, (out, in)): ``golden.convert.llama_from_hf``, a thin use of ``from_hf`` (see
+    there for ``prefix``, ``names`` and ``interleaved``, Meta's RoPE pairs, moved to
+    rotate-half): causal, rotate-half RoPE of ``rope_theta``, Hugging Face's
     ``sliding_window`` (Mistral's config)."""
-    params = llama_to_neutral(state_dict, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                              head_dim=head_dim, prefix=prefix, names=names,
-                              interleaved=interleaved)
-    config = llama_config(params, num_heads=num_heads, rope_theta=rope_theta,
-                          sliding_window=sliding_window)
-    return build("grouped_query_attention", config, params, rngs=rngs)
+    return build(*llama_from_hf(state_dict, num_heads=num_heads, rope_theta=rope_theta,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, prefix=prefix,
+                                names=names, interleaved=interleaved,
+                                sliding_window=sliding_window), rngs=rngs)
 
 
 def to_llama(module, *, prefix="", names=HF_NAMES, interleaved=False) -> dict:

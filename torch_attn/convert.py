@@ -44,6 +44,7 @@ from golden.convert import (
     MHA_SETTINGS,
     check_pair_move,
     llama_config,
+    llama_from_hf,
     llama_to_neutral,
     neutral_to_llama,
     permute_qk,
@@ -394,12 +395,10 @@ def from_llama(state_dict, *, num_heads, rope_theta, num_kv_heads=None, head_dim
     ``names`` and ``interleaved``, Meta's RoPE pairs, moved to rotate-half), then ``build``
     with ``llama_config``: causal, rotate-half RoPE of ``rope_theta``, Hugging Face's
     ``sliding_window`` (Mistral's config)."""
-    params = llama_to_neutral(state_dict, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                              head_dim=head_dim, prefix=prefix, names=names,
-                              interleaved=interleaved)
-    return build("grouped_query_attention",
-                 llama_config(params, num_heads=num_heads, rope_theta=rope_theta,
-                               sliding_window=sliding_window), params)
+    return build(*llama_from_hf(state_dict, num_heads=num_heads, rope_theta=rope_theta,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, prefix=prefix,
+                                names=names, interleaved=interleaved,
+                                sliding_window=sliding_window))
 
 
 def to_llama(module, *, prefix="", names=HF_NAMES, interleaved=False) -> dict:
