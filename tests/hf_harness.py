@@ -115,3 +115,23 @@ def rel(actual, expected):
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
+
+
+def undone(variant, ours, params, change):
+    """Our configuration with ``change`` applied (None removes a setting; a new RoPE keeps the
+    old rotary fraction; a rotary fraction in ``change`` replaces the one inside
+    rope_parameters), and the parameters it still has a place for: what a family's distinctive
+    setting undone computes."""
+    from golden import variants
+
+    changed = {n: v for n, v in {**ours, **change}.items() if v is not None}
+    rope = ours.get("rope_parameters", {})
+    if "rope_parameters" in change and "partial_rotary_factor" in rope:
+        changed["rope_parameters"] = dict(change["rope_parameters"],
+                                          partial_rotary_factor=rope["partial_rotary_factor"])
+    if "partial_rotary_factor" in change:
+        changed["rope_parameters"] = {k: v for k, v in rope.items()
+                                      if k != "partial_rotary_factor"}
+    assert changed != dict(ours), change
+    shapes = variants.VARIANTS[variant].shapes(variants.VARIANTS[variant].config(changed))
+    return changed, {n: a for n, a in params.items() if n in shapes}
