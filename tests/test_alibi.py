@@ -36,6 +36,10 @@ B, L, N, DH = 3, 7, 6, 4
 D = N * DH  # 24: HF's families have Dh = D / N
 GQA = "grouped_query_attention"
 FLOAT32_LEVEL = 1e-6  # BLOOM's and MPT's float32 softmax (and MPT's float32 slopes)
+# Their gradients go through HF's float32 softmax backward too, whose cancellation adds to it:
+# over 150 seeds per family the largest relative error was 2.5e-6 (BLOOM; MPT 1.6e-6), the
+# medians 4e-7, and 1e-6 failed about 2 % of the runs. Hence 4x.
+FLOAT32_GRADIENT = 4 * FLOAT32_LEVEL
 EXACT = 1e-12
 
 
@@ -202,6 +206,7 @@ def test_gradients_match_transformers(family):
     d_out = torch.from_numpy(rng.standard_normal((B, L, D)))
     xt = torch.from_numpy(x).requires_grad_()
     config, params, y, _, level, hf = FAMILIES[family](rng, xt)
+    level = FLOAT32_GRADIENT if level == FLOAT32_LEVEL else level
     (y * d_out).sum().backward()
     layout = {"bloom": "bloom", "falcon_multi_query": "falcon"}.get(family, "mpt")
     fused = hf.Wqkv if layout == "mpt" else hf.query_key_value
