@@ -31,6 +31,13 @@ def test_pages_have_examples():
     assert any(page.name == "reproducibility.md" for page, _ in BLOCKS.values())
 
 
+def test_no_page_holds_a_merge_conflict():
+    """A merge's conflict markers left in a page (they are not Python, so no block fails)."""
+    for page in PAGES:
+        marked = re.findall(r"^(?:<{7}|>{7}) .*$|^={7}$", page.read_text(), flags=re.M)
+        assert not marked, f"{page.name}: {marked}"
+
+
 def test_links_between_pages_resolve():
     """Every relative link of the README and docs/ names a file that exists."""
     for page in PAGES:
