@@ -278,12 +278,18 @@ def check_fits(held, new, room, length) -> None:
                          f"{new.tolist()} more within max_length M = {room}")
 
 
-def distance_terms(distance_bias, key, pos):
-    """The bias at each key − query distance: ``distance_bias`` (..., 2S + 1) at entry
+def distance_index(entries, key, pos):
+    """Where each key − query distance reads a distance table of ``entries`` = 2S + 1:
     S + clip(key − pos, −S, S), for integer key and query positions of any framework
     (broadcast together)."""
-    span = (distance_bias.shape[-1] - 1) // 2
-    return distance_bias[..., (key - pos).clip(-span, span) + span]
+    span = (entries - 1) // 2
+    return (key - pos).clip(-span, span) + span
+
+
+def distance_terms(distance_bias, key, pos):
+    """The bias at each key − query distance: ``distance_bias`` (..., 2S + 1) at
+    ``distance_index``."""
+    return distance_bias[..., distance_index(distance_bias.shape[-1], key, pos)]
 
 
 def allowed_terms(row, key, pos, *, is_causal, window, chunk=None, q_lengths=None,

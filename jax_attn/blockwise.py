@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from golden.positions import allowed_terms
+from golden.positions import allowed_terms, distance_index
 from golden.validate import check_block_sizes
 
 # The largest query and key blocks when block_sizes is None: measured on a CPU (forward and
@@ -272,12 +272,11 @@ def _allowed(st, h, i, j, mask):
 
 
 def _distances(st, i, j, h):
-    """The table entries of query block i against key block j: int32 (Bq, Bk), the distance
-    key − position clipped to the distance_bias's span, plus the span (golden.positions)."""
+    """The table entries of query block i against key block j: int32 (Bq, Bk)
+    (golden.positions.distance_index)."""
     row = i * st.block_q + lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)  # (Bq, 1)
     key = j * st.block_k + lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)  # (1, Bk)
-    span = (h.distance_bias.shape[0] - 1) // 2
-    return jnp.clip(key - (row + h.offset), -span, span) + span
+    return distance_index(h.distance_bias.shape[0], key, row + h.offset)
 
 
 def _block_bias(st, h, i, j, bias_ij):

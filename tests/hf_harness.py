@@ -135,3 +135,26 @@ def undone(variant, ours, params, change):
     assert changed != dict(ours), change
     shapes = variants.VARIANTS[variant].shapes(variants.VARIANTS[variant].config(changed))
     return changed, {n: a for n, a in params.items() if n in shapes}
+
+
+def assert_each_undone_moves_the_output(family, config, model, changes, rng, seed):
+    """For each (layer, change) of ``changes``: the layer converted by from_hf, the change
+    undone (``undone``), and the torch twin's float64 output on the layer's captured input
+    must differ from HF's captured output by more than 10³ × FLOAT32_LEVEL relative: the
+    family's distinctive setting is one the agreement tests would see."""
+    import golden.convert
+    from tests.helpers import TWINS
+
+    twin = TWINS["torch"]
+    layers = {layer for layer, _ in changes}
+    seen = captured(family, model, layers, rng.integers(0, BASE["vocab_size"], (B, L)))
+    for layer, change in changes:
+        x, expected = seen[layer]
+        variant, ours, params = golden.convert.from_hf(
+            config, state_dict(attention_of(family, model, layer)), layer_idx=layer)
+        changed, kept = undone(variant, ours, params, change)
+        with twin.float64():
+            module = twin.build(variant, changed, kept)
+            module.eval()
+            out = twin.numpy(module(twin.array(x)))
+        assert rel(out, expected) > 1e3 * FLOAT32_LEVEL, (layer, change, seed)

@@ -38,12 +38,12 @@ from tests.hf_harness import (  # noqa: E402
     Family,
     L,
     N,
+    assert_each_undone_moves_the_output,
     attention_of,
     build_model,
     captured,
     rel,
     state_dict,
-    undone,
 )
 
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
@@ -207,21 +207,10 @@ def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(n
     """Undoing one of the family's settings (a window, a norm, the sinks, the RoPE scaling...)
     changes the layer's output by more than 10³ times the bound we hold HF's output to, so the
     agreement above is not blind to it."""
-    twin = TWINS["torch"]
     rng, seed = fresh_rng()
     config, model = build_model(FAMILIES[name], rng)
-    layers = {layer for layer, _ in DISTINCT[name]}
-    seen = captured(FAMILIES[name], model, layers, rng.integers(0, BASE["vocab_size"], (B, L)))
-    for layer, change in DISTINCT[name]:
-        sd = state_dict(attention_of(FAMILIES[name], model, layer))
-        x, expected = seen[layer]
-        variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=layer)
-        changed, kept = undone(variant, ours, params, change)
-        with twin.float64():
-            module = twin.build(variant, changed, kept)
-            module.eval()
-            out = twin.numpy(module(twin.array(x)))
-        assert rel(out, expected) > 1e3 * FLOAT32_LEVEL, (name, layer, change, seed)
+    assert_each_undone_moves_the_output(FAMILIES[name], config, model, DISTINCT[name], rng,
+                                        (name, seed))
 
 
 # Latent attention has exact angles only (its comparison with HF is at float32 level anyway:

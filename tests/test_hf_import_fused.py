@@ -42,11 +42,11 @@ from tests.hf_harness import (  # noqa: E402
     B,
     Family,
     L,
+    assert_each_undone_moves_the_output,
     attention_of,
     captured,
     rel,
     state_dict,
-    undone,
 )
 
 D = 24  # N = 4 heads of Dh = 6
@@ -184,21 +184,9 @@ def test_round_trip_gives_back_the_same_arrays(name):
 def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(name):
     """Undoing one of the family's settings changes the layer's output by more than 10³ times
     the bound we hold HF's output to, so the agreement above is not blind to it."""
-    twin = TWINS["torch"]
     rng, seed, config, model = _setup(name)
-    layers = {layer for layer, _ in DISTINCT[name]}
-    seen = captured(CASES[name], model, layers, rng.integers(0, BASE["vocab_size"],
-                                                            (B, L)))
-    for layer, change in DISTINCT[name]:
-        sd = state_dict(attention_of(CASES[name], model, layer))
-        x, expected = seen[layer]
-        variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=layer)
-        changed, kept = undone(variant, ours, params, change)
-        with twin.float64():
-            module = twin.build(variant, changed, kept)
-            module.eval()
-            out = twin.numpy(module(twin.array(x)))
-        assert rel(out, expected) > 1e3 * FLOAT32_LEVEL, (name, layer, change, seed)
+    assert_each_undone_moves_the_output(CASES[name], config, model, DISTINCT[name], rng,
+                                        (name, seed))
 
 
 def _mpt_config(**attn):
