@@ -24,8 +24,10 @@ Flax module against such a file without torch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -43,7 +45,11 @@ from golden.report import plain
 from golden.runners.adapt import SPEC, resolve_spec
 
 FORMAT = "attn-parity-port"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# 2: the paired submodules' inputs (meta "submodule_inputs", members submodule_inputs/<torch
+# path>), which locate a divergence between two submodules; version 1 files are still read,
+# and located by the submodules' outputs alone
+FORMAT_VERSIONS = (1, 2)
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
 SCHEMA = {"schema": "attn-parity-compare", "schema_version": 2}
 
@@ -196,11 +202,18 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
             p.copy_(TORCH.array(weights[k]))
             p.requires_grad_(True)  # a frozen parameter is compared like the others
     args = list(TORCH.leaves(inputs, dtype).values())
-    captured, hooks = {}, []
+    captured, captured_in, hooks = {}, {}, []
     for path in dict.fromkeys(t for t, _ in pairs):
         def hook(_m, _in, out, path=path):
             captured.setdefault(path, TORCH.numpy(_first_array(out)))
-        hooks.append(module.get_submodule(path).register_forward_hook(hook))
+
+        def pre_hook(_m, args, kwargs, path=path):  # the first call's first array argument
+            if path not in captured_in:
+                first = _first_tensor(torch, (*args, *kwargs.values()))
+                captured_in[path] = TORCH.numpy(first) if first is not None else None
+        sub = module.get_submodule(path)
+        hooks += [sub.register_forward_pre_hook(pre_hook, with_kwargs=True),
+                  sub.register_forward_hook(hook)]
     try:
         out = _first_array(_call("torch", module, args, inputs))
     finally:
@@ -213,7 +226,15 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
     grads.update({f"input.{n}": TORCH.numpy(a.grad) for n, a in zip(inputs, args)
                   if a.requires_grad})
     return {"output": TORCH.numpy(out), "grads": grads, "submodules": captured,
+            "submodule_inputs": {p: a for p, a in captured_in.items() if a is not None},
             "cotangent": d_out}
+
+
+def _first_tensor(torch, values):
+    """The first floating-point tensor among ``values`` that comes before any other array (an
+    integer or boolean first array, token ids or a mask, is not compared: None)."""
+    first = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    return first if first is not None and first.is_floating_point() else None
 
 
 def _call(framework, module, args, inputs):
@@ -264,9 +285,50 @@ def _set_flax_params(model, table, weights) -> None:
     nnx.update(model, state)
 
 
-def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
+_CALL_INPUT = "__call_input__"  # the name a paired Flax submodule's call input is sown under
+
+
+@contextlib.contextmanager
+def _sowing_call_inputs(modules):
+    """While open, each module's class's ``__call__`` sows its first array argument (when it
+    is a float array) as an ``nnx.Intermediate`` named ``_CALL_INPUT``, next to the output
+    ``nnx.capture(..., method_outputs=...)`` sows (which records outputs only, flax 0.12).
+    The class is patched, as ``nnx.capture`` patches it, since Python looks ``__call__`` up on
+    the type; the original is put back on leaving."""
+    patched = {}
+    for m in modules:
+        cls = next(c for c in type(m).__mro__ if "__call__" in c.__dict__)
+        if cls not in patched:
+            patched[cls] = cls.__dict__["__call__"]
+            cls.__call__ = _sowing_input(patched[cls])
+    try:
+        yield
+    finally:
+        for cls, method in patched.items():
+            cls.__call__ = method
+
+
+def _sowing_input(method):
+    """``method`` (a ``__call__``) that first sows its first array argument, if float."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, jax.Array)), None)
+        if (first is not None and jnp.issubdtype(first.dtype, jnp.floating)
+                and hasattr(self, "__captures__")):  # only inside nnx.capture
+            self.sow(nnx.Intermediate, _CALL_INPUT, first)
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _run_flax(model, table, weights: dict, inputs: dict, d_out, pairs=()) -> dict:
     """Output, gradients in torch names and layout, and every submodule's first __call__
-    output, from one nnx.jit program in float32."""
+    output and, for the paired ones, its first call's first array argument, from one nnx.jit
+    program in float32."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -277,12 +339,16 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
     floats = {n: a for n, a in arrays.items() if a.dtype == jnp.float32}
     others = {n: a for n, a in arrays.items() if n not in floats}
 
+    paired = {f for _, f in pairs}
+
     @nnx.jit
     def step(model, floats, others, d_out):
         def loss(model, floats):
             args = [{**others, **floats}[n] for n in arrays]
-            out, inter = nnx.capture(model, nnx.Intermediate,
-                                     method_outputs=nnx.Intermediate)(*args)
+            subs = [m for p, m in nnx.iter_modules(model) if _join(p) in paired]
+            with _sowing_call_inputs(subs):
+                out, inter = nnx.capture(model, nnx.Intermediate,
+                                         method_outputs=nnx.Intermediate)(*args)
             out = _first_array(out)
             return jnp.sum(out * d_out), (out, inter)
 
@@ -296,9 +362,11 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
     g_flax = {_join(p): JAX.numpy(v.get_value()) for p, v in nnx.to_flat_state(g_model)}
     grads = {k: rule.inverse(g_flax[path], weights[k].shape) for k, (path, rule) in table.items()}
     grads.update({f"input.{n}": JAX.numpy(g) for n, g in g_in.items()})
-    subs = {_join(p[:-1]): JAX.numpy(jax.tree.leaves(v.get_value()[0])[0])
-            for p, v in nnx.to_flat_state(inter) if p[-1] == "__call__" and len(p) > 1}
-    return {"output": JAX.numpy(out), "grads": grads, "submodules": subs}
+    sown = {name: {_join(p[:-1]): JAX.numpy(jax.tree.leaves(v.get_value()[0])[0])
+                   for p, v in nnx.to_flat_state(inter) if p[-1] == name and len(p) > 1}
+            for name in ("__call__", _CALL_INPUT)}
+    return {"output": JAX.numpy(out), "grads": grads, "submodules": sown["__call__"],
+            "submodule_inputs": sown[_CALL_INPUT]}
 
 
 # ---------------------------------------------------------------- the report
@@ -308,9 +376,12 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
 class PortReport:
     """Rows of comparisons with torch float64; the verdict is the Flax float32 column's on the
     output and every gradient (submodule rows locate a divergence, they do not decide).
-    ``suspects`` are the mapped parameters of the first diverging submodule: a gradient depends
-    on every activation after its parameter, so one wrong weight fails most gradients, while
-    the first submodule whose output diverges points at the weight (or code) to look at."""
+    ``suspects`` are the mapped parameters the divergence may come from: a gradient depends on
+    every activation after its parameter, so one wrong weight fails most gradients, while the
+    submodules' inputs and outputs, compared in execution order, say where the runs part
+    (``diagnosis``): inside a submodule (its parameters are suspects), or in the code between
+    two (no parameter is, unless the port bypasses a paired submodule's ``__call__``).
+    ``first_divergent`` is the first paired submodule whose output diverges."""
 
     ok: bool
     rows: list
@@ -319,6 +390,13 @@ class PortReport:
     suspects: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     data: dict = field(default_factory=dict, repr=False)  # what freeze() writes
+    # where the Flax run first parts from the reference (golden.compare._locate): a sentence,
+    # and [A, B] when that is the code between two paired submodules (None: the module's
+    # inputs or output), None otherwise
+    diagnosis: str | None = None
+    interval: list | None = None
+    # float32 steps inside the torch float64 reference and their effect (_reference_steps)
+    reference: dict = field(default_factory=dict)
 
     def text(self) -> str:
         """A readable table: max |Δ| and the relative error norm per column, then the verdict."""
@@ -331,7 +409,8 @@ class PortReport:
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"first diverging submodule: {self.first_divergent or 'none'}")
         if self.suspects:
-            lines.append("  its parameters: " + ", ".join(self.suspects))
+            lines.append("  suspect parameters: " + ", ".join(self.suspects))
+        lines.append(f"diagnosis: {self.diagnosis or 'no divergence'}")
         if self.ok:
             lines.append("pass")
         else:
@@ -347,6 +426,8 @@ class PortReport:
         (null in JSON), NumPy values are Python values (golden.report.plain)."""
         return plain({"ok": self.ok, "first_divergent": self.first_divergent,
                       "failing_params": self.failing_params, "suspects": self.suspects,
+                      "diagnosis": self.diagnosis, "interval": self.interval,
+                      "reference": self.reference,
                       "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
                       "mapping": self.data.get("mapping")})
 
@@ -376,13 +457,16 @@ def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs
         rows.append(row(f"grad {key}", key, "grad", terms, path, str(rule), "grads"))
     for name in (k for k in expected["grads"] if k.startswith("input.")):
         rows.append(row(f"grad input {name[6:]}", name, "grad", 1, group="grads"))
-    sub_rows, first = _submodule_rows(expected, flax, torch32, pairs, notes)
+    sub_rows, steps = _submodule_rows(expected, flax, torch32, pairs, notes)
     failing = [k for k, r in zip(table, rows[1:]) if not r["ok"]]
-    suspects = [f"{k} -> {path} (rule {rule})" for k, (path, rule) in table.items()
-                if (mapping_lib.submodule(k), mapping_lib.submodule(path)) == first]
     ok = all(r["ok"] for r in rows)
+    grads_failing = [r["what"] for r in rows[1:] if not r["ok"]]
+    where = _locate(steps, rows[0]["ok"], grads_failing)
+    first = next((s["pair"] for s in steps if s["output"] is False), None)
+    suspects = [f"{k} -> {path} (rule {rule})" for k, (path, rule) in table.items()
+                if (mapping_lib.submodule(k), mapping_lib.submodule(path)) in where["owners"]]
     return PortReport(ok, rows + sub_rows, first and " ~ ".join(first), failing, suspects,
-                      notes, data)
+                      notes, data, where["diagnosis"], where["interval"])
 
 
 def _zero(expected, terms) -> bool:
@@ -394,28 +478,103 @@ def _zero(expected, terms) -> bool:
 
 
 def _submodule_rows(expected, flax, torch32, pairs, notes):
-    """Rows for the paired submodules (in torch's execution order), and the first pair that
-    fails (or None)."""
-    rows, first = [], None
+    """Rows for the paired submodules in torch's execution order (each one's input, when it is
+    a float array both sides recorded, then its output), and per pair what was found:
+    {"pair", "missing" (None, or the side that never called it), "input", "output"}: True (agrees),
+    False (diverges) or None (not compared)."""
+    rows, steps = [], []
+    if "submodule_inputs" not in expected:
+        notes.append("the expectations hold no submodule inputs (a port fixture of format "
+                     "version 1): divergences are located by submodule outputs alone")
     for t, f in pairs:
-        what = f"submodule {t} ~ {f}"
+        label = f"{t} ~ {f}"
+        step = {"pair": (t, f), "missing": None, "input": None, "output": None}
+        steps.append(step)
         e, got = expected["submodules"].get(t), flax["submodules"].get(f)
         if e is None or got is None:
-            notes.append(f"{what}: not called in {'torch' if e is None else 'Flax'}")
+            step["missing"] = "torch" if e is None else "Flax"
+            notes.append(f"submodule {label}: not called in {step['missing']}")
             continue
-        if got.size != e.size:
-            rows.append({"what": what, "torch_float32": None, "flax_float32": None,
-                         "flax_path": f, "rule": None, "ok": None,
-                         "note": f"shapes differ: {e.shape} vs {got.shape}"})
+        for part, group in (("input", "submodule_inputs"), ("output", "submodules")):
+            what = f"submodule {label}" if part == "output" else f"input of {label}"
+            e, got = expected.get(group, {}).get(t), flax.get(group, {}).get(f)
+            if e is None or got is None:
+                continue  # an input that is not a float array, or not recorded
+            if got.size != e.size:
+                rows.append({"what": what, "torch_float32": None, "flax_float32": None,
+                             "flax_path": f, "rule": None, "ok": None,
+                             "note": f"shapes differ: {e.shape} vs {got.shape}"})
+                step[part] = False
+                continue
+            base = None if torch32 is None else torch32.get(group, {}).get(t)
+            cmp = [None if g is None else dataclasses.asdict(
+                tolerances.compare(g.reshape(e.shape), e, "float32", "value"))
+                for g in (base, got)]
+            rows.append({"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
+                         "flax_path": f, "rule": None, "ok": cmp[1]["ok"]})
+            step[part] = cmp[1]["ok"]
+    return rows, steps
+
+
+def _locate(steps, output_ok, grads_failing) -> dict:
+    """Where the Flax run first parts from the reference, walking the paired submodules in
+    torch's execution order: {"diagnosis": text or None, "interval": [A, B] or None, "owners":
+    the pairs whose parameters are suspects}. A pair whose input already differs while the
+    pair before it agreed puts the divergence in the code between them (A None: the module's
+    inputs), where no mapped parameter is used, so that pair's own weights are not suspects;
+    a pair whose input agrees and output does not puts it inside that pair; every pair agreeing
+    and the output not puts it after the last one (B None: the module's output). A pair one
+    side never called is stepped over: its output is compared nowhere, so the parameters of
+    one the port does not call are suspects wherever the divergence shows after it."""
+    def name(pair):
+        return None if pair is None else " ~ ".join(pair)
+
+    last, skipped = None, []  # the last pair that agreed; pairs not called before here
+    for s in steps:
+        if s["missing"]:
+            skipped += [s["pair"]] if s["missing"] == "Flax" else []
             continue
-        base = None if torch32 is None else torch32["submodules"].get(t)
-        cmp = [None if g is None else dataclasses.asdict(
-            tolerances.compare(g.reshape(e.shape), e, "float32", "value")) for g in (base, got)]
-        rows.append({"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
-                     "flax_path": f, "rule": None, "ok": cmp[1]["ok"]})
-        if not cmp[1]["ok"] and first is None:
-            first = (t, f)
-    return rows, first
+        if s["output"] is False:
+            b = name(s["pair"])
+            if s["input"] is False:
+                where = f"after `{name(last)}`, before `{b}`" if last else f"before `{b}`"
+                text = (f"diverges {where}: in the code between "
+                        f"{'them' if last else 'the module inputs and it'}, where no mapped "
+                        f"parameter is used (the input of `{b}` already differs, so its "
+                        f"parameters are not suspects)")
+                return _diagnosis(text, [name(last), b], skipped)
+            if s["input"] is True:
+                return _diagnosis(f"diverges inside `{b}`: its input agrees, its output "
+                                  f"does not (its parameters or its code)", None, [],
+                                  owners=[s["pair"]])
+            text = (f"diverges by the output of `{b}`, whose input could not be compared (not a "
+                    f"float array): inside it, or in the code before it"
+                    + (f", after `{name(last)}`" if last else ""))
+            return _diagnosis(text, None, skipped, owners=[s["pair"]])
+        last = s["pair"]  # its input may differ yet its output agree: a norm removes a scale
+    if not output_ok:
+        text = (f"diverges after `{name(last)}`, in the code that follows it: every paired "
+                f"submodule agrees, the output does not" if last else
+                "diverges in the module's own code: no paired submodule could be compared")
+        return _diagnosis(text, [name(last), None], skipped)
+    if grads_failing:
+        text = (f"the output and every compared submodule agree, but {', '.join(grads_failing)} "
+                f"do not: the backward pass differs (a stop_gradient, a custom VJP, a parameter "
+                f"used outside the differentiated path)")
+        return _diagnosis(text, None, skipped)
+    return {"diagnosis": None, "interval": None, "owners": []}
+
+
+def _diagnosis(text, interval, skipped, owners=()) -> dict:
+    """The diagnosis with the pairs the port never called named: their parameters are
+    suspects, since the code that replaces their ``__call__`` is compared nowhere."""
+    owners = list(owners)
+    if skipped:
+        names = ", ".join(f"`{f}` ({t} ~ {f})" for t, f in skipped)
+        text += (f"; the port does not call the __call__ of {names}, so what it does instead is "
+                 f"not compared and its parameters are suspects too")
+        owners += skipped
+    return {"diagnosis": text, "interval": interval, "owners": owners}
 
 
 # ---------------------------------------------------------------- compare
@@ -440,7 +599,7 @@ def compare(torch_factory, flax_factory, mapping, inputs, *, seed: int = 0,
     order = list(expected["submodules"])  # the order torch's hooks fired in
     pairs.sort(key=lambda p: order.index(p[0]) if p[0] in order else len(order))
     torch32 = _run_torch(torch_model, "float32", weights, arrays, pairs, d_out)
-    flax = _run_flax(flax_model, table, weights, arrays, d_out)
+    flax = _run_flax(flax_model, table, weights, arrays, d_out, pairs)
     data = {"seed": seed, "mapping": mapping_lib.to_json(table), "weights": weights,
             "inputs": arrays, "cotangent": d_out, "expected": expected, "pairs": pairs,
             "torch_factory": None, "flax_factory": None}
@@ -472,6 +631,8 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
                          "its drawn data")
     expected = d["expected"]
     pairs = [p for p in d["pairs"] if p[0] in expected["submodules"]]
+    sub_inputs = {t: expected["submodule_inputs"][t] for t in dict.fromkeys(t for t, _ in pairs)
+                  if t in expected.get("submodule_inputs", {})}
     clash = [k for k in d["weights"] if k.startswith("input.")]
     if clash:
         raise ValueError(f"freeze: torch keys {clash} clash with the input gradients' names")
@@ -480,6 +641,7 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
             "torch_factory": torch_factory_spec or d.get("torch_factory"),
             "flax_factory": flax_factory_spec or d.get("flax_factory"),
             "submodules": [list(p) for p in pairs],
+            "submodule_inputs": list(sub_inputs),
             "shapes": {"output": list(expected["output"].shape),
                        **{f"params/{k}": list(w.shape) for k, w in d["weights"].items()},
                        **{f"inputs/{n}": list(a.shape) for n, a in d["inputs"].items()}}}
@@ -490,6 +652,7 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
     members.update({f"grads/{k}": g for k, g in expected["grads"].items()})
     members.update({f"submodules/{t}": expected["submodules"][t]
                     for t in dict.fromkeys(t for t, _ in pairs)})
+    members.update({f"submodule_inputs/{t}": a for t, a in sub_inputs.items()})
     write_atomic(Path(path), to_bytes(_PortFile(meta, members)))
     return Path(path)
 
@@ -510,6 +673,9 @@ def load_port(path) -> dict:
     order = meta["params"] + [f"input.{n}" for n in meta["inputs"] if f"input.{n}" in grads]
     expected = {"output": members["expected/output"], "grads": {k: grads[k] for k in order},
                 "submodules": {t: subs[t] for t in dict.fromkeys(t for t, _ in meta["submodules"])}}
+    if meta["format_version"] >= 2:  # version 1 stored no submodule inputs
+        expected["submodule_inputs"] = {t: groups["submodule_inputs"][t]
+                                        for t in meta["submodule_inputs"]}
     return {"meta": meta, "inputs": {n: groups["inputs"][n] for n in meta["inputs"]},
             "params": {k: groups["params"][k] for k in meta["params"]},
             "cotangent": members["cotangents/output"], "expected": expected}
@@ -525,11 +691,12 @@ def _port_meta(members, fail) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         fail(f"meta.format should be {FORMAT!r}, got "
              f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
-    if meta.get("format_version") != FORMAT_VERSION:
-        fail(f"meta.format_version should be {FORMAT_VERSION}, got "
-             f"{meta.get('format_version')!r}")
+    if meta.get("format_version") not in FORMAT_VERSIONS:
+        fail(f"meta.format_version should be one of {list(FORMAT_VERSIONS)} (this attn-parity "
+             f"reads those), got {meta.get('format_version')!r}")
+    since_2 = (("submodule_inputs", list),) if meta["format_version"] >= 2 else ()
     for key, kind in (("mapping", dict), ("params", list), ("inputs", list),
-                      ("submodules", list), ("shapes", dict)):
+                      ("submodules", list), ("shapes", dict), *since_2):
         if not isinstance(meta.get(key), kind):
             fail(f"meta.{key} should be a {kind.__name__}, got {meta.get(key)!r}")
     try:
@@ -538,6 +705,10 @@ def _port_meta(members, fail) -> dict:
         fail(f"meta.mapping: {e}")
     if sorted(meta["params"]) != sorted(meta["mapping"]):
         fail(f"meta.params should list the mapping's keys, got {meta['params']}")
+    stray = [t for t in meta.get("submodule_inputs", []) if t not in
+             [p[0] for p in meta["submodules"] if isinstance(p, list) and p]]
+    if stray:
+        fail(f"meta.submodule_inputs should name torch paths of meta.submodules, got {stray}")
     return meta
 
 
@@ -550,6 +721,7 @@ def _port_groups(members, meta, fail) -> dict:
     required |= {f"inputs/{n}" for n in names} | {f"params/{k}" for k in keys}
     required |= {f"grads/{k}" for k in keys} | {f"grads/input.{n}" for n in floats}
     required |= {f"submodules/{t}" for t, _ in meta["submodules"]}
+    required |= {f"submodule_inputs/{t}" for t in meta.get("submodule_inputs", [])}
     missing, extra = sorted(required - set(members)), sorted(set(members) - required)
     if missing or extra:
         fail(f"members do not match meta: missing {missing}, unexpected {extra}")
@@ -560,7 +732,7 @@ def _port_groups(members, meta, fail) -> dict:
         if list(got) != shape:
             fail(f"{name} has shape {got}, meta.shapes says {tuple(shape)}")
     groups = {g: {k.split("/", 1)[1]: v for k, v in members.items() if k.startswith(g + "/")}
-              for g in ("inputs", "params", "grads", "submodules")}
+              for g in ("inputs", "params", "grads", "submodules", "submodule_inputs")}
     _check_port_arrays(members, groups, fail)
     return groups
 
@@ -575,7 +747,7 @@ def _check_port_arrays(members, groups, fail) -> None:
              f"expected/output {members['expected/output'].shape}")
     finite = {"cotangents/output": members["cotangents/output"],
               "expected/output": members["expected/output"],
-              **{f"{g}/{k}": a for g in ("params", "grads", "submodules")
+              **{f"{g}/{k}": a for g in ("params", "grads", "submodules", "submodule_inputs")
                  for k, a in groups[g].items()}}
     for name, a in finite.items():
         if a.dtype != np.float64 or not np.all(np.isfinite(a)):
@@ -606,7 +778,7 @@ def check_port(path, flax_factory=None, torch_factory=None) -> PortReport:
     pairs = [tuple(p) for p in meta["submodules"]]
     inputs = {n: a.astype(np.float64) if a.dtype.kind == "f" else a
               for n, a in port["inputs"].items()}
-    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"])
+    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"], pairs)
     torch32 = None
     if torch_factory is not None:
         torch32 = _run_torch(_built(torch_factory, "torch"), "float32", port["params"], inputs,
