@@ -493,7 +493,9 @@ def _submodule_rows(expected, flax, torch32, pairs, notes):
         e, got = expected["submodules"].get(t), flax["submodules"].get(f)
         if e is None or got is None:
             step["missing"] = "torch" if e is None else "Flax"
-            notes.append(f"submodule {label}: not called in {step['missing']}")
+            notes.append(f"submodule {label}: not called in {step['missing']}" + (
+                f": the port does not call `{f}`'s `__call__`, so its output is compared nowhere"
+                if e is not None else ""))
             continue
         for part, group in (("input", "submodule_inputs"), ("output", "submodules")):
             what = f"submodule {label}" if part == "output" else f"input of {label}"
@@ -529,10 +531,11 @@ def _locate(steps, output_ok, grads_failing) -> dict:
     def name(pair):
         return None if pair is None else " ~ ".join(pair)
 
-    last, skipped = None, []  # the last pair that agreed; pairs not called before here
-    for s in steps:
+    last, skipped, since = None, [], []  # the last pair that agreed; pairs the port does not
+    for s in steps:                     # call before here, and since ``last``
         if s["missing"]:
             skipped += [s["pair"]] if s["missing"] == "Flax" else []
+            since += [s["pair"]] if s["missing"] == "Flax" else []
             continue
         if s["output"] is False:
             b = name(s["pair"])
@@ -542,7 +545,7 @@ def _locate(steps, output_ok, grads_failing) -> dict:
                         f"{'them' if last else 'the module inputs and it'}, where no mapped "
                         f"parameter is used (the input of `{b}` already differs, so its "
                         f"parameters are not suspects)")
-                return _diagnosis(text, [name(last), b], skipped)
+                return _diagnosis(text, [name(last), b], skipped, since=since)
             if s["input"] is True:
                 return _diagnosis(f"diverges inside `{b}`: its input agrees, its output "
                                   f"does not (its parameters or its code)", None, [],
@@ -551,12 +554,12 @@ def _locate(steps, output_ok, grads_failing) -> dict:
                     f"float array): inside it, or in the code before it"
                     + (f", after `{name(last)}`" if last else ""))
             return _diagnosis(text, None, skipped, owners=[s["pair"]])
-        last = s["pair"]  # its input may differ yet its output agree: a norm removes a scale
+        last, since = s["pair"], []  # its input may differ, its output agree (a norm's scale)
     if not output_ok:
         text = (f"diverges after `{name(last)}`, in the code that follows it: every paired "
                 f"submodule agrees, the output does not" if last else
                 "diverges in the module's own code: no paired submodule could be compared")
-        return _diagnosis(text, [name(last), None], skipped)
+        return _diagnosis(text, [name(last), None], skipped, since=since)
     if grads_failing:
         text = (f"the output and every compared submodule agree, but {', '.join(grads_failing)} "
                 f"do not: the backward pass differs (a stop_gradient, a custom VJP, a parameter "
@@ -565,16 +568,130 @@ def _locate(steps, output_ok, grads_failing) -> dict:
     return {"diagnosis": None, "interval": None, "owners": []}
 
 
-def _diagnosis(text, interval, skipped, owners=()) -> dict:
-    """The diagnosis with the pairs the port never called named: their parameters are
-    suspects, since the code that replaces their ``__call__`` is compared nowhere."""
+def _diagnosis(text, interval, skipped, owners=(), since=()) -> dict:
+    """The diagnosis with the pairs the port never called named (``since``: those torch runs
+    inside the interval): their parameters are suspects, since the code that replaces their
+    ``__call__`` is compared nowhere."""
     owners = list(owners)
-    if skipped:
-        names = ", ".join(f"`{f}` ({t} ~ {f})" for t, f in skipped)
-        text += (f"; the port does not call the __call__ of {names}, so what it does instead is "
-                 f"not compared and its parameters are suspects too")
-        owners += skipped
+    for t, f in skipped:
+        text += (f"; the port does not call `{f}`'s `__call__` ({t} ~ {f}"
+                 f"{', which torch runs there' if (t, f) in since else ''}), so what it does "
+                 f"instead is compared nowhere and its parameters are suspects too")
+        owners.append((t, f))
     return {"diagnosis": text, "interval": interval, "owners": owners}
+
+
+# ---------------------------------------------------------------- float32 inside float64
+
+
+_LOW = ("float32", "float16", "bfloat16")
+_NO_ARITHMETIC = {"detach", "alias", "view", "_unsafe_view", "expand", "t", "transpose",
+                  "permute", "clone", "lift_fresh"}  # not listed as float32 steps
+
+
+def _with_reference_steps(report, module, flax, table, pairs, terms) -> PortReport:
+    """``report`` with ``reference`` (and a note) saying which ops of the torch float64
+    reference ran in float32 or lower, in which module, and how far keeping them in float64
+    moves the output and gradients. The verdict stays with the reference as run (the user's
+    torch code is the specification, float32 steps included); the note says whether the
+    verdict would be the same against the promoted one."""
+    d = report.data
+    run = (module, "float64", d["weights"], d["inputs"], pairs, d["cotangent"])
+    steps = _float32_steps(*run)
+    report.reference = {"float32_steps": steps}
+    if not steps:
+        return report
+    import torch
+
+    with _KeepFloat64(torch):
+        kept = _run_torch(*run)
+    e = d["expected"]
+    moves = {"output": tolerances.compare(kept["output"], e["output"], "float64").rel_norm}
+    moves.update({f"grad {k}": tolerances.compare(kept["grads"][k], g, "float64").rel_norm
+                  for k, g in e["grads"].items() if not _zero(g, terms)})
+    again = _report(kept, flax, None, table, pairs, terms, [], {})
+    changed = [r["what"] for r, a in zip(report.rows, again.rows) if r["ok"] != a["ok"]]
+    report.reference.update(moves=moves, verdict_changes=changed)
+    worst = max((k for k in moves if k != "output"), key=moves.get, default=None)
+    where = ", ".join(f"{path or 'the top-level module'} ({', '.join(ops)})"
+                      for path, ops in steps.items())
+    value, grad = (tolerances.TOLERANCES["float32", k].rel_norm for k in ("value", "grad"))
+    report.notes.append(
+        f"float32 steps in the torch float64 reference: {where}; kept in float64, the output "
+        f"moves by {moves['output']:.1e} (relative error norm; the float32 bound is {value:.0e})"
+        + (f", the gradients by up to {moves[worst]:.1e} ({worst}; bound {grad:.0e})"
+           if worst else "")
+        + (f": the verdict on {', '.join(changed)} differs against the promoted reference "
+           f"(judged here: the reference as run)" if changed else
+           ": no effect on the verdict (judged against the reference as run)"))
+    return report
+
+
+def _float32_steps(*run) -> dict:
+    """{torch module path: names of the ops that ran in float32 or lower inside it, in order}
+    from one ``_run_torch`` of ``run`` (float64), recorded by a dispatch mode; a module stack
+    kept by global forward hooks names the innermost module running."""
+    import torch
+    from torch.nn.modules import module as torch_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    stack, names, steps = [], {}, {}
+
+    def push(m, _args):
+        if not stack:  # the root: the copy _run_torch made
+            names.update({id(sub): path for path, sub in m.named_modules()})
+        stack.append(names.get(id(m), "?"))
+
+    def pop(_m, _args, _out):
+        stack.pop()
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            low = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+                   and str(t.dtype).removeprefix("torch.") in _LOW]
+            op = func.overloadpacket.__name__
+            if stack and low and op not in _NO_ARITHMETIC:
+                if op == "_to_copy":
+                    op = f"to {str(out.dtype).removeprefix('torch.')}"
+                ops = steps.setdefault(stack[-1], [])
+                ops += [op] if op not in ops else []
+            return out
+
+    handles = [torch_module.register_module_forward_pre_hook(push),
+               torch_module.register_module_forward_hook(pop)]
+    try:
+        with Recording():
+            _run_torch(*run)
+    finally:
+        for h in handles:
+            h.remove()
+    return steps
+
+
+def _KeepFloat64(torch):
+    """A dispatch mode that runs every op in float64: a conversion or a factory asking for
+    float32 or lower gets float64, and low-precision operands are promoted (not those an
+    in-place op writes to)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    low = tuple(getattr(torch, n) for n in _LOW)
+
+    def up(t):
+        return t.to(torch.float64) if isinstance(t, torch.Tensor) and t.dtype in low else t
+
+    class KeepFloat64(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if kwargs.get("dtype") in low:
+                kwargs["dtype"] = torch.float64
+            if not func._schema.is_mutable:
+                args, kwargs = tree_map(up, (args, kwargs))
+            return func(*args, **kwargs)
+
+    return KeepFloat64()
 
 
 # ---------------------------------------------------------------- compare
@@ -603,7 +720,8 @@ def compare(torch_factory, flax_factory, mapping, inputs, *, seed: int = 0,
     data = {"seed": seed, "mapping": mapping_lib.to_json(table), "weights": weights,
             "inputs": arrays, "cotangent": d_out, "expected": expected, "pairs": pairs,
             "torch_factory": None, "flax_factory": None}
-    return _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
+    report = _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
+    return _with_reference_steps(report, torch_model, flax, table, pairs, _terms(arrays))
 
 
 # ---------------------------------------------------------------- port fixtures
