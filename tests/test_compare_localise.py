@@ -239,3 +239,10 @@ def test_float32_steps_of_transformers_qwen3_rmsnorm_at_the_top_level():
     assert 1e-10 < report.reference["moves"]["output"] < 1e-6
     assert report.notes[0].startswith("float32 steps in the torch float64 reference: the "
                                       "top-level module (to float32")
+
+
+def test_a_mapping_that_pairs_different_submodules_reads_as_code_between():
+    """docs/validating.md's caveat: q_norm paired with k_norm compares q with k."""
+    table = {**P.MAPPING, "q_norm.weight": "k_norm.scale", "k_norm.weight": "q_norm.scale"}
+    report = C.compare(P.make_torch, P.make_flax, table, X)
+    assert not report.ok and report.interval == ["q_proj ~ q_proj", "q_norm ~ k_norm"]
