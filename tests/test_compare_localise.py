@@ -246,3 +246,14 @@ def test_a_mapping_that_pairs_different_submodules_reads_as_code_between():
     table = {**P.MAPPING, "q_norm.weight": "k_norm.scale", "k_norm.weight": "q_norm.scale"}
     report = C.compare(P.make_torch, P.make_flax, table, X)
     assert not report.ok and report.interval == ["q_proj ~ q_proj", "q_norm ~ k_norm"]
+
+
+def test_a_reference_that_cannot_be_recorded_leaves_the_comparison_standing(monkeypatch):
+    def refuse(*run):
+        raise RuntimeError("no dispatch modes here")
+
+    monkeypatch.setattr(C, "_float32_steps", refuse)
+    report = _compare(torch_factory=P.make_torch_hf_norm)
+    assert report.ok and report.reference == {"error": "RuntimeError: no dispatch modes here"}
+    assert report.notes == ["float32 steps in the torch float64 reference not measured: "
+                            "RuntimeError: no dispatch modes here"]
