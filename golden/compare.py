@@ -45,7 +45,9 @@ from golden.runners.adapt import SPEC, resolve_spec
 FORMAT = "attn-parity-port"
 FORMAT_VERSION = 1
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
-SCHEMA = {"schema": "attn-parity-compare", "schema_version": 2}
+# 3: each comparison (a row's "torch_float32", "flax_float32") also states the bounds it was held
+#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison)
+SCHEMA = {"schema": "attn-parity-compare", "schema_version": 3}
 
 
 # ---------------------------------------------------------------- specs and mappings
@@ -321,13 +323,17 @@ class PortReport:
     data: dict = field(default_factory=dict, repr=False)  # what freeze() writes
 
     def text(self) -> str:
-        """A readable table: max |Δ| and the relative error norm per column, then the verdict."""
+        """A readable table: max |Δ| and the relative error norm per column, the Flax column's
+        each beside the bound it was held to (the elementwise check's at its deciding element,
+        golden.tolerances.Comparison), then the verdict."""
         width = max(len(r["what"]) for r in self.rows) + 2
         lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch float32':28}flax float32",
-                 f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}max|Δ|   rel‖Δ‖"]
+                 f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}"
+                 f"max|Δ|   rel‖Δ‖ / bound     |Δᵢ| / boundᵢ"]
         for r in self.rows:
             lines.append(f"{r['what']:{width}}{r['flax_path'] or '-':16}{r['rule'] or '-':8}"
-                         f"{_cell(r['torch_float32']):28}{_cell(r['flax_float32'], r)}")
+                         f"{_cell(r['torch_float32']):28}"
+                         f"{_cell(r['flax_float32'], r, bounds=True)}")
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"first diverging submodule: {self.first_divergent or 'none'}")
         if self.suspects:
@@ -343,19 +349,30 @@ class PortReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """JSON-ready: the verdict, the rows and the notes; a number that is not finite is None
-        (null in JSON), NumPy values are Python values (golden.report.plain)."""
+        """JSON-ready (schema ``SCHEMA``, version 3): the verdict, the rows and the notes; each
+        row's "torch_float32" and "flax_float32" are ``golden.tolerances.Comparison`` fields, the
+        errors and the bounds they were held to; a number that is not finite is None (null in
+        JSON), NumPy values are Python values (golden.report.plain)."""
         return plain({"ok": self.ok, "first_divergent": self.first_divergent,
                       "failing_params": self.failing_params, "suspects": self.suspects,
                       "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
                       "mapping": self.data.get("mapping")})
 
 
-def _cell(c, row=None) -> str:
+def _cell(c, row=None, bounds=False) -> str:
+    """A column's cell: max |Δ|, the relative error norm ("(zero)": not applied) and the
+    verdict; with ``bounds``, rel‖Δ‖ / its bound and |Δᵢ| / boundᵢ at the elementwise check's
+    deciding element (golden.tolerances.Comparison: it passes exactly when |Δᵢ| ≤ boundᵢ)."""
     if c is None:
         return (row or {}).get("note") or "-"
-    rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
-    return f"{c['max_abs']:.1e}  {rel:7}  {'pass' if c['ok'] else 'FAIL'}"
+    verdict = "pass" if c["ok"] else "FAIL"
+    if not bounds or c.get("bound_abs") is None:
+        rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
+        return f"{c['max_abs']:.1e}  {rel:7}  {verdict}"
+    rel = ("(zero)" if c["bound_rel_norm"] is None
+           else f"{c['rel_norm']:.1e}/{c['bound_rel_norm']:.1e}")
+    return (f"{c['max_abs']:.1e}  {rel:15}  {c['abs_err']:.1e}/{c['bound_abs']:.1e}  "
+            f"{verdict}")
 
 
 def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs: list,

@@ -16,10 +16,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 NASTY = "shape <2, 3> & more"  # a reason that XML and HTML must escape
 
 
-def _array(name, kind="value", *, err=1e-7, ok=True, missing=False):
-    """One compared array of a row; ``err`` None: nothing compared."""
-    return {"name": name, "kind": kind, "max_abs": None if missing else err,
-            "max_rel": None if missing else err, "rel_norm": None if missing else err,
+def _array(name, kind="value", *, err=1e-7, ok=True, missing=False, bound=1e-6):
+    """One compared array of a row, its errors held to ``bound``; missing: nothing compared."""
+    value = None if missing else err
+    return {"name": name, "kind": kind, "max_abs": value, "max_rel": value, "rel_norm": value,
+            "abs_err": value, "bound_abs": None if missing else bound,
+            "bound_rel_norm": None if missing else bound, "rule": None if missing else "table",
             "ok": ok and not missing, "zero": False, "missing": missing}
 
 
@@ -80,12 +82,13 @@ def test_json_round_trips_with_the_documented_schema(tmp_path):
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     assert list(data) == list(rp.KEYS)
-    assert data["schema"] == "attn-parity-check" and data["schema_version"] == 2
+    assert data["schema"] == "attn-parity-check" and data["schema_version"] == 3
     assert all(list(row) == list(rp.ROW_KEYS) for row in data["rows"])
     assert all(list(a) == list(rp.ARRAY_KEYS) for row in data["rows"] for a in row["arrays"])
     assert list(data["summary"]) == list(rp.SUMMARY_KEYS)
     json.dumps(data, allow_nan=False)  # nothing non-finite is left
-    assert [k in rp.__doc__ for k in rp.KEYS + rp.ROW_KEYS + rp.SUMMARY_KEYS] == [True] * 29
+    keys = rp.KEYS + rp.ROW_KEYS + rp.ARRAY_KEYS + rp.SUMMARY_KEYS
+    assert [k in rp.__doc__ for k in keys] == [True] * 41
 
 
 def test_json_stores_non_finite_as_null(tmp_path):
