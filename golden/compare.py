@@ -651,6 +651,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--freeze", metavar="FILE", help="write what was drawn as a port fixture")
     parser.add_argument("--fixture", metavar="FILE",
                         help="check the Flax module against a frozen port fixture instead")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="with --fixture: leave out the torch float32 baseline column, so "
+                             "that torch is neither imported nor needed")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
@@ -678,9 +681,15 @@ def run_cli(args, log=print, error_log=None) -> int:
 
 
 def _cli_report(args) -> PortReport:
+    no_torch = getattr(args, "no_torch", False)
+    if no_torch and not args.fixture:
+        raise ValueError("--no-torch goes with --fixture FILE (compare without a fixture runs "
+                         "torch float64 as the reference)")
+    if no_torch and args.torch:
+        raise ValueError(f"--no-torch leaves torch out, got --torch {args.torch!r} as well")
     if args.fixture:
         return check_port(args.fixture, args.flax and resolve_spec(args.flax),
-                          args.torch and resolve_spec(args.torch))
+                          False if no_torch else args.torch and resolve_spec(args.torch))
     absent = [o for o, v in (("--torch", args.torch), ("--flax", args.flax),
                              ("--mapping", args.mapping), ("--input", args.input)) if not v]
     if absent:
