@@ -17,7 +17,7 @@ import numpy as np
 import golden
 from golden import reference, runners
 from golden.fixture import Fixture
-from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES, closest_bound
+from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES, worst_bound
 from golden.runners.adapt import NotSupported, as_runner
 from golden.tolerances import compare_profile, profile
 
@@ -286,6 +286,16 @@ def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, varian
     return 0 if s["ok"] else 1
 
 
+def table(rows) -> str:
+    """Rows of a report as the text table ``attn-parity check`` prints (header included)."""
+    lines = []
+    printer = _Table(lines.append, [r["implementation"] for r in rows])
+    printer.width = max([len("fixture"), *(len(r["fixture"]) for r in rows)])
+    for row in rows:
+        printer(row)
+    return "\n".join(lines)
+
+
 def _log_backend(log):
     try:
         import jax
@@ -314,7 +324,7 @@ class _Table:
     def _header(self):
         self.width = self.width or max(len("fixture"), *(len(n) for n in golden.names()))
         return (f"{'fixture':{self.width}} {'framework':{self.label}} {'core':10} {'dtype':8} "
-                f"{'max abs err':>11} {'max rel err':>11} {'closest err/bound':>17}  result")
+                f"{'max abs err':>11} {'max rel err':>11} {'worst err/bound':>17}  result")
 
 
 def _format_row(row, width, label=9) -> str:
@@ -327,7 +337,7 @@ def _format_row(row, width, label=9) -> str:
                "not supported": f"not supported: {row['reason']}"}[status]
     return (f"{row['fixture']:{width}} {row['implementation']:{label}} {row['core'] or '-':10} "
             f"{row['dtype']:8} {num(row['max_abs'])} {num(row['max_rel'])} "
-            f"{closest_bound(row['arrays']):>17}  {verdict}")
+            f"{worst_bound(row['arrays']):>17}  {verdict}")
 
 
 

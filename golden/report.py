@@ -53,7 +53,7 @@ relative to the terms' size, golden.tolerances.compare_terms). For a missing arr
 null.
 
 Versions: 2, a row's "path" became "core"; 3, arrays gained ``abs_err``, ``bound_abs``,
-``bound_rel_norm`` and ``rule`` (the text table's "closest err/bound" column, JUnit failure
+``bound_rel_norm`` and ``rule`` (the text table's "worst err/bound" column, JUnit failure
 texts and the HTML rows show them too).
 
 ``environment`` holds (each a string, or null where the package is not installed) ``python``,
@@ -290,7 +290,7 @@ def _bounds(array) -> str:
             f"{_number(array.get('bound_abs'))}{norm} ({array.get('rule')} rule)")
 
 
-def closest_bound(arrays) -> str:
+def worst_bound(arrays) -> str:
     """"err/bound" of the check that came closest to (or went furthest over) its bound among
     a row's arrays: an elementwise one (abs_err/bound_abs) or a relative error norm's
     (rel_norm/bound_rel_norm); "missing" when an array is, "-" when nothing was compared."""
@@ -686,10 +686,10 @@ def _fixture_section(report, name, drawn) -> str:
     e = html.escape
     rows = [r for r in report["rows"] if r["fixture"] == name]
     cells = [[r["implementation"], r["core"], r["dtype"], (r["status"], _css(r["status"])),
-              _number(r["max_abs"]), _number(r["max_rel"]), closest_bound(r["arrays"]),
+              _number(r["max_abs"]), _number(r["max_rel"]), worst_bound(r["arrays"]),
               _html_reason(r)] for r in rows]
     table = _table(["implementation", "core", "dtype", "status", "max abs", "max rel",
-                    "closest err/bound", "reason"], cells, numeric={4, 5, 6})
+                    "worst err/bound", "reason"], cells, numeric={4, 5, 6})
     src = "fixtures/" + quote(_image_name(name))
     alt = f"attention weights of {name}: reference, implementations and |difference|"
     if drawn.get("by_output"):
