@@ -303,9 +303,11 @@ def test_a_near_threshold_row_reads_against_its_bound(delta, ok):
     row = {**_row("sdpa_plain", "jax", "explicit", "float32", "pass" if ok else "fail",
                   None if ok else "output", [_array("output", c)])}
     line = _format_row(row, 12)
-    assert f"{delta:.1e}/6.0e-06" in line
-    assert line.endswith("pass") if ok else line.endswith("FAIL output")
+    # as docs/validating.md "Reports" quotes them
+    assert line.endswith(f"{delta:.1e}/6.0e-06  " + ("pass" if ok else "FAIL output"))
     assert rp.worst_bound(row["arrays"]) == f"{delta:.1e}/6.0e-06"
+    if not ok:
+        assert rp._failing_text(row["arrays"][0]) == "output (|a-e| 6.10e-06 > bound 6.00e-06)"
 
 
 def test_the_relative_norm_decides_when_it_is_closer():
