@@ -329,7 +329,7 @@ class PortReport:
         width = max(len(r["what"]) for r in self.rows) + 2
         lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch float32':28}flax float32",
                  f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}"
-                 f"max|Δ|   rel‖Δ‖ / bound     |Δᵢ| / boundᵢ"]
+                 f"{'max|Δ|':9}{'rel‖Δ‖/bound':17}|Δᵢ|/boundᵢ"]
         for r in self.rows:
             lines.append(f"{r['what']:{width}}{r['flax_path'] or '-':16}{r['rule'] or '-':8}"
                          f"{_cell(r['torch_float32']):28}"

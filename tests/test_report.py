@@ -410,7 +410,12 @@ def test_compare_text_and_json_show_the_flax_columns_bounds(delta, ok):
     assert report.ok is ok
     line = next(x for x in report.text().splitlines() if x.startswith("output"))
     assert line.endswith(f"/1.0e-06  {delta:.1e}/6.0e-06  {'pass' if ok else 'FAIL'}")
-    assert "rel‖Δ‖ / bound     |Δᵢ| / boundᵢ" in report.text()
+    header = report.text().splitlines()[1]
+    assert header.endswith("max|Δ|   rel‖Δ‖/bound     |Δᵢ|/boundᵢ")
+    at = len(header) - len("max|Δ|   rel‖Δ‖/bound     |Δᵢ|/boundᵢ")
+    cells = line[at:].split()  # the Flax column's cells start under its header
+    rel = report.rows[0]["flax_float32"]["rel_norm"]
+    assert line[at - 2:at] == "  " and cells[1] == f"{rel:.1e}/1.0e-06"
     assert SCHEMA["schema_version"] == 3
     row = json.loads(json.dumps(report.to_json(), allow_nan=False))["rows"][0]["flax_float32"]
     assert row["bound_rel_norm"] == 1e-6 and row["rule"] == "table"
@@ -434,3 +439,22 @@ def test_written_files_get_the_umasks_mode(tmp_path, mask, mode):
     assert (tmp_path / "f.bin").stat().st_mode & 0o777 == mode
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == mode
     assert (tmp_path / "f.bin").read_bytes() == b"x" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_check_html_draws_the_output_of_a_function_without_weights(tmp_path):
+    from golden import check
+    from golden.runners.adapt import from_function
+
+    def sdpa(query, key, value):  # no return_weights: the runner's result has no "weights"
+        s = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
+        w = np.exp(s - s.max(-1, keepdims=True))
+        return w / w.sum(-1, keepdims=True) @ value
+
+    runner = from_function(sdpa, "numpy", name="mine")
+    assert check.main(["sdpa_plain"], impls=[runner], html_dir=tmp_path, log=lambda line: None,
+                      progress=False) == 0
+    page = (tmp_path / "index.html").read_text("utf-8")
+    assert ("No attention weights from mine  float32, mine  float64: the image shows their "
+            "output's |implementation − reference|.") in page
+    # two rows (reference weights, output difference): 5.6 in at 80 dpi; one row is 3.05 in
+    assert _png_size(tmp_path / "fixtures" / "sdpa_plain.png")[1] == round(5.6 * 80)
