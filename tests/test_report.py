@@ -292,6 +292,17 @@ def test_a_scaled_gradient_row_shows_atol_scaled_by_its_size_and_terms():
     assert z.bound_rel_norm is None and z.bound_abs == 1e-6 and z.ok  # zero: atol alone
 
 
+def test_a_terms_row_shows_the_bounds_relative_to_the_terms():
+    from golden.tolerances import compare_terms
+
+    e, m = np.full(100, 1e-3), np.full(100, 10.0)  # sums of terms of size 10 that cancel
+    c = compare_terms(e + 5e-6, e, m, "float32", "value")  # the table alone: 1.01e-6 < 5e-6
+    assert c.ok and c.rule == "terms" and c.abs_err == pytest.approx(5e-6, rel=1e-9)
+    assert c.bound_abs == pytest.approx(1e-6 * 10 + 1e-5 * 10, rel=1e-12)
+    # ‖a − e‖ ≤ 1e-6 ‖m‖ + tiny·√n, as a bound on ‖a − e‖/‖e‖ with ‖e‖ = 1e-3 · 10
+    assert c.bound_rel_norm == pytest.approx((1e-6 * 100 + 2.0**-126 * 10) / 1e-2, rel=1e-12)
+
+
 @pytest.mark.parametrize("delta, ok", [(5.9e-6, True), (6.1e-6, False)])
 def test_a_near_threshold_row_reads_against_its_bound(delta, ok):
     from golden.check import _array, _format_row
