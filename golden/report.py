@@ -280,7 +280,8 @@ def _array_line(array) -> str:
 
 
 def _bounds(array) -> str:
-    """", |a-e|=… vs bound …, rel_norm … vs bound … (rule)" for an array that has bounds."""
+    """"; |a-e| … vs bound …, rel_norm … vs bound … (table rule)" for an array that has
+    bounds (the rel_norm part where one applied), else ""."""
     if array.get("bound_abs") is None and array.get("bound_rel_norm") is None:
         return ""
     norm = ("" if array.get("bound_rel_norm") is None else
