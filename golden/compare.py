@@ -51,7 +51,9 @@ FORMAT_VERSION = 2
 # and located by the submodules' outputs alone
 FORMAT_VERSIONS = (1, 2)
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
-SCHEMA = {"schema": "attn-parity-compare", "schema_version": 2}
+# 3: each comparison (a row's "torch_float32", "flax_float32") also states the bounds it was held
+#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison)
+SCHEMA = {"schema": "attn-parity-compare", "schema_version": 3}
 
 
 # ---------------------------------------------------------------- specs and mappings
@@ -399,13 +401,17 @@ class PortReport:
     reference: dict = field(default_factory=dict)
 
     def text(self) -> str:
-        """A readable table: max |Δ| and the relative error norm per column, then the verdict."""
+        """A readable table: max |Δ| and the relative error norm per column, the Flax column's
+        each beside the bound it was held to (the elementwise check's at its deciding element,
+        golden.tolerances.Comparison), then the verdict."""
         width = max(len(r["what"]) for r in self.rows) + 2
         lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch float32':28}flax float32",
-                 f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}max|Δ|   rel‖Δ‖"]
+                 f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}"
+                 f"{'max|Δ|':9}{'rel‖Δ‖/bound':17}|Δᵢ|/boundᵢ"]
         for r in self.rows:
             lines.append(f"{r['what']:{width}}{r['flax_path'] or '-':16}{r['rule'] or '-':8}"
-                         f"{_cell(r['torch_float32']):28}{_cell(r['flax_float32'], r)}")
+                         f"{_cell(r['torch_float32']):28}"
+                         f"{_cell(r['flax_float32'], r, bounds=True)}")
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"first diverging submodule: {self.first_divergent or 'none'}")
         if self.suspects:
@@ -422,8 +428,10 @@ class PortReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """JSON-ready: the verdict, the rows and the notes; a number that is not finite is None
-        (null in JSON), NumPy values are Python values (golden.report.plain)."""
+        """JSON-ready (schema ``SCHEMA``, version 3): the verdict, the rows and the notes; each
+        row's "torch_float32" and "flax_float32" are ``golden.tolerances.Comparison`` fields, the
+        errors and the bounds they were held to; a number that is not finite is None (null in
+        JSON), NumPy values are Python values (golden.report.plain)."""
         return plain({"ok": self.ok, "first_divergent": self.first_divergent,
                       "failing_params": self.failing_params, "suspects": self.suspects,
                       "diagnosis": self.diagnosis, "interval": self.interval,
@@ -432,11 +440,20 @@ class PortReport:
                       "mapping": self.data.get("mapping")})
 
 
-def _cell(c, row=None) -> str:
+def _cell(c, row=None, bounds=False) -> str:
+    """A column's cell: max |Δ|, the relative error norm ("(zero)": not applied) and the
+    verdict; with ``bounds``, rel‖Δ‖ / its bound and |Δᵢ| / boundᵢ at the elementwise check's
+    deciding element (golden.tolerances.Comparison: it passes exactly when |Δᵢ| ≤ boundᵢ)."""
     if c is None:
         return (row or {}).get("note") or "-"
-    rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
-    return f"{c['max_abs']:.1e}  {rel:7}  {'pass' if c['ok'] else 'FAIL'}"
+    verdict = "pass" if c["ok"] else "FAIL"
+    if not bounds or c.get("bound_abs") is None:
+        rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
+        return f"{c['max_abs']:.1e}  {rel:7}  {verdict}"
+    rel = ("(zero)" if c["bound_rel_norm"] is None
+           else f"{c['rel_norm']:.1e}/{c['bound_rel_norm']:.1e}")
+    return (f"{c['max_abs']:.1e}  {rel:15}  {c['abs_err']:.1e}/{c['bound_abs']:.1e}  "
+            f"{verdict}")
 
 
 def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs: list,
@@ -930,6 +947,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--freeze", metavar="FILE", help="write what was drawn as a port fixture")
     parser.add_argument("--fixture", metavar="FILE",
                         help="check the Flax module against a frozen port fixture instead")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="with --fixture: leave out the torch float32 baseline column, so "
+                             "that torch is neither imported nor needed")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
@@ -957,9 +977,15 @@ def run_cli(args, log=print, error_log=None) -> int:
 
 
 def _cli_report(args) -> PortReport:
+    no_torch = getattr(args, "no_torch", False)
+    if no_torch and not args.fixture:
+        raise ValueError("--no-torch goes with --fixture FILE (compare without a fixture runs "
+                         "torch float64 as the reference)")
+    if no_torch and args.torch:
+        raise ValueError(f"--no-torch leaves torch out, got --torch {args.torch!r} as well")
     if args.fixture:
         return check_port(args.fixture, args.flax and resolve_spec(args.flax),
-                          args.torch and resolve_spec(args.torch))
+                          False if no_torch else args.torch and resolve_spec(args.torch))
     absent = [o for o, v in (("--torch", args.torch), ("--flax", args.flax),
                              ("--mapping", args.mapping), ("--input", args.input)) if not v]
     if absent:
