@@ -483,8 +483,8 @@ CASES += [
          {**_qkv(dv=D, kv_lead=(B, 1)), "query_seq_lengths": _ints([3, 5]),
           "key_value_seq_lengths": _ints([7, 4])},
          {"local_window_size": [1, 2]}),
-    Case("sdpa_dkv_softcap_unbatched", SDPA, 810,  # (H, L, D)
-         _qkv(lead=(H,), dv=D), {"softcap": 1.5, "scale": 1.0}),
+    Case("sdpa_dkv_unbatched_mask_scale", SDPA, 810,  # (H, L, D), an (Lq, Lk) mask
+         {**_qkv(lead=(H,), dv=D), "mask": ("mask", (LQ, LK), 0.8, ())}, {"scale": 0.5}),
     Case("sdpa_dkv_wide_head", SDPA, 811,  # D = 16
          {**_qkv(dk=16, dv=16), "bias": ("normal", (LQ, LK))}, {"is_causal": True}),
     Case("sdpa_dkv_low_precision", SDPA, 812,  # D = 8
@@ -493,4 +493,5 @@ CASES += [
     Case("sdpa_dkv_low_precision_gqa_bias_causal", SDPA, 813,  # H=6, Hkv=2, D = 8
          {**_qkv(lead=(B, 6), dk=8, dv=8, kv_lead=(B, 2), kind="grid"),
           "bias": ("grid", (B, 1, LQ, LK))}, {"is_causal": True}, dtypes=LOW),
+    Case("sdpa_dkv_softcap", SDPA, 814, _qkv(dv=D), {"softcap": 1.5, "scale": 1.0}),
 ]

@@ -10,10 +10,11 @@ tensors are (B, H, L, D) (unbatched (H, L, D) or (L, D)), our boolean mask is Tr
 (the polarity of all three APIs), ``is_causal`` is top-left aligned (as all three), ``bias`` is
 added to the scaled scores, ``scale`` multiplies them, and grouped-query key and value have Hkv
 heads, query head h reading kv head h // (H / Hkv) (torch's ``enable_gqa`` and jax.nn's
-grouping, both). An adapter takes only the keywords its API can express, so a fixture that sets
-another (soft-capping, sinks, chunks, query offsets, a dropout mask; windows and lengths where
-the API has no such argument) is *not supported*, never failed. The APIs return no attention
-weights: outputs are checked, and gradients of Σ output ⊙ dO.
+grouping, both). jax.nn, and Flax through it, need value width = key width: other fixtures are
+not supported by them. An adapter takes only the keywords its API can express, so a fixture
+that sets another (soft-capping, sinks, chunks, query offsets, a dropout mask; windows and
+lengths where the API has no such argument) is *not supported*, never failed. The APIs return
+no attention weights: outputs are checked, and gradients of Σ output ⊙ dO.
 
 Most fixtures of the core have value width Dv ≠ key width Dk, which jax.nn (and so Flax's fast
 path) refuses; the ``sdpa_dkv_*`` fixtures (golden/cases.py) run every feature at Dk = Dv.
@@ -24,7 +25,7 @@ D head width (Dk = Dv for jax.nn and Flax).
 
 from __future__ import annotations
 
-from golden.runners.adapt import from_function
+from golden.runners.adapt import NotSupported, from_function
 
 # ---- PyTorch ----------------------------------------------------------------------------------
 
@@ -53,6 +54,14 @@ TORCH_SDPA = from_function(torch_sdpa, "torch", name="torch F.sdpa")
 
 
 # ---- JAX --------------------------------------------------------------------------------------
+
+def _same_widths(api, key, value):
+    """NotSupported unless value width = key width, which jax.nn requires ("value shape should
+    be ..." otherwise): the row says so instead of failing."""
+    if value.shape[-1] != key.shape[-1]:
+        raise NotSupported(f"{api} needs value width = key width, got Dk={key.shape[-1]}, "
+                           f"Dv={value.shape[-1]}")
+
 
 def _heads_last(x):
     """(..., H, L, D) -> (..., L, H, D): jax.nn's and Flax's layout; (L, D) -> (L, 1, D)."""
@@ -99,6 +108,7 @@ def jax_nn(query, key, value, *, mask=None, bias=None, is_causal=False, scale=No
 
     import jax
 
+    _same_widths("jax.nn.dot_product_attention", key, value)
     lq, lk, ndim = query.shape[-2], key.shape[-2], query.ndim
     precision = _highest(query.dtype)
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
@@ -128,6 +138,7 @@ def flax_nnx(query, key, value, *, mask=None, bias=None, is_causal=False, scale=
     import jax
     from flax import nnx
 
+    _same_widths("flax.nnx.dot_product_attention (jax.nn's without dropout)", key, value)
     ndim, depth = query.ndim, query.shape[-1]
     if scale is not None:
         query = query * (scale * depth ** 0.5)
