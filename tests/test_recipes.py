@@ -14,6 +14,7 @@ import pytest
 
 import golden
 from golden import check
+from golden.cli import main
 from golden.runners import recipes
 from golden.runners.adapt import from_function, load
 
@@ -63,6 +64,12 @@ def test_recipes_load_from_their_spec():
         assert load(f"golden.runners.recipes:{name}") is runner
 
 
+def test_the_command_line_runs_a_recipe(capsys):
+    code = main(["check", "--impl", "golden.runners.recipes:TORCH_SDPA", "-k", "sdpa_dkv_causal"])
+    out = capsys.readouterr().out
+    assert code == 0 and "torch F.sdpa" in out and "4 passed, 0 failed" in out
+
+
 def test_torch_sdpa_passes_every_dkv_row_it_can_express():
     rows = _rows("TORCH_SDPA")
     assert {k: r["status"] for k, r in rows.items()} == {
@@ -80,7 +87,7 @@ def test_jax_and_flax_statuses(name, api):
         (n, d): _expected_jax(n, d, api) for n in DKV for d in golden.load(n).dtypes}
     for (fixture, dtype), row in rows.items():
         if row["status"] == "fail" and fixture != "sdpa_dkv_masked_row":  # float64 rows
-            assert 1e-8 < row["max_rel"] < 1e-6, (fixture, row["max_rel"])  # float32 softmax
+            assert 5e-8 < row["max_rel"] < 5e-7, (fixture, row["max_rel"])  # float32 softmax
         if dtype == "float16":
             assert "F16_F16_F32" in row["reason"] and "CPU" in row["reason"]
 

@@ -103,7 +103,7 @@ def _takes(fn, keywords=None) -> tuple[set | None, bool]:
     if keywords is not None:
         return set(keywords), "return_weights" in keywords
     try:
-        params = inspect.signature(inspect.unwrap(fn)).parameters
+        params = inspect.signature(fn, follow_wrapped=True).parameters  # bound: no self
     except (TypeError, ValueError):  # a builtin without a signature: assume it takes all
         return None, True
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
