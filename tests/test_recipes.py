@@ -185,3 +185,17 @@ def test_dtypes_limits_the_rows_run():
     rows = {r["dtype"]: (r["status"], r["reason"]) for r in report["rows"]}
     assert rows == {"float64": ("pass", None),
                     "float32": ("not supported", "fn runs float64 (numpy), not float32")}
+
+
+@pytest.mark.parametrize("fn", [recipes.jax_nn, recipes.flax_nnx])
+def test_jax_recipes_ask_for_highest_precision_in_float32(fn):
+    """Every product of the forward and backward pass says HIGHEST: the default float32 matmul
+    is TF32 on NVIDIA GPUs and one bfloat16 pass on TPUs, and neither API takes precision."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.ones(s, jnp.float32) for s in ((2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 4)))
+    loss = jax.grad(lambda q, k, v: fn(q, k, v, scale=0.5).sum(), argnums=(0, 1, 2))
+    text = str(jax.make_jaxpr(loss)(q, k, v))
+    dots = text.count("dot_general[")
+    assert dots >= 4 and text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)") == dots
