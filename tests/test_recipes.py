@@ -199,3 +199,16 @@ def test_jax_recipes_ask_for_highest_precision_in_float32(fn):
     text = str(jax.make_jaxpr(loss)(q, k, v))
     dots = text.count("dot_general[")
     assert dots >= 4 and text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)") == dots
+
+
+@pytest.mark.parametrize("fn", [recipes.jax_nn, recipes.flax_nnx])
+def test_jax_recipes_take_unbatched_two_dimensional_inputs(fn):
+    """(Lq, D) arrays, which no fixture of the recipes has, give what (1, Lq, D) gives."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((5, 4), (7, 4), (7, 4)))
+    mask = jnp.asarray(rng.random((5, 7)) < 0.8) | jnp.eye(5, 7, dtype=bool)
+    out = fn(q, k, v, mask=mask, scale=0.7)
+    assert out.shape == (5, 4)
+    np.testing.assert_array_equal(out, fn(q[None], k[None], v[None], mask=mask, scale=0.7)[0])
