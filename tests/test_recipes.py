@@ -212,3 +212,31 @@ def test_jax_recipes_take_unbatched_two_dimensional_inputs(fn):
     out = fn(q, k, v, mask=mask, scale=0.7)
     assert out.shape == (5, 4)
     np.testing.assert_array_equal(out, fn(q[None], k[None], v[None], mask=mask, scale=0.7)[0])
+
+
+@pytest.mark.parametrize("framework, fn", [("torch", recipes.torch_sdpa), ("jax", recipes.jax_nn)])
+def test_an_unexpected_keyword_is_not_supported_in_torch_and_under_jit(framework, fn):
+    def wrapper(query, key, value, **kwargs):
+        return fn(query, key, value, **kwargs)
+
+    report = check.run(["sdpa_dkv_softcap", "sdpa_dkv_plain"], dtypes=["float32"],
+                       impls=[from_function(wrapper, framework, name="w")])
+    rows = {r["fixture"]: (r["status"], r["reason"]) for r in report["rows"]}
+    assert rows["sdpa_dkv_plain"] == ("pass", None)
+    assert rows["sdpa_dkv_softcap"] == (
+        "not supported", f"w does not take softcap (TypeError: {fn.__name__}() got an "
+        "unexpected keyword argument 'softcap')")
+
+
+def test_a_builtin_without_signature_runs_what_it_takes():
+    """torch's F.scaled_dot_product_attention has no Python signature: it is called without
+    return_weights, and a keyword it refuses (our bias) makes the row not supported."""
+    import torch.nn.functional as F
+
+    report = check.run(["sdpa_dkv_plain", "sdpa_dkv_causal_rect", "sdpa_dkv_mask_bias"],
+                       impls=[from_function(F.scaled_dot_product_attention, "torch", name="F")],
+                       dtypes=["float32"])
+    rows = {r["fixture"]: (r["status"], r["reason"]) for r in report["rows"]}
+    assert rows["sdpa_dkv_plain"] == rows["sdpa_dkv_causal_rect"] == ("pass", None)
+    assert rows["sdpa_dkv_mask_bias"][0] == "not supported"
+    assert rows["sdpa_dkv_mask_bias"][1].startswith("F does not take bias (TypeError: ")

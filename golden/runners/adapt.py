@@ -104,8 +104,8 @@ def _takes(fn, keywords=None) -> tuple[set | None, bool]:
         return set(keywords), "return_weights" in keywords
     try:
         params = inspect.signature(fn, follow_wrapped=True).parameters  # bound: no self
-    except (TypeError, ValueError):  # a builtin without a signature: assume it takes all
-        return None, True
+    except (TypeError, ValueError):  # a builtin without a signature (torch's F.sdpa): any
+        return None, False  # keyword but return_weights, which it would name in its signature
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None, "return_weights" in params
     names = {n for n, p in params.items() if p.kind in (inspect.Parameter.KEYWORD_ONLY,
@@ -147,8 +147,9 @@ def from_function(fn, framework: str, *, name: str | None = None, dtypes=None,
     A fixture that sets a keyword ``fn`` does not take is not supported. Which keywords it
     takes: ``keywords`` (an iterable of names) when given, else ``fn``'s signature, followed
     through ``__wrapped__`` (a functools.wraps decorator). When that signature has ``**kwargs``
-    and no ``keywords`` is given, every keyword looks taken: a TypeError "unexpected keyword
-    argument 'x'" for a keyword x the fixture passed then makes the row not supported too."""
+    (or there is none: a builtin such as torch's F.scaled_dot_product_attention) and no
+    ``keywords`` is given, every keyword looks taken: a TypeError "unexpected keyword argument
+    'x'" for a keyword x the fixture passed then makes the row not supported too."""
     if not callable(fn):
         raise ValueError(f"fn should be a callable, got {type(fn).__name__}")
     dtypes = _framework(framework, dtypes)
