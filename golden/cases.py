@@ -457,3 +457,41 @@ CASES += [
          {"d_in": 5, "num_heads": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 6,
           "qk_rope_head_dim": 2, "v_head_dim": 1, "attention_bias": True, "rope_theta": 50.0}),
 ]
+
+# Key width = value width (issue 26). Every core fixture above has Dv ≠ Dk, which fast kernels
+# (cuDNN, FlashAttention, Pallas, splash) and jax.nn.dot_product_attention refuse: these run
+# the core's features at Dk = Dv = D, so that JAX's, Flax's and PyTorch's own attention can be
+# checked against the suite (golden.runners.recipes). D = 4 unless stated; seeds from 801.
+D = DK
+CASES += [
+    Case("sdpa_dkv_plain", SDPA, 801, _qkv(dv=D)),
+    Case("sdpa_dkv_causal_square", SDPA, 802, _qkv(lk=LQ, dv=D), {"is_causal": True}),
+    Case("sdpa_dkv_causal_rect", SDPA, 803, _qkv(dv=D), {"is_causal": True}),
+    Case("sdpa_dkv_mask_bias", SDPA, 804,  # a (B, 1, Lq, Lk) mask, an (H, Lq, Lk) bias
+         {**_qkv(dv=D), "mask": ("mask", (B, 1, LQ, LK), 0.7, ()),
+          "bias": ("normal", (H, LQ, LK))}),
+    Case("sdpa_dkv_padding_bias_causal", SDPA, 805,  # key padding (B, 1, 1, Lk), bias (B, 1, ...)
+         {**_qkv(dv=D), "mask": ("mask", (B, 1, 1, LK), 0.8, ()),
+          "bias": ("normal", (B, 1, LQ, LK))}, {"is_causal": True}),
+    Case("sdpa_dkv_masked_row", SDPA, 806,  # rows (1, 2, 3) and (0, 0, 0) attend nothing
+         {**_qkv(dv=D), "mask": ("mask", (B, H, LQ, LK), 0.7, ((1, 2, 3), (0, 0, 0)))}),
+    Case("sdpa_dkv_gqa_causal_scale", SDPA, 807,  # H=6, Hkv=3
+         {**_qkv(lead=(B, 6), dv=D, kv_lead=(B, 3))}, {"is_causal": True, "scale": 0.3}),
+    Case("sdpa_dkv_window_causal", SDPA, 808,  # keys i − 2 … i
+         _qkv(lk=LQ + 3, dv=D), {"local_window_size": 2, "is_causal": True}),
+    Case("sdpa_dkv_window_lengths_mqa", SDPA, 809,  # keys i − 1 … i + 2; Hkv=1; padded rows
+         {**_qkv(dv=D, kv_lead=(B, 1)), "query_seq_lengths": _ints([3, 5]),
+          "key_value_seq_lengths": _ints([7, 4])},
+         {"local_window_size": [1, 2]}),
+    Case("sdpa_dkv_unbatched_mask_scale", SDPA, 810,  # (H, L, D), an (Lq, Lk) mask
+         {**_qkv(lead=(H,), dv=D), "mask": ("mask", (LQ, LK), 0.8, ())}, {"scale": 0.5}),
+    Case("sdpa_dkv_wide_head", SDPA, 811,  # D = 16
+         {**_qkv(dk=16, dv=16), "bias": ("normal", (LQ, LK))}, {"is_causal": True}),
+    Case("sdpa_dkv_low_precision", SDPA, 812,  # D = 8
+         {**_qkv(dk=8, dv=8, kind="grid"), "mask": ("mask", (B, 1, LQ, LK), 0.8, ())},
+         dtypes=LOW),
+    Case("sdpa_dkv_low_precision_gqa_bias_causal", SDPA, 813,  # H=6, Hkv=2, D = 8
+         {**_qkv(lead=(B, 6), dk=8, dv=8, kv_lead=(B, 2), kind="grid"),
+          "bias": ("grid", (B, 1, LQ, LK))}, {"is_causal": True}, dtypes=LOW),
+    Case("sdpa_dkv_softcap", SDPA, 814, _qkv(dv=D), {"softcap": 1.5, "scale": 1.0}),
+]

@@ -96,12 +96,16 @@ def core_arguments(fixture) -> tuple[dict, dict]:
     return arrays, keywords
 
 
-def _takes(fn) -> tuple[set | None, bool]:
-    """(the keyword names ``fn`` takes, None for any; whether it takes return_weights)."""
+def _takes(fn, keywords=None) -> tuple[set | None, bool]:
+    """(the keyword names ``fn`` takes, None for any; whether it takes return_weights).
+    ``keywords``, when given, is the answer; else ``fn``'s signature, that of the function it
+    wraps when it has ``__wrapped__`` (functools.wraps). A ``**kwargs`` means any."""
+    if keywords is not None:
+        return set(keywords), "return_weights" in keywords
     try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: assume it takes all
-        return None, True
+        params = inspect.signature(fn, follow_wrapped=True).parameters  # bound: no self
+    except (TypeError, ValueError):  # a builtin without a signature (torch's F.sdpa): any
+        return None, False  # keyword but return_weights, which it would name in its signature
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None, "return_weights" in params
     names = {n for n, p in params.items() if p.kind in (inspect.Parameter.KEYWORD_ONLY,
@@ -109,19 +113,48 @@ def _takes(fn) -> tuple[set | None, bool]:
     return names, "return_weights" in names
 
 
-def from_function(fn, framework: str, *, name: str | None = None, dtypes=None) -> Runner:
+def _keyword_names(keywords):
+    """``from_function``'s ``keywords``: None, or a tuple of names (ValueError otherwise)."""
+    if keywords is None:
+        return None
+    names = tuple(keywords) if not isinstance(keywords, str) else None
+    if names is None or not all(isinstance(n, str) and n.isidentifier() for n in names):
+        raise ValueError(f"keywords should be an iterable of keyword names (str), "
+                         f"got {keywords!r}")
+    return names
+
+
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
+
+
+def _refused_keyword(error: TypeError, passed) -> str | None:
+    """The keyword among ``passed`` that ``error`` says the function does not take, or None."""
+    match = _UNEXPECTED.search(str(error))
+    return match.group(1) if match and match.group(1) in passed else None
+
+
+def from_function(fn, framework: str, *, name: str | None = None, dtypes=None,
+                  keywords=None) -> Runner:
     """A runner of the core's fixtures through ``fn(query, key, value, **keywords)``, where
     keywords are those the fixture sets (mask, bias, is_causal, scale, softcap,
     local_window_size, attention_chunk_size, query_offset, query_seq_lengths,
     key_value_seq_lengths, sinks, dropout_rate, dropout_mask), each passed only when set, and
     ``return_weights=True`` when ``fn`` takes it (it then returns ``(output, weights)``).
     Arrays are ``framework``'s ("numpy", "torch", "jax") in the run's dtype; masks bool,
-    offsets and lengths int32."""
+    offsets and lengths int32. ``dtypes`` (default: every dtype the framework has) are the
+    dtypes it runs; a fixture at another is not supported.
+
+    A fixture that sets a keyword ``fn`` does not take is not supported. Which keywords it
+    takes: ``keywords`` (an iterable of names) when given, else ``fn``'s signature, followed
+    through ``__wrapped__`` (a functools.wraps decorator). When that signature has ``**kwargs``
+    (or there is none: a builtin such as torch's F.scaled_dot_product_attention) and no
+    ``keywords`` is given, every keyword looks taken: a TypeError "unexpected keyword argument
+    'x'" for a keyword x the fixture passed then makes the row not supported too."""
     if not callable(fn):
         raise ValueError(f"fn should be a callable, got {type(fn).__name__}")
     dtypes = _framework(framework, dtypes)
     name = name or getattr(fn, "__qualname__", repr(fn))
-    takes, weights = _takes(fn)
+    takes, weights = _takes(fn, _keyword_names(keywords))
     by_dtype = _dtype_check(name, framework, dtypes)
 
     def unsupported(fixture, dtype):
@@ -133,7 +166,14 @@ def from_function(fn, framework: str, *, name: str | None = None, dtypes=None) -
         return by_dtype(fixture, dtype)
 
     def call(arrays, keywords):
-        out = fn(*arrays.values(), **keywords, **({"return_weights": True} if weights else {}))
+        try:
+            out = fn(*arrays.values(), **keywords,
+                     **({"return_weights": True} if weights else {}))
+        except TypeError as e:
+            refused = None if takes is not None else _refused_keyword(e, keywords)
+            if refused:
+                raise NotSupported(f"{name} does not take {refused} (TypeError: {e})") from e
+            raise
         return out if weights else (out, None)
 
     run = partial(_RUN[framework], call)
