@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,9 @@ from golden.report import plain
 from golden.runners.adapt import SPEC, resolve_spec
 
 FORMAT = "attn-parity-port"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta "dtype", "keywords", "keyword_grads", "output"; 1 still read
+READABLE_VERSIONS = (1, 2)
+RUN_DTYPES = ("float32", "bfloat16", "float16")  # what compare(dtype=...) runs the port in
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
 SCHEMA = {"schema": "attn-parity-compare", "schema_version": 2}
 
@@ -174,20 +177,177 @@ def _terms(inputs: dict) -> int:
     return math.prod(next(iter(inputs.values())).shape[:-1])
 
 
-# ---------------------------------------------------------------- running the modules
+# ---------------------------------------------------------------- keyword inputs and outputs
+
+_PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
+def _is_shape(value) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) > 0
+            and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value))
+
+
+def _keywords(rng, keywords, inputs: dict) -> dict:
+    """{name: value} with every shape drawn N(0, 1) and every array copied (float arrays
+    rounded to float32, kept float64), through tuples, lists and dicts; None, bools, ints,
+    floats, strings and factories (callables) kept as they are."""
+    if keywords is None:
+        return {}
+    if not isinstance(keywords, dict) or not all(isinstance(n, str) for n in keywords):
+        raise ValueError(f"keywords should be a dict {{name: value}}, got {keywords!r}")
+    clash = [n for n in keywords if n in inputs]
+    if clash:
+        raise ValueError(f"keywords: {clash} are also positional inputs; name each once")
+    return {n: _prepared(rng, v, f"keywords[{n!r}]") for n, v in keywords.items()}
+
+
+def _prepared(rng, value, where):
+    if _is_shape(value):
+        return _draw(rng, tuple(value))
+    if isinstance(value, (np.ndarray, np.generic)):
+        a = np.array(value)  # a copy
+        if a.dtype.kind not in "biuf":
+            raise ValueError(f"{where} should hold numbers or bools, got dtype {a.dtype}")
+        return a.astype(np.float32).astype(np.float64) if a.dtype.kind == "f" else a
+    if isinstance(value, (tuple, list)):
+        return type(value)(_prepared(rng, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, dict):
+        return {k: _prepared(rng, v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, _PLAIN_TYPES) or callable(value):
+        return value
+    raise ValueError(f"{where} should be a shape, a NumPy array, a tuple/list/dict of those, "
+                     f"None, a bool, int, float or string, or a factory(framework, dtype); got "
+                     f"{type(value).__name__}")
+
+
+def _converted(value, framework: str, dtype: str):
+    """A prepared keyword value for one run: arrays as the framework's (floats in ``dtype``,
+    64-bit integers as JAX's integers without x64), factories called with (framework, dtype),
+    the rest as it is. ``framework`` is "torch" or "flax"."""
+    if isinstance(value, np.ndarray):
+        return (TORCH if framework == "torch" else JAX).array(value, dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_converted(v, framework, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _converted(v, framework, dtype) for k, v in value.items()}
+    if callable(value):
+        return value(framework, dtype)
+    return value
+
+
+class per_framework:  # noqa: N801 - used as a function
+    """A keyword factory with one value per framework: ``per_framework(torch=..., flax=...)``.
+    Each is a callable of the run's dtype name ("float64", "float32", "bfloat16", "float16"),
+    called once per run (a fresh cache each run), or a value passed as it is; a framework left
+    out gets None."""
+
+    def __init__(self, *, torch=None, flax=None):
+        self.values = {"torch": torch, "flax": flax}
+
+    def __call__(self, framework, dtype):
+        value = self.values[framework]
+        return value(dtype) if callable(value) else value
+
+    def __repr__(self):
+        return f"per_framework(torch={self.values['torch']!r}, flax={self.values['flax']!r})"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """How both modules are called and what is judged: keyword inputs (prepared by
+    ``_keywords``), the keywords whose arrays are differentiated, the output selection."""
+
+    keywords: dict = field(default_factory=dict)
+    grads: tuple = ()
+    output: object = None
+
+    def kwargs(self, framework, dtype) -> dict:
+        return {n: _converted(v, framework, dtype) for n, v in self.keywords.items()}
+
+    def select(self, out, framework):
+        """The array ``output`` selects from a module's output; ValueError when it is absent
+        or not an array."""
+        got = _selected(out, self.output, framework)
+        if not hasattr(got, "shape") or not hasattr(got, "dtype"):
+            raise ValueError(f"output: what {self.output!r} selects from the {framework} "
+                             f"module's output is a {type(got).__name__}, not an array")
+        return got
+
+
+_PLAIN_CALL = _Call()
+
+
+def _items(x):
+    """[(name or None, value)] of a structured output, or None for anything else."""
+    if isinstance(x, Mapping):  # dict, HF ModelOutput (an OrderedDict of its non-None fields)
+        return list(x.items())
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [(f.name, getattr(x, f.name)) for f in dataclasses.fields(x)]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return list(zip(x._fields, x))
+    if isinstance(x, (tuple, list)):
+        return [(None, v) for v in x]
+    return None
 
 
 def _first_array(x):
-    """A module's output, or the first array of a tuple/list output."""
-    while isinstance(x, (tuple, list)):
-        x = x[0]
+    """A module's output, or the first array of a tuple/list, the first value of a dict,
+    ModelOutput or dataclass (recursively); None for an empty one."""
+    while (items := _items(x)) is not None:
+        if not items:
+            return None
+        x = items[0][1]
     return x
 
 
-def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cotangent) -> dict:
-    """Output, gradients (parameters and float inputs) and first-call outputs of the paired
-    torch submodules, in the order they ran. ``cotangent`` is dO, or a function of the output
-    shape that draws it (returned as "cotangent")."""
+def _selected(out, output, framework):
+    if output is None:
+        return _first_array(out)
+    if callable(output):
+        return output(out)
+    items = _items(out)
+    kind = type(out).__name__
+    if isinstance(output, int):
+        if items is None or not -len(items) <= output < len(items):
+            raise ValueError(f"output: index {output} is out of range for the {framework} "
+                             f"module's output ({kind} of {len(items) if items else 0} items)")
+        return items[output][1]
+    names = [n for n, _ in items or [] if n is not None]
+    if output not in names:
+        raise ValueError(f"output: the {framework} module's output ({kind}) has no {output!r}; "
+                         f"it has {names if names else 'no names'}")
+    return dict((n, v) for n, v in items if n is not None)[output]
+
+
+def _check_call(keywords: dict, keyword_grads, output) -> _Call:
+    grads = tuple(keyword_grads)
+    bad = [n for n in grads if not (isinstance(keywords.get(n), np.ndarray)
+                                    and keywords[n].dtype.kind == "f")]
+    if bad:
+        raise ValueError(f"keyword_grads should name keywords whose value is a float array or "
+                         f"a shape, got {bad} (keywords: {list(keywords)})")
+    if not (output is None or callable(output) or isinstance(output, str)
+            or (isinstance(output, int) and not isinstance(output, bool))):
+        raise ValueError(f"output should be None, an index, a name or a callable, got "
+                         f"{output!r}")
+    return _Call(keywords, grads, output)
+
+
+def _check_dtype(dtype) -> str:
+    if dtype not in RUN_DTYPES:
+        raise ValueError(f"dtype should be one of {', '.join(RUN_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+# ---------------------------------------------------------------- running the modules
+
+
+def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cotangent,
+               call: _Call = _PLAIN_CALL) -> dict:
+    """Output, gradients (parameters, float inputs and the keywords ``call`` differentiates)
+    and first-call outputs of the paired torch submodules, in the order they ran.
+    ``cotangent`` is dO, or a function of the output shape that draws it (returned as
+    "cotangent")."""
     import torch
 
     module = copy.deepcopy(module).to(TORCH.dtype(dtype)).eval()
@@ -196,13 +356,16 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
             p.copy_(TORCH.array(weights[k]))
             p.requires_grad_(True)  # a frozen parameter is compared like the others
     args = list(TORCH.leaves(inputs, dtype).values())
+    kwargs = call.kwargs("torch", dtype)
+    for n in call.grads:
+        kwargs[n].requires_grad_(True)
     captured, hooks = {}, []
     for path in dict.fromkeys(t for t, _ in pairs):
         def hook(_m, _in, out, path=path):
             captured.setdefault(path, TORCH.numpy(_first_array(out)))
         hooks.append(module.get_submodule(path).register_forward_hook(hook))
     try:
-        out = _first_array(_call("torch", module, args, inputs))
+        out = call.select(_call("torch", module, args, inputs, kwargs), "torch")
     finally:
         for h in hooks:
             h.remove()
@@ -212,19 +375,29 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
              for k, p in module.named_parameters()}
     grads.update({f"input.{n}": TORCH.numpy(a.grad) for n, a in zip(inputs, args)
                   if a.requires_grad})
+    grads.update({f"input.{n}": TORCH.numpy(kwargs[n].grad) if kwargs[n].grad is not None
+                  else np.zeros(kwargs[n].shape) for n in call.grads})
     return {"output": TORCH.numpy(out), "grads": grads, "submodules": captured,
             "cotangent": d_out}
 
 
-def _call(framework, module, args, inputs):
-    """module(*args), a failure turned into a ValueError naming the inputs' shapes."""
+def _call(framework, module, args, inputs, kwargs=None):
+    """module(*args, **kwargs), a failure turned into a ValueError naming the inputs' shapes."""
     try:
-        return module(*args)
+        return module(*args, **(kwargs or {}))
+    except ValueError as e:
+        if str(e).startswith("output:"):  # the output selection's own message
+            raise
+        return _failed(framework, e, inputs)
     except Exception as e:
-        shapes = {n: tuple(a.shape) for n, a in inputs.items()}
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(f"inputs: the {framework} module failed on inputs {shapes}: "
-                         f"{type(e).__name__}: {first}") from e
+        return _failed(framework, e, inputs)
+
+
+def _failed(framework, e, inputs):
+    shapes = {n: tuple(a.shape) for n, a in inputs.items()}
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise ValueError(f"inputs: the {framework} module failed on inputs {shapes}: "
+                     f"{type(e).__name__}: {first}") from e
 
 
 def _built(factory, framework):
@@ -252,38 +425,43 @@ def _join(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _set_flax_params(model, table, weights) -> None:
-    """Every nnx.Param set to its torch weight through the rule, in float32."""
+def _set_flax_params(model, table, weights, dtype="float32") -> None:
+    """Every nnx.Param set to its torch weight through the rule, in ``dtype``."""
     from flax import nnx
 
     state = nnx.state(model, nnx.Param)
     source = {path: (key, rule) for key, (path, rule) in table.items()}
     for p, var in nnx.to_flat_state(state):
         key, rule = source[_join(p)]
-        var.set_value(JAX.array(rule.apply(weights[key]), "float32"))
+        var.set_value(JAX.array(rule.apply(weights[key]), dtype))
     nnx.update(model, state)
 
 
-def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
+def _run_flax(model, table, weights: dict, inputs: dict, d_out, call: _Call = _PLAIN_CALL,
+              dtype: str = "float32") -> dict:
     """Output, gradients in torch names and layout, and every submodule's first __call__
-    output, from one nnx.jit program in float32."""
+    output, from one nnx.jit program in ``dtype``. Keyword inputs are closed over (constants
+    of the program), but for the differentiated ones, which are arguments."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    _set_flax_params(model, table, weights)
+    _set_flax_params(model, table, weights, dtype)
     model.eval()
-    arrays = JAX.leaves(inputs, "float32")
-    floats = {n: a for n, a in arrays.items() if a.dtype == jnp.float32}
+    arrays = JAX.leaves(inputs, dtype)
+    kwargs = call.kwargs("flax", dtype)
+    floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+    floats.update({n: kwargs.pop(n) for n in call.grads})
     others = {n: a for n, a in arrays.items() if n not in floats}
 
     @nnx.jit
     def step(model, floats, others, d_out):
         def loss(model, floats):
             args = [{**others, **floats}[n] for n in arrays]
+            given = {**kwargs, **{n: floats[n] for n in call.grads}}
             out, inter = nnx.capture(model, nnx.Intermediate,
-                                     method_outputs=nnx.Intermediate)(*args)
-            out = _first_array(out)
+                                     method_outputs=nnx.Intermediate)(*args, **given)
+            out = call.select(out, "flax")
             return jnp.sum(out * d_out), (out, inter)
 
         argnums = (nnx.DiffState(0, nnx.Param), 1)
@@ -292,7 +470,7 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out) -> dict:
         return out, g_model, g_in, inter
 
     out, g_model, g_in, inter = _call("Flax", step, (model, floats, others,
-                                                     JAX.array(d_out, "float32")), inputs)
+                                                     JAX.array(d_out, dtype)), inputs)
     g_flax = {_join(p): JAX.numpy(v.get_value()) for p, v in nnx.to_flat_state(g_model)}
     grads = {k: rule.inverse(g_flax[path], weights[k].shape) for k, (path, rule) in table.items()}
     grads.update({f"input.{n}": JAX.numpy(g) for n, g in g_in.items()})
@@ -323,7 +501,8 @@ class PortReport:
     def text(self) -> str:
         """A readable table: max |Δ| and the relative error norm per column, then the verdict."""
         width = max(len(r["what"]) for r in self.rows) + 2
-        lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch float32':28}flax float32",
+        dtype = self.data.get("dtype", "float32")
+        lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch ' + dtype:28}flax {dtype}",
                  f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}max|Δ|   rel‖Δ‖"]
         for r in self.rows:
             lines.append(f"{r['what']:{width}}{r['flax_path'] or '-':16}{r['rule'] or '-':8}"
@@ -348,6 +527,7 @@ class PortReport:
         return plain({"ok": self.ok, "first_divergent": self.first_divergent,
                       "failing_params": self.failing_params, "suspects": self.suspects,
                       "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
+                      "dtype": self.data.get("dtype", "float32"),
                       "mapping": self.data.get("mapping")})
 
 
@@ -358,16 +538,30 @@ def _cell(c, row=None) -> str:
     return f"{c['max_abs']:.1e}  {rel:7}  {'pass' if c['ok'] else 'FAIL'}"
 
 
+def _judged(got, e, baseline, dtype, kind, terms=1, zero=False):
+    """The Flax array against the float64 one: the float32 table at float32; at bfloat16 and
+    float16 the dtype's row of the table, or failing it at most 2x the torch baseline's error
+    at that dtype on the same inputs (``tolerances.compare_to_plain``; the table alone without
+    a baseline)."""
+    if dtype == "float32" or baseline is None:
+        return tolerances.compare(got, e, dtype, kind, terms=terms, zero=zero)
+    return tolerances.compare_to_plain(got, e, baseline, dtype, kind, terms, zero)
+
+
 def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs: list,
             terms: int, notes: list, data: dict) -> PortReport:
-    """Judge the Flax float32 run (and show torch float32's) against torch float64."""
+    """Judge the Flax run (and show torch's at the same dtype) against torch float64; the
+    columns keep the names torch_float32 and flax_float32 at every dtype (data["dtype"])."""
+    dtype = data.get("dtype", "float32")
+
     def row(what, key, kind, n, flax_path=None, rule=None, group=None):
         e = expected[group][key] if group else expected[key]
         got = [(r[group][key] if group else r[key]) if r is not None else None
                for r in (torch32, flax)]
         zero = group == "grads" and _zero(e, n)
-        cmp = [None if g is None else dataclasses.asdict(
-            tolerances.compare(g, e, "float32", kind, terms=n, zero=zero)) for g in got]
+        cmp = [None if got[0] is None else dataclasses.asdict(
+            tolerances.compare(got[0], e, dtype, kind, terms=n, zero=zero)),
+            dataclasses.asdict(_judged(got[1], e, got[0], dtype, kind, n, zero))]
         return {"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
                 "flax_path": flax_path, "rule": rule, "ok": cmp[1]["ok"]}
 
@@ -376,7 +570,7 @@ def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs
         rows.append(row(f"grad {key}", key, "grad", terms, path, str(rule), "grads"))
     for name in (k for k in expected["grads"] if k.startswith("input.")):
         rows.append(row(f"grad input {name[6:]}", name, "grad", 1, group="grads"))
-    sub_rows, first = _submodule_rows(expected, flax, torch32, pairs, notes)
+    sub_rows, first = _submodule_rows(expected, flax, torch32, pairs, notes, dtype)
     failing = [k for k, r in zip(table, rows[1:]) if not r["ok"]]
     suspects = [f"{k} -> {path} (rule {rule})" for k, (path, rule) in table.items()
                 if (mapping_lib.submodule(k), mapping_lib.submodule(path)) == first]
@@ -393,7 +587,7 @@ def _zero(expected, terms) -> bool:
                               terms=terms, zero=True).ok
 
 
-def _submodule_rows(expected, flax, torch32, pairs, notes):
+def _submodule_rows(expected, flax, torch32, pairs, notes, dtype="float32"):
     """Rows for the paired submodules (in torch's execution order), and the first pair that
     fails (or None)."""
     rows, first = [], None
@@ -409,8 +603,9 @@ def _submodule_rows(expected, flax, torch32, pairs, notes):
                          "note": f"shapes differ: {e.shape} vs {got.shape}"})
             continue
         base = None if torch32 is None else torch32["submodules"].get(t)
-        cmp = [None if g is None else dataclasses.asdict(
-            tolerances.compare(g.reshape(e.shape), e, "float32", "value")) for g in (base, got)]
+        cmp = [None if base is None else dataclasses.asdict(
+            tolerances.compare(base, e, dtype, "value")),
+            dataclasses.asdict(_judged(got.reshape(e.shape), e, base, dtype, "value"))]
         rows.append({"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
                      "flax_path": f, "rule": None, "ok": cmp[1]["ok"]})
         if not cmp[1]["ok"] and first is None:
@@ -421,30 +616,66 @@ def _submodule_rows(expected, flax, torch32, pairs, notes):
 # ---------------------------------------------------------------- compare
 
 
-def compare(torch_factory, flax_factory, mapping, inputs, *, seed: int = 0,
+def compare(torch_factory, flax_factory, mapping, inputs, *, keywords: dict | None = None,
+            keyword_grads=(), output=None, dtype: str = "float32", seed: int = 0,
             cotangent_seed: int | None = None) -> PortReport:
-    """Draw weights and inputs, run torch float64 (reference) and float32, and the Flax module
-    jitted in float32; see the module docstring. ``mapping``: {torch key: flax path or (path,
-    rule)} or ``neutral(...)``; ``inputs``: {name: shape or array}, passed positionally."""
+    """Draw weights and inputs, run torch float64 (reference) and ``dtype`` (the baseline),
+    and the Flax module jitted in ``dtype``; see the module docstring and
+    docs/validating.md. ``mapping``: {torch key: flax path or (path, rule)} or
+    ``neutral(...)``; ``inputs``: {name: shape or array}, passed positionally, float ones
+    differentiated.
+
+    ``keywords``: {name: value} passed by name to both modules: a shape (drawn N(0, 1)), a
+    NumPy array (converted to each framework and run dtype), a tuple/list/dict of those
+    (converted leaf by leaf: ``position_embeddings=(cos, sin)``), None/bool/int/float/str (as
+    they are), or a factory ``f(framework, dtype)`` called once per run with framework
+    "torch" or "flax" and the run's dtype name (``per_framework(torch=..., flax=...)``). Only
+    the keywords named in ``keyword_grads`` (float arrays or shapes) are differentiated.
+
+    ``output`` selects the array judged from what each module returns: None (the output if
+    an array, else the first array of a tuple/list or the first value of a dict, ModelOutput
+    or dataclass), an index, a name (key or field), or a callable of the output.
+
+    ``dtype``: "float32", "bfloat16" or "float16". At a low dtype the weights and float
+    inputs are drawn on that dtype's grid (every run sees the same numbers) and the Flax
+    column passes where it meets the dtype's row of the tolerance table or is within 2x the
+    torch baseline's error at that dtype (``tolerances.compare_to_plain``)."""
+    dtype = _check_dtype(dtype)
     torch_model, flax_model = _built(torch_factory, "torch"), _built(flax_factory, "flax")
     torch_shapes = {k: tuple(p.shape) for k, p in torch_model.named_parameters()}
     table = _validated(mapping, torch_shapes, _flax_shapes(flax_model))
     pairs = _pairs(table)
     rng = np.random.default_rng(seed)
-    weights = _draw_weights(rng, torch_shapes)
-    arrays = _inputs(rng, inputs)
+    weights = _on_grid(_draw_weights(rng, torch_shapes), dtype)
+    arrays = _on_grid(_inputs(rng, inputs), dtype)
+    call = _check_call(_on_grid(_keywords(rng, keywords, arrays), dtype), keyword_grads, output)
     d_rng = rng if cotangent_seed is None else np.random.default_rng(cotangent_seed)
     expected = _run_torch(torch_model, "float64", weights, arrays, pairs,
-                          lambda shape: _draw(d_rng, shape))
+                          lambda shape: _on_grid(_draw(d_rng, shape), dtype), call)
     d_out = expected["cotangent"]
     order = list(expected["submodules"])  # the order torch's hooks fired in
     pairs.sort(key=lambda p: order.index(p[0]) if p[0] in order else len(order))
-    torch32 = _run_torch(torch_model, "float32", weights, arrays, pairs, d_out)
-    flax = _run_flax(flax_model, table, weights, arrays, d_out)
+    torch32 = _run_torch(torch_model, dtype, weights, arrays, pairs, d_out, call)
+    flax = _run_flax(flax_model, table, weights, arrays, d_out, call, dtype)
     data = {"seed": seed, "mapping": mapping_lib.to_json(table), "weights": weights,
             "inputs": arrays, "cotangent": d_out, "expected": expected, "pairs": pairs,
-            "torch_factory": None, "flax_factory": None}
+            "torch_factory": None, "flax_factory": None, "dtype": dtype,
+            "keywords": call.keywords, "keyword_grads": list(call.grads), "output": output}
     return _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
+
+
+def _on_grid(value, dtype):
+    """Float arrays (through tuples, lists and dicts) rounded to ``dtype``, kept float64; at
+    float32 they already are (``_draw``, ``_inputs``)."""
+    if dtype == "float32":
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return value.astype(JAX.dtype(dtype)).astype(np.float64)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_grid(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_grid(v, dtype) for k, v in value.items()}
+    return value
 
 
 # ---------------------------------------------------------------- port fixtures
