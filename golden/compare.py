@@ -670,7 +670,8 @@ def _on_grid(value, dtype):
     if dtype == "float32":
         return value
     if isinstance(value, np.ndarray) and value.dtype.kind == "f":
-        return value.astype(JAX.dtype(dtype)).astype(np.float64)
+        with np.errstate(over="ignore"):  # a mask's float32 minimum is -inf in float16
+            return value.astype(JAX.dtype(dtype)).astype(np.float64)
     if isinstance(value, (tuple, list)):
         return type(value)(_on_grid(v, dtype) for v in value)
     if isinstance(value, dict):
@@ -706,7 +707,16 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
     clash = [k for k in d["weights"] if k.startswith("input.")]
     if clash:
         raise ValueError(f"freeze: torch keys {clash} clash with the input gradients' names")
+    output = d.get("output")
+    if callable(output):
+        raise ValueError(f"freeze: output is a callable ({output!r}), which a port fixture "
+                         f"cannot hold; select the output by index or name to freeze it")
+    stored = {}
+    keywords = {n: _keyword_spec(v, f"keywords/{n}", stored, n)
+                for n, v in d.get("keywords", {}).items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "seed": d["seed"],
+            "dtype": d.get("dtype", "float32"), "keywords": keywords,
+            "keyword_grads": list(d.get("keyword_grads", [])), "output": output,
             "mapping": d["mapping"], "params": list(d["weights"]), "inputs": list(d["inputs"]),
             "torch_factory": torch_factory_spec or d.get("torch_factory"),
             "flax_factory": flax_factory_spec or d.get("flax_factory"),
@@ -716,6 +726,7 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
                        **{f"inputs/{n}": list(a.shape) for n, a in d["inputs"].items()}}}
     members = {f"inputs/{n}": a.astype(np.float32) if a.dtype.kind == "f" else a
                for n, a in d["inputs"].items()}
+    members.update(stored)
     members.update({f"params/{k}": w for k, w in d["weights"].items()})
     members.update({"cotangents/output": d["cotangent"], "expected/output": expected["output"]})
     members.update({f"grads/{k}": g for k, g in expected["grads"].items()})
@@ -725,9 +736,67 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
     return Path(path)
 
 
+def _keyword_spec(value, member, stored, name):
+    """The JSON description of a keyword value, its arrays put in ``stored`` under member
+    names "keywords/<name>/<index or key>/..."; a factory is refused (ValueError)."""
+    if isinstance(value, np.ndarray):
+        stored[member] = value.astype(np.float32) if value.dtype.kind == "f" else value
+        return {"array": member}
+    if isinstance(value, (tuple, list)):
+        return {type(value).__name__: [_keyword_spec(v, f"{member}/{i}", stored, name)
+                                       for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str) or "/" in k or not k]
+        if bad:
+            raise ValueError(f"freeze: keywords[{name!r}] has dict keys {bad}; a port fixture "
+                             f"holds non-empty string keys without '/'")
+        return {"dict": {k: _keyword_spec(v, f"{member}/{k}", stored, name)
+                         for k, v in value.items()}}
+    if callable(value):
+        raise ValueError(f"freeze: keywords[{name!r}] holds a factory ({value!r}), which a "
+                         f"port fixture cannot hold; pass arrays (or a nested tuple/list/dict "
+                         f"of arrays), or keep checking this port with compare()")
+    return {"value": value}
+
+
+def _keyword_value(spec, members, fail, where):
+    """The keyword value a ``_keyword_spec`` describes, float arrays as float64."""
+    if not isinstance(spec, dict) or len(spec) != 1:
+        fail(f"meta.keywords: {where} should be one of {{array, tuple, list, dict, value}}, "
+             f"got {spec!r}")
+    (kind, body), = spec.items()
+    if kind == "array":
+        if body not in members:
+            fail(f"meta.keywords: {where} names the member {body!r}, which is absent")
+        a = members[body]
+        return a.astype(np.float64) if a.dtype.kind == "f" else a
+    if kind in ("tuple", "list") and isinstance(body, list):
+        items = [_keyword_value(v, members, fail, f"{where}[{i}]") for i, v in enumerate(body)]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict" and isinstance(body, dict):
+        return {k: _keyword_value(v, members, fail, f"{where}[{k!r}]") for k, v in body.items()}
+    if kind == "value" and isinstance(body, _PLAIN_TYPES):
+        return body
+    fail(f"meta.keywords: {where} should be one of {{array, tuple, list, dict, value}}, got "
+         f"{spec!r}")
+
+
+def _keyword_members(spec) -> list:
+    """The member names a keyword description refers to."""
+    (kind, body), = spec.items()
+    if kind == "array":
+        return [body]
+    if kind in ("tuple", "list"):
+        return [m for v in body for m in _keyword_members(v)]
+    if kind == "dict":
+        return [m for v in body.values() for m in _keyword_members(v)]
+    return []
+
+
 def load_port(path) -> dict:
-    """{"meta", "inputs", "params", "cotangent", "expected"} from a port fixture, validated;
-    ``golden.FixtureError`` naming the file and the problem. Never unpickles."""
+    """{"meta", "inputs", "keywords", "params", "cotangent", "expected"} from a port fixture,
+    validated; ``golden.FixtureError`` naming the file and the problem. Never unpickles.
+    A format-version-1 file (before dtypes and keywords) reads as float32 without keywords."""
     if not Path(path).is_file():
         raise FixtureError(f"{path}: no such port fixture")
     members = read_members(path)  # the fixtures' bounded reader: no allocation on trust
@@ -739,9 +808,13 @@ def load_port(path) -> dict:
     groups = _port_groups(members, meta, fail)
     subs, grads = groups["submodules"], groups["grads"]  # in the orders meta gives
     order = meta["params"] + [f"input.{n}" for n in meta["inputs"] if f"input.{n}" in grads]
+    order += [f"input.{n}" for n in meta["keyword_grads"]]
     expected = {"output": members["expected/output"], "grads": {k: grads[k] for k in order},
                 "submodules": {t: subs[t] for t in dict.fromkeys(t for t, _ in meta["submodules"])}}
+    keywords = {n: _keyword_value(spec, members, fail, f"keywords[{n!r}]")
+                for n, spec in meta["keywords"].items()}
     return {"meta": meta, "inputs": {n: groups["inputs"][n] for n in meta["inputs"]},
+            "keywords": keywords,
             "params": {k: groups["params"][k] for k in meta["params"]},
             "cotangent": members["cotangents/output"], "expected": expected}
 
@@ -756,11 +829,20 @@ def _port_meta(members, fail) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         fail(f"meta.format should be {FORMAT!r}, got "
              f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
-    if meta.get("format_version") != FORMAT_VERSION:
-        fail(f"meta.format_version should be {FORMAT_VERSION}, got "
-             f"{meta.get('format_version')!r}")
+    if meta.get("format_version") not in READABLE_VERSIONS:
+        fail(f"meta.format_version should be one of {', '.join(map(str, READABLE_VERSIONS))} "
+             f"(this attn-parity reads those), got {meta.get('format_version')!r}")
+    if meta["format_version"] == 1:  # before dtypes, keywords and output selection
+        meta.update(dtype="float32", keywords={}, keyword_grads=[], output=None)
+    if meta.get("dtype") not in RUN_DTYPES:
+        fail(f"meta.dtype should be one of {', '.join(RUN_DTYPES)}, got {meta.get('dtype')!r}")
+    output = meta.get("output")
+    if not (output is None or isinstance(output, str)
+            or (isinstance(output, int) and not isinstance(output, bool))):
+        fail(f"meta.output should be null, an index or a name, got {output!r}")
     for key, kind in (("mapping", dict), ("params", list), ("inputs", list),
-                      ("submodules", list), ("shapes", dict)):
+                      ("submodules", list), ("shapes", dict), ("keywords", dict),
+                      ("keyword_grads", list)):
         if not isinstance(meta.get(key), kind):
             fail(f"meta.{key} should be a {kind.__name__}, got {meta.get(key)!r}")
     try:
@@ -769,6 +851,10 @@ def _port_meta(members, fail) -> dict:
         fail(f"meta.mapping: {e}")
     if sorted(meta["params"]) != sorted(meta["mapping"]):
         fail(f"meta.params should list the mapping's keys, got {meta['params']}")
+    if not all(n in meta["keywords"] and "array" in meta["keywords"][n]
+               for n in meta["keyword_grads"]):
+        fail(f"meta.keyword_grads should name keywords holding an array, got "
+             f"{meta['keyword_grads']}")
     return meta
 
 
@@ -781,6 +867,12 @@ def _port_groups(members, meta, fail) -> dict:
     required |= {f"inputs/{n}" for n in names} | {f"params/{k}" for k in keys}
     required |= {f"grads/{k}" for k in keys} | {f"grads/input.{n}" for n in floats}
     required |= {f"submodules/{t}" for t, _ in meta["submodules"]}
+    required |= {f"grads/input.{n}" for n in meta["keyword_grads"]}
+    try:
+        required |= {m for spec in meta["keywords"].values() for m in _keyword_members(spec)}
+    except (ValueError, AttributeError, TypeError):
+        fail(f"meta.keywords should map names to {{array, tuple, list, dict, value}} "
+             f"descriptions, got {meta['keywords']!r}")
     missing, extra = sorted(required - set(members)), sorted(set(members) - required)
     if missing or extra:
         fail(f"members do not match meta: missing {missing}, unexpected {extra}")
@@ -791,13 +883,14 @@ def _port_groups(members, meta, fail) -> dict:
         if list(got) != shape:
             fail(f"{name} has shape {got}, meta.shapes says {tuple(shape)}")
     groups = {g: {k.split("/", 1)[1]: v for k, v in members.items() if k.startswith(g + "/")}
-              for g in ("inputs", "params", "grads", "submodules")}
+              for g in ("inputs", "params", "grads", "submodules", "keywords")}
     _check_port_arrays(members, groups, fail)
     return groups
 
 
 def _check_port_arrays(members, groups, fail) -> None:
-    sources = {**groups["params"], **{f"input.{n}": a for n, a in groups["inputs"].items()}}
+    sources = {**groups["params"], **{f"input.{n}": a for n, a in groups["inputs"].items()},
+               **{f"input.{n}": a for n, a in groups["keywords"].items()}}
     for n, g in groups["grads"].items():
         if g.shape != sources[n].shape:
             fail(f"grads/{n} has shape {g.shape}, the array it differentiates {sources[n].shape}")
@@ -837,15 +930,19 @@ def check_port(path, flax_factory=None, torch_factory=None) -> PortReport:
     pairs = [tuple(p) for p in meta["submodules"]]
     inputs = {n: a.astype(np.float64) if a.dtype.kind == "f" else a
               for n, a in port["inputs"].items()}
-    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"])
+    dtype = meta["dtype"]
+    call = _Call(port["keywords"], tuple(meta["keyword_grads"]), meta["output"])
+    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"], call, dtype)
     torch32 = None
     if torch_factory is not None:
-        torch32 = _run_torch(_built(torch_factory, "torch"), "float32", port["params"], inputs,
-                             pairs, port["cotangent"])
+        torch32 = _run_torch(_built(torch_factory, "torch"), dtype, port["params"], inputs,
+                             pairs, port["cotangent"], call)
     data = {"seed": meta.get("seed"), "mapping": meta["mapping"], "weights": port["params"],
             "inputs": inputs, "cotangent": port["cotangent"], "expected": port["expected"],
             "pairs": pairs, "torch_factory": meta.get("torch_factory"),
-            "flax_factory": meta.get("flax_factory")}
+            "flax_factory": meta.get("flax_factory"), "dtype": dtype,
+            "keywords": port["keywords"], "keyword_grads": list(meta["keyword_grads"]),
+            "output": meta["output"]}
     return _report(port["expected"], flax, torch32, table, pairs, _terms(inputs), notes, data)
 
 
