@@ -6,16 +6,22 @@ parameter path, with a ``golden.mapping`` rule from the torch layout to the Flax
 
     torch float64       the reference: output, gradients of L = Σ output ⊙ dO for every
                         parameter and float input, outputs of the paired submodules (hooks)
-    torch float32       the same, shown as the same-precision baseline
+    torch float32       the same, shown as the same-precision baseline (or ``dtype``)
     Flax float32        one ``nnx.jit`` program: output, gradients (mapped back to the torch
                         layout through the rule's inverse), every submodule's ``__call__``
                         output (``nnx.capture(..., method_outputs=nnx.Intermediate)``)
 
 and judges the Flax float32 column against torch float64 with ``golden.tolerances.compare``.
+``dtype="bfloat16"`` or ``"float16"`` runs the baseline and the Flax module in that dtype and
+judges with ``golden.tolerances.compare_to_plain`` (the dtype's row, or at most 2x the torch
+baseline's error). Inputs go positionally (``inputs``) and by name (``keywords``: arrays,
+nested arrays, plain values, per-run factories); ``output`` selects the array judged from a
+tuple, dict, ``ModelOutput`` or dataclass, the same way in both frameworks.
 The verdict is on the output and the gradients; a paired submodule is a module owning a mapped
 parameter on each side (``golden.mapping.submodule``), and the first one in torch's execution
 order whose Flax output misses the float32 value tolerance is named as where the port diverges.
-Both modules run in eval mode; a module returning a tuple is judged on its first array.
+Both modules run in eval mode; by default a module returning a tuple is judged on its first
+array, one returning a dict or ModelOutput on its first value.
 
 ``freeze`` writes what was drawn and the float64 expectations as a port fixture (the container
 of ``golden.fixture``: a zip of ``.npy`` members, never pickled), and ``check_port`` checks a
@@ -308,9 +314,12 @@ def _selected(out, output, framework):
     items = _items(out)
     kind = type(out).__name__
     if isinstance(output, int):
-        if items is None or not -len(items) <= output < len(items):
+        if items is None:
+            raise ValueError(f"output: index {output} given, but the {framework} module's "
+                             f"output is a {kind}, not a tuple, list, dict or dataclass")
+        if not -len(items) <= output < len(items):
             raise ValueError(f"output: index {output} is out of range for the {framework} "
-                             f"module's output ({kind} of {len(items) if items else 0} items)")
+                             f"module's output ({kind} of {len(items)} items)")
         return items[output][1]
     names = [n for n, _ in items or [] if n is not None]
     if output not in names:
@@ -959,6 +968,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--input", metavar="NAME=D1,D2,...", action="append", default=[],
                         help="an input and its shape, in call order (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn weights and inputs")
+    parser.add_argument("--dtype", choices=RUN_DTYPES, default="float32",
+                        help="run the Flax module and the torch baseline in this dtype (torch "
+                             "float64 stays the reference; default float32)")
+    parser.add_argument("--output", metavar="INDEX_OR_NAME",
+                        help="the array to judge in what the modules return: an index or a name "
+                             "(key or field); default the output, or its first array")
     parser.add_argument("--freeze", metavar="FILE", help="write what was drawn as a port fixture")
     parser.add_argument("--fixture", metavar="FILE",
                         help="check the Flax module against a frozen port fixture instead")
@@ -990,14 +1005,22 @@ def run_cli(args, log=print, error_log=None) -> int:
 
 def _cli_report(args) -> PortReport:
     if args.fixture:
+        given = [o for o, v in (("--dtype", args.dtype != "float32"), ("--output", args.output))
+                 if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: a port fixture records its own; leave them "
+                             f"out with --fixture")
         return check_port(args.fixture, args.flax and resolve_spec(args.flax),
                           args.torch and resolve_spec(args.torch))
     absent = [o for o, v in (("--torch", args.torch), ("--flax", args.flax),
                              ("--mapping", args.mapping), ("--input", args.input)) if not v]
     if absent:
         raise ValueError(f"compare needs {', '.join(absent)} (or --fixture FILE)")
+    output = args.output
+    if output is not None and output.lstrip("-").isdigit():
+        output = int(output)
     return compare(_factory(args.torch), _factory(args.flax), _cli_mapping(args.mapping),
-                   _cli_inputs(args.input), seed=args.seed)
+                   _cli_inputs(args.input), seed=args.seed, dtype=args.dtype, output=output)
 
 
 def _factory(spec):

@@ -140,14 +140,13 @@ def make_qwen3_attention():
     return Qwen3Attention(qwen3_config(), layer_idx=0)
 
 
-def qwen3_position_embeddings(batch: int, length: int):
-    """(cos, sin), each (B, L, Dh) float32 NumPy, from HF's Qwen3RotaryEmbedding at positions
-    0 .. L − 1 (what Qwen3Model hands every layer)."""
+def qwen3_position_embeddings(length: int):
+    """(cos, sin), each (1, L, Dh) float32 NumPy, from HF's Qwen3RotaryEmbedding at positions
+    0 .. L − 1: what Qwen3Model hands every layer for a batch without a cache."""
     import torch
 
     rotary = Qwen3RotaryEmbedding(qwen3_config())
-    positions = torch.arange(length)[None].expand(batch, length)
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None])
     return cos.numpy().copy(), sin.numpy().copy()
 
 
