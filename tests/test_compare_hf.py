@@ -126,6 +126,8 @@ def test_qwen3_planted_bugs_fail(bug):
     assert not report.ok
     ok = _ok(report)
     assert ok["submodule q_proj ~ q_proj"] and ok["submodule v_proj ~ v_proj"]
+    assert ok["submodule k_norm ~ k_norm"] == (bug == "rope_interleaved")  # before RoPE
+    assert not ok["submodule o_proj ~ o_proj"]
     assert {"q_proj.weight", "k_proj.weight"} <= set(report.failing_params)
 
 
@@ -219,6 +221,14 @@ def test_a_low_precision_bug_passes_float32_and_fails_bfloat16_and_float16():
         report = gpt2("one_pass_variance", dtype, inputs=x)
         print(report.text())
         assert not report.ok and report.first_divergent == "ln_1 ~ ln_1"
+
+
+def test_a_torch_module_that_cannot_run_in_float16_is_named():
+    """tests/port_pair.py fills masked scores with -1e30, which float16 cannot hold."""
+    with pytest.raises(ValueError, match=r"^inputs: the torch module failed on inputs "
+                       r"\{'x': \(2, 5, 8\)\}: RuntimeError: value cannot be converted to type "
+                       r"c10::Half without overflow"):
+        C.compare(P.make_torch, P.make_flax, P.MAPPING, {"x": (2, 5, 8)}, dtype="float16")
 
 
 def test_low_precision_weights_and_inputs_are_on_the_dtype_grid():
