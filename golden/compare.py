@@ -241,14 +241,16 @@ def _converted(value, framework: str, dtype: str):
     return value
 
 
-class per_framework:  # noqa: N801 - used as a function
-    """A keyword factory with one value per framework: ``per_framework(torch=..., flax=...)``.
-    Each is a callable of the run's dtype name ("float64", "float32", "bfloat16", "float16"),
-    called once per run (a fresh cache each run), or a value passed as it is; a framework left
-    out gets None."""
+def per_framework(*, torch=None, flax=None):
+    """A keyword factory with one value per framework. Each is a callable of the run's dtype
+    name ("float64", "float32", "bfloat16", "float16"), called once per run (a fresh cache
+    each run), or a value passed as it is; a framework left out gets None."""
+    return _PerFramework({"torch": torch, "flax": flax})
 
-    def __init__(self, *, torch=None, flax=None):
-        self.values = {"torch": torch, "flax": flax}
+
+@dataclass(frozen=True)
+class _PerFramework:
+    values: dict
 
     def __call__(self, framework, dtype):
         value = self.values[framework]
@@ -296,13 +298,16 @@ def _items(x):
     return None
 
 
-def _first_array(x):
+def _first_array(x, sort_keys=False):
     """A module's output, or the first array of a tuple/list, the first value of a dict,
-    ModelOutput or dataclass (recursively); None for an empty one."""
+    ModelOutput or dataclass (recursively); None for an empty one. ``sort_keys``: a dict's
+    value of the smallest key instead, for submodule outputs: ``nnx.capture`` keeps a dict
+    with its keys sorted (a JAX pytree), so both frameworks read the same entry."""
     while (items := _items(x)) is not None:
         if not items:
             return None
-        x = items[0][1]
+        x = (min(items, key=lambda i: i[0]) if sort_keys and isinstance(x, Mapping)
+             else items[0])[1]
     return x
 
 
@@ -371,7 +376,7 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
     captured, hooks = {}, []
     for path in dict.fromkeys(t for t, _ in pairs):
         def hook(_m, _in, out, path=path):
-            captured.setdefault(path, TORCH.numpy(_first_array(out)))
+            captured.setdefault(path, TORCH.numpy(_first_array(out, sort_keys=True)))
         hooks.append(module.get_submodule(path).register_forward_hook(hook))
     try:
         out = call.select(_call("torch", module, args, inputs, kwargs), "torch")
@@ -451,7 +456,6 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out, call: _Call = _P
     """Output, gradients in torch names and layout, and every submodule's first __call__
     output, from one nnx.jit program in ``dtype``. Keyword inputs are closed over (constants
     of the program), but for the differentiated ones, which are arguments."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -483,7 +487,7 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out, call: _Call = _P
     g_flax = {_join(p): JAX.numpy(v.get_value()) for p, v in nnx.to_flat_state(g_model)}
     grads = {k: rule.inverse(g_flax[path], weights[k].shape) for k, (path, rule) in table.items()}
     grads.update({f"input.{n}": JAX.numpy(g) for n, g in g_in.items()})
-    subs = {_join(p[:-1]): JAX.numpy(jax.tree.leaves(v.get_value()[0])[0])
+    subs = {_join(p[:-1]): JAX.numpy(_first_array(v.get_value()[0], sort_keys=True))
             for p, v in nnx.to_flat_state(inter) if p[-1] == "__call__" and len(p) > 1}
     return {"output": JAX.numpy(out), "grads": grads, "submodules": subs}
 

@@ -258,8 +258,8 @@ def test_bad_dtype_and_keywords_are_named():
 class TorchInner(nn.Linear):
     """nn.Linear returning a dict: a paired submodule whose output is not an array."""
 
-    def forward(self, x):
-        return {"h": super().forward(x)}
+    def forward(self, x):  # a submodule's dict is read at its smallest key, "a"
+        return {"z": x.sum(), "a": super().forward(x)}
 
 
 class TorchNamed(nn.Module):
@@ -270,14 +270,14 @@ class TorchNamed(nn.Module):
         self.inner = TorchInner(8, 6)
 
     def forward(self, x):
-        h = self.inner(x)["h"]
+        h = self.inner(x)["a"]
         return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=torch.tanh(h),
                                                              hidden_states=(h,))
 
 
 class FlaxInner(nnx.Linear):
     def __call__(self, x):
-        return {"h": super().__call__(x)}
+        return {"z": x.sum(), "a": super().__call__(x)}
 
 
 class FlaxNamed(nnx.Module):
@@ -285,7 +285,7 @@ class FlaxNamed(nnx.Module):
         self.inner = FlaxInner(8, 6, precision=P.HIGHEST, rngs=rngs)
 
     def __call__(self, x):
-        h = self.inner(x)["h"]
+        h = self.inner(x)["a"]
         return {"last_hidden_state": jnp.tanh(h), "hidden_states": (h,)}
 
 
@@ -299,7 +299,7 @@ def test_dict_and_model_output_selected_alike(output):
                        output=output)
     assert report.ok, report.text()
     e = report.data["expected"]["output"]
-    h = report.data["expected"]["submodules"]["inner"]  # the dict's first value, no crash
+    h = report.data["expected"]["submodules"]["inner"]  # the dict's "a", no crash
     np.testing.assert_allclose(e, h if callable(output) else np.tanh(h), rtol=1e-15)
     assert report.rows[-1]["what"] == "submodule inner ~ inner" and report.rows[-1]["ok"]
 
