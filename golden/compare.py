@@ -921,8 +921,9 @@ def _check_port_arrays(members, groups, fail) -> None:
 
 def check_port(path, flax_factory=None, torch_factory=None) -> PortReport:
     """Check a Flax module against a port fixture: its stored weights through its stored mapping,
-    jitted float32, against the stored float64 expectations. The factories default to the specs
-    in the file; torch float32 is the baseline column when a torch factory resolves (pass
+    jitted in the stored dtype with the stored keywords and output selection, against the
+    stored float64 expectations. The factories default to the specs in the file; torch at the
+    stored dtype is the baseline column when a torch factory resolves (pass
     ``torch_factory=False`` to leave it out)."""
     port, notes = load_port(path), []
     meta = port["meta"]

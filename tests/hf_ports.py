@@ -3,10 +3,10 @@
 "A Hugging Face block, as it is"): transformers' ``GPT2Block`` (eager attention) and
 ``Qwen3Attention`` (grouped-query attention, q_norm/k_norm, RoPE), each with a tiny config.
 
-Shape legend: B batch, L tokens, D model width, N heads, Nkv key-value heads, Dh head width,
-F the MLP width. Masks are HF's additive 4-D masks (B or 1, 1, L, L): 0 where a query may
-attend, a large negative number elsewhere. Each port takes a ``bug`` naming a planted mistake
-(None: the faithful port), which the tests expect ``compare`` to catch.
+Shape legend: B batch, L tokens, D model width (GPT2_D for GPT-2), N heads, Nkv key-value
+heads, Dh head width, F the MLP width. Masks are HF's additive 4-D masks (B or 1, 1, L, L):
+0 where a query may attend, a large negative number elsewhere. Each port takes a ``bug`` naming
+a planted mistake (None: the faithful port), which the tests expect ``compare`` to catch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
 
 HIGHEST = jax.lax.Precision.HIGHEST
-D, N, NKV, DH = 16, 4, 2, 6  # Qwen3's head width is not D / N; GPT-2's is D / N = 4
+D, N, NKV, DH = 16, 4, 2, 6  # Qwen3's head width is not D / N
+GPT2_D = 24  # GPT-2's width: N = 4 heads of D / N = 6, F = 4D = 96
 
 
 def causal_mask(length: int) -> np.ndarray:
@@ -35,7 +36,7 @@ def causal_mask(length: int) -> np.ndarray:
 
 
 def gpt2_config():
-    return transformers.GPT2Config(n_embd=D, n_head=N, n_layer=1, n_positions=32,
+    return transformers.GPT2Config(n_embd=GPT2_D, n_head=N, n_layer=1, n_positions=32,
                                    vocab_size=64, bos_token_id=0, eos_token_id=0,
                                    attn_implementation="eager")
 
@@ -103,10 +104,10 @@ class FlaxGPT2Block(nnx.Module):
     "key_value_swapped" or "one_pass_variance" (ln_1 and ln_2)."""
 
     def __init__(self, rngs, bug=None):
-        self.ln_1 = LayerNorm(D, one_pass=bug == "one_pass_variance")
-        self.attn = GPT2Attention(D, N, rngs, bug)
-        self.ln_2 = LayerNorm(D, one_pass=bug == "one_pass_variance")
-        self.mlp = GPT2MLP(D, 4 * D, rngs)
+        self.ln_1 = LayerNorm(GPT2_D, one_pass=bug == "one_pass_variance")
+        self.attn = GPT2Attention(GPT2_D, N, rngs, bug)
+        self.ln_2 = LayerNorm(GPT2_D, one_pass=bug == "one_pass_variance")
+        self.mlp = GPT2MLP(GPT2_D, 4 * GPT2_D, rngs)
 
     def __call__(self, hidden_states, attention_mask=None):
         h = hidden_states + self.attn(self.ln_1(hidden_states), attention_mask)

@@ -26,10 +26,11 @@ from tests import hf_ports as H
 from tests import port_pair as P
 
 B, L = 2, 7
-X = {"hidden_states": (B, L, H.D)}
+X = {"hidden_states": (B, L, H.D)}  # Qwen3
+X_GPT2 = {"hidden_states": (B, L, H.GPT2_D)}
 
 
-def gpt2(bug=None, dtype="float32", inputs=X, **kw):
+def gpt2(bug=None, dtype="float32", inputs=X_GPT2, **kw):
     return C.compare(H.make_gpt2_block, lambda: H.make_flax_gpt2_block(bug), H.GPT2_MAPPING,
                      inputs, keywords={"attention_mask": H.causal_mask(L)}, dtype=dtype, **kw)
 
@@ -87,7 +88,7 @@ def test_gpt2_block_as_it_is_passes_with_the_causal_mask_as_a_keyword():
     assert [r["what"] for r in report.rows if r["what"].startswith("grad input")] == [
         "grad input hidden_states"]  # the mask is not differentiated
     # the mask reached HF's block: without it the float64 output differs (not causal)
-    unmasked = C.compare(H.make_gpt2_block, H.make_flax_gpt2_block, H.GPT2_MAPPING, X)
+    unmasked = C.compare(H.make_gpt2_block, H.make_flax_gpt2_block, H.GPT2_MAPPING, X_GPT2)
     assert unmasked.ok
     a, b = report.data["expected"]["output"], unmasked.data["expected"]["output"]
     np.testing.assert_array_equal(a[:, -1], b[:, -1])  # the last token sees every key anyway
@@ -214,7 +215,7 @@ def test_a_low_precision_bug_passes_float32_and_fails_bfloat16_and_float16():
     """LayerNorm's variance as E[x²] − E[x]² in the run's dtype cancels when the mean (4)
     is large against the spread (1): within float32's bounds, not within bfloat16's or
     float16's, and ln_1 is named."""
-    x = {"hidden_states": np.random.default_rng(5).standard_normal((B, L, H.D)) + 4}
+    x = {"hidden_states": np.random.default_rng(5).standard_normal((B, L, H.GPT2_D)) + 4}
     assert gpt2("one_pass_variance", inputs=x).ok
     for dtype in ("bfloat16", "float16"):
         assert gpt2(None, dtype, inputs=x).ok
@@ -244,11 +245,11 @@ def test_bad_dtype_and_keywords_are_named():
         gpt2(dtype="float64")
     with pytest.raises(ValueError, match=r"keywords: \['hidden_states'\] are also positional "
                        r"inputs"):
-        C.compare(H.make_gpt2_block, H.make_flax_gpt2_block, H.GPT2_MAPPING, X,
-                  keywords={"hidden_states": (B, L, H.D)})
+        C.compare(H.make_gpt2_block, H.make_flax_gpt2_block, H.GPT2_MAPPING, X_GPT2,
+                  keywords={"hidden_states": (B, L, H.GPT2_D)})
     with pytest.raises(ValueError, match=r"keywords\['attention_mask'\]\[1\] should be a shape, "
                        r"a NumPy array, .* got object"):
-        C.compare(H.make_gpt2_block, H.make_flax_gpt2_block, H.GPT2_MAPPING, X,
+        C.compare(H.make_gpt2_block, H.make_flax_gpt2_block, H.GPT2_MAPPING, X_GPT2,
                   keywords={"attention_mask": (H.causal_mask(L), object())})
 
 
