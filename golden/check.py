@@ -17,7 +17,7 @@ import numpy as np
 import golden
 from golden import reference, runners
 from golden.fixture import Fixture
-from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES
+from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES, worst_bound
 from golden.runners.adapt import NotSupported, as_runner
 from golden.tolerances import compare_profile, profile
 
@@ -165,25 +165,32 @@ def _row(fixture, runner, label, core, dtype, prof, memo):
 
 
 def _array(what, c) -> dict:
+    """A row's entry for one compared array: its errors and the bounds they were held to
+    (golden.tolerances.Comparison); None throughout where the implementation returned none."""
     kind = _kind(what)
     if c is None:
         return {"name": what, "kind": kind, "max_abs": None, "max_rel": None, "rel_norm": None,
+                "abs_err": None, "bound_abs": None, "bound_rel_norm": None, "rule": None,
                 "ok": False, "zero": False, "missing": True}
     return {"name": what, "kind": kind, "max_abs": c.max_abs, "max_rel": c.max_rel,
-            "rel_norm": c.rel_norm, "ok": c.ok, "zero": c.zero, "missing": False}
+            "rel_norm": c.rel_norm, "abs_err": c.abs_err, "bound_abs": c.bound_abs,
+            "bound_rel_norm": c.bound_rel_norm, "rule": c.rule, "ok": c.ok, "zero": c.zero,
+            "missing": False}
 
 
 # ---- run and main -----------------------------------------------------------------------------
 
 def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variants=(),
         profile_name="exact", log=None, progress=None, weights=None, command="",
-        regeneration=True) -> dict:
+        regeneration=True, outputs=None) -> dict:
     """The report (see ``golden.report``) of the selected fixtures (names, paths, or Fixture
     objects made in memory) through the frameworks (default: all installed, unless ``impls``
     are given, then only those) and the runners in ``impls``. ``log`` gets one line per row as
     it finishes; ``weights``, a dict, is filled with {fixture: {label: attention weights}} for
-    the HTML page; ``regeneration``: also check that the reference rewrites each fixture bit
-    for bit (False for fixtures that are not from golden/cases.py)."""
+    the HTML page, and ``outputs`` likewise with the outputs (the page shows their difference
+    where an implementation returns no weights); ``regeneration``: also check that the
+    reference rewrites each fixture bit for bit (False for fixtures that are not from
+    golden/cases.py)."""
     log = log or (lambda line: None)
     prof = profile(profile_name)
     impls = [as_runner(i) for i in impls]
@@ -207,7 +214,9 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
         report["rows"].append(row)
         log(row)
         if weights is not None:
-            _keep_weights(weights, fixture, row, result)
+            _keep(weights, fixture, row, result, "weights")
+        if outputs is not None:
+            _keep(outputs, fixture, row, result, "output")
     if regeneration and fixtures and "reference" in use and (not dtypes or "float64" in dtypes):
         differ = {f.name: what for f in fixtures if (what := regenerated(f))}
         report["regeneration"] = {"checked": len(fixtures), "reproduced":
@@ -216,10 +225,12 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
     return report
 
 
-def _keep_weights(weights, fixture, row, result):
-    kept = weights.setdefault(fixture.name, {"reference": fixture.expected["weights"]})
-    if result is not None and "weights" in result:
-        kept[f"{row['implementation']} {row['core']} {row['dtype']}"] = result["weights"]
+def _keep(store, fixture, row, result, what):
+    """store[fixture]["reference"] = the expected ``what`` ("weights" or "output"), and
+    store[fixture][row label] = the implementation's, when its result has one."""
+    kept = store.setdefault(fixture.name, {"reference": fixture.expected[what]})
+    if result is not None and what in result:
+        kept[f"{row['implementation']} {row['core']} {row['dtype']}"] = result[what]
 
 
 def _summary(report, seconds) -> dict:
@@ -253,10 +264,10 @@ def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, varian
     if "jax" in (list(frameworks) or ([] if impls else runners.FRAMEWORKS)):
         _log_backend(log)
     table = _Table(log, [getattr(i, "name", "") for i in impls])
-    weights = {} if html_dir else None
+    weights, outputs = ({}, {}) if html_dir else (None, None)
     report = run(names, frameworks=frameworks, impls=impls, dtypes=dtypes, pattern=pattern,
                  variants=variants, profile_name=profile_name, log=table, progress=progress,
-                 weights=weights, command=command)
+                 weights=weights, command=command, outputs=outputs)
     s = report["summary"]
     if table.printed:
         line = f"{s['passed']} passed, {s['failed'] + s['errors']} failed"
@@ -265,7 +276,7 @@ def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, varian
             extra.append(f"{s['not_supported']} not supported")
         log(line + (f" ({'; '.join(extra)})" if extra else ""))
     _log_regeneration(report["regeneration"], log)
-    _write_reports(report, weights, json_path, junit_path, html_dir, progress, log)
+    _write_reports(report, (weights, outputs), json_path, junit_path, html_dir, progress, log)
     if not table.printed and not report["regeneration"]:
         log("nothing selected: check the names, -k, --variant, --framework and --dtype")
         return 2
@@ -273,6 +284,16 @@ def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, varian
         log("nothing ran: every selected row is not supported by the implementation")
         return 2
     return 0 if s["ok"] else 1
+
+
+def table(rows) -> str:
+    """Rows of a report as the text table ``attn-parity check`` prints (header included)."""
+    lines = []
+    printer = _Table(lines.append, [r["implementation"] for r in rows])
+    printer.width = max([len("fixture"), *(len(r["fixture"]) for r in rows)])
+    for row in rows:
+        printer(row)
+    return "\n".join(lines)
 
 
 def _log_backend(log):
@@ -303,7 +324,7 @@ class _Table:
     def _header(self):
         self.width = self.width or max(len("fixture"), *(len(n) for n in golden.names()))
         return (f"{'fixture':{self.width}} {'framework':{self.label}} {'core':10} {'dtype':8} "
-                f"{'max abs err':>11} {'max rel err':>11}  result")
+                f"{'max abs err':>11} {'max rel err':>11} {'worst err/bound':>17}  result")
 
 
 def _format_row(row, width, label=9) -> str:
@@ -315,7 +336,9 @@ def _format_row(row, width, label=9) -> str:
                "error": f"ERROR {row['reason']}",
                "not supported": f"not supported: {row['reason']}"}[status]
     return (f"{row['fixture']:{width}} {row['implementation']:{label}} {row['core'] or '-':10} "
-            f"{row['dtype']:8} {num(row['max_abs'])} {num(row['max_rel'])}  {verdict}")
+            f"{row['dtype']:8} {num(row['max_abs'])} {num(row['max_rel'])} "
+            f"{worst_bound(row['arrays']):>17}  {verdict}")
+
 
 
 def _log_regeneration(regen, log):
@@ -327,7 +350,7 @@ def _log_regeneration(regen, log):
         f"{regen['checked']} fixtures bit for bit")
 
 
-def _write_reports(report, weights, json_path, junit_path, html_dir, progress, log):
+def _write_reports(report, arrays, json_path, junit_path, html_dir, progress, log):
     if not (json_path or junit_path or html_dir):
         return
     from golden import report as writers
@@ -339,7 +362,7 @@ def _write_reports(report, weights, json_path, junit_path, html_dir, progress, l
         writers.write_junit(report, junit_path)
         log(f"wrote {junit_path}")
     if html_dir:
-        writers.write_html(report, html_dir, weights, progress=progress)
+        writers.write_html(report, html_dir, arrays[0], progress=progress, outputs=arrays[1])
         log(f"wrote {html_dir}/index.html")
 
 

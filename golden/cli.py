@@ -1,5 +1,5 @@
-"""The ``attn-parity`` command: ``check``, ``compare``, ``hf``, ``regenerate [--check]``,
-``bench``.
+"""The ``attn-parity`` command: ``check``, ``compare``, ``hf``, ``fixtures``,
+``regenerate [--check]``, ``bench``.
 
 User errors (a bad ``--impl``, a missing file) get a one-line message and exit status 2.
 """
@@ -42,10 +42,23 @@ def _check_parser(sub):
     return check
 
 
+def _fixtures_parser(sub):
+    listing = sub.add_parser("fixtures", help="list the stored fixtures: variant, dtypes, "
+                                              "configuration, input and parameter shapes")
+    listing.add_argument("names", nargs="*", help="fixture names or paths (default: all shipped)")
+    listing.add_argument("-k", dest="pattern", metavar="PATTERN",
+                         help="fixtures whose name contains PATTERN (a glob if it has * ? [)")
+    listing.add_argument("--variant", action="append", choices=list(VARIANTS), default=[],
+                         help="only fixtures of this variant (repeatable)")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return listing
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="attn-parity", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _check_parser(sub)
+    _fixtures_parser(sub)
     compare = sub.add_parser("compare", help="compare your PyTorch module with your Flax NNX "
                                              "port (attn-parity compare --help)")
     from golden.compare import add_arguments
@@ -70,6 +83,8 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args, argv)
+    if args.command == "fixtures":
+        return _fixtures(args)
     if args.command == "hf":
         from golden.hf_check import main as hf_main
 
@@ -100,6 +115,17 @@ def _check(args, argv) -> int:
                                                                else argv)]))
     except (ValueError, OSError, FixtureError, ImportError) as e:  # OSError: a report's path
         print(f"attn-parity check: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _fixtures(args) -> int:
+    from golden import FixtureError
+    from golden.listing import main as listing_main
+
+    try:
+        return listing_main(args)
+    except (ValueError, OSError, FixtureError) as e:  # a missing or corrupt file
+        print(f"attn-parity fixtures: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
 
 

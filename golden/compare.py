@@ -30,8 +30,10 @@ Flax module against such a file without torch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -50,11 +52,19 @@ from golden.report import plain
 from golden.runners.adapt import SPEC, resolve_spec
 
 FORMAT = "attn-parity-port"
-FORMAT_VERSION = 2  # 2: meta "dtype", "keywords", "keyword_grads", "output"; 1 still read
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+# 2: the paired submodules' inputs (meta "submodule_inputs", members submodule_inputs/<torch
+# path>), which locate a divergence between two submodules
+# 3: the run's dtype, keyword inputs (meta "keywords", members keywords/<name>/...), the
+# keywords differentiated ("keyword_grads") and the output selection ("output"); versions 1
+# and 2 are still read, as float32 runs without keywords (version 1: located by the
+# submodules' outputs alone)
+FORMAT_VERSIONS = (1, 2, 3)
 RUN_DTYPES = ("float32", "bfloat16", "float16")  # what compare(dtype=...) runs the port in
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
-SCHEMA = {"schema": "attn-parity-compare", "schema_version": 2}
+# 3: each comparison (a row's "torch_float32", "flax_float32") also states the bounds it was held
+#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison)
+SCHEMA = {"schema": "attn-parity-compare", "schema_version": 3}
 
 
 # ---------------------------------------------------------------- specs and mappings
@@ -373,11 +383,18 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
     kwargs = call.kwargs("torch", dtype)
     for n in call.grads:
         kwargs[n].requires_grad_(True)
-    captured, hooks = {}, []
+    captured, captured_in, hooks = {}, {}, []
     for path in dict.fromkeys(t for t, _ in pairs):
         def hook(_m, _in, out, path=path):
             captured.setdefault(path, TORCH.numpy(_first_array(out, sort_keys=True)))
-        hooks.append(module.get_submodule(path).register_forward_hook(hook))
+
+        def pre_hook(_m, args, kwargs, path=path):  # the first call's first array argument
+            if path not in captured_in:
+                first = _first_tensor(torch, (*args, *kwargs.values()))
+                captured_in[path] = TORCH.numpy(first) if first is not None else None
+        sub = module.get_submodule(path)
+        hooks += [sub.register_forward_pre_hook(pre_hook, with_kwargs=True),
+                  sub.register_forward_hook(hook)]
     try:
         out = call.select(_call("torch", module, args, inputs, kwargs), "torch")
     finally:
@@ -392,7 +409,15 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
     grads.update({f"input.{n}": TORCH.numpy(kwargs[n].grad) if kwargs[n].grad is not None
                   else np.zeros(kwargs[n].shape) for n in call.grads})
     return {"output": TORCH.numpy(out), "grads": grads, "submodules": captured,
+            "submodule_inputs": {p: a for p, a in captured_in.items() if a is not None},
             "cotangent": d_out}
+
+
+def _first_tensor(torch, values):
+    """The first floating-point tensor among ``values`` that comes before any other array (an
+    integer or boolean first array, token ids or a mask, is not compared: None)."""
+    first = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    return first if first is not None and first.is_floating_point() else None
 
 
 def _call(framework, module, args, inputs, kwargs=None):
@@ -451,11 +476,52 @@ def _set_flax_params(model, table, weights, dtype="float32") -> None:
     nnx.update(model, state)
 
 
-def _run_flax(model, table, weights: dict, inputs: dict, d_out, call: _Call = _PLAIN_CALL,
-              dtype: str = "float32") -> dict:
+_CALL_INPUT = "__call_input__"  # the name a paired Flax submodule's call input is sown under
+
+
+@contextlib.contextmanager
+def _sowing_call_inputs(modules):
+    """While open, each module's class's ``__call__`` sows its first array argument (when it
+    is a float array) as an ``nnx.Intermediate`` named ``_CALL_INPUT``, next to the output
+    ``nnx.capture(..., method_outputs=...)`` sows (which records outputs only, flax 0.12).
+    The class is patched, as ``nnx.capture`` patches it, since Python looks ``__call__`` up on
+    the type; the original is put back on leaving."""
+    patched = {}
+    for m in modules:
+        cls = next(c for c in type(m).__mro__ if "__call__" in c.__dict__)
+        if cls not in patched:
+            patched[cls] = cls.__dict__["__call__"]
+            cls.__call__ = _sowing_input(patched[cls])
+    try:
+        yield
+    finally:
+        for cls, method in patched.items():
+            cls.__call__ = method
+
+
+def _sowing_input(method):
+    """``method`` (a ``__call__``) that first sows its first array argument, if float."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, jax.Array)), None)
+        if (first is not None and jnp.issubdtype(first.dtype, jnp.floating)
+                and hasattr(self, "__captures__")):  # only inside nnx.capture
+            self.sow(nnx.Intermediate, _CALL_INPUT, first)
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _run_flax(model, table, weights: dict, inputs: dict, d_out, pairs=(),
+              call: _Call = _PLAIN_CALL, dtype: str = "float32") -> dict:
     """Output, gradients in torch names and layout, and every submodule's first __call__
-    output, from one nnx.jit program in ``dtype``. Keyword inputs are closed over (constants
-    of the program), but for the differentiated ones, which are arguments."""
+    output and, for the paired ones, its first call's first array argument, from one nnx.jit
+    program in ``dtype``. Keyword inputs are closed over (constants of the program), but for
+    the differentiated ones, which are arguments."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -467,13 +533,17 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out, call: _Call = _P
     floats.update({n: kwargs.pop(n) for n in call.grads})
     others = {n: a for n, a in arrays.items() if n not in floats}
 
+    paired = {f for _, f in pairs}
+
     @nnx.jit
     def step(model, floats, others, d_out):
         def loss(model, floats):
             args = [{**others, **floats}[n] for n in arrays]
             given = {**kwargs, **{n: floats[n] for n in call.grads}}
-            out, inter = nnx.capture(model, nnx.Intermediate,
-                                     method_outputs=nnx.Intermediate)(*args, **given)
+            subs = [m for p, m in nnx.iter_modules(model) if _join(p) in paired]
+            with _sowing_call_inputs(subs):
+                out, inter = nnx.capture(model, nnx.Intermediate,
+                                         method_outputs=nnx.Intermediate)(*args, **given)
             out = call.select(out, "flax")
             return jnp.sum(out * d_out), (out, inter)
 
@@ -487,9 +557,11 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out, call: _Call = _P
     g_flax = {_join(p): JAX.numpy(v.get_value()) for p, v in nnx.to_flat_state(g_model)}
     grads = {k: rule.inverse(g_flax[path], weights[k].shape) for k, (path, rule) in table.items()}
     grads.update({f"input.{n}": JAX.numpy(g) for n, g in g_in.items()})
-    subs = {_join(p[:-1]): JAX.numpy(_first_array(v.get_value()[0], sort_keys=True))
-            for p, v in nnx.to_flat_state(inter) if p[-1] == "__call__" and len(p) > 1}
-    return {"output": JAX.numpy(out), "grads": grads, "submodules": subs}
+    sown = {name: {_join(p[:-1]): JAX.numpy(_first_array(v.get_value()[0], sort_keys=True))
+                   for p, v in nnx.to_flat_state(inter) if p[-1] == name and len(p) > 1}
+            for name in ("__call__", _CALL_INPUT)}
+    return {"output": JAX.numpy(out), "grads": grads, "submodules": sown["__call__"],
+            "submodule_inputs": sown[_CALL_INPUT]}
 
 
 # ---------------------------------------------------------------- the report
@@ -499,9 +571,12 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out, call: _Call = _P
 class PortReport:
     """Rows of comparisons with torch float64; the verdict is the Flax float32 column's on the
     output and every gradient (submodule rows locate a divergence, they do not decide).
-    ``suspects`` are the mapped parameters of the first diverging submodule: a gradient depends
-    on every activation after its parameter, so one wrong weight fails most gradients, while
-    the first submodule whose output diverges points at the weight (or code) to look at."""
+    ``suspects`` are the mapped parameters the divergence may come from: a gradient depends on
+    every activation after its parameter, so one wrong weight fails most gradients, while the
+    submodules' inputs and outputs, compared in execution order, say where the runs part
+    (``diagnosis``): inside a submodule (its parameters are suspects), or in the code between
+    two (no parameter is, unless the port bypasses a paired submodule's ``__call__``).
+    ``first_divergent`` is the first paired submodule whose output diverges."""
 
     ok: bool
     rows: list
@@ -510,20 +585,32 @@ class PortReport:
     suspects: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     data: dict = field(default_factory=dict, repr=False)  # what freeze() writes
+    # where the Flax run first parts from the reference (golden.compare._locate): a sentence,
+    # and [A, B] when that is the code between two paired submodules (None: the module's
+    # inputs or output), None otherwise
+    diagnosis: str | None = None
+    interval: list | None = None
+    # float32 steps inside the torch float64 reference and their effect (_reference_steps)
+    reference: dict = field(default_factory=dict)
 
     def text(self) -> str:
-        """A readable table: max |Δ| and the relative error norm per column, then the verdict."""
+        """A readable table: max |Δ| and the relative error norm per column, the Flax column's
+        each beside the bound it was held to (the elementwise check's at its deciding element,
+        golden.tolerances.Comparison), then the verdict."""
         width = max(len(r["what"]) for r in self.rows) + 2
         dtype = self.data.get("dtype", "float32")
         lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch ' + dtype:28}flax {dtype}",
-                 f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}max|Δ|   rel‖Δ‖"]
+                 f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}"
+                 f"{'max|Δ|':9}{'rel‖Δ‖/bound':17}|Δᵢ|/boundᵢ"]
         for r in self.rows:
             lines.append(f"{r['what']:{width}}{r['flax_path'] or '-':16}{r['rule'] or '-':8}"
-                         f"{_cell(r['torch_float32']):28}{_cell(r['flax_float32'], r)}")
+                         f"{_cell(r['torch_float32']):28}"
+                         f"{_cell(r['flax_float32'], r, bounds=True)}")
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"first diverging submodule: {self.first_divergent or 'none'}")
         if self.suspects:
-            lines.append("  its parameters: " + ", ".join(self.suspects))
+            lines.append("  suspect parameters: " + ", ".join(self.suspects))
+        lines.append(f"diagnosis: {self.diagnosis or 'no divergence'}")
         if self.ok:
             lines.append("pass")
         else:
@@ -535,20 +622,33 @@ class PortReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """JSON-ready: the verdict, the rows and the notes; a number that is not finite is None
-        (null in JSON), NumPy values are Python values (golden.report.plain)."""
+        """JSON-ready (schema ``SCHEMA``, version 3): the verdict, the rows and the notes; each
+        row's "torch_float32" and "flax_float32" are ``golden.tolerances.Comparison`` fields, the
+        errors and the bounds they were held to; a number that is not finite is None (null in
+        JSON), NumPy values are Python values (golden.report.plain)."""
         return plain({"ok": self.ok, "first_divergent": self.first_divergent,
                       "failing_params": self.failing_params, "suspects": self.suspects,
+                      "diagnosis": self.diagnosis, "interval": self.interval,
+                      "reference": self.reference,
                       "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
                       "dtype": self.data.get("dtype", "float32"),
                       "mapping": self.data.get("mapping")})
 
 
-def _cell(c, row=None) -> str:
+def _cell(c, row=None, bounds=False) -> str:
+    """A column's cell: max |Δ|, the relative error norm ("(zero)": not applied) and the
+    verdict; with ``bounds``, rel‖Δ‖ / its bound and |Δᵢ| / boundᵢ at the elementwise check's
+    deciding element (golden.tolerances.Comparison: it passes exactly when |Δᵢ| ≤ boundᵢ)."""
     if c is None:
         return (row or {}).get("note") or "-"
-    rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
-    return f"{c['max_abs']:.1e}  {rel:7}  {'pass' if c['ok'] else 'FAIL'}"
+    verdict = "pass" if c["ok"] else "FAIL"
+    if not bounds or c.get("bound_abs") is None:
+        rel = "(zero)" if c["zero"] else f"{c['rel_norm']:.1e}"
+        return f"{c['max_abs']:.1e}  {rel:7}  {verdict}"
+    rel = ("(zero)" if c["bound_rel_norm"] is None
+           else f"{c['rel_norm']:.1e}/{c['bound_rel_norm']:.1e}")
+    return (f"{c['max_abs']:.1e}  {rel:15}  {c['abs_err']:.1e}/{c['bound_abs']:.1e}  "
+            f"{verdict}")
 
 
 def _judged(got, e, baseline, dtype, kind, terms=1, zero=False):
@@ -583,13 +683,16 @@ def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs
         rows.append(row(f"grad {key}", key, "grad", terms, path, str(rule), "grads"))
     for name in (k for k in expected["grads"] if k.startswith("input.")):
         rows.append(row(f"grad input {name[6:]}", name, "grad", 1, group="grads"))
-    sub_rows, first = _submodule_rows(expected, flax, torch32, pairs, notes, dtype)
+    sub_rows, steps = _submodule_rows(expected, flax, torch32, pairs, notes, dtype)
     failing = [k for k, r in zip(table, rows[1:]) if not r["ok"]]
-    suspects = [f"{k} -> {path} (rule {rule})" for k, (path, rule) in table.items()
-                if (mapping_lib.submodule(k), mapping_lib.submodule(path)) == first]
     ok = all(r["ok"] for r in rows)
+    grads_failing = [r["what"] for r in rows[1:] if not r["ok"]]
+    where = _locate(steps, rows[0]["ok"], grads_failing)
+    first = next((s["pair"] for s in steps if s["output"] is False), None)
+    suspects = [f"{k} -> {path} (rule {rule})" for k, (path, rule) in table.items()
+                if (mapping_lib.submodule(k), mapping_lib.submodule(path)) in where["owners"]]
     return PortReport(ok, rows + sub_rows, first and " ~ ".join(first), failing, suspects,
-                      notes, data)
+                      notes, data, where["diagnosis"], where["interval"])
 
 
 def _zero(expected, terms) -> bool:
@@ -601,29 +704,228 @@ def _zero(expected, terms) -> bool:
 
 
 def _submodule_rows(expected, flax, torch32, pairs, notes, dtype="float32"):
-    """Rows for the paired submodules (in torch's execution order), and the first pair that
-    fails (or None)."""
-    rows, first = [], None
+    """Rows for the paired submodules in torch's execution order (each one's input, when it is
+    a float array both sides recorded, then its output), and per pair what was found:
+    {"pair", "missing" (None, or the side that never called it), "input", "output"}: True (agrees),
+    False (diverges) or None (not compared)."""
+    rows, steps = [], []
+    if "submodule_inputs" not in expected:
+        notes.append("the expectations hold no submodule inputs (a port fixture of format "
+                     "version 1): divergences are located by submodule outputs alone")
     for t, f in pairs:
-        what = f"submodule {t} ~ {f}"
+        label = f"{t} ~ {f}"
+        step = {"pair": (t, f), "missing": None, "input": None, "output": None}
+        steps.append(step)
         e, got = expected["submodules"].get(t), flax["submodules"].get(f)
         if e is None or got is None:
-            notes.append(f"{what}: not called in {'torch' if e is None else 'Flax'}")
+            step["missing"] = "torch" if e is None else "Flax"
+            notes.append(f"submodule {label}: not called in {step['missing']}" + (
+                f": the port does not call `{f}`'s `__call__`, so its output is compared nowhere"
+                if e is not None else ""))
             continue
-        if got.size != e.size:
-            rows.append({"what": what, "torch_float32": None, "flax_float32": None,
-                         "flax_path": f, "rule": None, "ok": None,
-                         "note": f"shapes differ: {e.shape} vs {got.shape}"})
+        for part, group in (("input", "submodule_inputs"), ("output", "submodules")):
+            what = f"submodule {label}" if part == "output" else f"input of {label}"
+            e, got = expected.get(group, {}).get(t), flax.get(group, {}).get(f)
+            if e is None or got is None:
+                continue  # an input that is not a float array, or not recorded
+            if got.size != e.size:
+                rows.append({"what": what, "torch_float32": None, "flax_float32": None,
+                             "flax_path": f, "rule": None, "ok": None,
+                             "note": f"shapes differ: {e.shape} vs {got.shape}"})
+                step[part] = False
+                continue
+            base = None if torch32 is None else torch32.get(group, {}).get(t)
+            cmp = [None if base is None else dataclasses.asdict(
+                tolerances.compare(base.reshape(e.shape), e, dtype, "value")),
+                dataclasses.asdict(_judged(got.reshape(e.shape), e, base, dtype, "value"))]
+            rows.append({"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
+                         "flax_path": f, "rule": None, "ok": cmp[1]["ok"]})
+            step[part] = cmp[1]["ok"]
+    return rows, steps
+
+
+def _locate(steps, output_ok, grads_failing) -> dict:
+    """Where the Flax run first parts from the reference, walking the paired submodules in
+    torch's execution order: {"diagnosis": text or None, "interval": [A, B] or None, "owners":
+    the pairs whose parameters are suspects}. A pair whose input already differs while the
+    pair before it agreed puts the divergence in the code between them (A None: the module's
+    inputs), where no mapped parameter is used, so that pair's own weights are not suspects;
+    a pair whose input agrees and output does not puts it inside that pair; every pair agreeing
+    and the output not puts it after the last one (B None: the module's output). A pair one
+    side never called is stepped over: its output is compared nowhere, so the parameters of
+    one the port does not call are suspects wherever the divergence shows after it."""
+    def name(pair):
+        return None if pair is None else " ~ ".join(pair)
+
+    last, skipped, since = None, [], []  # the last pair that agreed; pairs the port does not
+    for s in steps:                     # call before here, and since ``last``
+        if s["missing"]:
+            skipped += [s["pair"]] if s["missing"] == "Flax" else []
+            since += [s["pair"]] if s["missing"] == "Flax" else []
             continue
-        base = None if torch32 is None else torch32["submodules"].get(t)
-        cmp = [None if base is None else dataclasses.asdict(
-            tolerances.compare(base, e, dtype, "value")),
-            dataclasses.asdict(_judged(got.reshape(e.shape), e, base, dtype, "value"))]
-        rows.append({"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
-                     "flax_path": f, "rule": None, "ok": cmp[1]["ok"]})
-        if not cmp[1]["ok"] and first is None:
-            first = (t, f)
-    return rows, first
+        if s["output"] is False:
+            b = name(s["pair"])
+            if s["input"] is False:
+                where = f"after `{name(last)}`, before `{b}`" if last else f"before `{b}`"
+                text = (f"diverges {where}: in the code between "
+                        f"{'them' if last else 'the module inputs and it'}"
+                        f"{'' if since else ', where no mapped parameter is used'} (the input "
+                        f"of `{b}` already differs, so its parameters are not suspects)")
+                return _diagnosis(text, [name(last), b], skipped, since=since)
+            if s["input"] is True:
+                return _diagnosis(f"diverges inside `{b}`: its input agrees, its output "
+                                  f"does not (its parameters or its code)", None, [],
+                                  owners=[s["pair"]])
+            text = (f"diverges by the output of `{b}`, whose input could not be compared (not a "
+                    f"float array): inside it, or in the code before it"
+                    + (f", after `{name(last)}`" if last else ""))
+            return _diagnosis(text, None, skipped, owners=[s["pair"]])
+        last, since = s["pair"], []  # its input may differ, its output agree (a norm's scale)
+    if not output_ok:
+        text = (f"diverges after `{name(last)}`, in the code that follows it: every paired "
+                f"submodule agrees, the output does not" if last else
+                "diverges in the module's own code: no paired submodule could be compared")
+        return _diagnosis(text, [name(last), None], skipped, since=since)
+    if grads_failing:
+        text = (f"the output and every compared submodule agree, but {', '.join(grads_failing)} "
+                f"do not: the backward pass differs (a stop_gradient, a custom VJP, a parameter "
+                f"used outside the differentiated path)")
+        return _diagnosis(text, None, skipped)
+    return {"diagnosis": None, "interval": None, "owners": []}
+
+
+def _diagnosis(text, interval, skipped, owners=(), since=()) -> dict:
+    """The diagnosis with the pairs the port never called named (``since``: those torch runs
+    inside the interval): their parameters are suspects, since the code that replaces their
+    ``__call__`` is compared nowhere."""
+    owners = list(owners)
+    for t, f in skipped:
+        text += (f"; the port does not call `{f}`'s `__call__` ({t} ~ {f}"
+                 f"{', which torch runs there' if (t, f) in since else ''}), so what it does "
+                 f"instead is compared nowhere and its parameters are suspects too")
+        owners.append((t, f))
+    return {"diagnosis": text, "interval": interval, "owners": owners}
+
+
+# ---------------------------------------------------------------- float32 inside float64
+
+
+_LOW = ("float32", "float16", "bfloat16")
+_NO_ARITHMETIC = {"detach", "alias", "view", "_unsafe_view", "expand", "t", "transpose",
+                  "permute", "clone", "lift_fresh"}  # not listed as float32 steps
+
+
+def _with_reference_steps(report, module, flax, table, pairs, terms) -> PortReport:
+    """``report`` with ``reference`` (and a note) saying which ops of the torch float64
+    reference ran in float32 or lower, in which module, and how far keeping them in float64
+    moves the output and gradients. The verdict stays with the reference as run (the user's
+    torch code is the specification, float32 steps included); the note says whether the
+    verdict would be the same against the promoted one."""
+    d = report.data
+    call = _Call(d.get("keywords", {}), tuple(d.get("keyword_grads", ())), d.get("output"))
+    run = (module, "float64", d["weights"], d["inputs"], pairs, d["cotangent"], call)
+    import torch
+
+    try:
+        steps = _float32_steps(*run)
+        report.reference = {"float32_steps": steps}
+        if not steps:
+            return report
+        with _KeepFloat64(torch):
+            kept = _run_torch(*run)
+    except Exception as e:  # a module a dispatch mode cannot run: the comparison stands
+        report.reference = {"error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
+        report.notes.append(f"float32 steps in the torch float64 reference not measured: "
+                            f"{report.reference['error']}")
+        return report
+    e = d["expected"]
+    moves = {"output": tolerances.compare(kept["output"], e["output"], "float64").rel_norm}
+    moves.update({f"grad {k}": tolerances.compare(kept["grads"][k], g, "float64").rel_norm
+                  for k, g in e["grads"].items() if not _zero(g, terms)})
+    again = _report(kept, flax, None, table, pairs, terms, [],
+                    {"dtype": d.get("dtype", "float32")})
+    changed = [r["what"] for r, a in zip(report.rows, again.rows) if r["ok"] != a["ok"]]
+    report.reference.update(moves=moves, verdict_changes=changed)
+    worst = max((k for k in moves if k != "output"), key=moves.get, default=None)
+    where = ", ".join(f"{path or 'the top-level module'} ({', '.join(ops)})"
+                      for path, ops in steps.items())
+    value, grad = (tolerances.TOLERANCES["float32", k].rel_norm for k in ("value", "grad"))
+    report.notes.append(
+        f"float32 steps in the torch float64 reference: {where}; kept in float64, the output "
+        f"moves by {moves['output']:.1e} (relative error norm; the float32 bound is {value:.0e})"
+        + (f", the gradients by up to {moves[worst]:.1e} ({worst}; bound {grad:.0e})"
+           if worst else "")
+        + (f": the verdict on {', '.join(changed)} differs against the promoted reference "
+           f"(judged here: the reference as run)" if changed else
+           ": no effect on the verdict (judged against the reference as run)"))
+    return report
+
+
+def _float32_steps(*run) -> dict:
+    """{torch module path: names of the ops that ran in float32 or lower inside it, in order}
+    from one ``_run_torch`` of ``run`` (float64), recorded by a dispatch mode; a module stack
+    kept by global forward hooks names the innermost module running."""
+    import torch
+    from torch.nn.modules import module as torch_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    stack, names, steps = [], {}, {}
+
+    def push(m, _args):
+        if not stack:  # the root: the copy _run_torch made
+            names.update({id(sub): path for path, sub in m.named_modules()})
+        stack.append(names.get(id(m), "?"))
+
+    def pop(_m, _args, _out):
+        stack.pop()
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            low = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+                   and str(t.dtype).removeprefix("torch.") in _LOW]
+            op = func.overloadpacket.__name__
+            if stack and low and op not in _NO_ARITHMETIC:
+                if op == "_to_copy":
+                    op = f"to {str(out.dtype).removeprefix('torch.')}"
+                ops = steps.setdefault(stack[-1], [])
+                ops += [op] if op not in ops else []
+            return out
+
+    handles = [torch_module.register_module_forward_pre_hook(push),
+               torch_module.register_module_forward_hook(pop)]
+    try:
+        with Recording():
+            _run_torch(*run)
+    finally:
+        for h in handles:
+            h.remove()
+    return steps
+
+
+def _KeepFloat64(torch):
+    """A dispatch mode that runs every op in float64: a conversion or a factory asking for
+    float32 or lower gets float64, and low-precision operands are promoted (not those an
+    in-place op writes to)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    low = tuple(getattr(torch, n) for n in _LOW)
+
+    def up(t):
+        return t.to(torch.float64) if isinstance(t, torch.Tensor) and t.dtype in low else t
+
+    class KeepFloat64(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if kwargs.get("dtype") in low:
+                kwargs["dtype"] = torch.float64
+            if not func._schema.is_mutable:
+                args, kwargs = tree_map(up, (args, kwargs))
+            return func(*args, **kwargs)
+
+    return KeepFloat64()
 
 
 # ---------------------------------------------------------------- compare
@@ -669,12 +971,13 @@ def compare(torch_factory, flax_factory, mapping, inputs, *, keywords: dict | No
     order = list(expected["submodules"])  # the order torch's hooks fired in
     pairs.sort(key=lambda p: order.index(p[0]) if p[0] in order else len(order))
     torch32 = _run_torch(torch_model, dtype, weights, arrays, pairs, d_out, call)
-    flax = _run_flax(flax_model, table, weights, arrays, d_out, call, dtype)
+    flax = _run_flax(flax_model, table, weights, arrays, d_out, pairs, call, dtype)
     data = {"seed": seed, "mapping": mapping_lib.to_json(table), "weights": weights,
             "inputs": arrays, "cotangent": d_out, "expected": expected, "pairs": pairs,
             "torch_factory": None, "flax_factory": None, "dtype": dtype,
             "keywords": call.keywords, "keyword_grads": list(call.grads), "output": output}
-    return _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
+    report = _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
+    return _with_reference_steps(report, torch_model, flax, table, pairs, _terms(arrays))
 
 
 def _on_grid(value, dtype):
@@ -717,6 +1020,8 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
                          "its drawn data")
     expected = d["expected"]
     pairs = [p for p in d["pairs"] if p[0] in expected["submodules"]]
+    sub_inputs = {t: expected["submodule_inputs"][t] for t in dict.fromkeys(t for t, _ in pairs)
+                  if t in expected.get("submodule_inputs", {})}
     clash = [k for k in d["weights"] if k.startswith("input.")]
     if clash:
         raise ValueError(f"freeze: torch keys {clash} clash with the input gradients' names")
@@ -734,6 +1039,7 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
             "torch_factory": torch_factory_spec or d.get("torch_factory"),
             "flax_factory": flax_factory_spec or d.get("flax_factory"),
             "submodules": [list(p) for p in pairs],
+            "submodule_inputs": list(sub_inputs),
             "shapes": {"output": list(expected["output"].shape),
                        **{f"params/{k}": list(w.shape) for k, w in d["weights"].items()},
                        **{f"inputs/{n}": list(a.shape) for n, a in d["inputs"].items()}}}
@@ -745,6 +1051,7 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
     members.update({f"grads/{k}": g for k, g in expected["grads"].items()})
     members.update({f"submodules/{t}": expected["submodules"][t]
                     for t in dict.fromkeys(t for t, _ in pairs)})
+    members.update({f"submodule_inputs/{t}": a for t, a in sub_inputs.items()})
     write_atomic(Path(path), to_bytes(_PortFile(meta, members)))
     return Path(path)
 
@@ -824,6 +1131,9 @@ def load_port(path) -> dict:
     order += [f"input.{n}" for n in meta["keyword_grads"]]
     expected = {"output": members["expected/output"], "grads": {k: grads[k] for k in order},
                 "submodules": {t: subs[t] for t in dict.fromkeys(t for t, _ in meta["submodules"])}}
+    if meta["format_version"] >= 2:  # version 1 stored no submodule inputs
+        expected["submodule_inputs"] = {t: groups["submodule_inputs"][t]
+                                        for t in meta["submodule_inputs"]}
     keywords = {n: _keyword_value(spec, members, fail, f"keywords[{n!r}]")
                 for n, spec in meta["keywords"].items()}
     return {"meta": meta, "inputs": {n: groups["inputs"][n] for n in meta["inputs"]},
@@ -842,10 +1152,10 @@ def _port_meta(members, fail) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         fail(f"meta.format should be {FORMAT!r}, got "
              f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
-    if meta.get("format_version") not in READABLE_VERSIONS:
-        fail(f"meta.format_version should be one of {', '.join(map(str, READABLE_VERSIONS))} "
-             f"(this attn-parity reads those), got {meta.get('format_version')!r}")
-    if meta["format_version"] == 1:  # before dtypes, keywords and output selection
+    if meta.get("format_version") not in FORMAT_VERSIONS:
+        fail(f"meta.format_version should be one of {list(FORMAT_VERSIONS)} (this attn-parity "
+             f"reads those), got {meta.get('format_version')!r}")
+    if meta["format_version"] < 3:  # before dtypes, keywords and output selection
         meta.update(dtype="float32", keywords={}, keyword_grads=[], output=None)
     if meta.get("dtype") not in RUN_DTYPES:
         fail(f"meta.dtype should be one of {', '.join(RUN_DTYPES)}, got {meta.get('dtype')!r}")
@@ -853,9 +1163,10 @@ def _port_meta(members, fail) -> dict:
     if not (output is None or isinstance(output, str)
             or (isinstance(output, int) and not isinstance(output, bool))):
         fail(f"meta.output should be null, an index or a name, got {output!r}")
+    since_2 = (("submodule_inputs", list),) if meta["format_version"] >= 2 else ()
     for key, kind in (("mapping", dict), ("params", list), ("inputs", list),
                       ("submodules", list), ("shapes", dict), ("keywords", dict),
-                      ("keyword_grads", list)):
+                      ("keyword_grads", list), *since_2):
         if not isinstance(meta.get(key), kind):
             fail(f"meta.{key} should be a {kind.__name__}, got {meta.get(key)!r}")
     try:
@@ -868,6 +1179,10 @@ def _port_meta(members, fail) -> dict:
                for n in meta["keyword_grads"]):
         fail(f"meta.keyword_grads should name keywords holding an array, got "
              f"{meta['keyword_grads']}")
+    stray = [t for t in meta.get("submodule_inputs", []) if t not in
+             [p[0] for p in meta["submodules"] if isinstance(p, list) and p]]
+    if stray:
+        fail(f"meta.submodule_inputs should name torch paths of meta.submodules, got {stray}")
     return meta
 
 
@@ -886,6 +1201,7 @@ def _port_groups(members, meta, fail) -> dict:
     except (ValueError, AttributeError, TypeError):
         fail(f"meta.keywords should map names to {{array, tuple, list, dict, value}} "
              f"descriptions, got {meta['keywords']!r}")
+    required |= {f"submodule_inputs/{t}" for t in meta.get("submodule_inputs", [])}
     missing, extra = sorted(required - set(members)), sorted(set(members) - required)
     if missing or extra:
         fail(f"members do not match meta: missing {missing}, unexpected {extra}")
@@ -896,7 +1212,8 @@ def _port_groups(members, meta, fail) -> dict:
         if list(got) != shape:
             fail(f"{name} has shape {got}, meta.shapes says {tuple(shape)}")
     groups = {g: {k.split("/", 1)[1]: v for k, v in members.items() if k.startswith(g + "/")}
-              for g in ("inputs", "params", "grads", "submodules", "keywords")}
+              for g in ("inputs", "params", "grads", "submodules", "submodule_inputs",
+                        "keywords")}
     _check_port_arrays(members, groups, fail)
     return groups
 
@@ -912,7 +1229,7 @@ def _check_port_arrays(members, groups, fail) -> None:
              f"expected/output {members['expected/output'].shape}")
     finite = {"cotangents/output": members["cotangents/output"],
               "expected/output": members["expected/output"],
-              **{f"{g}/{k}": a for g in ("params", "grads", "submodules")
+              **{f"{g}/{k}": a for g in ("params", "grads", "submodules", "submodule_inputs")
                  for k, a in groups[g].items()}}
     for name, a in finite.items():
         if a.dtype != np.float64 or not np.all(np.isfinite(a)):
@@ -946,7 +1263,8 @@ def check_port(path, flax_factory=None, torch_factory=None) -> PortReport:
               for n, a in port["inputs"].items()}
     dtype = meta["dtype"]
     call = _Call(port["keywords"], tuple(meta["keyword_grads"]), meta["output"])
-    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"], call, dtype)
+    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"], pairs, call,
+                     dtype)
     torch32 = None
     if torch_factory is not None:
         torch32 = _run_torch(_built(torch_factory, "torch"), dtype, port["params"], inputs,
@@ -982,6 +1300,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--freeze", metavar="FILE", help="write what was drawn as a port fixture")
     parser.add_argument("--fixture", metavar="FILE",
                         help="check the Flax module against a frozen port fixture instead")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="with --fixture: leave out the torch float32 baseline column, so "
+                             "that torch is neither imported nor needed")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
@@ -1009,6 +1330,12 @@ def run_cli(args, log=print, error_log=None) -> int:
 
 
 def _cli_report(args) -> PortReport:
+    no_torch = getattr(args, "no_torch", False)
+    if no_torch and not args.fixture:
+        raise ValueError("--no-torch goes with --fixture FILE (compare without a fixture runs "
+                         "torch float64 as the reference)")
+    if no_torch and args.torch:
+        raise ValueError(f"--no-torch leaves torch out, got --torch {args.torch!r} as well")
     if args.fixture:
         given = [o for o, v in (("--dtype", args.dtype != "float32"), ("--output", args.output))
                  if v]
@@ -1016,7 +1343,7 @@ def _cli_report(args) -> PortReport:
             raise ValueError(f"{', '.join(given)}: a port fixture records its own; leave them "
                              f"out with --fixture")
         return check_port(args.fixture, args.flax and resolve_spec(args.flax),
-                          args.torch and resolve_spec(args.torch))
+                          False if no_torch else args.torch and resolve_spec(args.torch))
     absent = [o for o, v in (("--torch", args.torch), ("--flax", args.flax),
                              ("--mapping", args.mapping), ("--input", args.input)) if not v]
     if absent:

@@ -110,10 +110,13 @@ def to_bytes(fixture: Fixture) -> bytes:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside ``path`` and rename it over: never a half file."""
+    """Write to a temporary file beside ``path`` and rename it over: never a half file. The
+    file gets the mode a new file gets, 0o666 & ~umask (``tempfile.mkstemp`` makes it 0o600,
+    which a web server, a CI artifact upload or a colleague could not read)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -123,6 +126,13 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _sync_directory(directory: Path) -> None:

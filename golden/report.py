@@ -1,11 +1,11 @@
 """Reports of ``attn-parity check``: ``--json FILE``, ``--junit FILE`` and ``--html DIR``.
 
 ``golden.check`` builds one *report dict* and hands it to the writers here. Its JSON form
-(``write_json``) is the public schema, ``"schema": "attn-parity-check"``, ``"schema_version": 1``;
+(``write_json``) is the public schema, ``"schema": "attn-parity-check"``, ``"schema_version": 3``;
 keys appear in this order, and a float that is not finite (inf, NaN) is stored as ``null``::
 
     {
-      "schema": "attn-parity-check", "schema_version": 2,
+      "schema": "attn-parity-check", "schema_version": 3,
       "created": "2026-11-22T08:00:00Z",        # UTC, ISO-8601
       "command": "attn-parity check -k sdpa",   # as typed; "" from the Python API
       "environment": {...},                     # environment(), below
@@ -26,6 +26,10 @@ keys appear in this order, and a float that is not finite (inf, NaN) is stored a
                                                 # not supported
            {"name": "output", "kind": "value",  # kind: "value", "weights" or "grad"
             "max_abs": 1.2e-07, "max_rel": 3e-07, "rel_norm": 1e-07,
+            "abs_err": 1.2e-07,                 # |a - e| at the deciding element, held to
+            "bound_abs": 1.3e-06,               # its bound atol' + rtol |e| (see below)
+            "bound_rel_norm": 1e-06,            # rel_norm's bound; null: not applied (zero)
+            "rule": "table",                    # "table", "terms" or "profile"
             "ok": true, "zero": false,          # zero: the array is zero by structure
             "missing": false}                   # missing: the implementation returned none
         ]}
@@ -35,6 +39,22 @@ keys appear in this order, and a float that is not finite (inf, NaN) is stored a
       "summary": {"rows": 366, "passed": 360, "failed": 3, "errors": 1, "not_supported": 2,
                   "regeneration_failed": 1, "seconds": 40.2, "ok": false}
     }
+
+Every array states the bounds it was judged against (``golden.tolerances.Comparison``). The
+elementwise check holds each |aᵢ − eᵢ| to its own bound atol' + rtol·|eᵢ| (atol' the table's atol
+times max(1, max|e|)·√terms), so no single number bounds ``max_abs``: ``abs_err`` and
+``bound_abs`` are the error and the bound of the element nearest to (or furthest over) its
+bound, and that check passes exactly when ``abs_err <= bound_abs``; the relative error norm
+passes when ``rel_norm <= bound_rel_norm``. ``rule`` says which bounds decided: "table" (the
+tolerance table), "profile" (``--profile tf32/bf16`` at float32, tried when the table fails:
+``bound_abs`` = k × the plain implementation's max|b − e| + atol', ``bound_rel_norm`` = k × its
+relative error norm + the table's, both flat, so ``abs_err`` = ``max_abs``) or "terms" (bounds
+relative to the terms' size, golden.tolerances.compare_terms). For a missing array all four are
+null.
+
+Versions: 2, a row's "path" became "core"; 3, arrays gained ``abs_err``, ``bound_abs``,
+``bound_rel_norm`` and ``rule`` (the text table's "worst err/bound" column, JUnit failure
+texts and the HTML rows show them too).
 
 ``environment`` holds (each a string, or null where the package is not installed) ``python``,
 ``platform``, ``machine``, ``numpy``, ``torch``, ``jax``, ``jaxlib``, ``flax``, ``optax``,
@@ -57,7 +77,6 @@ import importlib.metadata
 import io
 import json
 import math
-import os
 import platform
 import re
 import sys
@@ -71,12 +90,13 @@ import numpy as np
 from golden.fixture import write_atomic
 
 SCHEMA = "attn-parity-check"
-SCHEMA_VERSION = 2  # 2: a row's "path" became "core"
+SCHEMA_VERSION = 3  # 2: a row's "path" became "core"; 3: arrays state their bounds
 KEYS = ("schema", "schema_version", "created", "command", "environment", "profile",
         "implementations", "rows", "regeneration", "summary")
 ROW_KEYS = ("fixture", "variant", "implementation", "core", "dtype", "status", "reason",
             "seconds", "max_abs", "max_rel", "arrays")
-ARRAY_KEYS = ("name", "kind", "max_abs", "max_rel", "rel_norm", "ok", "zero", "missing")
+ARRAY_KEYS = ("name", "kind", "max_abs", "max_rel", "rel_norm", "abs_err", "bound_abs",
+              "bound_rel_norm", "rule", "ok", "zero", "missing")
 SUMMARY_KEYS = ("rows", "passed", "failed", "errors", "not_supported", "regeneration_failed",
                 "seconds", "ok")
 STATUSES = ("pass", "fail", "error", "not supported")
@@ -88,6 +108,8 @@ PANEL_INCHES, DPI = 2.2, 80
 # side by side, plus a colorbar Axes: making an Axes is most of a figure's time.
 GAP, TITLE, TOP, RIGHT, LEFT, BOTTOM = 0.2, 0.35, 0.4, 0.75, 0.1, 0.1
 MIN_WIDTH = 4.5  # room for the figure's title above a single column
+WEIGHTS_CAPTION = "|implementation −\nreference|,\nlog scale"
+OUTPUT_CAPTION = "output:\n|implementation −\nreference|,\nlog scale"
 NEEDS_MATPLOTLIB = "the --html report needs matplotlib: pip install 'attn-parity[report]'"
 
 
@@ -174,20 +196,12 @@ def write_json(report: dict, path) -> Path:
 
 def _write(path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically, creating its parent directories; the file gets
-    the permissions the umask gives a new file (the temporary one is private), so that a web
-    server or CI artifact upload can read it."""
+    the permissions the umask gives a new file (``write_atomic``), so that a web server or CI
+    artifact upload can read it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, data)
-    os.chmod(path, 0o666 & ~_umask())
     return path
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 # --- JUnit XML ---------------------------------------------------------------------------------
@@ -245,7 +259,8 @@ def _case(row) -> ET.Element:
                       time=f"{_finite(row['seconds']) or 0.0:.3f}")
     reason = _xml(row["reason"] or "")
     if row["status"] == "fail":
-        message = reason or _xml("tolerance exceeded: " + ", ".join(_failing(row)))
+        failing = [_failing_text(a) for a in row["arrays"] if not a.get("ok")]
+        message = _xml("tolerance exceeded: " + ", ".join(failing)) if failing else reason
         ET.SubElement(case, "failure", message=message, type="tolerance").text = _xml(
             "\n".join(_array_line(a) for a in row["arrays"]))
     elif row["status"] == "error":
@@ -256,16 +271,58 @@ def _case(row) -> ET.Element:
     return case
 
 
-def _failing(row) -> list[str]:
-    """Names of the row's arrays that are missing or out of tolerance."""
-    return [str(a.get("name")) for a in row["arrays"] if not a.get("ok")]
-
-
 def _array_line(array) -> str:
-    """One compared array as a line of a failure's text."""
+    """One compared array as a line of a failure's text, each error beside its bound."""
     state = "missing" if array.get("missing") else ("ok" if array.get("ok") else "FAIL")
     return (f"{array.get('name')}: max_abs={_number(array.get('max_abs'))} "
-            f"rel_norm={_number(array.get('rel_norm'))} ok={bool(array.get('ok'))} ({state})")
+            f"rel_norm={_number(array.get('rel_norm'))} ok={bool(array.get('ok'))} ({state})"
+            f"{_bounds(array)}")
+
+
+def _bounds(array) -> str:
+    """"; |a-e| … vs bound …, rel_norm … vs bound … (table rule)" for an array that has
+    bounds (the rel_norm part where one applied), else ""."""
+    if array.get("bound_abs") is None and array.get("bound_rel_norm") is None:
+        return ""
+    norm = ("" if array.get("bound_rel_norm") is None else
+            f", rel_norm {_number(array.get('rel_norm'))} vs bound "
+            f"{_number(array.get('bound_rel_norm'))}")
+    return (f"; |a-e| {_number(array.get('abs_err'))} vs bound "
+            f"{_number(array.get('bound_abs'))}{norm} ({array.get('rule')} rule)")
+
+
+def worst_bound(arrays) -> str:
+    """"err/bound" of the check that came closest to (or went furthest over) its bound among
+    a row's arrays: an elementwise one (abs_err/bound_abs) or a relative error norm's
+    (rel_norm/bound_rel_norm); "missing" when an array is, "-" when nothing was compared."""
+    if any(a.get("missing") for a in arrays):
+        return "missing"
+    pairs = [(a.get(err), a.get(bound)) for a in arrays
+             for err, bound in (("abs_err", "bound_abs"), ("rel_norm", "bound_rel_norm"))]
+    pairs = [(e, b) for e, b in pairs if b is not None]
+    if not pairs:
+        return "-"
+    e, b = max(pairs, key=lambda p: _ratio(*p))
+    return f"{_number(e, 1)}/{_number(b, 1)}"
+
+
+def _ratio(err, bound) -> float:
+    """err / bound; inf for an error that is not finite (null in JSON) or a zero bound
+    exceeded."""
+    if err is None or not math.isfinite(err):
+        return math.inf
+    return err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
+
+
+def _failing_text(array) -> str:
+    """A failing array for a message: its name and the checks that exceeded their bounds."""
+    if array.get("missing"):
+        return f"{array.get('name')} (missing)"
+    over = [f"{what} {_number(array.get(err))} > bound {_number(array.get(bound))}"
+            for what, err, bound in (("|a-e|", "abs_err", "bound_abs"),
+                                     ("rel_norm", "rel_norm", "bound_rel_norm"))
+            if array.get(bound) is not None and _ratio(array.get(err), array[bound]) > 1]
+    return f"{array.get('name')} ({'; '.join(over) or 'not finite'})"
 
 
 def _regeneration_cases(regeneration) -> list[ET.Element]:
@@ -298,44 +355,52 @@ def _finite(x) -> float | None:
     return float(x) if isinstance(x, (int, float, np.number)) and math.isfinite(x) else None
 
 
-def _number(x) -> str:
+def _number(x, digits=2) -> str:
     """A number for a table or message: "1.20e-07", "inf", or "n/a" for null (nothing
     compared, or non-finite in a report read back from JSON)."""
-    return "n/a" if x is None else f"{float(x):.2e}"
+    return "n/a" if x is None else f"{float(x):.{digits}e}"
 
 
 # --- HTML ----------------------------------------------------------------------------------------
 
-def write_html(report: dict, directory, weights: dict, progress=None) -> Path:
+def write_html(report: dict, directory, weights: dict, progress=None,
+               outputs: dict | None = None) -> Path:
     """Write ``directory/index.html`` and, per fixture in the rows, ``fixtures/<fixture>.png``:
     heatmaps of the reference weights, each implementation's, and |implementation - reference|
     on a log scale. ``weights`` is {fixture: {"reference" or a row label such as "torch autograd
-    float32": array}}. ``progress``: a tqdm bar on stderr; None shows it when stderr is a
-    terminal. Returns the path of index.html."""
+    float32": array}}; ``outputs`` the same for the outputs: an implementation that returned
+    no weights (a function without ``return_weights``, one that failed) is drawn as its
+    output's |implementation - reference| instead. ``progress``: a tqdm bar on stderr; None
+    shows it when stderr is a terminal. Returns the path of index.html."""
     check_report(report)
     _check_weights(weights)
+    _check_weights(outputs or {}, "outputs")
     figure_cls, canvas_cls, log_norm = _matplotlib()
     directory = Path(directory)
     (directory / "fixtures").mkdir(parents=True, exist_ok=True)
-    left_out = {}
+    drawn = {}
     for name in _bar(_fixtures(report), progress):
-        arrays = weights.get(name, {})
+        arrays, outs = weights.get(name, {}), (outputs or {}).get(name, {})
         labels = [k for k in arrays if k != "reference"]
-        left_out[name] = labels[MAX_COLUMNS:]
-        fig = _figure(name, arrays, labels[:MAX_COLUMNS], figure_cls, log_norm)
+        by_output = ([k for k in outs if k != "reference" and k not in labels]
+                     if "reference" in outs else [])
+        drawn[name] = {"left_out": labels[MAX_COLUMNS:] + by_output[MAX_COLUMNS:],
+                       "by_output": by_output[:MAX_COLUMNS]}
+        fig = _figure(name, arrays, labels[:MAX_COLUMNS], figure_cls, log_norm,
+                      {k: outs[k] for k in ["reference", *by_output[:MAX_COLUMNS]] if k in outs})
         _save(fig, canvas_cls, directory / "fixtures" / _image_name(name))
-    page = _page(report, left_out)
+    page = _page(report, drawn)
     return _write(directory / "index.html", page.encode("utf-8"))
 
 
-def _check_weights(weights) -> None:
-    """Raise ValueError unless ``weights`` is {fixture: {label: array}}."""
+def _check_weights(weights, what="weights") -> None:
+    """Raise ValueError unless ``weights`` (named ``what``) is {fixture: {label: array}}."""
     if not isinstance(weights, dict):
-        raise ValueError("weights should be a dict {fixture: {label: array}}, "
+        raise ValueError(f"{what} should be a dict {{fixture: {{label: array}}}}, "
                          f"got {type(weights).__name__}")
     for name, arrays in weights.items():
         if not isinstance(arrays, dict):
-            raise ValueError(f"weights[{name!r}] should be a dict {{label: array}}, "
+            raise ValueError(f"{what}[{name!r}] should be a dict {{label: array}}, "
                              f"got {type(arrays).__name__}")
 
 
@@ -382,21 +447,33 @@ def _save(fig, canvas_cls, path) -> None:
     _write(path, buf.getvalue())
 
 
-def _figure(name, arrays, labels, figure_cls, log_norm):
+def _figure(name, arrays, labels, figure_cls, log_norm, outputs=None):
     """The fixture's figure: weights in the first row (reference, then ``labels``), their
-    |difference| from the reference on a log scale in the second."""
+    |difference| from the reference on a log scale in the second; then, for the
+    implementations in ``outputs`` beside its "reference" (those that returned no weights),
+    their output's |implementation - reference| on a log scale."""
     shown = [k for k in ["reference", *labels] if k in arrays]
-    if not shown:
+    by_output = [k for k in (outputs or {}) if k != "reference"]
+    if not shown and not by_output:
         fig = figure_cls(figsize=(PANEL_INCHES * 1.5, 1.0))
         fig.text(0.5, 0.5, f"{name}: no attention weights", ha="center", va="center")
         return fig
     has_diff = "reference" in arrays and bool(labels)
-    fig, rows = _strips(figure_cls, 1 + has_diff, len(shown))
+    fig, rows = _strips(figure_cls, bool(shown) + has_diff + bool(by_output),
+                        max(len(shown), 1 + len(by_output)))
     values = {k: np.asarray(arrays[k], np.float64) for k in shown}
-    _weights_row(rows[0], values)
+    if shown:
+        _weights_row(rows[0], values)
     if has_diff:
         _diff_row(rows[1], values["reference"], {k: values[k] for k in labels}, log_norm)
-    title = f"{name}: attention weights{_slice_note(values[shown[0]])}; rows: query, columns: key"
+    if by_output:
+        out = {k: np.asarray(outputs[k], np.float64) for k in outputs}
+        _diff_row(rows[-1], out["reference"], {k: out[k] for k in by_output}, log_norm,
+                  OUTPUT_CAPTION, titled=True)
+    title = (f"{name}: attention weights{_slice_note(values[shown[0]])}; rows: query, "
+             "columns: key" if shown else
+             f"{name}: no attention weights returned; the output"
+             f"{_slice_note(np.asarray(outputs['reference']))}, last two axes")
     fig.suptitle("\n".join(textwrap.wrap(title, int(fig.get_figwidth() * 14))), fontsize=8,
                  y=1 - 0.05 / fig.get_figheight(), va="top")
     return fig
@@ -460,10 +537,11 @@ def _weights_row(ax, arrays) -> None:
     _colorbar(ax, images[-1], "%.2g")
 
 
-def _diff_row(ax, ref, arrays, log_norm) -> None:
+def _diff_row(ax, ref, arrays, log_norm, caption=None, titled=False) -> None:
     """|array - reference| of each of ``arrays`` on one log scale floored at FLOOR, with a
-    colorbar; the reference's column says what the row shows."""
-    _draw(ax, 0, "|implementation −\nreference|,\nlog scale", "")
+    colorbar; the reference's column says what the row shows (``caption``). ``titled``: each
+    panel's title names its implementation as well."""
+    _draw(ax, 0, caption or WEIGHTS_CAPTION, "")
     diffs = {k: _difference(a, ref) for k, a in arrays.items()}
     tops = [_nanmax(d) for d in diffs.values() if d is not None and np.isfinite(d).any()]
     norm = log_norm(vmin=FLOOR, vmax=max([FLOOR * 10, *tops]), clip=True)
@@ -472,8 +550,10 @@ def _diff_row(ax, ref, arrays, log_norm) -> None:
         if d is None:
             _draw(ax, i, f"shape {arrays[label].shape}\n≠ reference {ref.shape}", "")
         else:
+            title = f"max |Δ| {_number(_nanmax(d))}"
             images.append(_draw(ax, i, np.maximum(_first(d), FLOOR),
-                                f"max |Δ| {_number(_nanmax(d))}", norm=norm, cmap="magma"))
+                                f"{_title(label)}\n{title}" if titled else title, norm=norm,
+                                cmap="magma"))
     if images:
         _colorbar(ax, images[-1], "%.0e")  # plain text: mathtext "10^-9" labels are slow
 
@@ -513,10 +593,12 @@ th, td { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .pass { color: #176b21; } .fail, .error { color: #b00020; font-weight: bold; }
 .not-supported { color: #888; } img { max-width: 100%; }
+.badge { border: 1px solid currentColor; border-radius: 0.3em; padding: 0 0.3em;
+         font-size: 0.85em; margin-left: 0.3em; }
 """
 
 
-def _page(report, left_out) -> str:
+def _page(report, drawn) -> str:
     """index.html: the run, environment, summary, per-implementation counts, per fixture."""
     e = html.escape
     head = (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -528,7 +610,7 @@ def _page(report, left_out) -> str:
              _table(["key", "value"], [[k, _env_value(v)] for k, v in
                                        report["environment"].items()]),
              "<h2>Fixtures</h2>\n", _fixture_index(report)]
-    parts += [_fixture_section(report, name, left_out.get(name, [])) for name in
+    parts += [_fixture_section(report, name, drawn.get(name, {})) for name in
               _fixtures(report)]
     return "".join(parts) + "</body></html>\n"
 
@@ -577,11 +659,18 @@ def _implementation_table(report) -> str:
 
 
 def _fixture_index(report) -> str:
-    """Links to the fixtures' sections with their worst status."""
+    """Links to the fixtures' sections, each with one badge per implementation: its worst
+    status over its rows of that fixture (cores, dtypes), so that one failing implementation
+    does not colour the others."""
     items = []
     for name in _fixtures(report):
-        status = _worst([r["status"] for r in report["rows"] if r["fixture"] == name])
-        items.append(f'<li>{_link(name)} <span class="{_css(status)}">{status}</span></li>')
+        rows = [r for r in report["rows"] if r["fixture"] == name]
+        badges = []
+        for label in dict.fromkeys(r["implementation"] for r in rows):
+            status = _worst([r["status"] for r in rows if r["implementation"] == label])
+            badges.append(f'<span class="badge {_css(status)}" title="{html.escape(label)}: '
+                          f'{status}">{html.escape(label)}: {status}</span>')
+        items.append(f"<li>{_link(name)} {' '.join(badges)}</li>")
     return "<ul>" + "".join(items) + "</ul>\n"
 
 
@@ -593,26 +682,39 @@ def _worst(statuses) -> str:
     return "not supported"
 
 
-def _fixture_section(report, name, left_out) -> str:
+def _fixture_section(report, name, drawn) -> str:
     """A fixture's rows table and image."""
     e = html.escape
     rows = [r for r in report["rows"] if r["fixture"] == name]
     cells = [[r["implementation"], r["core"], r["dtype"], (r["status"], _css(r["status"])),
-              _number(r["max_abs"]), _number(r["max_rel"]), r["reason"] or ""] for r in rows]
-    table = _table(["implementation", "core", "dtype", "status", "max abs", "max rel", "reason"],
-                   cells, numeric={4, 5})
+              _number(r["max_abs"]), _number(r["max_rel"]), worst_bound(r["arrays"]),
+              _html_reason(r)] for r in rows]
+    table = _table(["implementation", "core", "dtype", "status", "max abs", "max rel",
+                    "worst err/bound", "reason"], cells, numeric={4, 5, 6})
     src = "fixtures/" + quote(_image_name(name))
     alt = f"attention weights of {name}: reference, implementations and |difference|"
+    if drawn.get("by_output"):
+        alt += "; output |implementation − reference| of " + ", ".join(drawn["by_output"])
     return (f'<section id="{e(name)}">\n<h3>{e(name)}</h3>\n<p>variant: '
-            f"{e(str(rows[0]['variant']))}</p>\n{table}{_notes(report, name, left_out)}"
+            f"{e(str(rows[0]['variant']))}</p>\n{table}{_notes(report, name, drawn)}"
             f'<img src="{e(src)}" alt="{e(alt)}" loading="lazy">\n</section>\n')
 
 
-def _notes(report, name, left_out) -> str:
-    """What the fixture's regeneration did not reproduce, and which implementations its
-    image leaves out."""
+def _html_reason(row) -> str:
+    """A row's reason; for a failure, each failing array with its errors and bounds."""
+    failing = [_failing_text(a) for a in row["arrays"] if not a.get("ok")]
+    return ", ".join(failing) if row["status"] == "fail" and failing else row["reason"] or ""
+
+
+def _notes(report, name, drawn) -> str:
+    """What the fixture's regeneration did not reproduce, which implementations its image
+    shows by their output, and which it leaves out."""
     differ = (report["regeneration"] or {"differ": {}})["differ"].get(name)
+    left_out, by_output = drawn.get("left_out", []), drawn.get("by_output", [])
     notes = ""
+    if by_output:
+        notes += (f"<p>No attention weights from {html.escape(', '.join(by_output))}: the "
+                  "image shows their output's |implementation − reference|.</p>\n")
     if differ:
         notes += (f'<p class="fail">Regeneration: the reference does not reproduce '
                   f"{html.escape(', '.join(differ))}.</p>\n")

@@ -85,11 +85,40 @@ TOLERANCES = {  # (dtype, "value" for outputs | "weights" | "grad" for gradients
 
 @dataclass(frozen=True)
 class Comparison:
+    """The errors of one array and the bounds they were held to, so that a report can print
+    both (a verdict near its bound reads without the docs).
+
+    The elementwise check holds each |aᵢ − eᵢ| to its own bound atol' + rtol·|eᵢ|, where
+    atol' = atol·max(1, max|e|)·√terms (the table's atol after the two rules above); no single
+    number bounds max|a − e|. ``abs_err`` and ``bound_abs`` are that check's deciding element:
+    the i with the largest |aᵢ − eᵢ| / (atol' + rtol·|eᵢ|), its error and its bound, so the
+    check passes exactly when abs_err ≤ bound_abs. ``bound_rel_norm`` is the bound rel_norm was
+    held to (None where it does not apply: a zero-by-structure array, arrays of different
+    shapes). ``rule`` names what decided: "table" (``compare``), "terms" (``compare_terms``'s
+    bounds relative to the terms' size, expressed against ‖e‖ and eᵢ as above) or "profile"
+    (``compare_to_plain``: bound_abs = k·max|b − e| + atol', bound_rel_norm =
+    k·‖b − e‖/‖e‖ + rel_norm, both flat, so abs_err = max_abs)."""
+
     max_abs: float   # max |a − e|
     max_rel: float   # max |a − e| / max |e|: the error relative to the array's scale
     rel_norm: float  # ‖a − e‖₂ / ‖e‖₂
     ok: bool
     zero: bool = False  # e is zero by structure: judged by the absolute bound alone
+    abs_err: float | None = None         # |aᵢ − eᵢ| at the elementwise check's deciding element
+    bound_abs: float | None = None       # the bound that element was held to
+    bound_rel_norm: float | None = None  # the bound rel_norm was held to; None: not applied
+    rule: str = "table"                  # "table", "terms" or "profile": what decided
+
+
+def _deciding(diff, bound) -> tuple[float | None, float | None]:
+    """(|aᵢ − eᵢ|, boundᵢ) at the element with the largest diffᵢ / boundᵢ (a non-finite
+    difference first); (None, None) for an empty array."""
+    if diff.size == 0:
+        return None, None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(np.isfinite(diff), diff / bound, np.inf)
+    i = np.unravel_index(int(np.argmax(np.where(np.isnan(ratio), np.inf, ratio))), diff.shape)
+    return float(diff[i]), float(bound[i])
 
 
 def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
@@ -107,9 +136,12 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
     rel_norm = (float(np.linalg.norm(a - e)) / norm if norm > 0
                 else (0.0 if max_abs == 0 else np.inf))
+    bound = atol + tol.rtol * np.abs(e)
     ok = bool(np.all(np.isfinite(a))) and (zero or rel_norm <= tol.rel_norm) and bool(
-        np.all(diff <= atol + tol.rtol * np.abs(e)))
-    return Comparison(max_abs, max_rel, rel_norm, ok, zero)
+        np.all(diff <= bound))
+    abs_err, bound_abs = _deciding(diff, bound)
+    return Comparison(max_abs, max_rel, rel_norm, ok, zero, abs_err, bound_abs,
+                      None if zero else tol.rel_norm, "table")
 
 
 def compare_terms(actual, expected, terms_size, dtype: str, kind: str = "value",
@@ -137,10 +169,17 @@ def compare_terms(actual, expected, terms_size, dtype: str, kind: str = "value",
     m = np.asarray(terms_size, dtype=np.float64)
     atol = tol.atol * max(1.0, float(m.max(initial=0.0))) * float(np.sqrt(terms))
     floor = _SMALLEST_NORMAL[dtype] * float(np.sqrt(a.size))
-    ok = (a.shape == e.shape == m.shape and bool(np.all(np.isfinite(a)))
-          and float(np.linalg.norm(a - e)) <= tol.rel_norm * float(np.linalg.norm(m)) + floor
-          and bool(np.all(np.abs(a - e) <= atol + tol.rtol * m)))
-    return Comparison(c.max_abs, c.max_rel, c.rel_norm, ok, zero)
+    if not a.shape == e.shape == m.shape:
+        return c
+    bound = atol + tol.rtol * m
+    norm_bound = tol.rel_norm * float(np.linalg.norm(m)) + floor
+    ok = (bool(np.all(np.isfinite(a))) and float(np.linalg.norm(a - e)) <= norm_bound
+          and bool(np.all(np.abs(a - e) <= bound)))
+    abs_err, bound_abs = _deciding(np.abs(a - e), bound)
+    norm = float(np.linalg.norm(e))  # the norm bound as a bound on rel_norm = ‖a − e‖/‖e‖
+    bound_rel_norm = norm_bound / norm if norm > 0 else (0.0 if norm_bound == 0 else np.inf)
+    return Comparison(c.max_abs, c.max_rel, c.rel_norm, ok, zero, abs_err, bound_abs,
+                      bound_rel_norm, "terms")
 
 
 _SMALLEST_NORMAL = {"bfloat16": 2.0**-126, "float16": 2.0**-14, "float32": 2.0**-126,
@@ -213,7 +252,9 @@ def compare_to_plain(actual, expected, baseline, dtype: str, kind: str = "value"
     tol = TOLERANCES[dtype, kind]
     e = np.asarray(expected, dtype=np.float64)
     atol = tol.atol * max(1.0, float(np.abs(e).max(initial=0.0))) * float(np.sqrt(terms))
+    bound_abs = k * plain.max_abs + atol
+    bound_rel_norm = None if zero else k * plain.rel_norm + tol.rel_norm
     ok = (bool(np.all(np.isfinite(np.asarray(actual, dtype=np.float64))))
-          and exact.max_abs <= k * plain.max_abs + atol
-          and (zero or exact.rel_norm <= k * plain.rel_norm + tol.rel_norm))
-    return Comparison(exact.max_abs, exact.max_rel, exact.rel_norm, ok, zero)
+          and exact.max_abs <= bound_abs and (zero or exact.rel_norm <= bound_rel_norm))
+    return Comparison(exact.max_abs, exact.max_rel, exact.rel_norm, ok, zero, exact.max_abs,
+                      bound_abs, bound_rel_norm, "profile")

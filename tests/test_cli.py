@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -85,3 +86,76 @@ def test_regenerate_check_via_python_m():
                           text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 differ" in done.stdout
+
+
+# --- attn-parity fixtures -----------------------------------------------------------------------
+
+def test_fixtures_lists_a_module_fixture_with_its_configuration_and_shapes(capsys):
+    assert main(["fixtures", "multi_head_attention_unbatched_qkv_bias_mask", "--json"]) == 0
+    [entry] = json.loads(capsys.readouterr().out)
+    # golden/cases.py: x (7, 5), a (7, 7) mask, d_in 5, d_out 6, 3 heads, qkv_bias, no out_bias;
+    # every projection is (d_in, d_out) in the neutral layout, W_out (d_out, d_out)
+    assert entry == {
+        "name": "multi_head_attention_unbatched_qkv_bias_mask",
+        "variant": "multi_head_attention", "dtypes": ["float32", "float64"],
+        "config": {"d_in": 5, "d_out": 6, "num_heads": 3, "out_bias": False, "qkv_bias": True},
+        "inputs": {"mask": [7, 7], "x": [7, 5]},
+        "params": {"W_key": [5, 6], "W_out": [6, 6], "W_query": [5, 6], "W_value": [5, 6],
+                   "b_key": [6], "b_query": [6], "b_value": [6]}}
+
+
+def test_fixtures_text_filters_by_pattern_and_variant(capsys):
+    assert main(["fixtures", "-k", "sdpa_plain"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "sdpa_plain  scaled_dot_product_attention  float32, float64",
+        "  config: (defaults)",
+        "  inputs: key (2, 3, 7, 4), query (2, 3, 5, 4), value (2, 3, 7, 6)",
+        "  params: none",
+        "1 fixture"]
+    assert main(["fixtures", "-k", "sdpa_causal_*", "--variant", "multi_head_attention"]) == 2
+    assert capsys.readouterr().out.strip() == "0 fixtures"
+    assert main(["fixtures", "sdpa_causal_square"]) == 0
+    assert "config: is_causal=True" in capsys.readouterr().out
+
+
+def test_fixtures_lists_every_shipped_fixture_from_a_path_too(capsys, tmp_path):
+    import golden
+
+    assert main(["fixtures", "--json"]) == 0
+    assert [e["name"] for e in json.loads(capsys.readouterr().out)] == golden.names()
+    copy = tmp_path / "mine.npz"
+    copy.write_bytes((golden.FIXTURE_DIR / "sdpa_plain.npz").read_bytes())
+    assert main(["fixtures", str(copy)]) == 0
+    assert capsys.readouterr().out.startswith("sdpa_plain  scaled_dot_product_attention")
+
+
+def test_fixtures_answers_a_missing_name_with_one_line(capsys):
+    assert main(["fixtures", "no_such_fixture"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attn-parity fixtures: error: ")
+    assert "'no_such_fixture': no such file or fixture" in err[0]
+
+
+# --- attn-parity compare --fixture FILE --no-torch ---------------------------------------------
+
+def test_compare_fixture_without_torch(tmp_path, capsys):
+    from golden import compare as C
+    from tests import port_pair as P
+
+    path = C.freeze(C.compare(P.make_torch, P.make_flax, P.MAPPING, {"x": (2, 5, 8)}),
+                    tmp_path / "port.npz", torch_factory_spec="tests.port_pair:make_torch",
+                    flax_factory_spec="tests.port_pair:make_flax")
+    assert main(["compare", "--fixture", str(path)]) == 0
+    with_torch = capsys.readouterr().out
+    assert main(["compare", "--fixture", str(path), "--no-torch"]) == 0
+    without = capsys.readouterr().out
+    row = [line.split() for line in with_torch.splitlines() if line.startswith("output")][0]
+    bare = [line.split() for line in without.splitlines() if line.startswith("output")][0]
+    # output, flax path, rule, torch's three cells, then Flax's; without torch one "-"
+    assert row[3:6] != ["-"] and bare[3] == "-" and bare[4:] == row[6:]
+    assert main(["compare", "--fixture", str(path), "--no-torch", "--torch",
+                 "tests.port_pair:make_torch"]) == 2
+    assert "--no-torch leaves torch out" in capsys.readouterr().err
+    assert main(["compare", "--no-torch", "--torch", "tests.port_pair:make_torch"]) == 2
+    assert "--no-torch goes with --fixture FILE" in capsys.readouterr().err

@@ -159,14 +159,17 @@ def test_factories_are_called_once_per_run_with_framework_and_dtype():
         H.make_qwen3_attention, _flax_taking("past_key_values"), H.QWEN3_MAPPING, X,
         keywords={**keywords, "past_key_values": cache})
     assert report.ok, report.text()
-    assert calls == [("torch", "float64"), ("torch", "float32"), ("flax", "float32")]
+    # then the two float64 runs that find and undo HF's float32 steps (report.reference)
+    assert report.reference["float32_steps"]
+    assert calls == [("torch", "float64"), ("torch", "float32"), ("flax", "float32"),
+                     ("torch", "float64"), ("torch", "float64")]
     # per_framework: a callable of the dtype for torch (a fresh empty cache each run), None
     made = C.per_framework(torch=lambda dtype: torch_sides.append(dtype) or
                            transformers.DynamicCache(config=H.qwen3_config()))
     report = C.compare(H.make_qwen3_attention, _flax_taking("past_key_values"),
                        H.QWEN3_MAPPING, X, keywords={**keywords, "past_key_values": made},
                        dtype="bfloat16")
-    assert report.ok and torch_sides == ["float64", "bfloat16"]
+    assert report.ok and torch_sides == ["float64", "bfloat16", "float64", "float64"]
     assert made("flax", "float32") is None
 
 
@@ -381,7 +384,7 @@ def test_frozen_keywords_dtype_and_output_round_trip(frozen_qwen3):
     report, path = frozen_qwen3
     port = C.load_port(path)
     meta = port["meta"]
-    assert (meta["format_version"], meta["dtype"], meta["output"]) == (2, "bfloat16", 0)
+    assert (meta["format_version"], meta["dtype"], meta["output"]) == (3, "bfloat16", 0)
     assert meta["keywords"]["position_embeddings"] == {"tuple": [
         {"array": "keywords/position_embeddings/0"}, {"array": "keywords/position_embeddings/1"}]}
     cos, sin = port["keywords"]["position_embeddings"]
@@ -417,22 +420,30 @@ def _rewrite(path, out, change):
     return out
 
 
-def test_version_1_files_still_read_and_unknown_versions_are_refused(tmp_path):
+def test_versions_1_and_2_still_read_and_unknown_versions_are_refused(tmp_path):
     report = C.compare(P.make_torch, P.make_flax, P.MAPPING, {"x": (2, 5, 8)})
-    path = C.freeze(report, tmp_path / "v2.npz", flax_factory_spec="tests.port_pair:make_flax")
+    path = C.freeze(report, tmp_path / "v3.npz", flax_factory_spec="tests.port_pair:make_flax")
 
-    def as_version_1(meta, members):  # what format 1 wrote: no dtype, keywords, output
-        for key in ("dtype", "keywords", "keyword_grads", "output"):
-            del meta[key]
-        meta["format_version"] = 1
+    def as_version(version):  # what formats 1 and 2 wrote: no dtype, keywords, output
+        def change(meta, members):
+            for key in ("dtype", "keywords", "keyword_grads", "output"):
+                del meta[key]
+            if version == 1:  # nor submodule inputs
+                del meta["submodule_inputs"]
+                for k in [k for k in members if k.startswith("submodule_inputs/")]:
+                    del members[k]
+            meta["format_version"] = version
+        return change
 
-    old = C.load_port(_rewrite(path, tmp_path / "v1.npz", as_version_1))
-    assert (old["meta"]["dtype"], old["keywords"], old["meta"]["output"]) == (
-        "float32", {}, None)
-    assert C.check_port(tmp_path / "v1.npz").ok
-    future = _rewrite(path, tmp_path / "v3.npz", lambda m, a: m.update(format_version=3))
-    with pytest.raises(golden.FixtureError, match=r"v3.npz: meta.format_version should be one "
-                       r"of 1, 2 \(this attn-parity reads those\), got 3"):
+    for version in (1, 2):
+        old = C.load_port(_rewrite(path, tmp_path / f"v{version}.npz", as_version(version)))
+        assert (old["meta"]["dtype"], old["keywords"], old["meta"]["output"]) == (
+            "float32", {}, None)
+        again = C.check_port(tmp_path / f"v{version}.npz")
+        assert again.ok and again.data["dtype"] == "float32"
+    future = _rewrite(path, tmp_path / "v4.npz", lambda m, a: m.update(format_version=4))
+    with pytest.raises(golden.FixtureError, match=r"v4.npz: meta.format_version should be one "
+                       r"of \[1, 2, 3\] \(this attn-parity reads those\), got 4"):
         C.load_port(future)
     bad = _rewrite(path, tmp_path / "dt.npz", lambda m, a: m.update(dtype="float64"))
     with pytest.raises(golden.FixtureError, match=r"meta.dtype should be one of float32, "

@@ -16,10 +16,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 NASTY = "shape <2, 3> & more"  # a reason that XML and HTML must escape
 
 
-def _array(name, kind="value", *, err=1e-7, ok=True, missing=False):
-    """One compared array of a row; ``err`` None: nothing compared."""
-    return {"name": name, "kind": kind, "max_abs": None if missing else err,
-            "max_rel": None if missing else err, "rel_norm": None if missing else err,
+def _array(name, kind="value", *, err=1e-7, ok=True, missing=False, bound=1e-6):
+    """One compared array of a row, its errors held to ``bound``; missing: nothing compared."""
+    value = None if missing else err
+    return {"name": name, "kind": kind, "max_abs": value, "max_rel": value, "rel_norm": value,
+            "abs_err": value, "bound_abs": None if missing else bound,
+            "bound_rel_norm": None if missing else bound, "rule": None if missing else "table",
             "ok": ok and not missing, "zero": False, "missing": missing}
 
 
@@ -80,12 +82,13 @@ def test_json_round_trips_with_the_documented_schema(tmp_path):
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     assert list(data) == list(rp.KEYS)
-    assert data["schema"] == "attn-parity-check" and data["schema_version"] == 2
+    assert data["schema"] == "attn-parity-check" and data["schema_version"] == 3
     assert all(list(row) == list(rp.ROW_KEYS) for row in data["rows"])
     assert all(list(a) == list(rp.ARRAY_KEYS) for row in data["rows"] for a in row["arrays"])
     assert list(data["summary"]) == list(rp.SUMMARY_KEYS)
     json.dumps(data, allow_nan=False)  # nothing non-finite is left
-    assert [k in rp.__doc__ for k in rp.KEYS + rp.ROW_KEYS + rp.SUMMARY_KEYS] == [True] * 29
+    keys = rp.KEYS + rp.ROW_KEYS + rp.ARRAY_KEYS + rp.SUMMARY_KEYS
+    assert [k in rp.__doc__ for k in keys] == [True] * 41
 
 
 def test_json_stores_non_finite_as_null(tmp_path):
@@ -246,3 +249,223 @@ def test_environment_names_the_versions():
                                                  "attn_parity", "matplotlib"])
     assert all(env[k] is None or isinstance(env[k], str) for k in rp.PACKAGES)
     json.dumps(env, allow_nan=False)
+
+
+# --- bounds: every row says what it was held to ----------------------------------------------
+
+def _one_off(delta, n=10_000, value=0.5):
+    """(actual, expected): n elements of ``value``, the element 3 off by ``delta``. The relative
+    error norm is delta / (value √n), far below its bound, so the elementwise check decides."""
+    e = np.full(n, value)
+    a = e.copy()
+    a[3] += delta
+    return a, e
+
+
+def test_a_float32_value_row_shows_the_tables_bounds(tmp_path):
+    from golden.check import _array
+    from golden.tolerances import compare
+
+    a, e = _one_off(5e-7)
+    c = compare(a, e, "float32", "value")
+    # float32 value row of the table: rel_norm 1e-6, rtol 1e-5, atol 1e-6; max|e| = 0.5 < 1 so
+    # atol is not scaled: element 3 is held to 1e-6 + 1e-5 · 0.5
+    assert c.ok and c.rule == "table" and c.bound_rel_norm == 1e-6
+    assert c.bound_abs == pytest.approx(1e-6 + 1e-5 * 0.5, rel=1e-12)
+    assert c.abs_err == pytest.approx(5e-7, rel=1e-9) == pytest.approx(c.max_abs, rel=1e-9)
+    report = _report()
+    report["rows"][0]["arrays"] = [_array("output", c)]
+    data = json.loads(rp.write_json(report, tmp_path / "r.json").read_text("utf-8"))
+    entry = data["rows"][0]["arrays"][0]
+    assert entry["bound_abs"] == c.bound_abs and entry["bound_rel_norm"] == 1e-6
+    assert entry["rule"] == "table" and entry["abs_err"] == c.abs_err
+
+
+def test_a_scaled_gradient_row_shows_atol_scaled_by_its_size_and_terms():
+    from golden.tolerances import compare
+
+    a, e = _one_off(1e-5, value=4.0)  # max|e| = 4, 9 terms: atol' = 1e-6 · 4 · 3
+    c = compare(a, e, "float32", "grad", terms=9)
+    assert c.bound_abs == pytest.approx(1e-6 * 4 * 3 + 1e-5 * 4, rel=1e-12)
+    assert c.bound_rel_norm == 4e-6 and c.ok
+    z = compare(np.full(5, 1e-7), np.zeros(5), "float32", "grad", zero=True)
+    assert z.bound_rel_norm is None and z.bound_abs == 1e-6 and z.ok  # zero: atol alone
+
+
+def test_a_terms_row_shows_the_bounds_relative_to_the_terms():
+    from golden.tolerances import compare_terms
+
+    e, m = np.full(100, 1e-3), np.full(100, 10.0)  # sums of terms of size 10 that cancel
+    c = compare_terms(e + 5e-6, e, m, "float32", "value")  # the table alone: 1.01e-6 < 5e-6
+    assert c.ok and c.rule == "terms" and c.abs_err == pytest.approx(5e-6, rel=1e-9)
+    assert c.bound_abs == pytest.approx(1e-6 * 10 + 1e-5 * 10, rel=1e-12)
+    # ‖a − e‖ ≤ 1e-6 ‖m‖ + tiny·√n, as a bound on ‖a − e‖/‖e‖ with ‖e‖ = 1e-3 · 10
+    assert c.bound_rel_norm == pytest.approx((1e-6 * 100 + 2.0**-126 * 10) / 1e-2, rel=1e-12)
+
+
+@pytest.mark.parametrize("delta, ok", [(5.9e-6, True), (6.1e-6, False)])
+def test_a_near_threshold_row_reads_against_its_bound(delta, ok):
+    from golden.check import _array, _format_row
+    from golden.tolerances import compare
+
+    a, e = _one_off(delta)  # element 3 is held to 1e-6 + 1e-5 · 0.5 = 6e-6
+    c = compare(a, e, "float32", "value")
+    assert c.ok is ok
+    row = {**_row("sdpa_plain", "jax", "explicit", "float32", "pass" if ok else "fail",
+                  None if ok else "output", [_array("output", c)])}
+    line = _format_row(row, 12)
+    # as docs/validating.md "Reports" quotes them
+    assert line.endswith(f"{delta:.1e}/6.0e-06  " + ("pass" if ok else "FAIL output"))
+    assert rp.worst_bound(row["arrays"]) == f"{delta:.1e}/6.0e-06"
+    if not ok:
+        assert rp._failing_text(row["arrays"][0]) == "output (|a-e| 6.10e-06 > bound 6.00e-06)"
+
+
+def test_the_relative_norm_decides_when_it_is_closer():
+    from golden.check import _array
+    from golden.tolerances import compare
+
+    e = np.ones(100)
+    c = compare(e * (1 + 1.1e-6), e, "float32", "value")  # rel_norm 1.1e-6 > 1e-6
+    assert not c.ok and c.abs_err < c.bound_abs  # elementwise it passes
+    assert rp.worst_bound([_array("output", c)]) == "1.1e-06/1.0e-06"
+    assert rp._failing_text(_array("output", c)) == (
+        "output (rel_norm 1.10e-06 > bound 1.00e-06)")
+
+
+def test_a_profile_row_shows_k_times_the_plain_error_plus_atol():
+    from golden.tolerances import compare_profile, compare_to_plain
+
+    rng = np.random.default_rng(1)
+    e = rng.standard_normal((3, 5, 7)) * 2  # max|e| > 1: atol scales with it
+    b = e + rng.standard_normal(e.shape) * 1e-4  # the plain implementation's error
+    a = e + rng.standard_normal(e.shape) * 1e-4
+    c = compare_profile(a, e, b, "float32", "value", profile_name="tf32")
+    atol = 1e-6 * np.abs(e).max()
+    assert c.rule == "profile" and c.abs_err == c.max_abs == np.abs(a - e).max()
+    assert c.bound_abs == pytest.approx(2 * np.abs(b - e).max() + atol, rel=1e-12)
+    assert c.bound_rel_norm == pytest.approx(
+        2 * np.linalg.norm(b - e) / np.linalg.norm(e) + 1e-6, rel=1e-12)
+    assert c.ok == (c.max_abs <= c.bound_abs and c.rel_norm <= c.bound_rel_norm)
+    assert compare_to_plain(e, e, b, "float32").rule == "table"  # the table passed first
+
+
+def test_junit_and_html_show_the_failing_arrays_bounds(tmp_path):
+    report = _report()
+    report["rows"][1]["arrays"][0] = _array("output", err=2.5e-6, ok=False)
+    root = ET.parse(rp.write_junit(report, tmp_path / "j.xml")).getroot()
+    failure = root.find("testsuite[@name='jax']/testcase[@classname='sdpa_plain']/failure")
+    assert failure.get("message") == (
+        "tolerance exceeded: output (|a-e| 2.50e-06 > bound 1.00e-06; rel_norm 2.50e-06 > "
+        "bound 1.00e-06), weights (|a-e| inf > bound 1.00e-06; rel_norm inf > bound 1.00e-06), "
+        "grad W_query (missing)")
+    assert ("output: max_abs=2.50e-06 rel_norm=2.50e-06 ok=False (FAIL); |a-e| 2.50e-06 vs "
+            "bound 1.00e-06, rel_norm 2.50e-06 vs bound 1.00e-06 (table rule)") in failure.text
+    page = rp.write_html(report, tmp_path / "h", _weights(), progress=False).read_text("utf-8")
+    assert "<th>worst err/bound</th>" in page
+    assert '<td class="num">1.0e-07/1.0e-06</td>' in page  # torch's passing row
+    assert "output (|a-e| 2.50e-06 &gt; bound 1.00e-06;" in page
+
+
+# --- HTML: outputs where there are no weights, a badge per implementation --------------------
+
+def test_html_draws_the_output_difference_when_no_weights_were_returned(tmp_path):
+    report = _report()
+    rng = np.random.default_rng(2)
+    out = rng.standard_normal((2, 3, 4, 6))  # (B, H, Lq, Dv)
+    outputs = {"causal_mask": {"reference": out, "torch explicit float64": out + 1e-12,
+                               "jax explicit float64": out}}
+    page = rp.write_html(report, tmp_path, _weights(), progress=False,
+                         outputs=outputs).read_text("utf-8")
+    assert ("No attention weights from torch explicit float64, jax explicit float64: the image "
+            "shows their output's |implementation − reference|.") in page
+    assert "sdpa_plain" not in outputs and page.count("No attention weights from") == 1
+    with_outputs = _png_size(tmp_path / "fixtures" / "causal_mask.png")
+    rp.write_html(report, tmp_path / "plain", _weights(), progress=False)
+    alone = _png_size(tmp_path / "plain" / "fixtures" / "causal_mask.png")
+    assert with_outputs[0] > alone[0] and with_outputs[1] > alone[1]  # a row, two columns more
+    only = {"dropout_only": {"reference": out, "mypkg.port:runner  float32": out * 2}}
+    rp.write_html(report, tmp_path / "only", {}, progress=False, outputs=only)
+    none = _png_size(tmp_path / "plain" / "fixtures" / "dropout_only.png")
+    assert _png_size(tmp_path / "only" / "fixtures" / "dropout_only.png")[1] > none[1]
+
+
+def test_html_index_has_a_badge_per_implementation(tmp_path):
+    page = rp.write_html(_report(), tmp_path, _weights(), progress=False).read_text("utf-8")
+    index = page[page.index("<h2>Fixtures</h2>"):page.index("<section")]
+    plain_item = index[index.index('href="#sdpa_plain"'):index.index('href="#causal_mask"')]
+    assert '<span class="badge pass" title="torch: pass">torch: pass</span>' in plain_item
+    assert '<span class="badge fail" title="jax: fail">jax: fail</span>' in plain_item
+    assert ('<span class="badge error" title="mypkg.port:runner: error">mypkg.port:runner: '
+            'error</span>') in plain_item
+    assert '<span class="badge not-supported" title="jax: not supported">' in index
+
+
+# --- compare's report ----------------------------------------------------------------------
+
+def _port_report(delta):
+    """A PortReport of an output off by ``delta`` in one element (no modules run)."""
+    from golden.compare import _report as port_report
+
+    a, e = _one_off(delta)
+    expected = {"output": e, "grads": {}, "submodules": {}}
+    return port_report(expected, {"output": a, "grads": {}, "submodules": {}}, None, {}, [], 1,
+                       [], {"seed": 0})
+
+
+@pytest.mark.parametrize("delta, ok", [(5.9e-6, True), (6.1e-6, False)])
+def test_compare_text_and_json_show_the_flax_columns_bounds(delta, ok):
+    from golden.compare import SCHEMA
+
+    report = _port_report(delta)
+    assert report.ok is ok
+    line = next(x for x in report.text().splitlines() if x.startswith("output"))
+    assert line.endswith(f"/1.0e-06  {delta:.1e}/6.0e-06  {'pass' if ok else 'FAIL'}")
+    header = report.text().splitlines()[1]
+    assert header.endswith("max|Δ|   rel‖Δ‖/bound     |Δᵢ|/boundᵢ")
+    at = len(header) - len("max|Δ|   rel‖Δ‖/bound     |Δᵢ|/boundᵢ")
+    cells = line[at:].split()  # the Flax column's cells start under its header
+    rel = report.rows[0]["flax_float32"]["rel_norm"]
+    assert line[at - 2:at] == "  " and cells[1] == f"{rel:.1e}/1.0e-06"
+    assert SCHEMA["schema_version"] == 3
+    row = json.loads(json.dumps(report.to_json(), allow_nan=False))["rows"][0]["flax_float32"]
+    assert row["bound_rel_norm"] == 1e-6 and row["rule"] == "table"
+    assert row["bound_abs"] == pytest.approx(6e-6, rel=1e-12)
+
+
+# --- files get the mode a new file gets --------------------------------------------------------
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_written_files_get_the_umasks_mode(tmp_path, mask, mode):
+    import os
+
+    from golden.fixture import write_atomic
+
+    old = os.umask(mask)
+    try:
+        write_atomic(tmp_path / "f.bin", b"x")
+        rp.write_json(_report(), tmp_path / "r.json")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.bin").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "f.bin").read_bytes() == b"x" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_check_html_draws_the_output_of_a_function_without_weights(tmp_path):
+    from golden import check
+    from golden.runners.adapt import from_function
+
+    def sdpa(query, key, value):  # no return_weights: the runner's result has no "weights"
+        s = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
+        w = np.exp(s - s.max(-1, keepdims=True))
+        return w / w.sum(-1, keepdims=True) @ value
+
+    runner = from_function(sdpa, "numpy", name="mine")
+    assert check.main(["sdpa_plain"], impls=[runner], html_dir=tmp_path, log=lambda line: None,
+                      progress=False) == 0
+    page = (tmp_path / "index.html").read_text("utf-8")
+    assert ("No attention weights from mine  float32, mine  float64: the image shows their "
+            "output's |implementation − reference|.") in page
+    # two rows (reference weights, output difference): 5.6 in at 80 dpi; one row is 3.05 in
+    assert _png_size(tmp_path / "fixtures" / "sdpa_plain.png")[1] == round(5.6 * 80)
