@@ -6,16 +6,22 @@ parameter path, with a ``golden.mapping`` rule from the torch layout to the Flax
 
     torch float64       the reference: output, gradients of L = Σ output ⊙ dO for every
                         parameter and float input, outputs of the paired submodules (hooks)
-    torch float32       the same, shown as the same-precision baseline
+    torch float32       the same, shown as the same-precision baseline (or ``dtype``)
     Flax float32        one ``nnx.jit`` program: output, gradients (mapped back to the torch
                         layout through the rule's inverse), every submodule's ``__call__``
                         output (``nnx.capture(..., method_outputs=nnx.Intermediate)``)
 
 and judges the Flax float32 column against torch float64 with ``golden.tolerances.compare``.
+``dtype="bfloat16"`` or ``"float16"`` runs the baseline and the Flax module in that dtype and
+judges with ``golden.tolerances.compare_to_plain`` (the dtype's row, or at most 2x the torch
+baseline's error). Inputs go positionally (``inputs``) and by name (``keywords``: arrays,
+nested arrays, plain values, per-run factories); ``output`` selects the array judged from a
+tuple, dict, ``ModelOutput`` or dataclass, the same way in both frameworks.
 The verdict is on the output and the gradients; a paired submodule is a module owning a mapped
 parameter on each side (``golden.mapping.submodule``), and the first one in torch's execution
 order whose Flax output misses the float32 value tolerance is named as where the port diverges.
-Both modules run in eval mode; a module returning a tuple is judged on its first array.
+Both modules run in eval mode; by default a module returning a tuple is judged on its first
+array, one returning a dict or ModelOutput on its first value.
 
 ``freeze`` writes what was drawn and the float64 expectations as a port fixture (the container
 of ``golden.fixture``: a zip of ``.npy`` members, never pickled), and ``check_port`` checks a
@@ -32,6 +38,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,11 +52,15 @@ from golden.report import plain
 from golden.runners.adapt import SPEC, resolve_spec
 
 FORMAT = "attn-parity-port"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # 2: the paired submodules' inputs (meta "submodule_inputs", members submodule_inputs/<torch
-# path>), which locate a divergence between two submodules; version 1 files are still read,
-# and located by the submodules' outputs alone
-FORMAT_VERSIONS = (1, 2)
+# path>), which locate a divergence between two submodules
+# 3: the run's dtype, keyword inputs (meta "keywords", members keywords/<name>/...), the
+# keywords differentiated ("keyword_grads") and the output selection ("output"); versions 1
+# and 2 are still read, as float32 runs without keywords (version 1: located by the
+# submodules' outputs alone)
+FORMAT_VERSIONS = (1, 2, 3)
+RUN_DTYPES = ("float32", "bfloat16", "float16")  # what compare(dtype=...) runs the port in
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
 # 3: each comparison (a row's "torch_float32", "flax_float32") also states the bounds it was held
 #    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison)
@@ -182,20 +193,185 @@ def _terms(inputs: dict) -> int:
     return math.prod(next(iter(inputs.values())).shape[:-1])
 
 
-# ---------------------------------------------------------------- running the modules
+# ---------------------------------------------------------------- keyword inputs and outputs
+
+_PLAIN_TYPES = (type(None), bool, int, float, str)
 
 
-def _first_array(x):
-    """A module's output, or the first array of a tuple/list output."""
-    while isinstance(x, (tuple, list)):
-        x = x[0]
+def _is_shape(value) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) > 0
+            and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value))
+
+
+def _keywords(rng, keywords, inputs: dict) -> dict:
+    """{name: value} with every shape drawn N(0, 1) and every array copied (float arrays
+    rounded to float32, kept float64), through tuples, lists and dicts; None, bools, ints,
+    floats, strings and factories (callables) kept as they are."""
+    if keywords is None:
+        return {}
+    if not isinstance(keywords, dict) or not all(isinstance(n, str) for n in keywords):
+        raise ValueError(f"keywords should be a dict {{name: value}}, got {keywords!r}")
+    clash = [n for n in keywords if n in inputs]
+    if clash:
+        raise ValueError(f"keywords: {clash} are also positional inputs; name each once")
+    return {n: _prepared(rng, v, f"keywords[{n!r}]") for n, v in keywords.items()}
+
+
+def _prepared(rng, value, where):
+    if _is_shape(value):
+        return _draw(rng, tuple(value))
+    if isinstance(value, (np.ndarray, np.generic)):
+        a = np.array(value)  # a copy
+        if a.dtype.kind not in "biuf":
+            raise ValueError(f"{where} should hold numbers or bools, got dtype {a.dtype}")
+        return a.astype(np.float32).astype(np.float64) if a.dtype.kind == "f" else a
+    if isinstance(value, (tuple, list)):
+        return type(value)(_prepared(rng, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, dict):
+        return {k: _prepared(rng, v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, _PLAIN_TYPES) or callable(value):
+        return value
+    raise ValueError(f"{where} should be a shape, a NumPy array, a tuple/list/dict of those, "
+                     f"None, a bool, int, float or string, or a factory(framework, dtype); got "
+                     f"{type(value).__name__}")
+
+
+def _converted(value, framework: str, dtype: str):
+    """A prepared keyword value for one run: arrays as the framework's (floats in ``dtype``,
+    64-bit integers as JAX's integers without x64), factories called with (framework, dtype),
+    the rest as it is. ``framework`` is "torch" or "flax"."""
+    if isinstance(value, np.ndarray):
+        return (TORCH if framework == "torch" else JAX).array(value, dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_converted(v, framework, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _converted(v, framework, dtype) for k, v in value.items()}
+    if callable(value):
+        return value(framework, dtype)
+    return value
+
+
+def per_framework(*, torch=None, flax=None):
+    """A keyword factory with one value per framework. Each is a callable of the run's dtype
+    name ("float64", "float32", "bfloat16", "float16"), called once per run (a fresh cache
+    each run), or a value passed as it is; a framework left out gets None."""
+    return _PerFramework({"torch": torch, "flax": flax})
+
+
+@dataclass(frozen=True)
+class _PerFramework:
+    values: dict
+
+    def __call__(self, framework, dtype):
+        value = self.values[framework]
+        return value(dtype) if callable(value) else value
+
+    def __repr__(self):
+        return f"per_framework(torch={self.values['torch']!r}, flax={self.values['flax']!r})"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """How both modules are called and what is judged: keyword inputs (prepared by
+    ``_keywords``), the keywords whose arrays are differentiated, the output selection."""
+
+    keywords: dict = field(default_factory=dict)
+    grads: tuple = ()
+    output: object = None
+
+    def kwargs(self, framework, dtype) -> dict:
+        return {n: _converted(v, framework, dtype) for n, v in self.keywords.items()}
+
+    def select(self, out, framework):
+        """The array ``output`` selects from a module's output; ValueError when it is absent
+        or not an array."""
+        got = _selected(out, self.output, framework)
+        if not hasattr(got, "shape") or not hasattr(got, "dtype"):
+            raise ValueError(f"output: what {self.output!r} selects from the {framework} "
+                             f"module's output is a {type(got).__name__}, not an array")
+        return got
+
+
+_PLAIN_CALL = _Call()
+
+
+def _items(x):
+    """[(name or None, value)] of a structured output, or None for anything else."""
+    if isinstance(x, Mapping):  # dict, HF ModelOutput (an OrderedDict of its non-None fields)
+        return list(x.items())
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [(f.name, getattr(x, f.name)) for f in dataclasses.fields(x)]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return list(zip(x._fields, x))
+    if isinstance(x, (tuple, list)):
+        return [(None, v) for v in x]
+    return None
+
+
+def _first_array(x, sort_keys=False):
+    """A module's output, or the first array of a tuple/list, the first value of a dict,
+    ModelOutput or dataclass (recursively); None for an empty one. ``sort_keys``: a dict's
+    value of the smallest key instead, for submodule outputs: ``nnx.capture`` keeps a dict
+    with its keys sorted (a JAX pytree), so both frameworks read the same entry."""
+    while (items := _items(x)) is not None:
+        if not items:
+            return None
+        x = (min(items, key=lambda i: i[0]) if sort_keys and isinstance(x, Mapping)
+             else items[0])[1]
     return x
 
 
-def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cotangent) -> dict:
-    """Output, gradients (parameters and float inputs) and first-call outputs of the paired
-    torch submodules, in the order they ran. ``cotangent`` is dO, or a function of the output
-    shape that draws it (returned as "cotangent")."""
+def _selected(out, output, framework):
+    if output is None:
+        return _first_array(out)
+    if callable(output):
+        return output(out)
+    items = _items(out)
+    kind = type(out).__name__
+    if isinstance(output, int):
+        if items is None:
+            raise ValueError(f"output: index {output} given, but the {framework} module's "
+                             f"output is a {kind}, not a tuple, list, dict or dataclass")
+        if not -len(items) <= output < len(items):
+            raise ValueError(f"output: index {output} is out of range for the {framework} "
+                             f"module's output ({kind} of {len(items)} items)")
+        return items[output][1]
+    names = [n for n, _ in items or [] if n is not None]
+    if output not in names:
+        raise ValueError(f"output: the {framework} module's output ({kind}) has no {output!r}; "
+                         f"it has {names if names else 'no names'}")
+    return dict((n, v) for n, v in items if n is not None)[output]
+
+
+def _check_call(keywords: dict, keyword_grads, output) -> _Call:
+    grads = tuple(keyword_grads)
+    bad = [n for n in grads if not (isinstance(keywords.get(n), np.ndarray)
+                                    and keywords[n].dtype.kind == "f")]
+    if bad:
+        raise ValueError(f"keyword_grads should name keywords whose value is a float array or "
+                         f"a shape, got {bad} (keywords: {list(keywords)})")
+    if not (output is None or callable(output) or isinstance(output, str)
+            or (isinstance(output, int) and not isinstance(output, bool))):
+        raise ValueError(f"output should be None, an index, a name or a callable, got "
+                         f"{output!r}")
+    return _Call(keywords, grads, output)
+
+
+def _check_dtype(dtype) -> str:
+    if dtype not in RUN_DTYPES:
+        raise ValueError(f"dtype should be one of {', '.join(RUN_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+# ---------------------------------------------------------------- running the modules
+
+
+def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cotangent,
+               call: _Call = _PLAIN_CALL) -> dict:
+    """Output, gradients (parameters, float inputs and the keywords ``call`` differentiates)
+    and first-call outputs of the paired torch submodules, in the order they ran.
+    ``cotangent`` is dO, or a function of the output shape that draws it (returned as
+    "cotangent")."""
     import torch
 
     module = copy.deepcopy(module).to(TORCH.dtype(dtype)).eval()
@@ -204,10 +380,13 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
             p.copy_(TORCH.array(weights[k]))
             p.requires_grad_(True)  # a frozen parameter is compared like the others
     args = list(TORCH.leaves(inputs, dtype).values())
+    kwargs = call.kwargs("torch", dtype)
+    for n in call.grads:
+        kwargs[n].requires_grad_(True)
     captured, captured_in, hooks = {}, {}, []
     for path in dict.fromkeys(t for t, _ in pairs):
         def hook(_m, _in, out, path=path):
-            captured.setdefault(path, TORCH.numpy(_first_array(out)))
+            captured.setdefault(path, TORCH.numpy(_first_array(out, sort_keys=True)))
 
         def pre_hook(_m, args, kwargs, path=path):  # the first call's first array argument
             if path not in captured_in:
@@ -217,7 +396,7 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
         hooks += [sub.register_forward_pre_hook(pre_hook, with_kwargs=True),
                   sub.register_forward_hook(hook)]
     try:
-        out = _first_array(_call("torch", module, args, inputs))
+        out = call.select(_call("torch", module, args, inputs, kwargs), "torch")
     finally:
         for h in hooks:
             h.remove()
@@ -227,6 +406,8 @@ def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cot
              for k, p in module.named_parameters()}
     grads.update({f"input.{n}": TORCH.numpy(a.grad) for n, a in zip(inputs, args)
                   if a.requires_grad})
+    grads.update({f"input.{n}": TORCH.numpy(kwargs[n].grad) if kwargs[n].grad is not None
+                  else np.zeros(kwargs[n].shape) for n in call.grads})
     return {"output": TORCH.numpy(out), "grads": grads, "submodules": captured,
             "submodule_inputs": {p: a for p, a in captured_in.items() if a is not None},
             "cotangent": d_out}
@@ -239,15 +420,23 @@ def _first_tensor(torch, values):
     return first if first is not None and first.is_floating_point() else None
 
 
-def _call(framework, module, args, inputs):
-    """module(*args), a failure turned into a ValueError naming the inputs' shapes."""
+def _call(framework, module, args, inputs, kwargs=None):
+    """module(*args, **kwargs), a failure turned into a ValueError naming the inputs' shapes."""
     try:
-        return module(*args)
+        return module(*args, **(kwargs or {}))
+    except ValueError as e:
+        if str(e).startswith("output:"):  # the output selection's own message
+            raise
+        return _failed(framework, e, inputs)
     except Exception as e:
-        shapes = {n: tuple(a.shape) for n, a in inputs.items()}
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(f"inputs: the {framework} module failed on inputs {shapes}: "
-                         f"{type(e).__name__}: {first}") from e
+        return _failed(framework, e, inputs)
+
+
+def _failed(framework, e, inputs):
+    shapes = {n: tuple(a.shape) for n, a in inputs.items()}
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise ValueError(f"inputs: the {framework} module failed on inputs {shapes}: "
+                     f"{type(e).__name__}: {first}") from e
 
 
 def _built(factory, framework):
@@ -275,15 +464,15 @@ def _join(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _set_flax_params(model, table, weights) -> None:
-    """Every nnx.Param set to its torch weight through the rule, in float32."""
+def _set_flax_params(model, table, weights, dtype="float32") -> None:
+    """Every nnx.Param set to its torch weight through the rule, in ``dtype``."""
     from flax import nnx
 
     state = nnx.state(model, nnx.Param)
     source = {path: (key, rule) for key, (path, rule) in table.items()}
     for p, var in nnx.to_flat_state(state):
         key, rule = source[_join(p)]
-        var.set_value(JAX.array(rule.apply(weights[key]), "float32"))
+        var.set_value(JAX.array(rule.apply(weights[key]), dtype))
     nnx.update(model, state)
 
 
@@ -327,18 +516,21 @@ def _sowing_input(method):
     return wrapper
 
 
-def _run_flax(model, table, weights: dict, inputs: dict, d_out, pairs=()) -> dict:
+def _run_flax(model, table, weights: dict, inputs: dict, d_out, pairs=(),
+              call: _Call = _PLAIN_CALL, dtype: str = "float32") -> dict:
     """Output, gradients in torch names and layout, and every submodule's first __call__
     output and, for the paired ones, its first call's first array argument, from one nnx.jit
-    program in float32."""
-    import jax
+    program in ``dtype``. Keyword inputs are closed over (constants of the program), but for
+    the differentiated ones, which are arguments."""
     import jax.numpy as jnp
     from flax import nnx
 
-    _set_flax_params(model, table, weights)
+    _set_flax_params(model, table, weights, dtype)
     model.eval()
-    arrays = JAX.leaves(inputs, "float32")
-    floats = {n: a for n, a in arrays.items() if a.dtype == jnp.float32}
+    arrays = JAX.leaves(inputs, dtype)
+    kwargs = call.kwargs("flax", dtype)
+    floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+    floats.update({n: kwargs.pop(n) for n in call.grads})
     others = {n: a for n, a in arrays.items() if n not in floats}
 
     paired = {f for _, f in pairs}
@@ -347,11 +539,12 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out, pairs=()) -> dic
     def step(model, floats, others, d_out):
         def loss(model, floats):
             args = [{**others, **floats}[n] for n in arrays]
+            given = {**kwargs, **{n: floats[n] for n in call.grads}}
             subs = [m for p, m in nnx.iter_modules(model) if _join(p) in paired]
             with _sowing_call_inputs(subs):
                 out, inter = nnx.capture(model, nnx.Intermediate,
-                                         method_outputs=nnx.Intermediate)(*args)
-            out = _first_array(out)
+                                         method_outputs=nnx.Intermediate)(*args, **given)
+            out = call.select(out, "flax")
             return jnp.sum(out * d_out), (out, inter)
 
         argnums = (nnx.DiffState(0, nnx.Param), 1)
@@ -360,11 +553,11 @@ def _run_flax(model, table, weights: dict, inputs: dict, d_out, pairs=()) -> dic
         return out, g_model, g_in, inter
 
     out, g_model, g_in, inter = _call("Flax", step, (model, floats, others,
-                                                     JAX.array(d_out, "float32")), inputs)
+                                                     JAX.array(d_out, dtype)), inputs)
     g_flax = {_join(p): JAX.numpy(v.get_value()) for p, v in nnx.to_flat_state(g_model)}
     grads = {k: rule.inverse(g_flax[path], weights[k].shape) for k, (path, rule) in table.items()}
     grads.update({f"input.{n}": JAX.numpy(g) for n, g in g_in.items()})
-    sown = {name: {_join(p[:-1]): JAX.numpy(jax.tree.leaves(v.get_value()[0])[0])
+    sown = {name: {_join(p[:-1]): JAX.numpy(_first_array(v.get_value()[0], sort_keys=True))
                    for p, v in nnx.to_flat_state(inter) if p[-1] == name and len(p) > 1}
             for name in ("__call__", _CALL_INPUT)}
     return {"output": JAX.numpy(out), "grads": grads, "submodules": sown["__call__"],
@@ -405,7 +598,8 @@ class PortReport:
         each beside the bound it was held to (the elementwise check's at its deciding element,
         golden.tolerances.Comparison), then the verdict."""
         width = max(len(r["what"]) for r in self.rows) + 2
-        lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch float32':28}flax float32",
+        dtype = self.data.get("dtype", "float32")
+        lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch ' + dtype:28}flax {dtype}",
                  f"{'':{width + 24}}{'max|Δ|   rel‖Δ‖':28}"
                  f"{'max|Δ|':9}{'rel‖Δ‖/bound':17}|Δᵢ|/boundᵢ"]
         for r in self.rows:
@@ -437,6 +631,7 @@ class PortReport:
                       "diagnosis": self.diagnosis, "interval": self.interval,
                       "reference": self.reference,
                       "rows": self.rows, "notes": self.notes, "seed": self.data.get("seed"),
+                      "dtype": self.data.get("dtype", "float32"),
                       "mapping": self.data.get("mapping")})
 
 
@@ -456,16 +651,30 @@ def _cell(c, row=None, bounds=False) -> str:
             f"{verdict}")
 
 
+def _judged(got, e, baseline, dtype, kind, terms=1, zero=False):
+    """The Flax array against the float64 one: the float32 table at float32; at bfloat16 and
+    float16 the dtype's row of the table, or failing it at most 2x the torch baseline's error
+    at that dtype on the same inputs (``tolerances.compare_to_plain``; the table alone without
+    a baseline)."""
+    if dtype == "float32" or baseline is None:
+        return tolerances.compare(got, e, dtype, kind, terms=terms, zero=zero)
+    return tolerances.compare_to_plain(got, e, baseline, dtype, kind, terms, zero)
+
+
 def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs: list,
             terms: int, notes: list, data: dict) -> PortReport:
-    """Judge the Flax float32 run (and show torch float32's) against torch float64."""
+    """Judge the Flax run (and show torch's at the same dtype) against torch float64; the
+    columns keep the names torch_float32 and flax_float32 at every dtype (data["dtype"])."""
+    dtype = data.get("dtype", "float32")
+
     def row(what, key, kind, n, flax_path=None, rule=None, group=None):
         e = expected[group][key] if group else expected[key]
         got = [(r[group][key] if group else r[key]) if r is not None else None
                for r in (torch32, flax)]
         zero = group == "grads" and _zero(e, n)
-        cmp = [None if g is None else dataclasses.asdict(
-            tolerances.compare(g, e, "float32", kind, terms=n, zero=zero)) for g in got]
+        cmp = [None if got[0] is None else dataclasses.asdict(
+            tolerances.compare(got[0], e, dtype, kind, terms=n, zero=zero)),
+            dataclasses.asdict(_judged(got[1], e, got[0], dtype, kind, n, zero))]
         return {"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
                 "flax_path": flax_path, "rule": rule, "ok": cmp[1]["ok"]}
 
@@ -474,7 +683,7 @@ def _report(expected: dict, flax: dict, torch32: dict | None, table: dict, pairs
         rows.append(row(f"grad {key}", key, "grad", terms, path, str(rule), "grads"))
     for name in (k for k in expected["grads"] if k.startswith("input.")):
         rows.append(row(f"grad input {name[6:]}", name, "grad", 1, group="grads"))
-    sub_rows, steps = _submodule_rows(expected, flax, torch32, pairs, notes)
+    sub_rows, steps = _submodule_rows(expected, flax, torch32, pairs, notes, dtype)
     failing = [k for k, r in zip(table, rows[1:]) if not r["ok"]]
     ok = all(r["ok"] for r in rows)
     grads_failing = [r["what"] for r in rows[1:] if not r["ok"]]
@@ -494,7 +703,7 @@ def _zero(expected, terms) -> bool:
                               terms=terms, zero=True).ok
 
 
-def _submodule_rows(expected, flax, torch32, pairs, notes):
+def _submodule_rows(expected, flax, torch32, pairs, notes, dtype="float32"):
     """Rows for the paired submodules in torch's execution order (each one's input, when it is
     a float array both sides recorded, then its output), and per pair what was found:
     {"pair", "missing" (None, or the side that never called it), "input", "output"}: True (agrees),
@@ -526,9 +735,9 @@ def _submodule_rows(expected, flax, torch32, pairs, notes):
                 step[part] = False
                 continue
             base = None if torch32 is None else torch32.get(group, {}).get(t)
-            cmp = [None if g is None else dataclasses.asdict(
-                tolerances.compare(g.reshape(e.shape), e, "float32", "value"))
-                for g in (base, got)]
+            cmp = [None if base is None else dataclasses.asdict(
+                tolerances.compare(base.reshape(e.shape), e, dtype, "value")),
+                dataclasses.asdict(_judged(got.reshape(e.shape), e, base, dtype, "value"))]
             rows.append({"what": what, "torch_float32": cmp[0], "flax_float32": cmp[1],
                          "flax_path": f, "rule": None, "ok": cmp[1]["ok"]})
             step[part] = cmp[1]["ok"]
@@ -613,7 +822,8 @@ def _with_reference_steps(report, module, flax, table, pairs, terms) -> PortRepo
     torch code is the specification, float32 steps included); the note says whether the
     verdict would be the same against the promoted one."""
     d = report.data
-    run = (module, "float64", d["weights"], d["inputs"], pairs, d["cotangent"])
+    call = _Call(d.get("keywords", {}), tuple(d.get("keyword_grads", ())), d.get("output"))
+    run = (module, "float64", d["weights"], d["inputs"], pairs, d["cotangent"], call)
     import torch
 
     try:
@@ -632,7 +842,8 @@ def _with_reference_steps(report, module, flax, table, pairs, terms) -> PortRepo
     moves = {"output": tolerances.compare(kept["output"], e["output"], "float64").rel_norm}
     moves.update({f"grad {k}": tolerances.compare(kept["grads"][k], g, "float64").rel_norm
                   for k, g in e["grads"].items() if not _zero(g, terms)})
-    again = _report(kept, flax, None, table, pairs, terms, [], {})
+    again = _report(kept, flax, None, table, pairs, terms, [],
+                    {"dtype": d.get("dtype", "float32")})
     changed = [r["what"] for r, a in zip(report.rows, again.rows) if r["ok"] != a["ok"]]
     report.reference.update(moves=moves, verdict_changes=changed)
     worst = max((k for k in moves if k != "output"), key=moves.get, default=None)
@@ -720,31 +931,68 @@ def _KeepFloat64(torch):
 # ---------------------------------------------------------------- compare
 
 
-def compare(torch_factory, flax_factory, mapping, inputs, *, seed: int = 0,
+def compare(torch_factory, flax_factory, mapping, inputs, *, keywords: dict | None = None,
+            keyword_grads=(), output=None, dtype: str = "float32", seed: int = 0,
             cotangent_seed: int | None = None) -> PortReport:
-    """Draw weights and inputs, run torch float64 (reference) and float32, and the Flax module
-    jitted in float32; see the module docstring. ``mapping``: {torch key: flax path or (path,
-    rule)} or ``neutral(...)``; ``inputs``: {name: shape or array}, passed positionally."""
+    """Draw weights and inputs, run torch float64 (reference) and ``dtype`` (the baseline),
+    and the Flax module jitted in ``dtype``; see the module docstring and
+    docs/validating.md. ``mapping``: {torch key: flax path or (path, rule)} or
+    ``neutral(...)``; ``inputs``: {name: shape or array}, passed positionally, float ones
+    differentiated.
+
+    ``keywords``: {name: value} passed by name to both modules: a shape (drawn N(0, 1)), a
+    NumPy array (converted to each framework and run dtype), a tuple/list/dict of those
+    (converted leaf by leaf: ``position_embeddings=(cos, sin)``), None/bool/int/float/str (as
+    they are), or a factory ``f(framework, dtype)`` called once per run with framework
+    "torch" or "flax" and the run's dtype name (``per_framework(torch=..., flax=...)``). Only
+    the keywords named in ``keyword_grads`` (float arrays or shapes) are differentiated.
+
+    ``output`` selects the array judged from what each module returns: None (the output if
+    an array, else the first array of a tuple/list or the first value of a dict, ModelOutput
+    or dataclass), an index, a name (key or field), or a callable of the output.
+
+    ``dtype``: "float32", "bfloat16" or "float16". At a low dtype the weights and float
+    inputs are drawn on that dtype's grid (every run sees the same numbers) and the Flax
+    column passes where it meets the dtype's row of the tolerance table or is within 2x the
+    torch baseline's error at that dtype (``tolerances.compare_to_plain``)."""
+    dtype = _check_dtype(dtype)
     torch_model, flax_model = _built(torch_factory, "torch"), _built(flax_factory, "flax")
     torch_shapes = {k: tuple(p.shape) for k, p in torch_model.named_parameters()}
     table = _validated(mapping, torch_shapes, _flax_shapes(flax_model))
     pairs = _pairs(table)
     rng = np.random.default_rng(seed)
-    weights = _draw_weights(rng, torch_shapes)
-    arrays = _inputs(rng, inputs)
+    weights = _on_grid(_draw_weights(rng, torch_shapes), dtype)
+    arrays = _on_grid(_inputs(rng, inputs), dtype)
+    call = _check_call(_on_grid(_keywords(rng, keywords, arrays), dtype), keyword_grads, output)
     d_rng = rng if cotangent_seed is None else np.random.default_rng(cotangent_seed)
     expected = _run_torch(torch_model, "float64", weights, arrays, pairs,
-                          lambda shape: _draw(d_rng, shape))
+                          lambda shape: _on_grid(_draw(d_rng, shape), dtype), call)
     d_out = expected["cotangent"]
     order = list(expected["submodules"])  # the order torch's hooks fired in
     pairs.sort(key=lambda p: order.index(p[0]) if p[0] in order else len(order))
-    torch32 = _run_torch(torch_model, "float32", weights, arrays, pairs, d_out)
-    flax = _run_flax(flax_model, table, weights, arrays, d_out, pairs)
+    torch32 = _run_torch(torch_model, dtype, weights, arrays, pairs, d_out, call)
+    flax = _run_flax(flax_model, table, weights, arrays, d_out, pairs, call, dtype)
     data = {"seed": seed, "mapping": mapping_lib.to_json(table), "weights": weights,
             "inputs": arrays, "cotangent": d_out, "expected": expected, "pairs": pairs,
-            "torch_factory": None, "flax_factory": None}
+            "torch_factory": None, "flax_factory": None, "dtype": dtype,
+            "keywords": call.keywords, "keyword_grads": list(call.grads), "output": output}
     report = _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
     return _with_reference_steps(report, torch_model, flax, table, pairs, _terms(arrays))
+
+
+def _on_grid(value, dtype):
+    """Float arrays (through tuples, lists and dicts) rounded to ``dtype``, kept float64; at
+    float32 they already are (``_draw``, ``_inputs``)."""
+    if dtype == "float32":
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        with np.errstate(over="ignore"):  # a mask's float32 minimum is -inf in float16
+            return value.astype(JAX.dtype(dtype)).astype(np.float64)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_grid(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_grid(v, dtype) for k, v in value.items()}
+    return value
 
 
 # ---------------------------------------------------------------- port fixtures
@@ -777,7 +1025,16 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
     clash = [k for k in d["weights"] if k.startswith("input.")]
     if clash:
         raise ValueError(f"freeze: torch keys {clash} clash with the input gradients' names")
+    output = d.get("output")
+    if callable(output):
+        raise ValueError(f"freeze: output is a callable ({output!r}), which a port fixture "
+                         f"cannot hold; select the output by index or name to freeze it")
+    stored = {}
+    keywords = {n: _keyword_spec(v, f"keywords/{n}", stored, n)
+                for n, v in d.get("keywords", {}).items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "seed": d["seed"],
+            "dtype": d.get("dtype", "float32"), "keywords": keywords,
+            "keyword_grads": list(d.get("keyword_grads", [])), "output": output,
             "mapping": d["mapping"], "params": list(d["weights"]), "inputs": list(d["inputs"]),
             "torch_factory": torch_factory_spec or d.get("torch_factory"),
             "flax_factory": flax_factory_spec or d.get("flax_factory"),
@@ -788,6 +1045,7 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
                        **{f"inputs/{n}": list(a.shape) for n, a in d["inputs"].items()}}}
     members = {f"inputs/{n}": a.astype(np.float32) if a.dtype.kind == "f" else a
                for n, a in d["inputs"].items()}
+    members.update(stored)
     members.update({f"params/{k}": w for k, w in d["weights"].items()})
     members.update({"cotangents/output": d["cotangent"], "expected/output": expected["output"]})
     members.update({f"grads/{k}": g for k, g in expected["grads"].items()})
@@ -798,9 +1056,67 @@ def freeze(report: PortReport, path, *, torch_factory_spec: str | None = None,
     return Path(path)
 
 
+def _keyword_spec(value, member, stored, name):
+    """The JSON description of a keyword value, its arrays put in ``stored`` under member
+    names "keywords/<name>/<index or key>/..."; a factory is refused (ValueError)."""
+    if isinstance(value, np.ndarray):
+        stored[member] = value.astype(np.float32) if value.dtype.kind == "f" else value
+        return {"array": member}
+    if isinstance(value, (tuple, list)):
+        return {type(value).__name__: [_keyword_spec(v, f"{member}/{i}", stored, name)
+                                       for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str) or "/" in k or not k]
+        if bad:
+            raise ValueError(f"freeze: keywords[{name!r}] has dict keys {bad}; a port fixture "
+                             f"holds non-empty string keys without '/'")
+        return {"dict": {k: _keyword_spec(v, f"{member}/{k}", stored, name)
+                         for k, v in value.items()}}
+    if callable(value):
+        raise ValueError(f"freeze: keywords[{name!r}] holds a factory ({value!r}), which a "
+                         f"port fixture cannot hold; pass arrays (or a nested tuple/list/dict "
+                         f"of arrays), or keep checking this port with compare()")
+    return {"value": value}
+
+
+def _keyword_value(spec, members, fail, where):
+    """The keyword value a ``_keyword_spec`` describes, float arrays as float64."""
+    if not isinstance(spec, dict) or len(spec) != 1:
+        fail(f"meta.keywords: {where} should be one of {{array, tuple, list, dict, value}}, "
+             f"got {spec!r}")
+    (kind, body), = spec.items()
+    if kind == "array":
+        if body not in members:
+            fail(f"meta.keywords: {where} names the member {body!r}, which is absent")
+        a = members[body]
+        return a.astype(np.float64) if a.dtype.kind == "f" else a
+    if kind in ("tuple", "list") and isinstance(body, list):
+        items = [_keyword_value(v, members, fail, f"{where}[{i}]") for i, v in enumerate(body)]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict" and isinstance(body, dict):
+        return {k: _keyword_value(v, members, fail, f"{where}[{k!r}]") for k, v in body.items()}
+    if kind == "value" and isinstance(body, _PLAIN_TYPES):
+        return body
+    fail(f"meta.keywords: {where} should be one of {{array, tuple, list, dict, value}}, got "
+         f"{spec!r}")
+
+
+def _keyword_members(spec) -> list:
+    """The member names a keyword description refers to."""
+    (kind, body), = spec.items()
+    if kind == "array":
+        return [body]
+    if kind in ("tuple", "list"):
+        return [m for v in body for m in _keyword_members(v)]
+    if kind == "dict":
+        return [m for v in body.values() for m in _keyword_members(v)]
+    return []
+
+
 def load_port(path) -> dict:
-    """{"meta", "inputs", "params", "cotangent", "expected"} from a port fixture, validated;
-    ``golden.FixtureError`` naming the file and the problem. Never unpickles."""
+    """{"meta", "inputs", "keywords", "params", "cotangent", "expected"} from a port fixture,
+    validated; ``golden.FixtureError`` naming the file and the problem. Never unpickles.
+    A format-version-1 file (before dtypes and keywords) reads as float32 without keywords."""
     if not Path(path).is_file():
         raise FixtureError(f"{path}: no such port fixture")
     members = read_members(path)  # the fixtures' bounded reader: no allocation on trust
@@ -812,12 +1128,16 @@ def load_port(path) -> dict:
     groups = _port_groups(members, meta, fail)
     subs, grads = groups["submodules"], groups["grads"]  # in the orders meta gives
     order = meta["params"] + [f"input.{n}" for n in meta["inputs"] if f"input.{n}" in grads]
+    order += [f"input.{n}" for n in meta["keyword_grads"]]
     expected = {"output": members["expected/output"], "grads": {k: grads[k] for k in order},
                 "submodules": {t: subs[t] for t in dict.fromkeys(t for t, _ in meta["submodules"])}}
     if meta["format_version"] >= 2:  # version 1 stored no submodule inputs
         expected["submodule_inputs"] = {t: groups["submodule_inputs"][t]
                                         for t in meta["submodule_inputs"]}
+    keywords = {n: _keyword_value(spec, members, fail, f"keywords[{n!r}]")
+                for n, spec in meta["keywords"].items()}
     return {"meta": meta, "inputs": {n: groups["inputs"][n] for n in meta["inputs"]},
+            "keywords": keywords,
             "params": {k: groups["params"][k] for k in meta["params"]},
             "cotangent": members["cotangents/output"], "expected": expected}
 
@@ -835,9 +1155,18 @@ def _port_meta(members, fail) -> dict:
     if meta.get("format_version") not in FORMAT_VERSIONS:
         fail(f"meta.format_version should be one of {list(FORMAT_VERSIONS)} (this attn-parity "
              f"reads those), got {meta.get('format_version')!r}")
+    if meta["format_version"] < 3:  # before dtypes, keywords and output selection
+        meta.update(dtype="float32", keywords={}, keyword_grads=[], output=None)
+    if meta.get("dtype") not in RUN_DTYPES:
+        fail(f"meta.dtype should be one of {', '.join(RUN_DTYPES)}, got {meta.get('dtype')!r}")
+    output = meta.get("output")
+    if not (output is None or isinstance(output, str)
+            or (isinstance(output, int) and not isinstance(output, bool))):
+        fail(f"meta.output should be null, an index or a name, got {output!r}")
     since_2 = (("submodule_inputs", list),) if meta["format_version"] >= 2 else ()
     for key, kind in (("mapping", dict), ("params", list), ("inputs", list),
-                      ("submodules", list), ("shapes", dict), *since_2):
+                      ("submodules", list), ("shapes", dict), ("keywords", dict),
+                      ("keyword_grads", list), *since_2):
         if not isinstance(meta.get(key), kind):
             fail(f"meta.{key} should be a {kind.__name__}, got {meta.get(key)!r}")
     try:
@@ -846,6 +1175,10 @@ def _port_meta(members, fail) -> dict:
         fail(f"meta.mapping: {e}")
     if sorted(meta["params"]) != sorted(meta["mapping"]):
         fail(f"meta.params should list the mapping's keys, got {meta['params']}")
+    if not all(n in meta["keywords"] and "array" in meta["keywords"][n]
+               for n in meta["keyword_grads"]):
+        fail(f"meta.keyword_grads should name keywords holding an array, got "
+             f"{meta['keyword_grads']}")
     stray = [t for t in meta.get("submodule_inputs", []) if t not in
              [p[0] for p in meta["submodules"] if isinstance(p, list) and p]]
     if stray:
@@ -862,6 +1195,12 @@ def _port_groups(members, meta, fail) -> dict:
     required |= {f"inputs/{n}" for n in names} | {f"params/{k}" for k in keys}
     required |= {f"grads/{k}" for k in keys} | {f"grads/input.{n}" for n in floats}
     required |= {f"submodules/{t}" for t, _ in meta["submodules"]}
+    required |= {f"grads/input.{n}" for n in meta["keyword_grads"]}
+    try:
+        required |= {m for spec in meta["keywords"].values() for m in _keyword_members(spec)}
+    except (ValueError, AttributeError, TypeError):
+        fail(f"meta.keywords should map names to {{array, tuple, list, dict, value}} "
+             f"descriptions, got {meta['keywords']!r}")
     required |= {f"submodule_inputs/{t}" for t in meta.get("submodule_inputs", [])}
     missing, extra = sorted(required - set(members)), sorted(set(members) - required)
     if missing or extra:
@@ -873,13 +1212,15 @@ def _port_groups(members, meta, fail) -> dict:
         if list(got) != shape:
             fail(f"{name} has shape {got}, meta.shapes says {tuple(shape)}")
     groups = {g: {k.split("/", 1)[1]: v for k, v in members.items() if k.startswith(g + "/")}
-              for g in ("inputs", "params", "grads", "submodules", "submodule_inputs")}
+              for g in ("inputs", "params", "grads", "submodules", "submodule_inputs",
+                        "keywords")}
     _check_port_arrays(members, groups, fail)
     return groups
 
 
 def _check_port_arrays(members, groups, fail) -> None:
-    sources = {**groups["params"], **{f"input.{n}": a for n, a in groups["inputs"].items()}}
+    sources = {**groups["params"], **{f"input.{n}": a for n, a in groups["inputs"].items()},
+               **{f"input.{n}": a for n, a in groups["keywords"].items()}}
     for n, g in groups["grads"].items():
         if g.shape != sources[n].shape:
             fail(f"grads/{n} has shape {g.shape}, the array it differentiates {sources[n].shape}")
@@ -897,8 +1238,9 @@ def _check_port_arrays(members, groups, fail) -> None:
 
 def check_port(path, flax_factory=None, torch_factory=None) -> PortReport:
     """Check a Flax module against a port fixture: its stored weights through its stored mapping,
-    jitted float32, against the stored float64 expectations. The factories default to the specs
-    in the file; torch float32 is the baseline column when a torch factory resolves (pass
+    jitted in the stored dtype with the stored keywords and output selection, against the
+    stored float64 expectations. The factories default to the specs in the file; torch at the
+    stored dtype is the baseline column when a torch factory resolves (pass
     ``torch_factory=False`` to leave it out)."""
     port, notes = load_port(path), []
     meta = port["meta"]
@@ -919,15 +1261,20 @@ def check_port(path, flax_factory=None, torch_factory=None) -> PortReport:
     pairs = [tuple(p) for p in meta["submodules"]]
     inputs = {n: a.astype(np.float64) if a.dtype.kind == "f" else a
               for n, a in port["inputs"].items()}
-    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"], pairs)
+    dtype = meta["dtype"]
+    call = _Call(port["keywords"], tuple(meta["keyword_grads"]), meta["output"])
+    flax = _run_flax(flax_model, table, port["params"], inputs, port["cotangent"], pairs, call,
+                     dtype)
     torch32 = None
     if torch_factory is not None:
-        torch32 = _run_torch(_built(torch_factory, "torch"), "float32", port["params"], inputs,
-                             pairs, port["cotangent"])
+        torch32 = _run_torch(_built(torch_factory, "torch"), dtype, port["params"], inputs,
+                             pairs, port["cotangent"], call)
     data = {"seed": meta.get("seed"), "mapping": meta["mapping"], "weights": port["params"],
             "inputs": inputs, "cotangent": port["cotangent"], "expected": port["expected"],
             "pairs": pairs, "torch_factory": meta.get("torch_factory"),
-            "flax_factory": meta.get("flax_factory")}
+            "flax_factory": meta.get("flax_factory"), "dtype": dtype,
+            "keywords": port["keywords"], "keyword_grads": list(meta["keyword_grads"]),
+            "output": meta["output"]}
     return _report(port["expected"], flax, torch32, table, pairs, _terms(inputs), notes, data)
 
 
@@ -944,6 +1291,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--input", metavar="NAME=D1,D2,...", action="append", default=[],
                         help="an input and its shape, in call order (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn weights and inputs")
+    parser.add_argument("--dtype", choices=RUN_DTYPES, default="float32",
+                        help="run the Flax module and the torch baseline in this dtype (torch "
+                             "float64 stays the reference; default float32)")
+    parser.add_argument("--output", metavar="INDEX_OR_NAME",
+                        help="the array to judge in what the modules return: an index or a name "
+                             "(key or field); default the output, or its first array")
     parser.add_argument("--freeze", metavar="FILE", help="write what was drawn as a port fixture")
     parser.add_argument("--fixture", metavar="FILE",
                         help="check the Flax module against a frozen port fixture instead")
@@ -984,14 +1337,22 @@ def _cli_report(args) -> PortReport:
     if no_torch and args.torch:
         raise ValueError(f"--no-torch leaves torch out, got --torch {args.torch!r} as well")
     if args.fixture:
+        given = [o for o, v in (("--dtype", args.dtype != "float32"), ("--output", args.output))
+                 if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: a port fixture records its own; leave them "
+                             f"out with --fixture")
         return check_port(args.fixture, args.flax and resolve_spec(args.flax),
                           False if no_torch else args.torch and resolve_spec(args.torch))
     absent = [o for o, v in (("--torch", args.torch), ("--flax", args.flax),
                              ("--mapping", args.mapping), ("--input", args.input)) if not v]
     if absent:
         raise ValueError(f"compare needs {', '.join(absent)} (or --fixture FILE)")
+    output = args.output
+    if output is not None and output.lstrip("-").isdigit():
+        output = int(output)
     return compare(_factory(args.torch), _factory(args.flax), _cli_mapping(args.mapping),
-                   _cli_inputs(args.input), seed=args.seed)
+                   _cli_inputs(args.input), seed=args.seed, dtype=args.dtype, output=output)
 
 
 def _factory(spec):

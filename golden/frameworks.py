@@ -110,6 +110,7 @@ class _Jax(Adapter):
     def array(self, a, dtype=None):
         a = np.asarray(a)
         a = a.astype(self.dtype(dtype)) if dtype is not None and a.dtype.kind == "f" else a
+        a = _narrowed(a) if a.dtype.kind in "iu" and a.dtype.itemsize == 8 else a
         # device_put compiles nothing (jnp.asarray compiles a ``stage`` per new shape in jax
         # 0.10); it makes float64 float32 outside float64(), as jnp.asarray does.
         return importlib.import_module("jax").device_put(a)
@@ -119,6 +120,21 @@ class _Jax(Adapter):
 
     def float64(self, on=True):
         return importlib.import_module("jax").enable_x64(on)
+
+
+def _narrowed(a):
+    """A 64-bit integer array as the integers JAX computes in: int32 (uint32) without x64,
+    converted here so that JAX does not warn of a truncation; ValueError naming the range when
+    the values do not fit. Under x64 (``float64()``) it stays 64-bit."""
+    target = np.dtype(importlib.import_module("jax").dtypes.canonicalize_dtype(a.dtype))
+    if target == a.dtype:
+        return a
+    info = np.iinfo(target)
+    if a.size and (a.min() < info.min or a.max() > info.max):
+        raise ValueError(f"a {a.dtype} array with values in [{a.min()}, {a.max()}] does not fit "
+                         f"{target}, which JAX uses without x64; enable x64 "
+                         f"(jax.config.update('jax_enable_x64', True)) or pass smaller integers")
+    return a.astype(target)
 
 
 ADAPTERS = {a.name: a for a in (Adapter(), _Torch(), _Jax())}

@@ -134,7 +134,7 @@ def test_locate_walks_pairs_in_order():
 def test_port_fixture_stores_submodule_inputs_and_reads_version_1(faithful, tmp_path):
     path = C.freeze(faithful, tmp_path / "block.npz")
     port = C.load_port(path)
-    assert port["meta"]["format_version"] == 2
+    assert port["meta"]["format_version"] == 3  # 3: dtype and keywords besides
     assert list(port["expected"]["submodule_inputs"]) == [
         "q_proj", "q_norm", "k_proj", "k_norm", "v_proj", "o_proj", "ln_2", "mlp.gate",
         "mlp.up", "mlp.down"]
@@ -158,8 +158,8 @@ def test_port_fixture_stores_submodule_inputs_and_reads_version_1(faithful, tmp_
     assert report.suspects == ["o_proj.weight -> o_proj.kernel (rule T)"]  # outputs alone
     assert any("format version 1" in n for n in report.notes)
 
-    for version, message in ((3, r"meta.format_version should be one of \[1, 2\] \(this "
-                                 r"attn-parity reads those\), got 3"),):
+    for version, message in ((4, r"meta.format_version should be one of \[1, 2, 3\] \(this "
+                                 r"attn-parity reads those\), got 4"),):
         bad = tmp_path / f"version{version}.npz"
         golden.fixture.write_atomic(bad, golden.fixture.to_bytes(C._PortFile(
             {**meta, "format_version": version}, members)))
