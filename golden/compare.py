@@ -815,7 +815,7 @@ _NO_ARITHMETIC = {"detach", "alias", "view", "_unsafe_view", "expand", "t", "tra
                   "permute", "clone", "lift_fresh"}  # not listed as float32 steps
 
 
-def _with_reference_steps(report, module, flax, table, pairs, terms) -> PortReport:
+def _with_reference_steps(report, module, flax, torch32, table, pairs, terms) -> PortReport:
     """``report`` with ``reference`` (and a note) saying which ops of the torch float64
     reference ran in float32 or lower, in which module, and how far keeping them in float64
     moves the output and gradients. The verdict stays with the reference as run (the user's
@@ -842,17 +842,18 @@ def _with_reference_steps(report, module, flax, table, pairs, terms) -> PortRepo
     moves = {"output": tolerances.compare(kept["output"], e["output"], "float64").rel_norm}
     moves.update({f"grad {k}": tolerances.compare(kept["grads"][k], g, "float64").rel_norm
                   for k, g in e["grads"].items() if not _zero(g, terms)})
-    again = _report(kept, flax, None, table, pairs, terms, [],
-                    {"dtype": d.get("dtype", "float32")})
+    dtype = d.get("dtype", "float32")
+    again = _report(kept, flax, torch32, table, pairs, terms, [], {"dtype": dtype})
     changed = [r["what"] for r, a in zip(report.rows, again.rows) if r["ok"] != a["ok"]]
     report.reference.update(moves=moves, verdict_changes=changed)
     worst = max((k for k in moves if k != "output"), key=moves.get, default=None)
     where = ", ".join(f"{path or 'the top-level module'} ({', '.join(ops)})"
                       for path, ops in steps.items())
-    value, grad = (tolerances.TOLERANCES["float32", k].rel_norm for k in ("value", "grad"))
+    value, grad = (tolerances.TOLERANCES[dtype, k].rel_norm for k in ("value", "grad"))
     report.notes.append(
         f"float32 steps in the torch float64 reference: {where}; kept in float64, the output "
-        f"moves by {moves['output']:.1e} (relative error norm; the float32 bound is {value:.0e})"
+        f"moves by {moves['output']:.1e} (relative error norm; the {dtype} table's bound is "
+        f"{value:.0e})"
         + (f", the gradients by up to {moves[worst]:.1e} ({worst}; bound {grad:.0e})"
            if worst else "")
         + (f": the verdict on {', '.join(changed)} differs against the promoted reference "
@@ -977,7 +978,8 @@ def compare(torch_factory, flax_factory, mapping, inputs, *, keywords: dict | No
             "torch_factory": None, "flax_factory": None, "dtype": dtype,
             "keywords": call.keywords, "keyword_grads": list(call.grads), "output": output}
     report = _report(expected, flax, torch32, table, pairs, _terms(arrays), [], data)
-    return _with_reference_steps(report, torch_model, flax, table, pairs, _terms(arrays))
+    return _with_reference_steps(report, torch_model, flax, torch32, table, pairs,
+                                 _terms(arrays))
 
 
 def _on_grid(value, dtype):
