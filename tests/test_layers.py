@@ -25,7 +25,8 @@ BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "gol
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
        "golden.runners.adapt", "golden.report", "golden.compare", "golden.training",
-       "golden.frameworks", "golden.hf_check"}
+       "golden.frameworks", "golden.hf_check", "golden.runners.recipes", "golden.listing",
+       "golden.testing"}
 THIRD_PARTY = {"bottom": {"numpy"}, "torch_attn": {"numpy", "torch"},
                "jax_attn": {"numpy", "jax", "flax"}}
 
