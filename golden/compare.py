@@ -63,7 +63,10 @@ FORMAT_VERSIONS = (1, 2, 3)
 RUN_DTYPES = ("float32", "bfloat16", "float16")  # what compare(dtype=...) runs the port in
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
 # 3: each comparison (a row's "torch_float32", "flax_float32") also states the bounds it was held
-#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison)
+#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison); the
+#    report gains "diagnosis", "interval" (where the port parts from the reference), "reference"
+#    (the float32 steps inside the torch float64 reference and how far they move it) and "dtype";
+#    rows "input of A ~ B" compare a paired submodule's input
 SCHEMA = {"schema": "attn-parity-compare", "schema_version": 3}
 
 
