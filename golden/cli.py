@@ -54,7 +54,8 @@ def _fixtures_parser(sub):
     return listing
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command's parser (``bench`` takes its own options: golden.bench)."""
     parser = argparse.ArgumentParser(prog="attn-parity", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _check_parser(sub)
@@ -74,13 +75,18 @@ def main(argv=None) -> int:
     hf_arguments(hf)
     sub.add_parser("bench", add_help=False,
                    help="time attention against the peers (attn-parity bench --help)")
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser_ = parser()
+    args, rest = parser_.parse_known_args(argv)
     if args.command == "bench":
         from golden.bench import main as bench_main
 
         return bench_main(rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        parser_.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "check":
         return _check(args, argv)
     if args.command == "fixtures":

@@ -63,7 +63,10 @@ FORMAT_VERSIONS = (1, 2, 3)
 RUN_DTYPES = ("float32", "bfloat16", "float16")  # what compare(dtype=...) runs the port in
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
 # 3: each comparison (a row's "torch_float32", "flax_float32") also states the bounds it was held
-#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison)
+#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison); the
+#    report gains "diagnosis", "interval" (where the port parts from the reference), "reference"
+#    (the float32 steps inside the torch float64 reference and how far they move it) and "dtype";
+#    rows "input of A ~ B" compare a paired submodule's input
 SCHEMA = {"schema": "attn-parity-compare", "schema_version": 3}
 
 
@@ -1292,6 +1295,12 @@ def add_arguments(parser) -> None:
                              "a dict")
     parser.add_argument("--input", metavar="NAME=D1,D2,...", action="append", default=[],
                         help="an input and its shape, in call order (repeatable)")
+    parser.add_argument("--keywords", metavar="SPEC",
+                        help="pkg.mod:NAME of a dict {name: value} passed to both modules by name "
+                             "(shapes, arrays, nested arrays, plain values, factories: the "
+                             "keywords= of golden.compare.compare)")
+    parser.add_argument("--keyword-grad", metavar="NAME", action="append", default=[],
+                        help="a keyword whose gradient is compared too (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn weights and inputs")
     parser.add_argument("--dtype", choices=RUN_DTYPES, default="float32",
                         help="run the Flax module and the torch baseline in this dtype (torch "
@@ -1339,7 +1348,9 @@ def _cli_report(args) -> PortReport:
     if no_torch and args.torch:
         raise ValueError(f"--no-torch leaves torch out, got --torch {args.torch!r} as well")
     if args.fixture:
-        given = [o for o, v in (("--dtype", args.dtype != "float32"), ("--output", args.output))
+        given = [o for o, v in (("--dtype", args.dtype != "float32"), ("--output", args.output),
+                                ("--keywords", getattr(args, "keywords", None)),
+                                ("--keyword-grad", getattr(args, "keyword_grad", None)))
                  if v]
         if given:
             raise ValueError(f"{', '.join(given)}: a port fixture records its own; leave them "
@@ -1354,7 +1365,20 @@ def _cli_report(args) -> PortReport:
     if output is not None and output.lstrip("-").isdigit():
         output = int(output)
     return compare(_factory(args.torch), _factory(args.flax), _cli_mapping(args.mapping),
-                   _cli_inputs(args.input), seed=args.seed, dtype=args.dtype, output=output)
+                   _cli_inputs(args.input), seed=args.seed, dtype=args.dtype, output=output,
+                   keywords=_cli_keywords(getattr(args, "keywords", None)),
+                   keyword_grads=tuple(getattr(args, "keyword_grad", None) or ()))
+
+
+def _cli_keywords(spec):
+    """The dict named by ``--keywords pkg.mod:NAME`` (None when not given)."""
+    if spec is None:
+        return None
+    table = resolve_spec(spec)
+    if not isinstance(table, dict):
+        raise ValueError(f"--keywords {spec!r} should name a dict {{name: value}}, got "
+                         f"{type(table).__name__}")
+    return table
 
 
 def _factory(spec):

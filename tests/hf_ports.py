@@ -213,3 +213,13 @@ def make_flax_qwen3_attention(bug=None):
 QWEN3_MAPPING = {**{f"{p}.weight": (f"{p}.kernel", "T")  # nn.Linear keeps (out, in)
                     for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
                  "q_norm.weight": "q_norm.scale", "k_norm.weight": "k_norm.scale"}
+
+
+# For the command line (``attn-parity compare --keywords tests.hf_ports:GPT2_KEYWORDS``): the
+# causal mask GPT2Model hands its blocks, for inputs of 7 tokens.
+GPT2_KEYWORDS = {"attention_mask": causal_mask(7)}
+
+
+def make_flax_gpt2_block_mask_ignored():
+    """The port with its planted bug "mask_ignored", named for the command line."""
+    return make_flax_gpt2_block("mask_ignored")

@@ -485,3 +485,27 @@ def test_cli_dtype_and_output(tmp_path):
     code, out = _cli(*PAIR, "--output", "0")
     assert code == 2 and out.endswith("output: index 0 given, but the torch module's output is "
                                       "a Tensor, not a tuple, list, dict or dataclass")
+
+
+GPT2_CLI = ("--torch", "tests.hf_ports:make_gpt2_block", "--flax",
+            "tests.hf_ports:make_flax_gpt2_block", "--mapping", "tests.hf_ports:GPT2_MAPPING",
+            "--input", f"hidden_states={B},{L},{H.GPT2_D}")
+
+
+def test_cli_keywords_reach_both_modules():
+    """``--keywords`` names a dict of keyword inputs: GPT-2's block passes with its causal mask
+    and fails without it (the Flax port applies the mask it is given; HF's eager block is not
+    causal without one, and the port's planted ``mask_ignored`` shows what the mask changes)."""
+    code, out = _cli(*GPT2_CLI, "--keywords", "tests.hf_ports:GPT2_KEYWORDS")
+    assert code == 0, out
+    code, out = _cli(*GPT2_CLI[:2], "--flax", "tests.hf_ports:make_flax_gpt2_block_mask_ignored",
+                     *GPT2_CLI[4:], "--keywords", "tests.hf_ports:GPT2_KEYWORDS")
+    assert code == 1 and out.splitlines()[-1].startswith("FAIL: output"), out
+    code, out = _cli(*GPT2_CLI, "--keywords", "tests.hf_ports:GPT2_KEYWORDS",
+                     "--keyword-grad", "nothing")
+    assert code == 2 and out.startswith("attn-parity compare: error: keyword_grads should name "
+                                        "keywords"), out
+    code, out = _cli(*GPT2_CLI, "--keywords", "tests.hf_ports:GPT2_D")
+    assert code == 2 and out == ("attn-parity compare: error: --keywords "
+                                 "'tests.hf_ports:GPT2_D' should name a dict {name: value}, "
+                                 "got int")

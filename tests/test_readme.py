@@ -55,3 +55,34 @@ def test_block_runs(page, block):
     done = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+
+
+def _commands():
+    """(page, line) for every ``attn-parity`` command of the pages' bash blocks, continuation
+    lines joined and comments dropped."""
+    out = []
+    for page in PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #")[0].strip()
+                if line.startswith("attn-parity "):
+                    out.append((page.name, line))
+    return out
+
+
+def test_documented_commands_parse():
+    """Every ``attn-parity`` command shown in a bash block is accepted by the command's parser
+    (options and choices as documented; not run: they write files and take minutes). ``bench``
+    parses its own options when it runs and is left out."""
+    import shlex
+
+    from golden.cli import parser
+
+    commands = [(page, line) for page, line in _commands()
+                if shlex.split(line)[1:2] != ["bench"]]
+    assert len(commands) >= 20
+    for page, line in commands:
+        try:
+            parser().parse_args(shlex.split(line)[1:])
+        except SystemExit:
+            pytest.fail(f"{page}: the documented command does not parse: {line}")
