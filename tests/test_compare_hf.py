@@ -8,7 +8,6 @@ Nkv = 2, Dh = 6 for Qwen3).
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
 
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from golden import compare as C
 from golden.frameworks import JAX
 from tests import hf_ports as H
 from tests import port_pair as P
+from tests.test_compare import _rewrite
 
 B, L = 2, 7
 X = {"hidden_states": (B, L, H.D)}  # Qwen3
@@ -409,15 +409,6 @@ def test_freeze_refuses_factories_and_callable_outputs(tmp_path):
     with pytest.raises(ValueError, match=r"^freeze: output is a callable"):
         C.freeze(report, tmp_path / "g.npz")
     assert not (tmp_path / "f.npz").exists() and not (tmp_path / "g.npz").exists()
-
-
-def _rewrite(path, out, change):
-    with np.load(path, allow_pickle=False) as z:
-        members = {k: z[k] for k in z.files}
-    meta = json.loads(str(members.pop("meta")[()]))
-    change(meta, members)
-    golden.fixture.write_atomic(out, golden.fixture.to_bytes(C._PortFile(meta, members)))
-    return out
 
 
 def test_versions_1_and_2_still_read_and_unknown_versions_are_refused(tmp_path):
