@@ -88,6 +88,9 @@ def pallas_refuses(asked) -> str | None:
         return f"the Pallas flash kernel takes no {', '.join(given)}: only is_causal and scale"
     if asked.platform == "tpu":
         return "the TPU kernel (pallas.ops.tpu.flash_attention) is not wired in yet"
+    if asked.dtype == "float64":
+        return ("the Pallas flash kernel accumulates in float32 (its loop carries float32 even "
+                "in interpret mode): float64 needs 'explicit' or 'blockwise'")
     if asked.platform == "gpu" and asked.dtype not in HALF:
         return (f"on a GPU the Pallas kernel's dots run float32 at TF32, not precision HIGHEST: "
                 f"it takes float16 or bfloat16 there, got {asked.dtype or '?'}")

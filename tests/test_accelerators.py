@@ -49,18 +49,21 @@ def _mapped(query, key, value, *, mask=None, bias=None, is_causal=False, scale=N
 def _rows(runner_name):
     runner = {"mapped": from_function(_mapped, "jax", name="cudnn mapping (XLA)"),
               "pallas": from_function(_pallas, "jax", name="pallas (interpret)")}[runner_name]
-    report = check.run(DKV, impls=[runner], dtypes=["float32"])
-    return {r["fixture"]: r for r in report["rows"]}
+    report = check.run(DKV, impls=[runner], dtypes=["float32", "bfloat16"])
+    return {(r["fixture"], r["dtype"]): r for r in report["rows"]}
 
 
 def test_the_cudnn_mapping_passes_every_dkv_fixture_it_can_express():
     """Every Dk = Dv fixture but soft-capping (no such argument) passes at float32, gradients
     included; the fully masked rows and the padded query rows too (zeroed after the kernel,
-    where jax.nn alone averages the values: tests/test_recipes.py)."""
+    where jax.nn alone averages the values: tests/test_recipes.py); and the two bfloat16
+    fixtures, the bias added in bfloat16 as cuDNN adds it."""
     rows = _rows("mapped")
-    assert {n: r["status"] for n, r in rows.items()} == {
-        n: "not supported" if n == "sdpa_dkv_softcap" else "pass" for n in DKV}
-    assert "does not take softcap" in rows["sdpa_dkv_softcap"]["reason"]
+    assert {k: r["status"] for k, r in rows.items()} == {
+        (n, d): "not supported" if n == "sdpa_dkv_softcap" else "pass"
+        for n in DKV for d in ("float32", "bfloat16") if d in golden.load(n).dtypes}
+    assert sum(d == "bfloat16" for _, d in rows) == 2
+    assert "does not take softcap" in rows["sdpa_dkv_softcap", "float32"]["reason"]
 
 
 def _gpu_asked(name, dtype="bfloat16"):
@@ -106,15 +109,16 @@ def test_pallas_in_interpret_mode_passes_the_fixtures_it_takes():
     rows = _rows("pallas")
     taken = {"sdpa_dkv_plain", "sdpa_dkv_causal_square", "sdpa_dkv_causal_rect",
              "sdpa_dkv_gqa_causal_scale"}  # no mask, bias, window, lengths or soft-cap
-    assert {n: r["status"] for n, r in rows.items()} == {
-        n: "pass" if n in taken else "not supported" for n in DKV}
-    assert rows["sdpa_dkv_plain"]["core"] == "pallas"
-    assert "takes no mask" in rows["sdpa_dkv_mask_bias"]["reason"]
+    assert {k: r["status"] for k, r in rows.items()} == {
+        (n, d): "pass" if n in taken else "not supported"
+        for n in DKV for d in ("float32", "bfloat16") if d in golden.load(n).dtypes}
+    assert rows["sdpa_dkv_plain", "float32"]["core"] == "pallas"
+    assert "takes no mask" in rows["sdpa_dkv_mask_bias", "float32"]["reason"]
 
 
 def test_pallas_runs_past_one_block_and_records_its_name():
-    """Lengths of two 128-row blocks, causal, GQA (H=4, Hkv=2), bfloat16: the kernel's online
-    softmax across blocks against the core's "explicit" (both from the same inputs)."""
+    """Lengths of two 128-row blocks, causal, GQA (H=4, Hkv=2): the kernel's online
+    softmax across blocks against the core's "explicit" on the same float32 inputs."""
     keys = jax.random.split(jax.random.key(7), 3)
     q = jax.random.normal(keys[0], (1, 4, 256, 16), jnp.float32)
     k, v = (jax.random.normal(x, (1, 2, 256, 16), jnp.float32) for x in keys[1:])
@@ -167,6 +171,7 @@ def test_cudnn_takes(change):
     ({"lengths": (200, 256)}, "each length ≤ 128 or a multiple of 128, got Lq, Lk = (200, 256)"),
     ({"lengths": (256, 128), "causal": True}, "Lq > Lk"),
     ({"platform": "tpu"}, "not wired in yet"),
+    ({"platform": "cpu", "dtype": "float64"}, "float64 needs 'explicit' or 'blockwise'"),
     ({"widths": (64, 32)}, "needs value width = key width"),
 ])
 def test_pallas_refusals(change, reason):
