@@ -61,17 +61,32 @@ def cudnn_refuses(asked) -> str | None:
         return f"cuDNN runs on an NVIDIA GPU, and this call runs on {asked.platform or '?'}"
     if asked.dtype not in HALF:
         return f"cuDNN's flash attention takes float16 or bfloat16, got {asked.dtype or '?'}"
-    width = asked.widths[0] if asked.widths else None
-    if width is not None and (width % 8 or width > 256):
-        return f"cuDNN needs a head width that is a multiple of 8 and at most 256, got {width}"
-    left, right = asked.window
-    if right not in (None, 0) and not asked.causal:
+    width, widest = (asked.widths[0] if asked.widths else None), cuda_head_max()
+    if widest is None:
+        return "cuDNN needs a CUDA GPU, and this GPU reports no compute capability"
+    if width is not None and (width % 8 or width > widest):
+        return (f"cuDNN needs a head width that is a multiple of 8 and at most {widest} (256 "
+                f"from compute capability 9.0 on, else 128), got {width}")
+    if asked.window != (None, None) and not (asked.causal or asked.window[1] == 0):
         return (f"cuDNN's sliding window has no right side (jax maps only (left, 0) or a "
-                f"causal window), got local_window_size right={right} without is_causal")
-    if asked.bias and asked.lengths and any(n % 2 for n in asked.lengths):
-        return (f"cuDNN's backward with a bias needs even lengths (and JAX cannot tell at the "
-                f"call whether it will be differentiated), got Lq, Lk = {asked.lengths}")
+                f"causal window), got local_window_size {asked.window} without is_causal")
+    if (asked.bias or asked.mask) and asked.lengths and any(n % 2 for n in asked.lengths):
+        return (f"cuDNN's backward with a bias (a mask becomes one) needs even lengths, and JAX "
+                f"cannot tell at the call whether it will be differentiated: got Lq, Lk = "
+                f"{asked.lengths}")
     return None
+
+
+def cuda_head_max() -> int | None:
+    """The widest head cuDNN's flash attention takes on this machine's first GPU (jax's
+    check_is_flash_attention: 256 from compute capability 9.0, Hopper, on, else 128); None
+    when no GPU reports a compute capability (no CUDA GPU). Asked only on a GPU call."""
+    try:
+        capability = jax.devices("gpu")[0].compute_capability
+        major = int(str(capability).split(".")[0])
+    except (RuntimeError, IndexError, AttributeError, ValueError):
+        return None
+    return 256 if major >= 9 else 128
 
 
 def pallas_refuses(asked) -> str | None:

@@ -20,7 +20,8 @@ import pytest
 
 import golden
 import jax_attn
-from golden import check, variants
+from golden import check, regenerate, variants
+from golden.cases import Case
 from golden.implementations import Asked, record
 from golden.runners.adapt import NotSupported, from_function
 from golden.validate import window
@@ -67,8 +68,8 @@ def test_the_cudnn_mapping_passes_every_dkv_fixture_it_can_express():
 
 
 def _gpu_asked(name, dtype="bfloat16"):
-    """The Asked of fixture ``name`` as a GPU call at ``dtype`` would make it."""
-    f = golden.load(name)
+    """The Asked of fixture ``name`` (or a Fixture) as a GPU call at ``dtype`` would make it."""
+    f = golden.load(name) if isinstance(name, str) else name
     q, k, v = (f.inputs[n] for n in ("query", "key", "value"))
     c = f.config
     return functional._asked(
@@ -80,15 +81,100 @@ def _gpu_asked(name, dtype="bfloat16"):
         distance_bias=None)._replace(platform="gpu", dtype=dtype)
 
 
-def test_which_dkv_fixtures_cudnn_would_take_on_a_gpu():
-    """cuDNN's head width (a multiple of 8) leaves the D = 8 and 16 fixtures; of those, the
-    causal bias rows at odd lengths are refused (its backward with a bias needs even ones)."""
-    taken = {n for n in DKV if accelerators.cudnn_refuses(_gpu_asked(n)) is None}
-    assert taken == {"sdpa_dkv_low_precision"}
+def test_which_dkv_fixtures_cudnn_would_take_on_a_gpu(monkeypatch):
+    """None: cuDNN's head width (a multiple of 8) leaves the D = 8 and 16 fixtures, and those
+    have a mask or bias at odd lengths (cuDNN's backward with a bias needs even ones); hence
+    the kernel-shaped fixtures below."""
+    monkeypatch.setattr(accelerators, "cuda_head_max", lambda: 256)  # as on an H100
+    assert {n for n in DKV if accelerators.cudnn_refuses(_gpu_asked(n)) is None} == set()
     assert "multiple of 8" in accelerators.cudnn_refuses(_gpu_asked("sdpa_dkv_plain"))
     assert "even lengths" in accelerators.cudnn_refuses(_gpu_asked("sdpa_dkv_wide_head"))
-    assert "right=2 without is_causal" in accelerators.cudnn_refuses(
+    assert "a mask becomes one" in accelerators.cudnn_refuses(
+        _gpu_asked("sdpa_dkv_low_precision"))
+    assert "(1, 2) without is_causal" in accelerators.cudnn_refuses(
         _gpu_asked("sdpa_dkv_window_lengths_mqa")._replace(widths=(8, 8)))
+
+
+# ---- fixtures at the kernels' shapes (built in memory from the float64 reference) -----------
+
+# The shipped Dk = Dv fixtures have lengths 5 and 7 and head widths 4 to 16: cuDNN takes none of
+# them (a head width a multiple of 8, even lengths with a mask or bias), nor Pallas on a GPU
+# (float32 there, or a mask). These cases have B=2, H=4, Hkv=2, Lq=8, Lk=16, D=16 and grid
+# inputs (exact in bfloat16 and float16), the reference computing their expected values.
+_QKV = {"query": ("grid", (2, 4, 8, 16)), "key": ("grid", (2, 2, 16, 16)),
+        "value": ("grid", (2, 2, 16, 16))}
+KERNEL_CASES = [
+    Case("accel_mask_bias_lengths_causal", variants.SDPA, 901,
+         {**_QKV, "mask": ("mask", (2, 1, 8, 16), 0.8, ((0, 0, 3),)),
+          "bias": ("grid", (4, 8, 16)), "query_seq_lengths": ("values", [8, 5], "int32"),
+          "key_value_seq_lengths": ("values", [16, 6], "int32")},
+         {"is_causal": True, "scale": 0.3}, dtypes=("float32", "bfloat16", "float16")),
+    Case("accel_window_left", variants.SDPA, 902, _QKV, {"local_window_size": [3, 0]},
+         dtypes=("float32", "bfloat16", "float16")),
+    Case("accel_causal_gqa", variants.SDPA, 903, _QKV, {"is_causal": True},
+         dtypes=("float32", "bfloat16", "float16")),
+]
+
+
+@functools.cache
+def _kernel_fixtures():
+    return [regenerate.build(c) for c in KERNEL_CASES]
+
+
+def _by_name(implementation):
+    """The core run by name (a refused call not supported, its reason the row's)."""
+    def run(query, key, value, **keywords):
+        try:
+            return jax_attn.scaled_dot_product_attention(
+                query, key, value, implementation=implementation, **keywords)
+        except ValueError as e:
+            if "cannot run this call" in str(e):
+                raise NotSupported(str(e)) from None
+            raise
+    return run
+
+
+def _kernel_rows(fn, name, dtypes):
+    report = check.run(_kernel_fixtures(), impls=[from_function(fn, "jax", name=name)],
+                       dtypes=dtypes, regeneration=False)
+    return {(r["fixture"], r["dtype"]): r for r in report["rows"]}
+
+
+def test_the_cudnn_mapping_at_the_kernels_shapes_on_a_cpu():
+    """The mapping (jax.nn's XLA path) at even lengths and D = 16, mask, bias, lengths, GQA and
+    a left window included, float32 and bfloat16 (float16's dot algorithm is refused on CPU)."""
+    rows = _kernel_rows(_mapped, "cudnn mapping (XLA)", ["float32", "bfloat16"])
+    assert {k: r["status"] for k, r in rows.items()} == {
+        (c.name, d): "pass" for c in KERNEL_CASES for d in ("float32", "bfloat16")}
+
+
+def test_on_a_gpu_cudnn_and_pallas_would_take_these_fixtures(monkeypatch):
+    monkeypatch.setattr(accelerators, "cuda_head_max", lambda: 256)  # as on an H100
+    for f in _kernel_fixtures():
+        for dtype in ("bfloat16", "float16"):
+            assert accelerators.cudnn_refuses(_gpu_asked(f, dtype)) is None, f.name
+            pallas = accelerators.pallas_refuses(_gpu_asked(f, dtype))
+            assert (pallas is None) == (f.name == "accel_causal_gqa"), f.name
+
+
+def test_pallas_at_the_kernels_shapes_on_a_cpu():
+    rows = _kernel_rows(_by_name("pallas"), "pallas (interpret)", ["float32", "bfloat16"])
+    assert {k: r["status"] for k, r in rows.items()} == {
+        (c.name, d): "pass" if c.name == "accel_causal_gqa" else "not supported"
+        for c in KERNEL_CASES for d in ("float32", "bfloat16")}
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (GPU rows unmeasured)")
+@pytest.mark.parametrize("implementation, taken", [
+    ("cudnn", {c.name for c in KERNEL_CASES}), ("pallas", {"accel_causal_gqa"})])
+def test_the_kernels_on_a_gpu(implementation, taken):
+    """On an NVIDIA GPU: each kernel by name against the fixtures it takes, bfloat16 and
+    float16 (both refuse float32 there)."""
+    rows = _kernel_rows(_by_name(implementation), implementation, ["bfloat16", "float16"])
+    assert {k: r["status"] for k, r in rows.items()} == {
+        (c.name, d): "pass" if c.name in taken else "not supported"
+        for c in KERNEL_CASES for d in ("bfloat16", "float16")}
+    assert all(r["core"] == implementation for r in rows.values() if r["status"] == "pass")
 
 
 # ---- "pallas" in interpret mode -----------------------------------------------------------------
@@ -141,17 +227,20 @@ GPU_BF16 = Asked(platform="gpu", dtype="bfloat16", lengths=(128, 256), widths=(6
     ({"platform": "cpu"}, "cuDNN runs on an NVIDIA GPU, and this call runs on cpu"),
     ({"dtype": "float32"}, "cuDNN's flash attention takes float16 or bfloat16, got float32"),
     ({"widths": (64, 32)}, "cuDNN needs value width = key width, got Dk=64, Dv=32"),
-    ({"widths": (12, 12)}, "a multiple of 8 and at most 256, got 12"),
+    ({"widths": (12, 12)}, "a multiple of 8 and at most 256 (256 from compute capability"),
     ({"return_weights": True}, "cuDNN takes no return_weights=True"),
     ({"softcap": True, "sinks": True}, "cuDNN takes no softcap, sinks: 'explicit' or"),
     ({"dropout": True}, "cuDNN takes no dropout"),
     ({"offset": True}, "cuDNN takes no query_offset"),
     ({"chunk": True}, "cuDNN takes no attention_chunk_size"),
     ({"distance_bias": True}, "cuDNN takes no distance_bias"),
-    ({"window": (3, 1)}, "got local_window_size right=1 without is_causal"),
+    ({"window": (3, 1)}, "got local_window_size (3, 1) without is_causal"),
+    ({"window": (3, None)}, "got local_window_size (3, None) without is_causal"),
     ({"bias": True, "lengths": (127, 256)}, "even lengths"),
+    ({"mask": True, "lengths": (128, 255)}, "a mask becomes one"),
 ])
-def test_cudnn_refusals(change, reason):
+def test_cudnn_refusals(change, reason, monkeypatch):
+    monkeypatch.setattr(accelerators, "cuda_head_max", lambda: 256)  # as on an H100
     assert accelerators.cudnn_refuses(GPU_BF16) is None
     assert reason in accelerators.cudnn_refuses(GPU_BF16._replace(**change))
 
@@ -159,7 +248,8 @@ def test_cudnn_refusals(change, reason):
 @pytest.mark.parametrize("change", [{"window": (3, 0)}, {"window": (3, 1), "causal": True},
                                     {"mask": True, "bias": True, "seq_lengths": True},
                                     {"dtype": "float16"}])
-def test_cudnn_takes(change):
+def test_cudnn_takes(change, monkeypatch):
+    monkeypatch.setattr(accelerators, "cuda_head_max", lambda: 256)
     assert accelerators.cudnn_refuses(GPU_BF16._replace(**change)) is None
 
 
@@ -224,7 +314,8 @@ def test_the_choice_on_a_cpu_is_the_portable_one_for_every_core_fixture():
             assert functional.IMPLEMENTATIONS.select(None, asked, order).name == order[0]
 
 
-def test_on_a_gpu_the_accelerators_come_first_where_they_take_the_call():
+def test_on_a_gpu_the_accelerators_come_first_where_they_take_the_call(monkeypatch):
+    monkeypatch.setattr(accelerators, "cuda_head_max", lambda: 256)  # as on an H100
     order = functional.choose((1, 8, 128, 64), (1, 2, 256, 64), "gpu")
     assert order == ("cudnn", "pallas", "explicit", "blockwise")
     pick = lambda **c: functional.IMPLEMENTATIONS.select(  # noqa: E731
@@ -238,3 +329,22 @@ def test_on_a_gpu_the_accelerators_come_first_where_they_take_the_call():
     assert ran == [("jax", "explicit")]
     assert functional.choose((8, 2048, 64), (8, 2048, 64), "gpu")[2] == "blockwise"
     assert functional.choose((8, 2048, 64), (8, 2048, 64), "tpu") == ("blockwise", "explicit")
+
+
+class _Device:
+    def __init__(self, capability):
+        self.compute_capability = capability
+
+
+@pytest.mark.parametrize("capability, widest", [("8.0", 128), ("9.0", 256), ("10.0", 256)])
+def test_cudnn_head_width_by_compute_capability(capability, widest, monkeypatch):
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [_Device(capability)])
+    assert accelerators.cuda_head_max() == widest
+    assert f"at most {widest}" in accelerators.cudnn_refuses(GPU_BF16._replace(
+        widths=(widest + 8, widest + 8)))
+
+
+def test_without_a_cuda_gpu_cudnn_refuses_a_gpu_call():
+    """This machine has no GPU: a call claiming one is refused, not run."""
+    assert accelerators.cuda_head_max() is None
+    assert "reports no compute capability" in accelerators.cudnn_refuses(GPU_BF16)
