@@ -15,6 +15,10 @@ refuse. A name means one algorithm in both twins; the names in use:
                  chunk's weights (torch only: O(rows · Lk) memory)
     blockwise    FlashAttention-2: an online softmax over key blocks and a backward of its own
                  from the saved log-sum-exp (JAX only: O(L) memory)
+    cudnn        cuDNN's fused flash attention through jax.nn.dot_product_attention
+                 (JAX only, NVIDIA GPUs, float16 and bfloat16)
+    pallas       the Pallas flash-attention kernel (jax.experimental.pallas.ops.gpu.attention;
+                 JAX only: compiled on an NVIDIA GPU, Pallas's interpret mode on a CPU)
 
 ``record()`` collects, in the running thread, the (framework, name) of every core call that runs
 inside it: the harness reads which implementation ran instead of working it out again.
@@ -29,7 +33,10 @@ from typing import NamedTuple
 
 
 class Asked(NamedTuple):
-    """What a call asks of an implementation beyond the arrays themselves."""
+    """What a call asks of an implementation beyond the arrays themselves. Every field has a
+    default that asks nothing, so a twin fills in only what its implementations look at (the
+    fields from ``platform`` on are read by JAX's accelerator kernels, "cudnn" and "pallas",
+    which take a narrower set of calls than the portable implementations)."""
 
     return_weights: bool = False
     softcap: bool = False
@@ -37,14 +44,31 @@ class Asked(NamedTuple):
     gradients: bool = False
     block_sizes: object = None  # as the caller gave it (None: not given)
     sinks: bool = False
+    platform: str = ""  # the backend the call runs on ("cpu", "gpu", "tpu"; "" unknown)
+    dtype: str = ""  # the query's dtype name ("" unknown)
+    lengths: tuple = ()  # (Lq, Lk), () unknown
+    widths: tuple = ()  # (Dk, Dv), () unknown
+    heads: tuple = ()  # (H, Hkv), () unknown
+    mask: bool = False
+    bias: bool = False
+    causal: bool = False
+    window: tuple = (None, None)  # (left, right) as golden.validate.window gives it
+    seq_lengths: bool = False  # query_seq_lengths or key_value_seq_lengths given
+    offset: bool = False  # query_offset given
+    chunk: bool = False  # attention_chunk_size given
+    distance_bias: bool = False
+    sharded: bool = False  # on a mesh with explicit axes
 
 
 class Implementation(NamedTuple):
-    """One named implementation: ``run`` computes, ``refuses(asked)`` says why it cannot."""
+    """One named implementation: ``run`` computes, ``refuses(asked)`` says why it cannot.
+    ``whole``: ``run`` takes the whole (B, H, L, D) call rather than one head (the twin then
+    calls it as it is, without mapping it over heads; JAX's accelerator kernels)."""
 
     name: str
     run: Callable
     refuses: Callable[[Asked], str | None]
+    whole: bool = False
 
 
 class Registry:

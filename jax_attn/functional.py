@@ -24,7 +24,7 @@ from golden.validate import (
     check_flags,
     window,
 )
-from jax_attn import blockwise, explicit
+from jax_attn import accelerators, blockwise, explicit
 from jax_attn.sharding import (
     check_head_sharding,
     explicit_spec,
@@ -86,9 +86,17 @@ def scaled_dot_product_attention(
       key blocks, static ints (default blockwise.DEFAULT_BLOCK_SIZES = (1024, 1024)); each
       length is split into the fewest blocks of at most that size, evenly, the last one masked
       where ragged.
+    - "cudnn" (jax_attn.accelerators): cuDNN's fused flash attention through
+      ``jax.nn.dot_product_attention(implementation="cudnn")``, on an NVIDIA GPU, float16 and
+      bfloat16, Dk = Dv: mask, bias, is_causal, scale, GQA, a window (left, 0) or causal, the
+      lengths; refuses the rest (jax_attn.accelerators.cudnn_refuses).
+    - "pallas" (jax_attn.accelerators): the Pallas flash kernel (pallas.ops.gpu.attention),
+      Dk = Dv, is_causal and scale only; compiled on a GPU (float16, bfloat16), Pallas's
+      interpret mode on a CPU.
     - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
-      (L > 1024 for Lq = Lk), else "explicit" first; the first that takes the call runs it.
-      The measurements: docs/performance.md.
+      (L > 1024 for Lq = Lk), else "explicit" first, and on a GPU "cudnn" then "pallas"
+      before both; the first that takes the call runs it. The measurements (CPU):
+      docs/performance.md; the GPU rows are unmeasured.
     ``golden.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
     explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
@@ -109,9 +117,14 @@ def scaled_dot_product_attention(
         check_distance_bias(distance_bias, query)
     check_flags(is_causal=is_causal, return_weights=return_weights)
     block_sizes = check_block_sizes(block_sizes)
-    asked = Asked(return_weights=bool(return_weights), softcap=softcap is not None,
-                  dropout=dropout_rate > 0.0, block_sizes=block_sizes)
-    chosen = IMPLEMENTATIONS.select(implementation, asked, choose(query.shape, key.shape))
+    asked = _asked(query, key, value, mask, bias, is_causal=is_causal, softcap=softcap,
+                   local_window_size=local_window_size, query_offset=query_offset,
+                   lengths=(query_seq_lengths, key_value_seq_lengths), sinks=sinks,
+                   dropout_rate=dropout_rate, return_weights=return_weights,
+                   block_sizes=block_sizes, chunk_size=attention_chunk_size,
+                   distance_bias=distance_bias)
+    chosen = IMPLEMENTATIONS.select(implementation, asked,
+                                    choose(query.shape, key.shape, asked.platform))
     if dropout_rate > 0.0 and dropout_mask is None and dropout_rng is None:
         raise ValueError("dropout_rng should be a jax.random key when dropout_rate > 0 and no "
                          "dropout_mask is given, got None")
@@ -124,6 +137,12 @@ def scaled_dot_product_attention(
     batch = query.shape[:1] if query.ndim == 4 else ()  # the offsets' and lengths' shape
     positions = (batch_int32(x, batch) for x in
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
+    if chosen.whole:  # an accelerator kernel: the whole call, its refusals checked above
+        q_lengths, kv_lengths = (batch_int32(x, batch) for x in
+                                 (query_seq_lengths, key_value_seq_lengths))
+        out = chosen.run(query, key, value, mask, bias, q_lengths, kv_lengths, scale=scale,
+                         is_causal=bool(is_causal), window=window(local_window_size))
+        return out
     check_head_sharding(query, key)
     spec = explicit_spec(query)  # None unless on a mesh with explicit axes
     key, value = (heads_as_query(query, x, spec) for x in (key, value))
@@ -141,6 +160,34 @@ def scaled_dot_product_attention(
                              implementation=chosen.name,
                              block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES)
     return (out, weights) if return_weights else out
+
+
+def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,
+           lengths, sinks, dropout_rate, return_weights, block_sizes, chunk_size,
+           distance_bias) -> Asked:
+    """What the call asks of an implementation (golden.implementations.Asked)."""
+    return Asked(return_weights=bool(return_weights), softcap=softcap is not None,
+                 dropout=dropout_rate > 0.0, block_sizes=block_sizes, sinks=sinks is not None,
+                 platform=_platform(query), dtype=jnp.dtype(query.dtype).name,
+                 lengths=(query.shape[-2], key.shape[-2]),
+                 widths=(key.shape[-1], value.shape[-1]),
+                 heads=(query.shape[-3] if query.ndim > 2 else 1,
+                        key.shape[-3] if key.ndim > 2 else 1),
+                 mask=mask is not None, bias=bias is not None, causal=bool(is_causal),
+                 window=window(local_window_size),
+                 seq_lengths=any(x is not None for x in lengths),
+                 offset=query_offset is not None, chunk=chunk_size is not None,
+                 distance_bias=distance_bias is not None,
+                 sharded=explicit_spec(query) is not None)
+
+
+def _platform(x) -> str:
+    """The platform x lives on ("cpu", "gpu", "tpu"): its devices' when it is a concrete array,
+    else (traced, a NumPy array) the default backend's."""
+    try:
+        return next(iter(x.devices())).platform
+    except (AttributeError, TypeError, RuntimeError, jax.errors.ConcretizationTypeError):
+        return jax.default_backend()
 
 
 def _is_key(rng) -> bool:
@@ -182,12 +229,22 @@ def heads_per_step(q_shape, k_shape):
 BLOCKWISE_ABOVE = 2**20
 
 
-def choose(q_shape, k_shape) -> tuple:
-    """The order of preference of ``implementation=None`` for these shapes: the first that
-    takes the call runs it."""
-    if q_shape[-2] * k_shape[-2] > BLOCKWISE_ABOVE:
-        return ("blockwise", "explicit")
-    return ("explicit", "blockwise")
+ACCELERATORS = ("cudnn", "pallas")  # preferred on a GPU, in this order
+
+
+def choose(q_shape, k_shape, platform=None) -> tuple:
+    """The order of preference of ``implementation=None`` for these shapes on ``platform``
+    (default: the default backend): the first that takes the call runs it. On a GPU the
+    accelerator kernels come first ("cudnn", then "pallas"), each taking only the calls it
+    can (float16 and bfloat16, no weights, ...: their refusals), then the portable order; on
+    a CPU or a TPU the portable order alone ("pallas" on a CPU is interpret mode: only when
+    asked for by name)."""
+    portable = (("blockwise", "explicit") if q_shape[-2] * k_shape[-2] > BLOCKWISE_ABOVE
+                else ("explicit", "blockwise"))
+    if (platform or jax.default_backend()) == "gpu":
+        return ACCELERATORS + portable
+    return portable
+
 
 
 def _explicit_refuses(asked):
@@ -208,6 +265,8 @@ IMPLEMENTATIONS = Registry(
     "jax",
     Implementation("explicit", explicit.attend, _explicit_refuses),
     Implementation("blockwise", blockwise.attend, _blockwise_refuses),
+    Implementation("cudnn", accelerators.cudnn, accelerators.cudnn_refuses, whole=True),
+    Implementation("pallas", accelerators.pallas, accelerators.pallas_refuses, whole=True),
 )
 
 
