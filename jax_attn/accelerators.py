@@ -74,6 +74,9 @@ def cudnn_refuses(asked) -> str | None:
         return (f"cuDNN's backward with a bias (a mask becomes one) needs even lengths, and JAX "
                 f"cannot tell at the call whether it will be differentiated: got Lq, Lk = "
                 f"{asked.lengths}")
+    if asked.causal and asked.lengths and asked.lengths[0] != asked.lengths[1]:
+        return (f"is_causal with Lq ≠ Lk: cuDNN's causal alignment (top-left, as ours, or "
+                f"bottom-right) is not yet verified on a GPU, got Lq, Lk = {asked.lengths}")
     return None
 
 
