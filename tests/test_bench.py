@@ -216,13 +216,6 @@ def test_steady_repeats_fills_half_a_second_within_three_and_the_most():
         steady_repeats(-1.0, 0.5, 10)
 
 
-def test_repeats_and_budget_options_are_checked():
-    with pytest.raises(SystemExit):
-        main(["bench", "--quick", "--repeats", "2"])
-    with pytest.raises(SystemExit):
-        main(["bench", "--quick", "--budget", "-1"])
-
-
 def test_xla_isa_is_the_hosts_capped_by_xla_cpu_max_isa():
     avx2 = {"sse4_2", "avx", "avx2", "fma"}
     avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
