@@ -5,12 +5,16 @@ small attention modules (ours against Flax's and torch's own, ``*_module``); gro
 attention; and KV-cache decoding with the twin ``GroupedQueryAttention`` modules (a prefill and
 one decode step, JAX against torch).
 
-    attn-parity bench [--quick] [--out DIR] [--repeats N]    (or python -m golden.bench ...)
+    attn-parity bench [--quick] [--out DIR] [--repeats N] [--budget S] [--only SECTION]
+    (or python -m golden.bench ...)
 
 Run it from the repository root: DIR defaults to bench/results under the current directory.
 Writes DIR/latest.md (Markdown tables) and DIR/latest.json (every raw number), each atomically,
 and prints the Markdown to stdout; progress goes to stderr. Nothing here sets environment
-variables or thread counts: the run measures the machine as configured.
+variables or thread counts: the run measures the machine as configured. To measure an older
+instruction set on a newer CPU, set XLA_FLAGS=--xla_cpu_max_isa=AVX2, ATEN_CPU_CAPABILITY=avx2
+and NPY_DISABLE_CPU_FEATURES before the run; every report (and --only section) opens with the
+CPU, its instruction set and the one XLA, torch and NumPy each used.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class Grid:
     bf16_shape: Shape  # the one shape also run in bfloat16 (forward only); also the target shape
     matmul_n: int      # ceiling: (n, n) @ (n, n)
     repeats: int       # most steady calls per measurement
-    budget_s: float    # skip a forward+backward block predicted to end the run past this
+    budget_s: float    # the attention grid's wall time (from the run's start); see run()
     gqa: tuple = (4, 8, 2, 1024, 64)  # B, H, Hkv, L, D of the grouped-query rows
     # B, d_in, H, Hkv, Dh, max_length M, P tokens prefilled (and held by the decode step's cache)
     decode: tuple = (1, 512, 8, 2, 64, 4096, 2048)
@@ -86,9 +90,9 @@ def _self(L, B=4, H=8, D=64):
 
 
 # Self-attention smallest first, then cross-attention; the costly L=2048 last, so that the
-# budget check decides about its forward+backward with everything else already measured.
+# budget check paces its forward+backward with everything else already measured.
 FULL = Grid(shapes=(_self(128), _self(512), _self(1024), Shape(4, 8, 256, 1024, 64), _self(2048)),
-            bf16_shape=_self(1024), matmul_n=2048, repeats=10, budget_s=200.0)
+            bf16_shape=_self(1024), matmul_n=2048, repeats=10, budget_s=300.0)
 QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
              bf16_shape=_self(64, B=1, H=2, D=16), matmul_n=256, repeats=3, budget_s=60.0,
              gqa=(1, 4, 2, 64, 16), decode=(1, 32, 4, 2, 8, 64, 16),
@@ -209,22 +213,37 @@ def other_cpu(since: tuple[float, float] | None, wall_s: float) -> float | None:
     return min(100.0, max(0.0, 100 * other / (wall_s * (os.cpu_count() or 1))))
 
 
-def measure(fn, args, repeats: int) -> dict:
-    """First call, then steady calls (fewer when slow); peak RSS growth over the last call."""
+def steady_repeats(first_s: float, steady_s: float, most: int) -> int:
+    """How many steady calls a measurement takes, from its first steady call's time
+    ``first_s`` (the call before it, compilation or warm-up, is timed apart): enough for about
+    ``steady_s`` seconds, never fewer than MIN_REPEATS, never more than ``most``. A call of a
+    second or more thus costs MIN_REPEATS calls whatever ``steady_s`` is; ``steady_s`` = 0 (a
+    run short of budget) gives MIN_REPEATS everywhere."""
+    if most < MIN_REPEATS:
+        raise ValueError(f"most should be at least MIN_REPEATS = {MIN_REPEATS}, got {most}")
+    if first_s < 0 or steady_s < 0:
+        raise ValueError(f"first_s and steady_s should be times ≥ 0 s, got {first_s}, {steady_s}")
+    return max(MIN_REPEATS, min(most, round(steady_s / max(first_s, 1e-9))))
+
+
+def measure(fn, args, repeats: int, steady_s: float = STEADY_S) -> dict:
+    """First call, then steady_repeats(first steady call, steady_s, repeats) steady calls (the
+    last with its peak RSS growth); the row records the rule's inputs next to the count."""
     first = _call(fn, args)
     cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
     times = [_call(fn, args)]
-    n = max(1, min(repeats, max(MIN_REPEATS, round(STEADY_S / times[0]))))
+    n = steady_repeats(times[0], steady_s, repeats)
     times += [_call(fn, args) for _ in range(n - 2)]
     rss = None
     if _reset_peak_rss():
         before = _status_kb("VmRSS")
         times.append(_call(fn, args))
         rss = (_status_kb("VmHWM") - before) / 1024
-    elif n > 1:
+    else:
         times.append(_call(fn, args))
     median = statistics.median(times)
     return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "repeats": len(times),
+            "steady_s": steady_s, "most_repeats": repeats,
             "times_ms": [t * 1e3 for t in times], "first_call_ms": first * 1e3,
             "compile_ms": (first - median) * 1e3, "rss_peak_growth_mb": rss,
             "other_cpu_pct": other_cpu(cpu_start, time.perf_counter() - wall_start)}
@@ -483,10 +502,10 @@ def decode_features_markdown(rows: list[dict]) -> list[str]:
         "- One token on a cache holding P tokens, each option alone (chunks and window: P/2 "
         "tokens). ÷ plain: this row's time ÷ the plain module's, same framework (< 1.1: the "
         "option costs under 10 %). ÷ torch: jax_module's time ÷ torch_module's, same option.", "",
-        "| option | impl | median ms | ÷ plain | ÷ torch | others % |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| option | impl | median ms | n | ÷ plain | ÷ torch | others % |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    return lines + [f"| {r['feature']} | {r['impl']} | {r['median_ms']:.3f} "
+    return lines + [f"| {r['feature']} | {r['impl']} | {r['median_ms']:.3f} | {r['repeats']} "
                     f"| {r['plain_ratio']:.2f} | {r['torch_ratio']:.2f} "
                     f"| {_f(r['other_cpu_pct'], '{:.0f}')} |" for r in rows]
 
@@ -573,11 +592,12 @@ def latent_decode_markdown(rows: list[dict]) -> list[str]:
         "query and the output and attends the latents as one key-value head. Both have Dk ≠ Dv "
         "(Dn + Dr against Dv; r + Dr against r), where torch's automatic core choice, \"fused\" "
         "(F.scaled_dot_product_attention), is far slower on CPU than with Dk = Dv.", "",
-        "| model | impl | cache bytes/token | bytes ÷ GQA | median ms | ÷ GQA | others % |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| model | impl | cache bytes/token | bytes ÷ GQA | median ms | n | ÷ GQA | others % |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     return lines + [f"| {r['model']} | {r['impl']} | {r['cache_bytes_per_token']} "
-                    f"| {r['bytes_ratio']:.2f} | {r['median_ms']:.3f} | {r['gqa_ratio']:.2f} "
+                    f"| {r['bytes_ratio']:.2f} | {r['median_ms']:.3f} | {r['repeats']} "
+                    f"| {r['gqa_ratio']:.2f} "
                     f"| {_f(r['other_cpu_pct'], '{:.0f}')} |" for r in rows]
 
 
@@ -863,13 +883,15 @@ def long_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_block(shape, dtype, causal, backward, host, grid, ceilings) -> list[dict]:
-    """Every implementation on one (shape, dtype, causal, pass)."""
+def run_block(shape, dtype, causal, backward, host, grid, ceilings,
+              steady_s: float = STEADY_S) -> list[dict]:
+    """Every implementation on one (shape, dtype, causal, pass), each measured with about
+    ``steady_s`` of steady calls (at least MIN_REPEATS, at most grid.repeats)."""
     rows = []
     for impl in IMPLS:
         fn, jitted = build(impl, causal, backward)
         args = make_inputs(shape, dtype, impl, backward, host)
-        m = measure(fn, args, grid.repeats)
+        m = measure(fn, args, grid.repeats, steady_s)
         flops = shape.flops(causal, backward)
         gflop_s = flops / (m["median_ms"] * 1e-3) / 1e9
         row = {"shape": shape.name, **asdict(shape), "dtype": dtype, "causal": causal,
@@ -905,7 +927,12 @@ def predicted_backward_s(rows: list[dict], shape: Shape) -> float:
 
 
 def run(grid: Grid) -> dict:
-    start, rng, rows, skipped = time.perf_counter(), np.random.default_rng(), [], []
+    """Every section on ``grid``. The attention grid is paced by ``grid.budget_s``: a
+    forward+backward block whose prediction (from the shape's forward times, at MIN_REPEATS
+    steady calls) would end the grid past the budget runs every row at MIN_REPEATS steady calls
+    (steady_s = 0) instead of about STEADY_S each; no row is ever left out. The budget's notes
+    say which blocks ran so and whether the grid ended within it."""
+    start, rng, rows, notes = time.perf_counter(), np.random.default_rng(), [], []
     info, cpu_start = machine(), _cpu_seconds()
     dtypes = ("float32", "bfloat16")
     ceilings = {(fw, dt): ceiling(fw, grid.matmul_n, dt, grid.repeats, rng)
@@ -921,17 +948,21 @@ def run(grid: Grid) -> dict:
             for causal in (False, True):
                 rows += run_block(shape, "bfloat16", causal, False, host, grid, ceilings)
         elapsed, predicted = time.perf_counter() - start, predicted_backward_s(rows, shape)
+        steady_s = STEADY_S
         if elapsed + predicted > grid.budget_s:
-            why = (f"{shape.name} forward+backward skipped: predicted {predicted:.0f} s from its "
-                   f"forward times, after {elapsed:.0f} s elapsed, exceeds the "
-                   f"{grid.budget_s:.0f} s budget; forward only")
-            skipped.append(why)
-            print("  " + why, file=sys.stderr, flush=True)
-            continue
+            steady_s = 0.0
+            notes.append(f"{shape.name} forward+backward at {MIN_REPEATS} steady calls per row: "
+                         f"predicted {predicted:.0f} s from its forward times, after "
+                         f"{elapsed:.0f} s elapsed, past the {grid.budget_s:.0f} s budget")
+            print("  " + notes[-1], file=sys.stderr, flush=True)
         for causal in (False, True):
-            rows += run_block(shape, "float32", causal, True, host, grid, ceilings)
+            rows += run_block(shape, "float32", causal, True, host, grid, ceilings, steady_s)
     add_ratios(rows)
-    long = run_long(grid, rng)  # after the grid: its seconds do not eat the grid's budget
+    grid_s = time.perf_counter() - start
+    if grid_s > grid.budget_s:
+        notes.append(f"the attention grid took {grid_s:.0f} s, past its {grid.budget_s:.0f} s "
+                     f"budget, with every row measured")
+    long = run_long(grid, rng)  # after the grid, outside its budget (fixed calls per row)
     modern = run_modern(grid, rng)
     decode_options = run_decode_features(grid, rng)
     latent = run_latent_decode(grid, rng)
@@ -942,24 +973,109 @@ def run(grid: Grid) -> dict:
             "decode_features": decode_options, "latent_decode": latent,
             "targets": (targets(rows, grid.bf16_shape) + [decode_target(decode)]
                         + long_targets(long)),
-            "skipped": skipped,
+            "budget": {"budget_s": grid.budget_s, "grid_s": grid_s,
+                       "within": grid_s <= grid.budget_s, "notes": notes},
             "wall_s": wall_s}
 
 
 # --- reporting ---------------------------------------------------------------------------------
 
+# XLA's names for x86 instruction sets (the values of --xla_cpu_max_isa), oldest first, each
+# with the /proc/cpuinfo flag that says the host has it
+XLA_ISAS = (("SSE4_2", "sse4_2"), ("AVX", "avx"), ("AVX2", "avx2"), ("AVX512", "avx512f"),
+            ("AVX512_VNNI", "avx512_vnni"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_tile"))
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_int8", "asimd", "sve", "sve2")
+
+
+def cpu_flags() -> set[str]:
+    """The first processor's flags (x86 ``flags``, Arm ``Features``) in /proc/cpuinfo; empty
+    where there is no such file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.split(":")[0].strip() in
+                         ("flags", "Features")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+def xla_max_isa(xla_flags: str | None) -> str | None:
+    """The value of --xla_cpu_max_isa in an XLA_FLAGS string (the last one wins), upper case;
+    None if not set."""
+    value = None
+    for flag in (xla_flags or "").split():
+        if flag.startswith("--xla_cpu_max_isa="):
+            value = flag.split("=", 1)[1].upper()
+    return value
+
+
+def xla_isa(flags: set[str], max_isa: str | None) -> str | None:
+    """The newest of XLA_ISAS that XLA's code generation may use: the host's newest (from its
+    cpuinfo ``flags``) capped by --xla_cpu_max_isa; None off x86 or for a cap XLA_ISAS does not
+    name (XLA_FLAGS, in the report too, then says what was asked)."""
+    names = [name for name, _ in XLA_ISAS]
+    have = [name for name, flag in XLA_ISAS if flag in flags]
+    if not have:
+        return None
+    if max_isa is None:
+        return have[-1]
+    if max_isa not in names:
+        return None
+    return names[min(names.index(have[-1]), names.index(max_isa))]
+
+
+def numpy_isas() -> tuple[list[str], list[str]]:
+    """NumPy's (baseline, dispatched targets in use): the targets it was built for that this
+    CPU has and NPY_DISABLE_CPU_FEATURES did not switch off, as np.show_runtime() lists them."""
+    try:
+        from numpy._core import _multiarray_umath as umath
+    except ImportError:  # NumPy 1.x
+        from numpy.core import _multiarray_umath as umath
+    found = umath.__cpu_features__
+    return list(umath.__cpu_baseline__), [t for t in umath.__cpu_dispatch__ if found.get(t)]
+
+
 def machine() -> dict:
+    """The host and the instruction sets each library uses on it: the CPU's own (its cpuinfo
+    flags, in XLA's names), XLA's code generation (capped by XLA_FLAGS=--xla_cpu_max_isa=...),
+    torch's ATen kernels (torch.backends.cpu.get_cpu_capability(), capped by
+    ATEN_CPU_CAPABILITY) and NumPy's dispatched loops (capped by NPY_DISABLE_CPU_FEATURES), with
+    the environment variables as set."""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    flags, xla_flags = cpu_flags(), os.environ.get("XLA_FLAGS")
+    baseline, dispatched = numpy_isas()
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_isa": xla_isa(flags, None), "cpu_flags": sorted(flags & set(ISA_FLAGS)),
+            "xla_isa": xla_isa(flags, xla_max_isa(xla_flags)),
+            "torch_isa": torch.backends.cpu.get_cpu_capability(),
+            "numpy_isa": (dispatched or baseline or [None])[-1], "numpy_baseline": baseline,
+            "numpy_dispatch": dispatched,
+            "XLA_FLAGS": xla_flags, "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "NPY_DISABLE_CPU_FEATURES": os.environ.get("NPY_DISABLE_CPU_FEATURES"),
             "torch": torch.__version__, "jax": jax.__version__, "numpy": np.__version__,
             "python": platform.python_version(), "jax_backend": jax.default_backend(),
             "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def machine_markdown(m: dict) -> str:
+    """One paragraph: the CPU, its instruction set and each library's, the switches set."""
+    switches = "; ".join(f"{k}={m[k]}" for k in ("XLA_FLAGS", "ATEN_CPU_CAPABILITY",
+                                                   "NPY_DISABLE_CPU_FEATURES",
+                                                   "OPENBLAS_CORETYPE") if m[k] is not None)
+    return (f"Machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
+            f"instruction set {_f(m['cpu_isa'], '{}')} (cpuinfo flags: "
+            f"{' '.join(m['cpu_flags']) or '—'}); in use: XLA code generation "
+            f"{_f(m['xla_isa'], '{}')}, torch {m['torch_isa']}, NumPy {_f(m['numpy_isa'], '{}')}; "
+            f"{switches or 'no ISA switches set'}; torch {m['torch']}, jax {m['jax']} "
+            f"({m['jax_backend']}), numpy {m['numpy']}, Python {m['python']}; {m['date']}.")
 
 
 TARGETS = (  # name, numerator impl, denominator impl, target: time(numerator) / time(denominator)
@@ -990,13 +1106,11 @@ def _f(x, fmt="{:.2f}"):
 
 
 def markdown(report: dict) -> str:
-    m = report["machine"]
+    m, b = report["machine"], report["budget"]
     lines = [
         "# Attention benchmark (CPU)", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
-        f"torch {m['torch']}, jax {m['jax']} ({m['jax_backend']}), numpy {m['numpy']}, "
-        f"Python {m['python']}; OPENBLAS_CORETYPE={m['OPENBLAS_CORETYPE']}; {m['date']}; "
-        f"wall time {report['wall_s']:.0f} s; other processes kept "
+        machine_markdown(m) + f" Wall time {report['wall_s']:.0f} s (attention grid "
+        f"{b['grid_s']:.0f} s of its {b['budget_s']:.0f} s budget); other processes kept "
         f"{_f(report['other_cpu_pct'], '{:.0f}')}% of the cores busy during the run (per "
         "measurement: the others % column; high values mean noisy timings).", "",
         "## Matmul ceiling", "",
@@ -1012,8 +1126,9 @@ def markdown(report: dict) -> str:
         "computes the full score matrix); fwd+bwd (gradient of sum(output) w.r.t. q, k, v) = "
         "3.5 × forward. % ceiling: against the same framework's matmul in the same dtype.",
         f"- bfloat16: forward only, at {Shape(**report['grid']['bf16_shape']).name}.",
-        "- n: steady calls in the median (fewer for slow cases). compile ms (JAX): first call − "
-        "median (negative = noise).",
+        f"- n: steady calls in the median: round({STEADY_S} s ÷ the first steady call), at least "
+        f"{MIN_REPEATS}, at most {report['grid']['repeats']}; {MIN_REPEATS} for a block the budget "
+        "section names. compile ms (JAX): first call − median (negative = noise).",
         "- peak RSS: growth of the process's resident memory during one steady call (VmHWM after "
         "a reset through /proc/self/clear_refs), every implementation; pages already resident "
         "(buffers reused from earlier calls) do not count.",
@@ -1089,10 +1204,10 @@ def markdown(report: dict) -> str:
         "no_grad. XLA temp MiB: the JAX program's temporary memory (XLA's memory analysis); "
         "torch's is measured in separate processes (docs/core.md), not here.",
         "- ÷ peer: torch_peer's time ÷ this row's (> 1: faster than torch's fused kernel).", "",
-        "| L | pass | impl | median ms | ÷ peer | XLA temp MiB | first call ms |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        "| L | pass | impl | median ms | n | ÷ peer | XLA temp MiB | first call ms |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    lines += [f"| {r['L']} | {r['pass']} | {r['impl']} | {r['median_ms']:.1f} "
+    lines += [f"| {r['L']} | {r['pass']} | {r['impl']} | {r['median_ms']:.1f} | {r['repeats']} "
               f"| {r['peer_ratio']:.2f} | {_f(r['xla_temp_mb'], '{:.0f}')} "
               f"| {r['first_call_ms']:.0f} |" for r in report["long"]]
     lines += modern_markdown(report["modern"])
@@ -1108,8 +1223,10 @@ def markdown(report: dict) -> str:
                      f"(target {bound} {t['target']:.2f}): {met}" + (
                          f" (unreliable: other processes kept {t['other_cpu_pct']:.0f}% of the "
                          "cores busy while it was measured)" if noisy else ""))
-    if report["skipped"]:
-        lines += ["", "## Skipped", ""] + [f"- {s}" for s in report["skipped"]]
+    lines += ["", "## Budget", "",
+              f"- Every row measured. The attention grid took {b['grid_s']:.0f} s of its "
+              f"{b['budget_s']:.0f} s budget" + ("." if b["within"] else " (over).")]
+    lines += [f"- {note}" for note in b["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -1126,8 +1243,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="output directory (default: bench/results under the current "
                              "directory; run from the repository root)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="most steady calls per measurement (default 10, quick 3); "
-                             "slow cases use fewer, down to 3")
+                        help="most steady calls per measurement (default 10, quick 3, at "
+                             "least 3); slow cases use fewer, down to 3")
+    parser.add_argument("--budget", type=float, default=None, metavar="S",
+                        help="the attention grid's budget in seconds (default 300, quick 60): "
+                             "a forward+backward block predicted to end the grid past it runs "
+                             f"at {MIN_REPEATS} steady calls per row (never skipped)")
     parser.add_argument("--only", choices=tuple(SECTIONS), default=None,
                         help="run one section alone and print it, writing DIR/SECTION.json "
                              "(latest.* untouched): modern = attention sinks and chunked "
@@ -1137,9 +1258,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else FULL
     if args.repeats is not None:
-        if args.repeats < 1:
-            parser.error("--repeats should be at least 1")
+        if args.repeats < MIN_REPEATS:
+            parser.error(f"--repeats should be at least {MIN_REPEATS}, got {args.repeats}")
         grid = replace(grid, repeats=args.repeats)
+    if args.budget is not None:
+        if not args.budget >= 0:
+            parser.error(f"--budget should be a time ≥ 0 s, got {args.budget}")
+        grid = replace(grid, budget_s=args.budget)
     if args.only is not None:
         run_section, section_markdown = SECTIONS[args.only]
         info, cpu_start, start = machine(), _cpu_seconds(), time.perf_counter()
@@ -1149,7 +1274,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         write_atomic(args.out / f"{args.only}.json",
                      (json.dumps(section, indent=1) + "\n").encode())
-        print("\n".join(section_markdown(rows)))
+        print("\n".join([machine_markdown(info)] + section_markdown(rows)))
         return 0
     report = run(grid)
     text = markdown(report)

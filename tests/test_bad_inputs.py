@@ -831,7 +831,10 @@ ARGPARSE = [  # argparse's standard form: usage lines, then "<prog>: error: …"
     (["regenerate", "--bogus"], "attn-parity: error: unrecognized arguments: --bogus"),
     (["check", "--bogus"], "attn-parity: error: unrecognized arguments: --bogus"),
     (["bench", "--bogus"], "attn-parity bench: error: unrecognized arguments: --bogus"),
-    (["bench", "--repeats", "0"], "attn-parity bench: error: --repeats should be at least 1"),
+    (["bench", "--repeats", "2"], "attn-parity bench: error: --repeats should be at least 3, "
+     "got 2"),
+    (["bench", "--budget", "-1"], "attn-parity bench: error: --budget should be a time ≥ 0 s, "
+     "got -1.0"),
     (["bench", "--repeats", "many"], "attn-parity bench: error: argument --repeats: invalid "
      "int value: 'many'"),
     ([], "attn-parity: error: the following arguments are required: command"),

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from golden.bench import (
     DECODE_IMPLS,
@@ -12,17 +18,73 @@ from golden.bench import (
     LONG_IMPLS,
     MODERN_IMPLS,
     MODULES,
+    QUICK,
+    Shape,
     decode_features,
     latent_models,
+    steady_repeats,
+    xla_isa,
+    xla_max_isa,
 )
 from golden.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def host_flags() -> set[str]:
+    """This host's x86 flags, read here rather than through golden.bench."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "flags:")
+    return set(line.split(":", 1)[1].split())
+
+
+def check_machine(m: dict) -> None:
+    """The machine fields say what this process's environment and CPU say."""
+    assert {"cpu", "cores", "cpu_isa", "cpu_flags", "xla_isa", "torch_isa", "numpy_isa",
+            "numpy_dispatch", "XLA_FLAGS", "ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES",
+            "torch", "jax", "date"} <= set(m)
+    assert m["cores"] == os.cpu_count() and m["cpu"]
+    for name in ("XLA_FLAGS", "ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES"):
+        assert m[name] == os.environ.get(name)
+    flags = host_flags()
+    assert set(m["cpu_flags"]) <= flags
+    if "avx512f" in flags:
+        assert m["cpu_isa"].startswith("AVX512") or m["cpu_isa"] == "AMX"
+    elif "avx2" in flags:
+        assert m["cpu_isa"] == "AVX2" and m["torch_isa"] != "AVX512"
+        assert not any("AVX512" in t or t == "X86_V4" for t in m["numpy_dispatch"])
+
 
 def test_quick_run_writes_both_reports(tmp_path):
-    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # as attn-parity bench
+    # --budget 0: every forward+backward block predicted past the budget; each row is still
+    # measured, at 3 steady calls, where the forwards take round(0.5 s / first call) ≤ 5
+    assert main(["bench", "--quick", "--budget", "0", "--repeats", "5",
+                 "--out", str(tmp_path)]) == 0  # as attn-parity bench
     report = json.loads((tmp_path / "latest.json").read_text())
     assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "long",
-            "modern", "targets", "skipped", "wall_s"} <= set(report)
+            "modern", "targets", "budget", "wall_s"} <= set(report)
+    assert "skipped" not in report
+    check_machine(report["machine"])
+    budget = report["budget"]
+    assert budget["budget_s"] == 0 and budget["within"] is False
+    assert [n.split(" forward+backward")[0] for n in budget["notes"][:-1]] == [
+        s.name for s in QUICK.shapes]
+    assert all("at 3 steady calls per row" in n for n in budget["notes"][:-1])
+    assert "past its 0 s budget, with every row measured" in budget["notes"][-1]
+    blocks = {(r["shape"], r["dtype"], r["causal"], r["pass"], r["impl"])
+              for r in report["results"]}
+    assert blocks == {(s.name, "float32", c, p, i) for s in QUICK.shapes for c in (False, True)
+                      for p in ("fwd", "fwd+bwd") for i in IMPLS} | {
+        (Shape(**report["grid"]["bf16_shape"]).name, "bfloat16", c, "fwd", i)
+        for c in (False, True) for i in IMPLS}
+    for r in report["results"]:  # the rule: round(steady_s / first steady call) in [3, 5]
+        assert r["most_repeats"] == 5 and r["repeats"] == len(r["times_ms"])
+        assert r["steady_s"] == (0.0 if r["pass"] == "fwd+bwd" else 0.5)
+        assert r["repeats"] == max(3, min(5, round(r["steady_s"] / (r["times_ms"][0] / 1e3))))
+    assert all(r["repeats"] == 3 for r in report["results"] if r["pass"] == "fwd+bwd")
     modern = report["modern"]  # sinks, chunks, ALiBi: every implementation, both passes
     assert {(r["feature"], r["pass"], r["impl"]) for r in modern} == {
         (f, p, i) for f in ("sinks", "chunks", "alibi") for p in ("fwd", "fwd+bwd")
@@ -35,7 +97,6 @@ def test_quick_run_writes_both_reports(tmp_path):
     assert all(r["median_ms"] > 0 and r["plain_ratio"] > 0 for r in options)
     latent = report["latent_decode"]  # MLA plain and absorbed against GQA, both frameworks
     assert len(latent) == 2 * 4 and all(r["median_ms"] > 0 for r in latent)
-    assert {"cpu", "cores", "torch", "jax", "date"} <= set(report["machine"])
     assert {(c["framework"], c["dtype"]) for c in report["ceilings"]} >= {
         ("jax", "float32"), ("torch", "float32")}
     rows = report["results"]
@@ -56,6 +117,11 @@ def test_quick_run_writes_both_reports(tmp_path):
         assert {"shape", "median_ms", "first_call_ms", "repeats", "ours_speedup"} <= set(r)
         assert r["median_ms"] > 0 and r["repeats"] >= 1
     md = (tmp_path / "latest.md").read_text()
+    assert "budget; forward only" not in md and "## Skipped" not in md  # the old skip
+    assert "## Budget" in md and "Every row measured" in md
+    m = report["machine"]
+    assert (f"in use: XLA code generation {m['xla_isa']}, torch {m['torch_isa']}, "
+            f"NumPy {m['numpy_isa']}") in md
     assert "| impl |" in md and "jax_core×" in md and "## Targets" in md
     assert "## Module calls" in md and "| ours× |" in md
     assert all(f"| {impl} |" in md for impl in MODULES)
@@ -136,3 +202,51 @@ def test_only_latent_decode_runs_that_section_alone(tmp_path, capsys):
     assert all(r["median_ms"] > 0 and r["gqa_ratio"] > 0 for r in rows)
     assert not (tmp_path / "latest.json").exists()
     assert "## Multi-head latent attention's decode step" in capsys.readouterr().out
+
+
+def test_steady_repeats_fills_half_a_second_within_three_and_the_most():
+    assert steady_repeats(0.1, 0.5, 10) == 5   # 0.5 s / 0.1 s
+    assert steady_repeats(0.001, 0.5, 10) == 10  # 500 wanted, 10 at most
+    assert steady_repeats(2.0, 0.5, 10) == 3   # a slow call: never fewer than 3
+    assert steady_repeats(0.1, 0.0, 10) == 3   # a run short of budget: 3 everywhere
+    assert steady_repeats(0.12, 0.5, 10) == 4  # round(4.17)
+    with pytest.raises(ValueError, match="most should be at least MIN_REPEATS = 3, got 2"):
+        steady_repeats(0.1, 0.5, 2)
+    with pytest.raises(ValueError, match="first_s and steady_s"):
+        steady_repeats(-1.0, 0.5, 10)
+
+
+def test_xla_isa_is_the_hosts_capped_by_xla_cpu_max_isa():
+    avx2 = {"sse4_2", "avx", "avx2", "fma"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert xla_max_isa(None) is None and xla_max_isa("--xla_dump_to=/tmp") is None
+    assert xla_max_isa("--xla_cpu_max_isa=avx2 --xla_dump_to=/tmp") == "AVX2"
+    assert xla_max_isa("--xla_cpu_max_isa=AVX512 --xla_cpu_max_isa=AVX") == "AVX"  # last wins
+    assert xla_isa(avx512, None) == "AVX512_VNNI"
+    assert xla_isa(avx512, "AVX2") == "AVX2"
+    assert xla_isa(avx2, "AVX512") == "AVX2"  # a cap above the host changes nothing
+    assert xla_isa(avx512, "NOT_AN_ISA") is None
+    assert xla_isa({"asimd", "sve"}, None) is None  # Arm: not in XLA_ISAS' x86 names
+
+
+@pytest.mark.skipif("avx2" not in host_flags(), reason="needs an x86 CPU with AVX2")
+def test_report_states_the_emulated_instruction_set(tmp_path):
+    """A run under the three switches (as a user emulating an AVX2 host would set them) says
+    so: XLA capped at AVX2, torch's kernels AVX2, no AVX-512 target among NumPy's."""
+    disabled = ("X86_V4", "AVX512_ICL", "AVX512_SPR")
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+           "NPY_DISABLE_CPU_FEATURES": " ".join(disabled),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "golden.bench", "--quick", "--only",
+                           "latent_decode", "--out", str(tmp_path)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    m = json.loads((tmp_path / "latent_decode.json").read_text())["machine"]
+    assert m["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2" and m["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert m["NPY_DISABLE_CPU_FEATURES"] == " ".join(disabled)
+    assert m["xla_isa"] == "AVX2" and m["torch_isa"] == "AVX2"
+    assert not set(m["numpy_dispatch"]) & set(disabled) and m["numpy_isa"] not in disabled
+    assert m["cpu_isa"] == ("AVX2" if "avx512f" not in host_flags() else m["cpu_isa"])
+    assert ("in use: XLA code generation AVX2, torch AVX2, NumPy " + m["numpy_isa"]
+            in done.stdout)
+    assert "XLA_FLAGS=--xla_cpu_max_isa=AVX2; ATEN_CPU_CAPABILITY=avx2" in done.stdout
