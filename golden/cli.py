@@ -17,14 +17,19 @@ from golden.validate import DTYPES
 from golden.variants import VARIANTS
 
 
+def _fixture_selection(parser) -> None:
+    """The options that choose fixtures, the same for ``check`` and ``fixtures``."""
+    parser.add_argument("names", nargs="*", help="fixture names or paths (default: all shipped)")
+    parser.add_argument("-k", dest="pattern", metavar="PATTERN",
+                        help="fixtures whose name contains PATTERN (a glob if it has * ? [)")
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS), default=[],
+                        help="only fixtures of this variant (repeatable)")
+
+
 def _check_parser(sub):
     check = sub.add_parser("check", help="run the fixtures through reference, torch, jax and "
                                          "any implementation (--impl)")
-    check.add_argument("names", nargs="*", help="fixture names or paths (default: all shipped)")
-    check.add_argument("-k", dest="pattern", metavar="PATTERN",
-                       help="fixtures whose name contains PATTERN (a glob if it has * ? [)")
-    check.add_argument("--variant", action="append", choices=list(VARIANTS), default=[],
-                       help="only fixtures of this variant (repeatable)")
+    _fixture_selection(check)
     check.add_argument("--framework", action="append", choices=FRAMEWORKS, default=[],
                        help="only this framework (repeatable; default: all installed, or none "
                             "when --impl is given)")
@@ -45,11 +50,7 @@ def _check_parser(sub):
 def _fixtures_parser(sub):
     listing = sub.add_parser("fixtures", help="list the stored fixtures: variant, dtypes, "
                                               "configuration, input and parameter shapes")
-    listing.add_argument("names", nargs="*", help="fixture names or paths (default: all shipped)")
-    listing.add_argument("-k", dest="pattern", metavar="PATTERN",
-                         help="fixtures whose name contains PATTERN (a glob if it has * ? [)")
-    listing.add_argument("--variant", action="append", choices=list(VARIANTS), default=[],
-                         help="only fixtures of this variant (repeatable)")
+    _fixture_selection(listing)
     listing.add_argument("--json", action="store_true", help="print JSON instead of text")
     return listing
 
