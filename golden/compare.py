@@ -239,19 +239,28 @@ def _prepared(rng, value, where):
                      f"{type(value).__name__}")
 
 
+def _leafwise(fn, value):
+    """``fn`` applied to every leaf of ``value`` through tuples, lists and dicts (their types
+    and keys kept)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_leafwise(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _leafwise(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
 def _converted(value, framework: str, dtype: str):
     """A prepared keyword value for one run: arrays as the framework's (floats in ``dtype``,
     64-bit integers as JAX's integers without x64), factories called with (framework, dtype),
     the rest as it is. ``framework`` is "torch" or "flax"."""
-    if isinstance(value, np.ndarray):
-        return (TORCH if framework == "torch" else JAX).array(value, dtype)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_converted(v, framework, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _converted(v, framework, dtype) for k, v in value.items()}
-    if callable(value):
-        return value(framework, dtype)
-    return value
+    adapter = TORCH if framework == "torch" else JAX
+
+    def leaf(v):
+        if isinstance(v, np.ndarray):
+            return adapter.array(v, dtype)
+        return v(framework, dtype) if callable(v) else v
+
+    return _leafwise(leaf, value)
 
 
 def per_framework(*, torch=None, flax=None):
@@ -990,14 +999,14 @@ def _on_grid(value, dtype):
     float32 they already are (``_draw``, ``_inputs``)."""
     if dtype == "float32":
         return value
-    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
-        with np.errstate(over="ignore"):  # a mask's float32 minimum is -inf in float16
-            return value.astype(JAX.dtype(dtype)).astype(np.float64)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_on_grid(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_grid(v, dtype) for k, v in value.items()}
-    return value
+
+    def leaf(v):
+        if isinstance(v, np.ndarray) and v.dtype.kind == "f":
+            with np.errstate(over="ignore"):  # a mask's float32 minimum is -inf in float16
+                return v.astype(JAX.dtype(dtype)).astype(np.float64)
+        return v
+
+    return _leafwise(leaf, value)
 
 
 # ---------------------------------------------------------------- port fixtures
