@@ -24,8 +24,77 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     scalar) or None; distance_bias (2S + 1,) or None, the bias of each key − query distance
     (formed here as an (Lq, Lk) bias); ``static`` a blockwise.Static (its blocks unused). rng
     is unused: a drawn dropout mask comes in as ``dropout_mask``.
+    Where the causal bound, the window or the chunks leave each block of query rows a narrower
+    range of keys (fixed at trace time: no ``offset``), the rows are taken TILE_ROWS at a time,
+    each against its keys only (``tiles``), and the weights outside are zeros: causal attention
+    at L = 1024 then forms about half the scores.
     Returns (output (Lq, Dv), weights (Lq, Lk)) in q's dtype."""
     del rng
+    extras = (mask, bias, dropout_mask)
+    parts = [_attend_tile(q[a:b], k[lo:hi], v[lo:hi], *(_slice(x, a, b, lo, hi) for x in extras),
+                          offset, q_lengths, kv_lengths, sink, distance_bias, row0=a, key0=lo,
+                          static=static)
+             for a, b, lo, hi in tiles(q.shape[0], k.shape[0], offset, static)]
+    if len(parts) == 1:
+        return parts[0]
+    lk = k.shape[0]
+    out = jnp.concatenate([o for o, _ in parts], axis=0)
+    weights = jnp.concatenate([jnp.pad(w, ((0, 0), (lo, lk - hi))) for (_, w), (_, _, lo, hi)
+                               in zip(parts, tiles(q.shape[0], lk, offset, static))], axis=0)
+    return out, weights
+
+
+# The query rows per tile when tiling pays (``tiles``): measured on a CPU at B=4, H=8, L=512
+# and 1024 (docs/performance.md, "Causal attention skips the masked half"); TILED_AT_MOST: the
+# share of the (Lq, Lk) scores the tiles may cover for tiling to be used.
+TILE_ROWS = 256
+TILED_AT_MOST = 0.8
+
+
+def tiles(lq, lk, offset, static):
+    """[(first row, end row, first key, end key)]: the query rows in tiles of about TILE_ROWS,
+    each with the keys the positional rules can let it see, known at trace time; one tile
+    [(0, Lq, 0, Lk)] when the positions are traced (an offset), no rule bounds the keys, or the
+    tiles would cover more than TILED_AT_MOST of the scores."""
+    whole = [(0, lq, 0, lk)]
+    left, right = static.window
+    bounded = static.is_causal or left is not None or right is not None or (
+        static.chunk_size is not None)
+    if offset is not None or not bounded:
+        return whole
+    count = max(1, round(lq / TILE_ROWS))
+    edges = [lq * i // count for i in range(count + 1)]
+    found = []
+    for a, b in zip(edges[:-1], edges[1:]):  # rows a .. b - 1 at positions a .. b - 1
+        lo, hi = 0, lk
+        if static.is_causal:
+            hi = min(hi, b)
+        if right is not None:
+            hi = min(hi, b - 1 + right + 1)
+        if left is not None:
+            lo = max(lo, a - left)
+        if static.chunk_size is not None:
+            c = static.chunk_size
+            lo, hi = max(lo, a // c * c), min(hi, ((b - 1) // c + 1) * c)
+        lo, hi = min(lo, lk), max(min(hi, lk), 0)
+        if hi <= lo:  # no key at all: keep one so that shapes stay non-empty (masked out)
+            lo, hi = (0, 1) if lo >= lk else (lo, lo + 1)
+        found.append((a, b, lo, hi))
+    covered = sum((b - a) * (hi - lo) for a, b, lo, hi in found)
+    return found if covered <= TILED_AT_MOST * lq * lk else whole
+
+
+def _slice(x, a, b, lo, hi):
+    """Rows a:b and keys lo:hi of a (Lq|1, Lk|1) array (a size-1 axis kept), or None."""
+    if x is None or x.ndim < 2:
+        return x
+    return x[slice(a, b) if x.shape[-2] > 1 else slice(None),
+             slice(lo, hi) if x.shape[-1] > 1 else slice(None)]
+
+
+def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink,
+                 distance_bias, *, row0, key0, static):
+    """``attend`` for query rows row0 … and keys key0 … (a tile; the whole head at 0, 0)."""
     compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
     scores = static.scale * jnp.einsum("qd,kd->qk", q, k, precision=static.precision,
                                        preferred_element_type=compute)  # (Lq, Lk)
@@ -34,12 +103,12 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     if bias is not None:
         scores = scores + bias.astype(compute)
     if distance_bias is not None:
-        key = jnp.arange(k.shape[0])[None, :]  # (1, Lk)
-        pos = jnp.arange(q.shape[0])[:, None] + (0 if offset is None else offset)  # (Lq, 1)
+        key = key0 + jnp.arange(k.shape[0])[None, :]  # (1, Lk)
+        pos = row0 + jnp.arange(q.shape[0])[:, None] + (0 if offset is None else offset)
         scores = scores + distance_terms(distance_bias.astype(compute), key, pos)
     allowed = _allowed(scores.shape, mask, offset, q_lengths, kv_lengths,
                        is_causal=static.is_causal, window=static.window,
-                       chunk=static.chunk_size)
+                       chunk=static.chunk_size, row0=row0, key0=key0)
     if sink is not None:
         weights = _sink_softmax(scores, allowed, sink.astype(compute))
     elif allowed is None:
@@ -74,11 +143,12 @@ def _causal_only(mask, offset, q_lengths, kv_lengths, window, chunk=None):
         window == NO_WINDOW) and chunk is None
 
 
-def _allowed(shape, mask, offset, q_lengths, kv_lengths, *, is_causal, window, chunk=None):
+def _allowed(shape, mask, offset, q_lengths, kv_lengths, *, is_causal, window, chunk=None,
+             row0=0, key0=0):
     """Where query row i, at position i + offset, may attend key j (position j): bool (Lq, Lk),
-    or None when every key is allowed."""
-    row = jnp.arange(shape[0])[:, None]  # (Lq, 1)
-    key = jnp.arange(shape[1])[None, :]  # (1, Lk)
+    or None when every key is allowed; the rows counted from row0, the keys from key0."""
+    row = row0 + jnp.arange(shape[0])[:, None]  # (Lq, 1)
+    key = key0 + jnp.arange(shape[1])[None, :]  # (1, Lk)
     pos = row if offset is None else row + offset  # (Lq, 1)
     terms = [t for t in [mask] if t is not None] + allowed_terms(
         row, key, pos, is_causal=is_causal, window=window, chunk=chunk, q_lengths=q_lengths,

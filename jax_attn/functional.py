@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from golden.implementations import Asked, Implementation, Registry
+from golden.implementations import Asked, Implementation, Registry, ran
 from golden.validate import (
     check_attention_args,
     check_block_sizes,
@@ -148,18 +148,58 @@ def scaled_dot_product_attention(
     key, value = (heads_as_query(query, x, spec) for x in (key, value))
     one_device = on_one_device(query, key, value)
     attention = on_mesh(_attention, query, spec, return_weights)
-    out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
-                             *positions, sinks, distance_bias, scale=scale,
-                             is_causal=bool(is_causal),
-                             softcap=None if softcap is None else float(softcap),
-                             window=window(local_window_size),
-                             chunk_size=attention_chunk_size,
-                             dropout_rate=float(dropout_rate), precision=precision,
-                             return_weights=bool(return_weights),
-                             chunk=heads_per_step(query.shape, key.shape) if one_device else None,
-                             implementation=chosen.name,
-                             block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES)
+    args = (query, key, value, mask, bias, dropout_mask, dropout_rng, *positions, sinks,
+            distance_bias)
+    static = dict(scale=scale, is_causal=bool(is_causal),
+                  softcap=None if softcap is None else float(softcap),
+                  window=window(local_window_size), chunk_size=attention_chunk_size,
+                  dropout_rate=float(dropout_rate), precision=precision,
+                  return_weights=bool(return_weights),
+                  chunk=heads_per_step(query.shape, key.shape) if one_device else None,
+                  implementation=chosen.name,
+                  block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES)
+    if implementation is None and _split_passes(chosen.name, asked, dropout_mask):
+        return _forward_then_flash_backward(attention, args, static)
+    out, weights = attention(*args, **static)
     return (out, weights) if return_weights else out
+
+
+# implementation=None differentiates with "blockwise"'s backward (it recomputes each block
+# from the saved log-sum-exp) even where "explicit" runs the plain forward: on a CPU explicit's
+# gradient, JAX's through its head-chunked loop, is 2-4x slower at L = 512-1024
+# (docs/performance.md, "Forward and backward choose separately").
+BACKWARD = "blockwise"
+
+
+def _split_passes(name, asked, dropout_mask) -> bool:
+    """Whether implementation=None runs ``name``'s forward and BACKWARD's forward+backward
+    under differentiation: they compute the same function, so only when a drawn dropout (whose
+    masks differ between the two) is absent and BACKWARD takes the call."""
+    drawn = asked.dropout and dropout_mask is None
+    return (name != BACKWARD and name in ("explicit",) and not drawn
+            and IMPLEMENTATIONS.refuses(BACKWARD, asked) is None)
+
+
+def _forward_then_flash_backward(attention, args, static):
+    """attention(*args, **static)'s output; differentiated (jax.grad, jax.vjp), the output and
+    gradient of the same call with implementation=BACKWARD (a custom_vjp whose primal is the
+    plain forward and whose forward rule is BACKWARD's, so each pass runs the faster one)."""
+    flash = dict(static, implementation=BACKWARD)
+
+    @jax.custom_vjp
+    def run(*args):
+        return attention(*args, **static)[0]
+
+    def run_fwd(*args):
+        out, pullback = jax.vjp(lambda *a: attention(*a, **flash)[0], *args)
+        ran(IMPLEMENTATIONS.framework, BACKWARD)  # differentiated: BACKWARD ran
+        return out, pullback
+
+    def run_bwd(pullback, d_out):
+        return pullback(d_out)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(*args)
 
 
 def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,

@@ -1,0 +1,148 @@
+"""The JAX core's speed-minded paths compute the same function: "explicit"'s query tiles (each
+block of query rows against only the keys the causal bound, window or chunks let it see), and
+implementation=None's split passes (the chosen forward, "blockwise"'s gradient)."""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import golden
+import jax_attn
+from golden import variants
+from golden.implementations import record
+from golden.reference import allowed_positions
+from golden.tolerances import compare
+from jax_attn import blockwise, explicit
+from tests.helpers import JAX, fresh_rng
+
+SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
+
+
+def _static(is_causal=False, window=(None, None), chunk=None):
+    return blockwise.Static(1.0, is_causal, None, window, 0.0, None, 1, 1, chunk_size=chunk)
+
+
+@pytest.fixture
+def tiny_tiles(monkeypatch):
+    """Tiles of 2 query rows, used whenever they skip anything, so the fixtures' 5–9 rows span
+    several; traced programs are dropped before and after (the tile size is read at trace time)."""
+    monkeypatch.setattr(explicit, "TILE_ROWS", 2)
+    monkeypatch.setattr(explicit, "TILED_AT_MOST", 1.0)
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("lq, lk", [(5, 5), (7, 5), (5, 9), (9, 9), (1, 6), (30, 17)])
+@pytest.mark.parametrize("rules", [dict(is_causal=True), dict(window=(2, 0)), dict(window=(1, 3)),
+                                   dict(window=(None, 1)), dict(chunk=3),
+                                   dict(is_causal=True, window=(3, None), chunk=4),
+                                   dict(window=(0, 0))])
+def test_tiles_cover_every_allowed_key_and_each_row_once(monkeypatch, lq, lk, rules):
+    monkeypatch.setattr(explicit, "TILE_ROWS", 2)
+    found = explicit.tiles(lq, lk, None, _static(**rules))
+    rows = [r for a, b, _, _ in found for r in range(a, b)]
+    assert rows == list(range(lq))  # in order, each once
+    allowed = allowed_positions((lq, lk), is_causal=rules.get("is_causal", False),
+                                local_window_size=rules.get("window"),
+                                attention_chunk_size=rules.get("chunk"))
+    for a, b, lo, hi in found:
+        assert 0 <= lo < hi <= lk
+        outside = np.ones(lk, bool)
+        outside[lo:hi] = False
+        assert not allowed[a:b, outside].any(), (a, b, lo, hi)
+
+
+def test_tiles_skip_the_masked_half_and_only_with_static_positions():
+    causal = _static(is_causal=True)
+    assert explicit.tiles(1024, 1024, None, causal) == [(0, 256, 0, 256), (256, 512, 0, 512),
+                                                        (512, 768, 0, 768), (768, 1024, 0, 1024)]
+    assert explicit.tiles(256, 1024, None, causal) == [(0, 256, 0, 256)]  # top-left aligned
+    assert explicit.tiles(1024, 1024, jnp.int32(3), causal) == [(0, 1024, 0, 1024)]  # traced
+    assert explicit.tiles(1024, 1024, None, _static()) == [(0, 1024, 0, 1024)]  # nothing to skip
+    assert explicit.tiles(300, 300, None, causal) == [(0, 300, 0, 300)]  # one tile, all keys
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", SDPA_FIXTURES)
+def test_tiled_explicit_matches_reference(tiny_tiles, name, dtype):
+    fixture = golden.load(name)
+    config = variants.get(fixture.variant).config(fixture.config)
+    with jax.enable_x64(dtype == "float64"):
+        out, weights = jax_attn.scaled_dot_product_attention(
+            **JAX.arrays(fixture.inputs, dtype), **config, implementation="explicit",
+            return_weights=True)
+        comps = {"output": compare(JAX.numpy(out), fixture.expected["output"], dtype),
+                 "weights": compare(JAX.numpy(weights), fixture.expected["weights"], dtype)}
+    bad = {what: c for what, c in comps.items() if not c.ok}
+    assert not bad, f"tiled explicit {dtype} {name}: {bad}"
+
+
+def test_tiled_program_never_forms_the_whole_causal_matrix():
+    x = jax.ShapeDtypeStruct((1, 2, 1024, 8), jnp.float32)
+    text = jax.jit(partial(jax_attn.scaled_dot_product_attention, is_causal=True,
+                           implementation="explicit")).lower(x, x, x).as_text()
+    shapes = set(re.findall(r"tensor<(?:\d+x)*(\d+x\d+)xf32>", text))
+    assert "256x256" in shapes and "1024x1024" not in shapes
+    full = jax.jit(partial(jax_attn.scaled_dot_product_attention,
+                           implementation="explicit")).lower(x, x, x).as_text()
+    assert "1024x1024xf32" in full  # the same check sees the whole matrix when it is formed
+
+
+def _loss(implementation, **kw):
+    def loss(q, k, v, bias):
+        out = jax_attn.scaled_dot_product_attention(q, k, v, bias=bias,
+                                                    implementation=implementation, **kw)
+        return jnp.sum(jnp.sin(out))
+    return loss
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, local_window_size=(4, None)),
+                                dict(sinks=True), dict(dropout_mask=True)])
+def test_none_runs_the_chosen_forward_and_differentiates_with_blockwise(kw):
+    rng, _ = fresh_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 4, 12, 8)), jnp.float32) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal((4, 12, 12)), jnp.float32)
+    if kw.get("sinks"):
+        kw = dict(sinks=jnp.asarray(rng.standard_normal(4), jnp.float32))
+    if kw.get("dropout_mask"):
+        kw = dict(dropout_rate=0.5, dropout_mask=jnp.asarray(rng.random((2, 4, 12, 12)) < 0.5))
+    with record() as ran:
+        out = jax_attn.scaled_dot_product_attention(q, k, v, bias=bias, **kw)
+    explicit_out = jax_attn.scaled_dot_product_attention(q, k, v, bias=bias,
+                                                         implementation="explicit", **kw)
+    assert ran == [("jax", "explicit")]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(explicit_out))  # the same program
+    with record() as ran:
+        grads = jax.grad(_loss(None, **kw), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert ran == [("jax", "explicit"), ("jax", "blockwise")]
+    flash = jax.grad(_loss("blockwise", **kw), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    slow = jax.grad(_loss("explicit", **kw), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, f, s in zip(grads, flash, slow):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(f))  # blockwise's gradient
+        np.testing.assert_allclose(np.asarray(g), np.asarray(s), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(return_weights=True), dict(dropout_rate=0.5)])
+def test_no_split_where_blockwise_cannot_reproduce_the_forward(kw):
+    """Weights asked for (blockwise never forms them), or dropout drawn from a key (the two draw
+    different masks): explicit's own gradient."""
+    rng, _ = fresh_rng()
+    q = jnp.asarray(rng.standard_normal((2, 12, 8)), jnp.float32)
+    if "dropout_rate" in kw:
+        kw = dict(kw, dropout_rng=jax.random.key(0))
+    first = (lambda r: r[0]) if kw.get("return_weights") else (lambda r: r)
+
+    def loss(q):
+        return jnp.sum(jnp.sin(first(jax_attn.scaled_dot_product_attention(q, q, q, **kw))))
+
+    with record() as ran:
+        grad = jax.grad(loss)(q)
+    assert ran == [("jax", "explicit")]
+    assert np.isfinite(np.asarray(grad)).all()
