@@ -97,7 +97,9 @@ def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv
                  distance_bias, out, stats)
 
 
-def _flash_bwd(st, res, d_out):
+def flash_bwd(st, res, d_out):
+    """The gradients of _flash's differentiable arguments from its residuals (the arguments,
+    the output and the statistics; jax_attn.explicit.attend_split saves the same)."""
     (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink, distance_bias,
      out, stats) = res
     h = Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
@@ -112,7 +114,7 @@ def _flash_bwd(st, res, d_out):
     return grads + (None, dbias, None, None, None, None, None, dsink, ddistance)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_fwd, flash_bwd)
 
 
 # ---- the padded head and its positional rules ---------------------------------------------------

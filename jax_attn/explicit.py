@@ -7,12 +7,15 @@ Shape legend: Lq query length, Lk key length, Dk key width, Dv value width.
 
 from __future__ import annotations
 
-from functools import reduce
+from functools import partial, reduce
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from golden.implementations import ran
 from golden.positions import allowed_terms, distance_terms
+from jax_attn import blockwise
 
 NO_WINDOW = (None, None)
 
@@ -30,18 +33,80 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     at L = 1024 then forms about half the scores.
     Returns (output (Lq, Dv), weights (Lq, Lk)) in q's dtype."""
     del rng
-    extras = (mask, bias, dropout_mask)
-    parts = [_attend_tile(q[a:b], k[lo:hi], v[lo:hi], *(_slice(x, a, b, lo, hi) for x in extras),
+    out, weights, _ = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths,
+                             sink, distance_bias, static)
+    return out, weights
+
+
+def _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink,
+           distance_bias, static):
+    """(output (Lq, Dv), weights (Lq, Lk), statistics (2, Lq)) of ``attend``, tile by tile;
+    the statistics are each row's largest score m and 1 / l, l = Σ exp(s − m), in the format
+    of jax_attn.blockwise (a row with no allowed key: m = the largest finite number, 1 / l = 0;
+    a sink counted in both)."""
+    found = tiles(q.shape[0], k.shape[0], offset, static)
+    parts = [_attend_tile(q[a:b], k[lo:hi], v[lo:hi],
+                          *(_slice(x, a, b, lo, hi) for x in (mask, bias, dropout_mask)),
                           offset, q_lengths, kv_lengths, sink, distance_bias, row0=a, key0=lo,
                           static=static)
-             for a, b, lo, hi in tiles(q.shape[0], k.shape[0], offset, static)]
-    if len(parts) == 1:
-        return parts[0]
+             for a, b, lo, hi in found]
     lk = k.shape[0]
-    out = jnp.concatenate([o for o, _ in parts], axis=0)
-    weights = jnp.concatenate([jnp.pad(w, ((0, 0), (lo, lk - hi))) for (_, w), (_, _, lo, hi)
-                               in zip(parts, tiles(q.shape[0], lk, offset, static))], axis=0)
-    return out, weights
+    if found == [(0, q.shape[0], 0, lk)]:
+        return parts[0]
+    out = jnp.concatenate([o for o, _, _ in parts], axis=0)
+    weights = jnp.concatenate([jnp.pad(w, ((0, 0), (lo, lk - hi)))
+                               for (_, w, _), (_, _, lo, hi) in zip(parts, found)], axis=0)
+    stats = jnp.concatenate([st for _, _, st in parts], axis=1)
+    return out, weights, stats
+
+
+def attend_split(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
+                 sink=None, distance_bias=None, *, static):
+    """``attend``'s output, differentiated with jax_attn.blockwise's backward (each block's
+    probabilities recomputed from the row statistics this forward saves) in the blocks of
+    ``backward_blocks``, instead of JAX's derivative of this program: the same function, the
+    faster pass each way on a CPU (docs/performance.md). Returns (output, None)."""
+    del rng  # a drawn dropout mask comes in as dropout_mask
+    return _split(static, q, k, v, mask, bias, dropout_mask, None, offset, q_lengths,
+                  kv_lengths, sink, distance_bias), None
+
+
+# The backward's blocks when attend_split differentiates (``backward_blocks``): measured on a
+# CPU at B=4, H=8, D=64, L = 512 and 1024, causal and not (docs/performance.md).
+BACKWARD_BLOCK_K = 512
+BACKWARD_BLOCK_Q = (256, 512)  # the least and most query rows: half the length between them
+
+
+def backward_blocks(lq, lk):
+    """(Bq, Bk) for attend_split's backward: query blocks of half the rows, 256 to 512 (as
+    blockwise.fit spreads them), key blocks of at most 512."""
+    least, most = BACKWARD_BLOCK_Q
+    return (blockwise.fit(lq, min(most, max(least, lq // 2))),
+            blockwise.fit(lk, BACKWARD_BLOCK_K))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _split(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
+           distance_bias):
+    return _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink,
+                  distance_bias, st)[0]
+
+
+def _split_fwd(st, *args):
+    q, k, v, mask, bias, dropout_mask, _, offset, q_lengths, kv_lengths, sink, distance = args
+    out, _, stats = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths,
+                           sink, distance, st)
+    ran("jax", "blockwise")  # its backward
+    return out, args + (out, stats)
+
+
+def _split_bwd(st, res, d_out):
+    lq, lk = res[0].shape[0], res[1].shape[0]
+    block_q, block_k = backward_blocks(lq, lk)
+    return blockwise.flash_bwd(st._replace(block_q=block_q, block_k=block_k), res, d_out)
+
+
+_split.defvjp(_split_fwd, _split_bwd)
 
 
 # The query rows per tile when tiling pays (``tiles``): measured on a CPU at B=4, H=8, L=512
@@ -94,7 +159,7 @@ def _slice(x, a, b, lo, hi):
 
 def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink,
                  distance_bias, *, row0, key0, static):
-    """``attend`` for query rows row0 … and keys key0 … (a tile; the whole head at 0, 0)."""
+    """``_tiled`` for query rows row0 … and keys key0 … (a tile; the whole head at 0, 0)."""
     compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
     scores = static.scale * jnp.einsum("qd,kd->qk", q, k, precision=static.precision,
                                        preferred_element_type=compute)  # (Lq, Lk)
@@ -109,32 +174,29 @@ def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_length
     allowed = _allowed(scores.shape, mask, offset, q_lengths, kv_lengths,
                        is_causal=static.is_causal, window=static.window,
                        chunk=static.chunk_size, row0=row0, key0=key0)
+    filled = scores if allowed is None else jnp.where(allowed, scores, jnp.finfo(compute).min)
+    if sink is not None:  # softmax([S, s])[:, :-1]: masked entries are exactly 0
+        column = jnp.broadcast_to(sink.astype(compute), filled.shape[:1] + (1,))  # (Lq, 1)
+        filled = jnp.concatenate([filled, column], axis=-1)
+    m = lax.stop_gradient(jnp.max(filled, axis=-1, keepdims=True))  # finite: no NaN anywhere
+    e = jnp.exp(filled - m)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    weights = e / total  # jax.nn.softmax's arithmetic, with its statistics kept
     if sink is not None:
-        weights = _sink_softmax(scores, allowed, sink.astype(compute))
-    elif allowed is None:
-        weights = jax.nn.softmax(scores, axis=-1)
-    else:
-        filled = jnp.where(allowed, scores, jnp.finfo(compute).min)  # finite: no NaN anywhere
-        weights = jax.nn.softmax(filled, axis=-1)
-        if not _causal_only(mask, offset, q_lengths, kv_lengths, static.window,
-                            static.chunk_size):
-            weights = weights * allowed.any(axis=-1, keepdims=True)  # empty rows give zeros
+        weights = weights[:, :-1]
+    inv = 1.0 / total
+    if allowed is not None and (sink is not None or not _causal_only(
+            mask, offset, q_lengths, kv_lengths, static.window, static.chunk_size)):
+        some = allowed.any(axis=-1, keepdims=True)
+        weights = jnp.where(allowed, weights, 0.0) if sink is not None else weights * some
+        if sink is None:  # an empty row: p = 0 in the backward
+            m, inv = jnp.where(some, m, jnp.finfo(compute).max), jnp.where(some, inv, 0.0)
     if static.dropout_rate > 0.0:
         weights = jnp.where(dropout_mask, weights / (1.0 - static.dropout_rate), 0.0)
     weights = weights.astype(q.dtype)
     out = jnp.einsum("qk,kv->qv", weights, v, precision=static.precision,
                      preferred_element_type=compute)  # (Lq, Dv)
-    return out.astype(q.dtype), weights
-
-
-def _sink_softmax(scores, allowed, sink):
-    """softmax([S, s])[:, :-1] over the allowed keys and the sink logit s (GPT-OSS): masked
-    entries are exactly 0, a row with no allowed key gives zeros."""
-    if allowed is not None:
-        scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
-    column = jnp.broadcast_to(sink, scores.shape[:1] + (1,))  # (Lq, 1)
-    weights = jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[:, :-1]
-    return weights if allowed is None else jnp.where(allowed, weights, 0.0)
+    return out.astype(q.dtype), weights, jnp.concatenate([m, inv], axis=-1).T
 
 
 def _causal_only(mask, offset, q_lengths, kv_lengths, window, chunk=None):

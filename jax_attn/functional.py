@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from golden.implementations import Asked, Implementation, Registry, ran
+from golden.implementations import Asked, Implementation, Registry
 from golden.validate import (
     check_attention_args,
     check_block_sizes,
@@ -158,48 +158,17 @@ def scaled_dot_product_attention(
                   chunk=heads_per_step(query.shape, key.shape) if one_device else None,
                   implementation=chosen.name,
                   block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES)
-    if implementation is None and _split_passes(chosen.name, asked, dropout_mask):
-        return _forward_then_flash_backward(attention, args, static)
-    out, weights = attention(*args, **static)
+    split = implementation is None and _split_passes(chosen.name, asked)
+    out, weights = attention(*args, **static, split=split)
     return (out, weights) if return_weights else out
 
 
-# implementation=None differentiates with "blockwise"'s backward (it recomputes each block
-# from the saved log-sum-exp) even where "explicit" runs the plain forward: on a CPU explicit's
-# gradient, JAX's through its head-chunked loop, is 2-4x slower at L = 512-1024
-# (docs/performance.md, "Forward and backward choose separately").
-BACKWARD = "blockwise"
-
-
-def _split_passes(name, asked, dropout_mask) -> bool:
-    """Whether implementation=None runs ``name``'s forward and BACKWARD's forward+backward
-    under differentiation: they compute the same function, so only when a drawn dropout (whose
-    masks differ between the two) is absent and BACKWARD takes the call."""
-    drawn = asked.dropout and dropout_mask is None
-    return (name != BACKWARD and name in ("explicit",) and not drawn
-            and IMPLEMENTATIONS.refuses(BACKWARD, asked) is None)
-
-
-def _forward_then_flash_backward(attention, args, static):
-    """attention(*args, **static)'s output; differentiated (jax.grad, jax.vjp), the output and
-    gradient of the same call with implementation=BACKWARD (a custom_vjp whose primal is the
-    plain forward and whose forward rule is BACKWARD's, so each pass runs the faster one)."""
-    flash = dict(static, implementation=BACKWARD)
-
-    @jax.custom_vjp
-    def run(*args):
-        return attention(*args, **static)[0]
-
-    def run_fwd(*args):
-        out, pullback = jax.vjp(lambda *a: attention(*a, **flash)[0], *args)
-        ran(IMPLEMENTATIONS.framework, BACKWARD)  # differentiated: BACKWARD ran
-        return out, pullback
-
-    def run_bwd(pullback, d_out):
-        return pullback(d_out)
-
-    run.defvjp(run_fwd, run_bwd)
-    return run(*args)
+def _split_passes(name, asked) -> bool:
+    """Whether implementation=None's "explicit" is differentiated with "blockwise"'s backward
+    (jax_attn.explicit.attend_split): where the weights are not asked for. On a CPU JAX's
+    derivative of explicit, through its head-chunked loop, is 2-4x slower at L = 512-1024
+    (docs/performance.md, "Forward and backward, each the faster")."""
+    return name == "explicit" and IMPLEMENTATIONS.refuses("blockwise", asked) is None
 
 
 def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,
@@ -312,15 +281,17 @@ IMPLEMENTATIONS = Registry(
 
 @partial(jax.jit, static_argnames=("scale", "is_causal", "softcap", "window", "dropout_rate",
                                    "precision", "return_weights", "chunk", "implementation",
-                                   "block_sizes", "chunk_size"))
+                                   "block_sizes", "chunk_size", "split"))
 def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_lengths=None,
                kv_lengths=None, sinks=None, distance_bias=None, *, scale, is_causal, dropout_rate,
                precision, return_weights, softcap=None, window=NO_WINDOW, chunk_size=None,
-               chunk=None, implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES):
+               chunk=None, implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES,
+               split=False):
     """Lift to (B, Hkv, G, ...), vmap the implementation's one-head core over G (key and value
     not mapped), Hkv and B, drop the added axes. offset, q_lengths, kv_lengths: int arrays (B,)
-    or (), or None. "explicit" draws one dropout mask for every head here; "blockwise" draws
-    its own from rng, one stream per (batch, head), block by block."""
+    or (), or None. ``split``: "explicit" differentiated with "blockwise"'s backward
+    (explicit.attend_split). "explicit" draws one dropout mask for every head here;
+    "blockwise" draws its own from rng, one stream per (batch, head), block by block."""
     lead = query.shape[:-2]
     shape = lead + (query.shape[-2], key.shape[-2])  # (..., H, Lq, Lk)
     blocks = implementation == "blockwise"
@@ -344,7 +315,7 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
     static = blockwise.Static(scale, is_causal, softcap, window, dropout_rate, precision,
                               *block_sizes, chunk_size=chunk_size)
 
-    attend = IMPLEMENTATIONS[implementation].run
+    attend = explicit.attend_split if split else IMPLEMENTATIONS[implementation].run
 
     def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink, distance,
             stream):
@@ -372,9 +343,24 @@ def _group(x, groups):
 def _vmap_all(one, q, k, v, extras):
     """vmap over G with k and v not mapped (never copied per query head), then over Hkv, then
     B; size-1 axes of the extras are not mapped."""
-    for axis in (2, 1, 0):  # G, Hkv, B: innermost first
-        one = _mapped(one, extras, axis, kv=axis < 2)
+    one = _over_groups(one, extras, q.shape[2])
+    for axis in (1, 0):  # Hkv, B
+        one = _mapped(one, extras, axis, kv=True)
     return one(q, k, v, *_squeezed(extras, 3))
+
+
+def _over_groups(one, extras, groups):
+    """``one`` vmapped over the G query heads of a kv head (k and v not mapped), or for G = 1
+    called on the single head: a vmap over a size-1 axis leaves it in the scores, which
+    XLA:CPU then copies into a new layout between the two products (3 programs' steps where the
+    naive einsum has 1: docs/performance.md)."""
+    if groups > 1:
+        return _mapped(one, extras, 2, kv=False)
+
+    def single(q, k, v, *rest):  # every extra has G = 1, so none is mapped over it
+        out, weights = one(q[0], k, v, *rest)
+        return out[None], None if weights is None else weights[None]
+    return single
 
 
 def _vmap_chunks(one, q, k, v, extras, chunk):
@@ -383,7 +369,7 @@ def _vmap_chunks(one, q, k, v, extras, chunk):
     of more than ``chunk`` query heads is itself taken ``chunk`` heads at a time, so a step's
     scores stay as small as without groups. The extras are indexed per pair, never copied."""
     b, hkv, g = q.shape[:3]
-    per_group = _mapped(one, extras, 2, kv=False)
+    per_group = _over_groups(one, extras, g)
 
     def group_in_steps(qn, kn, vn, picked):
         """A group larger than a chunk: its query heads ``chunk`` at a time, k and v shared."""
