@@ -77,8 +77,9 @@ def scaled_dot_product_attention(
 
     ``implementation`` names one of IMPLEMENTATIONS, each the same function of the arguments;
     one that cannot honour an argument raises a ValueError saying why (never a fallback):
-    - "explicit" (jax_attn.explicit): each head's (Lq, Lk) weights formed. Takes everything but
-      ``block_sizes``.
+    - "explicit" (jax_attn.explicit): each head's (Lq, Lk) weights formed (with static
+      positions, in tiles of query rows against only the keys the causal bound, the window or
+      the chunks let them see). Takes everything but ``block_sizes``.
     - "blockwise" (jax_attn.blockwise): FlashAttention-2's online softmax and a backward of its
       own that recomputes each block from the saved log-sum-exp, memory O(L); key blocks wholly
       outside the causal bound, the window or the lengths are skipped by index. It never forms
@@ -95,7 +96,9 @@ def scaled_dot_product_attention(
       interpret mode on a CPU.
     - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
       (L > 1024 for Lq = Lk), else "explicit" first, and on a GPU "cudnn" then "pallas"
-      before both; the first that takes the call runs it. The measurements (CPU):
+      before both; the first that takes the call runs it. "explicit" chosen so, without the
+      weights, is differentiated with blockwise's backward from the statistics its forward
+      saves (explicit.attend_split; record() then lists "blockwise" too). The measurements (CPU):
       docs/performance.md; the GPU rows are unmeasured.
     ``golden.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
@@ -233,8 +236,8 @@ def heads_per_step(q_shape, k_shape):
 
 # None takes blockwise first once one head's scores Lq·Lk are more than BLOCKWISE_ABOVE; the
 # measurements (forward and forward + backward, several block shapes and lengths, on a CPU):
-# docs/performance.md, "Why the thresholds are where they are". For training at L = 1024, pass
-# implementation="blockwise".
+# docs/performance.md, "Why the thresholds are where they are". Below it, explicit's forward is
+# differentiated with blockwise's backward (_split_passes).
 BLOCKWISE_ABOVE = 2**20
 
 
