@@ -65,14 +65,16 @@ def attend_split(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_l
     """``attend``'s output, differentiated with jax_attn.blockwise's backward (each block's
     probabilities recomputed from the row statistics this forward saves) in the blocks of
     ``backward_blocks``, instead of JAX's derivative of this program: the same function, the
-    faster pass each way on a CPU (docs/performance.md). Returns (output, None)."""
+    faster pass each way on a CPU (docs/performance.md). A custom_vjp: reverse mode only
+    (jax.jvp and jax.jacfwd need implementation="explicit"). Returns (output, None)."""
     del rng  # a drawn dropout mask comes in as dropout_mask
     return _split(static, q, k, v, mask, bias, dropout_mask, None, offset, q_lengths,
                   kv_lengths, sink, distance_bias), None
 
 
 # The backward's blocks when attend_split differentiates (``backward_blocks``): measured on a
-# CPU at B=4, H=8, D=64, L = 512 and 1024, causal and not (docs/performance.md).
+# CPU at B=4, H=8, D=64, L = 512 and 1024, causal and not (docs/performance.md, "Why the
+# thresholds are where they are").
 BACKWARD_BLOCK_K = 512
 BACKWARD_BLOCK_Q = (256, 512)  # the least and most query rows: half the length between them
 
@@ -109,9 +111,9 @@ def _split_bwd(st, res, d_out):
 _split.defvjp(_split_fwd, _split_bwd)
 
 
-# The query rows per tile when tiling pays (``tiles``): measured on a CPU at B=4, H=8, L=512
-# and 1024 (docs/performance.md, "Causal attention skips the masked half"); TILED_AT_MOST: the
-# share of the (Lq, Lk) scores the tiles may cover for tiling to be used.
+# The query rows per tile when tiling pays (``tiles``): measured on a CPU at B=4, H=8, L=1024
+# (docs/performance.md, "Why the thresholds are where they are"); TILED_AT_MOST: the share of
+# the (Lq, Lk) scores the tiles may cover for tiling to be used.
 TILE_ROWS = 256
 TILED_AT_MOST = 0.8
 

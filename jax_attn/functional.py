@@ -170,7 +170,7 @@ def _split_passes(name, asked) -> bool:
     """Whether implementation=None's "explicit" is differentiated with "blockwise"'s backward
     (jax_attn.explicit.attend_split): where the weights are not asked for. On a CPU JAX's
     derivative of explicit, through its head-chunked loop, is 2-4x slower at L = 512-1024
-    (docs/performance.md, "Forward and backward, each the faster")."""
+    (docs/performance.md, "Where the CPU time goes")."""
     return name == "explicit" and IMPLEMENTATIONS.refuses("blockwise", asked) is None
 
 

@@ -169,3 +169,22 @@ def test_no_split_where_the_weights_are_asked_for():
         grad = jax.grad(loss)(q)
     assert ran == [("jax", "explicit")]
     assert np.isfinite(np.asarray(grad)).all()
+
+
+def test_forward_mode_needs_explicit_by_name():
+    """The split passes are a custom_vjp (reverse mode only); explicit by name keeps JAX's own
+    derivative, so jax.jvp works there and agrees with the reverse-mode gradient."""
+    rng, seed = fresh_rng()
+    q = jnp.asarray(rng.standard_normal((2, 6, 4)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def f(implementation):
+        return lambda q: jnp.sum(jnp.sin(jax_attn.scaled_dot_product_attention(
+            q, q, q, is_causal=True, implementation=implementation)))
+
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(f(None), (q,), (t,))
+    _, tangent = jax.jvp(f("explicit"), (q,), (t,))
+    reverse = jnp.sum(jax.grad(f(None))(q) * t)
+    np.testing.assert_allclose(float(tangent), float(reverse), rtol=1e-4, atol=1e-5,
+                               err_msg=f"seed {seed}")
