@@ -176,20 +176,20 @@ def _key_blocks(st, h, i):
     p0, p1 = r0 + h.offset, last - 1 + h.offset  # positions of its first and last valid rows
     c, ks = st.chunk_size, h.key_start
     first = _max(0, None if left is None else p0 - left,
-                 None if c is None else _chunk_first(p0, c, ks))
+                 None if c is None else chunk_first(p0, c, ks))
     final = _min(h.kv_lengths - 1, p1 if st.is_causal else None,
                  None if right is None else p1 + right,
-                 None if c is None else _chunk_last(p1, c, ks))  # the last key any row may see
+                 None if c is None else chunk_last(p1, c, ks))  # the last key any row may see
     lo = first // st.block_k
     hi = jnp.where(last > r0, jnp.maximum(lo, final // st.block_k + 1), lo)
     if not _split(st, h):
         return _int32(lo, None, None, hi)
     q_end = r0 + st.block_q - 1 + h.offset  # every row of the block, padding included
     full_first = _max(0, None if left is None else q_end - left,
-                      None if c is None else _chunk_first(q_end, c, ks))
+                      None if c is None else chunk_first(q_end, c, ks))
     full_final = _min(h.kv_lengths - 1, p0 if st.is_causal else None,
                       None if right is None else p0 + right,
-                      None if c is None else _chunk_last(p0, c, ks))  # the last key every row sees
+                      None if c is None else chunk_last(p0, c, ks))  # the last key every row sees
     a = jnp.clip(_cdiv(full_first, st.block_k), lo, hi)
     b = jnp.clip((full_final + 1) // st.block_k, a, hi)
     if h.q_lengths is not None:  # rows past the length need the mask
@@ -206,10 +206,10 @@ def _query_blocks(st, h, j):
     c1 = jnp.minimum(c0 + st.block_k, h.kv_lengths) - 1  # its last valid key
     row_lo = _max(0, c0 - h.offset if st.is_causal else None,
                   None if right is None else c0 - right - h.offset,
-                  None if c is None else _chunk_first(c0, c, ks) - h.offset)
+                  None if c is None else chunk_first(c0, c, ks) - h.offset)
     row_hi = _min(h.lq - 1, None if h.q_lengths is None else h.q_lengths - 1,
                   None if left is None else c1 + left - h.offset,
-                  None if c is None else _chunk_last(c1, c, ks) - h.offset)
+                  None if c is None else chunk_last(c1, c, ks) - h.offset)
     lo = row_lo // st.block_q
     hi = jnp.where((c1 >= c0) & (row_hi >= row_lo), jnp.maximum(lo, row_hi // st.block_q + 1), lo)
     if not _split(st, h):
@@ -217,22 +217,22 @@ def _query_blocks(st, h, j):
     c_end = c0 + st.block_k - 1  # every key of the block, padding included
     full_lo = _max(0, c_end - h.offset if st.is_causal else None,
                    None if right is None else c_end - right - h.offset,
-                   None if c is None else _chunk_first(c_end, c, ks) - h.offset)
+                   None if c is None else chunk_first(c_end, c, ks) - h.offset)
     full_hi = _min(None if h.q_lengths is None else h.q_lengths - 1,
                    None if left is None else c0 + left - h.offset,
-                   None if c is None else _chunk_last(c0, c, ks) - h.offset)  # None: unbounded
+                   None if c is None else chunk_last(c0, c, ks) - h.offset)  # None: unbounded
     a = jnp.clip(_cdiv(full_lo, st.block_q), lo, hi)
     b = jnp.clip(hi if full_hi is None else (full_hi + 1) // st.block_q, a, hi)
     a, b = (jnp.where(c_end < h.kv_lengths, x, hi) for x in (a, b))  # padded keys need the mask
     return _int32(lo, a, b, hi)
 
 
-def _chunk_first(p, c, ks):
+def chunk_first(p, c, ks):
     """The first key (relative to key_start ks) in the chunk of C tokens of position p."""
     return (p + ks) // c * c - ks
 
 
-def _chunk_last(p, c, ks):
+def chunk_last(p, c, ks):
     """The last key (relative to key_start ks) in the chunk of C tokens of position p."""
     return ((p + ks) // c + 1) * c - 1 - ks
 

@@ -137,12 +137,13 @@ def tiles(lq, lk, offset, static):
         if static.is_causal:
             hi = min(hi, b)
         if right is not None:
-            hi = min(hi, b - 1 + right + 1)
+            hi = min(hi, b + right)
         if left is not None:
             lo = max(lo, a - left)
-        if static.chunk_size is not None:
+        if static.chunk_size is not None:  # the chunks of the first and the last row
             c = static.chunk_size
-            lo, hi = max(lo, a // c * c), min(hi, ((b - 1) // c + 1) * c)
+            lo = max(lo, blockwise.chunk_first(a, c, 0))
+            hi = min(hi, blockwise.chunk_last(b - 1, c, 0) + 1)
         lo, hi = min(lo, lk), max(min(hi, lk), 0)
         if hi <= lo:  # no key at all: keep one so that shapes stay non-empty (masked out)
             lo, hi = (0, 1) if lo >= lk else (lo, lo + 1)

@@ -151,18 +151,18 @@ def scaled_dot_product_attention(
     key, value = (heads_as_query(query, x, spec) for x in (key, value))
     one_device = on_one_device(query, key, value)
     attention = on_mesh(_attention, query, spec, return_weights)
-    args = (query, key, value, mask, bias, dropout_mask, dropout_rng, *positions, sinks,
-            distance_bias)
-    static = dict(scale=scale, is_causal=bool(is_causal),
-                  softcap=None if softcap is None else float(softcap),
-                  window=window(local_window_size), chunk_size=attention_chunk_size,
-                  dropout_rate=float(dropout_rate), precision=precision,
-                  return_weights=bool(return_weights),
-                  chunk=heads_per_step(query.shape, key.shape) if one_device else None,
-                  implementation=chosen.name,
-                  block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES)
-    split = implementation is None and _split_passes(chosen.name, asked)
-    out, weights = attention(*args, **static, split=split)
+    out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
+                             *positions, sinks, distance_bias, scale=scale,
+                             is_causal=bool(is_causal),
+                             softcap=None if softcap is None else float(softcap),
+                             window=window(local_window_size),
+                             chunk_size=attention_chunk_size,
+                             dropout_rate=float(dropout_rate), precision=precision,
+                             return_weights=bool(return_weights),
+                             chunk=heads_per_step(query.shape, key.shape) if one_device else None,
+                             implementation=chosen.name,
+                             block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES,
+                             split=implementation is None and _split_passes(chosen.name, asked))
     return (out, weights) if return_weights else out
 
 
@@ -344,8 +344,8 @@ def _group(x, groups):
 
 
 def _vmap_all(one, q, k, v, extras):
-    """vmap over G with k and v not mapped (never copied per query head), then over Hkv, then
-    B; size-1 axes of the extras are not mapped."""
+    """vmap over G with k and v not mapped (never copied per query head; G = 1 is not
+    vmapped: _over_groups), then over Hkv, then B; size-1 axes of the extras are not mapped."""
     one = _over_groups(one, extras, q.shape[2])
     for axis in (1, 0):  # Hkv, B
         one = _mapped(one, extras, axis, kv=True)
