@@ -12,7 +12,10 @@ when there is one (m = sink, l = 1, acc = 0: it joins the denominator and takes 
 gradient comes from the saved statistics, ``sink_grad``). It saves the output and each row's m
 and 1 / l (the log-sum-exp m + log l, in two parts); the backward recomputes each block's
 probabilities from them, key block by key block (``lax.scan``, dK and dV per key block, dQ
-carried whole), over the query blocks that can see it. Neither pass forms (Lq, Lk): memory is
+carried whole), over the query blocks that can see it; when the positions are static (no
+offset, no lengths) and (Lq', Lk') has at most UNROLL_AT_MOST entries, the backward's loops are
+unrolled at trace time instead (straight-line code runs faster on XLA:CPU than a loop body,
+docs/performance.md). Neither pass forms (Lq, Lk): memory is
 O(L·D + Bq·Bk). Blocks whose every entry the positional rules allow take a body without the mask
 (unless a ``mask`` or drawn dropout is given); blocks on a boundary are masked. mask, bias and
 dropout_mask stay as broadcast as they came, (Lq|1, Lk|1), and are sliced per block.
@@ -31,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from golden.positions import allowed_terms, distance_index
@@ -169,62 +173,64 @@ def _cdiv(a, b):
 def _key_blocks(st, h, i):
     """The key blocks query block i visits, [lo, hi), and among them [a, b), those whose every
     entry the positional rules allow (None when _split is False)."""
+    xp = _xp(h, i)
     left, right = st.window
     r0 = i * st.block_q
-    last = jnp.minimum(r0 + st.block_q,
-                       h.lq if h.q_lengths is None else jnp.minimum(h.q_lengths, h.lq))
+    last = xp.minimum(r0 + st.block_q,
+                       h.lq if h.q_lengths is None else xp.minimum(h.q_lengths, h.lq))
     p0, p1 = r0 + h.offset, last - 1 + h.offset  # positions of its first and last valid rows
     c, ks = st.chunk_size, h.key_start
-    first = _max(0, None if left is None else p0 - left,
+    first = _max(xp, 0, None if left is None else p0 - left,
                  None if c is None else chunk_first(p0, c, ks))
-    final = _min(h.kv_lengths - 1, p1 if st.is_causal else None,
+    final = _min(xp, h.kv_lengths - 1, p1 if st.is_causal else None,
                  None if right is None else p1 + right,
                  None if c is None else chunk_last(p1, c, ks))  # the last key any row may see
     lo = first // st.block_k
-    hi = jnp.where(last > r0, jnp.maximum(lo, final // st.block_k + 1), lo)
+    hi = xp.where(last > r0, xp.maximum(lo, final // st.block_k + 1), lo)
     if not _split(st, h):
-        return _int32(lo, None, None, hi)
+        return _int32(xp, lo, None, None, hi)
     q_end = r0 + st.block_q - 1 + h.offset  # every row of the block, padding included
-    full_first = _max(0, None if left is None else q_end - left,
+    full_first = _max(xp, 0, None if left is None else q_end - left,
                       None if c is None else chunk_first(q_end, c, ks))
-    full_final = _min(h.kv_lengths - 1, p0 if st.is_causal else None,
+    full_final = _min(xp, h.kv_lengths - 1, p0 if st.is_causal else None,
                       None if right is None else p0 + right,
                       None if c is None else chunk_last(p0, c, ks))  # the last key every row sees
-    a = jnp.clip(_cdiv(full_first, st.block_k), lo, hi)
-    b = jnp.clip((full_final + 1) // st.block_k, a, hi)
+    a = xp.clip(_cdiv(full_first, st.block_k), lo, hi)
+    b = xp.clip((full_final + 1) // st.block_k, a, hi)
     if h.q_lengths is not None:  # rows past the length need the mask
-        a, b = (jnp.where(r0 + st.block_q <= h.q_lengths, x, hi) for x in (a, b))
-    return _int32(lo, a, b, hi)
+        a, b = (xp.where(r0 + st.block_q <= h.q_lengths, x, hi) for x in (a, b))
+    return _int32(xp, lo, a, b, hi)
 
 
 def _query_blocks(st, h, j):
     """The query blocks that see some key of key block j, [lo, hi), and among them [a, b),
     those whose every entry the positional rules allow (None when _split is False)."""
+    xp = _xp(h, j)
     left, right = st.window
     c, ks = st.chunk_size, h.key_start
     c0 = j * st.block_k
-    c1 = jnp.minimum(c0 + st.block_k, h.kv_lengths) - 1  # its last valid key
-    row_lo = _max(0, c0 - h.offset if st.is_causal else None,
+    c1 = xp.minimum(c0 + st.block_k, h.kv_lengths) - 1  # its last valid key
+    row_lo = _max(xp, 0, c0 - h.offset if st.is_causal else None,
                   None if right is None else c0 - right - h.offset,
                   None if c is None else chunk_first(c0, c, ks) - h.offset)
-    row_hi = _min(h.lq - 1, None if h.q_lengths is None else h.q_lengths - 1,
+    row_hi = _min(xp, h.lq - 1, None if h.q_lengths is None else h.q_lengths - 1,
                   None if left is None else c1 + left - h.offset,
                   None if c is None else chunk_last(c1, c, ks) - h.offset)
     lo = row_lo // st.block_q
-    hi = jnp.where((c1 >= c0) & (row_hi >= row_lo), jnp.maximum(lo, row_hi // st.block_q + 1), lo)
+    hi = xp.where((c1 >= c0) & (row_hi >= row_lo), xp.maximum(lo, row_hi // st.block_q + 1), lo)
     if not _split(st, h):
-        return _int32(lo, None, None, hi)
+        return _int32(xp, lo, None, None, hi)
     c_end = c0 + st.block_k - 1  # every key of the block, padding included
-    full_lo = _max(0, c_end - h.offset if st.is_causal else None,
+    full_lo = _max(xp, 0, c_end - h.offset if st.is_causal else None,
                    None if right is None else c_end - right - h.offset,
                    None if c is None else chunk_first(c_end, c, ks) - h.offset)
-    full_hi = _min(None if h.q_lengths is None else h.q_lengths - 1,
+    full_hi = _min(xp, None if h.q_lengths is None else h.q_lengths - 1,
                    None if left is None else c0 + left - h.offset,
                    None if c is None else chunk_last(c0, c, ks) - h.offset)  # None: unbounded
-    a = jnp.clip(_cdiv(full_lo, st.block_q), lo, hi)
-    b = jnp.clip(hi if full_hi is None else (full_hi + 1) // st.block_q, a, hi)
-    a, b = (jnp.where(c_end < h.kv_lengths, x, hi) for x in (a, b))  # padded keys need the mask
-    return _int32(lo, a, b, hi)
+    a = xp.clip(_cdiv(full_lo, st.block_q), lo, hi)
+    b = xp.clip(hi if full_hi is None else (full_hi + 1) // st.block_q, a, hi)
+    a, b = (xp.where(c_end < h.kv_lengths, x, hi) for x in (a, b))  # padded keys need the mask
+    return _int32(xp, lo, a, b, hi)
 
 
 def chunk_first(p, c, ks):
@@ -244,20 +250,38 @@ def _split(st, h):
     return h.mask is None and not (st.dropout_rate > 0.0 and h.dropout_mask is None)
 
 
-def _int32(*xs):
-    """Loop bounds as int32 scalars (under x64 too), None kept."""
+# The backward's loops over blocks are unrolled when the blocks they visit are known at trace time
+# (static positions) and the padded (Lq', Lk') has at most UNROLL_AT_MOST entries: at L <= 1024
+# (implementation=None's split passes) XLA:CPU runs the blocks faster as straight-line code than
+# as a while loop's body; at L = 2048-4096, with blocks of 1024, the loops were as fast or faster
+# (docs/performance.md, "Why the thresholds are where they are").
+UNROLL_AT_MOST = 2**20
+
+
+def _xp(h, index):
+    """NumPy when the block index and h's positions are Python ints (the loop bounds are then
+    known at trace time and the loops unrolled: _loops), else jax.numpy."""
+    static = all(x is None or isinstance(x, int) for x in
+                 (index, h.offset, h.q_lengths, h.kv_lengths, h.key_start))
+    return np if static else jnp
+
+
+def _int32(xp, *xs):
+    """Loop bounds as int32 scalars (under x64 too), None kept; Python ints when known."""
+    if xp is np:
+        return tuple(None if x is None else int(x) for x in xs)
     return tuple(None if x is None else jnp.asarray(x, jnp.int32) for x in xs)
 
 
-def _min(*xs):
+def _min(xp, *xs):
     """The least of the bounds given (None: no bound); None when none is given."""
     xs = [x for x in xs if x is not None]
-    return reduce(jnp.minimum, xs) if xs else None
+    return reduce(xp.minimum, xs) if xs else None
 
 
-def _max(*xs):
+def _max(xp, *xs):
     """The greatest of the bounds given (None: no bound)."""
-    return reduce(jnp.maximum, [x for x in xs if x is not None])
+    return reduce(xp.maximum, [x for x in xs if x is not None])
 
 
 def _allowed(st, h, i, j, mask):
@@ -333,8 +357,14 @@ def _dropped(st, p, dropout_mask):
 
 def _loops(ranges, masked, plain, carry):
     """Run ``masked`` over the blocks [lo, a) and [b, hi), ``plain`` over [a, b); ``masked``
-    over all of [lo, hi) when a and b are None."""
+    over all of [lo, hi) when a and b are None; unrolled when the bounds are Python ints."""
     lo, a, b, hi = ranges
+    if isinstance(lo, int):  # known at trace time (_xp)
+        if a is None:
+            a = b = hi
+        for i in range(lo, hi):
+            carry = (plain if a <= i < b else masked)(i, carry)
+        return carry
     if a is None:
         return lax.fori_loop(lo, hi, masked, carry)
     carry = lax.fori_loop(lo, a, masked, carry)
@@ -478,8 +508,17 @@ def backward(st, h, out, stats, d_out):
 
     dbias, ddistance = (None if x is None else jnp.zeros_like(x)
                         for x in (h.bias, h.distance_bias))
-    (dq_t, dbias, ddistance), (dk, dv) = lax.scan(
-        key_block, (jnp.zeros_like(h.q.T), dbias, ddistance), jnp.arange(n_k, dtype=jnp.int32))
+    carry = (jnp.zeros_like(h.q.T), dbias, ddistance)
+    if _xp(h, 0) is np and h.q.shape[0] * h.k.shape[0] <= UNROLL_AT_MOST:  # unrolled
+        parts = []
+        for j in range(n_k):
+            carry, part = key_block(carry, j)
+            parts.append(part)
+        dq_t, dbias, ddistance = carry
+        dk, dv = (jnp.stack(x) for x in zip(*parts))
+    else:
+        (dq_t, dbias, ddistance), (dk, dv) = lax.scan(
+            key_block, carry, jnp.arange(n_k, dtype=jnp.int32))
     flat = lambda x: x.reshape(-1, x.shape[-1])[:h.lk]  # noqa: E731  (Nk, Bk, D) -> (Lk, D)
     return (st.scale * dq_t.T[:h.lq], (st.softcap or 1.0) * flat(dk), flat(dv), dbias,
             ddistance)
@@ -513,7 +552,7 @@ def _add_bias_grad(st, dbias, ds, i, j):
     if dbias is None:
         return None
     ds = ds.sum(axis=tuple(a for a in (0, 1) if dbias.shape[a] == 1), keepdims=True)
-    starts = tuple(jnp.int32(0) if n == 1 else start * size for n, start, size in
+    starts = tuple(jnp.int32(0 if n == 1 else start * size) for n, start, size in
                    zip(dbias.shape, (i, j), (st.block_q, st.block_k)))  # int32 under x64 too
     block = lax.dynamic_slice(dbias, starts, ds.shape)
     return lax.dynamic_update_slice(dbias, block + ds, starts)

@@ -103,9 +103,24 @@ def _split_fwd(st, *args):
 
 
 def _split_bwd(st, res, d_out):
-    lq, lk = res[0].shape[0], res[1].shape[0]
-    block_q, block_k = backward_blocks(lq, lk)
-    return blockwise.flash_bwd(st._replace(block_q=block_q, block_k=block_k), res, d_out)
+    """blockwise's backward over only the keys some tile sees, the first ``hi`` (with static
+    positions row 0 sees key 0, so they start at 0): the others' gradients are zeros (causal
+    Lq = 256 of Lk = 1024 needs a quarter of the keys)."""
+    q, k, v, mask, bias, dropout_mask = res[:6]
+    lq, lk = q.shape[0], k.shape[0]
+    hi = max(end for *_, end in tiles(lq, lk, res[7], st))
+    if hi < lk:  # the positions, lengths and chunks count from key 0 still
+        res = (q, k[:hi], v[:hi]) + tuple(_slice(x, 0, lq, 0, hi) for x in
+                                          (mask, bias, dropout_mask)) + res[6:]
+    block_q, block_k = backward_blocks(lq, hi)
+    grads = blockwise.flash_bwd(st._replace(block_q=block_q, block_k=block_k), res, d_out)
+    if hi == lk:
+        return grads
+    dq, dk, dv, dmask, dbias = grads[:5]
+    dk, dv = (jnp.pad(x, ((0, lk - hi), (0, 0))) for x in (dk, dv))
+    if dbias is not None and dbias.shape[-1] > 1:  # a bias over keys: zeros past hi
+        dbias = jnp.pad(dbias, ((0, 0), (0, lk - hi)))
+    return (dq, dk, dv, dmask, dbias) + grads[5:]
 
 
 _split.defvjp(_split_fwd, _split_bwd)
@@ -177,7 +192,15 @@ def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_length
     allowed = _allowed(scores.shape, mask, offset, q_lengths, kv_lengths,
                        is_causal=static.is_causal, window=static.window,
                        chunk=static.chunk_size, row0=row0, key0=key0)
-    filled = scores if allowed is None else jnp.where(allowed, scores, jnp.finfo(compute).min)
+    causal_only = _causal_only(mask, offset, q_lengths, kv_lengths, static.window,
+                               static.chunk_size)
+    if allowed is None:
+        filled = scores
+    elif causal_only:  # every row keeps key 0: an added (Lq, Lk) 0 / min, the same for every
+        # head, keeps the products and the softmax in one XLA:CPU fusion (a select splits it)
+        filled = scores + jnp.where(allowed, 0.0, jnp.finfo(compute).min).astype(compute)
+    else:
+        filled = jnp.where(allowed, scores, jnp.finfo(compute).min)
     if sink is not None:  # softmax([S, s])[:, :-1]: masked entries are exactly 0
         column = jnp.broadcast_to(sink.astype(compute), filled.shape[:1] + (1,))  # (Lq, 1)
         filled = jnp.concatenate([filled, column], axis=-1)
@@ -188,8 +211,7 @@ def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_length
     if sink is not None:
         weights = weights[:, :-1]
     inv = 1.0 / total
-    if allowed is not None and (sink is not None or not _causal_only(
-            mask, offset, q_lengths, kv_lengths, static.window, static.chunk_size)):
+    if allowed is not None and (sink is not None or not causal_only):
         some = allowed.any(axis=-1, keepdims=True)
         weights = jnp.where(allowed, weights, 0.0) if sink is not None else weights * some
         if sink is None:  # an empty row: p = 0 in the backward

@@ -98,6 +98,22 @@ def test_tiled_program_never_forms_the_whole_causal_matrix():
     assert "1024x1024xf32" in full  # the same check sees the whole matrix when it is formed
 
 
+def _grad_program(length, **kw):
+    x = jax.ShapeDtypeStruct((1, 2, length, 8), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(jax_attn.scaled_dot_product_attention(q, k, v, **kw))  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).as_text()
+
+
+def test_split_backward_is_unrolled_only_with_static_positions_and_small_blocks():
+    """The split backward's blocks are straight-line code when the positions are static and
+    (Lq', Lk') is at most blockwise.UNROLL_AT_MOST entries; a traced offset or a longer
+    sequence keeps the loops."""
+    assert "while" not in _grad_program(1024, is_causal=True)
+    assert "while" not in _grad_program(512)
+    assert "while" in _grad_program(512, is_causal=True, query_offset=0)
+    assert "while" in _grad_program(2048, is_causal=True)  # blockwise, (Lq', Lk') > 2^20
+
+
 @pytest.mark.parametrize("dtype", ["float32"])
 @pytest.mark.parametrize("name", SDPA_FIXTURES)
 def test_split_passes_match_reference(tiny_tiles, name, dtype):
@@ -154,6 +170,45 @@ def test_none_runs_the_chosen_forward_and_differentiates_with_blockwise(kw):
     for g, s in zip(grads, jax_ad):
         np.testing.assert_allclose(np.asarray(g), np.asarray(s), atol=2e-6, rtol=1e-5,
                                    err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("rules", [dict(is_causal=True), dict(local_window_size=(None, 1)),
+                                   dict(attention_chunk_size=4),
+                                   dict(is_causal=True, local_window_size=(2, None))])
+@pytest.mark.parametrize("extra", ["bias", "kv_lengths", "sinks", "dropout_mask", "distance_bias",
+                                   "mask"])
+def test_split_backward_over_only_the_keys_some_tile_sees(tiny_tiles, rules, extra):
+    """Where no query row sees the last keys (Lq = 6 of Lk = 16 here), the split backward runs
+    on the keys the tiles see and pads the rest of dK, dV and d(bias) with zeros: against JAX's
+    own derivative of explicit, with each extra that is sliced or shifted with the keys."""
+    rng, seed = fresh_rng()
+    lq, lk = 6, 16
+    static = _static(rules.get("is_causal", False), rules.get("local_window_size", (None, None)),
+                     rules.get("attention_chunk_size"))
+    found = explicit.tiles(lq, lk, None, static)
+    assert max(hi for *_, hi in found) < lk  # the cut this test is about
+    q = jnp.asarray(rng.standard_normal((2, 3, lq, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 3, lk, 8)), jnp.float32) for _ in range(2))
+    shape = (3, lq, lk) if extra == "bias" else (1, 1, lk)  # else a bias over keys
+    bias = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    kw = dict(rules)
+    if extra == "kv_lengths":
+        kw["key_value_seq_lengths"] = jnp.asarray([3, 16], jnp.int32)
+    elif extra == "sinks":
+        kw["sinks"] = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    elif extra == "dropout_mask":
+        kw.update(dropout_rate=0.5, dropout_mask=jnp.asarray(rng.random((2, 3, lq, lk)) < 0.5))
+    elif extra == "distance_bias":
+        kw["distance_bias"] = jnp.asarray(rng.standard_normal((3, 2 * 5 + 1)), jnp.float32)
+    elif extra == "mask":
+        kw["mask"] = jnp.asarray(rng.random((2, 1, lq, lk)) < 0.7)
+    with record() as ran:
+        grads = jax.grad(_loss(None, **kw), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert ran == [("jax", "explicit"), ("jax", "blockwise")]
+    jax_ad = jax.grad(_loss("explicit", **kw), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for name, g, s in zip("qkvb", grads, jax_ad):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(s), atol=2e-6, rtol=1e-5,
+                                   err_msg=f"d{name}, seed {seed}")
 
 
 def test_no_split_where_the_weights_are_asked_for():
