@@ -851,6 +851,91 @@ def modern_markdown(rows: list[dict]) -> list[str]:
                     f"| {_f(r['other_cpu_pct'], '{:.0f}')} |" for r in rows]
 
 
+# --- the automatic choice: implementation=None against each named implementation, per pass -----
+
+CHOICE_IMPLS = (None, "explicit", "blockwise")  # None: what users get, forward and backward
+CHOICE_ROUNDS = 5  # steady calls of each, interleaved round by round (3 when a call takes > 1 s)
+CHOICE_NOISE = 1.2  # None within this factor of the fastest counts as picking it (see markdown)
+
+
+def choice_call(implementation, causal: bool, backward: bool):
+    """The jitted JAX core, f(q, k, v), with ``implementation``; fwd+bwd: the gradient of
+    sum(output) with respect to q, k, v (None's then explicit's forward and blockwise's
+    backward, "explicit" JAX's derivative of its own forward)."""
+    f = partial(jax_attn.scaled_dot_product_attention, is_causal=causal,
+                implementation=implementation)
+    if backward:
+        return jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))
+    return jax.jit(f)
+
+
+def run_choice(grid: Grid, rng) -> list[dict]:
+    """Every float32 grid row, forward and forward+backward, causal and not: implementation=None
+    and each named implementation, their calls interleaved round by round (so that the
+    machine's slow and fast spells fall on all of them); which one None ran (record()), the
+    fastest, and None's time ÷ the fastest's."""
+    from golden.implementations import record
+    rows = []
+    for shape in grid.shapes:
+        host = random_qkv(shape, rng)
+        args = [jax.block_until_ready(jnp.asarray(a)) for a in host]
+        for backward in (False, True):
+            for causal in (False, True):
+                fns, first, ran = {}, {}, {}
+                jax.clear_caches()  # so that None's first call traces (and records) it all
+                for impl in CHOICE_IMPLS:
+                    fns[impl] = choice_call(impl, causal, backward)
+                    with record() as names:
+                        first[impl] = _call(fns[impl], args)  # compiles: records the names
+                    ran[impl] = "+".join(n for _, n in names)
+                slow = max(_call(fn, args) for fn in fns.values()) > 1.0
+                times = {impl: [] for impl in CHOICE_IMPLS}
+                for _ in range(MIN_REPEATS if slow else CHOICE_ROUNDS):
+                    for impl, fn in fns.items():
+                        times[impl].append(_call(fn, args))
+                medians = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
+                fastest = min(medians, key=medians.get)
+                row = {"shape": shape.name, "causal": causal,
+                       "pass": "fwd+bwd" if backward else "fwd", "none_ran": ran[None],
+                       "fastest": str(fastest), "none_over_fastest":
+                           medians[None] / medians[fastest],
+                       "median_ms": {str(i): m for i, m in medians.items()},
+                       "times_ms": {str(i): [x * 1e3 for x in t] for i, t in times.items()},
+                       "first_call_ms": {str(i): x * 1e3 for i, x in first.items()}}
+                rows.append(row)
+                print(f"  choice {shape.name} causal={causal} {row['pass']:7} None ran "
+                      f"{row['none_ran']:18} " + " ".join(
+                          f"{i}={m:.1f}" for i, m in row["median_ms"].items()),
+                      file=sys.stderr, flush=True)
+    return rows
+
+
+def choice_markdown(rows: list[dict]) -> list[str]:
+    lines = [
+        "", "## The automatic choice (float32, every grid row)", "",
+        "- None: `implementation=None`, jitted, as it chooses (\"ran\": the implementations it "
+        "recorded; in fwd+bwd explicit+blockwise is explicit's forward differentiated with "
+        "blockwise's backward). explicit, blockwise: the named implementations (explicit's "
+        "fwd+bwd is JAX's derivative of its forward). Calls interleaved round by round, "
+        f"{CHOICE_ROUNDS} steady calls each ({MIN_REPEATS} when a call takes over a second), "
+        "after one compiling call.",
+        f"- None ÷ fastest: ≤ {CHOICE_NOISE} counts as picking the fastest (this machine's "
+        "timings swing by more than that between runs: docs/performance.md).", "",
+        "| shape | causal | pass | None ran | None ms | explicit ms | blockwise ms "
+        "| fastest | None ÷ fastest |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    return lines + [
+        f"| {r['shape']} | {'yes' if r['causal'] else 'no'} | {r['pass']} | {r['none_ran']} | "
+        + " | ".join(_ms(r["median_ms"][i]) for i in ("None", "explicit", "blockwise"))
+        + f" | {r['fastest']} | {r['none_over_fastest']:.2f} |" for r in rows]
+
+
+def _ms(x: float) -> str:
+    """Milliseconds to three significant figures or more (12.3, 1.23, 0.123; 1234)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def _xla_temp_mb(fn, args, impl, backward):
     """XLA's temporary memory of a JAX long row's program, MiB (None for torch: in-process RSS
     growth reads ~0 once earlier rows have grown the heap, so torch's memory is measured by the
@@ -962,14 +1047,15 @@ def run(grid: Grid) -> dict:
     if grid_s > grid.budget_s:
         notes.append(f"the attention grid took {grid_s:.0f} s, past its {grid.budget_s:.0f} s "
                      f"budget, with every row measured")
-    long = run_long(grid, rng)  # after the grid, outside its budget (fixed calls per row)
+    choice = run_choice(grid, rng)  # after the grid, outside its budget (fixed calls per row)
+    long = run_long(grid, rng)
     modern = run_modern(grid, rng)
     decode_options = run_decode_features(grid, rng)
     latent = run_latent_decode(grid, rng)
     wall_s = time.perf_counter() - start
     return {"machine": info, "other_cpu_pct": other_cpu(cpu_start, wall_s), "grid": asdict(grid),
             "ceilings": list(ceilings.values()), "results": rows, "modules": modules,
-            "gqa": gqa, "decode": decode, "long": long, "modern": modern,
+            "gqa": gqa, "decode": decode, "choice": choice, "long": long, "modern": modern,
             "decode_features": decode_options, "latent_decode": latent,
             "targets": (targets(rows, grid.bf16_shape) + [decode_target(decode)]
                         + long_targets(long)),
@@ -1210,6 +1296,7 @@ def markdown(report: dict) -> str:
     lines += [f"| {r['L']} | {r['pass']} | {r['impl']} | {r['median_ms']:.1f} | {r['repeats']} "
               f"| {r['peer_ratio']:.2f} | {_f(r['xla_temp_mb'], '{:.0f}')} "
               f"| {r['first_call_ms']:.0f} |" for r in report["long"]]
+    lines += choice_markdown(report.get("choice", []))
     lines += modern_markdown(report["modern"])
     lines += decode_features_markdown(report.get("decode_features", []))
     lines += latent_decode_markdown(report.get("latent_decode", []))
@@ -1231,6 +1318,7 @@ def markdown(report: dict) -> str:
 
 
 SECTIONS = {"modern": (run_modern, modern_markdown),  # --only: (run, markdown)
+            "choice": (run_choice, choice_markdown),
             "decode_features": (run_decode_features, decode_features_markdown),
             "latent_decode": (run_latent_decode, latent_decode_markdown)}
 
@@ -1252,9 +1340,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=tuple(SECTIONS), default=None,
                         help="run one section alone and print it, writing DIR/SECTION.json "
                              "(latest.* untouched): modern = attention sinks and chunked "
-                             "attention; decode_features = the decode step with each option "
-                             "of GroupedQueryAttention; latent_decode = MultiHeadLatentAttention's "
-                             "decode step (plain, absorbed) against GroupedQueryAttention's")
+                             "attention; choice = implementation=None against each named "
+                             "implementation at every float32 grid row; decode_features "
+                             "= the decode step with each option of GroupedQueryAttention; "
+                             "latent_decode = MultiHeadLatentAttention's decode step (plain, "
+                             "absorbed) against GroupedQueryAttention's")
     args = parser.parse_args(argv)
     grid = QUICK if args.quick else FULL
     if args.repeats is not None:

@@ -97,8 +97,10 @@ def scaled_dot_product_attention(
     - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
       (L > 1024 for Lq = Lk), else "explicit" first, and on a GPU "cudnn" then "pallas"
       before both; the first that takes the call runs it. "explicit" chosen so, without the
-      weights, is differentiated with blockwise's backward from the statistics its forward
-      saves (explicit.attend_split; record() then lists "blockwise" too). The measurements (CPU):
+      weights and forming more than SPLIT_ABOVE = 2²² scores over all heads (B·H·Lq·Lk, or
+      what its causal, window or chunk tiles cover), is differentiated with blockwise's
+      backward from the statistics its forward saves (explicit.attend_split; record() then
+      lists "blockwise" too); with fewer, by JAX. The measurements (CPU):
       docs/performance.md; the GPU rows are unmeasured.
     ``golden.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
@@ -162,16 +164,38 @@ def scaled_dot_product_attention(
                              chunk=heads_per_step(query.shape, key.shape) if one_device else None,
                              implementation=chosen.name,
                              block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES,
-                             split=implementation is None and _split_passes(chosen.name, asked))
+                             split=implementation is None and _split_passes(
+                                 chosen.name, asked, _kept_scores(
+                                     query, key, query_offset, is_causal, local_window_size,
+                                     attention_chunk_size)))
     return (out, weights) if return_weights else out
 
 
-def _split_passes(name, asked) -> bool:
+# implementation=None's "explicit" is differentiated with "blockwise"'s backward when the scores
+# explicit would keep for JAX's derivative (every head's, in its query tiles) are more than
+# SPLIT_ABOVE: below it (L = 128; causal Lq = 256 of Lk = 1024) JAX's derivative, reading the
+# kept weights, beat the backward that recomputes them; above it (L >= 512) the split passes
+# were 1.1-1.7x faster (docs/performance.md, "Why the thresholds are where they are").
+SPLIT_ABOVE = 2**22
+
+
+def _split_passes(name, asked, kept) -> bool:
     """Whether implementation=None's "explicit" is differentiated with "blockwise"'s backward
-    (jax_attn.explicit.attend_split): where the weights are not asked for. On a CPU JAX's
-    derivative of explicit, through its head-chunked loop, is 2-4x slower at L = 512-1024
+    (jax_attn.explicit.attend_split): where the weights are not asked for and explicit would
+    keep more than SPLIT_ABOVE scores (``kept``, _kept_scores). On a CPU JAX's derivative of
+    explicit, through its head-chunked loop, is 2-4x slower at L = 512-1024
     (docs/performance.md, "Where the CPU time goes")."""
-    return name == "explicit" and IMPLEMENTATIONS.refuses("blockwise", asked) is None
+    return (name == "explicit" and kept > SPLIT_ABOVE
+            and IMPLEMENTATIONS.refuses("blockwise", asked) is None)
+
+
+def _kept_scores(query, key, query_offset, is_causal, local_window_size, chunk_size) -> int:
+    """How many scores explicit forms, every head's: the (Lq, Lk) of each head, or the part
+    its query tiles cover (jax_attn.explicit.tiles)."""
+    static = blockwise.Static(1.0, bool(is_causal), None, window(local_window_size), 0.0, None,
+                              1, 1, chunk_size=chunk_size)
+    found = explicit.tiles(query.shape[-2], key.shape[-2], query_offset, static)
+    return math.prod(query.shape[:-2]) * sum((b - a) * (hi - lo) for a, b, lo, hi in found)
 
 
 def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,

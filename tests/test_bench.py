@@ -64,8 +64,8 @@ def test_quick_run_writes_both_reports(tmp_path):
     assert main(["bench", "--quick", "--budget", "0", "--repeats", "5",
                  "--out", str(tmp_path)]) == 0  # as attn-parity bench
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "long",
-            "modern", "targets", "budget", "wall_s"} <= set(report)
+    assert {"machine", "grid", "ceilings", "results", "modules", "gqa", "decode", "choice",
+            "long", "modern", "targets", "budget", "wall_s"} <= set(report)
     assert "skipped" not in report
     check_machine(report["machine"])
     budget = report["budget"]
@@ -178,6 +178,24 @@ def test_only_modern_runs_that_section_alone(tmp_path, capsys):
     assert len(report["modern"]) == 3 * 2 * len(MODERN_IMPLS)
     assert not (tmp_path / "latest.json").exists()
     assert "## Attention sinks, chunked attention and ALiBi" in capsys.readouterr().out
+
+
+def test_only_choice_times_none_beside_each_named_implementation(tmp_path, capsys):
+    """Every quick grid shape, causal and not, both passes; None's recorded implementations:
+    explicit at these sizes, forward and backward (below functional.SPLIT_ABOVE scores JAX
+    differentiates it; the full grid's rows from L = 512 on add blockwise's backward)."""
+    assert main(["bench", "--quick", "--only", "choice", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "choice.json").read_text())["choice"]
+    from golden.bench import QUICK
+    assert [(r["shape"], r["pass"], r["causal"]) for r in rows] == [
+        (s.name, p, c) for s in QUICK.shapes for p in ("fwd", "fwd+bwd") for c in (False, True)]
+    assert [r["none_ran"] for r in rows] == ["explicit"] * 8
+    for r in rows:
+        assert set(r["median_ms"]) == {"None", "explicit", "blockwise"}
+        assert r["fastest"] == min(r["median_ms"], key=r["median_ms"].get)
+        assert r["none_over_fastest"] == r["median_ms"]["None"] / r["median_ms"][r["fastest"]]
+    assert not (tmp_path / "latest.json").exists()
+    assert "## The automatic choice" in capsys.readouterr().out
 
 
 def test_only_decode_features_runs_that_section_alone(tmp_path, capsys):

@@ -18,7 +18,7 @@ from golden import runners, variants
 from golden.implementations import record
 from golden.reference import allowed_positions
 from golden.tolerances import compare
-from jax_attn import blockwise, explicit
+from jax_attn import blockwise, explicit, functional
 from tests.helpers import JAX, fresh_rng
 from tests.test_blockwise import _grads
 
@@ -27,6 +27,13 @@ SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants
 
 def _static(is_causal=False, window=(None, None), chunk=None):
     return blockwise.Static(1.0, is_causal, None, window, 0.0, None, 1, 1, chunk_size=chunk)
+
+
+@pytest.fixture(autouse=True)
+def split_at_any_size(monkeypatch):
+    """The split passes at these tests' tiny sizes too (implementation=None splits above
+    functional.SPLIT_ABOVE scores; test_split_only_above_its_threshold keeps the real one)."""
+    monkeypatch.setattr(functional, "SPLIT_ABOVE", 0)
 
 
 @pytest.fixture
@@ -209,6 +216,27 @@ def test_split_backward_over_only_the_keys_some_tile_sees(tiny_tiles, rules, ext
     for name, g, s in zip("qkvb", grads, jax_ad):
         np.testing.assert_allclose(np.asarray(g), np.asarray(s), atol=2e-6, rtol=1e-5,
                                    err_msg=f"d{name}, seed {seed}")
+
+
+@pytest.mark.parametrize("lq, lk, kw, split", [
+    (128, 128, dict(), False),  # 4·8·128² = 2^19 (the bench's L = 128 rows)
+    (512, 512, dict(), True),  # 2^23
+    (512, 512, dict(is_causal=True), True),  # its two tiles cover 3/4: 3·2^21
+    (256, 1024, dict(), True),  # 2^23
+    (256, 1024, dict(is_causal=True), False),  # one tile of 256 keys: 2^21
+])
+def test_split_only_above_its_threshold(monkeypatch, lq, lk, kw, split):
+    """implementation=None differentiates explicit with blockwise's backward only when explicit
+    forms more than functional.SPLIT_ABOVE = 2^22 scores over all heads (B = 4, H = 8 here),
+    counted in its tiles; else JAX's derivative (record lists explicit alone)."""
+    monkeypatch.undo()  # the real threshold
+    assert functional.SPLIT_ABOVE == 2**22
+    q, kv = (jax.ShapeDtypeStruct((4, 8, n, 8), jnp.float32) for n in (lq, lk))
+    loss = lambda q, k: jnp.sum(jax_attn.scaled_dot_product_attention(q, k, k, **kw))  # noqa: E731
+    jax.clear_caches()  # record() sees what is traced
+    with record() as ran:
+        jax.jit(jax.grad(loss)).lower(q, kv)
+    assert ran == [("jax", "explicit")] + ([("jax", "blockwise")] if split else [])
 
 
 def test_no_split_where_the_weights_are_asked_for():
