@@ -28,9 +28,9 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     (formed here as an (Lq, Lk) bias); ``static`` a blockwise.Static (its blocks unused). rng
     is unused: a drawn dropout mask comes in as ``dropout_mask``.
     Where the causal bound, the window or the chunks leave each block of query rows a narrower
-    range of keys (fixed at trace time: no ``offset``), the rows are taken TILE_ROWS at a time,
-    each against its keys only (``tiles``), and the weights outside are zeros: causal attention
-    at L = 1024 then forms about half the scores.
+    range of keys (fixed at trace time: no ``offset``), the rows are taken in tiles of 128 to
+    256, each against its keys only (``tiles``), and the weights outside are zeros: causal
+    attention at L = 1024 then forms 62.5 % of the scores.
     Returns (output (Lq, Dv), weights (Lq, Lk)) in q's dtype."""
     del rng
     out, weights, _ = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths,
@@ -126,25 +126,28 @@ def _split_bwd(st, res, d_out):
 _split.defvjp(_split_fwd, _split_bwd)
 
 
-# The query rows per tile when tiling pays (``tiles``): measured on a CPU at B=4, H=8, L=1024
-# (docs/performance.md, "Why the thresholds are where they are"); TILED_AT_MOST: the share of
-# the (Lq, Lk) scores the tiles may cover for tiling to be used.
-TILE_ROWS = 256
+# The query rows per tile when tiling pays (``tiles``): a quarter of Lq, at least and at most
+# these, measured on a CPU at B=4, H=8, L = 512 and 1024 (docs/performance.md, "Why the
+# thresholds are where they are"); TILED_AT_MOST: the share of the (Lq, Lk) scores the tiles
+# may cover for tiling to be used.
+TILE_ROWS = (128, 256)
 TILED_AT_MOST = 0.8
 
 
 def tiles(lq, lk, offset, static):
-    """[(first row, end row, first key, end key)]: the query rows in tiles of about TILE_ROWS,
-    each with the keys the positional rules can let it see, known at trace time; one tile
-    [(0, Lq, 0, Lk)] when the positions are traced (an offset), no rule bounds the keys, or the
-    tiles would cover more than TILED_AT_MOST of the scores."""
+    """[(first row, end row, first key, end key)]: the query rows in tiles of about Lq / 4
+    rows, within TILE_ROWS (128 to 256), each with the keys the positional rules can let it
+    see, known at trace time; one tile [(0, Lq, 0, Lk)] when the positions are traced (an
+    offset), no rule bounds the keys, or the tiles would cover more than TILED_AT_MOST of the
+    scores."""
     whole = [(0, lq, 0, lk)]
     left, right = static.window
     bounded = static.is_causal or left is not None or right is not None or (
         static.chunk_size is not None)
     if offset is not None or not bounded:
         return whole
-    count = max(1, round(lq / TILE_ROWS))
+    least, most = TILE_ROWS
+    count = max(1, round(lq / min(most, max(least, lq // 4))))
     edges = [lq * i // count for i in range(count + 1)]
     found = []
     for a, b in zip(edges[:-1], edges[1:]):  # rows a .. b - 1 at positions a .. b - 1

@@ -378,6 +378,6 @@ def test_default_precision_reaches_every_core_dot(shapes, chunked):
                  full.lower(q, k, v, mask, jax.random.key(0)).as_text()):
         dots = _dots(text)
         batched = "batching_dims = [0] x [0]" if chunked else "batching_dims = [0, 1] x [0, 1]"
-        tiles = 2 if chunked else 1  # causal L = 512: explicit's two query tiles of 256 rows
+        tiles = 4 if chunked else 1  # causal L = 512: explicit's four query tiles of 128 rows
         assert len(dots) == 2 * tiles and all(batched in d for d in dots), dots  # the path
         assert all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots

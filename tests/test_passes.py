@@ -40,7 +40,7 @@ def split_at_any_size(monkeypatch):
 def tiny_tiles(monkeypatch):
     """Tiles of 2 query rows, used whenever they skip anything, so the fixtures' 5–9 rows span
     several; traced programs are dropped before and after (the tile size is read at trace time)."""
-    monkeypatch.setattr(explicit, "TILE_ROWS", 2)
+    monkeypatch.setattr(explicit, "TILE_ROWS", (2, 2))
     monkeypatch.setattr(explicit, "TILED_AT_MOST", 1.0)
     jax.clear_caches()
     yield
@@ -53,7 +53,7 @@ def tiny_tiles(monkeypatch):
                                    dict(is_causal=True, window=(3, None), chunk=4),
                                    dict(window=(0, 0))])
 def test_tiles_cover_every_allowed_key_and_each_row_once(monkeypatch, lq, lk, rules):
-    monkeypatch.setattr(explicit, "TILE_ROWS", 2)
+    monkeypatch.setattr(explicit, "TILE_ROWS", (2, 2))
     found = explicit.tiles(lq, lk, None, _static(**rules))
     rows = [r for a, b, _, _ in found for r in range(a, b)]
     assert rows == list(range(lq))  # in order, each once
@@ -71,10 +71,14 @@ def test_tiles_skip_the_masked_half_and_only_with_static_positions():
     causal = _static(is_causal=True)
     assert explicit.tiles(1024, 1024, None, causal) == [(0, 256, 0, 256), (256, 512, 0, 512),
                                                         (512, 768, 0, 768), (768, 1024, 0, 1024)]
-    assert explicit.tiles(256, 1024, None, causal) == [(0, 256, 0, 256)]  # top-left aligned
+    assert explicit.tiles(512, 512, None, causal) == [(0, 128, 0, 128), (128, 256, 0, 256),
+                                                      (256, 384, 0, 384), (384, 512, 0, 512)]
+    assert explicit.tiles(256, 1024, None, causal) == [(0, 128, 0, 128), (128, 256, 0, 256)]
+    # top-left aligned: 3/16 of the scores
     assert explicit.tiles(1024, 1024, jnp.int32(3), causal) == [(0, 1024, 0, 1024)]  # traced
     assert explicit.tiles(1024, 1024, None, _static()) == [(0, 1024, 0, 1024)]  # nothing to skip
-    assert explicit.tiles(300, 300, None, causal) == [(0, 300, 0, 300)]  # one tile, all keys
+    assert explicit.tiles(160, 160, None, causal) == [(0, 160, 0, 160)]  # one tile, all keys
+    assert explicit.tiles(300, 300, None, causal) == [(0, 150, 0, 150), (150, 300, 0, 300)]
 
 
 # One dtype each keeps the file fast: float64 (1e-13) for the forward and its weights, float32
