@@ -268,3 +268,24 @@ def test_report_states_the_emulated_instruction_set(tmp_path):
     assert ("in use: XLA code generation AVX2, torch AVX2, NumPy " + m["numpy_isa"]
             in done.stdout)
     assert "XLA_FLAGS=--xla_cpu_max_isa=AVX2; ATEN_CPU_CAPABILITY=avx2" in done.stdout
+
+
+def test_isa_table_pairs_the_two_reports_row_by_row():
+    """bench/isa_table.py on the committed native and AVX2 reports: one line per grid and GQA
+    row, each report's jax_core and torch_peer medians and their ratio as the reports hold."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("isa_table", ROOT / "bench" / "isa_table.py")
+    isa_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(isa_table)
+    native, other = (json.loads((ROOT / "bench" / "results" / p).read_text())
+                     for p in ("latest.json", "avx2/latest.json"))
+    lines = isa_table.table(native, other).splitlines()
+    keys = list(isa_table.medians(native))
+    assert len(lines) == 2 + len(keys) and len(keys) == len(native["results"]) // 6 + 2
+    first = next(r for r in native["results"] if r["impl"] == "jax_core")
+    peer = next(r for r in native["results"] if r["impl"] == "torch_peer")
+    cells = lines[2].split(" | ")
+    assert cells[4] == isa_table._ms(first["median_ms"]) and cells[5] == isa_table._ms(
+        peer["median_ms"])
+    assert cells[6] == f"{peer['median_ms'] / first['median_ms']:.2f}×"
+
