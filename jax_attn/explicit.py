@@ -109,6 +109,7 @@ def _split_bwd(st, res, d_out):
     q, k, v, mask, bias, dropout_mask = res[:6]
     lq, lk = q.shape[0], k.shape[0]
     hi = max(end for *_, end in tiles(lq, lk, res[7], st))
+    over_keys = bias is not None and bias.shape[-1] > 1  # (Lq|1, Lk): its gradient too
     if hi < lk:  # the positions, lengths and chunks count from key 0 still
         res = (q, k[:hi], v[:hi]) + tuple(_slice(x, 0, lq, 0, hi) for x in
                                           (mask, bias, dropout_mask)) + res[6:]
@@ -118,7 +119,7 @@ def _split_bwd(st, res, d_out):
         return grads
     dq, dk, dv, dmask, dbias = grads[:5]
     dk, dv = (jnp.pad(x, ((0, lk - hi), (0, 0))) for x in (dk, dv))
-    if dbias is not None and dbias.shape[-1] > 1:  # a bias over keys: zeros past hi
+    if over_keys:  # zeros past hi
         dbias = jnp.pad(dbias, ((0, 0), (0, lk - hi)))
     return (dq, dk, dv, dmask, dbias) + grads[5:]
 

@@ -222,6 +222,21 @@ def test_split_backward_over_only_the_keys_some_tile_sees(tiny_tiles, rules, ext
                                    err_msg=f"d{name}, seed {seed}")
 
 
+def test_split_backward_of_one_query_on_one_key_keeps_the_bias_shape():
+    """Causal with one query (static positions): the tile sees key 0 alone, so the backward
+    runs on one key; a bias over all the keys still gets a gradient of its own shape."""
+    rng, seed = fresh_rng()
+    q = jnp.asarray(rng.standard_normal((2, 3, 1, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 3, 9, 8)), jnp.float32) for _ in range(2))
+    bias = jnp.asarray(rng.standard_normal((1, 1, 9)), jnp.float32)
+    grads = jax.grad(_loss(None, is_causal=True), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    jax_ad = jax.grad(_loss("explicit", is_causal=True), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for name, g, s in zip("qkvb", grads, jax_ad):
+        assert g.shape == s.shape, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(s), atol=2e-6, rtol=1e-5,
+                                   err_msg=f"d{name}, seed {seed}")
+
+
 @pytest.mark.parametrize("lq, lk, kw, split", [
     (128, 128, dict(), False),  # 4·8·128² = 2^19 (the bench's L = 128 rows)
     (512, 512, dict(), True),  # 2^23
