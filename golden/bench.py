@@ -918,7 +918,7 @@ def choice_markdown(rows: list[dict]) -> list[str]:
         "blockwise's backward). explicit, blockwise: the named implementations (explicit's "
         "fwd+bwd is JAX's derivative of its forward). Calls interleaved round by round, "
         f"{CHOICE_ROUNDS} steady calls each ({MIN_REPEATS} when a call takes over a second), "
-        "after one compiling call.",
+        "after a compiling call and a warm one.",
         f"- None ÷ fastest: ≤ {CHOICE_NOISE} counts as picking the fastest (this machine's "
         "timings swing by more than that between runs: docs/performance.md).", "",
         "| shape | causal | pass | None ran | None ms | explicit ms | blockwise ms "
