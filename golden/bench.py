@@ -41,6 +41,7 @@ from flax import nnx
 import jax_attn
 import torch_attn
 from golden.fixture import write_atomic
+from golden.implementations import record
 
 IMPLS = ("jax_core", "jax_peer", "jax_naive", "torch_core", "torch_peer", "torch_naive")
 OURS = ("jax_core", "torch_core")
@@ -874,7 +875,6 @@ def run_choice(grid: Grid, rng) -> list[dict]:
     and each named implementation, their calls interleaved round by round (so that the
     machine's slow and fast spells fall on all of them); which one None ran (record()), the
     fastest, and None's time ÷ the fastest's."""
-    from golden.implementations import record
     rows = []
     for shape in grid.shapes:
         host = random_qkv(shape, rng)
