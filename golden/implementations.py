@@ -141,6 +141,20 @@ def ran(framework: str, name: str) -> None:
         ran_here.append((framework, name))
 
 
+def ran_instead(framework: str, name: str, instead: str) -> None:
+    """Note that ``framework``'s core ran ``name`` where ``instead`` was noted: the last
+    (framework, instead) in the ``record()`` list becomes (framework, name), or it is appended
+    (a differentiated call whose forward is not the one its undifferentiated call runs)."""
+    ran_here = _RECORD.get()
+    if ran_here is None:
+        return
+    for i in range(len(ran_here) - 1, -1, -1):
+        if ran_here[i] == (framework, instead):
+            ran_here[i] = (framework, name)
+            return
+    ran_here.append((framework, name))
+
+
 def names(ran: list) -> str:
     """The names in a ``record()`` list, each once, in the order they first ran ("explicit",
     "explicit, fused"); "" when none ran."""

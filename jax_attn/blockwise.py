@@ -87,14 +87,14 @@ def fit(length, block):
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
            distance_bias):
-    out, _ = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
+    out, _ = forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
                                     q_lengths, kv_lengths, distance_bias=distance_bias), sink)
     return out.astype(q.dtype)
 
 
 def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
                distance_bias):
-    out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
+    out, stats = forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
                                         q_lengths, kv_lengths, distance_bias=distance_bias), sink)
     out = out.astype(q.dtype)
     return out, (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
@@ -374,7 +374,7 @@ def _loops(ranges, masked, plain, carry):
 
 # ---- forward ------------------------------------------------------------------------------------
 
-def _forward(st, h, sink=None):
+def forward(st, h, sink=None):
     """The output (Lq, Dv) in the compute dtype and each row's softmax statistics (2, Lq): its
     largest score m and 1 / l, l = Σ exp(s − m) (the log-sum-exp m + log l kept in two parts, so
     that the backward's exp(s − m) / l is as exact as the forward's at large logits). Rows that

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from golden.implementations import ran
+from golden.implementations import ran, ran_instead
 from golden.positions import allowed_terms, distance_terms
 from jax_attn import blockwise
 
@@ -61,20 +61,29 @@ def _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sin
 
 
 def attend_split(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
-                 sink=None, distance_bias=None, *, static):
+                 sink=None, distance_bias=None, *, static, passes=("explicit", "explicit")):
     """``attend``'s output, differentiated with jax_attn.blockwise's backward (each block's
-    probabilities recomputed from the row statistics this forward saves) in the blocks of
-    ``backward_blocks``, instead of JAX's derivative of this program: the same function, the
-    faster pass each way on a CPU (docs/performance.md). A custom_vjp: reverse mode only
-    (jax.jvp and jax.jacfwd need implementation="explicit"). Returns (output, None)."""
+    probabilities recomputed from the row statistics a forward saves) instead of JAX's
+    derivative of this program: the same function, the faster pass each way on a CPU
+    (docs/performance.md). ``passes``: (the forward that runs when the call is not
+    differentiated, the forward whose statistics the backward reads), each "explicit" (this
+    module's, its backward in the blocks of ``backward_blocks`` over only the keys its tiles
+    see) or "blockwise" (jax_attn.blockwise's, its backward in ``static``'s blocks); the two
+    differ only by rounding. jax_attn.functional picks them: ``forward_passes``. A custom_vjp:
+    reverse mode only (jax.jvp and jax.jacfwd need implementation="explicit"). A drawn dropout
+    mask is explicit's (``dropout_mask``): with dropout and no mask, both passes are explicit.
+    Returns (output, None)."""
+    if static.dropout_rate > 0.0 and dropout_mask is None and passes != ("explicit",) * 2:
+        raise ValueError(f"passes should be ('explicit', 'explicit') when dropout is drawn, "
+                         f"got {passes!r}")
     del rng  # a drawn dropout mask comes in as dropout_mask
-    return _split(static, q, k, v, mask, bias, dropout_mask, None, offset, q_lengths,
-                  kv_lengths, sink, distance_bias), None
+    return _split(static, tuple(passes), q, k, v, mask, bias, dropout_mask, None, offset,
+                  q_lengths, kv_lengths, sink, distance_bias), None
 
 
-# The backward's blocks when attend_split differentiates (``backward_blocks``): measured on a
-# CPU at B=4, H=8, D=64, L = 512 and 1024, causal and not (docs/performance.md, "Why the
-# thresholds are where they are").
+# The backward's blocks when attend_split differentiates explicit's forward
+# (``backward_blocks``): measured on a CPU at B=4, H=8, D=64, L = 512 and 1024, causal and not
+# (docs/performance.md, "Why the thresholds are where they are").
 BACKWARD_BLOCK_K = 512
 BACKWARD_BLOCK_Q = (256, 512)  # the least and most query rows: half the length between them
 
@@ -87,27 +96,49 @@ def backward_blocks(lq, lk):
             blockwise.fit(lk, BACKWARD_BLOCK_K))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _split(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
-           distance_bias):
-    return _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink,
-                  distance_bias, st)[0]
+def _fitted(st, lq, lk):
+    """``st`` with blockwise's blocks fitted to (Lq, Lk), as blockwise.attend fits them."""
+    return st._replace(block_q=blockwise.fit(lq, st.block_q),
+                       block_k=blockwise.fit(lk, st.block_k))
 
 
-def _split_fwd(st, *args):
-    q, k, v, mask, bias, dropout_mask, _, offset, q_lengths, kv_lengths, sink, distance = args
-    out, _, stats = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths,
-                           sink, distance, st)
-    ran("jax", "blockwise")  # its backward
+def _forward(st, name, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
+             sink, distance_bias):
+    """(output in q's dtype, statistics (2, Lq)) of implementation ``name``'s forward: both
+    in jax_attn.blockwise's format."""
+    if name == "explicit":
+        out, _, stats = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths,
+                               kv_lengths, sink, distance_bias, st)
+        return out, stats
+    st = _fitted(st, q.shape[0], k.shape[0])
+    h = blockwise.Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths,
+                            kv_lengths, distance_bias=distance_bias)
+    out, stats = blockwise.forward(st, h, sink)
+    return out.astype(q.dtype), stats
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _split(st, passes, *args):
+    return _forward(st, passes[0], *args)[0]
+
+
+def _split_fwd(st, passes, *args):
+    out, stats = _forward(st, passes[1], *args)
+    if passes[1] != passes[0]:  # this forward, not the one functional noted
+        ran_instead("jax", passes[1], passes[0])
+    if passes[1] != "blockwise":
+        ran("jax", "blockwise")  # the backward
     return out, args + (out, stats)
 
 
-def _split_bwd(st, res, d_out):
-    """blockwise's backward over only the keys some tile sees, the first ``hi`` (with static
-    positions row 0 sees key 0, so they start at 0): the others' gradients are zeros (causal
-    Lq = 256 of Lk = 1024 needs a quarter of the keys)."""
+def _split_bwd(st, passes, res, d_out):
+    """blockwise's backward. After explicit's forward, over only the keys some tile sees, the
+    first ``hi`` (with static positions row 0 sees key 0, so they start at 0): the others'
+    gradients are zeros (causal Lq = 256 of Lk = 1024 needs a quarter of the keys)."""
     q, k, v, mask, bias, dropout_mask = res[:6]
     lq, lk = q.shape[0], k.shape[0]
+    if passes[1] == "blockwise":
+        return blockwise.flash_bwd(_fitted(st, lq, lk), res, d_out)
     hi = max(end for *_, end in tiles(lq, lk, res[7], st))
     over_keys = bias is not None and bias.shape[-1] > 1  # (Lq|1, Lk): its gradient too
     if hi < lk:  # the positions, lengths and chunks count from key 0 still

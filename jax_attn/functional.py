@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from golden.implementations import Asked, Implementation, Registry
+from golden.implementations import Asked, Implementation, Registry, ran, record
 from golden.validate import (
     check_attention_args,
     check_block_sizes,
@@ -100,8 +100,12 @@ def scaled_dot_product_attention(
       weights and forming more than SPLIT_ABOVE = 2²² scores over all heads (B·H·Lq·Lk, or
       what its causal, window or chunk tiles cover), is differentiated with blockwise's
       backward from the statistics its forward saves (explicit.attend_split; record() then
-      lists "blockwise" too); with fewer, by JAX. The measurements (CPU):
-      docs/performance.md; the GPU rows are unmeasured.
+      lists "blockwise" too); with fewer, by JAX. Where that split applies, or "blockwise" is
+      chosen, the forward that runs when the call is not differentiated is the faster of the
+      two measured for it (``forward_passes``: blockwise's for untiled float32 explicit from
+      Lq·Lk = 2¹⁸, explicit's causal tiles for blockwise up to Lq·Lk = 2²²); record() names
+      that one, and, when the call is differentiated, the forward and backward that ran
+      instead. The measurements (CPU): docs/performance.md; the GPU rows are unmeasured.
     ``golden.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
     explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
@@ -128,8 +132,14 @@ def scaled_dot_product_attention(
                    dropout_rate=dropout_rate, return_weights=return_weights,
                    block_sizes=block_sizes, chunk_size=attention_chunk_size,
                    distance_bias=distance_bias)
-    chosen = IMPLEMENTATIONS.select(implementation, asked,
-                                    choose(query.shape, key.shape, asked.platform))
+    with record() as picked:  # recorded below: None's forward may be another's
+        chosen = IMPLEMENTATIONS.select(implementation, asked,
+                                        choose(query.shape, key.shape, asked.platform))
+    passes = None if implementation is not None else forward_passes(
+        chosen.name, asked, query, key, query_offset, is_causal, local_window_size,
+        attention_chunk_size)
+    for framework, name in picked:
+        ran(framework, name if passes is None else passes[0])
     if dropout_rate > 0.0 and dropout_mask is None and dropout_rng is None:
         raise ValueError("dropout_rng should be a jax.random key when dropout_rate > 0 and no "
                          "dropout_mask is given, got None")
@@ -164,10 +174,7 @@ def scaled_dot_product_attention(
                              chunk=heads_per_step(query.shape, key.shape) if one_device else None,
                              implementation=chosen.name,
                              block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES,
-                             split=implementation is None and _split_passes(
-                                 chosen.name, asked, _kept_scores(
-                                     query, key, query_offset, is_causal, local_window_size,
-                                     attention_chunk_size)))
+                             passes=passes)
     return (out, weights) if return_weights else out
 
 
@@ -182,20 +189,61 @@ SPLIT_ABOVE = 2**22
 def _split_passes(name, asked, kept) -> bool:
     """Whether implementation=None's "explicit" is differentiated with "blockwise"'s backward
     (jax_attn.explicit.attend_split): where the weights are not asked for and explicit would
-    keep more than SPLIT_ABOVE scores (``kept``, _kept_scores). On a CPU JAX's derivative of
-    explicit, through its head-chunked loop, is 2-4x slower at L = 512-1024
+    keep more than SPLIT_ABOVE scores (``kept``, every head's, in its tiles). On a CPU JAX's
+    derivative of explicit, through its head-chunked loop, is 2-4x slower at L = 512-1024
     (docs/performance.md, "Where the CPU time goes")."""
     return (name == "explicit" and kept > SPLIT_ABOVE
             and IMPLEMENTATIONS.refuses("blockwise", asked) is None)
 
 
-def _kept_scores(query, key, query_offset, is_causal, local_window_size, chunk_size) -> int:
-    """How many scores explicit forms, every head's: the (Lq, Lk) of each head, or the part
-    its query tiles cover (jax_attn.explicit.tiles)."""
+# implementation=None's forward when it is not differentiated (forward_passes), measured on a
+# CPU at B=4, H=8, D=64 without masks, biases or other extras (docs/performance.md, "Why the
+# thresholds are where they are"): blockwise's forward, one block per head, is 6-10 % faster
+# than explicit's untiled one in float32 from Lq·Lk = 2**18 (L = 512; equal at L = 256; slower
+# in bfloat16); explicit's causal tiles are 7-16 % faster than blockwise's forward in float32
+# and 53 % in bfloat16 up to Lq·Lk = 2**22 (L = 2048), 9 % slower at L = 4096 (float32).
+FORWARD_BLOCKWISE_FROM = 2**18
+FORWARD_TILES_UP_TO = 2**22
+
+
+def forward_passes(name, asked, query, key, query_offset, is_causal, local_window_size,
+                   chunk_size):
+    """For implementation=None's choice ``name``: None (JAX differentiates it, or it is
+    blockwise's custom_vjp alone), or (the forward run when the call is not differentiated,
+    the forward whose statistics blockwise's backward reads when it is) for
+    jax_attn.explicit.attend_split:
+    - "explicit" forming more than SPLIT_ABOVE scores (_split_passes): its own forward under
+      differentiation; when not, blockwise's where the call is plain (below), not causal,
+      float32, and Lq·Lk is at least FORWARD_BLOCKWISE_FROM.
+    - "blockwise": explicit's causal tiles when not differentiated where the call is plain,
+      causal, float32 or bfloat16, and Lq·Lk is at most FORWARD_TILES_UP_TO; blockwise's own
+      forward under differentiation.
+    Plain: no mask, bias, soft-cap, sinks, lengths, offset, window, chunks, distance bias,
+    dropout or block sizes (what was measured)."""
+    lq, lk = query.shape[-2], key.shape[-2]
+    found = _tiles(query, key, query_offset, is_causal, local_window_size, chunk_size)
+    plain = asked._replace(platform="", dtype="", lengths=(), widths=(), heads=(),
+                           causal=False) == Asked()
+    dtype = jnp.dtype(query.dtype)
+    if name == "explicit":
+        kept = math.prod(query.shape[:-2]) * sum((b - a) * (hi - lo) for a, b, lo, hi in found)
+        if not _split_passes(name, asked, kept):
+            return None
+        blocks = (plain and not is_causal and dtype == jnp.float32
+                  and lq * lk >= FORWARD_BLOCKWISE_FROM)
+        return ("blockwise" if blocks else "explicit", "explicit")
+    if (name == "blockwise" and plain and is_causal and len(found) > 1
+            and dtype in (jnp.float32, jnp.bfloat16) and lq * lk <= FORWARD_TILES_UP_TO):
+        return ("explicit", "blockwise")
+    return None
+
+
+def _tiles(query, key, query_offset, is_causal, local_window_size, chunk_size) -> list:
+    """explicit's query tiles for these arguments (jax_attn.explicit.tiles): one for the whole
+    (Lq, Lk) when none apply."""
     static = blockwise.Static(1.0, bool(is_causal), None, window(local_window_size), 0.0, None,
                               1, 1, chunk_size=chunk_size)
-    found = explicit.tiles(query.shape[-2], key.shape[-2], query_offset, static)
-    return math.prod(query.shape[:-2]) * sum((b - a) * (hi - lo) for a, b, lo, hi in found)
+    return explicit.tiles(query.shape[-2], key.shape[-2], query_offset, static)
 
 
 def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,
@@ -308,17 +356,18 @@ IMPLEMENTATIONS = Registry(
 
 @partial(jax.jit, static_argnames=("scale", "is_causal", "softcap", "window", "dropout_rate",
                                    "precision", "return_weights", "chunk", "implementation",
-                                   "block_sizes", "chunk_size", "split"))
+                                   "block_sizes", "chunk_size", "passes"))
 def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_lengths=None,
                kv_lengths=None, sinks=None, distance_bias=None, *, scale, is_causal, dropout_rate,
                precision, return_weights, softcap=None, window=NO_WINDOW, chunk_size=None,
                chunk=None, implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES,
-               split=False):
+               passes=None):
     """Lift to (B, Hkv, G, ...), vmap the implementation's one-head core over G (key and value
     not mapped), Hkv and B, drop the added axes. offset, q_lengths, kv_lengths: int arrays (B,)
-    or (), or None. ``split``: "explicit" differentiated with "blockwise"'s backward
-    (explicit.attend_split). "explicit" draws one dropout mask for every head here;
-    "blockwise" draws its own from rng, one stream per (batch, head), block by block."""
+    or (), or None. ``passes``: None, or the (forward, differentiated forward) pair of
+    explicit.attend_split (forward_passes) for "explicit" or "blockwise" alike. "explicit"
+    draws one dropout mask for every head here; "blockwise" draws its own from rng, one stream
+    per (batch, head), block by block."""
     lead = query.shape[:-2]
     shape = lead + (query.shape[-2], key.shape[-2])  # (..., H, Lq, Lk)
     blocks = implementation == "blockwise"
@@ -342,7 +391,8 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
     static = blockwise.Static(scale, is_causal, softcap, window, dropout_rate, precision,
                               *block_sizes, chunk_size=chunk_size)
 
-    attend = explicit.attend_split if split else IMPLEMENTATIONS[implementation].run
+    attend = (IMPLEMENTATIONS[implementation].run if passes is None else
+              partial(explicit.attend_split, passes=passes))
 
     def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink, distance,
             stream):

@@ -290,3 +290,81 @@ def test_forward_mode_needs_explicit_by_name():
     reverse = jnp.sum(jax.grad(f(None))(q) * t)
     np.testing.assert_allclose(float(tangent), float(reverse), rtol=1e-4, atol=1e-5,
                                err_msg=f"seed {seed}")
+
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.mark.parametrize("lq, lk, dtype, kw, forward, differentiated", [
+    (256, 256, F32, dict(), "explicit", "explicit"),  # 2^16 < 2^18; 2^21 scores: JAX's
+    (512, 512, F32, dict(), "blockwise", "explicit+blockwise"),  # 2^18
+    (256, 1024, F32, dict(), "blockwise", "explicit+blockwise"),
+    (512, 512, BF16, dict(), "explicit", "explicit+blockwise"),  # bfloat16: explicit's
+    (512, 512, F32, dict(is_causal=True), "explicit", "explicit+blockwise"),  # tiled
+    (512, 512, F32, dict(mask=True), "explicit", "explicit+blockwise"),  # not plain
+    (2048, 2048, F32, dict(is_causal=True), "explicit", "blockwise"),  # 2^22
+    (2048, 2048, BF16, dict(is_causal=True), "explicit", "blockwise"),
+    (2048, 2048, F32, dict(), "blockwise", "blockwise"),  # no tiles
+    (2048, 2048, F32, dict(is_causal=True, local_window_size=(300, 0)), "blockwise",
+     "blockwise"),  # not plain
+    (2048, 2048, F32, dict(is_causal=True, mask=True), "blockwise", "blockwise"),
+    (4096, 4096, F32, dict(is_causal=True), "blockwise", "blockwise"),  # 2^24 > 2^22
+])
+def test_the_forward_none_runs_undifferentiated(monkeypatch, lq, lk, dtype, kw, forward,
+                                                differentiated):
+    """implementation=None's forward when the call is not differentiated is the faster one
+    measured (functional.forward_passes); differentiated, the split passes or blockwise's
+    custom_vjp as before. B = 4, H = 8; record() names what was traced."""
+    monkeypatch.undo()  # the real SPLIT_ABOVE
+    q, kv = (jax.ShapeDtypeStruct((4, 8, n, 8), dtype) for n in (lq, lk))
+    masks = [jax.ShapeDtypeStruct((lq, lk), jnp.bool_)] if kw.pop("mask", False) else []
+
+    def f(q, k, *mask):
+        return jnp.sum(jax_attn.scaled_dot_product_attention(q, k, k, *mask, **kw)
+                       .astype(jnp.float32))
+
+    for call, expected in ((jax.jit(f), forward), (jax.jit(jax.grad(f)), differentiated)):
+        jax.clear_caches()  # record() sees what is traced
+        with record() as ran:
+            call.lower(q, kv, *masks)
+        assert "+".join(name for _, name in ran) == expected
+
+
+@pytest.mark.parametrize("length, is_causal, same_as", [(512, False, "blockwise"),
+                                                          (2048, True, "explicit")])
+def test_none_runs_the_same_programs_as_the_named_ones(length, is_causal, same_as):
+    """Not differentiated, None's output is the named forward's (the same program);
+    differentiated, its gradients are blockwise's own where blockwise's forward is kept
+    (causal L = 2048) and the split passes' (agreeing with JAX's derivative of explicit)
+    where explicit's is (L = 512)."""
+    rng, seed = fresh_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 2, length, 8)), jnp.float32)
+               for _ in range(3))
+    kw = dict(is_causal=is_causal)
+    out = jax_attn.scaled_dot_product_attention(q, k, v, **kw)
+    named = jax_attn.scaled_dot_product_attention(q, k, v, implementation=same_as, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(named), err_msg=f"seed {seed}")
+
+    def loss(implementation):
+        return lambda q, k, v: jnp.sum(jnp.sin(jax_attn.scaled_dot_product_attention(
+            q, k, v, implementation=implementation, **kw)))
+
+    grads = jax.grad(loss(None), argnums=(0, 1, 2))(q, k, v)
+    if is_causal:  # blockwise's forward and backward, as by name
+        for g, b in zip(grads, jax.grad(loss("blockwise"), argnums=(0, 1, 2))(q, k, v)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(b), err_msg=f"seed {seed}")
+    else:
+        jax_ad = jax.grad(loss("explicit"), argnums=(0, 1, 2))(q, k, v)
+        for name, g, s in zip("qkv", grads, jax_ad):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(s), atol=2e-6, rtol=1e-5,
+                                       err_msg=f"d{name}, seed {seed}")
+
+
+def test_passes_refuse_a_blockwise_forward_with_drawn_dropout():
+    """Each implementation draws its own dropout mask, so the passes stay explicit's there."""
+    static = blockwise.Static(1.0, False, None, (None, None), 0.5, None, 8, 8)
+    q = jnp.zeros((8, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"passes should be \('explicit', 'explicit'\) when "
+                                         r"dropout is drawn, got \('blockwise', 'explicit'\)"):
+        explicit.attend_split(q, q, q, None, None, None, None, None, None, None,
+                              static=static, passes=("blockwise", "explicit"))
