@@ -103,9 +103,11 @@ def scaled_dot_product_attention(
       lists "blockwise" too); with fewer, by JAX. Where that split applies, or "blockwise" is
       chosen, the forward that runs when the call is not differentiated is the faster of the
       two measured for it (``forward_passes``: blockwise's for untiled float32 explicit from
-      Lq·Lk = 2¹⁸, explicit's causal tiles for blockwise up to Lq·Lk = 2²²); record() names
-      that one, and, when the call is differentiated, the forward and backward that ran
-      instead. The measurements (CPU): docs/performance.md; the GPU rows are unmeasured.
+      Lq·Lk = 2¹⁸, explicit's causal tiles for bfloat16 blockwise up to Lq·Lk = 2²²);
+      record() names that one, and, when the call is differentiated, the forward and
+      backward that ran instead. Its blockwise takes blocks of CAUSAL_BLOCK_SIZES = (512,
+      512) for a causal call without other extras up to Lq·Lk = 2²⁴ (``none_blocks``). The
+      measurements (CPU): docs/performance.md; the GPU rows are unmeasured.
     ``golden.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
     explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
@@ -173,7 +175,8 @@ def scaled_dot_product_attention(
                              return_weights=bool(return_weights),
                              chunk=heads_per_step(query.shape, key.shape) if one_device else None,
                              implementation=chosen.name,
-                             block_sizes=block_sizes or blockwise.DEFAULT_BLOCK_SIZES,
+                             block_sizes=block_sizes or none_blocks(
+                                 implementation, asked, query, key),
                              passes=passes)
     return (out, weights) if return_weights else out
 
@@ -196,14 +199,35 @@ def _split_passes(name, asked, kept) -> bool:
             and IMPLEMENTATIONS.refuses("blockwise", asked) is None)
 
 
-# implementation=None's forward when it is not differentiated (forward_passes), measured on a
-# CPU at B=4, H=8, D=64 without masks, biases or other extras (docs/performance.md, "Why the
-# thresholds are where they are"): blockwise's forward, one block per head, is 6-10 % faster
-# than explicit's untiled one in float32 from Lq·Lk = 2**18 (L = 512; equal at L = 256; slower
-# in bfloat16); explicit's causal tiles are 7-16 % faster than blockwise's forward in float32
-# and 53 % in bfloat16 up to Lq·Lk = 2**22 (L = 2048), 9 % slower at L = 4096 (float32).
+# implementation=None's forward when it is not differentiated (forward_passes), and its blocks
+# for causal blockwise (none_blocks), measured on a CPU at B=4, H=8, D=64 without masks, biases
+# or other extras (docs/performance.md, "Why the thresholds are where they are"): blockwise's
+# forward, one block per head, is 6-10 % faster than explicit's untiled one in float32 from
+# Lq·Lk = 2**18 (L = 512; equal at L = 256; slower in bfloat16); causal, blocks of 512 were
+# 11-18 % faster than blocks of 1024 forward and forward+backward up to L = 4096 (B = 1, H = 4
+# and 8 too), equal at L = 8192, 2-4 % slower at L = 16384 with one head, and at L = 2048 8 %
+# faster than explicit's causal tiles in float32; in bfloat16 the tiles were 22 % faster.
 FORWARD_BLOCKWISE_FROM = 2**18
 FORWARD_TILES_UP_TO = 2**22
+CAUSAL_BLOCK_SIZES = (512, 512)
+CAUSAL_BLOCKS_UP_TO = 2**24
+
+
+def _plain(asked) -> bool:
+    """No mask, bias, soft-cap, sinks, lengths, offset, window, chunks, distance bias, dropout,
+    block sizes, weights or mesh: the calls the thresholds above were measured on."""
+    return asked._replace(platform="", dtype="", lengths=(), widths=(), heads=(),
+                          causal=False) == Asked()
+
+
+def none_blocks(implementation, asked, query, key) -> tuple:
+    """The blocks blockwise runs in when the call names none: CAUSAL_BLOCK_SIZES for
+    implementation=None's plain causal calls with Lq·Lk at most CAUSAL_BLOCKS_UP_TO, else
+    blockwise.DEFAULT_BLOCK_SIZES."""
+    small = query.shape[-2] * key.shape[-2] <= CAUSAL_BLOCKS_UP_TO
+    if implementation is None and asked.causal and _plain(asked) and small:
+        return CAUSAL_BLOCK_SIZES
+    return blockwise.DEFAULT_BLOCK_SIZES
 
 
 def forward_passes(name, asked, query, key, query_offset, is_causal, local_window_size,
@@ -213,27 +237,23 @@ def forward_passes(name, asked, query, key, query_offset, is_causal, local_windo
     the forward whose statistics blockwise's backward reads when it is) for
     jax_attn.explicit.attend_split:
     - "explicit" forming more than SPLIT_ABOVE scores (_split_passes): its own forward under
-      differentiation; when not, blockwise's where the call is plain (below), not causal,
+      differentiation; when not, blockwise's where the call is plain (_plain), not causal,
       float32, and Lq·Lk is at least FORWARD_BLOCKWISE_FROM.
     - "blockwise": explicit's causal tiles when not differentiated where the call is plain,
-      causal, float32 or bfloat16, and Lq·Lk is at most FORWARD_TILES_UP_TO; blockwise's own
-      forward under differentiation.
-    Plain: no mask, bias, soft-cap, sinks, lengths, offset, window, chunks, distance bias,
-    dropout or block sizes (what was measured)."""
+      causal and bfloat16 and Lq·Lk is at most FORWARD_TILES_UP_TO; blockwise's own forward
+      under differentiation."""
     lq, lk = query.shape[-2], key.shape[-2]
     found = _tiles(query, key, query_offset, is_causal, local_window_size, chunk_size)
-    plain = asked._replace(platform="", dtype="", lengths=(), widths=(), heads=(),
-                           causal=False) == Asked()
     dtype = jnp.dtype(query.dtype)
     if name == "explicit":
         kept = math.prod(query.shape[:-2]) * sum((b - a) * (hi - lo) for a, b, lo, hi in found)
         if not _split_passes(name, asked, kept):
             return None
-        blocks = (plain and not is_causal and dtype == jnp.float32
+        blocks = (_plain(asked) and not is_causal and dtype == jnp.float32
                   and lq * lk >= FORWARD_BLOCKWISE_FROM)
         return ("blockwise" if blocks else "explicit", "explicit")
-    if (name == "blockwise" and plain and is_causal and len(found) > 1
-            and dtype in (jnp.float32, jnp.bfloat16) and lq * lk <= FORWARD_TILES_UP_TO):
+    if (name == "blockwise" and _plain(asked) and is_causal and len(found) > 1
+            and dtype == jnp.bfloat16 and lq * lk <= FORWARD_TILES_UP_TO):
         return ("explicit", "blockwise")
     return None
 

@@ -302,13 +302,13 @@ F32, BF16 = jnp.float32, jnp.bfloat16
     (512, 512, BF16, dict(), "explicit", "explicit+blockwise"),  # bfloat16: explicit's
     (512, 512, F32, dict(is_causal=True), "explicit", "explicit+blockwise"),  # tiled
     (512, 512, F32, dict(mask=True), "explicit", "explicit+blockwise"),  # not plain
-    (2048, 2048, F32, dict(is_causal=True), "explicit", "blockwise"),  # 2^22
-    (2048, 2048, BF16, dict(is_causal=True), "explicit", "blockwise"),
+    (2048, 2048, F32, dict(is_causal=True), "blockwise", "blockwise"),  # blocks of 512
+    (2048, 2048, BF16, dict(is_causal=True), "explicit", "blockwise"),  # 2^22, bfloat16
+    (4096, 4096, BF16, dict(is_causal=True), "blockwise", "blockwise"),  # 2^24 > 2^22
     (2048, 2048, F32, dict(), "blockwise", "blockwise"),  # no tiles
     (2048, 2048, F32, dict(is_causal=True, local_window_size=(300, 0)), "blockwise",
      "blockwise"),  # not plain
-    (2048, 2048, F32, dict(is_causal=True, mask=True), "blockwise", "blockwise"),
-    (4096, 4096, F32, dict(is_causal=True), "blockwise", "blockwise"),  # 2^24 > 2^22
+    (2048, 2048, BF16, dict(is_causal=True, mask=True), "blockwise", "blockwise"),
 ])
 def test_the_forward_none_runs_undifferentiated(monkeypatch, lq, lk, dtype, kw, forward,
                                                 differentiated):
@@ -330,31 +330,41 @@ def test_the_forward_none_runs_undifferentiated(monkeypatch, lq, lk, dtype, kw, 
         assert "+".join(name for _, name in ran) == expected
 
 
-@pytest.mark.parametrize("length, is_causal, same_as", [(512, False, "blockwise"),
-                                                          (2048, True, "explicit")])
-def test_none_runs_the_same_programs_as_the_named_ones(length, is_causal, same_as):
+BLOCKWISE_512 = dict(implementation="blockwise", block_sizes=(512, 512))
+
+
+@pytest.mark.parametrize("length, is_causal, dtype, same_as, differentiated", [
+    (512, False, F32, dict(implementation="blockwise"), None),  # split passes differentiated
+    (2048, True, F32, BLOCKWISE_512, BLOCKWISE_512),  # functional.CAUSAL_BLOCK_SIZES
+    (2048, True, BF16, dict(implementation="explicit"), BLOCKWISE_512),  # tiles, then blockwise
+    (4096, True, F32, BLOCKWISE_512, BLOCKWISE_512),  # 2^24: still blocks of 512
+    (4160, True, F32, dict(implementation="blockwise"), dict(implementation="blockwise")),
+])
+def test_none_runs_the_same_programs_as_the_named_ones(length, is_causal, dtype, same_as,
+                                                       differentiated):
     """Not differentiated, None's output is the named forward's (the same program);
-    differentiated, its gradients are blockwise's own where blockwise's forward is kept
-    (causal L = 2048) and the split passes' (agreeing with JAX's derivative of explicit)
-    where explicit's is (L = 512)."""
+    differentiated, its gradients are blockwise's own, in the same blocks, where blockwise's
+    forward is kept (causal L = 2048 to 4096 in blocks of 512, past 2^24 of 1024) and the
+    split passes' (agreeing with JAX's derivative of explicit) where explicit's is (L = 512)."""
     rng, seed = fresh_rng()
-    q, k, v = (jnp.asarray(rng.standard_normal((1, 2, length, 8)), jnp.float32)
-               for _ in range(3))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 2, length, 8)), dtype) for _ in range(3))
     kw = dict(is_causal=is_causal)
     out = jax_attn.scaled_dot_product_attention(q, k, v, **kw)
-    named = jax_attn.scaled_dot_product_attention(q, k, v, implementation=same_as, **kw)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(named), err_msg=f"seed {seed}")
+    named = jax_attn.scaled_dot_product_attention(q, k, v, **same_as, **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(named, np.float32),
+                                  err_msg=f"seed {seed}")
 
-    def loss(implementation):
+    def loss(**named):
         return lambda q, k, v: jnp.sum(jnp.sin(jax_attn.scaled_dot_product_attention(
-            q, k, v, implementation=implementation, **kw)))
+            q, k, v, **named, **kw).astype(jnp.float32)))
 
-    grads = jax.grad(loss(None), argnums=(0, 1, 2))(q, k, v)
-    if is_causal:  # blockwise's forward and backward, as by name
-        for g, b in zip(grads, jax.grad(loss("blockwise"), argnums=(0, 1, 2))(q, k, v)):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(b), err_msg=f"seed {seed}")
+    grads = jax.grad(loss(), argnums=(0, 1, 2))(q, k, v)
+    if differentiated:  # blockwise's forward and backward, as by name
+        for g, b in zip(grads, jax.grad(loss(**differentiated), argnums=(0, 1, 2))(q, k, v)):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(b, np.float32),
+                                          err_msg=f"seed {seed}")
     else:
-        jax_ad = jax.grad(loss("explicit"), argnums=(0, 1, 2))(q, k, v)
+        jax_ad = jax.grad(loss(implementation="explicit"), argnums=(0, 1, 2))(q, k, v)
         for name, g, s in zip("qkv", grads, jax_ad):
             np.testing.assert_allclose(np.asarray(g), np.asarray(s), atol=2e-6, rtol=1e-5,
                                        err_msg=f"d{name}, seed {seed}")
