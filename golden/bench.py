@@ -915,7 +915,8 @@ def choice_markdown(rows: list[dict]) -> list[str]:
         "", "## The automatic choice (float32, every grid row)", "",
         "- None: `implementation=None`, jitted, as it chooses (\"ran\": the implementations it "
         "recorded; in fwd+bwd explicit+blockwise is explicit's forward differentiated with "
-        "blockwise's backward). explicit, blockwise: the named implementations (explicit's "
+        "blockwise's backward; its causal blockwise runs blocks of 512, the named one 1024). "
+        "explicit, blockwise: the named implementations (explicit's "
         "fwd+bwd is JAX's derivative of its forward). Calls interleaved round by round, "
         f"{CHOICE_ROUNDS} steady calls each ({MIN_REPEATS} when a call takes over a second), "
         "after a compiling call and a warm one.",
