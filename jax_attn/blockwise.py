@@ -72,10 +72,8 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     (2S + 1,) or None, the bias of each key − query distance, gathered block by block (ALiBi's
     and T5's biases in O(L) memory). Returns (the output (Lq, Dv) in q's dtype, None): the
     weights are never formed."""
-    static = static._replace(block_q=fit(q.shape[0], static.block_q),
-                             block_k=fit(k.shape[0], static.block_k))
-    return _flash(static, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths,
-                  kv_lengths, sink, distance_bias), None
+    return _flash(fitted(static, q.shape[0], k.shape[0]), q, k, v, mask, bias, dropout_mask,
+                  rng, offset, q_lengths, kv_lengths, sink, distance_bias), None
 
 
 def fit(length, block):
@@ -84,21 +82,28 @@ def fit(length, block):
     return _cdiv(length, _cdiv(length, block))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
-           distance_bias):
-    out, _ = forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
-                                    q_lengths, kv_lengths, distance_bias=distance_bias), sink)
-    return out.astype(q.dtype)
+def fitted(st, lq, lk):
+    """``st`` with its blocks fitted to (Lq, Lk) (``fit``), as ``attend`` runs them."""
+    return st._replace(block_q=fit(lq, st.block_q), block_k=fit(lk, st.block_k))
 
 
-def _flash_fwd(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
-               distance_bias):
-    out, stats = forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
+def head_forward(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
+                 distance_bias):
+    """One head's output in q's dtype and its statistics (2, Lq) (``_forward``), ``st`` fitted:
+    _flash's forward, and jax_attn.explicit.attend_split's when it takes blockwise's."""
+    out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
                                         q_lengths, kv_lengths, distance_bias=distance_bias), sink)
-    out = out.astype(q.dtype)
-    return out, (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
-                 distance_bias, out, stats)
+    return out.astype(q.dtype), stats
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st, *args):
+    return head_forward(st, *args)[0]
+
+
+def _flash_fwd(st, *args):
+    out, stats = head_forward(st, *args)
+    return out, args + (out, stats)
 
 
 def flash_bwd(st, res, d_out):
@@ -374,7 +379,7 @@ def _loops(ranges, masked, plain, carry):
 
 # ---- forward ------------------------------------------------------------------------------------
 
-def forward(st, h, sink=None):
+def _forward(st, h, sink=None):
     """The output (Lq, Dv) in the compute dtype and each row's softmax statistics (2, Lq): its
     largest score m and 1 / l, l = Σ exp(s − m) (the log-sum-exp m + log l kept in two parts, so
     that the backward's exp(s − m) / l is as exact as the forward's at large logits). Rows that

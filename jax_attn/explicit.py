@@ -96,12 +96,6 @@ def backward_blocks(lq, lk):
             blockwise.fit(lk, BACKWARD_BLOCK_K))
 
 
-def _fitted(st, lq, lk):
-    """``st`` with blockwise's blocks fitted to (Lq, Lk), as blockwise.attend fits them."""
-    return st._replace(block_q=blockwise.fit(lq, st.block_q),
-                       block_k=blockwise.fit(lk, st.block_k))
-
-
 def _forward(st, name, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
              sink, distance_bias):
     """(output in q's dtype, statistics (2, Lq)) of implementation ``name``'s forward: both
@@ -110,11 +104,9 @@ def _forward(st, name, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths
         out, _, stats = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths,
                                kv_lengths, sink, distance_bias, st)
         return out, stats
-    st = _fitted(st, q.shape[0], k.shape[0])
-    h = blockwise.Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths,
-                            kv_lengths, distance_bias=distance_bias)
-    out, stats = blockwise.forward(st, h, sink)
-    return out.astype(q.dtype), stats
+    return blockwise.head_forward(blockwise.fitted(st, q.shape[0], k.shape[0]), q, k, v, mask,
+                                  bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
+                                  distance_bias)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -138,7 +130,7 @@ def _split_bwd(st, passes, res, d_out):
     q, k, v, mask, bias, dropout_mask = res[:6]
     lq, lk = q.shape[0], k.shape[0]
     if passes[1] == "blockwise":
-        return blockwise.flash_bwd(_fitted(st, lq, lk), res, d_out)
+        return blockwise.flash_bwd(blockwise.fitted(st, lq, lk), res, d_out)
     hi = max(end for *_, end in tiles(lq, lk, res[7], st))
     over_keys = bias is not None and bias.shape[-1] > 1  # (Lq|1, Lk): its gradient too
     if hi < lk:  # the positions, lengths and chunks count from key 0 still

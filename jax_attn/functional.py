@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from golden.implementations import Asked, Implementation, Registry, ran, record
+from golden.implementations import Asked, Implementation, Registry, ran_instead
 from golden.validate import (
     check_attention_args,
     check_block_sizes,
@@ -134,14 +134,13 @@ def scaled_dot_product_attention(
                    dropout_rate=dropout_rate, return_weights=return_weights,
                    block_sizes=block_sizes, chunk_size=attention_chunk_size,
                    distance_bias=distance_bias)
-    with record() as picked:  # recorded below: None's forward may be another's
-        chosen = IMPLEMENTATIONS.select(implementation, asked,
-                                        choose(query.shape, key.shape, asked.platform))
+    chosen = IMPLEMENTATIONS.select(implementation, asked,
+                                    choose(query.shape, key.shape, asked.platform))
     passes = None if implementation is not None else forward_passes(
         chosen.name, asked, query, key, query_offset, is_causal, local_window_size,
         attention_chunk_size)
-    for framework, name in picked:
-        ran(framework, name if passes is None else passes[0])
+    if passes is not None and passes[0] != chosen.name:  # the forward that runs undifferentiated
+        ran_instead("jax", passes[0], chosen.name)
     if dropout_rate > 0.0 and dropout_mask is None and dropout_rng is None:
         raise ValueError("dropout_rng should be a jax.random key when dropout_rate > 0 and no "
                          "dropout_mask is given, got None")
