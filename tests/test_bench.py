@@ -288,4 +288,3 @@ def test_isa_table_pairs_the_two_reports_row_by_row():
     assert cells[4] == isa_table._ms(first["median_ms"]) and cells[5] == isa_table._ms(
         peer["median_ms"])
     assert cells[6] == f"{peer['median_ms'] / first['median_ms']:.2f}×"
-
