@@ -83,11 +83,12 @@ def test_module_jit_equals_eager(variant):
     with jax.disable_jit():
         eager = _module_call(module, inputs)
     for a, b in zip(jitted, eager):
-        if variant.sample.get("rope_theta") is None:
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
-        else:  # XLA contracts the rotation's a·cos − b·sin into fused multiply-adds when it
-            # compiles the whole call, not op by op: an ulp or two apart (2.4e-7 seen)
-            assert compare(a, b, "float32").ok, f"seed {seed}"
+        # Not bit for bit: XLA compiles the jitted call as one program and the eager one op by
+        # op, and may contract a·b + c into fused multiply-adds in one and not the other,
+        # depending on the CPU: RoPE's a·cos − b·sin an ulp or two apart (2.4e-7 seen), and on
+        # an AVX2 host (AMD EPYC, Zen 3 class, 2026-11-25) the cross-attention's output 1 ulp
+        # apart (2.4e-7) in 50 of 84 elements, bit-equal on the AVX-512 host before it.
+        assert compare(a, b, "float32").ok, f"seed {seed}"
 
 
 def test_core_compiles_once_per_shape():
