@@ -396,3 +396,31 @@ def test_passes_refuse_a_blockwise_forward_with_drawn_dropout():
                                          r"dropout is drawn, got \('blockwise', 'explicit'\)"):
         explicit.attend_split(q, q, q, None, None, None, None, None, None, None,
                               static=static, passes=("blockwise", "explicit"))
+
+
+def _divides(fn, *args):
+    """The shapes of the float divisions in fn's lowered program."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return set(re.findall(r"stablehlo\.divide .* : tensor<([0-9x]+)xf32>", text))
+
+
+def test_explicit_divides_last_only_when_not_differentiated():
+    """Not differentiated, explicit's float32 output is (exp(S − m) V) / l: no (Lq, Lk) array
+    is divided. Differentiated (reverse or forward mode), it is (exp(S − m) / l) V, whose
+    weights are divided; the two outputs agree to float32 rounding, and forward mode (the
+    custom_jvp) agrees with reverse mode."""
+    rng, seed = fresh_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 12, 8)), jnp.float32) for _ in range(3))
+    t = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def f(q):
+        return jax_attn.scaled_dot_product_attention(q, k, v, implementation="explicit")
+
+    assert "2x3x12x12" not in _divides(f, q)
+    assert "2x3x12x12" in _divides(lambda q: jax.vjp(f, q)[1](q)[0], q)
+    plain, (differentiated, _) = f(q), jax.jvp(f, (q,), (t,))
+    assert compare(plain, differentiated, "float32").ok, f"seed {seed}"
+    tangent = jax.jvp(lambda q: jnp.sum(jnp.sin(f(q))), (q,), (t,))[1]
+    reverse = jnp.sum(jax.grad(lambda q: jnp.sum(jnp.sin(f(q))))(q) * t)
+    np.testing.assert_allclose(float(tangent), float(reverse), rtol=1e-4, atol=1e-5,
+                               err_msg=f"seed {seed}")
