@@ -1,7 +1,9 @@
-"""The Speed table of docs/performance.md from two `attn-parity bench` reports of the same
-commit: one native, one with the other instruction set emulated (bench/README.md says how).
+"""The Speed tables of docs/performance.md from `attn-parity bench` reports: two of the same
+commit (one native, one with the other instruction set emulated: bench/README.md says how),
+or one alone (a host's own run).
 
     python bench/isa_table.py bench/results/latest.json bench/results/avx2/latest.json
+    python bench/isa_table.py bench/results/avx2_host/latest.json
 
 Prints the Markdown table: every grid row and the grouped-query rows, each report's
 `jax_core` and `torch_peer` medians, torch ÷ core and naive ÷ core (> 1: ours is faster), and
@@ -35,9 +37,9 @@ def label(machine: dict) -> str:
     return machine.get("xla_isa") or machine.get("cpu_isa") or "?"
 
 
-def table(first: dict, second: dict) -> str:
-    a, b = medians(first), medians(second)
-    names = [label(first["machine"]), label(second["machine"])]
+def table(*reports: dict) -> str:
+    found = [medians(r) for r in reports]
+    a, names = found[0], [label(r["machine"]) for r in reports]
     head = ["shape", "dtype", "causal", "pass"]
     for n in names:
         head += [f"{n}: jax_core ms", "torch_peer ms", "torch ÷ core", "naive ÷ core",
@@ -47,7 +49,7 @@ def table(first: dict, second: dict) -> str:
     for key in a:
         shape, dtype, causal, phase = key
         cells = [shape, dtype, "yes" if causal else "no", phase]
-        for m in (a, b):
+        for m in found:
             row = m.get(key, {})
             core, peer, naive = (row.get(i) for i in ("jax_core", "torch_peer", "jax_naive"))
             plain = m.get((shape, dtype, False, phase), {}).get("jax_core")
@@ -62,10 +64,9 @@ def table(first: dict, second: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("native", type=Path)
-    parser.add_argument("other", type=Path)
+    parser.add_argument("reports", type=Path, nargs="+", help="latest.json of each run")
     args = parser.parse_args(argv)
-    print(table(*(json.loads(p.read_text()) for p in (args.native, args.other))))
+    print(table(*(json.loads(p.read_text()) for p in args.reports)))
     return 0
 
 

@@ -288,3 +288,5 @@ def test_isa_table_pairs_the_two_reports_row_by_row():
     assert cells[4] == isa_table._ms(first["median_ms"]) and cells[5] == isa_table._ms(
         peer["median_ms"])
     assert cells[6] == f"{peer['median_ms'] / first['median_ms']:.2f}×"
+    alone = isa_table.table(other).splitlines()  # one report: a host's own run
+    assert len(alone) == len(lines) and len(alone[2].split(" | ")) == 9
