@@ -117,8 +117,8 @@ def backward_blocks(lq, lk):
 def _forward(st, name, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
              sink, distance_bias, *, differentiated):
     """(output in q's dtype, statistics (2, Lq)) of implementation ``name``'s forward: both
-    in jax_attn.blockwise's format. explicit's output, when ``differentiated``, is the
-    weights' product, whose rounding the backward's row sums of dO·O match best (``_attend``)."""
+    in jax_attn.blockwise's format. explicit's output is the weights' product when
+    ``differentiated``, divided last when not, as in ``_attend``."""
     if name == "explicit":
         out, _, stats = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths,
                                kv_lengths, sink, distance_bias, st,
