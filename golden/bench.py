@@ -259,19 +259,43 @@ def xla_memory(jitted, args) -> dict | None:
     return {name: getattr(stats, name) for name in dir(stats) if name.endswith("_in_bytes")}
 
 
+# The longest a ceiling's product may be predicted to take: 64 times the time of a product a
+# quarter the size, which for a small product is mostly a call's overhead (16 ms for torch
+# at n = 64 to 512 with the other core busy), hence seconds, not one.
+CEILING_CALL_S = 4.0
+
+
 def ceiling(fw: str, n: int, dtype: str, repeats: int, rng) -> dict:
-    """GFLOP/s of an (n, n) @ (n, n) product: the framework's practical ceiling on this CPU."""
+    """GFLOP/s of an (n, n) @ (n, n) product: the framework's practical ceiling on this CPU.
+    Where one product at n is predicted to take more than CEILING_CALL_S (from a product of a
+    quarter the size), n is halved until it is not: torch's bfloat16 product runs at 0.3 GFLOP/s
+    on a CPU without AVX512_BF16, a minute a call at n = 2048 (then n = 512; the row says the n
+    used)."""
+    while n > 64 and _matmul_s(fw, n // 4, dtype, rng) * 64 > CEILING_CALL_S:
+        n //= 2
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    if fw == "jax":
-        args = [jax.block_until_ready(jnp.asarray(x, dtype=dtype)) for x in (a, b)]
-        fn = jax.jit(jnp.matmul)
-    else:
-        args = [torch.from_numpy(x).to(getattr(torch, dtype)) for x in (a, b)]
-        fn = torch.matmul
+    fn, args = _matmul(fw, a, b, dtype)
     with torch.no_grad():
         m = measure(fn, args, repeats)
     return {"framework": fw, "dtype": dtype, "n": n, **m,
             "gflop_s": 2 * n**3 / (m["median_ms"] * 1e-3) / 1e9}
+
+
+def _matmul(fw, a, b, dtype):
+    """(the framework's product, its two arguments) for NumPy float32 a, b at ``dtype``."""
+    if fw == "jax":
+        return jax.jit(jnp.matmul), [jax.block_until_ready(jnp.asarray(x, dtype=dtype))
+                                     for x in (a, b)]
+    return torch.matmul, [torch.from_numpy(x).to(getattr(torch, dtype)) for x in (a, b)]
+
+
+def _matmul_s(fw, n, dtype, rng) -> float:
+    """Seconds of one steady (n, n) @ (n, n) product (after a first call)."""
+    fn, args = _matmul(fw, *(rng.standard_normal((n, n), dtype=np.float32) for _ in range(2)),
+                       dtype)
+    with torch.no_grad():
+        _call(fn, args)
+        return _call(fn, args)
 
 
 # --- module calls: small attention modules, called eagerly the way their users call them --------

@@ -226,7 +226,9 @@ def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_length
                  distance_bias, *, row0, key0, static, divide_last):
     """``_tiled`` for query rows row0 … and keys key0 … (a tile; the whole head at 0, 0)."""
     compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
-    scores = static.scale * jnp.einsum("qd,kd->qk", q, k, precision=static.precision,
+    wide = wide_products(q.dtype)
+    scores = static.scale * jnp.einsum("qd,kd->qk", *_widened(wide, q, k),
+                                       precision=static.precision,
                                        preferred_element_type=compute)  # (Lq, Lk)
     if static.softcap is not None:  # after scaling, before bias and masks
         scores = static.softcap * jnp.tanh(scores / static.softcap)
@@ -277,9 +279,25 @@ def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_length
         out = jnp.einsum("qk,kv->qv", kept, v, precision=static.precision,
                          preferred_element_type=compute) * per_row  # (Lq, Dv)
     else:  # the weights rounded to q's dtype, then the product, as torch computes it
-        out = jnp.einsum("qk,kv->qv", weights, v, precision=static.precision,
+        out = jnp.einsum("qk,kv->qv", *_widened(wide, weights, v), precision=static.precision,
                          preferred_element_type=compute)  # (Lq, Dv)
     return out.astype(q.dtype), weights, jnp.concatenate([m, inv], axis=-1).T
+
+
+def wide_products(dtype) -> bool:
+    """Whether a bfloat16 or float16 call takes its products on float32 copies of its operands:
+    on CPU, where XLA:CPU otherwise converts them back to the half dtype for the product, which
+    a CPU without AVX512_BF16 runs at half the speed (docs/performance.md, "bfloat16 on a host
+    without AVX-512"). A product of two bfloat16 (or float16) numbers is exact in float32, so
+    the sums are of the same terms, accumulated in float32 either way."""
+    return jnp.dtype(dtype) in HALF and jax.default_backend() == "cpu"
+
+
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _widened(wide, *xs):
+    return tuple(x.astype(jnp.float32) for x in xs) if wide else xs
 
 
 def _causal_only(mask, offset, q_lengths, kv_lengths, window, chunk=None):

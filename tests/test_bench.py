@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from golden.bench import (
@@ -20,6 +21,7 @@ from golden.bench import (
     MODULES,
     QUICK,
     Shape,
+    ceiling,
     decode_features,
     latent_models,
     steady_repeats,
@@ -232,6 +234,17 @@ def test_steady_repeats_fills_half_a_second_within_three_and_the_most():
         steady_repeats(0.1, 0.5, 2)
     with pytest.raises(ValueError, match="first_s and steady_s"):
         steady_repeats(-1.0, 0.5, 10)
+
+
+def test_ceiling_halves_a_product_predicted_too_slow(monkeypatch):
+    # A product predicted (from one a quarter the size) to take more than CEILING_CALL_S is
+    # measured at half the size, and so on down to 64; the row says the n measured.
+    rng = np.random.default_rng(0)
+    assert ceiling("torch", 256, "float32", 3, rng)["n"] == 256  # 2·256³ flops: milliseconds
+    monkeypatch.setattr("golden.bench.CEILING_CALL_S", 0.0)
+    row = ceiling("jax", 256, "float32", 3, rng)
+    assert row["n"] == 64
+    assert row["gflop_s"] == pytest.approx(2 * 64**3 / (row["median_ms"] * 1e-3) / 1e9)
 
 
 def test_xla_isa_is_the_hosts_capped_by_xla_cpu_max_isa():

@@ -424,3 +424,39 @@ def test_explicit_divides_last_only_when_not_differentiated():
     reverse = jnp.sum(jax.grad(lambda q: jnp.sum(jnp.sin(f(q))))(q) * t)
     np.testing.assert_allclose(float(tangent), float(reverse), rtol=1e-4, atol=1e-5,
                                err_msg=f"seed {seed}")
+
+
+def _dot_operand_types(fn, *args):
+    """The element types of the operands of every product in fn's lowered program."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return set(re.findall(r"stablehlo\.dot_general .* : \(tensor<[0-9x]+x(\w+)>", text))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the float32 products are CPU-only")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_explicit_half_products_run_in_float32_on_cpu(dtype, monkeypatch):
+    """On CPU a bfloat16 or float16 explicit call multiplies float32 copies of its operands (q,
+    k; the weights rounded to the dtype, v), forward and backward: no product of half-precision
+    operands is left in its program. The products of half-precision numbers are exact in
+    float32, so the output is the half-precision products' to within one unit in the last place
+    (the order of the float32 sums may differ)."""
+    rng, seed = fresh_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 12, 8)), dtype) for _ in range(3))
+
+    def f(q):
+        return jax_attn.scaled_dot_product_attention(q, k, v, implementation="explicit")
+
+    def grad(q):
+        return jax.grad(lambda q: jnp.sum(f(q).astype(jnp.float32) ** 2))(q)
+
+    assert _dot_operand_types(f, q) == {"f32"}
+    assert _dot_operand_types(grad, q) == {"f32"}
+    wide, wide_grad = np.asarray(f(q), np.float64), np.asarray(grad(q), np.float64)
+    monkeypatch.setattr(explicit, "wide_products", lambda dtype: False)
+    jax.clear_caches()
+    assert _dot_operand_types(f, q) == {dtype.replace("loat", "")[:4]}  # bf16 or f16
+    half, half_grad = np.asarray(f(q), np.float64), np.asarray(grad(q), np.float64)
+    ulp = np.spacing(np.abs(half).astype(dtype).astype(np.float32)).astype(np.float64)
+    ulp *= 2.0 ** (np.finfo(np.float32).nmant - jnp.finfo(dtype).nmant)
+    assert np.all(np.abs(wide - half) <= ulp), f"seed {seed}"
+    assert compare(wide_grad, half_grad, dtype, "grad").ok, f"seed {seed}"
