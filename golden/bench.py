@@ -47,6 +47,12 @@ IMPLS = ("jax_core", "jax_peer", "jax_naive", "torch_core", "torch_peer", "torch
 OURS = ("jax_core", "torch_core")
 STEADY_S = 0.5  # aim for about this much steady-state time per measurement (at least 3 calls)
 MIN_REPEATS = 3
+# A steady call of a second or more is measured SLOW_REPEATS times, not MIN_REPEATS: on a 2-core
+# host without AVX-512 the grid's calls of 1-4 s (L = 2048 forward+backward, bfloat16 naive
+# torch) took 44 s of its 300 s budget in their third calls, and such a call varies by about
+# 10 % between runs, more than a third call narrows.
+SLOW_CALL_S = 1.0
+SLOW_REPEATS = 2
 SHORT_CALL_REPEATS = 100  # a decode step (< 1 ms) gets this many × the repeats, STEADY_S caps it
 NOISY_PCT = 10.0  # other processes using more of the cores than this: flag a target as unreliable
 
@@ -217,14 +223,16 @@ def other_cpu(since: tuple[float, float] | None, wall_s: float) -> float | None:
 def steady_repeats(first_s: float, steady_s: float, most: int) -> int:
     """How many steady calls a measurement takes, from its first steady call's time
     ``first_s`` (the call before it, compilation or warm-up, is timed apart): enough for about
-    ``steady_s`` seconds, never fewer than MIN_REPEATS, never more than ``most``. A call of a
-    second or more thus costs MIN_REPEATS calls whatever ``steady_s`` is; ``steady_s`` = 0 (a
-    run short of budget) gives MIN_REPEATS everywhere."""
+    ``steady_s`` seconds, never fewer than MIN_REPEATS (SLOW_REPEATS for a call of SLOW_CALL_S
+    or more), never more than ``most``. A call of a second or more thus costs SLOW_REPEATS calls
+    whatever ``steady_s`` is; ``steady_s`` = 0 (a run short of budget) gives the least
+    everywhere."""
     if most < MIN_REPEATS:
         raise ValueError(f"most should be at least MIN_REPEATS = {MIN_REPEATS}, got {most}")
     if first_s < 0 or steady_s < 0:
         raise ValueError(f"first_s and steady_s should be times ≥ 0 s, got {first_s}, {steady_s}")
-    return max(MIN_REPEATS, min(most, round(steady_s / max(first_s, 1e-9))))
+    least = SLOW_REPEATS if first_s >= SLOW_CALL_S else MIN_REPEATS
+    return max(least, min(most, round(steady_s / max(first_s, 1e-9))))
 
 
 def measure(fn, args, repeats: int, steady_s: float = STEADY_S) -> dict:
@@ -1039,17 +1047,16 @@ def predicted_backward_s(rows: list[dict], shape: Shape) -> float:
 def run(grid: Grid) -> dict:
     """Every section on ``grid``. The attention grid is paced by ``grid.budget_s``: a
     forward+backward block whose prediction (from the shape's forward times, at MIN_REPEATS
-    steady calls) would end the grid past the budget runs every row at MIN_REPEATS steady calls
-    (steady_s = 0) instead of about STEADY_S each; no row is ever left out. The budget's notes
-    say which blocks ran so and whether the grid ended within it."""
+    steady calls) would end the grid past the budget runs every row at the least steady calls
+    (steady_s = 0: MIN_REPEATS, SLOW_REPEATS for a call of a second or more) instead of about
+    STEADY_S each; no row is ever left out. The budget's notes say which blocks ran so and
+    whether the grid ended within it. The ceilings come first (the rows' % of them), the module,
+    GQA and decoding sections after the grid, outside its budget."""
     start, rng, rows, notes = time.perf_counter(), np.random.default_rng(), [], []
     info, cpu_start = machine(), _cpu_seconds()
     dtypes = ("float32", "bfloat16")
     ceilings = {(fw, dt): ceiling(fw, grid.matmul_n, dt, grid.repeats, rng)
                 for fw in ("jax", "torch") for dt in dtypes}
-    modules = run_modules(grid, rng)
-    gqa = run_gqa(grid, rng)
-    decode = run_decode(grid, rng)
     for shape in grid.shapes:
         host = random_qkv(shape, rng)  # fresh per shape, shared by every implementation
         for causal in (False, True):
@@ -1061,7 +1068,7 @@ def run(grid: Grid) -> dict:
         steady_s = STEADY_S
         if elapsed + predicted > grid.budget_s:
             steady_s = 0.0
-            notes.append(f"{shape.name} forward+backward at {MIN_REPEATS} steady calls per row: "
+            notes.append(f"{shape.name} forward+backward at the least steady calls per row: "
                          f"predicted {predicted:.0f} s from its forward times, after "
                          f"{elapsed:.0f} s elapsed, past the {grid.budget_s:.0f} s budget")
             print("  " + notes[-1], file=sys.stderr, flush=True)
@@ -1072,7 +1079,10 @@ def run(grid: Grid) -> dict:
     if grid_s > grid.budget_s:
         notes.append(f"the attention grid took {grid_s:.0f} s, past its {grid.budget_s:.0f} s "
                      f"budget, with every row measured")
-    choice = run_choice(grid, rng)  # after the grid, outside its budget (fixed calls per row)
+    modules = run_modules(grid, rng)  # these sections after the grid, outside its budget
+    gqa = run_gqa(grid, rng)
+    decode = run_decode(grid, rng)
+    choice = run_choice(grid, rng)  # fixed calls per row
     long = run_long(grid, rng)
     modern = run_modern(grid, rng)
     decode_options = run_decode_features(grid, rng)
@@ -1238,8 +1248,9 @@ def markdown(report: dict) -> str:
         "3.5 × forward. % ceiling: against the same framework's matmul in the same dtype.",
         f"- bfloat16: forward only, at {Shape(**report['grid']['bf16_shape']).name}.",
         f"- n: steady calls in the median: round({STEADY_S} s ÷ the first steady call), at least "
-        f"{MIN_REPEATS}, at most {report['grid']['repeats']}; {MIN_REPEATS} for a block the budget "
-        "section names. compile ms (JAX): first call − median (negative = noise).",
+        f"{MIN_REPEATS} ({SLOW_REPEATS} for a call of {SLOW_CALL_S:g} s or more), at most "
+        f"{report['grid']['repeats']}; the least for a block the budget section names. compile "
+        "ms (JAX): first call − median (negative = noise).",
         "- peak RSS: growth of the process's resident memory during one steady call (VmHWM after "
         "a reset through /proc/self/clear_refs), every implementation; pages already resident "
         "(buffers reused from earlier calls) do not count.",
@@ -1357,11 +1368,12 @@ def main(argv: list[str] | None = None) -> int:
                              "directory; run from the repository root)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="most steady calls per measurement (default 10, quick 3, at "
-                             "least 3); slow cases use fewer, down to 3")
+                             "least 3); slow cases use fewer, down to 3 (2 for a call of a "
+                             "second or more)")
     parser.add_argument("--budget", type=float, default=None, metavar="S",
                         help="the attention grid's budget in seconds (default 300, quick 60): "
                              "a forward+backward block predicted to end the grid past it runs "
-                             f"at {MIN_REPEATS} steady calls per row (never skipped)")
+                             "at the least steady calls per row (never skipped)")
     parser.add_argument("--only", choices=tuple(SECTIONS), default=None,
                         help="run one section alone and print it, writing DIR/SECTION.json "
                              "(latest.* untouched): modern = attention sinks and chunked "
