@@ -276,9 +276,9 @@ CEILING_CALL_S = 4.0
 def ceiling(fw: str, n: int, dtype: str, repeats: int, rng) -> dict:
     """GFLOP/s of an (n, n) @ (n, n) product: the framework's practical ceiling on this CPU.
     Where one product at n is predicted to take more than CEILING_CALL_S (from a product of a
-    quarter the size), n is halved until it is not: torch's bfloat16 product runs at 0.3 GFLOP/s
-    on a CPU without AVX512_BF16, a minute a call at n = 2048 (then n = 512; the row says the n
-    used)."""
+    quarter the size), n is halved until it is not: torch's bfloat16 product ran at 0.3-0.8
+    GFLOP/s on a CPU without AVX512_BF16, up to a minute a call at n = 2048 (there n = 1024,
+    2.6 s a call; the row says the n used)."""
     while n > 64 and _matmul_s(fw, n // 4, dtype, rng) * 64 > CEILING_CALL_S:
         n //= 2
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))

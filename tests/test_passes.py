@@ -429,7 +429,10 @@ def test_explicit_divides_last_only_when_not_differentiated():
 def _dot_operand_types(fn, *args):
     """The element types of the operands of every product in fn's lowered program."""
     text = jax.jit(fn).lower(*args).as_text()
-    return set(re.findall(r"stablehlo\.dot_general .* : \(tensor<[0-9x]+x(\w+)>", text))
+    pairs = re.findall(r"stablehlo\.dot_general .* : \(tensor<[0-9x]+x(\w+)>, "
+                       r"tensor<[0-9x]+x(\w+)>\)", text)
+    assert pairs, "no product found in the program"
+    return {t for pair in pairs for t in pair}
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the float32 products are CPU-only")
@@ -460,3 +463,12 @@ def test_explicit_half_products_run_in_float32_on_cpu(dtype, monkeypatch):
     ulp *= 2.0 ** (np.finfo(np.float32).nmant - jnp.finfo(dtype).nmant)
     assert np.all(np.abs(wide - half) <= ulp), f"seed {seed}"
     assert compare(wide_grad, half_grad, dtype, "grad").ok, f"seed {seed}"
+
+
+def test_half_products_widen_only_half_dtypes_on_cpu(monkeypatch):
+    # float32 and float64 keep their products as they are, and an accelerator keeps its
+    # half-precision products (its matrix units run them natively).
+    assert [explicit.wide_products(d) for d in ("bfloat16", "float16", "float32", "float64")] \
+        == [jax.default_backend() == "cpu"] * 2 + [False, False]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not explicit.wide_products("bfloat16") and not explicit.wide_products("float16")
