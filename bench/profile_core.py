@@ -278,7 +278,8 @@ def cmd_check(args):
 
 def cmd_parts(args):
     """Per-op timings of one forward's pieces over (B, H) at once: QKᵀ, the softmax (exp and
-    the reductions), the causal select, PV; in float32 and the input dtype."""
+    the reductions), the causal select, PV; in float32 and the input dtype; then torch's fused
+    kernel and its two products (``torch_parts``)."""
     jx, _ = inputs(args.length, args.dtype)
     q, k, v = jx
     compute = jnp.promote_types(q.dtype, jnp.float32)
@@ -304,6 +305,26 @@ def cmd_parts(args):
     for name, (f, xs) in parts.items():
         ms = median_ms(lambda: jax.block_until_ready(f(*xs)), args.repeats)
         print(f"L={args.length} {args.dtype} {name}: {ms:.2f} ms", flush=True)
+    for name, call in torch_parts(args.length, args.dtype).items():
+        ms = median_ms(call, args.repeats)
+        print(f"L={args.length} {args.dtype} {name}: {ms:.2f} ms", flush=True)
+
+
+def torch_parts(length, dtype):
+    """torch's fused kernel and its two products alone (torch.matmul over (B, H)), on the same
+    inputs as ``parts``'s JAX pieces, timed in the same process."""
+    _, (q, k, v) = inputs(length, dtype)
+    with torch.no_grad():
+        w = torch.softmax((q @ k.transpose(-2, -1)).float(), dim=-1).to(q.dtype)
+
+    def no_grad(f):
+        def call():
+            with torch.no_grad():
+                f()
+        return call
+    return {"torch_fused": no_grad(lambda: F.scaled_dot_product_attention(q, k, v)),
+            "torch_qk_matmul": no_grad(lambda: q @ k.transpose(-2, -1)),
+            "torch_pv_matmul": no_grad(lambda: w @ v)}
 
 
 def cmd_table(args):

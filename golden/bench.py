@@ -12,9 +12,12 @@ Run it from the repository root: DIR defaults to bench/results under the current
 Writes DIR/latest.md (Markdown tables) and DIR/latest.json (every raw number), each atomically,
 and prints the Markdown to stdout; progress goes to stderr. Nothing here sets environment
 variables or thread counts: the run measures the machine as configured. To measure an older
-instruction set on a newer CPU, set XLA_FLAGS=--xla_cpu_max_isa=AVX2, ATEN_CPU_CAPABILITY=avx2
-and NPY_DISABLE_CPU_FEATURES before the run; every report (and --only section) opens with the
-CPU, its instruction set and the one XLA, torch and NumPy each used.
+instruction set on a newer CPU, set XLA_FLAGS=--xla_cpu_max_isa=AVX2, ATEN_CPU_CAPABILITY=avx2,
+MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2 and NPY_DISABLE_CPU_FEATURES before the
+run (ATEN_CPU_CAPABILITY caps only ATen's own kernels: torch's matrix products run in MKL and
+oneDNN, which the other two cap; the run refuses the first without them: ``emulation_gap``);
+every report (and --only section) opens with the CPU, its instruction set and the one XLA,
+torch and NumPy each used.
 """
 
 from __future__ import annotations
@@ -1158,6 +1161,31 @@ def numpy_isas() -> tuple[list[str], list[str]]:
     return list(umath.__cpu_baseline__), [t for t in umath.__cpu_dispatch__ if found.get(t)]
 
 
+# What caps torch below the host's instruction set: ATen's vectorised kernels, MKL's BLAS (its
+# float32 matmul, which torch's fused CPU attention calls) and oneDNN (its bfloat16 products).
+# On an Intel Xeon with AMX (2026-11-26), ATEN_CPU_CAPABILITY=avx2 alone left the float32
+# 2048² matmul at AVX-512 speed (62.8 ms; 130.7 ms with MKL_ENABLE_INSTRUCTIONS=AVX2) and made
+# the bfloat16 fused kernel fail ("pack_vnni2 is only supported when avx512 is supported")
+# until ONEDNN_MAX_CPU_ISA=AVX2 was set too (docs/performance.md).
+TORCH_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def emulation_gap(flags: set[str], env) -> str | None:
+    """Why an emulated run would measure torch at the wrong instruction set, or None: on a
+    host with AVX-512 (cpuinfo ``flags``), ATEN_CPU_CAPABILITY set below it in ``env`` without
+    MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA (TORCH_CAPS)."""
+    aten = env.get("ATEN_CPU_CAPABILITY")
+    if "avx512f" not in flags or aten is None or aten.lower().startswith("avx512"):
+        return None
+    missing = [name for name in TORCH_CAPS[1:] if not env.get(name)]
+    if not missing:
+        return None
+    return (f"ATEN_CPU_CAPABILITY={aten} caps only ATen's own kernels on this AVX-512 CPU: "
+            f"set {' and '.join(f'{name}=AVX2' for name in missing)} too (torch's matrix "
+            f"products run in MKL and oneDNN; without them torch keeps its AVX-512 products, "
+            f"and on a CPU with AMX its bfloat16 fused attention fails)")
+
+
 def machine() -> dict:
     """The host and the instruction sets each library uses on it: the CPU's own (its cpuinfo
     flags, in XLA's names), XLA's code generation (capped by XLA_FLAGS=--xla_cpu_max_isa=...),
@@ -1178,7 +1206,7 @@ def machine() -> dict:
             "torch_isa": torch.backends.cpu.get_cpu_capability(),
             "numpy_isa": (dispatched or baseline or [None])[-1], "numpy_baseline": baseline,
             "numpy_dispatch": dispatched,
-            "XLA_FLAGS": xla_flags, "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "XLA_FLAGS": xla_flags, **{name: os.environ.get(name) for name in TORCH_CAPS},
             "NPY_DISABLE_CPU_FEATURES": os.environ.get("NPY_DISABLE_CPU_FEATURES"),
             "torch": torch.__version__, "jax": jax.__version__, "numpy": np.__version__,
             "python": platform.python_version(), "jax_backend": jax.default_backend(),
@@ -1188,9 +1216,9 @@ def machine() -> dict:
 
 def machine_markdown(m: dict) -> str:
     """One paragraph: the CPU, its instruction set and each library's, the switches set."""
-    switches = "; ".join(f"{k}={m[k]}" for k in ("XLA_FLAGS", "ATEN_CPU_CAPABILITY",
+    switches = "; ".join(f"{k}={m[k]}" for k in ("XLA_FLAGS", *TORCH_CAPS,
                                                    "NPY_DISABLE_CPU_FEATURES",
-                                                   "OPENBLAS_CORETYPE") if m[k] is not None)
+                                                   "OPENBLAS_CORETYPE") if m.get(k) is not None)
     return (f"Machine: {m['cpu']}, {m['cores']} cores (torch threads {m['torch_threads']}); "
             f"instruction set {_f(m['cpu_isa'], '{}')} (cpuinfo flags: "
             f"{' '.join(m['cpu_flags']) or '—'}); in use: XLA code generation "
@@ -1383,6 +1411,9 @@ def main(argv: list[str] | None = None) -> int:
                              "latent_decode = MultiHeadLatentAttention's decode step (plain, "
                              "absorbed) against GroupedQueryAttention's")
     args = parser.parse_args(argv)
+    gap = emulation_gap(cpu_flags(), os.environ)
+    if gap is not None:
+        parser.error(gap)
     grid = QUICK if args.quick else FULL
     if args.repeats is not None:
         if args.repeats < MIN_REPEATS:

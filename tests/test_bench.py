@@ -23,6 +23,7 @@ from golden.bench import (
     Shape,
     ceiling,
     decode_features,
+    emulation_gap,
     latent_models,
     steady_repeats,
     xla_isa,
@@ -49,7 +50,8 @@ def check_machine(m: dict) -> None:
             "numpy_dispatch", "XLA_FLAGS", "ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES",
             "torch", "jax", "date"} <= set(m)
     assert m["cores"] == os.cpu_count() and m["cpu"]
-    for name in ("XLA_FLAGS", "ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES"):
+    for name in ("XLA_FLAGS", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                 "ONEDNN_MAX_CPU_ISA", "NPY_DISABLE_CPU_FEATURES"):
         assert m[name] == os.environ.get(name)
     flags = host_flags()
     assert set(m["cpu_flags"]) <= flags
@@ -268,6 +270,7 @@ def test_report_states_the_emulated_instruction_set(tmp_path):
     so: XLA capped at AVX2, torch's kernels AVX2, no AVX-512 target among NumPy's."""
     disabled = ("X86_V4", "AVX512_ICL", "AVX512_SPR")
     env = {**os.environ, "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+           "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            "NPY_DISABLE_CPU_FEATURES": " ".join(disabled),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "golden.bench", "--quick", "--only",
@@ -282,7 +285,40 @@ def test_report_states_the_emulated_instruction_set(tmp_path):
     assert m["cpu_isa"] == ("AVX2" if "avx512f" not in host_flags() else m["cpu_isa"])
     assert ("in use: XLA code generation AVX2, torch AVX2, NumPy " + m["numpy_isa"]
             in done.stdout)
-    assert "XLA_FLAGS=--xla_cpu_max_isa=AVX2; ATEN_CPU_CAPABILITY=avx2" in done.stdout
+    assert m["MKL_ENABLE_INSTRUCTIONS"] == "AVX2" and m["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert ("XLA_FLAGS=--xla_cpu_max_isa=AVX2; ATEN_CPU_CAPABILITY=avx2; "
+            "MKL_ENABLE_INSTRUCTIONS=AVX2; ONEDNN_MAX_CPU_ISA=AVX2" in done.stdout)
+
+
+def test_emulation_gap_names_the_missing_torch_caps():
+    """ATEN_CPU_CAPABILITY below an AVX-512 host's, without MKL's and oneDNN's caps, is refused
+    with the missing variables named; a complete set, AVX-512 asked for, or a host without
+    AVX-512 (nothing to cap) is not."""
+    avx512, avx2 = {"avx2", "avx512f"}, {"avx2"}
+    gap = emulation_gap(avx512, {"ATEN_CPU_CAPABILITY": "avx2"})
+    assert "set MKL_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 too" in gap
+    gap = emulation_gap(avx512, {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert "set MKL_ENABLE_INSTRUCTIONS=AVX2 too" in gap and "ONEDNN" not in gap.split("too")[0]
+    full = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert emulation_gap(avx512, full) is None
+    assert emulation_gap(avx512, {"ATEN_CPU_CAPABILITY": "avx512"}) is None
+    assert emulation_gap(avx512, {}) is None
+    assert emulation_gap(avx2, {"ATEN_CPU_CAPABILITY": "avx2"}) is None
+
+
+@pytest.mark.skipif("avx512f" not in host_flags(), reason="needs an x86 CPU with AVX-512")
+def test_bench_refuses_an_emulation_that_leaves_torchs_products_uncapped(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
+    env.update(ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "golden.bench", "--quick", "--only",
+                           "latent_decode", "--out", str(tmp_path)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "set MKL_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 too" in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
 def test_isa_table_pairs_the_two_reports_row_by_row():
