@@ -205,7 +205,13 @@ def test_module_matches_torch(variant, bias, batch_first, case):
     mha32 = copy.deepcopy(mha).float()
     ours32 = torch_attn.build(*convert.from_torch_mha(mha32, causal=causal, variant=variant))
     assert ours32.W_query.weight.dtype == torch.float32
-    assert_float32(run_module(ours32.eval(), x.float(), mask, dO, dW), theirs, B * L, seed)
+    # As in test_core_matches_torch, the input's gradient (three projections' dX summed) can
+    # miss the float32 table on a random draw, and torch's own float32 module misses it on the
+    # same inputs (seed 2769463465, bias, seq_first, no mask: both 1.99e-5 on grad x against
+    # a bound of 1.76e-5): ours may also pass within twice torch's float32 error.
+    x32 = x.float()
+    plain32 = run_torch(mha32, x32, x32, x32, dO.float(), dW.float(), **kwargs)
+    assert_float32(run_module(ours32.eval(), x32, mask, dO, dW), theirs, B * L, seed, plain32)
 
 
 # ---- the core: cross-attention, per-head and additive masks -----------------------------------
