@@ -341,3 +341,19 @@ def test_isa_table_pairs_the_two_reports_row_by_row():
     assert cells[6] == f"{peer['median_ms'] / first['median_ms']:.2f}×"
     alone = isa_table.table(other).splitlines()  # one report: a host's own run
     assert len(alone) == len(lines) and len(alone[2].split(" | ")) == 9
+
+
+@pytest.mark.parametrize("reports", [("latest.json", "avx2/latest.json"),
+                                     ("avx2_host/latest.json",),
+                                     ("intel_host/latest.json", "intel_host/avx2/latest.json")],
+                         ids=["amd_zen4", "amd_zen3", "intel_amx"])
+def test_performance_tables_are_the_committed_reports(reports):
+    """Each Speed table of docs/performance.md is bench/isa_table.py's output on the committed
+    reports it names, character for character: no figure typed by hand."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("isa_table", ROOT / "bench" / "isa_table.py")
+    isa_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(isa_table)
+    loaded = [json.loads((ROOT / "bench" / "results" / p).read_text()) for p in reports]
+    table = isa_table.table(*loaded).strip()
+    assert table in (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
