@@ -44,6 +44,24 @@ def host_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
+def quick_section(env: dict, out: Path) -> subprocess.CompletedProcess:
+    """``python -m golden.bench --quick --only latent_decode --out OUT`` in a subprocess with
+    ``env`` (this checkout first on its PYTHONPATH), from the repository root."""
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "golden.bench", "--quick", "--only",
+                           "latent_decode", "--out", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def bench_script(name: str):
+    """bench/NAME.py as a module (bench/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def check_machine(m: dict) -> None:
     """The machine fields say what this process's environment and CPU say."""
     assert {"cpu", "cores", "cpu_isa", "cpu_flags", "xla_isa", "torch_isa", "numpy_isa",
@@ -160,12 +178,7 @@ def test_ring_comm_paper_figures_are_the_hand_derived_ones():
     # 64 MiB, sent P − 1 = 7 times = 448 MiB, what an all-gather receives (7/8 of 2·8·131072·
     # 128·2 bytes = 512 MiB); the forward step hides its transfer on a v5e (197 TFLOP/s, 50 GB/s
     # one way) when L/P ≥ (Hkv/H)·s·F/(2·share·W) = (1/4)·2·197e12/(2·0.5·50e9) = 1970.
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "ring_comm.py"
-    spec = importlib.util.spec_from_file_location("ring_comm", path)
-    ring_comm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ring_comm)
+    ring_comm = bench_script("ring_comm")
     mib = 2**20
     f = ring_comm.paper(1, 32, 8, 131072, 128, 8, "bfloat16")
     assert (f["block"], f["ring_fwd"], f["gather_fwd"]) == (64 * mib, 448 * mib, 448 * mib)
@@ -271,11 +284,8 @@ def test_report_states_the_emulated_instruction_set(tmp_path):
     disabled = ("X86_V4", "AVX512_ICL", "AVX512_SPR")
     env = {**os.environ, "XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "ATEN_CPU_CAPABILITY": "avx2",
            "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-           "NPY_DISABLE_CPU_FEATURES": " ".join(disabled),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "golden.bench", "--quick", "--only",
-                           "latent_decode", "--out", str(tmp_path)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+           "NPY_DISABLE_CPU_FEATURES": " ".join(disabled)}
+    done = quick_section(env, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     m = json.loads((tmp_path / "latent_decode.json").read_text())["machine"]
     assert m["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2" and m["ATEN_CPU_CAPABILITY"] == "avx2"
@@ -311,11 +321,7 @@ def test_emulation_gap_names_the_missing_torch_caps():
 def test_bench_refuses_an_emulation_that_leaves_torchs_products_uncapped(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
-    env.update(ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "golden.bench", "--quick", "--only",
-                           "latent_decode", "--out", str(tmp_path)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = quick_section({**env, "ATEN_CPU_CAPABILITY": "avx2"}, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "set MKL_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 too" in done.stderr
     assert not list(tmp_path.iterdir())  # nothing measured, nothing written
@@ -324,10 +330,7 @@ def test_bench_refuses_an_emulation_that_leaves_torchs_products_uncapped(tmp_pat
 def test_isa_table_pairs_the_two_reports_row_by_row():
     """bench/isa_table.py on the committed native and AVX2 reports: one line per grid and GQA
     row, each report's jax_core and torch_peer medians and their ratio as the reports hold."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("isa_table", ROOT / "bench" / "isa_table.py")
-    isa_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(isa_table)
+    isa_table = bench_script("isa_table")
     native, other = (json.loads((ROOT / "bench" / "results" / p).read_text())
                      for p in ("latest.json", "avx2/latest.json"))
     lines = isa_table.table(native, other).splitlines()
@@ -350,10 +353,7 @@ def test_isa_table_pairs_the_two_reports_row_by_row():
 def test_performance_tables_are_the_committed_reports(reports):
     """Each Speed table of docs/performance.md is bench/isa_table.py's output on the committed
     reports it names, character for character: no figure typed by hand."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("isa_table", ROOT / "bench" / "isa_table.py")
-    isa_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(isa_table)
+    isa_table = bench_script("isa_table")
     loaded = [json.loads((ROOT / "bench" / "results" / p).read_text()) for p in reports]
     table = isa_table.table(*loaded).strip()
     assert table in (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
