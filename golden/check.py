@@ -11,6 +11,7 @@ import datetime
 import fnmatch
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -258,18 +259,21 @@ def _environment() -> dict:
 
 def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variants=(),
          profile_name="exact", json_path=None, junit_path=None, html_dir=None, log=print,
-         progress=None, command="") -> int:
+         progress=None, command="", hide_unsupported=False) -> int:
     """Print the table (and the regeneration check), write the reports asked for; return 0
-    when everything that ran passed, 1 on any failure or error, 2 when nothing ran."""
+    when everything that ran passed, 1 on any failure or error, 2 when nothing ran. After the
+    table, the not-supported rows' reasons with their counts; ``hide_unsupported`` leaves
+    those rows out of the table itself."""
     if "jax" in (list(frameworks) or ([] if impls else runners.FRAMEWORKS)):
         _log_backend(log)
-    table = _Table(log, [getattr(i, "name", "") for i in impls])
+    table = _Table(log, [getattr(i, "name", "") for i in impls], hide_unsupported)
     weights, outputs = ({}, {}) if html_dir else (None, None)
     report = run(names, frameworks=frameworks, impls=impls, dtypes=dtypes, pattern=pattern,
                  variants=variants, profile_name=profile_name, log=table, progress=progress,
                  weights=weights, command=command, outputs=outputs)
     s = report["summary"]
-    if table.printed:
+    _log_not_supported(report["rows"], log)
+    if s["rows"]:
         line = f"{s['passed']} passed, {s['failed'] + s['errors']} failed"
         extra = [f"{s['errors']} of them errors"] if s["errors"] else []
         if s["not_supported"]:
@@ -277,7 +281,7 @@ def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, varian
         log(line + (f" ({'; '.join(extra)})" if extra else ""))
     _log_regeneration(report["regeneration"], log)
     _write_reports(report, (weights, outputs), json_path, junit_path, html_dir, progress, log)
-    if not table.printed and not report["regeneration"]:
+    if not s["rows"] and not report["regeneration"]:
         log("nothing selected: check the names, -k, --variant, --framework and --dtype")
         return 2
     if not s["ok"] and not (s["passed"] or s["failed"] or s["errors"] or report["regeneration"]):
@@ -305,15 +309,19 @@ def _log_backend(log):
 
 
 class _Table:
-    """Prints rows as they come (a string is passed through), header first."""
+    """Prints rows as they come (a string is passed through), header first; ``hide_unsupported``:
+    not the "not supported" rows (``_log_not_supported`` sums them up after the table)."""
 
-    def __init__(self, log, labels=()):
+    def __init__(self, log, labels=(), hide_unsupported=False):
         self.log, self.printed, self.width = log, False, None
         self.label = max([9, *(len(x) for x in labels)])
+        self.hide_unsupported = hide_unsupported
 
     def __call__(self, item):
         if isinstance(item, str):
             self.log(item)
+            return
+        if self.hide_unsupported and item["status"] == "not supported":
             return
         if not self.printed:
             self.printed = True
@@ -339,6 +347,19 @@ def _format_row(row, width, label=9) -> str:
             f"{row['dtype']:8} {num(row['max_abs'])} {num(row['max_rel'])} "
             f"{worst_bound(row['arrays']):>17}  {verdict}")
 
+
+def _log_not_supported(rows, log):
+    """One line per distinct reason of the not-supported rows, with its count, most frequent
+    first, under a line giving their total: a digest of what the implementations could not
+    run (nothing when every row ran)."""
+    reasons = Counter(" ".join((r["reason"] or "").split()) for r in rows
+                      if r["status"] == "not supported")
+    if not reasons:
+        return
+    log(f"not supported ({sum(reasons.values())} rows), by reason:")
+    width = len(str(max(reasons.values())))
+    for reason, count in reasons.most_common():
+        log(f"  {count:{width}} × \"{reason}\"")
 
 
 def _log_regeneration(regen, log):

@@ -41,6 +41,9 @@ def _check_parser(sub):
     check.add_argument("--profile", choices=list(PROFILES), default="exact",
                        help="tolerances: exact (the table) or tf32/bf16 (float32 runs on such "
                             "matmul units: at most 2x a plain implementation's error)")
+    check.add_argument("--hide-unsupported", action="store_true",
+                       help="leave the not-supported rows out of the table (their reasons and "
+                            "counts are printed after it either way)")
     check.add_argument("--json", metavar="FILE", help="write the report as JSON")
     check.add_argument("--junit", metavar="FILE", help="write the report as JUnit XML")
     check.add_argument("--html", metavar="DIR", help="write an HTML page with heatmaps")
@@ -118,6 +121,7 @@ def _check(args, argv) -> int:
                           dtypes=args.dtype, pattern=args.pattern, variants=args.variant,
                           profile_name=args.profile, json_path=args.json,
                           junit_path=args.junit, html_dir=args.html,
+                          hide_unsupported=args.hide_unsupported,
                           command=shlex.join(["attn-parity", *(sys.argv[1:] if argv is None
                                                                else argv)]))
     except (ValueError, OSError, FixtureError, ImportError) as e:  # OSError: a report's path

@@ -254,7 +254,7 @@ def _count(element, children) -> None:
 
 def _case(row) -> ET.Element:
     """A row's testcase: a failure, an error, skipped, or nothing inside when it passed."""
-    name = f"{row['implementation']} {row['core']} {row['dtype']}"
+    name = " ".join(p for p in (row["implementation"], row["core"], row["dtype"]) if p)
     case = ET.Element("testcase", classname=_xml(row["fixture"]), name=_xml(name),
                       time=f"{_finite(row['seconds']) or 0.0:.3f}")
     reason = _xml(row["reason"] or "")

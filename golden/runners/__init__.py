@@ -15,7 +15,9 @@ The runner contract, public: any callable ``run_fixture(fixture, dtype) -> dict`
                           (golden.implementations: "explicit", "fused", ...), as recorded
 What a result holds is what gets checked: a forward-only runner (torch's fused kernel, a NumPy
 port) returns no "grads". A runner that cannot run a fixture raises
-``golden.runners.adapt.NotSupported`` with the reason; any other exception is a failure.
+``golden.runners.adapt.NotSupported`` with the reason (a runner of ``golden.runners.adapt``,
+which ``check --impl`` wraps every implementation in, takes a ``NotImplementedError`` for one);
+any other exception is a failure.
 A module variant is built from the fixture's parameters cast to ``dtype``, in training mode when
 the fixture holds a dropout mask and in eval mode otherwise. ``golden.runners.adapt``
 builds runners from a plain function or a module class in one line.

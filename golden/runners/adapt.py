@@ -10,9 +10,11 @@ common cases (see ``golden.runners`` for the contract itself).
 
 A runner raises :class:`NotSupported` for a fixture it cannot run (a variant it lacks, an
 argument it does not take, a dtype its framework has not); the check reports those apart from
-failures. NumPy runners are forward-only (no autodiff): output and weights are checked, not
-gradients. A function that returns no attention weights is checked on its output, and its
-gradients on the loss Σ output ⊙ dO alone (``"loss": "output"`` in the result).
+failures. A ``NotImplementedError`` raised by the implementation a Runner wraps is taken as
+NotSupported, its message the reason. NumPy runners are forward-only (no autodiff): output and
+weights are checked, not gradients. A function that returns no attention weights is checked on
+its output, and its gradients on the loss Σ output ⊙ dO alone (``"loss": "output"`` in the
+result).
 
 Frameworks are imported only when a runner of theirs runs.
 """
@@ -54,8 +56,11 @@ class Runner:
         reason = self.unsupported(fixture, dtype)
         if reason:
             raise NotSupported(reason)
-        with implementations.record() as ran:
-            result = self._run(fixture, dtype)
+        try:
+            with implementations.record() as ran:
+                result = self._run(fixture, dtype)
+        except NotImplementedError as e:  # the implementation lacks a feature: it says which
+            raise NotSupported(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
         if ran and "core" not in result:  # it ran this project's core: say which one
             result = {**result, "core": implementations.names(ran)}
         return result
