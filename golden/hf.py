@@ -544,12 +544,9 @@ def _family(mt) -> Family:
     return FAMILIES[mt]
 
 
-def from_hf(config, state_dict, *, layer_idx=0, kind=None, rope_precision="exact"):
-    """(variant, config, params) of one attention layer of a Hugging Face checkpoint: see the
-    module's docstring. ``kind`` says which attention of an encoder-decoder's layer ("encoder",
-    "decoder" or "cross", see ``Kinds``); None for the families with one attention.
-    ``rope_precision="hf"`` asks for HF's float32 RoPE angles (to compare with HF itself;
-    "exact": float64 angles rounded once)."""
+def _resolve(config, state_dict, layer_idx, kind, rope_precision):
+    """(model_type, Family, our configuration) of a layer, checked: the settings come from the
+    config and from which keys the state dict has (its arrays are not read)."""
     c = _as_dict(config)
     mt = c.get("model_type")
     family = _kind(_family(mt), mt, kind)
@@ -574,6 +571,35 @@ def from_hf(config, state_dict, *, layer_idx=0, kind=None, rope_precision="exact
         variants.VARIANTS[family.variant].config(ours)
     except (ValueError, TypeError) as e:
         raise ValueError(f"model_type {mt!r}: {e}") from None
+    return mt, family, ours
+
+
+def expected_state(config, state_dict, *, layer_idx=0, kind=None) -> tuple[str, dict, dict]:
+    """(variant, our configuration, {state-dict key: shape}) of a layer as ``from_hf`` would
+    convert it: the keys and shapes of the arrays the config implies, from the config and
+    which keys ``state_dict`` has (its values are not read: anything will do). Checking a
+    checkpoint's headers against these before reading its arrays finds a missing key or a
+    wrong shape without reading a byte of data."""
+    mt, family, ours = _resolve(config, state_dict, layer_idx, kind, "exact")
+    spec = variants.VARIANTS[family.variant]
+    full = spec.config(ours)
+    key = (mt, kind, repr(sorted(full.items())))
+    if key not in _SHAPES:  # placeholders of one byte an element, laid out by from_neutral
+        zeros = {n: np.zeros(s, np.int8) for n, s in spec.shapes(full).items()}
+        _SHAPES[key] = {k: tuple(a.shape) for k, a in family.from_neutral(zeros, full).items()}
+    return family.variant, ours, dict(_SHAPES[key])
+
+
+_SHAPES: dict = {}
+
+
+def from_hf(config, state_dict, *, layer_idx=0, kind=None, rope_precision="exact"):
+    """(variant, config, params) of one attention layer of a Hugging Face checkpoint: see the
+    module's docstring. ``kind`` says which attention of an encoder-decoder's layer ("encoder",
+    "decoder" or "cross", see ``Kinds``); None for the families with one attention.
+    ``rope_precision="hf"`` asks for HF's float32 RoPE angles (to compare with HF itself;
+    "exact": float64 angles rounded once)."""
+    mt, family, ours = _resolve(config, state_dict, layer_idx, kind, rope_precision)
     params = family.to_neutral(state_dict, ours)
     shapes = variants.VARIANTS[family.variant].shapes(variants.VARIANTS[family.variant]
                                                       .config(ours))

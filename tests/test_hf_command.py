@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from golden import hf, hf_check
+from golden.checkpoint import Checkpoint
 from golden.cli import main
 from tests.hf_harness import BASE
 
@@ -262,8 +263,8 @@ def test_a_bfloat16_checkpoint_is_read_exactly(tmp_path):
     config = getattr(transformers, family.config)(**{**BASE, **family.kw})
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(directory)
-    arrays = hf_check.Arrays(directory)
+    arrays = Checkpoint(directory)
     for key, tensor in model.state_dict().items():
         if key in arrays.keys():
-            np.testing.assert_array_equal(arrays.get(key), tensor.float().numpy(), err_msg=key)
+            np.testing.assert_array_equal(arrays.read(key), tensor.float().numpy(), err_msg=key)
     assert main(["hf", str(directory), "--framework", "torch"]) == 0

@@ -26,6 +26,8 @@ TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "go
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
        "golden.runners.adapt", "golden.report", "golden.compare", "golden.training",
        "golden.frameworks", "golden.hf_check", "golden.runners.recipes", "golden.listing",
+       "golden.checkpoint", "golden.hf_layout", "golden.hf_model", "golden.hf_preflight",
+       "golden.hf_exercise",
        "golden.testing"}
 THIRD_PARTY = {"bottom": {"numpy"}, "torch_attn": {"numpy", "torch"},
                "jax_attn": {"numpy", "jax", "flax"}}

@@ -1,0 +1,254 @@
+"""The checkpoint's own Hugging Face attention module, run on a layer fixture's inputs: the
+``hf`` rows of ``attn-parity hf``.
+
+A one-layer model of the layer's configuration holds the layer's weights in its attention; the
+attention's input is replaced by the fixture's x (a cross-attention's key_value_states are the
+drawn context, given to the model as its encoder's output; a decoder's positions, where the
+fixture has them, are the model's ``position_ids``), and its output is read by a hook, so the
+model's own masks, positions and position bias are used. One model is built per configuration
+and dtype and reused for every layer that shares them (``Models``); transformers' messages
+about these internal models (their token ids, ...) are silenced: they are not the user's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import warnings
+
+import numpy as np
+
+from golden.checkpoint import CheckpointError
+from golden.hf_layout import FLOAT64, MODELS, OWN_INDEX, Stack
+
+VOCAB = 8  # the one-layer model's: its tokens are all 0
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers",
+                "decoder_layers")
+# Config fields of the checkpoint that the one-layer model must not take: quantisation (the
+# weights it gets are already dequantised, in float).
+DROPPED = ("quantization_config",)
+
+
+def available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def quiet():
+    """transformers' logging and Python warnings silenced (around the tool's own models)."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def check_config(config, log) -> None:
+    """Build transformers' config of the checkpoint once, its warnings (about the user's
+    config) passed to ``log``; a config transformers refuses is a CheckpointError."""
+    import transformers
+
+    logger = logging.getLogger("transformers")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    handlers, logger.handlers = logger.handlers, [handler]  # said once, by log
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c = {k: v for k, v in config.items() if k not in DROPPED}
+            transformers.AutoConfig.for_model(c.pop("model_type"), **c)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"config.json: transformers refuses it "
+                              f"({type(e).__name__}: {e})") from None
+    finally:
+        logger.handlers = handlers
+    for message in dict.fromkeys(seen + [str(w.message) for w in caught]):
+        log(f"warning: config.json (transformers says): {message.strip()}")
+
+
+def runner(models, config, stack, layer_idx, state_dict):
+    """A runner of the checkpoint's own HF attention module for this layer: float32, and
+    float64 too for the FLOAT64 families."""
+    from golden.runners.adapt import NotSupported, Runner
+
+    def run(fixture, dtype):
+        if dtype != "float32" and config["model_type"] not in FLOAT64:
+            raise NotSupported(FLOAT32_ONLY)
+        return {"output": models.output(config, stack, state_dict, fixture.inputs, dtype,
+                                        layer_idx),
+                "dtype": dtype}
+
+    return Runner("hf", "torch", run)
+
+
+FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32: compared at "
+                "float32")
+
+
+def layer_only(config, layer_idx):
+    """The config as layer ``layer_idx`` sees it: its entries of layer_types and
+    no_rope_layers."""
+    c = dict(config)
+    for key in ("layer_types", "no_rope_layers"):
+        if isinstance(c.get(key), list):
+            c[key] = [c[key][layer_idx]]
+    return c
+
+
+def _one_layer_config(config):
+    """The config with one layer in each stack (the layer's own settings at index 0)."""
+    import transformers
+
+    c = {k: v for k, v in config.items() if k not in DROPPED}
+    pad = c.get("pad_token_id")  # RoBERTa's positions need it; the input's tokens are 0
+    c.update(pad_token_id=pad if isinstance(pad, int) and 0 < pad < VOCAB else None,
+             bos_token_id=None, eos_token_id=None,
+             max_window_layers=0 if c.get("max_window_layers") else None)
+    c = {k: v for k, v in c.items() if v is not None or k in ("pad_token_id",)}
+    model_type = c.pop("model_type")
+    names = getattr(transformers.CONFIG_MAPPING[model_type], "attribute_map", {})
+    for count in LAYER_COUNTS:
+        if count in c or count == "num_hidden_layers":
+            c[names.get(count, count)] = 1  # GPT-2's n_layer, ...
+    c[names.get("vocab_size", "vocab_size")] = VOCAB
+    return transformers.AutoConfig.for_model(model_type, **c)
+
+
+class _Stop(Exception):
+    """Raised by the output hook: the attention's output is read, the rest need not run."""
+
+
+class Models:
+    """One-layer models by (configuration, dtype, layer index where the family reads it),
+    built once each."""
+
+    def __init__(self):
+        self._built = {}
+
+    def attention(self, config, stack, dtype, layer_idx):
+        """(model, its attention module) for the layer's configuration."""
+        own = config["model_type"] in OWN_INDEX
+        key = (json.dumps(config, sort_keys=True, default=str), str(dtype),
+               layer_idx if own else 0, stack)
+        if key not in self._built:
+            with quiet():
+                model = _one_layer_model(config, dtype)
+                where = stack.in_model or (stack.stack, stack.module)
+                attn = _module(model, Stack(*where))
+                if own:  # built again with the layer's own index
+                    name = next(n for n, m in model.named_modules() if m is attn)
+                    parent, _, child = name.rpartition(".")
+                    attn = type(attn)(model.config, layer_idx=layer_idx).to(dtype).eval()
+                    setattr(model.get_submodule(parent), child, attn)
+            self._built[key] = model, attn
+        return self._built[key]
+
+    def output(self, config, stack, state_dict, inputs, dtype_name, layer_idx=0):
+        """The HF attention module's output on the fixture's inputs: the layer's weights
+        loaded into the one-layer model's attention, x fed in place of the attention's input
+        by a pre-hook, the output read by a hook, which ends the forward there."""
+        import torch
+
+        dtype = getattr(torch, dtype_name)
+        model, attn = self.attention(config, stack, dtype, layer_idx)
+        own = attn.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        if missing:
+            raise CheckpointError(f"{stack.stack}.N.{stack.module}: the checkpoint has no "
+                                  f"{', '.join(missing)}")
+        attn.load_state_dict({k: torch.from_numpy(np.asarray(state_dict[k])).to(dtype)
+                              for k in own}, strict=True)
+        fed = torch.from_numpy(np.asarray(inputs["x"])).to(dtype)
+        seen = {}
+
+        def feed(mod, args, kwargs):
+            if "hidden_states" in kwargs:
+                return args, dict(kwargs, hidden_states=fed)
+            return (fed,) + tuple(args[1:]), kwargs
+
+        def read(mod, args, kwargs, out):
+            out = out if isinstance(out, torch.Tensor) else out[0]
+            seen["out"] = out.detach().numpy().astype(np.float64)
+            raise _Stop
+
+        read_from = attn if stack.output is None else attn.get_submodule(stack.output)
+        handles = [attn.register_forward_pre_hook(feed, with_kwargs=True),
+                   read_from.register_forward_hook(read, with_kwargs=True)]
+        try:
+            with torch.no_grad(), quiet():
+                model(**_model_inputs(model, stack, inputs, dtype))
+        except _Stop:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        if "out" not in seen:
+            raise RuntimeError(f"the one-layer model's forward did not run its {stack.module}")
+        return seen["out"]
+
+
+def _one_layer_model(config, dtype):
+    import transformers
+
+    hf_config = _one_layer_config(config)
+    hf_config._experts_implementation = "eager"
+    make = (getattr(transformers, MODELS[config["model_type"]])
+            if config["model_type"] in MODELS else transformers.AutoModel.from_config)
+    for attention in ("sdpa", "eager"):
+        hf_config._attn_implementation = attention
+        try:
+            return make(hf_config).to(dtype).eval()
+        except ValueError:  # this family has no sdpa path
+            continue
+    raise CheckpointError(f"model_type {config['model_type']!r}: transformers builds no model")
+
+
+def _model_inputs(model, stack, inputs, dtype) -> dict:
+    """The one-layer model's inputs, zeros (the attention's input is replaced): token ids of
+    x's length, an image or features of the config's size; a decoder's positions as its
+    position_ids; an encoder-decoder's decoder tokens and, for a decoder's attention, in place
+    of its encoder's output the drawn context (or zeros)."""
+    import torch
+
+    c = model.config
+    b, length = inputs["x"].shape[:2]
+    main = model.main_input_name
+    shapes = {"input_ids": lambda: (b, length),
+              "pixel_values": lambda: (b, c.num_channels, c.image_size, c.image_size),
+              "input_features": lambda: (b, c.num_mel_bins, 2 * c.max_source_positions)}
+    given = {main: torch.zeros(shapes[main](), dtype=torch.long if main == "input_ids" else dtype)}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        given["use_cache"] = False
+    if "positions" in inputs:
+        positions = np.broadcast_to(np.asarray(inputs["positions"]), (b, length))
+        given["position_ids"] = torch.from_numpy(np.array(positions, np.int64))
+    if getattr(c, "is_encoder_decoder", False):
+        given["decoder_input_ids"] = torch.zeros((b, length), dtype=torch.long)
+    if getattr(c, "is_encoder_decoder", False) and stack.kind != "encoder":
+        context = inputs.get("context", np.zeros((b, 5, inputs["x"].shape[-1])))
+        given["encoder_outputs"] = (torch.from_numpy(np.asarray(context)).to(dtype),)
+    return given
+
+
+def _module(model, stack):
+    """The one-layer model's attention module of the stack (its layer 0)."""
+    pattern = stack.pattern("0")
+    found = [m for name, m in model.named_modules()
+             if (match := pattern.match(name + ".")) and match.group(1) == name + "."]
+    if len(found) != 1:
+        raise CheckpointError(f"the one-layer {type(model).__name__} has "
+                              f"{len(found)} modules '...{stack.stack}.0.{stack.module}'")
+    return found[0]
