@@ -39,7 +39,8 @@ from golden import check, reference, variants
 from golden.checkpoint import Checkpoint, CheckpointError
 from golden.fixture import Fixture
 from golden.hf import from_hf
-from golden.hf_exercise import BASE_LENGTH, MAX_LENGTH, exercises
+from golden import hf_exercise
+from golden.hf_exercise import BASE_LENGTH, MAX_LENGTH
 from golden.hf_layout import LAYOUTS, read_config
 from golden.hf_preflight import account, check_values, layer_state
 from golden.report import worst_bound
@@ -67,7 +68,7 @@ def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
                                    full[i.width]))
               for i in spec.inputs if not i.optional}
     if exercise.positions is not None:
-        inputs["positions"] = np.array(exercise.positions)
+        inputs["positions"] = np.tile(exercise.positions, (B, 1))  # (B, L)
     forward, backward = reference.VARIANTS[variant]
     out, weights, saved = forward(dict(ours), inputs, params)
     cot = {"output": _drawn(rng, out.shape), "weights": _drawn(rng, weights.shape)}
@@ -138,10 +139,9 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
 def _plans(chosen, max_length) -> list:
     """[(layer, its exercises)], every layer at the length the longest needs (layers of one
     configuration then share their compiled programs)."""
-    need = max(e.length for layer in chosen
-               for e in exercises(layer.config, layer.stack, layer, max_length))
-    return [(layer, exercises(layer.config, layer.stack, layer, max_length, need))
-            for layer in chosen]
+    plans = {id(layer): hf_exercise.plan(layer.config, max_length) for layer in chosen}
+    length = max(p.length for p in plans.values())
+    return [(layer, hf_exercise.exercises(layer, plans[id(layer)], length)) for layer in chosen]
 
 
 def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, outputs):

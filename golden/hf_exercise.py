@@ -1,48 +1,49 @@
-"""Inputs that exercise every setting of a layer that acts only past some length or position.
+"""Inputs that exercise every setting of a checkpoint that acts only past some length or
+position.
 
 Eight drawn tokens prove nothing about a 512-key sliding window: with fewer tokens than the
 window, windowed and full attention compute the same thing, and so would a converter that got
-the window wrong. ``exercises(config, ours, max_length)`` gives, for one layer, the inputs
-(their length, and positions where they matter) that reach each such setting, and says how:
+the window wrong. The lengths are read from the checkpoint's own config (Hugging Face's
+fields, not our conversion of them, which is what is under test), and HF's own module, given
+the same config, is the judge:
 
 - a sliding window of W keys (``sliding_window``) or chunks of C (``attention_chunk_size``):
-  L = W + 3 (C + 3) tokens, so that the last queries see fewer keys than causal attention
-  would. Where that is longer than ``max_length``, a scaled copy: the checkpoint's config with
-  the window (chunk) set to ``SCALED`` (our converter and HF's module both given the copy),
-  on L = SCALED + 3 tokens; the output says so.
-- Llama 4's query temperature, 1 + β·ln(1 + ⌊(p + 1)/F⌋), is 1 below position F − 1: reached
-  on L = F + 1 tokens, or on a scaled copy with F = ``SCALED``.
+  at least W + 3 (C + 3) tokens, so that the last queries see fewer keys than causal attention
+  would. Where that is longer than ``max_length``, a scaled copy: the config with the window
+  (chunk) set to ``SCALED``, converted by us and given to HF's module alike, on SCALED + 3
+  tokens; the output says so.
+- Llama 4's query temperature (``attn_temperature_tuning``), 1 + β·ln(1 + ⌊(p + 1)/F⌋), is 1
+  before position F − 1 (F = ``floor_scale``): at least F + 1 tokens, or a scaled copy.
+- T5's relative position buckets: max_distance + 2 tokens (the logarithmic buckets and the
+  last, shared one), at most ``max_length``.
 - a RoPE scaling that switches past a length (``longrope``'s long factors, ``dynamic``'s NTK
-  rescaling, both past ``original_max_position_embeddings`` S): a second input whose
-  positions run from S − L/2 past S (the first keeps 0 ... L − 1: both sides of the switch).
-- T5's relative position buckets: L = max_distance + 2, so that the logarithmic buckets and
-  the last, shared one are reached.
+  rescaling, past ``original_max_position_embeddings`` S, or ``max_position_embeddings``): a
+  second input for each such layer whose positions run from S − L/2 past S (the first keeps
+  0 … L − 1: both sides of the switch are reached).
 
-A scaled copy changes the checkpoint's config field and converts again; if the conversion does
-not carry the new value through (it does not read that field), the setting is reported as not
-exercised rather than as passing.
+Every layer is drawn at one length, the longest any setting needs, so that layers of one
+configuration share their compiled programs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from golden.hf import expected_state
-
 BASE_LENGTH = 8   # the drawn inputs' length when no setting needs more
 MAX_LENGTH = 640  # the longest input drawn (``attn-parity hf --max-length``)
 SCALED = 6        # a window, chunk or temperature step set in a scaled copy of the config
-PAST = 3          # tokens drawn beyond a window or chunk
 SWITCHES = ("longrope", "dynamic")  # RoPE scalings that change past a length
+POSITIONED = ("grouped_query_attention", "multi_head_latent_attention")  # take positions
 
 
 @dataclass
 class Exercise:
     """One input for a layer: the config it converts with (the checkpoint's, or a scaled copy),
-    the length, the positions (None: 0 ... L − 1), the suffix of its rows' name, and notes on
-    how each length-dependent setting is reached."""
+    its length, its positions (None: 0 … L − 1), the suffix of its rows' name, and how each
+    length-dependent setting of the layer is reached."""
 
     config: dict
     length: int
@@ -51,62 +52,75 @@ class Exercise:
     notes: list = field(default_factory=list)
 
 
-# (our setting, the HF config field that sets it, what reaching it takes, its value in ours)
-def _window(ours):
-    return ours.get("sliding_window")
+def _window_layer(c, i):
+    types = c.get("layer_types")
+    if isinstance(types, list) and i < len(types):
+        return types[i] == "sliding_attention"
+    return c.get("use_sliding_window", True) is not False
 
 
-def _chunk(ours):
-    return ours.get("attention_chunk_size")
+def _chunk_layer(c, i):
+    types = c.get("layer_types")
+    return not isinstance(types, list) or i >= len(types) or types[i] == "chunked_attention"
 
 
-def _floor(ours):
-    t = ours.get("query_temperature")
-    return t.get("floor_scale") if isinstance(t, dict) else None
+# (the HF config field, the tokens needed beyond its value, which layers it acts on, whether
+# the config turns it on)
+LENGTHS = (("sliding_window", 3, _window_layer, lambda c: True),
+           ("attention_chunk_size", 3, _chunk_layer, lambda c: True),
+           ("floor_scale", 1, lambda c, i: True, lambda c: bool(c.get("attn_temperature_tuning"))))
 
 
-LENGTHS = (("sliding_window", "sliding_window", _window, PAST),
-           ("attention_chunk_size", "attention_chunk_size", _chunk, PAST),
-           ("query temperature floor_scale", "floor_scale", _floor, 1))
+@dataclass
+class Plan:
+    """A stack's config as drawn (scaled where needed), the length it needs, and per setting
+    (field, note, which layers)."""
+
+    config: dict
+    length: int
+    settings: list
 
 
-def exercises(config, stack, layer, max_length=MAX_LENGTH, length=BASE_LENGTH
-              ) -> list[Exercise]:
-    """The inputs for ``layer`` (a golden.hf_preflight.Layer), at least ``length`` tokens: one,
-    and a second with shifted positions for a RoPE scaling that switches past a length."""
-    ours = layer.settings
-    c, notes = dict(config), []
-    for name, hf_field, value_of, past in LENGTHS:
-        value = value_of(ours)
-        if value is None:
+def plan(config, max_length=MAX_LENGTH) -> Plan:
+    """What a stack's config needs to be exercised (see the module's docstring)."""
+    c, length, settings = dict(config), BASE_LENGTH, []
+    for name, past, acts_on, on in LENGTHS:
+        value = config.get(name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0 and on(c)):
             continue
         if value + past <= max_length:
             length = max(length, value + past)
-            notes.append(f"{name} {value}: exercised (on {value + past} tokens or more)")
-            continue
-        scaled = dict(c, **{hf_field: SCALED})
-        if value_of(_settings(scaled, stack, layer)) != SCALED:
-            notes.append(f"{name} {value}: NOT exercised ({value + past} tokens are over "
-                         f"--max-length {max_length}, and the conversion does not read "
-                         f"{hf_field} to scale it)")
-            continue
-        c, length = scaled, max(length, SCALED + past)
-        notes.append(f"{name} {value}: exercised as {SCALED} (on {SCALED + past} tokens or "
-                     f"more; {value + past} tokens are over --max-length {max_length}: a copy of "
-                     f"the config with {hf_field} = {SCALED})")
-    buckets = ours.get("relative_attention_num_buckets")
-    if buckets:
-        reach = ours.get("relative_attention_max_distance", 128) + 2
-        length = max(length, min(reach, max_length))
-        notes.append(f"relative buckets (max_distance {reach - 2}): "
-                     + ("exercised" if reach <= max_length else "partly exercised")
-                     + f" (on {min(reach, max_length)} tokens or more)")
-    if ours.get("dropout"):
-        notes.append(f"dropout {ours['dropout']}: not exercised (the layer runs in inference "
-                     f"mode, as HF's does)")
+            note = f"{name} {value}: exercised (on {value + past} tokens or more)"
+        else:
+            c[name], length = SCALED, max(length, SCALED + past)
+            note = (f"{name} {value}: exercised as {SCALED} (on {SCALED + past} tokens or "
+                    f"more; {value + past} tokens are over --max-length {max_length}: a copy "
+                    f"of the config with {name} = {SCALED}, given to both)")
+        settings.append((name, note, acts_on))
+    distance = config.get("relative_attention_max_distance")
+    if config.get("relative_attention_num_buckets") and isinstance(distance, int):
+        reach = min(distance + 2, max_length)
+        length = max(length, reach)
+        settings.append(("relative_attention_max_distance",
+                         f"relative buckets (max_distance {distance}): "
+                         f"{'exercised' if distance + 2 <= max_length else 'partly exercised'}"
+                         f" (on {reach} tokens or more)", lambda c, i: True))
+    return Plan(c, length, settings)
+
+
+def exercises(layer, stack_plan, length) -> list[Exercise]:
+    """The inputs of one layer (a golden.hf_preflight.Layer) at ``length`` tokens: one, and a
+    second with shifted positions where its RoPE scaling switches past a length."""
+    c, i = stack_plan.config, layer.index
+    notes = [note for name, note, acts_on in stack_plan.settings
+             if acts_on(c, i) and not (name == "relative_attention_max_distance"
+                                        and layer.stack.kind == "cross")]
+    if layer.settings.get("dropout"):
+        notes.append(f"dropout {layer.settings['dropout']}: not exercised (inference mode, as "
+                     f"HF's module runs)")
     first = Exercise(c, length, notes=notes)
-    switch = _switch(ours)
-    if switch is None:
+    switch = _switch(c, i)
+    if switch is None or layer.variant not in POSITIONED:
         return [first]
     kind, at = switch
     positions = np.arange(length, dtype=np.int64) + max(at - length // 2, 0)
@@ -116,19 +130,17 @@ def exercises(config, stack, layer, max_length=MAX_LENGTH, length=BASE_LENGTH
                             list(first.notes))]
 
 
-def _switch(ours):
-    """(rope_type, the length past which it switches) of a RoPE scaling that switches."""
-    rope = ours.get("rope_parameters") or {}
-    kind = rope.get("rope_type")
-    if kind in SWITCHES and rope.get("original_max_position_embeddings"):
-        return kind, int(rope["original_max_position_embeddings"])
-    return None
-
-
-def _settings(config, stack, layer) -> dict:
-    """Our settings of the layer converted from ``config`` (its keys only)."""
-    placeholders = {k: None for k in layer.keys}
-    try:
-        return expected_state(config, placeholders, layer_idx=layer.index, kind=stack.kind)[1]
-    except ValueError:
-        return {}
+def _switch(c, layer_idx):
+    """(rope_type, the length past which it switches) of the layer's RoPE scaling, where it
+    switches (HF's fields: the layer type's entry of a per-type rope_parameters)."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    types = c.get("layer_types")
+    if isinstance(types, list) and layer_idx < len(types) and isinstance(rope.get(types[layer_idx]),
+                                                                          Mapping):
+        rope = rope[types[layer_idx]]
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in SWITCHES:
+        return None
+    at = (rope.get("original_max_position_embeddings")
+          or c.get("original_max_position_embeddings") or c.get("max_position_embeddings"))
+    return (kind, int(at)) if at else None
