@@ -79,17 +79,18 @@ def check_config(config, log) -> None:
         log(f"warning: config.json (transformers says): {message.strip()}")
 
 
-def runner(models, config, stack, layer_idx, state_dict):
+def runner(models, config, stack, layer_idx, state_dict, seen=None):
     """A runner of the checkpoint's own HF attention module for this layer: float32, and
-    float64 too for the FLOAT64 families."""
+    float64 too for the FLOAT64 families; ``seen`` (a dict) keeps each dtype's output."""
     from golden.runners.adapt import NotSupported, Runner
 
     def run(fixture, dtype):
         if dtype != "float32" and config["model_type"] not in FLOAT64:
             raise NotSupported(FLOAT32_ONLY)
-        return {"output": models.output(config, stack, state_dict, fixture.inputs, dtype,
-                                        layer_idx),
-                "dtype": dtype}
+        output = models.output(config, stack, state_dict, fixture.inputs, dtype, layer_idx)
+        if seen is not None:
+            seen[dtype] = output
+        return {"output": output, "dtype": dtype}
 
     return Runner("hf", "torch", run)
 

@@ -52,6 +52,7 @@ from golden.validate import check_attention_args, rope_settings, rotary_dims, wi
 
 _PRODUCT_BITS = contextvars.ContextVar("product_bits", default=None)
 _EXACT = contextvars.ContextVar("exact", default=None)  # the number type, None for float64
+_BLAS = contextvars.ContextVar("blas", default=False)
 
 
 @contextlib.contextmanager
@@ -97,9 +98,23 @@ def einsum(spec, *operands):
     """``np.einsum``; inside ``rounded_products(bits)`` on rounded operands, rounded result."""
     bits = _PRODUCT_BITS.get()
     if bits is None:
-        return np.einsum(spec, *operands)
+        return np.einsum(spec, *operands, optimize=_BLAS.get() and _EXACT.get() is None)
     rounded = (round_to_bits(o, bits) for o in operands)
     return np.einsum(spec, *rounded).astype(np.float32).astype(np.float64)
+
+
+@contextlib.contextmanager
+def blas_products():
+    """Every float64 contraction inside runs through NumPy's BLAS (``np.einsum(...,
+    optimize=True)``): the same float64 arithmetic, summed in another order, so the last bits
+    depend on the machine; many times faster on a real model's layer. For references computed
+    in memory (``attn-parity hf``), never for the stored fixtures (exact arithmetic ignores
+    it)."""
+    token = _BLAS.set(True)
+    try:
+        yield
+    finally:
+        _BLAS.reset(token)
 
 
 @contextlib.contextmanager
