@@ -211,10 +211,21 @@ def _one_layer_model(config, dtype):
     for attention in ("sdpa", "eager"):
         hf_config._attn_implementation = attention
         try:
-            return make(hf_config).to(dtype).eval()
+            with _no_init():  # the attention's weights are loaded; the rest is never read
+                return make(hf_config).to(dtype).eval()
         except ValueError:  # this family has no sdpa path
             continue
     raise CheckpointError(f"model_type {config['model_type']!r}: transformers builds no model")
+
+
+def _no_init():
+    """transformers' context that skips drawing the initial weights (2 s for an MLP of a 1B
+    model's width), where it has one."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def _model_inputs(model, stack, inputs, dtype) -> dict:

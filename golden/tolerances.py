@@ -116,8 +116,9 @@ def _deciding(diff, bound) -> tuple[float | None, float | None]:
     if diff.size == 0:
         return None, None
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(np.isfinite(diff), diff / bound, np.inf)
-    i = np.unravel_index(int(np.argmax(np.where(np.isnan(ratio), np.inf, ratio))), diff.shape)
+        ratio = np.divide(diff, bound)  # inf or NaN where diff is not finite, or bound is 0
+    ratio[~np.isfinite(diff) | np.isnan(ratio)] = np.inf
+    i = np.unravel_index(int(np.argmax(ratio)), diff.shape)
     return float(diff[i]), float(bound[i])
 
 
@@ -129,14 +130,17 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     if a.shape != e.shape:
         return Comparison(np.inf, np.inf, np.inf, False, zero)
-    diff = np.abs(a - e)
+    diff = np.subtract(a, e)
+    np.abs(diff, out=diff)  # |a − e|, one array (these run over every gradient of a layer)
     max_abs = float(diff.max(initial=0.0))
-    scale, norm = float(np.abs(e).max(initial=0.0)), float(np.linalg.norm(e))
+    bound = np.abs(e)
+    scale, norm = float(bound.max(initial=0.0)), float(np.linalg.norm(e))
     atol = tol.atol * max(1.0, scale) * float(np.sqrt(terms))
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
-    rel_norm = (float(np.linalg.norm(a - e)) / norm if norm > 0
+    rel_norm = (float(np.linalg.norm(diff)) / norm if norm > 0  # ‖|a − e|‖ = ‖a − e‖
                 else (0.0 if max_abs == 0 else np.inf))
-    bound = atol + tol.rtol * np.abs(e)
+    bound *= tol.rtol
+    bound += atol  # atol + rtol·|e|
     ok = bool(np.all(np.isfinite(a))) and (zero or rel_norm <= tol.rel_norm) and bool(
         np.all(diff <= bound))
     abs_err, bound_abs = _deciding(diff, bound)
