@@ -10,8 +10,13 @@ to end here too.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from golden import hf, hf_check, hf_exercise
@@ -158,3 +163,33 @@ def test_selection_and_fail_fast(tmp_path, capsys, monkeypatch):
     assert {r["fixture"] for r in report["rows"]} == {"layer 0 (full_attention)"}
     assert report["checkpoint"]["stopped"] == "stopped after layer 0 (full_attention) " \
         "(--fail-fast)"
+
+
+def test_warnings_about_the_checkpoint_are_kept_and_the_tools_own_silenced(tmp_path):
+    # In a fresh process (transformers says some things once per process): the checkpoint's
+    # config (a yarn factor that disagrees with its context lengths, an eos_token_id outside the
+    # vocabulary) is warned about once, prefixed; nothing of transformers' own reaches stderr
+    # (the one-layer models the command builds have their own vocabulary and token ids).
+    directory = _saved("qwen2", tmp_path / "qwen2", eos_token_id=32000)
+    done = subprocess.run([sys.executable, "-m", "golden.cli", "hf", str(directory),
+                           "--framework", "hf", "--no-cache"], capture_output=True, text=True,
+                          env={**os.environ, "TQDM_DISABLE": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stdout.splitlines() if line.startswith("warning: ")]
+    assert any("eos_token_id" in w for w in warned) and any("YaRN" in w for w in warned)
+    assert all(w.startswith("warning: config.json (transformers says): ") for w in warned)
+    assert "[transformers]" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_hfs_float32_row_past_the_table_is_held_to_twice_its_peers_error():
+    # The rule for HF's float32 RoPE angles: a row that failed the table passes within twice
+    # the peer's error (plus the table's atol), and fails beyond it.
+    e = np.linspace(-1.0, 1.0, 50).reshape(5, 10)
+    fixture = SimpleNamespace(expected={"output": e})
+    peer = e + 1e-5  # the peer's error: 1e-5 everywhere
+    for error, verdict in ((1.9e-5, "pass"), (2.2e-5, "fail")):
+        row = {"status": "fail", "dtype": "float32", "reason": "output", "arrays": []}
+        hf_check._judge_by_peer(row, e + error, fixture, peer)
+        assert row["status"] == verdict
+        assert row["arrays"][0]["rule"] == "profile"
+        assert row["arrays"][0]["bound_abs"] == pytest.approx(2e-5 + 1e-6)
