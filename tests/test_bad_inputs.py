@@ -856,8 +856,9 @@ OWN = [  # the project's own user errors: exactly one line on stderr
      "--input (or --fixture FILE)"),
     (["compare", "--fixture", "/no/such/port.npz"], "attn-parity compare: error: "
      "/no/such/port.npz: no such port fixture"),
-    (["compare", "--torch", "tests.port_pair:make_torch", "--flax", "tests.port_pair:make_flax",
-      "--mapping", "tests.port_pair:MAPPING", "--input", "x=2,0"],
+    (["compare", "--torch", "golden.examples.port_pair:make_torch",
+      "--flax", "golden.examples.port_pair:make_flax",
+      "--mapping", "golden.examples.port_pair:MAPPING", "--input", "x=2,0"],
      "attn-parity compare: error: --input should be NAME=D1,D2,... with positive sizes and a "
      "new name, got 'x=2,0'"),
 ]

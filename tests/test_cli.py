@@ -141,11 +141,12 @@ def test_fixtures_answers_a_missing_name_with_one_line(capsys):
 
 def test_compare_fixture_without_torch(tmp_path, capsys):
     from golden import compare as C
-    from tests import port_pair as P
+    from golden.examples import port_pair as P
 
     path = C.freeze(C.compare(P.make_torch, P.make_flax, P.MAPPING, {"x": (2, 5, 8)}),
-                    tmp_path / "port.npz", torch_factory_spec="tests.port_pair:make_torch",
-                    flax_factory_spec="tests.port_pair:make_flax")
+                    tmp_path / "port.npz",
+                    torch_factory_spec="golden.examples.port_pair:make_torch",
+                    flax_factory_spec="golden.examples.port_pair:make_flax")
     assert main(["compare", "--fixture", str(path)]) == 0
     with_torch = capsys.readouterr().out
     assert main(["compare", "--fixture", str(path), "--no-torch"]) == 0
@@ -155,7 +156,7 @@ def test_compare_fixture_without_torch(tmp_path, capsys):
     # output, flax path, rule, torch's three cells, then Flax's; without torch one "-"
     assert row[3:6] != ["-"] and bare[3] == "-" and bare[4:] == row[6:]
     assert main(["compare", "--fixture", str(path), "--no-torch", "--torch",
-                 "tests.port_pair:make_torch"]) == 2
+                 "golden.examples.port_pair:make_torch"]) == 2
     assert "--no-torch leaves torch out" in capsys.readouterr().err
-    assert main(["compare", "--no-torch", "--torch", "tests.port_pair:make_torch"]) == 2
+    assert main(["compare", "--no-torch", "--torch", "golden.examples.port_pair:make_torch"]) == 2
     assert "--no-torch goes with --fixture FILE" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""``golden.compare``: a user's torch module against their Flax NNX port (tests/port_pair.py)."""
+"""``golden.compare``: a user's torch module against their Flax NNX port
+(golden/examples/port_pair.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from flax import nnx
 import golden
 from golden import compare as C
 from golden import mapping as mapping_lib
-from tests import port_pair as P
+from golden.examples import port_pair as P
 
 X = {"x": (2, 5, 8)}  # B=2, L=5, E=8
 WRONG = {**P.MAPPING, "k_proj.weight": "key.kernel"}  # the transpose left out (8 × 8: fits)
@@ -34,8 +35,8 @@ def wrong():
 @pytest.fixture(scope="module")
 def frozen(good, tmp_path_factory):
     path = tmp_path_factory.mktemp("port") / "block.npz"
-    return C.freeze(good, path, torch_factory_spec="tests.port_pair:make_torch",
-                    flax_factory_spec="tests.port_pair:make_flax")
+    return C.freeze(good, path, torch_factory_spec="golden.examples.port_pair:make_torch",
+                    flax_factory_spec="golden.examples.port_pair:make_flax")
 
 
 def _whats(report, prefix):
@@ -161,7 +162,8 @@ def test_given_arrays_masks_and_a_port_fixture_without_torch(tmp_path):
     assert _whats(report, "grad input") == ["grad input x"]  # the mask has no gradient
     np.testing.assert_array_equal(report.data["inputs"]["x"], x.astype(np.float32))
     assert report.data["inputs"]["mask"] is mask
-    path = C.freeze(report, tmp_path / "masked.npz", flax_factory_spec="tests.port_pair:make_flax")
+    path = C.freeze(report, tmp_path / "masked.npz",
+                    flax_factory_spec="golden.examples.port_pair:make_flax")
     again = C.check_port(path)  # no torch spec in the file: no baseline column
     assert again.ok and all(r["torch_float32"] is None for r in again.rows)
     assert C.load_port(path)["inputs"]["mask"].dtype == bool
@@ -240,21 +242,22 @@ def _cli(*argv, log=None):
     return code, "\n".join(lines)
 
 
-PAIR = ("--torch", "tests.port_pair:make_torch", "--flax", "tests.port_pair:make_flax")
+PORT = "golden.examples.port_pair"
+PAIR = ("--torch", f"{PORT}:make_torch", "--flax", f"{PORT}:make_flax")
 
 
 def test_cli_compares_freezes_and_checks(tmp_path):
     fixture, report = tmp_path / "port.npz", tmp_path / "report.json"
-    code, out = _cli(*PAIR, "--mapping", "tests.port_pair:MAPPING", "--input", "x=2,5,8",
+    code, out = _cli(*PAIR, "--mapping", f"{PORT}:MAPPING", "--input", "x=2,5,8",
                      "--freeze", str(fixture), "--json", str(report))
     assert code == 0, out
     assert "first diverging submodule: none" in out and fixture.exists()
     written = json.loads(report.read_text())
     assert written["schema"] == "attn-parity-compare" and written["ok"] is True
-    assert C.load_port(fixture)["meta"]["flax_factory"] == "tests.port_pair:make_flax"
+    assert C.load_port(fixture)["meta"]["flax_factory"] == f"{PORT}:make_flax"
     code, out = _cli("--fixture", str(fixture))
     assert code == 0, out
-    code, out = _cli("--fixture", str(fixture), "--flax", "tests.port_pair:make_flax_wrong_key")
+    code, out = _cli("--fixture", str(fixture), "--flax", f"{PORT}:make_flax_wrong_key")
     assert code == 1 and out.splitlines()[-1].startswith("FAIL: output")
 
 
@@ -266,18 +269,18 @@ def test_cli_mapping_from_json_file_and_failure_exit(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--torch", "tests.port_pair.make_torch", "--flax", "tests.port_pair:make_flax",
-      "--mapping", "tests.port_pair:MAPPING", "--input", "x=2,5,8"),
-     "spec should be 'package.module:name', got 'tests.port_pair.make_torch'"),
-    (("--torch", "tests.no_such:make", "--flax", "tests.port_pair:make_flax",
-      "--mapping", "tests.port_pair:MAPPING", "--input", "x=2,5,8"),
+    (("--torch", f"{PORT}.make_torch", "--flax", f"{PORT}:make_flax",
+      "--mapping", f"{PORT}:MAPPING", "--input", "x=2,5,8"),
+     f"spec should be 'package.module:name', got '{PORT}.make_torch'"),
+    (("--torch", "tests.no_such:make", "--flax", f"{PORT}:make_flax",
+      "--mapping", f"{PORT}:MAPPING", "--input", "x=2,5,8"),
      "spec 'tests.no_such:make': cannot import 'tests.no_such'"),
-    ((*PAIR, "--mapping", "tests.port_pair:make_torch", "--input", "x=2,5,8"),
-     "--mapping 'tests.port_pair:make_torch' should name a dict, got function"),
-    ((*PAIR, "--mapping", "tests.port_pair:MAPPING", "--input", "x=2,five,8"),
+    ((*PAIR, "--mapping", f"{PORT}:make_torch", "--input", "x=2,5,8"),
+     f"--mapping '{PORT}:make_torch' should name a dict, got function"),
+    ((*PAIR, "--mapping", f"{PORT}:MAPPING", "--input", "x=2,five,8"),
      "--input should be NAME=D1,D2,... with positive sizes and a new name, got 'x=2,five,8'"),
-    ((*PAIR, "--mapping", "tests.port_pair:MAPPING"), "compare needs --input (or --fixture FILE)"),
-    ((*PAIR, "--mapping", "tests.port_pair:MAPPING", "--input", "x=2,5,7"),
+    ((*PAIR, "--mapping", f"{PORT}:MAPPING"), "compare needs --input (or --fixture FILE)"),
+    ((*PAIR, "--mapping", f"{PORT}:MAPPING", "--input", "x=2,5,7"),
      "inputs: the torch module failed on inputs {'x': (2, 5, 7)}: RuntimeError"),
 ])
 def test_cli_usage_errors_are_one_line(argv, message):

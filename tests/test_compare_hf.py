@@ -1,8 +1,8 @@
-"""``golden.compare`` on Hugging Face modules as they are (tests/hf_ports.py): keyword inputs,
-output selection, low-precision runs, and what a port fixture keeps of them.
+"""``golden.compare`` on Hugging Face modules as they are (golden/examples/hf_ports.py): keyword
+inputs, output selection, low-precision runs, and what a port fixture keeps of them.
 
-Shape legend: B batch, L tokens, D model width (tests/hf_ports.py: D = 16, N = 4 heads,
-Nkv = 2, Dh = 6 for Qwen3).
+Shape legend: B batch, L tokens, D model width (golden/examples/hf_ports.py: D = 16, N = 4
+heads, Nkv = 2, Dh = 6 for Qwen3).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch import nn
 import golden
 from golden import compare as C
 from golden.frameworks import JAX
-from tests import hf_ports as H
-from tests import port_pair as P
+from golden.examples import hf_ports as H
+from golden.examples import port_pair as P
 from tests.test_compare import _rewrite
 
 B, L = 2, 7
@@ -228,7 +228,7 @@ def test_a_low_precision_bug_passes_float32_and_fails_bfloat16_and_float16():
 
 
 def test_a_torch_module_that_cannot_run_in_float16_is_named():
-    """tests/port_pair.py fills masked scores with -1e30, which float16 cannot hold."""
+    """golden/examples/port_pair.py fills masked scores with -1e30, which float16 cannot hold."""
     with pytest.raises(ValueError, match=r"^inputs: the torch module failed on inputs "
                        r"\{'x': \(2, 5, 8\)\}: RuntimeError: value cannot be converted to type "
                        r"c10::Half without overflow"):
@@ -375,8 +375,8 @@ def test_integer_keyword_reaches_both_modules():
 def frozen_qwen3(tmp_path_factory):
     report = qwen3(dtype="bfloat16", output=0)
     path = tmp_path_factory.mktemp("hf") / "qwen3.npz"
-    C.freeze(report, path, torch_factory_spec="tests.hf_ports:make_qwen3_attention",
-             flax_factory_spec="tests.hf_ports:make_flax_qwen3_attention")
+    C.freeze(report, path, torch_factory_spec="golden.examples.hf_ports:make_qwen3_attention",
+             flax_factory_spec="golden.examples.hf_ports:make_flax_qwen3_attention")
     return report, path
 
 
@@ -413,7 +413,8 @@ def test_freeze_refuses_factories_and_callable_outputs(tmp_path):
 
 def test_versions_1_and_2_still_read_and_unknown_versions_are_refused(tmp_path):
     report = C.compare(P.make_torch, P.make_flax, P.MAPPING, {"x": (2, 5, 8)})
-    path = C.freeze(report, tmp_path / "v3.npz", flax_factory_spec="tests.port_pair:make_flax")
+    path = C.freeze(report, tmp_path / "v3.npz",
+                    flax_factory_spec="golden.examples.port_pair:make_flax")
 
     def as_version(version):  # what formats 1 and 2 wrote: no dtype, keywords, output
         def change(meta, members):
@@ -456,8 +457,9 @@ def _cli(*argv):
     return C.run_cli(parser.parse_args(argv), log=lines.append), "\n".join(lines)
 
 
-PAIR = ("--torch", "tests.port_pair:make_torch", "--flax", "tests.port_pair:make_flax",
-        "--mapping", "tests.port_pair:MAPPING", "--input", "x=2,5,8")
+PAIR = ("--torch", "golden.examples.port_pair:make_torch",
+        "--flax", "golden.examples.port_pair:make_flax",
+        "--mapping", "golden.examples.port_pair:MAPPING", "--input", "x=2,5,8")
 
 
 def test_cli_dtype_and_output(tmp_path):
@@ -478,25 +480,25 @@ def test_cli_dtype_and_output(tmp_path):
                                       "a Tensor, not a tuple, list, dict or dataclass")
 
 
-GPT2_CLI = ("--torch", "tests.hf_ports:make_gpt2_block", "--flax",
-            "tests.hf_ports:make_flax_gpt2_block", "--mapping", "tests.hf_ports:GPT2_MAPPING",
-            "--input", f"hidden_states={B},{L},{H.GPT2_D}")
+HF_PORTS = "golden.examples.hf_ports"
+GPT2_CLI = ("--torch", f"{HF_PORTS}:make_gpt2_block", "--flax", f"{HF_PORTS}:make_flax_gpt2_block",
+            "--mapping", f"{HF_PORTS}:GPT2_MAPPING", "--input", f"hidden_states={B},{L},{H.GPT2_D}")
 
 
 def test_cli_keywords_reach_both_modules():
     """``--keywords`` names a dict of keyword inputs: GPT-2's block passes with its causal mask
     and fails without it (the Flax port applies the mask it is given; HF's eager block is not
     causal without one, and the port's planted ``mask_ignored`` shows what the mask changes)."""
-    code, out = _cli(*GPT2_CLI, "--keywords", "tests.hf_ports:GPT2_KEYWORDS")
+    code, out = _cli(*GPT2_CLI, "--keywords", f"{HF_PORTS}:GPT2_KEYWORDS")
     assert code == 0, out
-    code, out = _cli(*GPT2_CLI[:2], "--flax", "tests.hf_ports:make_flax_gpt2_block_mask_ignored",
-                     *GPT2_CLI[4:], "--keywords", "tests.hf_ports:GPT2_KEYWORDS")
+    code, out = _cli(*GPT2_CLI[:2], "--flax", f"{HF_PORTS}:make_flax_gpt2_block_mask_ignored",
+                     *GPT2_CLI[4:], "--keywords", f"{HF_PORTS}:GPT2_KEYWORDS")
     assert code == 1 and out.splitlines()[-1].startswith("FAIL: output"), out
-    code, out = _cli(*GPT2_CLI, "--keywords", "tests.hf_ports:GPT2_KEYWORDS",
+    code, out = _cli(*GPT2_CLI, "--keywords", f"{HF_PORTS}:GPT2_KEYWORDS",
                      "--keyword-grad", "nothing")
     assert code == 2 and out.startswith("attn-parity compare: error: keyword_grads should name "
                                         "keywords"), out
-    code, out = _cli(*GPT2_CLI, "--keywords", "tests.hf_ports:GPT2_D")
+    code, out = _cli(*GPT2_CLI, "--keywords", f"{HF_PORTS}:GPT2_D")
     assert code == 2 and out == ("attn-parity compare: error: --keywords "
-                                 "'tests.hf_ports:GPT2_D' should name a dict {name: value}, "
+                                 f"'{HF_PORTS}:GPT2_D' should name a dict {{name: value}}, "
                                  "got int")

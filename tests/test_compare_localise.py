@@ -1,5 +1,6 @@
 """``golden.compare`` locates a divergence by the paired submodules' inputs and outputs, and
-says which steps of the torch float64 reference ran in float32 (tests/port_bugs.py)."""
+says which steps of the torch float64 reference ran in float32 (the Qwen3-like block of
+golden/examples/port_bugs.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from flax import nnx
 
 import golden
 from golden import compare as C
-from tests import port_bugs as P
+from golden.examples import port_bugs as P
 
 X = {"x": (2, 5, 12)}  # B=2, L=5, E=12
 

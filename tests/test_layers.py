@@ -4,7 +4,8 @@ Bottom, the neutral part: argument checks, variant descriptions, fixture format 
 reference (float64, and exact decimal arithmetic), the tolerance table and the case list. NumPy
 and the standard library only.
 Middle: ``torch_attn`` (torch) and ``jax_attn`` (JAX, Flax); each imports only the bottom.
-Top, the harness: check, regenerate, runners, command line, benchmarks. Anything.
+Top, the harness: check, regenerate, runners, command line, benchmarks, the worked examples
+(``golden.examples``: torch modules and their Flax ports). Anything.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "go
        "golden.frameworks", "golden.hf_check", "golden.runners.recipes", "golden.listing",
        "golden.checkpoint", "golden.hf_layout", "golden.hf_model", "golden.hf_preflight",
        "golden.hf_exercise",
-       "golden.testing"}
+       "golden.testing", "golden.examples", "golden.examples.port_pair",
+       "golden.examples.port_bugs", "golden.examples.hf_ports"}
 THIRD_PARTY = {"bottom": {"numpy"}, "torch_attn": {"numpy", "torch"},
                "jax_attn": {"numpy", "jax", "flax"}}
 

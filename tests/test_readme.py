@@ -1,8 +1,10 @@
 """Every Python block of the README and of docs/*.md runs as written, so the examples stay
-true; links between the pages resolve."""
+true, and imports nothing from ``tests/``, which an installed package lacks; links between the
+pages resolve."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -43,6 +45,38 @@ def test_links_between_pages_resolve():
     for page in PAGES:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def _imported(block) -> list[str]:
+    """The modules a block imports, inside functions too, as dotted names (``from x.y import
+    z`` gives "x.y"; a relative ``from .y import z``, which no page should hold, ".y")."""
+    names = []
+    for node in ast.walk(ast.parse(block)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append("." * node.level + (node.module or ""))
+    return names
+
+
+def _from_tests(block) -> list[str]:
+    """What a block imports from the repository's ``tests`` (or relatively, from anywhere)."""
+    return [n for n in _imported(block) if n.split(".")[0] in ("tests", "")]
+
+
+def test_examples_import_nothing_from_tests():
+    """An installed package has no ``tests/``: every example imports only what ships
+    (``golden.examples`` holds the example ports)."""
+    found = {key: _from_tests(block) for key, (_, block) in BLOCKS.items()}
+    assert {key: names for key, names in found.items() if names} == {}
+
+
+def test_the_tests_import_check_sees_every_form():
+    planted = ("import tests.port_pair\nfrom tests import helpers\n"
+               "from tests.hf_ports import GPT2_MAPPING\nfrom . import x\nimport testsuite\n"
+               "def f():\n    from tests.port_bugs import MAPPING\n")
+    assert _from_tests(planted) == ["tests.port_pair", "tests", "tests.hf_ports", ".",
+                                    "tests.port_bugs"]
 
 
 @pytest.mark.parametrize("page, block", BLOCKS.values(), ids=BLOCKS.keys())

@@ -11,7 +11,7 @@ import pytest
 from golden import compare as C
 from golden.runners.adapt import NotSupported, from_function
 from golden.testing import assert_impl, assert_port
-from tests import port_pair as P
+from golden.examples import port_pair as P
 
 X = {"x": (2, 5, 8)}  # B=2, L=5, E=8
 WRONG = {**P.MAPPING, "k_proj.weight": "key.kernel"}  # the transpose left out (8 × 8: fits)
@@ -78,7 +78,7 @@ def frozen(tmp_path_factory):
     report = assert_port(P.make_torch, P.make_flax, P.MAPPING, X, seed=3)  # keywords forwarded
     assert report.data["seed"] == 3
     return C.freeze(report, tmp_path_factory.mktemp("port") / "block.npz",
-                    flax_factory_spec="tests.port_pair:make_flax")
+                    flax_factory_spec="golden.examples.port_pair:make_flax")
 
 
 def test_assert_port_fails_with_the_reports_table():

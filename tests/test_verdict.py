@@ -21,7 +21,7 @@ from golden import compare as C
 from golden.check import compare_all
 from golden.runners.adapt import as_runner, from_function
 from golden.tolerances import TOLERANCES, compare_terms
-from tests import port_pair as P
+from golden.examples import port_pair as P
 from tests.helpers import fresh_rng, random_cotangents, reference_fixture
 
 

@@ -1,7 +1,8 @@
 """Flax NNX ports of two Hugging Face modules, written as a user would write them, for
-``golden.compare`` on the HF modules as they are (tests/test_compare_hf.py, docs/validating.md
-"A Hugging Face block, as it is"): transformers' ``GPT2Block`` (eager attention) and
+``golden.compare`` on the HF modules as they are (docs/validating.md "A Hugging Face block, as
+it is", tests/test_compare_hf.py): transformers' ``GPT2Block`` (eager attention) and
 ``Qwen3Attention`` (grouped-query attention, q_norm/k_norm, RoPE), each with a tiny config.
+Needs transformers besides torch and Flax.
 
 Shape legend: B batch, L tokens, D model width (GPT2_D for GPT-2), N heads, Nkv key-value
 heads, Dh head width, F the MLP width. Masks are HF's additive 4-D masks (B or 1, 1, L, L):
@@ -215,7 +216,7 @@ QWEN3_MAPPING = {**{f"{p}.weight": (f"{p}.kernel", "T")  # nn.Linear keeps (out,
                  "q_norm.weight": "q_norm.scale", "k_norm.weight": "k_norm.scale"}
 
 
-# For the command line (``attn-parity compare --keywords tests.hf_ports:GPT2_KEYWORDS``): the
+# For the command line (``attn-parity compare --keywords golden.examples.hf_ports:GPT2_KEYWORDS``): the
 # causal mask GPT2Model hands its blocks, for inputs of 7 tokens.
 GPT2_KEYWORDS = {"attention_mask": causal_mask(7)}
 

@@ -1,4 +1,5 @@
-"""A small PyTorch block and its faithful Flax NNX port, for ``golden.compare`` and its tests.
+"""A small PyTorch block and its faithful Flax NNX port, for ``golden.compare``: the worked
+example of docs/validating.md and the pair tests/test_compare.py runs.
 
 Shape legend: B batch, L sequence length, E = 8 model width, H = 2 heads, Dh = 4 head width,
 F = 6 MLP width. The block is causal self-attention (with an optional key mask) followed by an

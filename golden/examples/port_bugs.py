@@ -1,5 +1,5 @@
 """A modern block in plain PyTorch and a faithful Flax NNX port, with bugs to plant in the port,
-for ``golden.compare``'s localisation (tests/test_compare_localise.py).
+for ``golden.compare``'s localisation (docs/validating.md, tests/test_compare_localise.py).
 
 Shape legend: B batch, L sequence length, E = 12 model width, H = 4 query heads, Hkv = 2
 key-value heads (each shared by H / Hkv = 2 query heads), Dh = 6 head width, F = 10 MLP width.
