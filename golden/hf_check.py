@@ -132,18 +132,18 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
     ``weights`` and ``outputs``, dicts, receive what the HTML page shows."""
     start = time.perf_counter()
     config = read_config(directory)
-    from golden import hf_model
-
-    with_hf = with_hf and hf_model.available()
-    if with_hf:
-        hf_model.check_config(config, log)
     ckpt = Checkpoint(directory)
-    found = account(config, ckpt)
+    found = account(config, ckpt)  # headers only: before torch, JAX or transformers load
     chosen = select(found.layers, layers, span, pattern)
     if not chosen:
         raise CheckpointError(f"no layer selected: --layer, --layers and -k match none of the "
                               f"{len(found.layers)} layers")
     values = check_values(ckpt, chosen, config)
+    from golden import hf_model
+
+    with_hf = with_hf and hf_model.available()
+    if with_hf:
+        hf_model.check_config(config, log)
     plans = _plans(chosen, max_length)
     twins = [f for f in (frameworks or TWINS) if f in TWINS]
     info = {} if info is None else info

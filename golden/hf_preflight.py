@@ -65,14 +65,15 @@ def account(config, checkpoint) -> Accounting:
         by_layer = _keys_by_layer(stack, entries)
         found_any = found_any or bool(by_layer)
         want = expected_layers(c, stack)
-        label = f"{stack.label + ' ' if stack.label else ''}{stack.kind or 'attention'}"
+        label = " ".join(dict.fromkeys(x for x in (stack.label, stack.kind) if x))
+        said = f"{label}: " if label else ""
         if want is None:
             want = list(by_layer)
-            notes.append(f"{label}: the config gives no layer count; the {len(want)} layers "
+            notes.append(f"{said}the config gives no layer count; the {len(want)} layers "
                          f"found are checked")
         if not by_layer and want and _encoder_only(config) and stack.kind in ("decoder",
                                                                                  "cross"):
-            notes.append(f"{label} layers: none in this checkpoint ({config['architectures'][0]}"
+            notes.append(f"{said}no layers in this checkpoint ({config['architectures'][0]}"
                          f" is an encoder alone)")
             continue
         if not by_layer:
@@ -81,12 +82,12 @@ def account(config, checkpoint) -> Accounting:
         field_name, count = layer_count(c, stack) or ("layers found", len(want))
         missing = [i for i in want if i not in by_layer]
         if missing:
-            problems.append(f"{label}: {field_name} = {count} implies layers 0 to {count - 1}, "
+            problems.append(f"{said}{field_name} = {count} implies layers 0 to {count - 1}, "
                             f"the checkpoint has no '...{stack.within}{stack.stack}.N."
                             f"{stack.module}.*' for layer(s) {_ranges(missing)}")
         extra = sorted(set(by_layer) - set(want))
         if extra:
-            notes.append(f"{label} layer(s) {_ranges(extra)}: beyond {field_name} = {count} "
+            notes.append(f"{said}layer(s) {_ranges(extra)}: beyond {field_name} = {count} "
                          f"(transformers does not load them); not checked")
         for i in want:
             if i in by_layer:

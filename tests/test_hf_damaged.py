@@ -319,3 +319,17 @@ def test_an_fp8_checkpoint_with_block_scales_is_read_exactly_and_passes(copy, ca
     out = capsys.readouterr().out
     assert status == 0, out
     assert "F8_E4M3 8 (as float32, exactly, times its scale in float64)" in out
+
+
+def test_a_layer_beyond_the_count_is_named_and_not_checked(copy, capsys):
+    # As DeepSeek-V3's checkpoints hold a multi-token-prediction layer past num_hidden_layers,
+    # which transformers does not load: said in the header, not computed.
+    directory, _ = copy
+    _config(directory, num_hidden_layers=1, layer_types=["full_attention"])
+    status = main(["hf", str(directory), "--framework", "torch", "--no-cache"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert ("note: layer(s) 1: beyond num_hidden_layers = 1 (transformers does not load them); "
+            "not checked") in out
+    assert "layer 1" not in out.split("note:")[-1].split("\n", 1)[1]
+    assert "summary: 1 of 1 layers checked" in out

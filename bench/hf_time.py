@@ -1,0 +1,141 @@
+"""How long ``attn-parity hf`` takes on checkpoints of real models' attention shapes.
+
+    python bench/hf_time.py [--dir DIR] [--layers K] [--only NAME ...]
+
+Writes (once, into DIR, default /tmp/attn-parity-hf-bench) random-weight checkpoints made
+offline with transformers' ``save_pretrained``, each of a real model's attention shapes (its
+vocabulary cut to 1,024 tokens and its MoE experts to a few, which the command never reads):
+Llama-3.2-1B (bfloat16, llama3 RoPE), Qwen3-0.6B (bfloat16), Gemma-3-1B's text model (bfloat16,
+22 of 26 layers sliding with a 512-key window: inputs of 515 tokens), a small DeepSeek-V3 (MLA)
+and Whisper-small (float32, encoder, decoder and cross-attention). Then, per checkpoint, times
+the whole command as a process (JAX's compilation cache off, so each run compiles):
+``--layers 0:1`` and ``--layers 0:K``; the difference over K − 1 is the time per layer once the
+programs are compiled, and the first is the start-up, the accounting, one layer and its
+compilation. Also times a damaged copy (config.json declaring one layer more than the weights
+hold), refused with exit status 2 before anything is computed. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama-3.2-1b": ("LlamaConfig", "bfloat16", dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192})),
+    "qwen3-0.6b": ("Qwen3Config", "bfloat16", dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "gemma-3-1b": ("Gemma3TextConfig", "bfloat16", dict(
+        hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, intermediate_size=6912, sliding_window=512, query_pre_attn_scalar=256,
+        max_position_embeddings=32768,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+    "deepseek-v3-small": ("DeepseekV3Config", "bfloat16", dict(
+        hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, intermediate_size=2048, moe_intermediate_size=256, n_routed_experts=4,
+        num_experts_per_tok=2, first_k_dense_replace=4, max_position_embeddings=4096)),
+    "whisper-small": ("WhisperConfig", "float32", dict(
+        d_model=768, encoder_layers=12, decoder_layers=12, encoder_attention_heads=12,
+        decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
+        num_mel_bins=80, max_source_positions=1500, max_target_positions=448)),
+}
+
+
+def make(name, directory) -> Path:
+    """The checkpoint of ``name``'s shapes, written once."""
+    import torch
+    import transformers
+
+    path = directory / name
+    if (path / "config.json").exists():
+        return path
+    config_class, dtype, kw = SHAPES[name]
+    config = getattr(transformers, config_class)(vocab_size=1024, **kw)
+    cls = (transformers.WhisperForConditionalGeneration if name.startswith("whisper")
+           else transformers.AutoModelForCausalLM)
+    torch.manual_seed(0)
+    model = cls._from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def timed(argv) -> tuple[float, int, str]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "golden.cli", *argv], capture_output=True,
+                          text=True)
+    return time.perf_counter() - start, done.returncode, done.stdout + done.stderr
+
+
+def layers_of(path) -> int:
+    c = json.loads((path / "config.json").read_text())
+    return c.get("num_hidden_layers") or c.get("encoder_layers")
+
+
+def measure(name, path, k) -> dict:
+    k = min(k, layers_of(path))
+    one, status1, out1 = timed(["hf", str(path), "--layers", "0:1", "--no-cache"])
+    many, status_k, out_k = timed(["hf", str(path), "--layers", f"0:{k}", "--no-cache"])
+    damaged = path.parent / f"{name}-damaged"
+    shutil.rmtree(damaged, ignore_errors=True)
+    shutil.copytree(path, damaged)
+    config = json.loads((damaged / "config.json").read_text())
+    for key in ("num_hidden_layers", "encoder_layers"):
+        if key in config:
+            config[key] += 1
+    (damaged / "config.json").write_text(json.dumps(config))
+    refused, status_d, _ = timed(["hf", str(damaged), "--no-cache"])
+    lengths = [line for line in out_k.splitlines() if line.startswith("inputs:")]
+    return {"name": name, "first": one, "per_layer": (many - one) / max(k - 1, 1), "k": k,
+            "ok": status1 == 0 and status_k == 0, "refused": refused, "refused_status": status_d,
+            "inputs": lengths[0] if lengths else "", "tail": out_k.splitlines()[-1:]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/attn-parity-hf-bench"))
+    parser.add_argument("--layers", type=int, default=4, help="K: layers of the longer run")
+    parser.add_argument("--only", action="append", choices=list(SHAPES), default=[])
+    args = parser.parse_args(argv)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    rows = [measure(n, make(n, args.dir), args.layers) for n in (args.only or SHAPES)]
+    cpu = _cpu()
+    print(f"host: {cpu}; {platform.machine()}; python {platform.python_version()}")
+    print("| checkpoint | inputs | first layer (s) | per further layer (s) | pass | "
+          "damaged: exit, time (s) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['name']} | {r['inputs'].removeprefix('inputs: ')} | {r['first']:.1f} | "
+              f"{r['per_layer']:.2f} (layers 0-{r['k'] - 1}) | {'yes' if r['ok'] else 'NO'} | "
+              f"{r['refused_status']}, {r['refused']:.1f} |")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
