@@ -123,7 +123,11 @@ def exercises(layer, stack_plan, length) -> list[Exercise]:
     if switch is None or layer.variant not in POSITIONED:
         return [first]
     kind, at = switch
-    positions = np.arange(length, dtype=np.int64) + max(at - length // 2, 0)
+    if length > at:  # 0 … L − 1 cross it already; no input of L tokens stays below it
+        first.notes.append(f"RoPE {kind} switch at {at}: exercised past it only (the inputs "
+                           f"are longer)")
+        return [first]
+    positions = np.arange(length, dtype=np.int64) + (at - length // 2)
     first.notes.append(f"RoPE {kind} switch at {at}: exercised below it (positions from 0) "
                        f"and past it (positions from {positions[0]})")
     return [first, Exercise(c, length, positions, f" @ positions {positions[0]}-{positions[-1]}",
