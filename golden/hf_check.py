@@ -82,8 +82,8 @@ def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
                    grads=grads, zero=reference.zero_grads(dict(ours), grads))
 
 
-HF_ANGLES = ("held to the table, or where HF's float32 RoPE angles take it past, to twice the "
-             "error of our float32 torch twin computing its angles as HF does")
+HF_ANGLES = ("a RoPE layer past the table: within 2x the error of our float32 torch twin using "
+             "HF's float32 angles")
 
 
 def hf_peer(fixture) -> np.ndarray | None:
@@ -242,11 +242,11 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
     if with_hf:
         hf_dtypes = (run_dtypes if all(la.config["model_type"] in FLOAT64 for la in chosen)
                      else [d for d in run_dtypes if d == "float32"])
-        runs.append(f"hf (the checkpoint's own transformers module) at "
+        runs.append(f"hf (the checkpoint's own module) at "
                     f"{' and '.join(hf_dtypes) or 'no dtype selected'}"
                     + ("" if "float64" in hf_dtypes or "float64" not in run_dtypes
                        else f" ({FLOAT32_ONLY.split(':')[0]})")
-                    + (f"; with RoPE, {HF_ANGLES}" if any(la.variant == GQA and (
+                    + (f"; {HF_ANGLES}" if any(la.variant == GQA and (
                         {"rope_parameters", "rope_theta"} & set(la.settings)) for la in chosen)
                        else ""))
     lengths = sorted({e.length for _, plan in plans for e in plan})
@@ -257,10 +257,12 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
             where.setdefault(note, []).append(layer.name)
             exercised[note] += 1
     lines = [f"checkpoint: model_type {mt}; {len(files)} file(s)"
-             + (f" with {ckpt.index and 'an index'}" if ckpt.index else "")
+             + (" and its index" if ckpt.index else "")
              + f"; {layers_line}",
              f"weights: {read_as}; {values['arrays']} arrays, {values['bytes'] / 2**20:.1f} MiB, "
              f"all finite",
+             *(f"attention ({_count(n, 'layer')}): {text}" for text, n in
+               Counter(describe(la) for la in chosen).items()),
              f"runs: {'; '.join(runs) or 'nothing (--framework)'}",
              f"inputs: drawn N(0, 1) rounded to float32, batch {B}, "
              f"{'/'.join(map(str, lengths))} tokens (the most a setting below needs, at least "
@@ -275,13 +277,56 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
             "lines": lines}
 
 
-def _enable_cache():
-    """JAX's persistent compilation cache (golden.runners.cache), where installed."""
+def _cache(on):
+    """JAX's persistent compilation cache (golden.runners.cache) turned on, or back off."""
     try:
         from golden.runners import cache
     except ImportError:
         return
-    cache.enable()
+    cache.enable() if on else cache.disable()
+
+
+def describe(layer) -> str:
+    """A layer's attention in a line: the variant, heads, positions and the options it has
+    ("grouped-query, 32 heads (8 key-value) of 64; RoPE llama3 θ 500000 x32")."""
+    c = layer.settings
+    kind = {GQA: "grouped-query", "multi_head_latent_attention": "latent (MLA)",
+            "multi_head_cross_attention": "cross"}.get(layer.variant, layer.variant)
+    heads = f"{c.get('num_heads')} heads"
+    if c.get("num_kv_heads") not in (None, c.get("num_heads")):
+        heads += f" ({c['num_kv_heads']} key-value)"
+    if c.get("head_dim"):
+        heads += f" of {c['head_dim']}"
+    parts = [kind, heads, _positions(c)]
+    parts += [f"{name} {c[name]}" for name in ("sliding_window", "attention_chunk_size",
+                                                "softcap", "qk_norm", "clip_qkv")
+              if c.get(name) is not None]
+    parts += [name for name in ("sinks", "output_gate") if c.get(name)]
+    if c.get("query_temperature"):
+        parts.append("query temperature")
+    return "; ".join(p for p in parts if p)
+
+
+def _positions(c) -> str:
+    rope = c.get("rope_parameters") or {}
+    if rope or c.get("rope_theta"):
+        theta = rope.get("rope_theta", c.get("rope_theta"))
+        text = f"RoPE {rope.get('rope_type', 'default')} θ {theta:g}"
+        if rope.get("factor"):
+            text += f" x{rope['factor']:g}"
+        fraction = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+        if fraction not in (None, 1.0):
+            text += f" on {fraction:g} of each head"
+        return text + (" (interleaved)" if c.get("rope_interleaved") else "")
+    if c.get("alibi"):
+        return f"ALiBi ({c['alibi']})"
+    if c.get("relative_attention_num_buckets"):
+        return f"relative buckets ({c['relative_attention_num_buckets']})"
+    return "no positions in attention"
+
+
+def _count(n, what) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _names(names) -> str:
@@ -364,7 +409,15 @@ def _summary_lines(report, info, printer) -> list[str]:
 
 def main(args) -> int:
     if not args.no_cache:
-        _enable_cache()
+        _cache(True)
+    try:
+        return _main(args)
+    finally:
+        if not args.no_cache:
+            _cache(False)  # a caller in this process (a test) compiles as before
+
+
+def _main(args) -> int:
     arrays = ({}, {}) if args.html else (None, None)
     info, report, status = {}, None, 2
     printer = _Printer(info)

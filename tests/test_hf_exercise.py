@@ -124,6 +124,10 @@ def test_the_text_output_and_every_report_end_to_end(tmp_path, capsys):
     assert lines[0].startswith("checkpoint: model_type qwen2; 1 file(s); 2 attention layers "
                                "of 2 the config implies")
     assert "inputs: drawn N(0, 1) rounded to float32, batch 2, 23 tokens" in out
+    assert ("attention (1 layer): grouped-query; 4 heads (2 key-value) of 6; RoPE yarn θ 500 x4; "
+            "sliding_window 20\n") in out  # the other layer: the same but full attention
+    assert ("attention (1 layer): grouped-query; 4 heads (2 key-value) of 6; RoPE yarn θ 500 "
+            "x4\n") in out
     assert ("exercised: sliding_window 20: exercised (on 23 tokens or more) "
             "(layer 1 (sliding_attention))") in out
     header = next(line for line in lines if line.startswith("layer "))
