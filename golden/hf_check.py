@@ -440,6 +440,18 @@ def _main(args) -> int:
     return status
 
 
+def _length(text) -> int:
+    least = hf_exercise.SCALED + 3
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < least:
+        raise argparse.ArgumentTypeError(f"should be an int >= {least} (a scaled copy's "
+                                         f"window and 3 tokens past it), got {text!r}")
+    return n
+
+
 def _span(text) -> slice:
     try:
         a, b = text.split(":")
@@ -467,7 +479,7 @@ def add_arguments(parser) -> None:
                              "e.g. -k sliding, -k 'decoder layer 1 *'")
     parser.add_argument("--fail-fast", action="store_true",
                         help="stop after the first layer with a failing row")
-    parser.add_argument("--max-length", type=int, default=MAX_LENGTH, metavar="N",
+    parser.add_argument("--max-length", type=_length, default=MAX_LENGTH, metavar="N",
                         help=f"the longest input drawn (default {MAX_LENGTH}); a window or chunk "
                              f"that needs more is exercised on a scaled copy of the config")
     parser.add_argument("--no-cache", action="store_true",

@@ -162,6 +162,10 @@ def test_selection_and_fail_fast(tmp_path, capsys, monkeypatch):
     assert main(["hf", str(directory), "--layer", "7", "--no-cache"]) == 2
     assert "no layer selected: --layer, --layers and -k match none of the 2 layers" in (
         capsys.readouterr().err)
+    with pytest.raises(SystemExit) as stop:
+        main(["hf", str(directory), "--max-length", "3"])
+    assert stop.value.code == 2 and "--max-length: should be an int >= 9" in (
+        capsys.readouterr().err)
     _planted(monkeypatch, "qwen2", lambda ours: {**ours, "scale": 0.5})
     report = _run(directory, fail_fast=True)
     assert {r["fixture"] for r in report["rows"]} == {"layer 0 (full_attention)"}
