@@ -110,14 +110,17 @@ class Comparison:
     rule: str = "table"                  # "table", "terms" or "profile": what decided
 
 
-def _deciding(diff, bound) -> tuple[float | None, float | None]:
+def _deciding(diff, bound, within=False) -> tuple[float | None, float | None]:
     """(|aᵢ − eᵢ|, boundᵢ) at the element with the largest diffᵢ / boundᵢ (a non-finite
-    difference first); (None, None) for an empty array."""
+    difference first); (None, None) for an empty array. ``within``: every diffᵢ ≤ boundᵢ is
+    known (so every diffᵢ is finite, and a ratio is NaN only for 0/0, which argmax picks
+    first as it would the inf it stands for)."""
     if diff.size == 0:
         return None, None
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.divide(diff, bound)  # inf or NaN where diff is not finite, or bound is 0
-    ratio[~np.isfinite(diff) | np.isnan(ratio)] = np.inf
+    if not within:
+        ratio[~np.isfinite(diff) | np.isnan(ratio)] = np.inf
     i = np.unravel_index(int(np.argmax(ratio)), diff.shape)
     return float(diff[i]), float(bound[i])
 
@@ -141,9 +144,9 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
                 else (0.0 if max_abs == 0 else np.inf))
     bound *= tol.rtol
     bound += atol  # atol + rtol·|e|
-    ok = bool(np.all(np.isfinite(a))) and (zero or rel_norm <= tol.rel_norm) and bool(
-        np.all(diff <= bound))
-    abs_err, bound_abs = _deciding(diff, bound)
+    within = bool(np.all(diff <= bound))
+    ok = bool(np.all(np.isfinite(a))) and (zero or rel_norm <= tol.rel_norm) and within
+    abs_err, bound_abs = _deciding(diff, bound, within)
     return Comparison(max_abs, max_rel, rel_norm, ok, zero, abs_err, bound_abs,
                       None if zero else tol.rel_norm, "table")
 
