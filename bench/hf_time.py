@@ -51,7 +51,8 @@ SHAPES = {
     "whisper-small": ("WhisperConfig", "float32", dict(
         d_model=768, encoder_layers=12, decoder_layers=12, encoder_attention_heads=12,
         decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
-        num_mel_bins=80, max_source_positions=1500, max_target_positions=448)),
+        num_mel_bins=80, max_source_positions=1500, max_target_positions=448, pad_token_id=1,
+        bos_token_id=2, eos_token_id=2, decoder_start_token_id=3)),
 }
 
 
@@ -68,7 +69,8 @@ def make(name, directory) -> Path:
     cls = (transformers.WhisperForConditionalGeneration if name.startswith("whisper")
            else transformers.AutoModelForCausalLM)
     torch.manual_seed(0)
-    model = cls._from_config(config, dtype=getattr(torch, dtype))
+    model = (cls._from_config(config, dtype=getattr(torch, dtype)) if hasattr(cls, "_from_config")
+             else cls.from_config(config, dtype=getattr(torch, dtype)))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.5)

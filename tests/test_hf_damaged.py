@@ -183,6 +183,8 @@ def test_a_missing_shard_is_named_from_the_index(copy, capsys, tmp_path, monkeyp
     index = json.loads((sharded / ck.INDEX).read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2
+    assert main(["hf", str(sharded), "--framework", "torch", "--no-cache"]) == 0  # intact
+    assert f"{len(files)} file(s) and its index" in capsys.readouterr().out
     (sharded / files[1]).unlink()
     status, err = run_hf(sharded, capsys, reads=False, monkeypatch=monkeypatch)
     assert status == 2
