@@ -118,7 +118,8 @@ def _deciding(diff, bound, within=False) -> tuple[float | None, float | None]:
     if diff.size == 0:
         return None, None
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.divide(diff, bound)  # inf or NaN where diff is not finite, or bound is 0
+        ratio = np.divide(diff, bound, out=np.empty_like(diff))  # inf or NaN where diff is
+        # not finite, or bound is 0
     if not within:
         ratio[~np.isfinite(diff) | np.isnan(ratio)] = np.inf
     i = np.unravel_index(int(np.argmax(ratio)), diff.shape)
@@ -133,10 +134,10 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     if a.shape != e.shape:
         return Comparison(np.inf, np.inf, np.inf, False, zero)
-    diff = np.subtract(a, e)
+    diff = np.subtract(a, e, out=np.empty_like(e))  # out=: an array at 0-d too
     np.abs(diff, out=diff)  # |a − e|, one array (these run over every gradient of a layer)
     max_abs = float(diff.max(initial=0.0))
-    bound = np.abs(e)
+    bound = np.abs(e, out=np.empty_like(e))
     scale, norm = float(bound.max(initial=0.0)), float(np.linalg.norm(e))
     atol = tol.atol * max(1.0, scale) * float(np.sqrt(terms))
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
