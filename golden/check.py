@@ -42,13 +42,16 @@ def _pairs(fixture, result, expected_grads=None):
     return pairs
 
 
-def compare_all(fixture, result, dtype, *, profile_name="exact", baseline=None):
+def compare_all(fixture, result, dtype, *, profile_name="exact", baseline=None,
+                expected=None):
     """Comparisons of what the result holds (see ``_pairs``); None where a gradient is
     missing. A result of gradients of the output alone (``"loss": "output"``, an
     implementation that returns no weights) is compared with the reference's gradients of
     Σ output ⊙ dO. ``baseline``: the plain low-precision implementation's result, for the
-    tf32/bf16 profiles."""
-    expected = expected_grads(fixture, result.get("loss", "both"))
+    tf32/bf16 profiles; ``expected``: ``expected_grads(fixture, loss)`` when the caller has
+    it."""
+    if expected is None:
+        expected = expected_grads(fixture, result.get("loss", "both"))
     plain = {w: a for w, a, _ in _pairs(fixture, baseline, expected)} if baseline else {}
     return {what: None if a is None else compare_profile(
                 a, e, plain.get(what), dtype, _kind(what), terms=_terms(fixture, what),
@@ -135,6 +138,15 @@ def _baseline(fixture, loss, prof, memo):
     return memo[key]
 
 
+def _expected(fixture, loss, memo):
+    """``expected_grads(fixture, loss)``, computed once per fixture and loss in a run: for
+    ``"output"`` the exact reference again, the same for every dtype and implementation."""
+    key = ("expected", id(fixture), loss)
+    if key not in memo:
+        memo[key] = expected_grads(fixture, loss)
+    return memo[key]
+
+
 def _row(fixture, runner, label, core, dtype, prof, memo):
     """(the report's row, the result or None)."""
     row = {"fixture": fixture.name, "variant": fixture.variant, "implementation": label,
@@ -143,9 +155,11 @@ def _row(fixture, runner, label, core, dtype, prof, memo):
     start = time.perf_counter()
     try:
         result = runner(fixture, dtype)
-        base = (_baseline(fixture, result.get("loss", "both"), prof, memo)
+        loss = result.get("loss", "both")
+        base = (_baseline(fixture, loss, prof, memo)
                 if prof.bits and dtype == "float32" else None)
-        comps = compare_all(fixture, result, dtype, profile_name=prof.name, baseline=base)
+        comps = compare_all(fixture, result, dtype, profile_name=prof.name, baseline=base,
+                            expected=_expected(fixture, loss, memo))
     except NotSupported as e:
         return {**row, "status": "not supported", "reason": str(e)}, None
     except Exception as e:  # the implementation under test raised: a failure, with its words

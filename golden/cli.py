@@ -47,6 +47,11 @@ def _check_parser(sub):
     check.add_argument("--json", metavar="FILE", help="write the report as JSON")
     check.add_argument("--junit", metavar="FILE", help="write the report as JUnit XML")
     check.add_argument("--html", metavar="DIR", help="write an HTML page with heatmaps")
+    check.add_argument("--no-cache", action="store_true",
+                       help="compile every JAX program afresh, without attn-parity's "
+                            "persistent compilation cache (default: the cache in "
+                            "$ATTN_PARITY_CACHE_DIR, else $XDG_CACHE_HOME/attn-parity/jax or "
+                            "~/.cache/attn-parity/jax)")
     return check
 
 
@@ -111,10 +116,13 @@ def main(argv=None) -> int:
 def _check(args, argv) -> int:
     from golden import FixtureError
     from golden.check import main as check_main
+    from golden.runners import cache
     from golden.runners.adapt import load
 
     if args.impl and "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as ``python -m``: the user's modules import from here
+    cached = (not args.no_cache and (args.impl or "jax" in (args.framework or FRAMEWORKS))
+              and cache.enable())
     try:
         impls = [load(spec) for spec in args.impl]
         return check_main(args.names, frameworks=args.framework, impls=impls,
@@ -127,6 +135,9 @@ def _check(args, argv) -> int:
     except (ValueError, OSError, FixtureError, ImportError) as e:  # OSError: a report's path
         print(f"attn-parity check: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    finally:
+        if cached:
+            cache.disable()  # a caller in this process (a test) compiles as before
 
 
 def _fixtures(args) -> int:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 import golden
 from tests.helpers import FRAMEWORKS, IMPLS, TWINS
+
+# `attn-parity check` keeps JAX's compiled programs in a cache under the user's home
+# (golden/runners/cache.py): this session's, and its subprocesses', go to a directory of its
+# own, removed at the end, never to the user's.
+os.environ["ATTN_PARITY_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-parity-test-cache-")
 
 # tests/devices8 needs 8 JAX devices, which only a process started with the XLA flag has:
 # tests/test_devices8.py runs it in one; this session collects it only when the flag is set.
@@ -32,6 +39,7 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     from tests import test_devices8
     test_devices8.stop()
+    shutil.rmtree(os.environ["ATTN_PARITY_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(params=golden.names())
