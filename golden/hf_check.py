@@ -146,6 +146,9 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
         hf_model.check_config(config, log)
     plans = _plans(chosen, max_length)
     twins = [f for f in (frameworks or TWINS) if f in TWINS]
+    if not twins and not with_hf:
+        raise CheckpointError("nothing to run: --framework selects no twin and the hf row is "
+                              "off (--no-hf, or torch and transformers not installed)")
     info = {} if info is None else info
     info.update(_header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes))
     for line in info["lines"]:
@@ -204,9 +207,6 @@ def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, o
                 _judge_by_peer(row, seen.get(row["dtype"]), fixture, peer)
             hf_part["summary"] = check._summary(hf_part, 0.0)
             part = hf_part if part is None else _merge(part, hf_part)
-        if part is None:
-            raise CheckpointError("nothing to run: --framework selects no twin and the hf row "
-                                  "is off (--no-hf, or torch and transformers not installed)")
         for row in part["rows"]:
             row["exercised"] = list(exercise.notes)
         report = part if report is None else _merge(report, part)

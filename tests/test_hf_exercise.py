@@ -162,6 +162,9 @@ def test_selection_and_fail_fast(tmp_path, capsys, monkeypatch):
     assert main(["hf", str(directory), "--layer", "7", "--no-cache"]) == 2
     assert "no layer selected: --layer, --layers and -k match none of the 2 layers" in (
         capsys.readouterr().err)
+    assert main(["hf", str(directory), "--framework", "hf", "--no-hf", "--no-cache"]) == 2
+    assert "nothing to run: --framework selects no twin and the hf row is off" in (
+        capsys.readouterr().err)
     with pytest.raises(SystemExit) as stop:
         main(["hf", str(directory), "--max-length", "3"])
     assert stop.value.code == 2 and "--max-length: should be an int >= 9" in (
