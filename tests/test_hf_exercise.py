@@ -159,6 +159,9 @@ def test_selection_and_fail_fast(tmp_path, capsys, monkeypatch):
         "layer 0 (full_attention)"}
     assert {r["fixture"] for r in _run(directory, span=slice(1, None))["rows"]} == {
         "layer 1 (sliding_attention)"}
+    assert {(r["implementation"], r["dtype"]) for r in _run(directory, dtypes=["float32"],
+                                                            layers=[0])["rows"]} == {
+        ("torch", "float32"), ("hf", "float32")}
     assert main(["hf", str(directory), "--layer", "7", "--no-cache"]) == 2
     assert "no layer selected: --layer, --layers and -k match none of the 2 layers" in (
         capsys.readouterr().err)
