@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import datetime
 import fnmatch
-import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 
 import numpy as np
@@ -55,25 +53,10 @@ def compare_all(fixture, result, dtype, *, profile_name="exact", baseline=None,
     if expected is None:
         expected = expected_grads(fixture, result.get("loss", "both"))
     plain = {w: a for w, a, _ in _pairs(fixture, baseline, expected)} if baseline else {}
-    pairs = _pairs(fixture, result, expected)
-
-    def one(pair):
-        what, a, e = pair
-        return None if a is None else compare_profile(
-            a, e, plain.get(what), dtype, _kind(what), terms=_terms(fixture, what),
-            zero=what.removeprefix("grad ") in fixture.zero, profile_name=profile_name)
-
-    big = sum(getattr(a, "size", 0) for _, a, _ in pairs) > PARALLEL_ABOVE
-    workers = min(2, os.cpu_count() or 1) if big else 1
-    if workers == 1:
-        return {pair[0]: one(pair) for pair in pairs}
-    with ThreadPoolExecutor(workers) as pool:  # NumPy's passes release the GIL
-        return dict(zip((p[0] for p in pairs), pool.map(one, pairs)))
-
-
-# Elements a result must hold before its arrays are compared two at a time (a real model's
-# layer: ``attn-parity hf``'s weight gradients of millions; the fixtures' are far below).
-PARALLEL_ABOVE = 2**20
+    return {what: None if a is None else compare_profile(
+                a, e, plain.get(what), dtype, _kind(what), terms=_terms(fixture, what),
+                zero=what.removeprefix("grad ") in fixture.zero, profile_name=profile_name)
+            for what, a, e in _pairs(fixture, result, expected)}
 
 
 def expected_grads(fixture, loss="both"):

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import golden
-from golden import check, cli, positions, report, runners, validate, variants
+from golden import check, cli, positions, report, validate, variants
 from golden import compare as C
 from golden.check import compare_all
 from golden.runners.adapt import as_runner, from_function
@@ -234,16 +233,3 @@ def test_junit_case_names_are_single_spaced(tmp_path):
     root = ET.parse(report.write_junit(run, tmp_path / "junit.xml")).getroot()
     names = [c.get("name") for c in root.iter("testcase")]
     assert names == 2 * ["lacking float32", "lacking float64"]
-
-
-def test_compare_all_two_at_a_time_is_the_same_verdict(monkeypatch):
-    # A result past PARALLEL_ABOVE elements has its arrays compared on two threads: the same
-    # Comparisons, in the same order, as one at a time.
-    fixture = golden.load("multi_head_attention_causal")
-    result = runners.get("reference")(fixture)
-    result = {**result, "output": result["output"] * (1 + 1e-7)}
-    monkeypatch.setattr(check, "PARALLEL_ABOVE", 10**12)
-    alone = check.compare_all(fixture, result, "float32")
-    monkeypatch.setattr(check, "PARALLEL_ABOVE", 0)
-    paired = check.compare_all(fixture, result, "float32")
-    assert list(paired) == list(alone) and paired == alone
