@@ -9,9 +9,9 @@ Llama-3.2-1B (bfloat16, llama3 RoPE), Qwen3-0.6B (bfloat16), Gemma-3-1B's text m
 22 of 26 layers sliding with a 512-key window: inputs of 515 tokens), a small DeepSeek-V3 (MLA)
 and Whisper-small (float32, encoder, decoder and cross-attention). Then, per checkpoint, times
 the whole command as a process (JAX's compilation cache off, so each run compiles):
-``--layers 0:1`` and ``--layers 0:K``; the difference over K − 1 is the time per layer once the
-programs are compiled, and the first is the start-up, the accounting, one layer and its
-compilation. Also times a damaged copy (config.json declaring one layer more than the weights
+``--layers 0:1`` and ``--layers 0:K`` (K = 8; of each stack); the difference over the layers
+added is the time per layer once the programs are compiled, and the first is the start-up, the
+accounting, the first layer (of each stack) and its compilation. Also times a damaged copy (config.json declaring one layer more than the weights
 hold), refused with exit status 2 before anything is computed. Prints a Markdown table.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -90,10 +91,17 @@ def layers_of(path) -> int:
     return c.get("num_hidden_layers") or c.get("encoder_layers")
 
 
+def checked(output) -> int:
+    """N of the summary's "N of M layers checked"."""
+    line = next(x for x in output.splitlines() if x.startswith("summary: "))
+    return int(re.match(r"summary: (\d+) of", line).group(1))
+
+
 def measure(name, path, k) -> dict:
     k = min(k, layers_of(path))
     one, status1, out1 = timed(["hf", str(path), "--layers", "0:1", "--no-cache"])
     many, status_k, out_k = timed(["hf", str(path), "--layers", f"0:{k}", "--no-cache"])
+    n1, nk = checked(out1), checked(out_k)  # layers of every stack: Whisper's three
     damaged = path.parent / f"{name}-damaged"
     shutil.rmtree(damaged, ignore_errors=True)
     shutil.copytree(path, damaged)
@@ -103,29 +111,30 @@ def measure(name, path, k) -> dict:
             config[key] += 1
     (damaged / "config.json").write_text(json.dumps(config))
     refused, status_d, _ = timed(["hf", str(damaged), "--no-cache"])
-    lengths = [line for line in out_k.splitlines() if line.startswith("inputs:")]
-    return {"name": name, "first": one, "per_layer": (many - one) / max(k - 1, 1), "k": k,
-            "ok": status1 == 0 and status_k == 0, "refused": refused, "refused_status": status_d,
-            "inputs": lengths[0] if lengths else "", "tail": out_k.splitlines()[-1:]}
+    tokens = re.search(r"batch 2, (\d+) tokens", out_k)
+    return {"name": name, "first": one, "per_layer": (many - one) / max(nk - n1, 1),
+            "layers": (n1, nk), "ok": status1 == 0 and status_k == 0, "refused": refused,
+            "refused_status": status_d, "tokens": tokens.group(1) if tokens else "?"}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/attn-parity-hf-bench"))
-    parser.add_argument("--layers", type=int, default=4, help="K: layers of the longer run")
+    parser.add_argument("--layers", type=int, default=8, help="K: layers of the longer run")
     parser.add_argument("--only", action="append", choices=list(SHAPES), default=[])
     args = parser.parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     rows = [measure(n, make(n, args.dir), args.layers) for n in (args.only or SHAPES)]
     cpu = _cpu()
     print(f"host: {cpu}; {platform.machine()}; python {platform.python_version()}")
-    print("| checkpoint | inputs | first layer (s) | per further layer (s) | pass | "
-          "damaged: exit, time (s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| checkpoint | tokens drawn | whole command, first layer (s) | per further layer (s) "
+          "| passed | damaged copy: exit status, time (s) |")
+    print("| --- | ---: | ---: | ---: | --- | --- |")
     for r in rows:
-        print(f"| {r['name']} | {r['inputs'].removeprefix('inputs: ')} | {r['first']:.1f} | "
-              f"{r['per_layer']:.2f} (layers 0-{r['k'] - 1}) | {'yes' if r['ok'] else 'NO'} | "
-              f"{r['refused_status']}, {r['refused']:.1f} |")
+        n1, nk = r["layers"]
+        print(f"| {r['name']} | {r['tokens']} | {r['first']:.1f} ({n1} layer"
+              f"{'s' if n1 > 1 else ''}) | {r['per_layer']:.2f} ({nk - n1} more) | "
+              f"{'yes' if r['ok'] else 'NO'} | {r['refused_status']}, {r['refused']:.1f} |")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

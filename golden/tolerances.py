@@ -147,7 +147,11 @@ def compare(actual, expected, dtype: str, kind: str = "value", terms: int = 1,
     bound += atol  # atol + rtol·|e|
     within = bool(np.all(diff <= bound))
     ok = bool(np.all(np.isfinite(a))) and (zero or rel_norm <= tol.rel_norm) and within
-    abs_err, bound_abs = _deciding(diff, bound, within)
+    if within and diff.size:  # diff's own memory takes the ratios (no new array's pages)
+        i = np.unravel_index(int(np.argmax(np.divide(diff, bound, out=diff))), diff.shape)
+        abs_err, bound_abs = float(abs(a[i] - e[i])), float(bound[i])  # diff[i], again
+    else:
+        abs_err, bound_abs = _deciding(diff, bound, within)
     return Comparison(max_abs, max_rel, rel_norm, ok, zero, abs_err, bound_abs,
                       None if zero else tol.rel_norm, "table")
 

@@ -51,8 +51,9 @@ def load_params(module, params) -> None:
     _ours(module)
     check_param_arrays(params)
 
-    def set_weight(lin, w):
-        lin.weight.data = torch.as_tensor(w.T.copy(), device=lin.weight.device)
+    def set_weight(lin, w):  # (in, out) -> (out, in): torch's transpose, a copy (clone)
+        w = torch.as_tensor(np.ascontiguousarray(w)).T
+        lin.weight.data = w.clone(memory_format=torch.contiguous_format).to(lin.weight.device)
 
     def set_bias(lin, b):
         lin.bias.data = torch.as_tensor(b.copy(), device=lin.bias.device)
@@ -64,9 +65,13 @@ def load_params(module, params) -> None:
 
 
 def build(variant, config, params):
-    """A module of ``variant`` (its class name in snake_case) holding exactly ``params``."""
+    """A module of ``variant`` (its class name in snake_case) holding exactly ``params``. It is
+    made on PyTorch's meta device (no initial weights drawn: 10 ms a 2048² layer, and
+    ``params`` replaces every one), then given memory and every parameter."""
     check_build_args(variant, config, params)
-    module = getattr(modules, module_variant(variant).class_name)(**config)
+    with torch.device("meta"):
+        module = getattr(modules, module_variant(variant).class_name)(**config)
+    module = module.to_empty(device="cpu")
     load_params(module, params)
     return module
 
