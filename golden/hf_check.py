@@ -76,6 +76,7 @@ def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
         out, weights, saved = forward(dict(ours), inputs, params)
         cot = {"output": _drawn(rng, out.shape), "weights": _drawn(rng, weights.shape)}
         grads = backward(saved, cot["output"], cot["weights"])
+    grads = {n: np.ascontiguousarray(g) for n, g in grads.items()}  # BLAS may give F order
     return Fixture(name=layer.name + exercise.suffix, variant=variant, seed=0,
                    config=dict(ours), inputs=inputs, dtypes=["float32", "float64"],
                    params=params, cotangents=cot, expected={"output": out, "weights": weights},

@@ -32,7 +32,8 @@ def run_module(call, fixture, dtype: str = "float32") -> dict:
     TORCH.loss(fixture.cotangents, out, weights, dtype).backward()
     grads = {n: TORCH.numpy(t.grad) for n, t in inputs.items() if t.requires_grad}
     if isinstance(call, torch.nn.Module):
-        grads.update({n: g.astype(np.float64) for n, g in export_grads(call).items()})
+        grads.update({n: np.ascontiguousarray(g, dtype=np.float64)  # (in, out) in C order,
+                      for n, g in export_grads(call).items()})  # as the expected arrays
     return {"output": TORCH.numpy(out), "weights": TORCH.numpy(weights), "grads": grads,
             "dtype": TORCH.dtype_name(out), "core": implementations.names(ran)}
 
