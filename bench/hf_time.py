@@ -111,7 +111,7 @@ def measure(name, path, k) -> dict:
             config[key] += 1
     (damaged / "config.json").write_text(json.dumps(config))
     refused, status_d, _ = timed(["hf", str(damaged), "--no-cache"])
-    tokens = re.search(r"batch 2, (\d+) tokens", out_k)
+    tokens = re.search(r"batch \d+, (\d+) tokens", out_k)
     return {"name": name, "first": one, "per_layer": (many - one) / max(nk - n1, 1),
             "layers": (n1, nk), "ok": status1 == 0 and status_k == 0, "refused": refused,
             "refused_status": status_d, "tokens": tokens.group(1) if tokens else "?"}

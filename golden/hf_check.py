@@ -50,6 +50,12 @@ from golden.tolerances import compare_to_plain
 __all__ = ["CheckpointError", "LAYOUTS", "run", "main", "add_arguments"]
 
 B, LC = 2, 5  # the drawn inputs' batch and (cross-attention) context length
+LONG = 64  # inputs longer than this are drawn as a batch of one (the cost is the length's)
+
+
+def batch(length) -> int:
+    """The drawn batch: B rows, or one past ``LONG`` tokens (a window of 512 needs 515)."""
+    return B if length <= LONG else 1
 TWINS = ("torch", "jax")
 FRAMEWORK_CHOICES = (*TWINS, "hf")
 
@@ -65,11 +71,12 @@ def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
                                     kind=layer.stack.kind)
     spec = variants.VARIANTS[variant]
     full = spec.config(dict(ours))
-    inputs = {i.name: _drawn(rng, (B, exercise.length if i.side == "query" else LC,
+    rows = batch(exercise.length)
+    inputs = {i.name: _drawn(rng, (rows, exercise.length if i.side == "query" else LC,
                                    full[i.width]))
               for i in spec.inputs if not i.optional}
     if exercise.positions is not None:
-        inputs["positions"] = np.tile(exercise.positions, (B, 1))  # (B, L)
+        inputs["positions"] = np.tile(exercise.positions, (rows, 1))  # (B, L)
     params = {n: np.asarray(a, np.float64) for n, a in params.items()}
     forward, backward = reference.VARIANTS[variant]
     with reference.blas_products():  # float64, its sums in BLAS's order (not stored)
@@ -265,7 +272,7 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
              *(f"attention ({_count(n, 'layer')}): {text}" for text, n in
                Counter(describe(la) for la in chosen).items()),
              f"runs: {'; '.join(runs) or 'nothing (--framework)'}",
-             f"inputs: drawn N(0, 1) rounded to float32, batch {B}, "
+             f"inputs: drawn N(0, 1) rounded to float32, batch {batch(max(lengths))}, "
              f"{'/'.join(map(str, lengths))} tokens (the most a setting below needs, at least "
              f"{BASE_LENGTH})"]
     lines += [f"note: {n}" for n in found.notes]
