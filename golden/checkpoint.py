@@ -231,10 +231,10 @@ def _check_index(index, entries) -> dict:
     missing_files = sorted({f for f in weight_map.values()
                             if not (index.parent / str(f)).is_file()})
     if missing_files:
-        lost = sum(f in missing_files for f in weight_map.values())
+        lost = [k for k, f in weight_map.items() if f in missing_files]
         raise CheckpointError(f"{index.name} lists {len(missing_files)} file(s) that are not in "
-                              f"{index.parent}: {', '.join(missing_files)} ({lost} tensors, "
-                              f"e.g. {next(k for k, f in weight_map.items() if f in missing_files)})")
+                              f"{index.parent}: {', '.join(missing_files)} ({len(lost)} "
+                              f"tensors, e.g. {lost[0]})")
     absent = [(k, f) for k, f in weight_map.items()
               if k not in entries or entries[k].path.name != f]
     if absent:

@@ -267,8 +267,8 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
     lines = [f"checkpoint: model_type {mt}; {len(files)} file(s)"
              + (" and its index" if ckpt.index else "")
              + f"; {layers_line}",
-             f"weights: {read_as}; {values['arrays']} arrays, {values['bytes'] / 2**20:.1f} MiB, "
-             f"all finite",
+             f"attention arrays: {read_as}; those of the layers selected read "
+             f"({values['arrays']}, {values['bytes'] / 2**20:.1f} MiB): all finite",
              *(f"attention ({_count(n, 'layer')}): {text}" for text, n in
                Counter(describe(la) for la in chosen).items()),
              f"runs: {'; '.join(runs) or 'nothing (--framework)'}",

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -335,3 +337,16 @@ def test_a_layer_beyond_the_count_is_named_and_not_checked(copy, capsys):
             "not checked") in out
     assert "layer 1" not in out.split("note:")[-1].split("\n", 1)[1]
     assert "summary: 1 of 1 layers checked" in out
+
+
+def test_a_damaged_checkpoint_is_refused_before_any_framework_loads(copy):
+    # docs/hf.md: refused before torch, JAX or transformers are imported (a fresh process).
+    directory, _ = copy
+    _config(directory, num_hidden_layers=3, layer_types=["full_attention"] * 3)
+    code = ("import sys; from golden.cli import main; status = main(['hf', sys.argv[1], "
+            "'--no-cache']); print(status, sorted(m for m in ('torch', 'jax', 'transformers') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr
+    assert "num_hidden_layers = 3 implies layers 0 to 2" in done.stderr
