@@ -46,6 +46,13 @@ class Stack:
                 return new + key[len(old):]
         return key
 
+    def file_name(self, key):
+        """The file's name of a module's state-dict key (``rename`` undone)."""
+        for old, new in self.renames:
+            if key.startswith(new):
+                return old + key[len(new):]
+        return key
+
     def pattern(self, layer=r"\d+"):
         """A key's match: group 1 the module's prefix (with its dot), group 2 the layer."""
         return re.compile(rf"^(.*?(?:^|\.){re.escape(self.within + self.stack)}\.({layer})\."

@@ -109,13 +109,15 @@ def account(config, checkpoint) -> Accounting:
 
 
 def _keys_by_layer(stack, entries) -> dict:
-    """{layer index: {the module's key: the checkpoint's key}} of the stack."""
+    """{layer index: {the module's key: the checkpoint's key}} of the stack; the prefix of a
+    layer's keys under "" (ViT's file names its arrays otherwise than its module)."""
     pattern = stack.pattern()
     layers = {}
     for key in entries:
         m = pattern.match(key)
         if m:
-            layers.setdefault(int(m.group(2)), {})[stack.rename(key[len(m.group(1)):])] = key
+            found = layers.setdefault(int(m.group(2)), {"": m.group(1)})
+            found[stack.rename(key[len(m.group(1)):])] = key
     return dict(sorted(layers.items()))
 
 
@@ -123,6 +125,7 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
     """The layer, its keys checked against what its conversion needs; None (and problems
     appended) when they are not there, not float or not of the implied shape."""
     keys = dict(by_layer[i])
+    prefix = keys.pop("")
     if stack.shared and stack.shared not in keys and 0 in by_layer \
             and stack.shared in by_layer[0]:
         keys[stack.shared] = by_layer[0][stack.shared]  # T5's table, layer 0's
@@ -133,13 +136,11 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
     except ValueError as e:
         problems.append(f"{name}: {e}")
         return None
-    prefix = next(iter(by_layer[i].values()))
-    prefix = prefix[: len(prefix) - len(next(iter(by_layer[i])))]
     before = len(problems)
     for key, shape in shapes.items():
         if key not in keys:
-            problems.append(f"{name}: the checkpoint has no {prefix}{key} (expected shape "
-                            f"{shape})")
+            problems.append(f"{name}: the checkpoint has no {prefix}{stack.file_name(key)} "
+                            f"(expected shape {shape})")
             continue
         entry = entries[keys[key]]
         if entry.dtype in REFUSED:

@@ -350,3 +350,18 @@ def test_a_damaged_checkpoint_is_refused_before_any_framework_loads(copy):
                           text=True, timeout=120)
     assert done.stdout.split("\n")[-2] == "2 []", done.stdout + done.stderr
     assert "num_hidden_layers = 3 implies layers 0 to 2" in done.stderr
+
+
+def test_a_missing_key_is_named_as_the_file_names_it(tmp_path, capsys):
+    # ViT's file names its arrays "attention.query", its module "q_proj": the message names
+    # the key as the file would hold it.
+    from tests.test_hf_command import _encoder_checkpoint
+
+    directory = _encoder_checkpoint("vit", tmp_path / "vit")
+    tensors = safetensors_numpy.load_file(directory / "model.safetensors")
+    key = next(k for k in tensors if k.endswith("layer.1.attention.attention.key.weight"))
+    del tensors[key]
+    write(directory / "model.safetensors", tensors)
+    status, err = run_hf(directory, capsys)
+    assert status == 2
+    assert f"layer 1 (attention): the checkpoint has no {key} (expected shape" in err
