@@ -118,6 +118,38 @@ def regenerated(fixture) -> list[str]:
     return [what for what, a, e in pairs if a is None or not np.array_equal(a, e)]
 
 
+def _regenerated_all(fixtures) -> dict:
+    """{fixture name: what the reference does not reproduce} for those that differ;
+    ``fixtures`` as Fixture objects, or names and paths (loaded here)."""
+    loaded = (f if isinstance(f, Fixture) else golden.load(f) for f in fixtures)
+    return {f.name: what for f in loaded if (what := regenerated(f))}
+
+
+class _Regeneration:
+    """The regeneration check, in a second process when ``background`` (it is exact decimal
+    arithmetic in Python, seconds of one core, while the rows' runners wait mostly on
+    compiled code): started at once, its answer taken after the rows. Fixture objects made
+    in memory have no name to send, so they are checked here."""
+
+    def __init__(self, fixtures, names, background):
+        self.fixtures, self.future, self.pool = fixtures, None, None
+        if background and all(not isinstance(n, Fixture) for n in names):
+            import concurrent.futures
+            import multiprocessing
+
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"))
+            self.future = self.pool.submit(_regenerated_all, [str(n) for n in names])
+
+    def result(self) -> dict:
+        if self.future is None:
+            return _regenerated_all(self.fixtures)
+        try:
+            return self.future.result()
+        finally:
+            self.pool.shutdown()
+
+
 # ---- the work: (fixture, runner, label, core, dtype) ------------------------------------------
 
 def _work(fixtures, frameworks, impls, dtypes):
@@ -197,7 +229,7 @@ def _array(what, c) -> dict:
 
 def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variants=(),
         profile_name="exact", log=None, progress=None, weights=None, command="",
-        regeneration=True, outputs=None) -> dict:
+        regeneration=True, outputs=None, background=False) -> dict:
     """The report (see ``golden.report``) of the selected fixtures (names, paths, or Fixture
     objects made in memory) through the frameworks (default: all installed, unless ``impls``
     are given, then only those) and the runners in ``impls``. ``log`` gets one line per row as
@@ -205,14 +237,15 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
     the HTML page, and ``outputs`` likewise with the outputs (the page shows their difference
     where an implementation returns no weights); ``regeneration``: also check that the
     reference rewrites each fixture bit for bit (False for fixtures that are not from
-    golden/cases.py)."""
+    golden/cases.py), in a second process while the rows run when ``background``."""
     log = log or (lambda line: None)
     prof = profile(profile_name)
     impls = [as_runner(i) for i in impls]
     start = time.perf_counter()
     names = select(list(names or golden.names()), pattern)
-    fixtures = [n if isinstance(n, Fixture) else golden.load(n) for n in names]
-    fixtures = [f for f in fixtures if not variants or f.variant in variants]
+    pairs = [(n, n if isinstance(n, Fixture) else golden.load(n)) for n in names]
+    pairs = [(n, f) for n, f in pairs if not variants or f.variant in variants]
+    fixtures = [f for _, f in pairs]
     wanted = list(frameworks) or ([] if impls else list(runners.FRAMEWORKS))
     use = available(wanted, log)
     work = _work(fixtures, use, impls, dtypes)
@@ -222,6 +255,11 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
               "implementations": [*(fw for fw in use if fw != "reference"),
                                   *(i.name for i in impls)],
               "rows": [], "regeneration": None}
+    # A second process takes about a second to start: worth it beside many fixtures' rows.
+    background = background and len(fixtures) >= 16 and any(w[2] != "reference" for w in work)
+    regen = (_Regeneration(fixtures, [n for n, _ in pairs], background)
+             if regeneration and fixtures and "reference" in use
+             and (not dtypes or "float64" in dtypes) else None)
     bar, log = _progress(work, progress, log)
     memo = {}
     for fixture, runner, label, core, dtype in bar:
@@ -232,8 +270,8 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
             _keep(weights, fixture, row, result, "weights")
         if outputs is not None:
             _keep(outputs, fixture, row, result, "output")
-    if regeneration and fixtures and "reference" in use and (not dtypes or "float64" in dtypes):
-        differ = {f.name: what for f in fixtures if (what := regenerated(f))}
+    if regen is not None:
+        differ = regen.result()
         report["regeneration"] = {"checked": len(fixtures), "reproduced":
                                   len(fixtures) - len(differ), "differ": differ}
     report["summary"] = _summary(report, time.perf_counter() - start)
@@ -273,18 +311,18 @@ def _environment() -> dict:
 
 def main(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variants=(),
          profile_name="exact", json_path=None, junit_path=None, html_dir=None, log=print,
-         progress=None, command="", hide_unsupported=False) -> int:
+         progress=None, command="", hide_unsupported=False, background=False) -> int:
     """Print the table (and the regeneration check), write the reports asked for; return 0
     when everything that ran passed, 1 on any failure or error, 2 when nothing ran. After the
     table, the not-supported rows' reasons with their counts; ``hide_unsupported`` leaves
-    those rows out of the table itself."""
+    those rows out of the table itself; ``background`` as in ``run``."""
     if "jax" in (list(frameworks) or ([] if impls else runners.FRAMEWORKS)):
         _log_backend(log)
     table = _Table(log, [getattr(i, "name", "") for i in impls], hide_unsupported)
     weights, outputs = ({}, {}) if html_dir else (None, None)
     report = run(names, frameworks=frameworks, impls=impls, dtypes=dtypes, pattern=pattern,
                  variants=variants, profile_name=profile_name, log=table, progress=progress,
-                 weights=weights, command=command, outputs=outputs)
+                 weights=weights, command=command, outputs=outputs, background=background)
     s = report["summary"]
     _log_not_supported(report["rows"], log)
     if s["rows"]:

@@ -129,7 +129,7 @@ def _check(args, argv) -> int:
                           dtypes=args.dtype, pattern=args.pattern, variants=args.variant,
                           profile_name=args.profile, json_path=args.json,
                           junit_path=args.junit, html_dir=args.html,
-                          hide_unsupported=args.hide_unsupported,
+                          hide_unsupported=args.hide_unsupported, background=True,
                           command=shlex.join(["attn-parity", *(sys.argv[1:] if argv is None
                                                                else argv)]))
     except (ValueError, OSError, FixtureError, ImportError) as e:  # OSError: a report's path

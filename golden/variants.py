@@ -667,13 +667,14 @@ def _vectors(module) -> dict:
     return {n: a for n, a in held if a is not None}
 
 
-def export_layers(module, weight, bias, vector) -> dict:
+def export_layers(module, weight, bias, vector, *, xp=np) -> dict:
     """Neutral-layout parameters: ``weight(layer)`` gives W as (in, out), ``bias(layer)`` gives
     b or None, ``vector(array)`` a plain parameter (a norm's weight, the sinks) as NumPy;
-    per-head arrays of the wrapper are stacked."""
+    per-head arrays of the wrapper are stacked (with ``xp.stack``: ``jax.numpy`` for traced
+    arrays)."""
     out = {}
     for role, (layers, stacked) in projections(module).items():
-        pick = np.stack if stacked else (lambda arrays: arrays[0])
+        pick = xp.stack if stacked else (lambda arrays: arrays[0])
         out[f"W_{role}"] = pick([weight(layer) for layer in layers])
         biases = [bias(layer) for layer in layers]
         if biases[0] is not None:
@@ -682,17 +683,18 @@ def export_layers(module, weight, bias, vector) -> dict:
     return out
 
 
-def load_layers(module, params, set_weight, set_bias, set_vector) -> None:
+def load_layers(module, params, set_weight, set_bias, set_vector, *, xp=np) -> None:
     """Check ``params`` against the module's configuration, then hand each layer its slice:
     ``set_weight(layer, W (in, out))`` and ``set_bias(layer, b)``, and each plain parameter
-    ``set_vector(module's array, array)``."""
+    ``set_vector(module's array, array)``; each taken with ``xp.asarray`` (``jax.numpy`` for
+    traced arrays)."""
     found = projections(module)
     VARIANTS[module.variant].check_params(module.config, params)
     for role, (layers, stacked) in found.items():
         for i, layer in enumerate(layers):
-            pick = (lambda a: np.asarray(a)[i]) if stacked else np.asarray
+            pick = (lambda a: xp.asarray(a)[i]) if stacked else xp.asarray
             set_weight(layer, pick(params[f"W_{role}"]))
             if f"b_{role}" in params:
                 set_bias(layer, pick(params[f"b_{role}"]))
     for name, held in _vectors(module).items():
-        set_vector(held, np.asarray(params[name]))
+        set_vector(held, xp.asarray(params[name]))

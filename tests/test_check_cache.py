@@ -1,10 +1,13 @@
-"""``attn-parity check``'s JAX compilation cache (golden/runners/cache.py): a cache that is not
-where it is said to be, that is written with ``--no-cache``, that changes any row, that breaks
-a run when corrupt, or that outlives the command in the calling process. No timings: how much
-it saves is measured by bench/check_time.py (docs/performance.md)."""
+"""``attn-parity check``'s cache (golden/runners/cache.py: JAX's compiled programs;
+golden/runners/stored.py: the traced programs): a cache that is not where it is said to be,
+that is written with ``--no-cache``, that changes any row or any bit of a result, that breaks a
+run when corrupt, that serves a program traced for something else, or that outlives the command
+in the calling process. No timings: how much it saves is measured by bench/check_time.py
+(docs/performance.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,10 +15,12 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from golden.cli import main
-from golden.runners import cache
+import golden
+from golden.runners import cache, jax_runner, stored
 
 ROOT = Path(__file__).resolve().parents[1]
 # One small fixture, through JAX alone at both its dtypes: two compiled programs.
@@ -43,15 +48,22 @@ def _entries(directory):
     return sorted(p.name for p in Path(directory).glob("*-cache"))
 
 
+def _programs(directory):
+    return {p.name: p.stat().st_mtime_ns
+            for p in (Path(directory) / "programs").glob("*" + stored.SUFFIX)}
+
+
 def test_cache_is_written_where_asked_and_read_back_with_the_same_rows(tmp_path):
     directory = tmp_path / "cache"
     status, cold, _, cold_rows = _check(directory, report=tmp_path / "cold.json")
     assert status == 0, cold
-    written = _entries(directory)
-    assert any(name.startswith("jit__value_and_grads") for name in written), written
+    written, traced = _entries(directory), _programs(directory)
+    assert any(name.startswith("jit_call_exported") for name in written), written
+    assert len(traced) == 2, traced  # one traced program per dtype
     status, warm, err, warm_rows = _check(directory, report=tmp_path / "warm.json")
     assert status == 0, warm + err
     assert _entries(directory) == written  # every program found: nothing new written
+    assert _programs(directory) == traced  # nor traced again
     status, fresh, _, fresh_rows = _check(tmp_path / "unused", "--no-cache",
                                           report=tmp_path / "fresh.json")
     assert status == 0
@@ -107,3 +119,117 @@ def test_enable_without_a_directory_warns_and_changes_nothing(tmp_path):
     assert jax.config.jax_compilation_cache_dir == before
     cache.disable()
     assert jax.config.jax_compilation_cache_dir == before
+
+
+# ---- the traced programs ------------------------------------------------------------------------
+
+# A core call, a module, the wrapper whose per-head weights are stacked, and a module in
+# training mode (a dropout mask), at every dtype each holds.
+ROWS = ["sdpa_sinks_gqa_causal_window", "gqa_every_option",
+        "multi_head_attention_wrapper_causal_proj_dropout",
+        "multi_head_attention_low_precision_dropout_masked_row"]
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a["core"] == b["core"] and a["dtype"] == b["dtype"]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name in ("output", "weights"):
+        assert (a[name] is None) == (b[name] is None)
+        assert a[name] is None or np.array_equal(a[name], b[name]), name
+    for name, g in a["grads"].items():
+        assert np.array_equal(g, b["grads"][name]), name
+
+
+@pytest.fixture
+def programs(tmp_path):
+    cache.enable(tmp_path / "cache")
+    yield tmp_path / "cache" / "programs"
+    cache.disable()
+
+
+def test_a_stored_program_gives_every_bit_the_traced_module_gives(tmp_path):
+    fixtures = [golden.load(n) for n in ROWS]
+    direct = {(f.name, d): jax_runner.run_fixture(f, d) for f in fixtures for d in f.dtypes}
+    cache.enable(tmp_path / "cache")
+    try:
+        assert cache.programs_directory() == tmp_path / "cache" / "programs"
+        first = {(f.name, d): jax_runner.run_fixture(f, d) for f in fixtures for d in f.dtypes}
+        files = _programs(tmp_path / "cache")
+        again = {(f.name, d): jax_runner.run_fixture(f, d) for f in fixtures for d in f.dtypes}
+        assert _programs(tmp_path / "cache") == files and len(files) == len(direct)
+    finally:
+        cache.disable()
+    assert cache.programs_directory() is None
+    for key, result in direct.items():
+        assert result["core"], key  # the implementation that ran is named, stored or not
+        _same(result, first[key])
+        _same(result, again[key])
+
+
+def test_a_damaged_or_foreign_program_is_traced_again(programs, monkeypatch):
+    fixture = golden.load("sdpa_plain")
+    good = jax_runner.run_fixture(fixture, "float32")
+    (path,) = programs.glob("*" + stored.SUFFIX)
+    for damage in (b"not a program", stored.MAGIC + b"{}\n" + b"x",
+                   path.read_bytes()[:-100]):
+        path.write_bytes(damage)
+        monkeypatch.setattr(stored, "_LOADED", {})  # as a new process: read from the file
+        with pytest.warns(UserWarning, match="not used"):
+            _same(good, jax_runner.run_fixture(fixture, "float32"))
+        assert path.read_bytes().startswith(stored.MAGIC) and path.stat().st_size > 1000
+    # A program stored for another fixture under this one's name is refused by its header.
+    other = golden.load("sdpa_scale")
+    jax_runner.run_fixture(other, "float32")
+    (foreign,) = set(programs.glob("*" + stored.SUFFIX)) - {path}
+    path.write_bytes(foreign.read_bytes())
+    monkeypatch.setattr(stored, "_LOADED", {})
+    with pytest.warns(UserWarning, match="header differs"):
+        _same(good, jax_runner.run_fixture(fixture, "float32"))
+    assert not list(programs.glob(".*partial"))  # nothing half-written is left
+
+
+def test_an_edited_source_or_setting_traces_a_new_program(programs, monkeypatch):
+    fixture = golden.load("sdpa_plain")
+    jax_runner.run_fixture(fixture, "float32")
+    monkeypatch.setattr(stored, "source_digest", lambda: "an edited twin")
+    jax_runner.run_fixture(fixture, "float32")
+    monkeypatch.undo()
+    with jax.default_matmul_precision("bfloat16"):
+        jax_runner.run_fixture(fixture, "float32")
+    assert len(list(programs.glob("*" + stored.SUFFIX))) == 3
+
+
+def test_without_flatbuffers_the_cache_keeps_no_programs(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flatbuffers" else real(name, *a))
+    with pytest.warns(UserWarning, match="flatbuffers"):
+        assert cache.enable(tmp_path / "cache") == tmp_path / "cache"
+    try:
+        assert cache.programs_directory() is None
+    finally:
+        cache.disable()
+
+
+# ---- the regeneration check beside the rows -----------------------------------------------------
+
+def test_the_regeneration_check_in_a_second_process_names_what_differs(tmp_path):
+    from dataclasses import replace
+
+    from golden import check
+    from golden.fixture import to_bytes
+
+    plain = golden.load("sdpa_plain")
+    drifted = replace(plain, name="sdpa_plain_drifted", path=None,
+                      expected={**plain.expected, "output": plain.expected["output"] * (1 + 2**-52)})
+    path = tmp_path / "sdpa_plain_drifted.npz"
+    path.write_bytes(to_bytes(drifted))
+    names = [*golden.names()[:3], str(path)]
+    fixtures = [golden.load(n) for n in names]
+    background = check._Regeneration(fixtures, names, background=True)
+    assert background.future is not None  # it did run in a second process
+    assert background.result() == {"sdpa_plain_drifted": ["output"]}
+    here = check._Regeneration(fixtures, names, background=False)
+    assert here.future is None and here.result() == {"sdpa_plain_drifted": ["output"]}
+    # Fixture objects made in memory have no name to send: checked in this process.
+    assert check._Regeneration([drifted], [drifted], background=True).future is None

@@ -8,17 +8,23 @@ compiled program from disk instead of compiling it again.
     default_directory() $ATTN_PARITY_CACHE_DIR, else $XDG_CACHE_HOME/attn-parity/jax,
                         else ~/.cache/attn-parity/jax
 
-``attn-parity check`` enables it unless ``--no-cache`` is given. Only the backend compilation
-is cached: every run still traces and lowers each program, and JAX keys an entry by the lowered
-program, the jaxlib version, the backend, the XLA flags and the compile options, so an edited
-twin, another JAX or other flags never load a stale program. An entry that cannot be read (a
-corrupt file) is a warning and a fresh compilation, not a failure (JAX's default,
-``jax_raise_persistent_cache_errors`` off). JAX trusts the directory: keep it private (JAX's
-documentation, "Persistent compilation cache").
+    programs_directory()  where golden.runners.stored keeps traced programs while enabled
+                        (the ``programs`` folder inside; None while disabled, or without
+                        the flatbuffers package that jax.export serializes with)
+
+``attn-parity check`` and ``hf`` enable it unless ``--no-cache`` is given. JAX keys a compiled
+entry by the lowered program, the jaxlib version, the backend, the XLA flags and the compile
+options, so other flags never load a stale program. ``check``'s JAX runner also keeps each
+fixture's traced program (golden.runners.stored, keyed by the source of ``jax_attn`` and
+``golden``, the versions and the row), so a second run neither traces nor lowers it again. An
+entry that cannot be read (a corrupt file) is a warning and a fresh compilation or trace, not a
+failure (JAX's default, ``jax_raise_persistent_cache_errors`` off). JAX trusts the directory:
+keep it private (JAX's documentation, "Persistent compilation cache").
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from pathlib import Path
@@ -30,6 +36,13 @@ ENV = "ATTN_PARITY_CACHE_DIR"
 _SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0,
              "jax_persistent_cache_min_entry_size_bytes": -1}
 _saved: dict | None = None  # the settings enable() replaced, for disable()
+_programs: Path | None = None  # where golden.runners.stored keeps traced programs, once enabled
+
+
+def programs_directory() -> Path | None:
+    """Where the JAX runner keeps its traced programs (golden.runners.stored): the
+    ``programs`` folder of the enabled cache; None while the cache is off."""
+    return _programs
 
 
 def default_directory() -> Path:
@@ -63,6 +76,14 @@ def enable(directory: str | os.PathLike | None = None) -> Path | None:
     for name, value in settings.items():
         jax.config.update(name, value)
     compilation_cache.reset_cache()  # JAX opens its cache once: reopen it in the new place
+    global _programs
+    try:
+        if importlib.util.find_spec("flatbuffers") is None:  # jax.export cannot serialize
+            raise OSError("the flatbuffers package is not installed")
+        (path / "programs").mkdir(exist_ok=True)
+        _programs = path / "programs"
+    except OSError as e:
+        warnings.warn(f"attn-parity: no stored programs ({e})", stacklevel=2)
     return path
 
 
@@ -78,4 +99,6 @@ def disable() -> None:
     for name, value in _saved.items():
         jax.config.update(name, value)
     _saved = None
+    global _programs
+    _programs = None
     compilation_cache.reset_cache()

@@ -2,7 +2,10 @@
 contract is in ``golden.runners``).
 
 The forward and backward of one fixture at one dtype are one compiled program: a module's
-structure and the core's settings are static, every array traced.
+structure and the core's settings are static, every array traced. Where the commands' cache is
+on (golden.runners.cache), ``run_fixture`` keeps that program traced on disk
+(golden.runners.stored) with the module's parameters as arguments in their neutral layout, so a
+second run neither builds the module nor traces it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from flax import nnx
 import jax_attn
 from golden import implementations, variants
 from golden.frameworks import JAX
+from golden.runners import cache, stored
 
 # The core implementations a compiled program ran, recorded when it was traced: a later call
 # of the same program (jit's cache) does not trace again, so it reads them here.
@@ -26,6 +30,9 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
     """float64 runs inside ``jax.enable_x64(True)``, so the setting does not leak to the
     caller."""
     with JAX.float64(dtype == "float64"):
+        directory = cache.programs_directory()
+        if directory is not None:
+            return _run_stored(fixture, dtype, directory)
         module = None
         if variants.get(fixture.variant).is_module:
             module = jax_attn.build(fixture.variant, fixture.config,
@@ -59,6 +66,74 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
             "dtype": JAX.dtype_name(out), "core": core}
 
 
+def _run_stored(fixture, dtype, directory) -> dict:
+    """``run_fixture`` through the program stored in ``directory`` (traced and stored first
+    when missing): the same computation, its parameters' gradients taken in the neutral
+    layout's arrays (each the module's weight itself, or a slice of it stacked per head)."""
+    arrays = JAX.leaves(fixture.inputs, dtype)
+    floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+    others = {n: a for n, a in arrays.items() if n not in floats}
+    is_module = variants.get(fixture.variant).is_module
+    args = (floats, others, JAX.leaves(fixture.params, dtype) if is_module else {},
+            JAX.leaves(fixture.cotangents, dtype))
+    train = "dropout_mask" in fixture.inputs
+    row = {"variant": fixture.variant, "config": fixture.config, "dtype": dtype,
+           "train": train, "module": is_module}
+
+    def export():
+        program = _program(fixture, args[2], train) if is_module else _core_program(fixture)
+        for attempt in range(2):
+            with implementations.record() as ran:
+                exported = jax.export.export(jax.jit(program))(*args)
+            if ran or attempt:
+                return exported, implementations.names(ran)
+            # A module's compiled __call__ was traced earlier in this process (its cache hit):
+            # the core it runs is recorded only when traced, so trace once more from scratch.
+            jax.clear_caches()
+
+    exported, core = stored.load_or_export(directory, row, args, export)
+    out, weights, g_in, g_params = exported.call(*args)
+    return {"output": JAX.numpy(out), "weights": JAX.numpy(weights),
+            "grads": {n: JAX.numpy(g) for n, g in {**g_in, **g_params}.items()},
+            "dtype": JAX.dtype_name(out), "core": core}
+
+
+def _core_program(fixture):
+    config = _static(fixture.config)
+
+    def program(floats, others, params, cot):
+        out, weights, g_in, _ = _forward_backward(floats, others, {}, {}, cot,
+                                                 variant=fixture.variant, graphdef=None,
+                                                 config=config)
+        return out, weights, g_in, {}
+    return program
+
+
+def _program(fixture, params, train):
+    """The fixture's module as a function of its neutral-layout parameters: the module built
+    once for its structure, its weights replaced by the traced arguments."""
+    module = jax_attn.build(fixture.variant, fixture.config, params)
+    module.train() if train else module.eval()
+    graphdef, state = nnx.split(module)
+    config = _static(fixture.config)
+
+    def program(floats, others, params, cot):
+        traced = nnx.merge(graphdef, state, copy=True)  # its own Variables, set below
+        variants.load_layers(traced, params, lambda lin, w: lin.kernel.set_value(w),
+                             lambda lin, b: lin.bias.set_value(b),
+                             lambda held, a: held.set_value(a), xp=jnp)
+        structure, weights, rest = nnx.split(traced, nnx.Param, ...)
+        out, attention, g_in, g_weights = _forward_backward(
+            floats, others, weights, rest, cot, variant=fixture.variant, graphdef=structure,
+            config=config)
+        grads = variants.export_layers(
+            nnx.merge(structure, g_weights, rest), lambda lin: lin.kernel.get_value(),
+            lambda lin: None if lin.bias is None else lin.bias.get_value(),
+            lambda held: held.get_value(), xp=jnp)
+        return out, attention, g_in, grads
+    return program
+
+
 def _static(config) -> tuple:
     """The fixture's config as a hashable jit argument: JSON gives a window pair as a list, and
     a dict option (query_temperature, rope_parameters) is frozen (golden.variants.freeze)."""
@@ -66,8 +141,7 @@ def _static(config) -> tuple:
                         for k, v in config.items()))
 
 
-@partial(jax.jit, static_argnames=("variant", "graphdef", "config"))
-def _value_and_grads(floats, others, params, rest, cot, *, variant, graphdef, config):
+def _forward_backward(floats, others, params, rest, cot, *, variant, graphdef, config):
     """Output, weights and the loss's gradients for the float inputs and the parameters."""
     def loss(floats, params):
         args, kwargs = variants.get(variant).call_args({**others, **floats})
@@ -82,3 +156,9 @@ def _value_and_grads(floats, others, params, rest, cot, *, variant, graphdef, co
     (g_in, g_params), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(floats,
                                                                                  params)
     return out, weights, g_in, g_params
+
+
+# Compiled; a stored program traces _forward_backward itself, so that the core it runs is
+# recorded on every export (a jit cached in this process would not trace it again).
+_value_and_grads = partial(jax.jit, static_argnames=("variant", "graphdef", "config"))(
+    _forward_backward)
