@@ -109,9 +109,14 @@ def hf_peer(fixture) -> np.ndarray | None:
     return runners.get("torch", core)(peer, "float32")["output"]
 
 
+def rotates(variant, fields) -> bool:
+    """Whether a layer of ``variant`` whose config or settings have ``fields`` applies RoPE
+    (HF computes its angles in float32: judged by the peer rule, ``hf_peer``)."""
+    return variant == GQA and bool({"rope_parameters", "rope_theta"} & set(fields))
+
+
 def hf_peer_applies(fixture) -> bool:
-    return fixture.variant == GQA and bool({"rope_parameters", "rope_theta"}
-                                            & set(fixture.config))
+    return rotates(fixture.variant, fixture.config)
 
 
 def _judge_by_peer(row, output, fixture, peer):
@@ -254,9 +259,8 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
                     f"{' and '.join(hf_dtypes) or 'no dtype selected'}"
                     + ("" if "float64" in hf_dtypes or "float64" not in run_dtypes
                        else f" ({FLOAT32_ONLY.split(':')[0]})")
-                    + (f"; {HF_ANGLES}" if any(la.variant == GQA and (
-                        {"rope_parameters", "rope_theta"} & set(la.settings)) for la in chosen)
-                       else ""))
+                    + (f"; {HF_ANGLES}" if any(rotates(la.variant, la.settings)
+                                               for la in chosen) else ""))
     lengths = sorted({e.length for _, plan in plans for e in plan})
     exercised = Counter()
     where = {}
