@@ -25,7 +25,8 @@ BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "gol
           "golden.convert", "golden.implementations", "golden.decoder", "golden.hf"}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
-       "golden.runners.adapt", "golden.runners.cache", "golden.report", "golden.compare",
+       "golden.runners.adapt", "golden.runners.cache", "golden.runners.stored", "golden.report",
+       "golden.compare",
        "golden.training",
        "golden.frameworks", "golden.hf_check", "golden.runners.recipes", "golden.listing",
        "golden.checkpoint", "golden.hf_layout", "golden.hf_model", "golden.hf_preflight",
