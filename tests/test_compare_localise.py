@@ -13,6 +13,7 @@ from flax import nnx
 
 import golden
 from golden import compare as C
+from golden.compare import calls, localise, port_fixture, reference_steps, running
 from golden.examples import port_bugs as P
 
 X = {"x": (2, 5, 12)}  # B=2, L=5, E=12
@@ -118,17 +119,17 @@ def test_locate_walks_pairs_in_order():
         return {"pair": (name, name), "missing": missing, "input": inp, "output": out}
 
     absorbed = [step("a", True, True), step("n", False, True), step("b", True, False)]
-    assert C._locate(absorbed, False, [])["diagnosis"].startswith("diverges inside `b ~ b`")
+    assert localise._locate(absorbed, False, [])["diagnosis"].startswith("diverges inside `b ~ b`")
     unknown = [step("a", True, True), step("e", None, False)]
-    found = C._locate(unknown, False, [])
+    found = localise._locate(unknown, False, [])
     assert found["diagnosis"].startswith("diverges by the output of `e ~ e`, whose input "
                                          "could not be compared") and found["owners"] == [
         ("e", "e")]
-    backward = C._locate([step("a", True, True)], True, ["grad a.weight"])
+    backward = localise._locate([step("a", True, True)], True, ["grad a.weight"])
     assert backward["interval"] is None and "the backward pass differs" in backward[
         "diagnosis"]
-    assert C._locate([step("a", True, True)], True, [])["diagnosis"] is None
-    torch_only = C._locate([step("t", None, None, "torch"), step("b", False, False)], False, [])
+    assert localise._locate([step("a", True, True)], True, [])["diagnosis"] is None
+    torch_only = localise._locate([step("t", None, None, "torch"), step("b", False, False)], False, [])
     assert torch_only["interval"] == [None, "b ~ b"] and torch_only["owners"] == []
 
 
@@ -151,7 +152,7 @@ def test_port_fixture_stores_submodule_inputs_and_reads_version_1(faithful, tmp_
     meta = json.loads(str(members.pop("meta")[()]))
     del meta["submodule_inputs"]
     old = tmp_path / "version1.npz"
-    golden.fixture.write_atomic(old, golden.fixture.to_bytes(C._PortFile(
+    golden.fixture.write_atomic(old, golden.fixture.to_bytes(port_fixture._PortFile(
         {**meta, "format_version": 1}, members)))
     assert "submodule_inputs" not in C.load_port(old)["expected"]
     report = C.check_port(old, flax_factory=lambda: P.make_flax("kv_tile"), torch_factory=False)
@@ -162,12 +163,12 @@ def test_port_fixture_stores_submodule_inputs_and_reads_version_1(faithful, tmp_
     for version, message in ((4, r"meta.format_version should be one of \[1, 2, 3\] \(this "
                                  r"attn-parity reads those\), got 4"),):
         bad = tmp_path / f"version{version}.npz"
-        golden.fixture.write_atomic(bad, golden.fixture.to_bytes(C._PortFile(
+        golden.fixture.write_atomic(bad, golden.fixture.to_bytes(port_fixture._PortFile(
             {**meta, "format_version": version}, members)))
         with pytest.raises(golden.FixtureError, match=message):
             C.load_port(bad)
     stray = tmp_path / "stray.npz"
-    golden.fixture.write_atomic(stray, golden.fixture.to_bytes(C._PortFile(
+    golden.fixture.write_atomic(stray, golden.fixture.to_bytes(port_fixture._PortFile(
         {**meta, "submodule_inputs": ["nowhere"]}, members)))
     with pytest.raises(golden.FixtureError, match=r"meta.submodule_inputs should name torch "
                        r"paths of meta.submodules, got \['nowhere'\]"):
@@ -211,21 +212,21 @@ def test_promoted_reference_is_the_float64_maths():
     (the faithful block's q_norm and k_norm): the float64 table's agreement, where the run as
     written is float32-close only."""
     rng = np.random.default_rng(4)
-    weights = C._draw_weights(rng, {k: tuple(p.shape) for k, p in
+    weights = calls._draw_weights(rng, {k: tuple(p.shape) for k, p in
                                     P.make_torch().named_parameters()})
-    x = {"x": C._draw(rng, (2, 5, 12))}
-    d_out = C._draw(rng, (2, 5, 12))
+    x = {"x": calls._draw(rng, (2, 5, 12))}
+    d_out = calls._draw(rng, (2, 5, 12))
     run = ("float64", weights, x, [], d_out)
-    plain = C._run_torch(P.make_torch(), *run)
-    as_run = C._run_torch(P.make_torch_hf_norm(), *run)
-    with C._KeepFloat64(torch):
-        kept = C._run_torch(P.make_torch_hf_norm(), *run)
+    plain = running._run_torch(P.make_torch(), *run)
+    as_run = running._run_torch(P.make_torch_hf_norm(), *run)
+    with reference_steps._KeepFloat64(torch):
+        kept = running._run_torch(P.make_torch_hf_norm(), *run)
     for key in ("output", "q_norm.weight"):
         e, a, k = (r["output"] if key == "output" else r["grads"][key]
                    for r in (plain, as_run, kept))
         assert golden.tolerances.compare(k, e, "float64", "grad").ok, key
         assert not golden.tolerances.compare(a, e, "float64", "grad").ok, key
-    assert C._float32_steps(P.make_torch(), *run) == {}
+    assert reference_steps._float32_steps(P.make_torch(), *run) == {}
 
 
 def test_float32_steps_of_transformers_qwen3_rmsnorm_at_the_top_level():
@@ -253,7 +254,7 @@ def test_a_reference_that_cannot_be_recorded_leaves_the_comparison_standing(monk
     def refuse(*run):
         raise RuntimeError("no dispatch modes here")
 
-    monkeypatch.setattr(C, "_float32_steps", refuse)
+    monkeypatch.setattr(reference_steps, "_float32_steps", refuse)
     report = _compare(torch_factory=P.make_torch_hf_norm)
     assert report.ok and report.reference == {"error": "RuntimeError: no dispatch modes here"}
     assert report.notes == ["float32 steps in the torch float64 reference not measured: "

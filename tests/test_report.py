@@ -405,7 +405,7 @@ def test_html_index_has_a_badge_per_implementation(tmp_path):
 
 def _port_report(delta):
     """A PortReport of an output off by ``delta`` in one element (no modules run)."""
-    from golden.compare import _report as port_report
+    from golden.compare.verdict import _report as port_report
 
     a, e = _one_off(delta)
     expected = {"output": e, "grads": {}, "submodules": {}}

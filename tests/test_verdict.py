@@ -78,7 +78,7 @@ def _flax_detached_value_bias():
 
 
 def test_compare_names_exactly_the_one_gradient_that_fails():
-    # Catches golden/compare.py's _report pairing the mapping's keys with zip(table, rows)
+    # Catches golden/compare/verdict.py's _report pairing the mapping's keys with zip(table, rows)
     # instead of zip(table, rows[1:]): rows[0] is the output, so the failing grad v_proj.bias
     # (row 6) would be reported as the 7th key, o_proj.weight.
     got = C.compare(P.make_torch, _flax_detached_value_bias, P.MAPPING, {"x": (2, 5, 8)})
