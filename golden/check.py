@@ -140,14 +140,14 @@ class _Regeneration:
             self.pool = concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn"))
             self.future = self.pool.submit(_regenerated_all, [str(n) for n in names])
+            # No more work for it: its process ends with this task, even if this one is
+            # killed before asking for the answer.
+            self.pool.shutdown(wait=False)
 
     def result(self) -> dict:
         if self.future is None:
             return _regenerated_all(self.fixtures)
-        try:
-            return self.future.result()
-        finally:
-            self.pool.shutdown()
+        return self.future.result()
 
 
 # ---- the work: (fixture, runner, label, core, dtype) ------------------------------------------

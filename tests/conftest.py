@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 import golden
-from tests.helpers import FRAMEWORKS, IMPLS, TWINS
+from tests.helpers import FRAMEWORKS, IMPLS, MATRIX_ENV, TWINS, WHOLE
 
 # `attn-parity check` keeps JAX's compiled programs in a cache under the user's home
 # (golden/runners/cache.py): this session's, and its subprocesses', go to a directory of its
@@ -22,14 +22,33 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     collect_ignore = ["devices8"]
 
 
-def pytest_collection_modifyitems(items):
-    """tests/test_devices8.py last: it waits for the subprocess started below."""
-    items.sort(key=lambda item: item.path.name == "test_devices8.py")  # stable: order kept
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"matrix: runs only in the whole matrix ({MATRIX_ENV}=1, what .ci/run "
+                   "sets); each repeats, at another dtype, family or size, a behaviour the quick "
+                   "suite runs")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without the whole matrix, the tests marked ``matrix`` are deselected. tests/test_devices8.py
+    last in one process (it waits for the subprocess started below); first under pytest-xdist,
+    whose worker starts that subprocess when it reaches the test, so that it runs beside the
+    rest."""
+    if not WHOLE:
+        skipped = [item for item in items if item.get_closest_marker("matrix")]
+        if skipped:
+            config.hook.pytest_deselected(items=skipped)
+            items[:] = [item for item in items if not item.get_closest_marker("matrix")]
+    first = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    items.sort(key=lambda item: (item.path.name == "test_devices8.py") != first)  # stable
 
 
 def pytest_collection_finish(session):
     """Start tests/devices8's subprocess now, when its test is selected, so that it runs beside
-    the rest of the suite; tests/test_devices8.py waits for it."""
+    the rest of the suite; tests/test_devices8.py waits for it. Not in a pytest-xdist worker:
+    every worker collects every test, and only the one that runs it should start it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if not session.config.option.collectonly and any(
             item.path.name == "test_devices8.py" for item in session.items):
         from tests import test_devices8

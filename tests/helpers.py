@@ -13,6 +13,7 @@ Shape legend: B batch, L sequence length (Lq queries, Lk keys), d_* feature widt
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import numpy as np
@@ -27,6 +28,13 @@ from golden.fixture import Fixture
 from golden.frameworks import JAX as JAX_ADAPTER
 from golden.frameworks import TORCH
 from golden.runners import jax_runner, torch_runner
+
+# The whole matrix: every dtype × implementation × family sweep, the long runs. Off, the quick
+# suite deselects the tests marked ``matrix`` (tests/conftest.py): each of those repeats, at
+# another dtype, family or size, a behaviour that an unmarked test already runs.
+MATRIX_ENV = "ATTN_PARITY_MATRIX"
+WHOLE = os.environ.get(MATRIX_ENV) == "1"
+matrix = pytest.mark.matrix
 
 FRAMEWORKS = ("torch", "jax")
 DTYPES = ("float32", "float64")
@@ -243,3 +251,44 @@ def count_compiles():
         yield compiled
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+# ---- the quick suite's share of a sweep ------------------------------------------------------
+
+def _kind(value):
+    """What a config value says about the path it takes: its type, and for a string, bool or
+    None, the value; for a dict (RoPE parameters, a query temperature) its kind of scaling."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, dict):
+        return ("dict", value.get("rope_type", value.get("type", tuple(sorted(value)))))
+    if isinstance(value, (list, tuple)):
+        return ("pair", tuple(v is None for v in value))
+    return type(value).__name__
+
+
+def fixture_features(fixture, dtype) -> frozenset:
+    """The behaviours a fixture's run exercises: its variant, dtype, each config option with
+    its kind of value, and each input with its rank."""
+    return frozenset({("variant", fixture.variant), ("dtype", dtype),
+                      *(("config", k, _kind(v)) for k, v in fixture.config.items()),
+                      *(("input", n, np.ndim(a)) for n, a in fixture.inputs.items())})
+
+
+def covering(features: list) -> set:
+    """Indices of a few of ``features`` (sets) that together hold every element of all of them:
+    greedily, the one adding the most not yet held, the first among equals."""
+    wanted, chosen = set().union(*features), set()
+    while wanted:
+        best = max(range(len(features)), key=lambda i: len(features[i] & wanted))
+        chosen.add(best)
+        wanted -= features[best]
+    return chosen
+
+
+def sweep(params: list, features: list) -> list:
+    """``params`` (pytest.param) with the ``matrix`` mark on all but a covering few: the quick
+    suite runs every behaviour of the sweep at least once, the whole matrix every case."""
+    keep = covering(features)
+    return [p if i in keep else pytest.param(*p.values, id=p.id, marks=[*p.marks, matrix])
+            for i, p in enumerate(params)]

@@ -26,7 +26,7 @@ from golden import runners, variants
 from golden.implementations import Asked, record
 from golden.tolerances import compare
 from jax_attn import blockwise, functional
-from tests.helpers import JAX, count_compiles, fresh_rng
+from tests.helpers import JAX, count_compiles, fixture_features, fresh_rng, matrix, sweep
 
 BLOCKS = (2, 3)  # (Bq, Bk): the fixtures' lengths 5, 7, 8, 9 span several blocks
 SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
@@ -65,11 +65,12 @@ def _grads_of(fn, **kw):
 
 # ---- against the float64 reference, on every core fixture ---------------------------------------
 
-# Each fixture runs at one dtype, so that the file stays fast (a new shape or setting costs about
-# 1 s of tracing and compiling for the forward and backward): float32, the tolerance table's
+# The whole matrix runs every fixture at every dtype it lists (a new shape or setting costs
+# about 1 s of tracing and compiling for the forward and backward). The quick suite runs a
+# covering few of the runs below (tests/helpers.py ``sweep``: every dtype, option and input
+# kind at least once), chosen among each fixture at one dtype: float32, the tolerance table's
 # tightest test of the arithmetic (it caught a log-sum-exp rounded at large logits), except a
 # few feature-rich ones at float64 (1e-13) and the low-precision ones at bfloat16 and float16.
-# Every fixture passes at every dtype it lists (74 runs, about 80 s): _fixture_cases(None).
 FIXTURE_DTYPES = {"sdpa_window_softcap_mask": "float64", "sdpa_lengths": "float64",
                   "sdpa_gqa_causal_offset": "float64", "sdpa_dropout_causal_bias": "float64",
                   "sdpa_mqa_decode_ragged": "float64", "sdpa_bias_query1": "float64",
@@ -80,10 +81,14 @@ FIXTURE_DTYPES = {"sdpa_window_softcap_mask": "float64", "sdpa_lengths": "float6
 
 
 def _fixture_cases(chosen=FIXTURE_DTYPES):
-    """(fixture, dtype) for every core fixture: the chosen dtype, float32 by default; every
-    dtype the fixture lists when ``chosen`` is None."""
-    return [pytest.param(n, d, id=f"{n}-{d}") for n in SDPA_FIXTURES
-            for d in (golden.load(n).dtypes if chosen is None else [chosen.get(n, "float32")])]
+    """(fixture, dtype) for every core fixture at every dtype it lists: those of ``chosen``
+    (float32 by default) first, a covering few of them in the quick suite, the rest in the
+    whole matrix only."""
+    first = [(n, chosen.get(n, "float32")) for n in SDPA_FIXTURES]
+    more = [(n, d) for n in SDPA_FIXTURES for d in golden.load(n).dtypes if (n, d) not in first]
+    quick = sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in first],
+                  [fixture_features(golden.load(n), d) for n, d in first])
+    return quick + [pytest.param(n, d, id=f"{n}-{d}", marks=matrix) for n, d in more]
 
 
 @pytest.mark.parametrize("name, dtype", _fixture_cases())

@@ -14,7 +14,7 @@ from golden.cases import CASES
 from golden.check import compare_all
 from golden.regenerate import regenerate
 from golden.tolerances import compare
-from tests.helpers import DTYPES, TWINS
+from tests.helpers import DTYPES, TWINS, fixture_features, sweep
 
 
 def test_every_case_is_shipped():
@@ -37,8 +37,18 @@ def test_runners_cover_every_framework():
         runners.get("tensorflow")
 
 
-@pytest.mark.parametrize("fixture_name, dtype", RUNS, ids=[f"{n}-{d}" for n, d in RUNS])
-def test_framework_matches_fixture(fixture_name, twin, dtype):
+# torch runs every fixture at every dtype (about 1 s for all); JAX, whose every run is a new
+# compilation, runs in the quick suite a covering few that hold every variant, dtype, option
+# and input kind (tests/helpers.py ``sweep``), and every run in the whole matrix.
+TWIN_RUNS = [pytest.param(t, n, d, id=f"{t}-{n}-{d}") for t in TWINS for n, d in RUNS]
+TWIN_RUNS = [p for p in TWIN_RUNS if p.values[0] == "torch"] + sweep(
+    [p for p in TWIN_RUNS if p.values[0] == "jax"],
+    [fixture_features(golden.load(n), d) for n, d in RUNS])
+
+
+@pytest.mark.parametrize("twin_name, fixture_name, dtype", TWIN_RUNS)
+def test_framework_matches_fixture(twin_name, fixture_name, dtype):
+    twin = TWINS[twin_name]
     fixture = golden.load(fixture_name)
     assert fixture.name == fixture_name and fixture.path.stem == fixture_name
     result = runners.get(twin.name)(fixture, dtype)

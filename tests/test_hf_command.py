@@ -7,14 +7,13 @@ with exit status 2.
 By default five decoder families (a sliding/full mix, local/global θ with QK norms, sinks with
 sliding layers, fused layouts) and four encoder or encoder-decoder ones (BERT, ViT, Whisper,
 T5: every stack and kind, T5's shared position bias table, the cross-attention's context);
-ATTN_PARITY_LONG=1 runs every family of tests/test_hf_import*.py, and CLIP's and SigLIP's
-composite checkpoints (both towers).
+The whole matrix (ATTN_PARITY_MATRIX=1) runs every family of tests/test_hf_import*.py, and
+CLIP's and SigLIP's composite checkpoints (both towers).
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from golden import hf, hf_check
 from golden.checkpoint import Checkpoint
 from golden.cli import main
 from tests.hf_harness import BASE
+from tests.helpers import WHOLE
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -34,8 +34,7 @@ from tests.test_hf_import import FAMILIES as DECODERS  # noqa: E402
 
 FAMILIES = {**DECODERS, **fused.FAMILIES}
 QUICK = ("qwen2", "gemma3_text", "gpt_oss", "gpt_neox", "bloom")
-LONG = os.environ.get("ATTN_PARITY_LONG") == "1"
-NAMES = list(FAMILIES) if LONG else list(QUICK)
+NAMES = list(FAMILIES) if WHOLE else list(QUICK)
 # The encoders' checkpoints, saved from a model with a head where one is usual (its keys then
 # have the base model's prefix, "bert.", "model.", as published checkpoints do), and the
 # composite CLIP and SigLIP models (both towers, their keys under text_model. and
@@ -47,7 +46,7 @@ ENCODER_MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
                   "whisper": "WhisperForConditionalGeneration",
                   "bart": "BartForConditionalGeneration", "t5": "T5ForConditionalGeneration"}
 COMPOSITE = {"clip": ("CLIPConfig", "CLIPModel"), "siglip": ("SiglipConfig", "SiglipModel")}
-ENCODER_NAMES = (list(ENCODER_MODELS) + list(COMPOSITE) if LONG
+ENCODER_NAMES = (list(ENCODER_MODELS) + list(COMPOSITE) if WHOLE
                  else ["bert", "vit", "whisper", "t5"])
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import re
 
 import jax
@@ -30,12 +29,14 @@ from tests.helpers import (
     JAX,
     by_name,
     count_compiles,
+    fixture_features,
     fresh_rng,
     has_params,
     main_input,
     random_cotangents,
     random_inputs,
     reference_fixture,
+    sweep,
 )
 
 CORE_FIXTURES = [n for n in golden.names() if not variants.get(golden.load(n).variant).is_module]
@@ -179,11 +180,11 @@ def test_chunks_lower_to_a_loop():
 
 
 def _chunked_cases():
-    """Every core fixture, at float32 and float64 alternately (both dtypes, every feature, half
-    the compilations); at both with ATTN_PARITY_LONG=1."""
-    both = os.environ.get("ATTN_PARITY_LONG") == "1"
-    return [pytest.param(n, d, id=f"{n}-{d}") for i, n in enumerate(CORE_FIXTURES)
-            for d in DTYPES if both or d == DTYPES[i % 2]]
+    """Every core fixture at float32 and float64: a covering few in the quick suite (every
+    dtype, option and input kind; tests/helpers.py ``sweep``), all in the whole matrix."""
+    runs = [(n, d) for n in CORE_FIXTURES for d in DTYPES]
+    return sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in runs],
+                 [fixture_features(golden.load(n), d) for n, d in runs])
 
 
 @pytest.mark.parametrize("name, dtype", _chunked_cases())

@@ -325,9 +325,9 @@ def _build(name, config, params):
 
 def _module_params():
     """Each head-parallel case on both mesh kinds; the others, whose parameters are only
-    replicated, on one kind each, in turn (every module on both with ATTN_PARITY_LONG=1): each
-    sharded compilation costs about a second here."""
-    both = os.environ.get("ATTN_PARITY_LONG") == "1"
+    replicated, on one kind each, in turn (every module on both in the whole matrix,
+    ATTN_PARITY_MATRIX=1): each sharded compilation costs about a second here."""
+    both = os.environ.get("ATTN_PARITY_MATRIX") == "1"
     replicated = [c for c in MODULE_CASES if c.split("-")[0] not in HEAD_PARALLEL]
     return [pytest.param(kind, case, id=f"{kind}-{case}") for case in MODULE_CASES
             for kind in KINDS if both or case not in replicated
