@@ -20,6 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "golden.reference",
+          *(f"golden.reference.{room}" for room in (
+              "arithmetic", "core", "storage", "rotary", "position_bias", "block", "stages",
+              "modules", "cross", "latent")),
           "golden.exact",
           "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping",
           "golden.convert", "golden.implementations", "golden.decoder", "golden.hf"}
