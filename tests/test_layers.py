@@ -27,6 +27,10 @@ BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "gol
           "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping",
           "golden.convert", "golden.implementations", "golden.decoder", "golden.hf"}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
+       "golden.bench.__main__", "golden.bench.cells", "golden.bench.grid", "golden.bench.timing",
+       "golden.bench.host", "golden.bench.attention", "golden.bench.modules",
+       "golden.bench.long", "golden.bench.modern", "golden.bench.choice", "golden.bench.report",
+       "golden.bench.cli",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
        "golden.runners.adapt", "golden.runners.cache", "golden.runners.stored", "golden.report",
        "golden.compare",
