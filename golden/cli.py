@@ -79,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
                        help="compare in memory with the files on disk; exit 1 on any difference")
     hf = sub.add_parser("hf", help="convert and check every attention layer of a local Hugging "
                                    "Face checkpoint (attn-parity hf --help)")
-    from golden.hf_check import add_arguments as hf_arguments
+    from golden.hf.check import add_arguments as hf_arguments
 
     hf_arguments(hf)
     sub.add_parser("bench", add_help=False,
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     if args.command == "fixtures":
         return _fixtures(args)
     if args.command == "hf":
-        from golden.hf_check import main as hf_main
+        from golden.hf.check import main as hf_main
 
         return hf_main(args)
     if args.command == "compare":

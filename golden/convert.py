@@ -30,6 +30,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from golden import hf
+from golden.mapping import _numpy
 from golden.validate import rope_settings, rotary_dims
 from golden.variants import VARIANTS, check_defaults, head_dim
 
@@ -37,14 +39,6 @@ HF_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # Hugging Face's Llama, Mis
 META_NAMES = ("wq", "wk", "wv", "wo")                  # Meta's original Llama checkpoints
 ROLES = ("query", "key", "value", "out")
 GQA, MHA = "grouped_query_attention", "multi_head_attention"
-
-
-def _numpy(array) -> np.ndarray:
-    """A NumPy copy of a NumPy, JAX or torch array (torch's bfloat16 as float32, exactly)."""
-    if hasattr(array, "detach"):  # torch, without importing it (this is the bottom layer)
-        array = array.detach().cpu()
-        array = (array.float() if str(array.dtype) == "torch.bfloat16" else array).numpy()
-    return np.array(array)
 
 
 # ---- rotary embeddings: interleaved pairs <-> rotate-half pairs ------------------------------
@@ -372,12 +366,10 @@ def from_hf(config, state_dict, *, layer_idx=0, **options):
     ``torch_attn.build`` and ``jax_attn.build``: golden.hf.from_hf (the families, their
     settings and the options are there: ``kind`` chooses an encoder-decoder's attention,
     ``rope_precision``)."""
-    from golden import hf
     return hf.from_hf(config, state_dict, layer_idx=layer_idx, **options)
 
 
 def to_hf(variant, config, params, *, model_type=None) -> dict:
     """The Hugging Face attention module's state dict (NumPy copies) from our variant, config
     and params: golden.hf.to_hf."""
-    from golden import hf
     return hf.to_hf(variant, config, params, model_type=model_type)

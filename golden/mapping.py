@@ -14,7 +14,9 @@ A rule is a sequence of steps, applied in order from the source layout to the ta
 
 written as one string with steps separated by ";" (``"T;reshape(8,2,4)"``) or as a list. Every
 step is a permutation of the elements, so a gradient goes back through the same rule inverted
-(``Rule.inverse``). NumPy only: the frameworks' path lookups live in ``golden.runners.adapt``.
+(``Rule.inverse``). NumPy only: the frameworks' path lookups live in ``golden.runners.adapt``;
+the arrays a mapping moves are read into NumPy by ``_numpy`` (NumPy, JAX or torch arrays, torch
+without importing it), which the converters (golden.convert, golden.hf) share.
 """
 
 from __future__ import annotations
@@ -130,6 +132,14 @@ def _reshaped(rule, shape, want) -> tuple:
         raise ValueError(f"rule {rule}: cannot reshape shape {tuple(shape)} ({size} elements) "
                          f"to {want}")
     return out
+
+
+def _numpy(array) -> np.ndarray:
+    """A NumPy copy of a NumPy, JAX or torch array (torch's bfloat16 as float32, exactly)."""
+    if hasattr(array, "detach"):  # torch, without importing it (this is the bottom layer)
+        array = array.detach().cpu()
+        array = (array.float() if str(array.dtype) == "torch.bfloat16" else array).numpy()
+    return np.array(array)
 
 
 def split_path(path: str) -> tuple:

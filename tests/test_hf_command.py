@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from golden import hf, hf_check
-from golden.checkpoint import Checkpoint
+from golden import hf
 from golden.cli import main
+from golden.hf import check as hf_check
+from golden.hf.checkpoint import Checkpoint
 from tests.hf_harness import BASE
 from tests.helpers import WHOLE
 

@@ -19,8 +19,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from golden import hf, hf_check, hf_exercise
+from golden import hf
 from golden.cli import main
+from golden.hf import check as hf_check
+from golden.hf import exercise as hf_exercise
 
 transformers = pytest.importorskip("transformers")
 

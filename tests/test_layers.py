@@ -20,10 +20,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"golden", "golden.validate", "golden.variants", "golden.fixture", "golden.reference",
+          *(f"golden.reference.{room}" for room in (
+              "arithmetic", "core", "storage", "rotary", "position_bias", "block", "stages",
+              "modules", "cross", "latent")),
           "golden.exact",
           "golden.tolerances", "golden.cases", "golden.positions", "golden.mapping",
-          "golden.convert", "golden.implementations", "golden.decoder", "golden.hf"}
+          "golden.convert", "golden.implementations", "golden.decoder", "golden.hf",
+          *(f"golden.hf.{room}" for room in (
+              "family", "decoders", "fused", "encoders", "latent", "convert"))}
 TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "golden.bench",
+       "golden.bench.__main__", "golden.bench.cells", "golden.bench.grid", "golden.bench.timing",
+       "golden.bench.host", "golden.bench.attention", "golden.bench.modules",
+       "golden.bench.long", "golden.bench.modern", "golden.bench.choice", "golden.bench.report",
+       "golden.bench.cli",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
        "golden.runners.adapt", "golden.runners.cache", "golden.runners.stored", "golden.report",
        "golden.compare",
@@ -32,9 +41,9 @@ TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "go
        "golden.compare.reference_steps", "golden.compare.port_fixture",
        "golden.compare.checks", "golden.compare.cli",
        "golden.training",
-       "golden.frameworks", "golden.hf_check", "golden.runners.recipes", "golden.listing",
-       "golden.checkpoint", "golden.hf_layout", "golden.hf_model", "golden.hf_preflight",
-       "golden.hf_exercise",
+       "golden.frameworks", "golden.runners.recipes", "golden.listing",
+       *(f"golden.hf.{room}" for room in (
+           "checkpoint", "layout", "preflight", "exercise", "model", "check")),
        "golden.testing", "golden.examples", "golden.examples.port_pair",
        "golden.examples.port_bugs", "golden.examples.hf_ports"}
 THIRD_PARTY = {"bottom": {"numpy"}, "torch_attn": {"numpy", "torch"},

@@ -1,21 +1,21 @@
 """``attn-parity hf DIR``: every attention layer of a local Hugging Face checkpoint, accounted
 for, converted (golden.hf.from_hf) and checked.
 
-1. ``DIR/config.json`` is read, and every ``*.safetensors`` file's header (golden.checkpoint:
+1. ``DIR/config.json`` is read, and every ``*.safetensors`` file's header (golden.hf.checkpoint:
    no pickle, no torch, no tensor data), with ``model.safetensors.index.json`` checked against
    the files.
-2. The whole checkpoint is accounted for from the headers alone (golden.hf_preflight.account):
-   every attention layer the config implies, in every stack (golden.hf_layout), with every
+2. The whole checkpoint is accounted for from the headers alone (golden.hf.preflight.account):
+   every attention layer the config implies, in every stack (golden.hf.layout), with every
    array its conversion needs, of the implied shape and a float dtype. Any problem ends the
    run here, with exit status 2 and a message naming file, key, expected and actual.
 3. The selected layers' arrays are read once and refused if any value is NaN or infinite.
 4. Each selected layer becomes an in-memory fixture on drawn inputs long enough to reach every
-   setting that acts only past some length (golden.hf_exercise: sliding windows, chunks, RoPE
+   setting that acts only past some length (golden.hf.exercise: sliding windows, chunks, RoPE
    switches, Llama 4's temperature, T5's buckets; a scaled copy of the config where the real
    length is over ``--max-length``), with the float64 reference's output, weights and
    gradients. Each twin runs it at float32 and float64 against the tolerance table, as
    ``attn-parity check`` does; with transformers and torch installed the checkpoint's own HF
-   attention module runs it too (golden.hf_model): at float32, and at float64 too for the
+   attention module runs it too (golden.hf.model): at float32, and at float64 too for the
    families with no float32 step in HF (``FLOAT64``).
 
 The text output: a header (what was read and how, what runs, the drawn inputs, which settings
@@ -37,13 +37,13 @@ from dataclasses import replace
 import numpy as np
 
 from golden import check, reference, variants
-from golden.checkpoint import Checkpoint, CheckpointError
 from golden.fixture import Fixture
 from golden.hf import GQA, from_hf
-from golden import hf_exercise
-from golden.hf_exercise import BASE_LENGTH, MAX_LENGTH
-from golden.hf_layout import LAYOUTS, read_config
-from golden.hf_preflight import account, check_values, layer_state
+from golden.hf import exercise as hf_exercise
+from golden.hf.checkpoint import Checkpoint, CheckpointError
+from golden.hf.exercise import BASE_LENGTH, MAX_LENGTH
+from golden.hf.layout import LAYOUTS, read_config
+from golden.hf.preflight import account, check_values, layer_state
 from golden.report import worst_bound
 from golden.tolerances import compare_to_plain
 
@@ -152,7 +152,7 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
         raise CheckpointError(f"no layer selected: --layer, --layers and -k match none of the "
                               f"{len(found.layers)} layers")
     values = check_values(ckpt, chosen, config)
-    from golden import hf_model
+    from golden.hf import model as hf_model
 
     with_hf = with_hf and hf_model.available()
     if with_hf:
@@ -198,7 +198,7 @@ def _plans(chosen, max_length) -> list:
 
 def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, outputs):
     """check.run's report of the layer's fixtures (one per exercise)."""
-    from golden import hf_model
+    from golden.hf import model as hf_model
 
     report = None
     for exercise in plan:
@@ -237,9 +237,9 @@ def _merge(report, part):
 def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) -> dict:
     """What was read and how, what runs, the inputs and the settings exercised: the lines
     printed before the rows, and the same as data for the report."""
-    from golden.checkpoint import FLOATS
-    from golden.hf_layout import FLOAT64
-    from golden.hf_model import FLOAT32_ONLY
+    from golden.hf.checkpoint import FLOATS
+    from golden.hf.layout import FLOAT64
+    from golden.hf.model import FLOAT32_ONLY
 
     read_as = ", ".join(f"{d} {n}" + ("" if d in ("F32", "F64", "F16") else " (as float32, "
                                       "exactly" + (", times its scale in float64" if
@@ -501,7 +501,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--html", metavar="DIR", help="write an HTML page")
 
 
-def _cli(argv=None) -> int:  # python -m golden.hf_check DIR
+def _cli(argv=None) -> int:  # python -m golden.hf.check DIR
     parser = argparse.ArgumentParser(prog="attn-parity hf", description=__doc__)
     add_arguments(parser)
     return main(parser.parse_args(argv))

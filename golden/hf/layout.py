@@ -14,8 +14,9 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from golden.checkpoint import CheckpointError
 from golden.hf import FAMILIES, T5_TABLE, _layer_type
+from golden.hf.checkpoint import CheckpointError
+
 
 @dataclass(frozen=True)
 class Stack:

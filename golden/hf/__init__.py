@@ -1,0 +1,49 @@
+"""Hugging Face attention checkpoints <-> our variants: ``from_hf`` and ``to_hf``, NumPy only.
+
+``from_hf(config, state_dict, *, layer_idx=0, kind=None) -> (variant, config, params)``:
+``config`` is a transformers config's ``to_dict()`` (or an object with ``to_dict()``; for
+composite models the text or decoder sub-config's), ``state_dict`` the attention module's own
+state dict (keys as its ``state_dict()`` names them, arrays of NumPy, torch or JAX),
+``layer_idx`` the layer the weights come from (sliding or full, RoPE or NoPE, local or global
+θ), ``kind`` which attention of an encoder-decoder's layer ("encoder", "decoder", "cross":
+Whisper, BART, T5; None elsewhere; see golden.hf.encoders). The result goes straight into
+``torch_attn.build(*result)`` and ``jax_attn.build(*result)``. ``to_hf(variant, config,
+params)`` gives back the same arrays under the family's names (a round trip is exact); the
+config ``from_hf`` returns remembers its ``model_type`` and ``kind`` (``HFConfig``), or pass
+``model_type=``.
+
+A family, or a setting of one, that we do not express is a ValueError naming the
+``model_type`` and the setting, never a module that computes something else. The families and
+what each maps: ``FAMILIES`` (docs/hf.md has the table, checked against the tests).
+
+The rooms of the importer, each importing only those above it (NumPy only):
+    family     what a family is (``Family``, ``Kinds``, ``HFConfig``) and the helpers its
+               entries share: reading an HF config and a state dict
+    decoders   decoders of the Llama shape (q_proj, k_proj, v_proj, o_proj): a table of
+               ``_llama_like`` entries
+    fused      one projection for q, k and v (Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, GPT-2): a
+               table of ``_fused_family`` entries
+    encoders   encoders, encoder-decoders (``Kinds``) and vision towers (BERT, ViT, CLIP,
+               SigLIP, Whisper, BART, T5)
+    latent     multi-head latent attention (DeepSeek-V3)
+    convert    ``FAMILIES`` (the kinds' tables), the lookup, ``from_hf``, ``to_hf``,
+               ``expected_state``
+A new family is one entry in its kind's table (and a room of its own for a new kind, its
+table added to ``convert.FAMILIES``).
+
+The checkpoint verifier (``attn-parity hf DIR``) lives here too, in the harness layer (it
+imports the twins and transformers); this ``__init__`` does not import it: ``checkpoint``
+(safetensors files), ``layout`` (where each family's layers sit), ``preflight`` (the headers
+accounted for), ``exercise`` (inputs long enough), ``model`` (HF's own module), ``check`` (the
+command).
+"""
+
+from __future__ import annotations
+
+from golden.hf.convert import FAMILIES, expected_state, from_hf, to_hf
+from golden.hf.encoders import MHCA, T5_TABLE
+from golden.hf.family import GQA, Family, HFConfig, Kinds, _layer_type
+from golden.hf.latent import MLA
+
+__all__ = ["FAMILIES", "GQA", "MHCA", "MLA", "T5_TABLE", "Family", "HFConfig", "Kinds",
+           "expected_state", "from_hf", "to_hf"]

@@ -1,0 +1,207 @@
+"""Decoders of the Llama shape: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (nn.Linear), each
+family one ``_llama_like`` entry of ``FAMILIES`` with what it adds to the shared decoder
+settings (golden.hf.family's ``_decoder_settings``): a small settings function (Gemma's scale
+and softcap, the QK norms of Qwen3, OLMo 2, Gemma 3, Cohere, StableLM, Llama 4's chunks and
+NoPE layers, ...), the state-dict keys of its q/k norms, and the arrays it moves besides the
+four projections (GPT-OSS's sinks, Qwen3-Next's output gate, StableLM's per-head norms).
+
+Shape legend: D (= d_in) the model's width, N query heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from golden.hf.family import (GQA, LLAMA_NAMES, Family, _bias_flags, _decoder_settings, _heads,
+                              _layer_type, _linears_to_neutral, _neutral_to_linears, _read)
+
+
+def _qk_norm_entries(sd, mt, q="q_norm.weight", k="k_norm.weight") -> dict:
+    return {"q_norm": _read(sd, q, mt), "k_norm": _read(sd, k, mt)}
+
+
+def _llama_like(mt, extra=None, norms=None, to_extra=None, from_extra=None, **family) -> Family:
+    """A family with LLAMA_NAMES' projections; ``extra(c, layer_idx, ours)`` adds its settings;
+    ``norms`` the q/k norm state-dict keys (copied as q_norm, k_norm); ``to_extra`` and
+    ``from_extra`` move more arrays (sinks, a gate)."""
+
+    def settings(c, layer_idx, sd):
+        ours = _decoder_settings(c, layer_idx, mt=mt)
+        ours.update(_bias_flags(sd, LLAMA_NAMES, mt))
+        if extra is not None:
+            extra(c, layer_idx, ours)
+        return ours
+
+    def to_neutral(sd, ours):
+        params = _linears_to_neutral(sd, LLAMA_NAMES, mt)
+        if norms is not None and ours.get("qk_norm") not in (None, "l2"):
+            params.update(_qk_norm_entries(sd, mt, *norms))
+        if to_extra is not None:
+            params = to_extra(sd, ours, params)
+        return params
+
+    def from_neutral(params, ours):
+        sd = _neutral_to_linears(params, LLAMA_NAMES)
+        if norms is not None and "q_norm" in params:
+            sd[norms[0]], sd[norms[1]] = np.array(params["q_norm"]), np.array(params["k_norm"])
+        if from_extra is not None:
+            sd = from_extra(params, ours, sd)
+        return sd
+
+    return Family(GQA, settings, to_neutral, from_neutral, **family)
+
+
+def _gemma(c, layer_idx, ours):
+    ours["scale"] = float(c["query_pre_attn_scalar"]) ** -0.5
+    if c.get("attn_logit_softcapping") is not None:
+        ours["softcap"] = float(c["attn_logit_softcapping"])
+
+
+def _gemma3(c, layer_idx, ours):
+    _gemma(c, layer_idx, ours)
+    ours.update(qk_norm="rms_one_plus", qk_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _qwen3(c, layer_idx, ours):
+    ours.update(qk_norm="rms", qk_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _olmo2(c, layer_idx, ours):
+    ours.update(qk_norm="rms_across_heads", qk_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _olmo(c, layer_idx, ours):
+    if c.get("clip_qkv") is not None:
+        ours["clip_qkv"] = float(c["clip_qkv"])
+
+
+def _cohere(c, layer_idx, ours):
+    ours["rope_interleaved"] = True
+    if c.get("use_qk_norm"):
+        ours.update(qk_norm="layer", qk_norm_eps=float(c["layer_norm_eps"]))
+
+
+def _granite(c, layer_idx, ours):
+    ours["scale"] = float(c["attention_multiplier"])
+
+
+def _nope(c, layer_idx, ours):
+    """SmolLM3 and Llama 4: no_rope_layers[layer] == 0 is a NoPE layer."""
+    flags = c.get("no_rope_layers")
+    if flags is not None and not flags[layer_idx]:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+        return True
+    return False
+
+
+def _smollm3(c, layer_idx, ours):
+    _nope(c, layer_idx, ours)
+
+
+def _llama4(c, layer_idx, ours):
+    ours["rope_interleaved"] = True  # complex pairs (2i, 2i + 1)
+    if _layer_type(c, layer_idx) == "chunked_attention":
+        ours["attention_chunk_size"] = int(c["attention_chunk_size"])
+    if _nope(c, layer_idx, ours):
+        ours.pop("rope_interleaved")
+        if c.get("attn_temperature_tuning"):
+            ours["query_temperature"] = {"beta": float(c["attn_scale"]),
+                                         "floor_scale": int(c["floor_scale"]), "shift": 1}
+    elif c.get("use_qk_norm"):
+        ours.update(qk_norm="l2", qk_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _gpt_oss(c, layer_idx, ours):
+    ours["sinks"] = True
+
+
+def _sinks_in(sd, ours, params):
+    params["sinks"] = _read(sd, "sinks", "gpt_oss")
+    return params
+
+
+def _sinks_out(params, ours, sd):
+    sd["sinks"] = np.array(params["sinks"])
+    return sd
+
+
+def _qwen3_next(c, layer_idx, ours):
+    if _layer_type(c, layer_idx) != "full_attention":
+        raise ValueError(f"model_type 'qwen3_next': layer {layer_idx} is a "
+                         f"{_layer_type(c, layer_idx)!r} layer (Gated DeltaNet, not softmax "
+                         f"attention); only its full_attention layers convert")
+    ours.update(qk_norm="rms_one_plus", qk_norm_eps=float(c["rms_norm_eps"]), output_gate=True)
+
+
+def _gate_split(sd, ours, params):
+    """q_proj's output is per head [query (Dh) | gate (Dh)]: split into W_query and W_gate."""
+    n, dh = ours["num_heads"], ours["head_dim"]
+    w = params["W_query"]  # (d_in, N·2·Dh)
+    w = w.reshape(w.shape[0], n, 2, dh)
+    params["W_query"], params["W_gate"] = (np.ascontiguousarray(
+        w[:, :, i].reshape(w.shape[0], n * dh)) for i in (0, 1))
+    if "b_query" in params:
+        b = params["b_query"].reshape(n, 2, dh)
+        params["b_query"], params["b_gate"] = (b[:, i].reshape(n * dh).copy() for i in (0, 1))
+    return params
+
+
+def _gate_join(params, ours, sd):
+    n, dh = ours["num_heads"], ours["head_dim"]
+    q, g = (np.asarray(params[n_]).T.reshape(n, 1, dh, -1) for n_ in ("W_query", "W_gate"))
+    sd["q_proj.weight"] = np.concatenate([q, g], axis=1).reshape(n * 2 * dh, -1)
+    if "b_query" in params:
+        qb, gb = (np.asarray(params[n_]).reshape(n, 1, dh) for n_ in ("b_query", "b_gate"))
+        sd["q_proj.bias"] = np.concatenate([qb, gb], axis=1).reshape(-1)
+    return sd
+
+
+def _stablelm(c, layer_idx, ours):
+    ours.update(_heads(c, c["num_attention_heads"], "stablelm",
+                       c.get("num_key_value_heads") or c["num_attention_heads"]))
+    if c.get("qk_layernorm"):
+        ours.update(qk_norm="layer", qk_norm_eps=float(c["layer_norm_eps"]))
+
+
+def _per_head_norms_in(sd, ours, params):
+    """StableLM's q_layernorm.norms.{h}.weight (Dh,) for each head, stacked to (N, Dh)."""
+    if ours.get("qk_norm") == "layer":
+        for ours_name, hf_name, heads in (("q_norm", "q_layernorm", ours["num_heads"]),
+                                          ("k_norm", "k_layernorm", ours["num_kv_heads"])):
+            params[ours_name] = np.stack([_read(sd, f"{hf_name}.norms.{h}.weight", "stablelm")
+                                          for h in range(heads)])
+    return params
+
+
+def _per_head_norms_out(params, ours, sd):
+    for ours_name, hf_name in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+        if ours_name in params:
+            for h, w in enumerate(np.asarray(params[ours_name])):
+                sd[f"{hf_name}.norms.{h}.weight"] = np.array(w)
+    return sd
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": _llama_like("llama"),
+    "mistral": _llama_like("mistral"),
+    "mixtral": _llama_like("mixtral"),
+    "qwen2": _llama_like("qwen2"),
+    "starcoder2": _llama_like("starcoder2"),
+    "granite": _llama_like("granite", _granite),
+    "smollm3": _llama_like("smollm3", _smollm3),
+    "olmo": _llama_like("olmo", _olmo),
+    "qwen3": _llama_like("qwen3", _qwen3, norms=("q_norm.weight", "k_norm.weight")),
+    "olmo2": _llama_like("olmo2", _olmo2, norms=("q_norm.weight", "k_norm.weight")),
+    "gemma2": _llama_like("gemma2", _gemma),
+    "gemma3_text": _llama_like("gemma3_text", _gemma3, norms=("q_norm.weight",
+                                                                "k_norm.weight")),
+    "cohere": _llama_like("cohere", _cohere, norms=("q_norm.weight", "k_norm.weight")),
+    "gpt_oss": _llama_like("gpt_oss", _gpt_oss, to_extra=_sinks_in, from_extra=_sinks_out),
+    "llama4_text": _llama_like("llama4_text", _llama4),
+    "qwen3_next": _llama_like("qwen3_next", _qwen3_next,
+                              norms=("q_norm.weight", "k_norm.weight"),
+                              to_extra=_gate_split, from_extra=_gate_join),
+    "stablelm": _llama_like("stablelm", _stablelm, to_extra=_per_head_norms_in,
+                            from_extra=_per_head_norms_out),
+}

@@ -1,0 +1,182 @@
+"""Encoders, encoder-decoders and vision towers: BERT, RoBERTa, ViT, CLIP's and SigLIP's
+text and vision models (``_self_family`` entries of ``FAMILIES``), and Whisper, BART and T5
+(``Kinds`` entries: the encoder's and the decoder's ``_self_family``, the cross-attention's
+``_cross_family``).
+
+Which arrays and which output. BERT and RoBERTa: the state dict of ``layer.attention``
+(``self.query``, ``self.key``, ``self.value``, ``output.dense``); its ``output.LayerNorm.*``
+belong to the residual block after the attention (LayerNorm(dense(a) + x)) and are not read
+(to_hf does not give them): our module's output is ``output.dense``'s. ViT (5.x: ``q_proj`` ...
+``o_proj`` on ``layer.attention``), CLIP and SigLIP (``self_attn``: ``q_proj`` ... ``out_proj``)
+compute exactly the attention. Whisper, BART and T5 have three attentions: ``kind="encoder"``
+(the encoder's self-attention, bidirectional), ``"decoder"`` (the decoder's, causal) and
+``"cross"`` (the decoder's ``encoder_attn`` / ``EncDecAttention``, our
+MultiHeadCrossAttention); ``layer_idx`` counts the layers of that stack. Composite configs
+(``clip``, ``siglip``) are not read: pass their ``text_config`` or ``vision_config``
+(``clip_text_model``, ``clip_vision_model``, ``siglip_text_model``, ``siglip_vision_model``).
+
+Whisper's self-attention has no key bias (k_proj bias=False), our GroupedQueryAttention q, k
+and v biases all or none: ``b_key`` is zeros, which changes nothing (k + 0 = k exactly; and
+any b_key adds q·b_key, the same for every key of a query row, which softmax removes), so
+to_hf leaves it out whatever it holds. Its cross-attention is key_bias=False as it is.
+
+T5 computes its relative position bias in layer 0 of each stack (``relative_attention_bias``,
+(K, N)) and passes it to the later layers, whose state dicts have no table: for layer_idx > 0
+put layer 0's ``relative_attention_bias.weight`` (of the same stack) into the state dict;
+each of our modules holds its own copy, and to_hf gives it back under that name. T5's
+cross-attention has no table (a ``relative_attention_bias.weight`` some checkpoints store for
+it is unused by transformers and not read here).
+
+Dropout on the attention weights (attention_probs_dropout_prob, attention_dropout,
+dropout_rate) becomes GroupedQueryAttention's ``dropout`` (training only); our
+MultiHeadCrossAttention has none, so a cross-attention with a non-zero rate is refused
+(set it to 0.0: in inference HF's dropout is off too).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from golden.hf.family import (GQA, LLAMA_NAMES, ROLES, Family, Kinds, _bias_flags,
+                              _linears_to_neutral, _neutral_to_linears, _read)
+
+MHCA = "multi_head_cross_attention"
+KINDS = ("encoder", "decoder", "cross")
+BERT_NAMES = {"query": "self.query", "key": "self.key", "value": "self.value",
+              "out": "output.dense"}
+OUT_PROJ_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "out_proj"}
+T5_NAMES = {"query": "q", "key": "k", "value": "v", "out": "o"}
+T5_TABLE = "relative_attention_bias.weight"
+
+
+def _self_family(mt, names, *, width, heads, causal=False, dropout=None, head_dim=None,
+                 zero_key_bias=False, relative=False, unsupported=None) -> Family:
+    """A bidirectional (or causal) self-attention with separate q, k, v, out linears: sizes
+    from the config fields ``width`` and ``heads`` (Dh = width // N unless ``head_dim(c)``),
+    biases from the state dict; ``causal`` a bool or ``causal(c)``; ``dropout`` the config
+    field of the weights' dropout; ``zero_key_bias``: k has no bias where q and v have one
+    (Whisper); ``relative``: T5's scale 1 and bucketed bias table."""
+
+    def settings(c, layer_idx, sd):
+        n, d = int(c[heads]), int(c[width])
+        ours = dict(d_in=d, num_heads=n, num_kv_heads=n,
+                    head_dim=int(head_dim(c)) if head_dim is not None else d // n,
+                    causal=bool(causal(c) if callable(causal) else causal))
+        if zero_key_bias:
+            if f"{names['key']}.bias" in sd:
+                raise ValueError(f"model_type {mt!r}: {names['key']} should have no bias, got "
+                                 f"{names['key']}.bias")
+            ours.update(qkv_bias=f"{names['query']}.bias" in sd,
+                        out_bias=f"{names['out']}.bias" in sd)
+        else:
+            ours.update(_bias_flags(sd, names, mt))
+        if dropout is not None and c.get(dropout):
+            ours["dropout"] = float(c[dropout])
+        if relative:
+            ours.update(scale=1.0,
+                        relative_attention_num_buckets=int(c["relative_attention_num_buckets"]),
+                        relative_attention_max_distance=int(c["relative_attention_max_distance"]))
+            if T5_TABLE not in sd:
+                raise ValueError(f"model_type {mt!r}: the state dict has no {T5_TABLE!r}: T5 "
+                                 f"computes the position bias in layer 0 of each stack and "
+                                 f"shares it; for layer {layer_idx} put layer 0's table (of the "
+                                 f"same stack) into the state dict under that name")
+        return ours
+
+    def to_neutral(sd, ours):
+        params = _linears_to_neutral(sd, names, mt)
+        if zero_key_bias and ours["qkv_bias"]:
+            params["b_key"] = np.zeros(params["W_key"].shape[1], params["W_key"].dtype)
+        if relative:
+            params["relative_attention_bias"] = _read(sd, T5_TABLE, mt)
+        return params
+
+    def from_neutral(params, ours):
+        keep = {n: a for n, a in params.items()
+                if not (zero_key_bias and n == "b_key") and n != "relative_attention_bias"}
+        sd = _neutral_to_linears(keep, names)
+        if "relative_attention_bias" in params:
+            sd[T5_TABLE] = np.array(params["relative_attention_bias"])
+        return sd
+
+    return Family(GQA, settings, to_neutral, from_neutral, dict(unsupported or {}))
+
+
+def _cross_family(mt, names, *, width, heads, head_dim=None, scale=None, dropout) -> Family:
+    """The decoder's attention over the encoder's output: MultiHeadCrossAttention, d_context =
+    d_in = ``width``; q and v have biases or not alike, k may differ (key_bias)."""
+
+    def settings(c, layer_idx, sd):
+        if c.get(dropout):
+            raise ValueError(f"model_type {mt!r}: {dropout} = {c[dropout]!r} is not supported "
+                             f"for the cross-attention (MultiHeadCrossAttention has no dropout; "
+                             f"set it to 0.0, as in inference, where HF's is off too)")
+        has = {role: f"{names[role]}.bias" in sd for role in ROLES}
+        if has["query"] != has["value"]:
+            raise ValueError(f"model_type {mt!r}: q and v should both have a bias or neither, "
+                             f"got {names['query']}: {has['query']}, {names['value']}: "
+                             f"{has['value']}")
+        n, d = int(c[heads]), int(c[width])
+        ours = dict(d_in=d, d_context=d, num_heads=n,
+                    head_dim=int(head_dim(c)) if head_dim is not None else d // n,
+                    qkv_bias=has["query"], out_bias=has["out"])
+        if has["key"] != has["query"]:
+            ours["key_bias"] = has["key"]
+        if scale is not None:
+            ours["scale"] = scale
+        return ours
+
+    return Family(MHCA, settings, lambda sd, ours: _linears_to_neutral(sd, names, mt),
+                  lambda params, ours: _neutral_to_linears(params, names))
+
+
+def _encoder_decoder(mt, names, *, zero_key_bias=False) -> Kinds:
+    """Whisper and BART: encoder_attention_heads and decoder_attention_heads over d_model."""
+    common = dict(width="d_model", dropout="attention_dropout", zero_key_bias=zero_key_bias)
+    return Kinds(encoder=_self_family(mt, names, heads="encoder_attention_heads", **common),
+                 decoder=_self_family(mt, names, heads="decoder_attention_heads", causal=True,
+                                      **common),
+                 cross=_cross_family(mt, names, width="d_model", heads="decoder_attention_heads",
+                                     dropout="attention_dropout"))
+
+
+def _t5() -> Kinds:
+    common = dict(width="d_model", heads="num_heads", head_dim=lambda c: c["d_kv"])
+    return Kinds(encoder=_self_family("t5", T5_NAMES, dropout="dropout_rate", relative=True,
+                                      **common),
+                 decoder=_self_family("t5", T5_NAMES, dropout="dropout_rate", relative=True,
+                                      causal=True, **common),
+                 cross=_cross_family("t5", T5_NAMES, scale=1.0, dropout="dropout_rate",
+                                     **common))
+
+
+def _bert(mt) -> Family:
+    return _self_family(mt, BERT_NAMES, width="hidden_size", heads="num_attention_heads",
+                        causal=lambda c: c.get("is_decoder", False),
+                        dropout="attention_probs_dropout_prob", unsupported={
+                            "position_embedding_type": ((None, "absolute"), "relative_key and "
+                                                        "relative_key_query scores are not "
+                                                        "expressed")})
+
+
+def _tower(mt, causal) -> Family:
+    """CLIP's and SigLIP's text and vision transformers: CLIPAttention, SiglipAttention."""
+    return _self_family(mt, OUT_PROJ_NAMES, width="hidden_size", heads="num_attention_heads",
+                        causal=causal, dropout="attention_dropout")
+
+
+FAMILIES: dict[str, Family | Kinds] = {
+    "bert": _bert("bert"),
+    "roberta": _bert("roberta"),
+    "vit": _self_family("vit", LLAMA_NAMES, width="hidden_size", heads="num_attention_heads",
+                        dropout="attention_probs_dropout_prob",
+                        head_dim=lambda c: c.get("head_dim") or (c["hidden_size"]
+                                                                 // c["num_attention_heads"])),
+    "clip_text_model": _tower("clip_text_model", causal=True),
+    "clip_vision_model": _tower("clip_vision_model", causal=False),
+    "siglip_text_model": _tower("siglip_text_model", causal=False),
+    "siglip_vision_model": _tower("siglip_vision_model", causal=False),
+    "whisper": _encoder_decoder("whisper", OUT_PROJ_NAMES, zero_key_bias=True),
+    "bart": _encoder_decoder("bart", OUT_PROJ_NAMES),
+    "t5": _t5(),
+}

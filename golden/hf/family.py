@@ -1,0 +1,179 @@
+"""What a Hugging Face family is, and the helpers its entries share: the ``Family`` type (a
+model_type's settings and array layout, both ways), ``Kinds`` (an encoder-decoder's several
+attentions), ``HFConfig`` (our configuration remembering its model_type), and the readers of
+an HF config (sizes, RoPE, layer types, the settings every Llama-like decoder shares) and of a
+state dict (arrays as NumPy copies, ``nn.Linear`` weights transposed, bias flags). NumPy only.
+
+Layouts: ``nn.Linear`` weights are (out, in), ours (in, out): transposed both ways, copies.
+Shape legend: D (= d_in) the model's width, N query heads, Nkv key-value heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from golden.mapping import _numpy
+
+GQA = "grouped_query_attention"
+ROLES = ("query", "key", "value", "out")
+LLAMA_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "o_proj"}
+
+
+class HFConfig(dict):
+    """Our module's configuration (a plain dict to ``build``), remembering the Hugging Face
+    ``model_type`` it came from, which ``to_hf`` reads to name the arrays (and the ``kind`` of
+    attention, for a model_type with several: see ``Kinds``)."""
+
+    def __init__(self, settings, model_type, kind=None):
+        super().__init__(settings)
+        self.model_type = model_type
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one ``model_type``'s attention maps to ours.
+
+    settings(c, layer_idx) -> our configuration from the HF config dict ``c``;
+    to_neutral(sd, ours) -> our parameters from the state dict (NumPy copies);
+    from_neutral(params, ours) -> the state dict from our parameters.
+    ``unsupported``: HF config fields whose non-default value we refuse, each with the value(s)
+    we accept and why (checked before anything else)."""
+
+    variant: str
+    settings: Callable
+    to_neutral: Callable
+    from_neutral: Callable
+    unsupported: dict = field(default_factory=dict)
+
+
+class Kinds(dict):
+    """A model_type with several attentions (an encoder-decoder): kind ("encoder", "decoder",
+    "cross") -> Family; from_hf's ``kind=`` chooses, to_hf reads it from the config (or, given
+    a plain dict, takes the kind whose variant it is: the encoder's and the decoder's
+    self-attention name their arrays alike)."""
+
+
+# ---- the configuration --------------------------------------------------------------------------
+
+def _as_dict(config) -> dict:
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config should be a transformers config's to_dict() (a dict) or an "
+                         f"object with to_dict(), got {type(config).__name__}")
+    return dict(config)
+
+
+def _layer_type(c, layer_idx) -> str | None:
+    """``layer_types[layer_idx]`` ("full_attention", "sliding_attention", "chunked_attention",
+    ...) when the config lists them, else None."""
+    types = c.get("layer_types")
+    if types is None:
+        return None
+    if not 0 <= layer_idx < len(types):
+        raise ValueError(f"layer_idx should be in [0, {len(types)}) (the config's layer_types), "
+                         f"got {layer_idx}")
+    return types[layer_idx]
+
+
+def _sizes(c) -> dict:
+    n = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or n
+    dh = c.get("head_dim") or c["hidden_size"] // n
+    return dict(d_in=c["hidden_size"], num_heads=n, num_kv_heads=kv, head_dim=dh)
+
+
+def _rope(c, layer_type, mt) -> dict:
+    """rope_parameters as our module takes them (θ and the rotary fraction inside, as HF 5.x
+    puts them), original_max_position_embeddings filled from max_position_embeddings where the
+    type needs it and HF falls back to it; a per-layer-type dict (Gemma 3) resolved."""
+    rope = c.get("rope_parameters")
+    if rope is None:
+        theta = c.get("rope_theta")
+        return {} if theta is None else {"rope_theta": float(theta)}
+    if layer_type is not None and layer_type in rope and isinstance(rope[layer_type], Mapping):
+        rope = rope[layer_type]
+    rope = dict(rope)
+    kind = rope.get("rope_type", "default")
+    if kind not in variants_rope_types():
+        raise ValueError(f"model_type {mt!r}: rope_parameters['rope_type'] = {kind!r} is not "
+                         f"supported (we take {', '.join(variants_rope_types())})")
+    needs = ("yarn", "longrope", "dynamic", "llama3")
+    if kind in needs and "original_max_position_embeddings" not in rope:
+        source = c.get("original_max_position_embeddings") or c.get("max_position_embeddings")
+        rope["original_max_position_embeddings"] = int(source)
+    if "partial_rotary_factor" not in rope and c.get("partial_rotary_factor") is not None:
+        rope["partial_rotary_factor"] = c["partial_rotary_factor"]
+    return {"rope_parameters": rope}
+
+
+def variants_rope_types() -> tuple:
+    from golden.validate import ROPE_TYPES
+    return tuple(ROPE_TYPES)
+
+
+def _heads(c, n, mt, kv=None) -> dict:
+    """Sizes of a family whose head width is D / N whatever else the config says."""
+    d = c["hidden_size"] if "hidden_size" in c else c.get("n_embd", c.get("d_model"))
+    if d % n:
+        raise ValueError(f"model_type {mt!r}: hidden_size = {d} should be a multiple of the "
+                         f"{n} heads")
+    return dict(d_in=d, num_heads=n, num_kv_heads=n if kv is None else kv, head_dim=d // n)
+
+
+def _decoder_settings(c, layer_idx, *, mt, sd_names=LLAMA_NAMES) -> dict:
+    """The settings every Llama-like decoder shares: sizes, RoPE, the sliding window of its
+    sliding layers (all layers when there are no layer_types), dropout."""
+    layer_type = _layer_type(c, layer_idx)
+    ours = {**_sizes(c), **_rope(c, layer_type, mt)}
+    window = c.get("sliding_window")
+    sliding = layer_type == "sliding_attention" if layer_type is not None else (
+        window is not None and c.get("use_sliding_window", True))
+    if sliding and window is not None:
+        ours["sliding_window"] = int(window)
+    if c.get("attention_dropout"):
+        ours["dropout"] = float(c["attention_dropout"])
+    return ours
+
+
+# ---- the state dict -----------------------------------------------------------------------------
+
+def _read(sd, key, mt):
+    if key not in sd:
+        raise ValueError(f"model_type {mt!r}: the state dict has no {key!r} (it has "
+                         f"{', '.join(sorted(sd)) or 'nothing'})")
+    return _numpy(sd[key])
+
+
+def _linears_to_neutral(sd, names, mt) -> dict:
+    """W_role (in, out) = weight.T and b_role of each role's nn.Linear, copies."""
+    params = {}
+    for role, name in names.items():
+        params[f"W_{role}"] = np.ascontiguousarray(_read(sd, f"{name}.weight", mt).T)
+        if f"{name}.bias" in sd:
+            params[f"b_{role}"] = _numpy(sd[f"{name}.bias"])
+    return params
+
+
+def _neutral_to_linears(params, names) -> dict:
+    sd = {}
+    for role, name in names.items():
+        sd[f"{name}.weight"] = np.ascontiguousarray(np.asarray(params[f"W_{role}"]).T)
+        if f"b_{role}" in params:
+            sd[f"{name}.bias"] = np.array(params[f"b_{role}"])
+    return sd
+
+
+def _bias_flags(sd, names, mt) -> dict:
+    """qkv_bias and out_bias from which of q, k, v, o have a bias in the checkpoint (q, k, v
+    all or none: one with and one without is not a setting we express here)."""
+    has = {role: f"{names[role]}.bias" in sd for role in ROLES if role in names}
+    qkv = {has[r] for r in ("query", "key", "value")}
+    if len(qkv) > 1:
+        raise ValueError(f"model_type {mt!r}: q, k and v should all have a bias or none, got "
+                         f"{', '.join(f'{names[r]}: {has[r]}' for r in ('query', 'key', 'value'))}")
+    return dict(qkv_bias=qkv.pop(), out_bias=has.get("out", False))

@@ -1,0 +1,131 @@
+"""The block every module variant runs: project, split heads, stages, attend, merge heads,
+gate, project out; and its backward.
+
+Shape legend: B batch, N heads (Nkv of key and value), Lq query length, Lk key length (L
+either), D head width (Dv of the value), d_* feature widths.
+    Q = x_q W_q + b_q, K = x_k W_k + b_k, V = x_v W_v + b_v      (..., L, N·D), K and V
+                                                                  (..., L, Nkv·D) with GQA
+    Q, K = stages(split(Q), split(K))                             RoPE, QK norm, temperature
+    O = attention(split(Q), split(K), split(V))                   (..., N, Lq, Dv)
+    y = merge(O) W_out + b_out   (or merge(O) when there is no output projection)
+A Stage is the contract of the steps between the projections and the core
+(golden.reference.stages holds them); the output gate, clip_qkv (MPT, OLMo) and the gradient
+of T5's bias table ride in the block itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from golden.reference.arithmetic import einsum, number, real
+from golden.reference.core import sdpa_backward, sdpa_forward
+from golden.reference.position_bias import bucket_sums
+
+
+def linear(x, w, b=None):
+    """x W + b with W of shape (in, out)."""
+    y = einsum("...i,io->...o", x, w)
+    return y if b is None else y + b
+
+
+def linear_backward(x, w, g_y, grads, names):
+    """Accumulate dL/dW and dL/db into ``grads``; return dL/dx."""
+    w_name, b_name = names
+    x2, g2 = x.reshape(-1, x.shape[-1]), g_y.reshape(-1, g_y.shape[-1])  # (positions, width)
+    grads[w_name] = einsum("ni,no->io", x2, g2)  # Σ over positions of xᵀ g
+    if b_name is not None:
+        grads[b_name] = g2.sum(axis=0)
+    return einsum("...o,io->...i", g_y, w)
+
+
+def split_heads(y, num_heads):
+    """(..., L, N·D) -> (..., N, L, D): head n owns the n-th contiguous block of features."""
+    y = y.reshape(y.shape[:-1] + (num_heads, y.shape[-1] // num_heads))  # (..., L, N, D)
+    return np.swapaxes(y, -2, -3)
+
+
+def merge_heads(y):
+    """(..., N, L, D) -> (..., L, N·D)."""
+    y = np.swapaxes(y, -2, -3)  # (..., L, N, D)
+    return y.reshape(y.shape[:-2] + (-1,))
+
+
+class Stage(NamedTuple):
+    """A differentiable step on the split heads q (..., N, L, Dh) and k (..., Nkv, L, Dh)
+    between the projections and the core (RoPE, a QK norm, the query temperature):
+    ``forward(q, k) -> (q, k, saved)`` and ``backward(saved, g_q, g_k) -> (g_q, g_k, {parameter:
+    gradient})``."""
+
+    forward: Callable
+    backward: Callable
+
+
+def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
+                  clip=None, **core):
+    """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
+    GroupedQueryAttention's options W_gate/b_gate (the output gate) and sinks. Key and value
+    have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
+    ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
+    ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
+    x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
+    p = {n: real(a) for n, a in p.items()}
+    heads = {"query": num_heads, "key": kv_heads or num_heads, "value": kv_heads or num_heads}
+    q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), heads[n])
+               for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
+    inside = None
+    if clip is not None:  # the derivative is 1 inside [−c, c] (ends included, as torch's), else 0
+        c = number(clip)
+        inside = [((a >= -c) & (a <= c)).astype(bool) for a in (q, k, v)]
+        q, k, v = (np.where(i, a, np.where(a > c, c, -c)) for i, a in zip(inside, (q, k, v)))
+    staged = []
+    for stage in stages:
+        q, k, s = stage.forward(q, k)
+        staged.append(s)
+    head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
+    if "sinks" in p:
+        core["sinks"] = p["sinks"]
+    out, weights, attn = sdpa_forward(q, k, v, head_mask, **core)
+    merged = merge_heads(out)  # (..., Lq, N·Dv)
+    gate = None
+    if "W_gate" in p:  # merged ⊙ σ(x_q W_gate + b_gate), σ(z) = 1 / (1 + e^−z)
+        e = np.exp(-linear(x_q, p["W_gate"], p.get("b_gate")))
+        gate = (merged, e, number(1) / (number(1) + e))
+        merged = merged * gate[2]
+    y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
+    saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
+                 merged=merged, gate=gate, attn=attn, inside=inside)
+    return y, weights, saved
+
+
+def block_backward(saved, d_y, d_weights):
+    """Gradients of Σ y⊙dy + Σ A⊙dA: keys x_query, x_key, x_value and every parameter name."""
+    p, grads = saved["p"], {}
+    g_merged, d_weights = real(d_y), real(d_weights)
+    if "W_out" in p:
+        g_merged = linear_backward(saved["merged"], p["W_out"], g_merged, grads,
+                                   ("W_out", "b_out" if "b_out" in p else None))
+    g_gate = None
+    if saved["gate"] is not None:  # dσ/dz = e^−z σ², no cancellation
+        ungated, e, sigma = saved["gate"]
+        g_gate, g_merged = g_merged * ungated * e * sigma * sigma, g_merged * sigma
+    g = sdpa_backward(saved["attn"], split_heads(g_merged, saved["heads"]["query"]), d_weights)
+    if "sinks" in p:
+        grads["sinks"] = g["sinks"]
+    if saved.get("buckets") is not None:  # T5: the bias's gradient summed into its buckets
+        grads["relative_attention_bias"] = bucket_sums(g["bias"], saved["buckets"],
+                                                       p["relative_attention_bias"].shape)
+    for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
+        g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])
+        grads.update(g_params)
+    for i, n in enumerate(("query", "key", "value") if saved.get("inside") else ()):
+        g[n] = np.where(saved["inside"][i], g[n], number(0))
+    for x, n in zip(saved["x"], ("query", "key", "value")):
+        grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
+                                          (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
+    if g_gate is not None:
+        grads["x_query"] = grads["x_query"] + linear_backward(
+            saved["x"][0], p["W_gate"], g_gate, grads, ("W_gate", "b_gate" if "b_gate" in p
+                                                         else None))
+    return grads

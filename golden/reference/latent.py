@@ -1,0 +1,130 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3): keys and values made from a
+low-rank latent, one rotary key head shared by every head, and yarn's mscale on the
+softmax scale; the block (golden.reference.block) runs from the query input and the latent.
+
+Shape legend: N heads, L sequence length, r kv_lora_rank (the latent's width), nope the
+features of each head's q and k that are not turned (qk_nope_head_dim), rope the turned ones
+(qk_rope_head_dim), Dv the value width; q and k are (..., N, L, nope + rope).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from golden import variants
+from golden.reference.arithmetic import number, real
+from golden.reference.block import Stage, block_backward, block_forward, linear, linear_backward
+from golden.reference.core import unbroadcast
+from golden.reference.rotary import rope_cos_sin, turn
+from golden.reference.stages import normalize, normalize_backward, temperature_stage
+
+
+def latent_rope_stage(k_pe, cos, sin, interleaved, nope) -> Stage:
+    """Multi-head latent attention's RoPE, as a Stage on q (..., N, L, nope + rope) and the
+    keys' nope part k (..., N, L, nope): q's last rope features turned, and the one rotary key
+    head k_pe (..., 1, L, rope), turned, appended to every head's key. Its backward returns
+    the gradient of k_pe (summed over the heads it was broadcast to) as "k_pe"."""
+    def forward(q, k):
+        q_rot = turn(q[..., nope:], cos, sin, interleaved)
+        k_rot = np.broadcast_to(turn(k_pe, cos, sin, interleaved),
+                                k.shape[:-1] + (k_pe.shape[-1],))
+        return (np.concatenate([q[..., :nope], q_rot], axis=-1),
+                np.concatenate([k, k_rot], axis=-1), None)
+
+    def backward(saved, g_q, g_k):
+        g_q = np.concatenate([g_q[..., :nope], turn(g_q[..., nope:], cos, -sin, interleaved)],
+                             axis=-1)
+        g_pe = turn(g_k[..., nope:].sum(axis=-3, keepdims=True), cos, -sin, interleaved)
+        return g_q, g_k[..., :nope], {"k_pe": g_pe}
+
+    return Stage(forward, backward)
+
+
+def _split_kv_b(w, heads, nope):
+    """W_kv_b (r, N·(nope + Dv)), per head [k_nope | v], -> (W_k (r, N·nope), W_v (r, N·Dv))."""
+    w = w.reshape(w.shape[0], heads, -1)  # (r, N, nope + Dv)
+    return (w[..., :nope].reshape(w.shape[0], -1), w[..., nope:].reshape(w.shape[0], -1))
+
+
+def _join_kv_b(g_k, g_v, heads):
+    """The inverse of _split_kv_b, for gradients."""
+    r = g_k.shape[0]
+    return np.concatenate([g_k.reshape(r, heads, -1), g_v.reshape(r, heads, -1)],
+                          axis=-1).reshape(r, -1)
+
+
+def latent_mscale(c):
+    """Yarn's mscale(s, mscale_all_dim)², mscale(s, a) = 0.1·a·ln s + 1, by which multi-head
+    latent attention multiplies its softmax scale Dk^−1/2 (Hugging Face's yarn_apply_mscale),
+    in the reference's arithmetic; None when it does not apply (``scale`` given, no yarn with
+    mscale_all_dim, or a factor s ≤ 1)."""
+    s = variants.latent_sizes(c)
+    if c["scale"] is not None or s["mscale"] is None or s["mscale"][0] <= 1:
+        return None
+    m = number(0.1) * number(s["mscale"][1]) * np.log(number(s["mscale"][0])) + number(1)
+    return m * m
+
+
+def _latent(config, inputs, params):
+    """MultiHeadLatentAttention (DeepSeek-V2/V3's MLA): q from x (or through the low-rank
+    W_q_a, RMSNorm q_a_norm, W_q_b), per head [q_nope | q_pe]; x W_kv_a + b_kv_a = [c | k_pe],
+    the latent c RMS-normalised (kv_a_norm), W_kv_b making each head's [k_nope | v] from it;
+    q_pe and the one key head k_pe turned (RoPE at the tokens' positions), k_pe shared by every
+    head; causal attention of [q_nope | q_pe] on [k_nope | k_pe] at the scale Dk^−1/2 ·
+    latent_mscale (or ``scale``), out through W_out. The block (block_forward) runs from the
+    query input and the latent: its W_key and W_value are W_kv_b's key and value columns, its
+    stage the RoPE (latent_rope_stage)."""
+    c, x = variants.get("multi_head_latent_attention").config(config), real(inputs["x"])
+    p = {n: real(a) for n, a in params.items()}
+    heads, nope, r = c["num_heads"], c["qk_nope_head_dim"], c["kv_lora_rank"]
+    eps = number(c["rms_norm_eps"])
+    q_norm = None
+    if "W_q_a" in p:
+        x_q, q_norm = normalize("rms", linear(x, p["W_q_a"], p.get("b_q_a")), p["q_a_norm"], eps)
+    else:
+        x_q = x
+    kv_a = linear(x, p["W_kv_a"], p.get("b_kv_a"))     # (..., L, r + rope)
+    latent, kv_norm = normalize("rms", kv_a[..., :r], p["kv_a_norm"], eps)
+    positions = inputs.get("positions")
+    positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
+    heads_axis = (slice(None), None) if positions.ndim == 2 else ()  # (B, L) -> (B, 1, L)
+    cos, sin = rope_cos_sin(variants.latent_rope(c), c["qk_rope_head_dim"], positions)
+    k_pe = kv_a[..., None, :, r:]                       # (..., 1, L, rope)
+    stage = latent_rope_stage(k_pe, cos[heads_axis], sin[heads_axis], c["rope_interleaved"],
+                              nope)
+    stages = [stage]
+    mscale = latent_mscale(c)  # the scale Dk^−1/2 · m², as q · m² at the core's default scale
+    if mscale is not None:
+        stages.append(temperature_stage(mscale))
+    w_k, w_v = _split_kv_b(p["W_kv_b"], heads, nope)
+    block = {"W_query": p.get("W_q_b", p.get("W_query")), "W_key": w_k, "W_value": w_v,
+             "W_out": p["W_out"], **({"b_out": p["b_out"]} if "b_out" in p else {})}
+    lengths = inputs.get("query_seq_lengths")
+    y, weights, saved = block_forward(x_q, latent, latent, block, num_heads=heads,
+                                      stages=stages, mask=inputs.get("mask"),
+                                      is_causal=c["causal"], scale=c["scale"],
+                                      query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    return y, weights, dict(block=saved, x=x, p=p, q_norm=q_norm, kv_norm=kv_norm, r=r,
+                            heads=heads)
+
+
+def _latent_backward(saved, d_y, d_weights):
+    p, x, heads = saved["p"], saved["x"], saved["heads"]
+    g = block_backward(saved["block"], d_y, d_weights)
+    grads = {"W_out": g["W_out"], "W_kv_b": _join_kv_b(g["W_key"], g["W_value"], heads)}
+    if "b_out" in g:
+        grads["b_out"] = g["b_out"]
+    g_c, g_w = normalize_backward("rms", saved["kv_norm"], g["x_key"] + g["x_value"])
+    grads["kv_a_norm"] = unbroadcast(g_w, p["kv_a_norm"].shape)
+    g_kv_a = np.concatenate([g_c, g["k_pe"][..., 0, :, :]], axis=-1)  # (..., L, r + rope)
+    g_x = linear_backward(x, p["W_kv_a"], g_kv_a, grads,
+                          ("W_kv_a", "b_kv_a" if "b_kv_a" in p else None))
+    if saved["q_norm"] is None:
+        grads["W_query"] = g["W_query"]
+        return dict(grads, x=g_x + g["x_query"])
+    grads["W_q_b"] = g["W_query"]
+    g_a, g_w = normalize_backward("rms", saved["q_norm"], g["x_query"])
+    grads["q_a_norm"] = unbroadcast(g_w, p["q_a_norm"].shape)
+    g_x = g_x + linear_backward(x, p["W_q_a"], g_a, grads,
+                                ("W_q_a", "b_q_a" if "b_q_a" in p else None))
+    return dict(grads, x=g_x)

@@ -1,0 +1,155 @@
+"""The module variants over the block (golden.reference.block): the plain core, the one-head
+self-attentions, multi-head attention and its per-head wrapper, and GroupedQueryAttention,
+the decoder family that composes the stages (golden.reference.stages) and position biases
+(golden.reference.position_bias).
+
+Each variant is forward(config, inputs, params) -> (output, weights, saved) and
+backward(saved, d_output, d_weights) -> {input or parameter name: gradient}, registered in
+golden.reference.VARIANTS. Dropout is active exactly when the inputs hold a dropout mask (the
+module is in training mode). Shape legend as in golden.reference.block: B batch, N heads (Nkv
+key-value heads), L sequence length, Dh head width, d_* feature widths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from golden import variants
+from golden.decoder import sliding_window
+from golden.reference.arithmetic import number, real
+from golden.reference.block import block_backward, block_forward
+from golden.reference.core import sdpa_backward, sdpa_forward
+from golden.reference.position_bias import alibi_term, relative_term
+from golden.reference.rotary import rope_cos_sin
+from golden.reference.stages import (qk_norm_stage, rope_stage, temperature_factors,
+                                      temperature_stage)
+from golden.validate import rope_settings
+
+
+def _sdpa(config, inputs, params):
+    return sdpa_forward(**inputs, **config)
+
+
+def _simple(config, inputs, params):
+    x = inputs["x"]  # softmax(X Xᵀ) X: no weights, no scaling
+    out, weights, attn = sdpa_forward(x, x, x, inputs.get("mask"), scale=1.0)
+    return out, weights, attn
+
+
+def _simple_backward(attn, d_out, d_weights):
+    g = sdpa_backward(attn, d_out, d_weights)
+    return {"x": g["query"] + g["key"] + g["value"]}
+
+
+def one_head(config, inputs, params, x_q, x_k, x_v, is_causal):
+    """A single head: the block with N = 1, the head axis removed from the weights."""
+    keep = inputs.get("dropout_mask")
+    y, weights, saved = block_forward(
+        x_q, x_k, x_v, params, num_heads=1, is_causal=is_causal, mask=inputs.get("mask"),
+        dropout_rate=config.get("dropout", 0.0) if keep is not None else 0.0,
+        dropout_mask=None if keep is None else keep[..., None, :, :])
+    return y, weights[..., 0, :, :], saved
+
+
+def _self(config, inputs, params):
+    x = inputs["x"]
+    return one_head(config, inputs, params, x, x, x, is_causal=False)
+
+
+def _causal(config, inputs, params):
+    x = inputs["x"]
+    return one_head(config, inputs, params, x, x, x, is_causal=True)
+
+
+def _self_backward(saved, d_y, d_weights):
+    g = block_backward(saved, d_y, d_weights[..., None, :, :])
+    g["x"] = g.pop("x_query") + g.pop("x_key") + g.pop("x_value")
+    return g
+
+
+def _multi_head(config, inputs, params):
+    x = inputs["x"]
+    train = "dropout_mask" in inputs
+    return block_forward(x, x, x, params, num_heads=config["num_heads"],
+                         is_causal=config.get("causal", False), mask=inputs.get("mask"),
+                         dropout_rate=config.get("dropout", 0.0) if train else 0.0,
+                         dropout_mask=inputs.get("dropout_mask"))
+
+
+def _multi_head_backward(saved, d_y, d_weights):
+    g = block_backward(saved, d_y, d_weights)
+    g["x"] = g.pop("x_query") + g.pop("x_key") + g.pop("x_value")
+    return g
+
+
+def _stacked_to_fused(name, a):
+    """Wrapper layout -> block layout: W (N, in, Dh) -> (in, N·Dh); b (N, Dh) -> (N·Dh,)."""
+    if name.startswith("W_") and name != "W_out":
+        return np.swapaxes(a, 0, 1).reshape(a.shape[1], -1)
+    return a.reshape(-1) if name.startswith("b_") and name != "b_out" else a
+
+
+def _fused_to_stacked(name, g, num_heads):
+    """The inverse of _stacked_to_fused, for gradients."""
+    if name.startswith("W_") and name != "W_out":
+        return np.swapaxes(g.reshape(g.shape[0], num_heads, -1), 0, 1)
+    return g.reshape(num_heads, -1) if name.startswith("b_") and name != "b_out" else g
+
+
+def _wrapper(config, inputs, params):
+    fused = {n: _stacked_to_fused(n, real(a)) for n, a in params.items()}
+    return _multi_head(config, inputs, fused)
+
+
+def _wrapper_backward(saved, d_y, d_weights):
+    g = _multi_head_backward(saved, d_y, d_weights)
+    return {n: _fused_to_stacked(n, a, saved["heads"]["query"]) for n, a in g.items()}
+
+
+def _grouped_query(config, inputs, params):
+    """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE and the query temperature at
+    the tokens' positions (0 … L − 1, or the inputs' ``positions``) on q and k
+    (golden.variants.QK_NORMS says which norm runs before RoPE and which after); sinks and the
+    output gate when the parameters hold them; ALiBi's or T5's bias (alibi_term,
+    relative_term, the table's gradient by bucket_sums); the padding past
+    query_seq_lengths neither querying nor attended."""
+    c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
+    num_heads, kind = c["num_heads"], c["qk_norm"]
+    dh = c.get("head_dim") or c["d_in"] // num_heads
+    norm = None if kind is None else qk_norm_stage(
+        kind, *(None if params.get(n) is None else real(params[n])
+                for n in ("q_norm", "k_norm")), number(c["qk_norm_eps"]))
+    stages = [norm] if norm is not None and kind != "l2" else []
+    settings = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
+                             c["rope_precision"])
+    positions = inputs.get("positions")  # (B, L) or (L,): each token's, default its index
+    positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
+    heads_axis = (slice(None), None) if positions.ndim == 2 else ()  # (B, L) -> (B, 1, L)
+    if settings is not None:
+        cos, sin = rope_cos_sin(settings, dh, positions)  # (..., L, rd/2)
+        stages.append(rope_stage(cos[heads_axis], sin[heads_axis], c["rope_interleaved"]))
+    if kind == "l2":  # Llama 4: after RoPE
+        stages.append(norm)
+    if c.get("query_temperature") is not None:
+        t = c["query_temperature"]
+        factors = temperature_factors(positions, t["beta"], t["floor_scale"], t["shift"])
+        stages.append(temperature_stage(factors[heads_axis][..., None]))  # (L, 1), (B, 1, L, 1)
+    lengths = inputs.get("query_seq_lengths")
+    train = "dropout_mask" in inputs
+    core = {} if c.get("attention_chunk_size") is None else {
+        "attention_chunk_size": c["attention_chunk_size"]}
+    if c["alibi"] is not None:
+        core["bias"] = alibi_term(c, x.shape[-2], dh)
+    buckets = None
+    if c["relative_attention_num_buckets"] is not None:
+        core["bias"], buckets = relative_term(c, x.shape[-2], params["relative_attention_bias"])
+    causal = c.get("causal", True)
+    y, weights, saved = block_forward(
+        x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"], stages=stages,
+        mask=inputs.get("mask"), is_causal=causal, scale=c.get("scale"), softcap=c.get("softcap"),
+        local_window_size=sliding_window(c.get("sliding_window"), causal),
+        query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+        dropout_rate=c.get("dropout", 0.0) if train else 0.0,
+        dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"], **core)
+    saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
+    return y, weights, saved

@@ -1,0 +1,100 @@
+"""The decoder's stages (golden.reference.block.Stage) on the split heads between the
+projections and the core: RoPE, the QK norms and the query temperature.
+
+Shape legend: N query heads, Nkv key-value heads, L sequence length, Dh head width; q is
+(..., N, L, Dh) and k (..., Nkv, L, Dh), rd/2 the rotated pairs (golden.reference.rotary).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from golden.reference.arithmetic import number, real
+from golden.reference.block import Stage, merge_heads, split_heads
+from golden.reference.core import unbroadcast
+from golden.reference.rotary import turn
+
+
+def rope_stage(cos, sin, interleaved) -> Stage:
+    """RoPE on q and k by (cos, sin) (..., L, rd/2), the attention factor in both (turn); the
+    transpose of a rotation turns by the opposite angle, times the same factor, and the
+    pass-through features' is the identity."""
+    return Stage(lambda q, k: (turn(q, cos, sin, interleaved), turn(k, cos, sin, interleaved),
+                               None),
+                 lambda s, g_q, g_k: (turn(g_q, cos, -sin, interleaved),
+                                      turn(g_k, cos, -sin, interleaved), {}))
+
+
+# QK normalisation: y = x̂ · w with x̂ = (x − μ) r, r = (mean((x − μ)²) + ε)^(−1/2) over the last
+# axis (μ = mean(x) for "layer", 0 for the RMS kinds), and w the weight ("rms", "layer",
+# "rms_across_heads"), 1 + the weight ("rms_one_plus") or 1 ("l2"). Where each applies and its
+# weight's shape: golden.variants.QK_NORMS.
+
+
+def normalize(kind, x, weight, eps):
+    """(y, saved) of one QK norm on x (..., width); ``weight`` already broadcastable to x."""
+    n = number(x.shape[-1])
+    centred = x - x.sum(axis=-1, keepdims=True) / n if kind == "layer" else x
+    r = number(1) / np.sqrt((centred * centred).sum(axis=-1, keepdims=True) / n + eps)
+    unit = centred * r
+    w = (None if weight is None else number(1) + weight if kind == "rms_one_plus" else weight)
+    return (unit if w is None else unit * w), (unit, r, w)
+
+
+def normalize_backward(kind, saved, g):
+    """(dL/dx, dL/dw broadcast like w, or None) of ``normalize``: with h = g ⊙ w,
+    dL/dx = r (h − mean(h) − x̂ mean(h ⊙ x̂)), the mean(h) term for "layer" only."""
+    unit, r, w = saved
+    n = number(unit.shape[-1])
+    h = g if w is None else g * w
+    inner = h - unit * ((h * unit).sum(axis=-1, keepdims=True) / n)
+    if kind == "layer":
+        inner = inner - h.sum(axis=-1, keepdims=True) / n
+    return r * inner, None if w is None else g * unit
+
+
+def qk_norm_stage(kind, q_weight, k_weight, eps) -> Stage:
+    """The QK norm ``kind`` on q and k: per head over Dh ("rms", "rms_one_plus", "l2": no
+    weight; "layer": weights (N, Dh) and (Nkv, Dh), one row per head), or over all of a
+    token's heads ("rms_across_heads": weights (N·Dh,) and (Nkv·Dh,), OLMo 2)."""
+    across = kind == "rms_across_heads"
+
+    def shaped(w):  # the weight broadcast against (..., heads, L, Dh), or the merged heads
+        return None if w is None else w[:, None, :] if kind == "layer" else w
+
+    def forward(q, k):
+        if across:
+            heads = (q.shape[-3], k.shape[-3])
+            (q, sq), (k, sk) = (normalize(kind, merge_heads(t), w, eps)
+                                for t, w in ((q, q_weight), (k, k_weight)))
+            return split_heads(q, heads[0]), split_heads(k, heads[1]), (sq, sk)
+        (q, sq), (k, sk) = (normalize(kind, t, shaped(w), eps)
+                            for t, w in ((q, q_weight), (k, k_weight)))
+        return q, k, (sq, sk)
+
+    def backward(saved, g_q, g_k):
+        grads = {}
+        out = []
+        for g, s, name, w in ((g_q, saved[0], "q_norm", q_weight),
+                              (g_k, saved[1], "k_norm", k_weight)):
+            heads = g.shape[-3]
+            gx, gw = normalize_backward(kind, s, merge_heads(g) if across else g)
+            out.append(split_heads(gx, heads) if across else gx)
+            if gw is not None:
+                grads[name] = unbroadcast(gw, shaped(w).shape).reshape(w.shape)
+        return out[0], out[1], grads
+
+    return Stage(forward, backward)
+
+
+def temperature_factors(positions, beta, floor_scale, shift):
+    """Llama 4's query temperature at integer ``positions``: 1 + β·ln(1 + ⌊(p + shift) / F⌋)
+    (Llama 4: shift 1; Ministral 3: shift 0)."""
+    steps = (np.asarray(positions) + int(shift)) // int(floor_scale)
+    return number(1) + number(beta) * np.log(real((1 + steps).astype(np.float64)))
+
+
+def temperature_stage(factors) -> Stage:
+    """The query temperature: q times ``factors`` (..., 1, L, 1), k unchanged."""
+    return Stage(lambda q, k: (q * factors, k, None),
+                 lambda s, g_q, g_k: (g_q * factors, g_k, {}))
