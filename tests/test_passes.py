@@ -19,7 +19,7 @@ from golden.implementations import record
 from golden.reference import allowed_positions
 from golden.tolerances import compare, compare_terms
 from jax_attn import blockwise, explicit, functional
-from tests.helpers import JAX, fresh_rng
+from tests.helpers import JAX, fixture_features, fresh_rng, sweep
 from tests.test_blockwise import _grads
 
 SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
@@ -83,8 +83,14 @@ def test_tiles_skip_the_masked_half_and_only_with_static_positions():
 
 # One dtype each keeps the file fast: float64 (1e-13) for the forward and its weights, float32
 # (the tightest test of the backward's arithmetic, as in tests/test_blockwise.py) for the split.
-@pytest.mark.parametrize("dtype", ["float64"])
-@pytest.mark.parametrize("name", SDPA_FIXTURES)
+def _fixture_sweep(dtype):
+    """Every core fixture at ``dtype``: a covering few in the quick suite (tests/helpers.py
+    ``sweep``), all in the whole matrix."""
+    return sweep([pytest.param(n, dtype, id=f"{n}-{dtype}") for n in SDPA_FIXTURES],
+                 [fixture_features(golden.load(n), dtype) for n in SDPA_FIXTURES])
+
+
+@pytest.mark.parametrize("name, dtype", _fixture_sweep("float64"))
 def test_tiled_explicit_matches_reference(tiny_tiles, name, dtype):
     fixture = golden.load(name)
     config = variants.get(fixture.variant).config(fixture.config)
@@ -125,8 +131,7 @@ def test_split_backward_is_unrolled_only_with_static_positions_and_small_blocks(
     assert "while" in _grad_program(2048, is_causal=True)  # blockwise, (Lq', Lk') > 2^20
 
 
-@pytest.mark.parametrize("dtype", ["float32"])
-@pytest.mark.parametrize("name", SDPA_FIXTURES)
+@pytest.mark.parametrize("name, dtype", _fixture_sweep("float32"))
 def test_split_passes_match_reference(tiny_tiles, name, dtype):
     """implementation=None's gradients (explicit's tiled forward saving the statistics,
     blockwise's backward) against the reference, on every core fixture. The gradients are
@@ -201,11 +206,16 @@ def test_none_runs_the_chosen_forward_and_differentiates_with_blockwise(kw):
                                    err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("rules", [dict(is_causal=True), dict(local_window_size=(None, 1)),
-                                   dict(attention_chunk_size=4),
-                                   dict(is_causal=True, local_window_size=(2, None))])
-@pytest.mark.parametrize("extra", ["bias", "kv_lengths", "sinks", "dropout_mask", "distance_bias",
-                                   "mask"])
+SPLIT_RULES = [dict(is_causal=True), dict(local_window_size=(None, 1)),
+               dict(attention_chunk_size=4), dict(is_causal=True, local_window_size=(2, None))]
+SPLIT_EXTRAS = ["bias", "kv_lengths", "sinks", "dropout_mask", "distance_bias", "mask"]
+# Each rule and each extra at least once in the quick suite, every pair in the whole matrix.
+SPLIT_CASES = [(e, i) for e in SPLIT_EXTRAS for i in range(len(SPLIT_RULES))]
+
+
+@pytest.mark.parametrize("extra, rules", sweep(
+    [pytest.param(e, SPLIT_RULES[i], id=f"{e}-rules{i}") for e, i in SPLIT_CASES],
+    [{("extra", e), ("rules", i)} for e, i in SPLIT_CASES]))
 def test_split_backward_over_only_the_keys_some_tile_sees(tiny_tiles, rules, extra):
     """Where no query row sees the last keys (Lq = 6 of Lk = 16 here), the split backward runs
     on the keys the tiles see and pads the rest of dK, dV and d(bias) with zeros: against JAX's
