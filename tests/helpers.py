@@ -255,7 +255,7 @@ def count_compiles():
 
 # ---- the quick suite's share of a sweep ------------------------------------------------------
 
-def _kind(value):
+def kind(value):
     """What a config value says about the path it takes: its type, and for a string, bool or
     None, the value; for a dict (RoPE parameters, a query temperature) its kind of scaling."""
     if value is None or isinstance(value, (bool, str)):
@@ -271,7 +271,7 @@ def fixture_features(fixture, dtype) -> frozenset:
     """The behaviours a fixture's run exercises: its variant, dtype, each config option with
     its kind of value, and each input with its rank."""
     return frozenset({("variant", fixture.variant), ("dtype", dtype),
-                      *(("config", k, _kind(v)) for k, v in fixture.config.items()),
+                      *(("config", k, kind(v)) for k, v in fixture.config.items()),
                       *(("input", n, np.ndim(a)) for n, a in fixture.inputs.items())})
 
 

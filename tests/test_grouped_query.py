@@ -26,7 +26,7 @@ import jax_attn
 import torch_attn
 from golden import reference
 from golden.tolerances import UNIT_ROUNDOFF, compare
-from tests.helpers import JAX, TWINS, count_compiles, fresh_rng, other
+from tests.helpers import JAX, TWINS, count_compiles, fresh_rng, kind, other, sweep
 
 GQA = "grouped_query_attention"
 D_IN = 5
@@ -129,7 +129,11 @@ def _decode(twin, module, x, prompt, max_length, cache=None):
 
 # ---- decoding equals the full forward ---------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(DECODE_CONFIGS))
+# A covering few in the quick suite (every option with its kind of value at least once;
+# tests/helpers.py ``sweep``), every configuration in the whole matrix.
+@pytest.mark.parametrize("name", sweep(
+    [pytest.param(n, id=n) for n in DECODE_CONFIGS],
+    [{(k, kind(v)) for k, v in c.items()} for c in DECODE_CONFIGS.values()]))
 def test_decoding_equals_full_forward(twin, name):
     rng, seed = fresh_rng()
     config = DECODE_CONFIGS[name]

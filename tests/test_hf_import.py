@@ -26,7 +26,7 @@ import torch
 
 import golden.convert
 from golden.hf import FAMILIES as SUPPORTED
-from tests.helpers import TWINS, fresh_rng
+from tests.helpers import TWINS, fresh_rng, kind, sweep
 
 transformers = pytest.importorskip("transformers")
 
@@ -228,7 +228,12 @@ def _bound(family, twin, ours, precision):
     return EXACT if exact else FLOAT32_LEVEL
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# Decoding through our cache, for a covering few of the families in the quick suite (each config
+# field they set, with its kind of value, at least once; tests/helpers.py ``sweep``), for every
+# family in the whole matrix; each family's conversion is checked by the test above in both.
+@pytest.mark.parametrize("name", sweep(
+    [pytest.param(n, id=n) for n in FAMILIES],
+    [{("field", k, kind(v)) for k, v in f.kw.items()} for f in FAMILIES.values()]))
 def test_prefill_and_decode_with_our_cache_equal_the_full_forward(name, twin):
     # The first 4 tokens in one call, then one at a time, through the module's KV cache:
     # each token's output equals HF's full forward's (its own masks and positions).
