@@ -128,26 +128,46 @@ def _regenerated_all(fixtures) -> dict:
 class _Regeneration:
     """The regeneration check, in a second process when ``background`` (it is exact decimal
     arithmetic in Python, seconds of one core, while the rows' runners wait mostly on
-    compiled code): started at once, its answer taken after the rows. Fixture objects made
-    in memory have no name to send, so they are checked here."""
+    compiled code): started at once, its answer taken after the rows. The process is
+    ``python -c`` reading the names on stdin and writing the answer as JSON, so it ends with
+    its task even if this one is killed first. Fixture objects made in memory have no name to
+    send, so they are checked here."""
 
     def __init__(self, fixtures, names, background):
-        self.fixtures, self.future, self.pool = fixtures, None, None
+        self.fixtures, self.process = fixtures, None
         if background and all(not isinstance(n, Fixture) for n in names):
-            import concurrent.futures
-            import multiprocessing
+            import json
+            import os
+            import subprocess
+            import sys
 
-            self.pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn"))
-            self.future = self.pool.submit(_regenerated_all, [str(n) for n in names])
-            # No more work for it: its process ends with this task, even if this one is
-            # killed before asking for the answer.
-            self.pool.shutdown(wait=False)
+            root = os.path.dirname(os.path.dirname(os.path.abspath(golden.__file__)))
+            path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from golden.check import _regeneration_process as r; r()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                env={**os.environ, "PYTHONPATH": path})
+            self.process.stdin.write(json.dumps([str(n) for n in names]))
+            self.process.stdin.close()
 
     def result(self) -> dict:
-        if self.future is None:
+        if self.process is None:
             return _regenerated_all(self.fixtures)
-        return self.future.result()
+        import json
+
+        out = self.process.stdout.read()
+        self.process.stdout.close()
+        if self.process.wait() != 0:  # its traceback went to stderr; check here, in full
+            return _regenerated_all(self.fixtures)
+        return json.loads(out)
+
+
+def _regeneration_process() -> None:
+    """The second process of ``_Regeneration``: names (JSON) on stdin, the answer on stdout."""
+    import json
+    import sys
+
+    json.dump(_regenerated_all(json.loads(sys.stdin.read())), sys.stdout)
 
 
 # ---- the work: (fixture, runner, label, core, dtype) ------------------------------------------

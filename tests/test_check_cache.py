@@ -231,9 +231,9 @@ def test_the_regeneration_check_in_a_second_process_names_what_differs(tmp_path)
     names = [*golden.names()[:3], str(path)]
     fixtures = [golden.load(n) for n in names]
     background = check._Regeneration(fixtures, names, background=True)
-    assert background.future is not None  # it did run in a second process
+    assert background.process is not None  # it did run in a second process
     assert background.result() == {"sdpa_plain_drifted": ["output"]}
     here = check._Regeneration(fixtures, names, background=False)
-    assert here.future is None and here.result() == {"sdpa_plain_drifted": ["output"]}
+    assert here.process is None and here.result() == {"sdpa_plain_drifted": ["output"]}
     # Fixture objects made in memory have no name to send: checked in this process.
-    assert check._Regeneration([drifted], [drifted], background=True).future is None
+    assert check._Regeneration([drifted], [drifted], background=True).process is None
