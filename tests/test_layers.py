@@ -35,6 +35,8 @@ TOP = {"golden.__main__", "golden.check", "golden.cli", "golden.regenerate", "go
        "golden.bench.cli",
        "golden.runners", "golden.runners.torch_runner", "golden.runners.jax_runner",
        "golden.runners.adapt", "golden.runners.cache", "golden.runners.stored", "golden.report",
+       *(f"golden.report.{room}" for room in (
+           "environment", "schema", "files", "json_file", "bounds", "junit", "figures", "page")),
        "golden.compare",
        "golden.compare.mappings", "golden.compare.calls", "golden.compare.running",
        "golden.compare.report", "golden.compare.localise", "golden.compare.verdict",
