@@ -102,3 +102,17 @@ def test_torch_fused_forward_matches_fixture(fixture_name, dtype, monkeypatch):
         out = call(*args, **kwargs)
     assert calls, "the fused kernel did not run"
     assert compare(torch_twin.numpy(out), fixture.expected["output"], dtype).ok
+
+
+def test_the_quick_suite_runs_every_behaviour_of_the_jax_runs():
+    """The JAX runs the quick suite keeps (those not marked matrix) hold every variant, dtype,
+    config option and input kind that all of them hold (tests/helpers.py ``sweep``)."""
+    jax_runs = [p for p in TWIN_RUNS if p.values[0] == "jax"]
+    kept = [p for p in jax_runs if not any(m.name == "matrix" for m in p.marks)]
+    assert 0 < len(kept) < len(jax_runs)
+
+    def held(params):
+        return set().union(*(fixture_features(golden.load(p.values[1]), p.values[2])
+                             for p in params))
+    assert held(kept) == held(jax_runs)
+    assert {p.values[2] for p in kept} == {p.values[2] for p in jax_runs}  # every dtype
