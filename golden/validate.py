@@ -5,6 +5,11 @@ the same code and raise the same ``ValueError`` messages.
 
 Shape legend: B batch, H heads (Hkv of key and value), Lq query length, Lk key length, Dk key
 width, Dv value width.
+
+Why one room of about 670 lines: every check here is called by the reference and by both twins,
+and they must raise the same message for the same bad input; kept together, a check and the
+messages its siblings word alike are read at once. A new mixer's checks go in a room of their
+own beside it.
 """
 
 from __future__ import annotations

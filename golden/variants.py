@@ -11,6 +11,11 @@ Multi-head projections keep the heads as contiguous blocks of the output axis (h
 columns h·Dh … (h+1)·Dh − 1); the wrapper's independent heads are stacked on a leading axis.
 
 Shape legend: B batch, L sequence length (Lq queries, Lk keys), N heads, d_* feature widths.
+
+Why one room of about 700 lines: it is one table (the ten variants, each a ``Variant`` beside the
+shape and input functions it names) and the few functions every reader of the table shares;
+split, a variant's description would sit in two places. The next mixers (docs/architecture.md,
+"Where the next token mixers go") get descriptions of their own beside it, not in it.
 """
 
 from __future__ import annotations
