@@ -162,6 +162,15 @@ def test_twins_export_the_described_classes():
                for c in classes)
 
 
+def test_twins_define_each_class_in_the_same_room():
+    """A reader finds a class in the same room of ``modules`` in either twin (the class keeps
+    its public path as ``__module__``; its methods name the room)."""
+    rooms = [{v.class_name: getattr(lib, v.class_name).__init__.__module__.split(".")[-1]
+              for v in MODULES} for lib in (torch_attn, jax_attn)]
+    assert rooms[0] == rooms[1]
+    assert set(rooms[0].values()) == {"notebook", "grouped_query", "cross", "latent"}
+
+
 @pytest.mark.parametrize("variant", by_name(MODULES))
 def test_twin_class_signatures(variant):
     t, j = getattr(torch_attn, variant.class_name), getattr(jax_attn, variant.class_name)

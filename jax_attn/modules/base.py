@@ -1,0 +1,85 @@
+"""What every jax_attn variant module shares: ``_Variant`` (the constructor arguments checked
+against the variant's description and kept static, the dropout stream and its rate),
+``_linear`` (an ``nnx.Linear`` with the module's precision), ``compiled_call`` (how every
+``__call__`` is compiled) and ``_merge_heads`` (the heads' outputs through out_proj, where the
+result lies on a mesh). Shape legend as in jax_attn.modules: B batch, L sequence length, N
+heads, Dh head width, d_* feature widths.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from golden import variants
+from golden.variants import VARIANTS
+from jax_attn.sharding import explicit_spec
+
+
+# Compiles a module's __call__: the module is a pytree (graph=False, the fast path: no shared
+# submodules here), ``return_weights`` changes the program's outputs, so it is static.
+compiled_call = nnx.jit(graph=False, static_argnames="return_weights")
+
+
+def _check_rngs(rngs) -> None:
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs should be a flax.nnx.Rngs (nnx.Rngs(seed)), got "
+                        f"{type(rngs).__name__}")
+
+
+def _linear(d_in, d_out, bias, rngs, precision):
+    _check_rngs(rngs)
+    return nnx.Linear(d_in, d_out, use_bias=bias, precision=precision, rngs=rngs)
+
+
+class _Variant(nnx.Module):
+    """What every variant shares: its checked configuration and its dropout stream."""
+
+    variant: str
+    dropout = 0.0
+
+    def _configure(self, **given) -> None:
+        """Check the constructor arguments (golden.variants); kept as a hashable tuple, because
+        a module's plain attributes are static under jit."""
+        self._config = tuple((n, variants.freeze(v))
+                             for n, v in VARIANTS[self.variant].config(given).items())
+
+    @property
+    def config(self) -> dict:
+        """The constructor arguments (what ``build`` needs besides the parameters)."""
+        return {n: variants.thaw(v) for n, v in self._config}
+
+    def _init_dropout(self, dropout, rngs):
+        self.dropout = dropout
+        self.deterministic = False
+        self.seed_dropout(rngs)
+
+    def seed_dropout(self, rngs) -> None:
+        """A fresh dropout stream forked from ``rngs`` (none when dropout is 0)."""
+        _check_rngs(rngs)
+        self.dropout_rngs = rngs["dropout"].fork() if self.dropout > 0 else nnx.data(None)
+
+    def _rate(self) -> float:
+        return 0.0 if getattr(self, "deterministic", True) else self.dropout
+
+    def _dropout_key(self, dropout_mask):
+        """A fresh key from the dropout stream when dropout is active and no dropout mask is
+        given, else None."""
+        return self.dropout_rngs() if self._rate() > 0 and dropout_mask is None else None
+
+
+def _merge_heads(out_proj, o, gate=None):
+    """out_proj of the heads' outputs o (B, N, L, Dh) side by side, (B, L, N·Dh) -> (B, L, d_out),
+    times ``gate`` (B, L, N·Dh) first when given. With the heads split over a mesh axis
+    (jax_attn.sharding: out_proj row-parallel) the product sums over devices, and explicit mesh
+    axes ask where its result lies: as o's batch and length, the features whole on every device
+    (the all-reduce Megatron's layout implies)."""
+    merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
+    merged = merged.reshape(merged.shape[:-2] + (-1,))  # (B, L, N·Dh)
+    if gate is not None:
+        merged = merged * gate
+    spec = explicit_spec(merged)
+    out = None if spec is None else jax.typeof(merged).sharding.update(
+        spec=jax.sharding.PartitionSpec(*spec[:-1], None))  # on merged's (abstract) mesh
+    return out_proj(merged, out_sharding=out)

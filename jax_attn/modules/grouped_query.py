@@ -1,0 +1,266 @@
+"""GroupedQueryAttention, the twin of torch_attn.modules.grouped_query's: the decoder family and
+its options, with a KV cache that is a pytree written by one scatter (``_cache_positions`` and
+``_append``, which MultiHeadLatentAttention's latent cache shares) and ``strict`` read on the
+host outside the compiled call. Shape legend as in jax_attn.modules; the class docstring gives
+its own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from golden import variants
+from golden.decoder import alibi_slopes, bucket_table, qk_normalize, temperature, weight_broadcast
+from golden.decoder import sliding_window as core_window
+from golden.positions import KVCache, check_fits
+from golden.validate import (cache_shape, check_decoder_inputs, check_flags, rope_arguments,
+                             rope_settings)
+from golden.variants import VARIANTS
+from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+from jax_attn.modules.base import _linear, _merge_heads, _Variant, compiled_call
+from jax_attn.rotary import rotary_embedding
+
+
+class GroupedQueryAttention(_Variant):
+    """The attention of Llama, Mistral, Qwen and Gemma: N query heads sharing Nkv key-value heads
+    (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
+    embeddings on q and k (``rope_theta``; Hugging Face's ``rope_parameters`` scaling, the
+    ``partial_rotary_factor`` of features turned, ``rope_precision`` "exact" or "hf": see
+    rotary_embedding), causal by default, and a functional KV cache.
+
+    Shapes: x (B, L, d_in) or (L, d_in); q (B, N, L, Dh), k and v (B, Nkv, L, Dh), Dh =
+    ``head_dim`` (default d_in // num_heads); output (B, L, d_out), weights (B, N, L, Lk) with
+    Lk = L, or the cache's max_length M. ``query_seq_lengths`` (B,): the real tokens of each row
+    (right padding); a padding token neither queries (its row of the weights is zero, its output
+    row is the output bias) nor is attended, and is not written to a cache.
+
+    Options: as torch_attn.GroupedQueryAttention's (docs/modules.md), ``clip_qkv`` c included
+    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
+
+    With ``cache`` (from ``init_cache``, a pytree), token i of row b is at position
+    cache.lengths[b] + i: its key and value are written there (a scatter, in place when the
+    caller's jit donates the cache), it attends the cached keys and this call's (bottom-right
+    causal), RoPE turns it by that position, and the call returns (output, new cache). The
+    lengths are traced, so a decode step compiles once per max_length. Tokens that do not fit
+    in max_length are dropped, as in torch_attn: they are not written nor counted, and their
+    output rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True``
+    raises ValueError instead (golden.positions.check_fits), reading the lengths on the host: a
+    device sync, and impossible on traced lengths (under jit it raises saying so).
+    """
+
+    variant = "grouped_query_attention"
+
+    def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
+                 out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
+                 qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
+                 query_temperature=None, output_gate=False, rope_parameters=None,
+                 partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
+                 alibi_bias_max=8, relative_attention_num_buckets=None,
+                 relative_attention_max_distance=128, clip_qkv=None, *, rngs,
+                 precision=DEFAULT_PRECISION):
+        self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
+                        causal=causal, scale=scale, softcap=softcap,
+                        sliding_window=sliding_window, rope_theta=rope_theta,
+                        rope_interleaved=rope_interleaved, dropout=dropout, qk_norm=qk_norm,
+                        qk_norm_eps=qk_norm_eps, sinks=sinks,
+                        attention_chunk_size=attention_chunk_size,
+                        query_temperature=query_temperature, output_gate=output_gate,
+                        rope_parameters=rope_parameters,
+                        partial_rotary_factor=partial_rotary_factor, rope_precision=rope_precision,
+                        alibi=alibi, alibi_bias_max=alibi_bias_max,
+                        relative_attention_num_buckets=relative_attention_num_buckets,
+                        relative_attention_max_distance=relative_attention_max_distance,
+                        clip_qkv=clip_qkv)
+        self.clip_qkv = clip_qkv
+        self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
+                                    rope_precision)  # None without RoPE; hashable (static)
+        self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
+        self.head_dim = variants.head_dim(self.config)
+        self.causal, self.scale, self.softcap = causal, scale, softcap
+        self.local_window_size = core_window(sliding_window, causal)
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.attention_chunk_size = attention_chunk_size
+        self.alibi = alibi
+        self.alibi_slopes = None if alibi is None else tuple(
+            alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,): static, hashable
+        self.query_temperature = (None if query_temperature is None else tuple(
+            query_temperature[n] for n in variants.TEMPERATURE_FIELDS))  # static: hashable
+        self.precision = precision
+        self._init_dropout(dropout, rngs)
+        width, kv_width = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.W_query = _linear(d_in, width, qkv_bias, rngs, precision)
+        self.W_key = _linear(d_in, kv_width, qkv_bias, rngs, precision)
+        self.W_value = _linear(d_in, kv_width, qkv_bias, rngs, precision)
+        self.W_gate = _linear(d_in, width, qkv_bias, rngs, precision) if output_gate else None
+        self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
+        shapes = VARIANTS[self.variant].shapes(self.config)
+        start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
+        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
+        self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias = (
+            nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
+            if n in shapes else None
+            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias"))
+
+    def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
+        """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
+        parameters'), lengths zeros (B,) int32."""
+        shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
+        dtype = self.W_query.kernel.get_value().dtype if dtype is None else dtype
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                       jnp.zeros((batch_size,), jnp.int32))
+
+    def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+                 dropout_mask=None, return_weights=False, strict=False):
+        check_flags(strict=strict)
+        if strict and cache is not None:
+            self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask)
+        return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
+                          positions=positions, dropout_mask=dropout_mask,
+                          return_weights=return_weights)
+
+    def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask):
+        """strict=True: the lengths read on the host (as torch does), ValueError when the call's
+        tokens do not fit (golden.positions.check_fits); impossible on traced lengths."""
+        check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
+                             heads=self.num_heads, rate=self._rate(), cache=cache,
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
+        if any(isinstance(a, jax.core.Tracer) for a in (cache.lengths, new)):
+            raise ValueError("strict=True reads the cache's lengths on the host, but they are "
+                             "traced here (under jit): call the module outside jit, or pass "
+                             "strict=False (tokens that do not fit are then dropped)")
+        check_fits(np.asarray(cache.lengths), np.asarray(new), cache.key.shape[2], x.shape[-2])
+
+    @compiled_call
+    def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+              dropout_mask=None, return_weights=False):
+        rate = self._rate()
+        check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
+                             heads=self.num_heads, rate=rate, cache=cache,
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             positions=positions)
+        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
+        if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
+        k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
+        v = self._split(v, self.num_kv_heads)
+        if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
+        if cache is not None:
+            offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
+        if self.rotary is not None:
+            bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
+            q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
+                                     positions=positions, max_position=bound,
+                                     **rope_arguments(self.rotary)) for t in (q, k))
+        if self.qk_norm == "l2":  # Llama 4: after RoPE
+            q, k = self._norm(q, None), self._norm(k, None)
+        if self.query_temperature is not None:
+            q = self._temperature(q, offset, positions)
+        if cache is not None:
+            cache = _append(cache, k, v, q_lengths)
+            k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
+        head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
+        o = scaled_dot_product_attention(
+            q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]),
+            is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            local_window_size=self.local_window_size, query_offset=offset,
+            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
+            dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
+            return_weights=return_weights, precision=self.precision, **self._extra())
+        o, w = o if return_weights else (o, None)
+        gate = None if self.W_gate is None else jax.nn.sigmoid(self.W_gate(x))  # (B, L, N·Dh)
+        y = _merge_heads(self.out_proj, o, gate)  # (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _clip(self, y):
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
+        return y if self.clip_qkv is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
+
+    def _split(self, y, heads):
+        """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
+        y = y.reshape(y.shape[:-1] + (heads, self.head_dim))  # (B, L, heads, Dh)
+        return jnp.swapaxes(y, -2, -3)
+
+    def _extra(self) -> dict:
+        """The core's sinks and attention_chunk_size, when the module has them."""
+        extra = {"sinks": None if self.sinks is None else self.sinks.get_value(),
+                 "attention_chunk_size": self.attention_chunk_size}
+        return {n: a for n, a in extra.items() if a is not None}
+
+    def _norm(self, t, weight):
+        """The QK norm of t, computed in at least float32 and rounded once to t's dtype."""
+        compute = jnp.promote_types(t.dtype, jnp.float32)
+        w = None if weight is None else weight_broadcast(self.qk_norm,
+                                                         weight.get_value().astype(compute))
+        return qk_normalize(t.astype(compute), self.qk_norm, w, self.qk_norm_eps,
+                            mean=lambda a: a.mean(-1, keepdims=True),
+                            rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+    def _position_bias(self, q, keys):
+        """ALiBi's or T5's bias as the core's ``distance_bias`` (N, 2S + 1), S = L + Lk (every
+        distance j − p of the call, query i at p = i + offset, lies in −S … S), in at least
+        float32; None without. The core forms it per block ("blockwise": O(L) memory) or as
+        (L, Lk) terms ("explicit"). Both read the distance j − p in token order, as the mask
+        (``positions`` move RoPE and the temperature, not these: on the pairs a left-padded or
+        packed row attends, the two differ by a constant per sequence). ALiBi: m_h · (j − p),
+        Falcon's added before the scale (times the scale, default 1/√Dh). T5: the learned
+        table at the bucket of j − p (the buckets of every distance tabulated on the host)."""
+        if self.alibi is None and self.relative_attention_bias is None:
+            return None
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        span = keys + q.shape[-2]
+        if self.relative_attention_bias is not None:
+            table = bucket_table(span, not self.causal, *self.buckets)  # (2S + 1,) NumPy
+            return self.relative_attention_bias.get_value().astype(compute)[table].T
+        distance = jnp.arange(-span, span + 1, dtype=compute)  # (2S + 1,)
+        bias = jnp.asarray(self.alibi_slopes, compute)[:, None] * distance  # (N, 2S + 1)
+        if self.alibi == "falcon":
+            bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
+        return bias
+
+    def _temperature(self, q, offset, positions):
+        """q times the query temperature at each token's position (``positions``, or index +
+        offset)."""
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        if positions is None:
+            positions = jnp.arange(q.shape[-2])  # (L,)
+            if offset is not None:
+                positions = positions + offset[:, None]  # (B, L)
+        factors = temperature(positions, *self.query_temperature,
+                              log1p=lambda n: jnp.log1p(n.astype(compute)))
+        factors = factors[..., None] if factors.ndim == 1 else factors[:, None, :, None]
+        return (q.astype(compute) * factors).astype(q.dtype)  # (L, 1) or (B, 1, L, 1)
+
+
+def _cache_positions(cache, length, query_seq_lengths):
+    """(query offset, query lengths, key lengths) of a call of ``length`` tokens appended to
+    ``cache``: row b's tokens at lengths[b] + i, the real ones (i < query_seq_lengths[b],
+    clipped to [0, L]) counted, and of those only the ones that fit in max_length."""
+    held, room = cache.lengths, cache.key.shape[2]
+    new = (jnp.full_like(held, length) if query_seq_lengths is None
+           else jnp.clip(query_seq_lengths.astype(held.dtype), 0, length))
+    new = jnp.clip(new, 0, room - held)  # what does not fit is dropped
+    return held, new, held + new
+
+
+def _append(cache, k, v, new) -> KVCache:
+    """A new cache: row b's first new[b] keys and values of this call (B, Nkv, L, Dh) written
+    after its lengths[b] held ones, by one scatter; the others go to position M, out of range,
+    and are dropped."""
+    length, room = k.shape[2], cache.key.shape[2]
+    i = jnp.arange(length)
+    pos = jnp.where(i < new[:, None], cache.lengths[:, None] + i, room)  # (B, L)
+    rows = jnp.arange(k.shape[0])[:, None]                               # (B, 1)
+    key = cache.key.at[rows, :, pos].set(jnp.swapaxes(k, 1, 2), mode="drop")  # (B, L, Nkv, Dh)
+    value = cache.value.at[rows, :, pos].set(jnp.swapaxes(v, 1, 2), mode="drop")
+    return KVCache(key, value, cache.lengths + new)

@@ -1,0 +1,178 @@
+"""MultiHeadLatentAttention (MLA), the twin of torch_attn.modules.latent's, whose class docstring
+gives the maths: its latent cache a pytree, appended to with GroupedQueryAttention's
+``_cache_positions`` and ``_append`` (the latent seen as one key-value head), and ``absorb`` a
+compiled program of its own. Shape legend as in jax_attn.modules.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from golden import variants
+from golden.decoder import qk_normalize
+from golden.positions import KVCache, LatentCache
+from golden.validate import cache_shape, check_flags, check_latent_inputs, rope_arguments
+from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+from jax_attn.modules.base import _linear, _merge_heads, _Variant
+from jax_attn.modules.grouped_query import _append, _cache_positions
+from jax_attn.rotary import rotary_embedding
+
+
+class MultiHeadLatentAttention(_Variant):
+    """Multi-head latent attention (MLA) as DeepSeek-V2/V3 and Kimi K2 write it (transformers'
+    DeepseekV3Attention): keys and values made per head from one small latent per token, which
+    is all a cache holds. The twin of torch_attn's (its docstring gives the maths): the same
+    arguments, plus ``rngs`` and ``precision`` (every dot, projections and the absorbed
+    products included).
+
+    With ``cache`` (from ``init_cache``, golden.positions.LatentCache, a pytree) the call
+    appends each token's normalised latent and rotated k_pe (a scatter; the lengths traced, so a
+    decode step compiles once per max_length) and returns (output, new cache). ``absorb=True``
+    folds W_kv_b into the query and the output (static: its own compiled program).
+    """
+
+    variant = "multi_head_latent_attention"
+
+    def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                 v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
+                 rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
+                 causal=True, scale=None, *, rngs, precision=DEFAULT_PRECISION):
+        self._configure(d_in=d_in, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                        v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, d_out=d_out,
+                        attention_bias=attention_bias, rms_norm_eps=rms_norm_eps,
+                        rope_theta=rope_theta, rope_parameters=rope_parameters,
+                        rope_interleaved=rope_interleaved, causal=causal, scale=scale)
+        sizes = variants.latent_sizes(self.config)
+        self.rotary = variants.latent_rope(self.config)  # hashable (static)
+        self.scale = variants.latent_scale(self.config)
+        self.d_in, self.num_heads, self.kv_lora_rank = d_in, num_heads, kv_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.rms_norm_eps, self.rope_interleaved, self.causal = (rms_norm_eps, rope_interleaved,
+                                                                 causal)
+        self.precision = precision
+        qk, bias = sizes["qk_head_dim"], attention_bias
+        lora = q_lora_rank is not None
+        self.W_query = None if lora else _linear(d_in, num_heads * qk, False, rngs, precision)
+        self.W_q_a = _linear(d_in, q_lora_rank, bias, rngs, precision) if lora else None
+        self.q_a_norm = nnx.Param(jnp.ones((q_lora_rank,))) if lora else None
+        self.W_q_b = _linear(q_lora_rank, num_heads * qk, False, rngs, precision) if lora else None
+        self.W_kv_a = _linear(d_in, kv_lora_rank + qk_rope_head_dim, bias, rngs, precision)
+        self.kv_a_norm = nnx.Param(jnp.ones((kv_lora_rank,)))
+        self.W_kv_b = _linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False,
+                              rngs, precision)
+        self.out_proj = _linear(num_heads * v_head_dim, sizes["d_out"], bias, rngs, precision)
+
+    def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
+        """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
+        max_length, qk_rope_head_dim) in ``dtype`` (default the parameters'), lengths zeros
+        (B,) int32."""
+        cache_shape(batch_size, max_length, 1, 1)  # checks the sizes
+        dtype = self.W_kv_a.kernel.get_value().dtype if dtype is None else dtype
+        return LatentCache(jnp.zeros((batch_size, max_length, self.kv_lora_rank), dtype),
+                           jnp.zeros((batch_size, max_length, self.rope), dtype),
+                           jnp.zeros((batch_size,), jnp.int32))
+
+    def cache_bytes_per_token(self, dtype=None) -> int:
+        """Bytes the cache holds per token and layer: (kv_lora_rank + qk_rope_head_dim) ·
+        itemsize of ``dtype`` (default the parameters'), whatever num_heads."""
+        dtype = self.W_kv_a.kernel.get_value().dtype if dtype is None else dtype
+        return (self.kv_lora_rank + self.rope) * jnp.dtype(dtype).itemsize
+
+    def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+                 return_weights=False, absorb=False):
+        check_flags(absorb=absorb)
+        return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
+                          positions=positions, return_weights=return_weights, absorb=absorb)
+
+    @nnx.jit(graph=False, static_argnames=("return_weights", "absorb"))
+    def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+              return_weights=False, absorb=False):
+        check_latent_inputs(x, self.d_in, mask, query_seq_lengths, heads=self.num_heads,
+                            positions=positions, cache=cache, kv_lora_rank=self.kv_lora_rank,
+                            rope_dim=self.rope)
+        q = self._split(self._query(x), self.nope + self.rope)  # (B, N, L, Dk)
+        kv_a = self.W_kv_a(x)                                    # (B, L, r + Dr)
+        latent = self._norm(kv_a[..., :self.kv_lora_rank], self.kv_a_norm)  # (B, L, r)
+        k_pe = kv_a[..., None, :, self.kv_lora_rank:]            # (B, 1, L, Dr)
+        offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
+        if cache is not None:
+            held = _as_kv(cache)
+            offset, q_lengths, kv_lengths = _cache_positions(held, x.shape[1], query_seq_lengths)
+        bound = x.shape[-2] if cache is None else cache.latent.shape[1] + x.shape[1]
+        q_pe, k_pe = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
+                                       positions=positions, max_position=bound,
+                                       **rope_arguments(self.rotary))
+                      for t in (q[..., self.nope:], k_pe))
+        latent = latent[..., None, :, :]                         # (B, 1, L, r)
+        if cache is not None:
+            held = _append(held, latent, k_pe, q_lengths)
+            latent, k_pe = held.key, held.value                  # (B, 1, M, r), (B, 1, M, Dr)
+            cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
+        head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
+        attend = self._absorbed if absorb else self._expanded
+        o = attend(q[..., :self.nope], q_pe, latent, k_pe, head_mask, offset, q_lengths,
+                   kv_lengths, return_weights)                   # (B, N, L, Dv)
+        o, w = o if return_weights else (o, None)
+        y = _merge_heads(self.out_proj, o)                       # (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _expanded(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
+                  return_weights):
+        """Per-head keys [k_nope | k_pe] (B, N, Lk, Dk) and values (B, N, Lk, Dv) from the
+        latent (B, 1, Lk, r) through W_kv_b, then the core."""
+        kv = self._split(self.W_kv_b(latent[..., 0, :, :]), self.nope + self.v_head_dim)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, k_nope.shape[:-1] + (self.rope,))],
+                            -1)
+        return scaled_dot_product_attention(
+            jnp.concatenate([q_nope, q_pe], -1), k, v, mask, is_causal=self.causal,
+            scale=self.scale, query_offset=offset, query_seq_lengths=q_lengths,
+            key_value_seq_lengths=kv_lengths, return_weights=return_weights,
+            precision=self.precision)
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
+                  return_weights):
+        """W_kv_b's key half W_kb (r, N, Dn) folded into the query, q_lat (B, N, L, r); the
+        core on one key-value head, keys [c | k_pe] (B, 1, Lk, r + Dr), values c; the result
+        (B, N, L, r) through W_kv_b's value half W_vb (r, N, Dv)."""
+        w = self.W_kv_b.kernel.get_value()
+        w = w.reshape(w.shape[0], self.num_heads, -1)            # (r, N, Dn + Dv)
+        w_kb, w_vb = w[..., :self.nope], w[..., self.nope:]
+        q_lat = jnp.einsum("...nld,rnd->...nlr", q_nope, w_kb, precision=self.precision)
+        o = scaled_dot_product_attention(
+            jnp.concatenate([q_lat, q_pe], -1), jnp.concatenate([latent, k_pe], -1), latent,
+            mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
+            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            return_weights=return_weights, precision=self.precision)
+        o, w_ = o if return_weights else (o, None)
+        o = jnp.einsum("...nlr,rnv->...nlv", o, w_vb, precision=self.precision)
+        return (o, w_) if return_weights else o
+
+    def _query(self, x):
+        """(B, L, N·Dk): x W_query, or RMSNorm(x W_q_a + b_q_a) W_q_b."""
+        if self.W_query is not None:
+            return self.W_query(x)
+        return self.W_q_b(self._norm(self.W_q_a(x), self.q_a_norm))
+
+    def _split(self, y, width):
+        """(B, L, N·width) -> (B, N, L, width)."""
+        y = y.reshape(y.shape[:-1] + (self.num_heads, width))  # (B, L, N, width)
+        return jnp.swapaxes(y, -2, -3)
+
+    def _norm(self, t, weight):
+        """RMSNorm of t times ``weight``, computed in at least float32, rounded once to t's
+        dtype."""
+        compute = jnp.promote_types(t.dtype, jnp.float32)
+        return qk_normalize(t.astype(compute), "rms", weight.get_value().astype(compute),
+                            self.rms_norm_eps, mean=lambda a: a.mean(-1, keepdims=True),
+                            rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+
+def _as_kv(cache) -> KVCache:
+    """A LatentCache seen as a KVCache of one head (B, 1, M, ·), for _cache_positions and
+    _append (shared with GroupedQueryAttention)."""
+    return KVCache(cache.latent[:, None], cache.rope_key[:, None], cache.lengths)

@@ -1,0 +1,18 @@
+"""What every torch_attn variant module shares: ``_config`` (the constructor arguments checked
+against the variant's description) and ``_dropout_rate`` (the module's dropout in training
+mode, 0 in eval mode). The twin of jax_attn.modules.base, where the same machinery is a base
+class because NNX keeps settings static and draws dropout from a stream.
+"""
+
+from __future__ import annotations
+
+from golden.variants import VARIANTS
+
+
+def _config(variant, **given) -> dict:
+    """The constructor arguments, checked against the variant's description (golden.variants)."""
+    return VARIANTS[variant].config(given)
+
+
+def _dropout_rate(module) -> float:
+    return module.dropout if module.training else 0.0

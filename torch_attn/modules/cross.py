@@ -1,0 +1,101 @@
+"""MultiHeadCrossAttention, encoder-decoder attention as Whisper, BART and T5 write it: query
+heads over key-value heads made from a context of another length and width, its keys and values
+computed once (``context_cache``) and a later call's context checked against the cache's
+fingerprint. Shape legend as in torch_attn.modules; the class docstring gives its own (Lc the
+context's length).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from golden import variants
+from golden.positions import ContextCache, context_fingerprint
+from golden.validate import check_context, check_context_inputs, check_same_context
+from torch_attn.explicit import LOW_PRECISION
+from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.modules.base import _config
+
+
+class MultiHeadCrossAttention(nn.Module):
+    """Encoder-decoder attention as Whisper, BART and T5 write it: N query heads from x over Nkv
+    key-value heads (N a multiple of Nkv) from a context of another length and width, no
+    causality, and the context's keys and values computed once (``context_cache``).
+
+    Shapes: x (B, Lq, d_in) or (Lq, d_in); context (B, Lc, d_context); q (B, N, Lq, Dh), k and
+    v (B, Nkv, Lc, Dh), Dh = ``head_dim`` (default d_in // num_heads); output (B, Lq, d_out)
+    (d_out default d_in), weights (B, N, Lq, Lc). ``context_lengths`` (B,): the real tokens of
+    each context row (right padding); a query whose row has none gets zero weights.
+
+    Biases: ``qkv_bias`` on the query and value projections, and on the key projection unless
+    ``key_bias`` says otherwise (Whisper: qkv_bias=True, key_bias=False; BART: True; T5: none,
+    with scale=1.0); ``out_bias`` on out_proj.
+
+    With ``cache`` (from ``context_cache``), the cached keys and values are used and
+    ``context`` may be None; if it is given, it must be the context the cache was made from
+    (its shape, and its fingerprint: golden.positions.context_fingerprint), else ValueError.
+    """
+
+    variant = "multi_head_cross_attention"
+
+    def __init__(self, d_in, d_context, num_heads, num_kv_heads=None, head_dim=None, d_out=None,
+                 qkv_bias=False, key_bias=None, out_bias=False, scale=None):
+        super().__init__()
+        self.config = _config(self.variant, d_in=d_in, d_context=d_context, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
+                              qkv_bias=qkv_bias, key_bias=key_bias, out_bias=out_bias,
+                              scale=scale)
+        sizes = variants.cross_sizes(self.config)
+        self.d_in, self.d_context, self.num_heads = d_in, d_context, num_heads
+        self.num_kv_heads, self.head_dim = sizes["num_kv_heads"], sizes["head_dim"]
+        self.scale = scale
+        width, kv_width = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
+        self.W_key = nn.Linear(d_context, kv_width, bias=sizes["key_bias"])
+        self.W_value = nn.Linear(d_context, kv_width, bias=qkv_bias)
+        self.out_proj = nn.Linear(width, sizes["d_out"], bias=out_bias)
+
+    def context_cache(self, context, context_lengths=None) -> ContextCache:
+        """The context's keys and values (B, Nkv, Lc, Dh), its lengths (B,) int32 (Lc without
+        context_lengths) and its fingerprint (B, 4), for later calls."""
+        check_context(context, self.d_context, context_lengths)
+        return ContextCache(*self._project_context(context, context_lengths),
+                            _fingerprint(context))
+
+    def forward(self, x, context=None, mask=None, *, cache=None, context_lengths=None,
+                return_weights=False):
+        check_context_inputs(x, context, self.d_in, self.d_context, mask, context_lengths,
+                             heads=self.num_heads, cache=cache, kv_heads=self.num_kv_heads,
+                             head_dim=self.head_dim)
+        if cache is None:
+            k, v, lengths = self._project_context(context, context_lengths)
+        else:
+            if context is not None:
+                check_same_context(torch.equal(_fingerprint(context), cache.fingerprint))
+            k, v, lengths = cache.key, cache.value, cache.lengths
+        q = self._split(self.W_query(x))                       # (B, N, Lq, Dh)
+        head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, Lq, Lc)
+        o = scaled_dot_product_attention(q, k, v, head_mask, scale=self.scale,
+                                         key_value_seq_lengths=lengths,
+                                         return_weights=return_weights)
+        o, w = o if return_weights else (o, None)
+        y = self.out_proj(o.transpose(-2, -3).flatten(-2))     # (B, Lq, N·Dh) -> (B, Lq, d_out)
+        return (y, w) if return_weights else y
+
+    def _project_context(self, context, context_lengths):
+        """k, v (B, Nkv, Lc, Dh) of the context and its lengths (B,) int32 (Lc when None)."""
+        lengths = (torch.full(context.shape[:-2], context.shape[-2], dtype=torch.int32,
+                              device=context.device)
+                   if context_lengths is None else context_lengths.to(torch.int32))
+        return self._split(self.W_key(context)), self._split(self.W_value(context)), lengths
+
+    def _split(self, y):
+        """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
+        return y.unflatten(-1, (-1, self.head_dim)).transpose(-2, -3)
+
+
+def _fingerprint(context):
+    """golden.positions.context_fingerprint of ``context`` in at least float32."""
+    compute = torch.float32 if context.dtype in LOW_PRECISION else context.dtype
+    return context_fingerprint(context.detach().to(compute), torch.stack)

@@ -1,0 +1,260 @@
+"""GroupedQueryAttention, the decoder family (Llama, Mistral, Qwen, Gemma and their successors):
+query heads over fewer key-value heads, RoPE, the QK norms, sinks, chunks, the query
+temperature, the output gate, ALiBi and T5's buckets, and its functional KV cache:
+``_cache_positions`` and ``_append``, which MultiHeadLatentAttention's latent cache shares.
+Shape legend as in torch_attn.modules; the class docstring gives its own (Nkv key-value heads,
+M the cache's max_length).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from golden import variants
+from golden.decoder import (alibi_bias, alibi_slopes, bucket_table, qk_normalize, relative_bias,
+                            sliding_window, temperature, weight_broadcast)
+from golden.positions import KVCache, check_fits
+from golden.validate import (cache_shape, check_decoder_inputs, check_flags, rope_arguments,
+                             rope_settings)
+from torch_attn.explicit import LOW_PRECISION
+from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.modules.base import _config, _dropout_rate
+from torch_attn.rotary import rotary_embedding
+
+
+class GroupedQueryAttention(nn.Module):
+    """Decoder attention as Llama, Mistral, Qwen, Gemma and their 2025–26 successors write it
+    (docs/modules.md lists which families load exactly): N query heads sharing Nkv key-value
+    heads (N a multiple of Nkv; Nkv = N is multi-head, Nkv = 1 multi-query attention), rotary
+    embeddings on q and k (``rope_theta``; Hugging Face's ``rope_parameters`` scaling, the
+    ``partial_rotary_factor`` of features turned, ``rope_precision`` "exact" or "hf": see
+    rotary_embedding), causal by default, and a functional KV cache.
+
+    Shapes: x (B, L, d_in) or (L, d_in); q (B, N, L, Dh), k and v (B, Nkv, L, Dh), Dh =
+    ``head_dim`` (default d_in // num_heads); output (B, L, d_out), weights (B, N, L, Lk) with
+    Lk = L, or the cache's max_length M. ``query_seq_lengths`` (B,): the real tokens of each row
+    (right padding); a padding token neither queries (its row of the weights is zero, its output
+    row is the output bias) nor is attended, and is not written to a cache.
+
+    Options, in Hugging Face's terms: ``sliding_window`` W (a query sees W keys, itself
+    included: the core's window (W − 1, 0)); ``qk_norm`` (golden.variants.QK_NORMS: "rms"
+    Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere, "l2" Llama 4,
+    with ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
+    ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C
+    positions); ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers:
+    q · (1 + β·ln(1 + ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times
+    σ(x W_gate + b_gate) before out_proj); ``alibi`` ("bloom", "mpt" with
+    ``alibi_bias_max``, "falcon") and T5's ``relative_attention_num_buckets`` (a learned bias
+    per bucket of key − query distance, ``relative_attention_max_distance``); ``clip_qkv`` c
+    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
+
+    With ``cache`` (from ``init_cache``), token i of row b is at position
+    cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
+    this call's (bottom-right causal), RoPE turns it by that position, and the call returns
+    (output, new cache); the cache given is left as it was. Tokens that do not fit in
+    max_length are dropped, as in jax_attn: they are not written nor counted, and their output
+    rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True`` raises
+    ValueError instead (golden.positions.check_fits; it reads the lengths: a device sync).
+    """
+
+    variant = "grouped_query_attention"
+
+    def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
+                 out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
+                 rope_theta=None, rope_interleaved=False, dropout=0.0, qk_norm=None,
+                 qk_norm_eps=1e-6, sinks=False, attention_chunk_size=None,
+                 query_temperature=None, output_gate=False, rope_parameters=None,
+                 partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
+                 alibi_bias_max=8, relative_attention_num_buckets=None,
+                 relative_attention_max_distance=128, clip_qkv=None):
+        super().__init__()
+        self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
+                              qkv_bias=qkv_bias, out_bias=out_bias, causal=causal, scale=scale,
+                              softcap=softcap, sliding_window=sliding_window,
+                              rope_theta=rope_theta, rope_interleaved=rope_interleaved,
+                              dropout=dropout, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                              sinks=sinks, attention_chunk_size=attention_chunk_size,
+                              query_temperature=query_temperature, output_gate=output_gate,
+                              rope_parameters=rope_parameters,
+                              partial_rotary_factor=partial_rotary_factor,
+                              rope_precision=rope_precision, alibi=alibi,
+                              alibi_bias_max=alibi_bias_max,
+                              relative_attention_num_buckets=relative_attention_num_buckets,
+                              relative_attention_max_distance=relative_attention_max_distance,
+                              clip_qkv=clip_qkv)
+        self.clip_qkv = clip_qkv
+        self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
+                                    rope_precision)  # None without RoPE
+        self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
+        self.head_dim = variants.head_dim(self.config)
+        self.causal, self.scale, self.softcap = causal, scale, softcap
+        self.sliding_window, self.dropout = sliding_window, dropout
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.attention_chunk_size, self.query_temperature = attention_chunk_size, query_temperature
+        self.alibi = alibi
+        self.alibi_slopes = None if alibi is None else tuple(
+            alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,), float64 values
+        width = num_heads * self.head_dim
+        self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.W_gate = nn.Linear(d_in, width, bias=qkv_bias) if output_gate else None
+        self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
+        shapes = variants.VARIANTS[self.variant].shapes(self.config)
+        start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
+        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
+        self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias = (
+            nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
+            if n in shapes else None
+            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias"))
+
+    def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
+        """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
+        parameters'), lengths zeros (B,) int32, on the parameters' device."""
+        shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
+        dtype = self.W_query.weight.dtype if dtype is None else dtype
+        device = self.W_query.weight.device
+        return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(batch_size, dtype=torch.int32, device=device))
+
+    def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+                dropout_mask=None, return_weights=False, strict=False):
+        rate = _dropout_rate(self)
+        check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
+                             heads=self.num_heads, rate=rate, cache=cache,
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             positions=positions)
+        check_flags(strict=strict)
+        if strict and cache is not None:  # reads the lengths: a device sync
+            new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
+            check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
+                       cache.key.shape[2], x.shape[-2])
+        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
+        if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
+        k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
+        v = self._split(v, self.num_kv_heads)
+        if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
+        if cache is not None:
+            offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
+        if self.rotary is not None:
+            bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
+            q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
+                                     positions=positions, max_position=bound,
+                                     **rope_arguments(self.rotary)) for t in (q, k))
+        if self.qk_norm == "l2":  # Llama 4: after RoPE
+            q, k = self._norm(q, None), self._norm(k, None)
+        if self.query_temperature is not None:
+            q = self._temperature(q, offset, positions)
+        if cache is not None:
+            cache = _append(cache, k, v, q_lengths)
+            k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
+        head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, L, Lk)
+        extra = {n: a for n, a in (("sinks", self.sinks),
+                                   ("attention_chunk_size", self.attention_chunk_size))
+                 if a is not None}
+        bias = self._position_bias(q, k.shape[-2], offset)
+        o = scaled_dot_product_attention(
+            q, k, v, head_mask, bias, is_causal=self.causal, scale=self.scale,
+            softcap=self.softcap,
+            local_window_size=sliding_window(self.sliding_window, self.causal),
+            query_offset=offset, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            dropout_rate=rate, dropout_mask=dropout_mask, return_weights=return_weights,
+            **extra)
+        o, w = o if return_weights else (o, None)
+        merged = o.transpose(-2, -3).flatten(-2)  # (B, L, N·Dh)
+        if self.W_gate is not None:
+            merged = merged * torch.sigmoid(self.W_gate(x))
+        y = self.out_proj(merged)  # (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _clip(self, y):
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
+        return y if self.clip_qkv is None else y.clamp(-self.clip_qkv, self.clip_qkv)
+
+    def _split(self, y, heads):
+        """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
+        return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
+
+    def _norm(self, t, weight):
+        """The QK norm of t, computed in at least float32 and rounded once to t's dtype."""
+        compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+        w = None if weight is None else weight_broadcast(self.qk_norm, weight.to(compute))
+        return qk_normalize(t.to(compute), self.qk_norm, w, self.qk_norm_eps,
+                            mean=lambda a: a.mean(-1, keepdim=True),
+                            rsqrt=torch.rsqrt).to(t.dtype)
+
+    def _position_bias(self, q, keys, offset):
+        """ALiBi's or T5's score bias (N, L, Lk), or (B, N, L, Lk) with a cache (query i at
+        p = offset + i), in at least float32; None without. Both read the distance j − p in
+        token order, as the mask (``positions`` move RoPE and the temperature, not these: on
+        the pairs a left-padded or packed row attends, the two differ by a constant per
+        sequence). ALiBi: m_h · (j − p), Falcon's added before the scale (times the scale,
+        default 1/√Dh). T5: the learned table at the bucket of j − p."""
+        if self.alibi is None and self.relative_attention_bias is None:
+            return None
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        pos = torch.arange(q.shape[-2], device=q.device)[:, None]  # (L, 1)
+        if offset is not None:
+            pos = pos + offset[:, None, None]  # (B, L, 1)
+        distance = torch.arange(keys, device=q.device) - pos  # (..., L, Lk)
+        if self.relative_attention_bias is not None:
+            span = keys + q.shape[-2]  # every distance j − p lies in [−span, span]
+            table = torch.as_tensor(bucket_table(span, not self.causal, *self.buckets),
+                                    device=q.device)
+            return relative_bias(self.relative_attention_bias.to(compute), table[distance + span],
+                                 moveaxis=torch.movedim)
+        slopes = torch.tensor(self.alibi_slopes, dtype=compute, device=q.device)
+        bias = alibi_bias(slopes, distance.to(compute))
+        if self.alibi == "falcon":
+            bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
+        return bias
+
+    def _temperature(self, q, offset, positions):
+        """q times the query temperature at each token's position (``positions``, or index +
+        offset)."""
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        if positions is None:
+            positions = torch.arange(q.shape[-2], device=q.device)  # (L,)
+            if offset is not None:
+                positions = positions + offset[:, None]  # (B, L)
+        positions = positions.to(q.device)
+        t = self.query_temperature
+        factors = temperature(positions, t["beta"], t["floor_scale"], t["shift"],
+                              log1p=lambda n: torch.log1p(n.to(compute)))
+        factors = factors[..., None] if factors.dim() == 1 else factors[:, None, :, None]
+        return (q.to(compute) * factors).to(q.dtype)  # (L, 1) or (B, 1, L, 1)
+
+
+def _cache_positions(cache, length, query_seq_lengths):
+    """(query offset, query lengths, key lengths) of a call of ``length`` tokens appended to
+    ``cache``: row b's tokens at lengths[b] + i, the real ones (i < query_seq_lengths[b],
+    clipped to [0, L]) counted, and of those only the ones that fit in max_length (as
+    jax_attn's; ``strict=True`` raises instead, golden.positions.check_fits)."""
+    held, room = cache.lengths, cache.key.shape[2]
+    new = (torch.full_like(held, length) if query_seq_lengths is None
+           else query_seq_lengths.to(held.device, held.dtype).clamp(0, length))
+    new = torch.minimum(new, room - held)  # what does not fit is dropped
+    return held, new, held + new
+
+
+def _append(cache, k, v, new) -> KVCache:
+    """A new cache: row b's first new[b] keys and values of this call (B, Nkv, L, Dh) written
+    after its lengths[b] held ones (the cache given is not changed)."""
+    b, length = k.shape[0], k.shape[2]
+    i = torch.arange(length, device=k.device)
+    real = i < new[:, None]                                       # (B, L)
+    rows = torch.arange(b, device=k.device)[:, None].expand(b, length)[real]
+    pos = (cache.lengths[:, None] + i)[real]                      # (n,) each
+    key, value = cache.key.clone(), cache.value.clone()
+    key[rows, :, pos] = k.transpose(1, 2)[real]                   # (n, Nkv, Dh)
+    value[rows, :, pos] = v.transpose(1, 2)[real]
+    return KVCache(key, value, (cache.lengths + new).to(cache.lengths.dtype))

@@ -1,0 +1,188 @@
+"""MultiHeadLatentAttention (MLA, DeepSeek-V2/V3, Kimi K2): keys and values made per head from one
+small latent per token, which is all its cache holds; the latent cache is appended to as
+GroupedQueryAttention's KV cache is (its ``_cache_positions`` and ``_append``, on the latent
+seen as one key-value head). Shape legend as in torch_attn.modules; the class docstring gives
+the maths and its own letters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from golden import variants
+from golden.decoder import qk_normalize
+from golden.positions import KVCache, LatentCache
+from golden.validate import cache_shape, check_flags, check_latent_inputs, rope_arguments
+from torch_attn.explicit import LOW_PRECISION
+from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.modules.base import _config
+from torch_attn.modules.grouped_query import _append, _cache_positions
+from torch_attn.rotary import rotary_embedding
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head latent attention (MLA) as DeepSeek-V2/V3 and Kimi K2 write it (transformers'
+    DeepseekV3Attention): keys and values made per head from one small latent per token, which
+    is all a cache holds.
+
+    Shapes: x (B, L, d_in) or (L, d_in); r = kv_lora_rank, Dn = qk_nope_head_dim, Dr =
+    qk_rope_head_dim, Dk = Dn + Dr, Dv = v_head_dim. q = x W_query, or with ``q_lora_rank`` R
+    RMSNorm(x W_q_a + b_q_a) W_q_b (q_a_norm), (B, N, L, Dk), each head [q_nope | q_pe];
+    x W_kv_a + b_kv_a = [c | k_pe] (B, L, r + Dr); the latent c RMS-normalised (kv_a_norm) and
+    W_kv_b (no bias) make each head's [k_nope (Dn) | v (Dv)]; q_pe and the one rotary key head
+    k_pe turned by RoPE (``rope_interleaved``: pairs (2i, 2i + 1), DeepSeek's layout; else
+    "rotate half"), k_pe shared by every head; causal attention of [q_nope | q_pe] on
+    [k_nope | k_pe], scale Dk^−1/2 times yarn's mscale(s, mscale_all_dim)² (golden.variants.
+    latent_scale) unless ``scale`` is given; out_proj (N·Dv -> d_out). ``attention_bias`` puts
+    biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output (B, L, d_out), weights
+    (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths`` and ``positions``
+    as GroupedQueryAttention's.
+
+    With ``cache`` (from ``init_cache``, golden.positions.LatentCache) the call appends each
+    token's normalised latent c and rotated k_pe at position cache.lengths[b] + i and returns
+    (output, new cache); what does not fit in max_length is dropped, as GroupedQueryAttention
+    drops it. ``absorb=True`` computes the same attention without making per-head keys and
+    values (vLLM's and SGLang's decode): W_kv_b's key half folded into the query, q_lat =
+    q_nope W_kb per head (B, N, L, r), scores [q_lat | q_pe] · [c | k_pe] on the one latent
+    "head" (the core's multi-query attention), weights · c (B, N, L, r) then W_kv_b's value
+    half per head.
+    """
+
+    variant = "multi_head_latent_attention"
+
+    def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                 v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
+                 rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
+                 causal=True, scale=None):
+        super().__init__()
+        self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
+                              kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                              qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+                              q_lora_rank=q_lora_rank, d_out=d_out, attention_bias=attention_bias,
+                              rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
+                              rope_parameters=rope_parameters, rope_interleaved=rope_interleaved,
+                              causal=causal, scale=scale)
+        sizes = variants.latent_sizes(self.config)
+        self.rotary = variants.latent_rope(self.config)
+        self.scale = variants.latent_scale(self.config)
+        self.d_in, self.num_heads, self.kv_lora_rank = d_in, num_heads, kv_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.rms_norm_eps, self.rope_interleaved, self.causal = (rms_norm_eps, rope_interleaved,
+                                                                 causal)
+        qk, bias = sizes["qk_head_dim"], attention_bias
+        lora = q_lora_rank is not None
+        self.W_query = None if lora else nn.Linear(d_in, num_heads * qk, bias=False)
+        self.W_q_a = nn.Linear(d_in, q_lora_rank, bias=bias) if lora else None
+        self.q_a_norm = nn.Parameter(torch.ones(q_lora_rank)) if lora else None
+        self.W_q_b = nn.Linear(q_lora_rank, num_heads * qk, bias=False) if lora else None
+        self.W_kv_a = nn.Linear(d_in, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_norm = nn.Parameter(torch.ones(kv_lora_rank))
+        self.W_kv_b = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
+                                bias=False)
+        self.out_proj = nn.Linear(num_heads * v_head_dim, sizes["d_out"], bias=bias)
+
+    def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
+        """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
+        max_length, qk_rope_head_dim) in ``dtype`` (default the parameters'), lengths zeros
+        (B,) int32, on the parameters' device."""
+        cache_shape(batch_size, max_length, 1, 1)  # checks the sizes
+        dtype = self.W_kv_a.weight.dtype if dtype is None else dtype
+        device = self.W_kv_a.weight.device
+        return LatentCache(
+            torch.zeros(batch_size, max_length, self.kv_lora_rank, dtype=dtype, device=device),
+            torch.zeros(batch_size, max_length, self.rope, dtype=dtype, device=device),
+            torch.zeros(batch_size, dtype=torch.int32, device=device))
+
+    def cache_bytes_per_token(self, dtype=None) -> int:
+        """Bytes the cache holds per token and layer: (kv_lora_rank + qk_rope_head_dim) ·
+        itemsize of ``dtype`` (default the parameters'), whatever num_heads."""
+        dtype = self.W_kv_a.weight.dtype if dtype is None else dtype
+        return (self.kv_lora_rank + self.rope) * torch.empty((), dtype=dtype).element_size()
+
+    def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
+                return_weights=False, absorb=False):
+        check_latent_inputs(x, self.d_in, mask, query_seq_lengths, heads=self.num_heads,
+                            positions=positions, cache=cache, kv_lora_rank=self.kv_lora_rank,
+                            rope_dim=self.rope)
+        check_flags(absorb=absorb)
+        q = self._split(self._query(x), self.nope + self.rope)  # (B, N, L, Dk)
+        kv_a = self.W_kv_a(x)                                    # (B, L, r + Dr)
+        latent = self._norm(kv_a[..., :self.kv_lora_rank], self.kv_a_norm)  # (B, L, r)
+        k_pe = kv_a[..., None, :, self.kv_lora_rank:]            # (B, 1, L, Dr)
+        offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
+        if cache is not None:
+            held = _as_kv(cache)
+            offset, q_lengths, kv_lengths = _cache_positions(held, x.shape[1], query_seq_lengths)
+        bound = x.shape[-2] if cache is None else cache.latent.shape[1] + x.shape[1]
+        q_pe, k_pe = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
+                                       positions=positions, max_position=bound,
+                                       **rope_arguments(self.rotary))
+                      for t in (q[..., self.nope:], k_pe))
+        latent = latent.unsqueeze(-3)                            # (B, 1, L, r)
+        if cache is not None:
+            held = _append(held, latent, k_pe, q_lengths)
+            latent, k_pe = held.key, held.value                  # (B, 1, M, r), (B, 1, M, Dr)
+            cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
+        head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, L, Lk)
+        attend = self._absorbed if absorb else self._expanded
+        o = attend(q[..., :self.nope], q_pe, latent, k_pe, head_mask, offset, q_lengths,
+                   kv_lengths, return_weights)                   # (B, N, L, Dv)
+        o, w = o if return_weights else (o, None)
+        y = self.out_proj(o.transpose(-2, -3).flatten(-2))       # (B, L, N·Dv) -> (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _expanded(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
+                  return_weights):
+        """Per-head keys [k_nope | k_pe] (B, N, Lk, Dk) and values (B, N, Lk, Dv) from the
+        latent (B, 1, Lk, r) through W_kv_b, then the core."""
+        kv = self._split(self.W_kv_b(latent[..., 0, :, :]), self.nope + self.v_head_dim)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        k = torch.cat([k_nope, k_pe.expand(k_nope.shape[:-1] + (self.rope,))], -1)
+        q = torch.cat([q_nope, q_pe], -1)
+        return scaled_dot_product_attention(
+            q, k, v, mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
+            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            return_weights=return_weights)
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
+                  return_weights):
+        """W_kv_b's key half W_kb (r, N, Dn) folded into the query, q_lat (B, N, L, r); the
+        core on one key-value head, keys [c | k_pe] (B, 1, Lk, r + Dr), values c; the result
+        (B, N, L, r) through W_kv_b's value half W_vb (r, N, Dv)."""
+        w = self.W_kv_b.weight.T.unflatten(-1, (self.num_heads, -1))  # (r, N, Dn + Dv)
+        w_kb, w_vb = w[..., :self.nope], w[..., self.nope:]
+        q_lat = torch.einsum("...nld,rnd->...nlr", q_nope, w_kb)
+        o = scaled_dot_product_attention(
+            torch.cat([q_lat, q_pe], -1), torch.cat([latent, k_pe], -1), latent, mask,
+            is_causal=self.causal, scale=self.scale, query_offset=offset,
+            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            return_weights=return_weights)
+        o, w_ = o if return_weights else (o, None)
+        o = torch.einsum("...nlr,rnv->...nlv", o, w_vb)
+        return (o, w_) if return_weights else o
+
+    def _query(self, x):
+        """(B, L, N·Dk): x W_query, or RMSNorm(x W_q_a + b_q_a) W_q_b."""
+        if self.W_query is not None:
+            return self.W_query(x)
+        return self.W_q_b(self._norm(self.W_q_a(x), self.q_a_norm))
+
+    def _split(self, y, width):
+        """(B, L, N·width) -> (B, N, L, width)."""
+        return y.unflatten(-1, (self.num_heads, width)).transpose(-2, -3)
+
+    def _norm(self, t, weight):
+        """RMSNorm of t times ``weight``, computed in at least float32, rounded once to t's
+        dtype."""
+        compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+        return qk_normalize(t.to(compute), "rms", weight.to(compute), self.rms_norm_eps,
+                            mean=lambda a: a.mean(-1, keepdim=True),
+                            rsqrt=torch.rsqrt).to(t.dtype)
+
+
+def _as_kv(cache) -> KVCache:
+    """A LatentCache seen as a KVCache of one head (B, 1, M, ·), for _cache_positions and
+    _append (shared with GroupedQueryAttention)."""
+    return KVCache(cache.latent.unsqueeze(1), cache.rope_key.unsqueeze(1), cache.lengths)
