@@ -292,3 +292,12 @@ def sweep(params: list, features: list) -> list:
     keep = covering(features)
     return [p if i in keep else pytest.param(*p.values, id=p.id, marks=[*p.marks, matrix])
             for i, p in enumerate(params)]
+
+
+def fixture_sweep(runs) -> list:
+    """pytest parameters (name, dtype), ids "name-dtype", of the fixture runs ``runs``: a
+    covering few in the quick suite (``sweep`` over ``fixture_features``), all in the matrix."""
+    import golden
+
+    return sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in runs],
+                 [fixture_features(golden.load(n), d) for n, d in runs])

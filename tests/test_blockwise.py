@@ -26,7 +26,7 @@ from golden import runners, variants
 from golden.implementations import Asked, record
 from golden.tolerances import compare
 from jax_attn import blockwise, functional
-from tests.helpers import JAX, count_compiles, fixture_features, fresh_rng, matrix, sweep
+from tests.helpers import JAX, count_compiles, fixture_sweep, fresh_rng, matrix
 
 BLOCKS = (2, 3)  # (Bq, Bk): the fixtures' lengths 5, 7, 8, 9 span several blocks
 SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
@@ -86,9 +86,7 @@ def _fixture_cases(chosen=FIXTURE_DTYPES):
     whole matrix only."""
     first = [(n, chosen.get(n, "float32")) for n in SDPA_FIXTURES]
     more = [(n, d) for n in SDPA_FIXTURES for d in golden.load(n).dtypes if (n, d) not in first]
-    quick = sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in first],
-                  [fixture_features(golden.load(n), d) for n, d in first])
-    return quick + [pytest.param(n, d, id=f"{n}-{d}", marks=matrix) for n, d in more]
+    return fixture_sweep(first) + [pytest.param(n, d, id=f"{n}-{d}", marks=matrix) for n, d in more]
 
 
 @pytest.mark.parametrize("name, dtype", _fixture_cases())

@@ -29,14 +29,13 @@ from tests.helpers import (
     JAX,
     by_name,
     count_compiles,
-    fixture_features,
+    fixture_sweep,
     fresh_rng,
     has_params,
     main_input,
     random_cotangents,
     random_inputs,
     reference_fixture,
-    sweep,
 )
 
 CORE_FIXTURES = [n for n in golden.names() if not variants.get(golden.load(n).variant).is_module]
@@ -182,9 +181,7 @@ def test_chunks_lower_to_a_loop():
 def _chunked_cases():
     """Every core fixture at float32 and float64: a covering few in the quick suite (every
     dtype, option and input kind; tests/helpers.py ``sweep``), all in the whole matrix."""
-    runs = [(n, d) for n in CORE_FIXTURES for d in DTYPES]
-    return sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in runs],
-                 [fixture_features(golden.load(n), d) for n, d in runs])
+    return fixture_sweep([(n, d) for n in CORE_FIXTURES for d in DTYPES])
 
 
 @pytest.mark.parametrize("name, dtype", _chunked_cases())

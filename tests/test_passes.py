@@ -19,7 +19,7 @@ from golden.implementations import record
 from golden.reference import allowed_positions
 from golden.tolerances import compare, compare_terms
 from jax_attn import blockwise, explicit, functional
-from tests.helpers import JAX, fixture_features, fresh_rng, sweep
+from tests.helpers import JAX, fixture_sweep, fresh_rng, sweep
 from tests.test_blockwise import _grads
 
 SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
@@ -86,8 +86,7 @@ def test_tiles_skip_the_masked_half_and_only_with_static_positions():
 def _fixture_sweep(dtype):
     """Every core fixture at ``dtype``: a covering few in the quick suite (tests/helpers.py
     ``sweep``), all in the whole matrix."""
-    return sweep([pytest.param(n, dtype, id=f"{n}-{dtype}") for n in SDPA_FIXTURES],
-                 [fixture_features(golden.load(n), dtype) for n in SDPA_FIXTURES])
+    return fixture_sweep([(n, dtype) for n in SDPA_FIXTURES])
 
 
 @pytest.mark.parametrize("name, dtype", _fixture_sweep("float64"))

@@ -46,8 +46,7 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
     has (None: the core with the fixture's settings), on the fixture's inputs. float64 needs the
     caller's ``jax.enable_x64``."""
     arrays = JAX.leaves(fixture.inputs, dtype)
-    floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
-    others = {n: a for n, a in arrays.items() if n not in floats}
+    floats, others = _split(arrays)
     cot = JAX.leaves(fixture.cotangents, dtype)
     graphdef, params, rest = (None, {}, {}) if module is None else nnx.split(module, nnx.Param,
                                                                              ...)
@@ -62,6 +61,17 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
     if module is not None:  # a module holding the gradients in its weights' places, exported
         grads.update({n: JAX.numpy(g) for n, g in
                       jax_attn.export_params(nnx.merge(graphdef, g_params, rest)).items()})
+    return _result(out, weights, grads, core)
+
+
+def _split(arrays) -> tuple[dict, dict]:
+    """(the float inputs, differentiated; the others: lengths, offsets, boolean masks)."""
+    floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
+    return floats, {n: a for n, a in arrays.items() if n not in floats}
+
+
+def _result(out, weights, grads, core) -> dict:
+    """The runner contract's dict (golden.runners): float64 NumPy copies."""
     return {"output": JAX.numpy(out), "weights": JAX.numpy(weights), "grads": grads,
             "dtype": JAX.dtype_name(out), "core": core}
 
@@ -70,9 +80,7 @@ def _run_stored(fixture, dtype, directory) -> dict:
     """``run_fixture`` through the program stored in ``directory`` (traced and stored first
     when missing): the same computation, its parameters' gradients taken in the neutral
     layout's arrays (each the module's weight itself, or a slice of it stacked per head)."""
-    arrays = JAX.leaves(fixture.inputs, dtype)
-    floats = {n: a for n, a in arrays.items() if jnp.issubdtype(a.dtype, jnp.floating)}
-    others = {n: a for n, a in arrays.items() if n not in floats}
+    floats, others = _split(JAX.leaves(fixture.inputs, dtype))
     is_module = variants.get(fixture.variant).is_module
     args = (floats, others, JAX.leaves(fixture.params, dtype) if is_module else {},
             JAX.leaves(fixture.cotangents, dtype))
@@ -93,9 +101,8 @@ def _run_stored(fixture, dtype, directory) -> dict:
 
     exported, core = stored.load_or_export(directory, row, args, export)
     out, weights, g_in, g_params = exported.call(*args)
-    return {"output": JAX.numpy(out), "weights": JAX.numpy(weights),
-            "grads": {n: JAX.numpy(g) for n, g in {**g_in, **g_params}.items()},
-            "dtype": JAX.dtype_name(out), "core": core}
+    return _result(out, weights, {n: JAX.numpy(g) for n, g in {**g_in, **g_params}.items()},
+                   core)
 
 
 def _core_program(fixture):
