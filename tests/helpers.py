@@ -50,9 +50,21 @@ def fresh_rng():
     return np.random.default_rng(seed), seed
 
 
-def by_name(described):
-    """pytest parameters of variant descriptions, each with its name as id."""
-    return [pytest.param(v, id=v.name) for v in described]
+def by_name(described, *, share: bool = False):
+    """pytest parameters of variant descriptions, each with its name as id. With ``share``, for
+    a test of one behaviour that holds for every module alike (jit equals eager, an optax step):
+    the quick suite runs a covering few, whose descriptions together hold every call convention,
+    layer role and kind of parameter (``module_features``), the whole matrix every one."""
+    params = [pytest.param(v, id=v.name) for v in described]
+    return sweep(params, [module_features(v) for v in described]) if share else params
+
+
+def module_features(variant) -> frozenset:
+    """What sets a module's class apart, read from its description: its positional inputs,
+    dropout, plain vectors, projections, and each layer role (one per head or shared)."""
+    return frozenset({("inputs", variant.positional), ("dropout", variant.dropout),
+                      ("vectors", bool(variant.vectors)), ("params", has_params(variant)),
+                      *(("layer", role, "*" in path) for role, path in variant.layers.items())})
 
 
 def has_params(variant) -> bool:
@@ -301,3 +313,18 @@ def fixture_sweep(runs) -> list:
 
     return sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in runs],
                  [fixture_features(golden.load(n), d) for n, d in runs])
+
+
+def fixture_share(names) -> list:
+    """For a test that loops over fixtures itself: every one of ``names`` in the whole matrix;
+    in the quick suite a covering few (``covering`` over ``fixture_features`` at each
+    fixture's dtypes), in the order given."""
+    import golden
+
+    names = list(names)
+    if WHOLE:
+        return names
+    features = [frozenset().union(*(fixture_features(f, d) for d in f.dtypes))
+                for f in map(golden.load, names)]
+    keep = covering(features)
+    return [n for i, n in enumerate(names) if i in keep]

@@ -3,6 +3,7 @@ asserted here: only that the numbers exist and the files have the expected struc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from golden.bench import (
     xla_max_isa,
 )
 from golden.cli import main
+from tests.helpers import matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +82,16 @@ def check_machine(m: dict) -> None:
         assert not any("AVX512" in t or t == "X86_V4" for t in m["numpy_dispatch"])
 
 
-def test_quick_run_writes_both_reports(tmp_path):
+# The smallest grid that still runs every section: the quick grid's first shape, its first long
+# length. The quick suite runs the whole bench on it; the matrix on the quick grid itself.
+TINY = dataclasses.replace(QUICK, shapes=QUICK.shapes[:1],
+                           long=(QUICK.long[0], QUICK.long[1][:1], QUICK.long[2]))
+
+
+@pytest.mark.parametrize("grid", [pytest.param(TINY, id="tiny"),
+                                  pytest.param(QUICK, id="quick", marks=matrix)])
+def test_quick_run_writes_both_reports(tmp_path, monkeypatch, grid):
+    monkeypatch.setattr("golden.bench.cli.QUICK", grid)  # what --quick runs
     # --budget 0: every forward+backward block predicted past the budget; each row is still
     # measured, at 3 steady calls, where the forwards take round(0.5 s / first call) ≤ 5
     assert main(["bench", "--quick", "--budget", "0", "--repeats", "5",
@@ -93,12 +104,12 @@ def test_quick_run_writes_both_reports(tmp_path):
     budget = report["budget"]
     assert budget["budget_s"] == 0 and budget["within"] is False
     assert [n.split(" forward+backward")[0] for n in budget["notes"][:-1]] == [
-        s.name for s in QUICK.shapes]
+        s.name for s in grid.shapes]
     assert all("at the least steady calls per row" in n for n in budget["notes"][:-1])
     assert "past its 0 s budget, with every row measured" in budget["notes"][-1]
     blocks = {(r["shape"], r["dtype"], r["causal"], r["pass"], r["impl"])
               for r in report["results"]}
-    assert blocks == {(s.name, "float32", c, p, i) for s in QUICK.shapes for c in (False, True)
+    assert blocks == {(s.name, "float32", c, p, i) for s in grid.shapes for c in (False, True)
                       for p in ("fwd", "fwd+bwd") for i in IMPLS} | {
         (Shape(**report["grid"]["bf16_shape"]).name, "bfloat16", c, "fwd", i)
         for c in (False, True) for i in IMPLS}
@@ -163,8 +174,8 @@ def test_quick_run_writes_both_reports(tmp_path):
     assert all(f"| {r['phase']} | {r['impl']} |" in md for r in decode)
     long = report["long"]  # long sequences: every implementation at both quick lengths
     assert {(r["L"], r["pass"], r["impl"]) for r in long} == {
-        (n, p, i) for n in (256, 512) for p in ("fwd", "fwd+bwd") for i in LONG_IMPLS
-        if n <= 256 or not i.endswith("explicit")}  # the explicit ones up to the grid's 256
+        (n, p, i) for n in grid.long[1] for p in ("fwd", "fwd+bwd") for i in LONG_IMPLS
+        if n <= grid.long[2] or not i.endswith("explicit")}  # explicit ones up to the grid's
     for r in long:
         assert r["median_ms"] > 0 and math.isfinite(r["peer_ratio"]) and r["peer_ratio"] > 0
     assert "## Long sequences" in md
@@ -189,6 +200,7 @@ def test_ring_comm_paper_figures_are_the_hand_derived_ones():
     assert math.isclose(least_fwd, 1970.0)
 
 
+@matrix  # the quick suite runs this section in the whole run on the tiny grid
 def test_only_modern_runs_that_section_alone(tmp_path, capsys):
     assert main(["bench", "--quick", "--only", "modern", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "modern.json").read_text())
@@ -215,6 +227,7 @@ def test_only_choice_times_none_beside_each_named_implementation(tmp_path, capsy
     assert "## The automatic choice" in capsys.readouterr().out
 
 
+@matrix  # the quick suite runs this section in the whole run on the tiny grid
 def test_only_decode_features_runs_that_section_alone(tmp_path, capsys):
     assert main(["bench", "--quick", "--only", "decode_features", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "decode_features.json").read_text())

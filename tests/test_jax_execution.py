@@ -74,7 +74,7 @@ def test_core_jit_equals_eager():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_module_jit_equals_eager(variant):
     rng, seed = fresh_rng()
     module = _eval_module(variant, seed)
@@ -102,7 +102,7 @@ def test_core_compiles_once_per_shape():
     assert functional._attention._cache_size() == 2
 
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_module_compiles_once_per_shape(variant):
     rng, seed = fresh_rng()
     # B=8 is this test's own batch size, so that nothing before it compiled these shapes.
@@ -233,7 +233,7 @@ def test_core_lowers_to_one_batched_program():
     assert "stablehlo.while" not in text
 
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_users_vmap_over_extra_axis(variant):
     rng, seed = fresh_rng()
     module = _eval_module(variant, seed)
@@ -253,7 +253,7 @@ def test_users_vmap_over_extra_axis(variant):
 
 # ---- grad -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_jax_grad_through_module(variant):
     rng, seed = fresh_rng()
     with jax.enable_x64(True):  # float64, so that a finite difference is a sharp check
@@ -272,7 +272,7 @@ def test_jax_grad_through_module(variant):
                                    err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_nnx_grad_through_module_matches_reference(variant):
     # nnx.grad of a user's loss over the module and its inputs, float64, against the reference's
     # analytic gradients of the same loss: every parameter and every float input. Modules with
@@ -311,7 +311,7 @@ def test_nnx_grad_through_module_matches_reference(variant):
 
 # ---- devices, transfers, precision ------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_no_host_round_trip_and_device_kept(variant):
     module, args, kwargs = _eval_module_and_args(variant)
     module(*args, **kwargs)  # compile first: constants are moved once, at compile time
@@ -343,7 +343,7 @@ def test_precision_reaches_every_core_dot(precision, word):
     assert dots and all(f"precision = [{word}, {word}]" in d for d in dots), dots
 
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_precision_reaches_every_module_dot(variant):
     # Constructed without ``precision``: the default, HIGHEST, reaches every dot.
     module, args, kwargs = _eval_module_and_args(variant)

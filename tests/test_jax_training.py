@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
+from golden.tolerances import compare
 from golden.variants import MODULES
 from tests.helpers import (
     DROPOUT_MODULES,
@@ -35,7 +36,7 @@ def _count(module) -> int:
     return int(module.dropout_rngs.count[...])
 
 
-@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES))
+@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES, share=True))
 def test_eager_training_calls_advance_the_stream(variant):
     _, seed = fresh_rng()
     module, x = _training(variant, seed)
@@ -49,7 +50,7 @@ def test_eager_training_calls_advance_the_stream(variant):
     np.testing.assert_array_equal(a, same_state(x), err_msg=f"same stream state, seed {seed}")
 
 
-@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES))
+@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES, share=True))
 def test_training_under_callers_nnx_jit(variant):
     _, seed = fresh_rng()
     module, x = _training(variant, seed)
@@ -70,7 +71,7 @@ def test_training_under_callers_nnx_jit(variant):
                                err_msg=f"jitted and eager differ at one stream state, seed {seed}")
 
 
-@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES))
+@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES, share=True))
 def test_optax_training_steps(variant):
     _, seed = fresh_rng()
     model, x = _training(variant, seed)
@@ -95,7 +96,7 @@ def test_optax_training_steps(variant):
             f"step {i} left a parameter unchanged, seed {seed}"
 
 
-@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES))
+@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES, share=True))
 def test_nnx_grad_in_training_mode(variant):
     # The gradient is that of the function computed: the same keep-mask in forward and backward.
     rng, seed = fresh_rng()
@@ -119,7 +120,7 @@ def test_nnx_grad_in_training_mode(variant):
         assert loss(state, x) != loss(nnx.clone(module), x), f"no dropout, seed {seed}"
 
 
-@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES))
+@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES, share=True))
 def test_nnx_vmap_in_training_mode(variant):
     # The module is shared across the extra axis (in_axes None): one key for the whole call, so
     # each element gets the dropout of a call on it alone from the same stream state.
@@ -130,14 +131,17 @@ def test_nnx_vmap_in_training_mode(variant):
     ys = nnx.vmap(lambda model, x: model(x), in_axes=(None, 0))(module, xs)  # (E, B, L, d)
     assert ys.shape[0] == 4
     assert _count(module) == _count(state) + 1, f"seed {seed}"
-    for e in range(4):
-        np.testing.assert_allclose(ys[e], nnx.clone(state)(xs[e]), rtol=1e-6, atol=1e-6,
-                                   err_msg=f"element {e}, seed {seed}")
+    for e in range(4):  # the same dropout; the batched products may round otherwise in float32,
+        # so the table's float32 rule (a hand-set rtol 1e-6 failed on one seed: 9.6e-6 relative
+        # at one element of 168, where the batched and the single product round apart)
+        alone = nnx.clone(state)(xs[e])
+        result = compare(np.asarray(ys[e]), np.asarray(alone), "float32")
+        assert result.ok, f"element {e}, seed {seed}: {result}"
     state.eval()
     assert not np.allclose(ys[0], state(xs[0])), f"no dropout under nnx.vmap, seed {seed}"
 
 
-@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES))
+@pytest.mark.parametrize("variant", by_name(DROPOUT_MODULES, share=True))
 def test_build_seeds_the_dropout_stream(variant):
     _, seed = fresh_rng()
     module, x = _training(variant, seed)
@@ -155,7 +159,7 @@ def test_build_seeds_the_dropout_stream(variant):
     assert not np.allclose(trained(nnx.Rngs(seed)), trained(nnx.Rngs(seed + 1))), f"seed {seed}"
 
 
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant", by_name(MODULES, share=True))
 def test_build_draws_no_random_weights(variant):
     # build constructs the structure abstractly (nnx.eval_shape), so a configuration of new
     # sizes compiles no initialiser, as constructing one does.

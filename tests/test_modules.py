@@ -24,11 +24,14 @@ from tests.helpers import (
     DTYPES,
     by_name,
     fresh_rng,
+    kind,
     main_input,
+    module_features,
     other,
     random_cotangents,
     random_inputs,
     reference_fixture,
+    sweep,
 )
 
 MODULE_CASES = [c for c in CASES if variants.get(c.variant).is_module]  # every module case
@@ -43,7 +46,10 @@ def _loss(case, inputs, params, cot):
     return np.sum(out * cot["output"]) + np.sum(w * cot["weights"])
 
 
-@pytest.mark.parametrize("case", MODULE_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", sweep(  # a covering few: every variant and config option
+    [pytest.param(c, id=c.name) for c in MODULE_CASES],
+    [frozenset({("variant", c.variant), *(("config", k, kind(v)) for k, v in c.config.items())})
+     for c in MODULE_CASES]))
 def test_reference_module_gradients_match_finite_differences(case):
     f = build_fixture(case)
     inputs = {n: a.astype(np.float64) if a.dtype.kind == "f" else a for n, a in f.inputs.items()}
@@ -67,8 +73,12 @@ def test_reference_module_gradients_match_finite_differences(case):
 
 # ---- framework against framework --------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", by_name(MODULES))
+# Every module at every dtype in the whole matrix; in the quick suite a covering few, which
+# together hold every dtype and every module feature (tests/helpers.py: module_features).
+VARIANT_DTYPES = sweep([pytest.param(v, d, id=f"{v.name}-{d}") for v in MODULES for d in DTYPES],
+                       [module_features(v) | {("dtype", d)} for v in MODULES for d in DTYPES])
+
+@pytest.mark.parametrize("variant, dtype", VARIANT_DTYPES)
 def test_module_built_from_other_framework_agrees(variant, twin, dtype):
     # ``twin`` makes a module with its own random weights; the other framework builds one from
     # the export; both against the reference on fresh inputs.
@@ -91,8 +101,7 @@ def test_module_built_from_other_framework_agrees(variant, twin, dtype):
         assert compare(a[i], b[i], dtype).ok, f"{twin.name} vs {target.name} {what}, seed {seed}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", by_name(MODULES))
+@pytest.mark.parametrize("variant, dtype", VARIANT_DTYPES)
 def test_module_gradients_from_other_framework_agree(variant, twin, dtype):
     # As above, in training mode with a random keep-mask for the variants with dropout (eval
     # mode for the others): output, weights and the gradients of every float input and every

@@ -4,7 +4,8 @@ JAX agree within the tolerance table (property 1), stay finite and give exact ze
 nothing is allowed (property 2).
 
 Profiles, chosen by the environment variable ATTN_PARITY_HYPOTHESIS:
-    ci    (default) derandomized: the same examples on every run, 40 per test, about 30 s
+    ci    (default) derandomized: the same examples on every run, 40 per test in the whole
+          matrix (ATTN_PARITY_MATRIX=1, about 30 s), 10 in the quick suite
     long  ATTN_PARITY_HYPOTHESIS=long python -m pytest -q tests/test_properties.py
           1000 fresh random examples per test (about 5 minutes each on 2 cores)
 ATTN_PARITY_HYPOTHESIS_EXAMPLES=N sets the number of examples per test of either profile. No
@@ -64,7 +65,7 @@ from hypothesis import strategies as st
 from golden import reference
 from golden.regenerate import to_grid
 from golden.tolerances import compare, compare_terms
-from tests.helpers import IMPLS
+from tests.helpers import IMPLS, WHOLE
 
 settings.register_profile(
     "ci", max_examples=40, derandomize=True, deadline=None, database=None, print_blob=True,
@@ -77,8 +78,12 @@ if PROFILE not in ("ci", "long"):
     raise ValueError(f"ATTN_PARITY_HYPOTHESIS should be ci or long, got {PROFILE!r}")
 EXAMPLES = os.environ.get("ATTN_PARITY_HYPOTHESIS_EXAMPLES")
 # Applied per test (not loaded globally), so no other test module's settings change.
-SETTINGS = settings(settings.get_profile(PROFILE),
-                    **({"max_examples": int(EXAMPLES)} if EXAMPLES else {}))
+# The quick suite draws 10 derandomized examples per test (and every explicit @example); the
+# whole matrix 40.
+QUICK_EXAMPLES = None if WHOLE or PROFILE != "ci" else 10
+SETTINGS = settings(settings.get_profile(PROFILE), **(
+    {"max_examples": int(EXAMPLES)} if EXAMPLES else
+    {"max_examples": QUICK_EXAMPLES} if QUICK_EXAMPLES else {}))
 
 LOW_DTYPES = ("bfloat16", "float16")
 LENGTHS = st.sampled_from([1, 2, 3, 5, 7, 11, 13]) | st.integers(1, 13)  # size 1 and primes
