@@ -8,7 +8,7 @@ For each fixture (all by default) the reference runs three ways on the fixture's
 - ``stored``: the 50-digit exact arithmetic rounded once to float64 (``exact=True``), what
   writes them now;
 - the oracle: the same formulas at 100 significant digits, with exp, ln, tanh, sin and cos from
-  mpmath at 120 digits (independent of golden.exact's own series).
+  mpmath at 120 digits (independent of golden.specification.exact's own series).
 It prints, per kind of array (outputs, weights, gradients), the worst error of ``fast`` and of
 ``stored`` in units in the last place of the oracle's value rounded to float64 (an error of
 0.5 ulp or less is correct rounding), the number of elements compared, and for the gradients
@@ -28,14 +28,16 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import golden  # noqa: E402
-from golden import exact, reference, runners  # noqa: E402
-from golden.cases import CASES  # noqa: E402
+from golden.specification import exact
+from golden import reference, runners  # noqa: E402
+from golden.specification.cases import CASES  # noqa: E402
 
 ORACLE_DIGITS = 100
 
 
 def oracle_type():
-    """A golden.exact number type of 100 digits whose transcendental functions are mpmath's."""
+    """A golden.specification.exact number type of 100 digits whose transcendental functions
+    are mpmath's."""
     import mpmath
 
     base = exact.real_type(ORACLE_DIGITS)

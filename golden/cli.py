@@ -12,9 +12,9 @@ import shlex
 import sys
 
 from golden.runners import FRAMEWORKS
-from golden.tolerances import PROFILES
-from golden.validate import DTYPES
-from golden.variants import VARIANTS
+from golden.specification.tolerances import PROFILES
+from golden.specification.validate import DTYPES
+from golden.specification.variants import VARIANTS
 
 
 def _fixture_selection(parser) -> None:
@@ -74,12 +74,13 @@ def parser() -> argparse.ArgumentParser:
     from golden.compare import add_arguments
 
     add_arguments(compare)
-    regen = sub.add_parser("regenerate", help="rebuild the fixtures from golden/cases.py")
+    regen = sub.add_parser("regenerate",
+                           help="rebuild the fixtures from golden/specification/cases.py")
     regen.add_argument("--check", action="store_true",
                        help="compare in memory with the files on disk; exit 1 on any difference")
     hf = sub.add_parser("hf", help="convert and check every attention layer of a local Hugging "
                                    "Face checkpoint (attn-parity hf --help)")
-    from golden.hf.check import add_arguments as hf_arguments
+    from golden.verifier.check import add_arguments as hf_arguments
 
     hf_arguments(hf)
     sub.add_parser("bench", add_help=False,
@@ -101,21 +102,21 @@ def main(argv=None) -> int:
     if args.command == "fixtures":
         return _fixtures(args)
     if args.command == "hf":
-        from golden.hf.check import main as hf_main
+        from golden.verifier.check import main as hf_main
 
         return hf_main(args)
     if args.command == "compare":
         from golden.compare import run_cli
 
         return run_cli(args, error_log=lambda line: print(line, file=sys.stderr))
-    from golden.regenerate import regenerate
+    from golden.harness.regenerate import regenerate
 
     return 1 if regenerate(check=args.check) and args.check else 0
 
 
 def _check(args, argv) -> int:
     from golden import FixtureError
-    from golden.check import main as check_main
+    from golden.harness.check import main as check_main
     from golden.runners import cache
     from golden.runners.adapt import load
 
@@ -142,7 +143,7 @@ def _check(args, argv) -> int:
 
 def _fixtures(args) -> int:
     from golden import FixtureError
-    from golden.listing import main as listing_main
+    from golden.harness.listing import main as listing_main
 
     try:
         return listing_main(args)

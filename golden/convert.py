@@ -1,4 +1,5 @@
-"""Other libraries' attention weights <-> the neutral layout (golden.variants), NumPy only.
+"""Other libraries' attention weights <-> the neutral layout (golden.specification.variants), NumPy
+only.
 
 Two families, each both ways, exact (arrays are only moved, never recomputed) and returning
 copies, never views of the caller's arrays:
@@ -31,9 +32,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from golden import hf
-from golden.mapping import _numpy
-from golden.validate import rope_settings, rotary_dims
-from golden.variants import VARIANTS, check_defaults, head_dim
+from golden.specification.mapping import _numpy
+from golden.specification.validate import rope_settings, rotary_dims
+from golden.specification.variants import VARIANTS, check_defaults, head_dim
 
 HF_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # Hugging Face's Llama, Mistral, Qwen, Gemma
 META_NAMES = ("wq", "wk", "wv", "wo")                  # Meta's original Llama checkpoints

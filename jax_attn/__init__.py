@@ -1,6 +1,6 @@
 """JAX twin of attn-parity: the attention core and the Flax NNX variant modules."""
 
-from golden.positions import ContextCache, KVCache, LatentCache
+from golden.specification.positions import ContextCache, KVCache, LatentCache
 from jax_attn import convert, sharding
 from jax_attn.functional import (
     DEFAULT_PRECISION,

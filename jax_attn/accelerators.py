@@ -26,7 +26,7 @@ from functools import partial, reduce
 import jax
 import jax.numpy as jnp
 
-from golden.positions import allowed_terms
+from golden.specification.positions import allowed_terms
 
 HALF = ("float16", "bfloat16")
 # The Pallas kernel's default query and key blocks (BlockSizes.get_default()): a length must be
@@ -146,7 +146,8 @@ def rows_allowed(lq, lk, mask, q_lengths, kv_lengths, *, is_causal, window):
     """(B|1, H|1, Lq) bool: whether query row i (at position i) has any allowed key; None
     when every row has one. Without a mask in closed form (row i's keys are lo … hi, lo ≤ hi
     and lo < its batch's key length, i < its query length): nothing of size Lq·Lk. With a
-    mask (B|1, H|1, Lq, Lk), the mask AND the same terms as the core (golden.positions)."""
+    mask (B|1, H|1, Lq, Lk), the mask AND the same terms as the core
+    (golden.specification.positions)."""
     left, right = window
     if mask is not None:
         row, key = jnp.arange(lq)[:, None], jnp.arange(lk)[None, :]  # (Lq, 1), (1, Lk)

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from golden.positions import allowed_terms, distance_index
-from golden.validate import check_block_sizes
+from golden.specification.positions import allowed_terms, distance_index
+from golden.specification.validate import check_block_sizes
 
 # The largest query and key blocks when block_sizes is None: measured on a CPU (forward and
 # forward + backward, several block shapes and lengths): docs/performance.md.
@@ -145,7 +145,7 @@ class Head(NamedTuple):
     lk: int
     key_start: Any = 0  # the absolute position of key 0 (jax_attn.ring), for the chunks
     distance_bias: jax.Array | None = None  # (2S + 1,): the bias at key − query distance d is
-    # entry S + clip(d, −S, S), gathered per block (golden.positions.distance_terms)
+    # entry S + clip(d, −S, S), gathered per block (golden.specification.positions.distance_terms)
 
     @classmethod
     def make(cls, st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
@@ -304,7 +304,7 @@ def _allowed(st, h, i, j, mask):
 
 def _distances(st, i, j, h):
     """The table entries of query block i against key block j: int32 (Bq, Bk)
-    (golden.positions.distance_index)."""
+    (golden.specification.positions.distance_index)."""
     row = i * st.block_q + lax.broadcasted_iota(jnp.int32, (st.block_q, 1), 0)  # (Bq, 1)
     key = j * st.block_k + lax.broadcasted_iota(jnp.int32, (1, st.block_k), 1)  # (1, Bk)
     return distance_index(h.distance_bias.shape[0], key, row + h.offset)

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from golden.implementations import ran, ran_instead
-from golden.positions import allowed_terms, distance_terms
+from golden.specification.implementations import ran, ran_instead
+from golden.specification.positions import allowed_terms, distance_terms
 from jax_attn import blockwise
 
 NO_WINDOW = (None, None)

@@ -16,8 +16,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from golden.implementations import Asked, Implementation, Registry, ran_instead
-from golden.validate import (
+from golden.specification.implementations import Asked, Implementation, Registry, ran_instead
+from golden.specification.validate import (
     check_attention_args,
     check_block_sizes,
     check_distance_bias,
@@ -108,7 +108,7 @@ def scaled_dot_product_attention(
       backward that ran instead. Its blockwise takes blocks of CAUSAL_BLOCK_SIZES = (512,
       512) for a causal call without other extras up to Lq·Lk = 2²⁴ (``none_blocks``). The
       measurements (CPU): docs/performance.md; the GPU rows are unmeasured.
-    ``golden.implementations.record()`` collects the name each call ran (when traced).
+    ``golden.specification.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
     explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
     fold_in(fold_in(fold_in(key, b·H + h), query block), key block) so that its backward
@@ -268,7 +268,7 @@ def _tiles(query, key, query_offset, is_causal, local_window_size, chunk_size) -
 def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,
            lengths, sinks, dropout_rate, return_weights, block_sizes, chunk_size,
            distance_bias) -> Asked:
-    """What the call asks of an implementation (golden.implementations.Asked)."""
+    """What the call asks of an implementation (golden.specification.implementations.Asked)."""
     return Asked(return_weights=bool(return_weights), softcap=softcap is not None,
                  dropout=dropout_rate > 0.0, block_sizes=block_sizes, sinks=sinks is not None,
                  platform=_platform(query), dtype=jnp.dtype(query.dtype).name,

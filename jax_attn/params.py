@@ -1,4 +1,5 @@
-"""Build a module from neutral-layout parameters and export them back (see golden.variants).
+"""Build a module from neutral-layout parameters and export them back (see
+golden.specification.variants).
 
 ``nnx.Linear`` kernels are already (in, out), the neutral layout; the wrapper's heads are stacked
 on a leading axis. Loaded arrays keep their dtype (float64 needs ``jax.enable_x64``).
@@ -11,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from golden.positions import KVCache
-from golden.validate import check_build_args, check_kv_cache, check_param_arrays
-from golden.variants import export_layers, load_layers, module_variant
+from golden.specification.positions import KVCache
+from golden.specification.validate import check_build_args, check_kv_cache, check_param_arrays
+from golden.specification.variants import export_layers, load_layers, module_variant
 from jax_attn import modules
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from golden.validate import check_attention_args, check_flags, window
+from golden.specification.validate import check_attention_args, check_flags, window
 from jax_attn import blockwise
 from jax_attn.functional import DEFAULT_PRECISION, batch_int32
 

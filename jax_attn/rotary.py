@@ -1,4 +1,5 @@
-"""Rotary position embeddings in JAX. The tables and the arithmetic are golden.positions' (the
+"""Rotary position embeddings in JAX. The tables and the arithmetic are
+golden.specification.positions' (the
 same code as torch_attn.rotary); this module converts the tables to the compute dtype.
 
 Shape legend: B batch, H heads, L tokens, Dh head width, rd the rotated features (the first rd
@@ -11,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from golden.positions import (
+from golden.specification.positions import (
     call_dependent,
     hf_inv_freq,
     rope_cos_sin,
     rope_turn,
     settings_tables,
 )
-from golden.validate import check_rotary, rotary_dims
+from golden.specification.validate import check_rotary, rotary_dims
 
 
 def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=None,
@@ -35,7 +36,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     llama3, yarn, longrope) says, cos and sin times its attention factor.
 
     ``precision="exact"``: the angles are exact to a few roundings at any position: cos and sin
-    come from float64 tables (golden.positions.rope_tables, constants of the compiled program)
+    come from float64 tables (golden.specification.positions.rope_tables, constants of the compiled
+    program)
     for positions below ``max_position`` (static; default L, or the largest explicit position
     + 1 when they are not traced); every position must be below it (a larger one reads a
     clamped row). The rotation runs in at least float32 and is rounded once to x's dtype.
@@ -109,7 +111,8 @@ def _dynamic_cos_sin(s, rd, positions):
 
 
 def _hf_cos_sin(settings, rd, positions, long):
-    """Hugging Face's float32 cos and sin (..., L, rd/2) (golden.positions.hf_inv_freq in JAX's
+    """Hugging Face's float32 cos and sin (..., L, rd/2) (golden.specification.positions.hf_inv_freq
+    in JAX's
     float32; longrope's two inv_freq and dynamic's two selected by the traced ``long``)."""
     def array(values):
         return jnp.asarray(values, dtype=jnp.float32)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from golden.variants import projections
+from golden.specification.variants import projections
 
 # ---- the core on a mesh (jax_attn.functional calls these) -----------------------------------
 # The core has no distributed code of its own: XLA's SPMD partitioner splits its vmap over batch

@@ -84,11 +84,11 @@ _BUILT = {}
 
 @pytest.fixture
 def cached_builds(monkeypatch):
-    """``golden.regenerate.build`` computed once per case in this session: for tests of how
+    """``golden.harness.regenerate.build`` computed once per case in this session: for tests of how
     regenerate writes, checks and replaces files, which call it several times. Each case is
     built by the real function the first time (the exact arithmetic, about 1 s for all 57);
     test_fixtures.py and test_reproducibility.py check that arithmetic on fresh builds."""
-    from golden import regenerate
+    from golden.harness import regenerate
 
     real = regenerate.build
 

@@ -1,6 +1,6 @@
 """What the tests share: fresh random generators, the twin frameworks behind one interface (runs
 with gradients included), random inputs derived from the variant descriptions
-(golden.variants), throwaway in-memory fixtures of the reference on such inputs, and a
+(golden.specification.variants), throwaway in-memory fixtures of the reference on such inputs, and a
 compilation counter.
 
 Test files import from here and never from one another; ``conftest.py`` only turns these into
@@ -23,10 +23,11 @@ from flax import nnx
 
 import jax_attn
 import torch_attn
-from golden import reference, variants
-from golden.fixture import Fixture
-from golden.frameworks import JAX as JAX_ADAPTER
-from golden.frameworks import TORCH
+from golden import reference
+from golden.specification import variants
+from golden.specification.fixture import Fixture
+from golden.runners.frameworks import JAX as JAX_ADAPTER
+from golden.runners.frameworks import TORCH
 from golden.runners import jax_runner, torch_runner
 
 # The whole matrix: every dtype × implementation × family sweep, the long runs. Off, the quick
@@ -237,7 +238,7 @@ def _float64(arrays: dict) -> dict:
 def reference_fixture(variant_name, config, inputs, params, cotangents, dtype) -> Fixture:
     """A throwaway in-memory fixture: the float64 reference's output, weights and gradients
     (L = Σ output ⊙ dO + Σ weights ⊙ dA) on the given arrays, which should be exact in
-    ``dtype``; compare a run against it with ``golden.check.compare_all(fixture, result,
+    ``dtype``; compare a run against it with ``golden.harness.check.compare_all(fixture, result,
     dtype)``. Training mode (dropout) exactly when ``inputs`` hold a ``dropout_mask``."""
     forward, backward = reference.VARIANTS[variant_name]
     out, weights, saved = forward(config, _float64(inputs), _float64(params))

@@ -122,7 +122,7 @@ def undone(variant, ours, params, change):
     old rotary fraction; a rotary fraction in ``change`` replaces the one inside
     rope_parameters), and the parameters it still has a place for: what a family's distinctive
     setting undone computes."""
-    from golden import variants
+    from golden.specification import variants
 
     changed = {n: v for n, v in {**ours, **change}.items() if v is not None}
     rope = ours.get("rope_parameters", {})

@@ -27,11 +27,11 @@ import math
 
 import numpy as np
 
-from golden import variants
-from golden.decoder import alibi_slopes, relative_position_bucket
-from golden.positions import rope_frequencies
+from golden.specification import variants
+from golden.specification.decoder import alibi_slopes, relative_position_bucket
+from golden.specification.positions import rope_frequencies
 from golden.runners.adapt import combine, from_function, from_module
-from golden.validate import rope_settings
+from golden.specification.validate import rope_settings
 
 CORE = "scaled_dot_product_attention"
 
@@ -543,7 +543,8 @@ class MultiHeadLatentAttention(Module):
 
 def rope(x, settings, interleaved, positions):
     """Rotary embedding of x (..., L, Dh), token i at positions[..., i]: feature pair k of the first
-    rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k (golden.positions'
+    rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k
+    (golden.specification.positions'
     float64 frequencies, Hugging Face's rope_types), cos and sin times the attention factor;
     the other features pass. Angles, cos and sin in float64, rounded once to x's dtype; the
     turn in x's dtype."""

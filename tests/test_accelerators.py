@@ -20,11 +20,12 @@ import pytest
 
 import golden
 import jax_attn
-from golden import check, regenerate, variants
-from golden.cases import Case
-from golden.implementations import Asked, record
+from golden.harness import check, regenerate
+from golden.specification import variants
+from golden.specification.cases import Case
+from golden.specification.implementations import Asked, record
 from golden.runners.adapt import NotSupported, from_function
-from golden.validate import window
+from golden.specification.validate import window
 from jax_attn import accelerators, functional
 
 DKV = [n for n in golden.names() if n.startswith("sdpa_dkv_")]

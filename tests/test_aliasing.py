@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from golden import variants
+from golden.specification import variants
 from tests.helpers import by_name, has_params
 
 WITH_PARAMS = [v for v in variants.MODULES if has_params(v)]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from golden.decoder import alibi_slopes
+from golden.specification.decoder import alibi_slopes
 from tests.helpers import TWINS, fresh_rng
 from torch_attn.params import export_grads
 
@@ -277,7 +277,7 @@ def test_a_long_sequence_runs_blockwise_and_equals_torch(bias):
     # L = 1100 > 1024: the JAX core takes "blockwise", which gathers the position bias per block
     # from a (N, 2S + 1) table (the core's distance_bias), never an (N, L, L) array; torch adds
     # the bias it forms. Float64, output at 1e-12.
-    from golden.implementations import record
+    from golden.specification.implementations import record
     torch_twin, jax_twin = TWINS["torch"], TWINS["jax"]
     rng, seed = fresh_rng()
     config = dict(d_in=5, num_heads=3, num_kv_heads=1, head_dim=4, d_out=2, **bias)

@@ -1,6 +1,7 @@
 """Bad input at every public entry point, one table: the cores, rotary_embedding, every module
 constructor and call, init_cache, build, export_params, load_params, export_cache, load_cache,
-golden.load, the converters, golden.runners.adapt, golden.mapping and the command line.
+golden.load, the converters, golden.runners.adapt, golden.specification.mapping and the command
+line.
 
 Each ``BadInput`` is a call that must raise ``ValueError`` or ``TypeError`` (TypeError where the
 argument is not the kind of thing asked for: a list for an array, None for a dict; Python's own
@@ -41,9 +42,9 @@ import golden
 import jax_attn
 import torch_attn
 from golden import convert as golden_convert
-from golden import mapping, variants
+from golden.specification import mapping, variants
 from golden.cli import main
-from golden.positions import KVCache
+from golden.specification.positions import KVCache
 from golden.runners import adapt
 from tests.helpers import FRAMEWORKS, TWINS, Reference, other
 
@@ -670,7 +671,7 @@ def _load_foreign_npz():
         return golden.load(path)
 
 
-# golden.fixture.FixtureNotFound is both a FileNotFoundError and a ValueError.
+# golden.specification.fixture.FixtureNotFound is both a FileNotFoundError and a ValueError.
 case("golden-load-missing-name", lambda: golden.load("no_such_fixture"), ValueError,
      E("name_or_path should name a shipped fixture"))
 case("golden-load-near-name", lambda: golden.load("multi_head_attention_causl"), ValueError,
@@ -764,7 +765,8 @@ case("adapt-load-not-callable", lambda: adapt.load("golden.cli:DTYPES"), ValueEr
 case("adapt-load-none", lambda: adapt.load(None), ValueError,
      E("spec should be 'package.module:name', got None"))
 
-# ---- golden.mapping ---------------------------------------------------------------------------
+# ---- golden.specification.mapping
+# ---------------------------------------------------------------------------
 
 STEP = "rule step should be 'T', 'transpose(axes)' or 'reshape(shape)'"
 case("rule-unknown-step", lambda: mapping.Rule.parse("T;Q"), ValueError,

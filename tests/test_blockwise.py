@@ -22,9 +22,10 @@ import pytest
 
 import golden
 import jax_attn
-from golden import runners, variants
-from golden.implementations import Asked, record
-from golden.tolerances import compare
+from golden import runners
+from golden.specification import variants
+from golden.specification.implementations import Asked, record
+from golden.specification.tolerances import compare
 from jax_attn import blockwise, functional
 from tests.helpers import JAX, count_compiles, fixture_sweep, fresh_rng, matrix
 

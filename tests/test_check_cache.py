@@ -220,8 +220,8 @@ def test_without_flatbuffers_the_cache_keeps_no_programs(tmp_path, monkeypatch):
 def test_the_regeneration_check_in_a_second_process_names_what_differs(tmp_path):
     from dataclasses import replace
 
-    from golden import check
-    from golden.fixture import to_bytes
+    from golden.harness import check
+    from golden.specification.fixture import to_bytes
 
     plain = golden.load("sdpa_plain")
     drifted = replace(plain, name="sdpa_plain_drifted", path=None,

@@ -16,7 +16,8 @@ import pytest
 
 import jax_attn
 import torch_attn
-from golden import check, variants
+from golden.harness import check
+from golden.specification import variants
 from golden.cli import main
 from golden.runners.adapt import NotSupported, combine, from_function, from_module, load
 
@@ -185,9 +186,10 @@ def test_combine_sends_each_fixture_to_the_runner_that_takes_it():
     ("", "spec should be 'package.module:name', got ''"),
     ("a:b:c", "spec should be 'package.module:name', got 'a:b:c'"),
     ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
-    ("golden.check:no_such_name", "golden.check has no attribute 'no_such_name'"),
-    ("golden.check:FRAMEWORK_RUNS", "spec 'golden.check:FRAMEWORK_RUNS' should name a runner "
-                                     "\\(fixture, dtype\\) -> dict, got tuple"),
+    ("golden.harness.check:no_such_name", "golden.harness.check has no attribute 'no_such_name'"),
+    ("golden.harness.check:FRAMEWORK_RUNS",
+     "spec 'golden.harness.check:FRAMEWORK_RUNS' should name a runner "
+     "\\(fixture, dtype\\) -> dict, got tuple"),
 ])
 def test_load_rejects_bad_specs(spec, message):
     with pytest.raises(ValueError, match=message):

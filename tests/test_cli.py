@@ -93,7 +93,8 @@ def test_regenerate_check_via_python_m():
 def test_fixtures_lists_a_module_fixture_with_its_configuration_and_shapes(capsys):
     assert main(["fixtures", "multi_head_attention_unbatched_qkv_bias_mask", "--json"]) == 0
     [entry] = json.loads(capsys.readouterr().out)
-    # golden/cases.py: x (7, 5), a (7, 7) mask, d_in 5, d_out 6, 3 heads, qkv_bias, no out_bias;
+    # golden/specification/cases.py: x (7, 5), a (7, 7) mask, d_in 5, d_out 6, 3 heads, qkv_bias, no
+    # out_bias;
     # every projection is (d_in, d_out) in the neutral layout, W_out (d_out, d_out)
     assert entry == {
         "name": "multi_head_attention_unbatched_qkv_bias_mask",

@@ -16,7 +16,7 @@ from flax import nnx
 import golden
 from golden import compare as C
 from golden.compare import port_fixture
-from golden import mapping as mapping_lib
+from golden.specification import mapping as mapping_lib
 from golden.examples import port_pair as P
 
 X = {"x": (2, 5, 8)}  # B=2, L=5, E=8
@@ -187,7 +187,8 @@ def _rewrite(path, out, change):
         members = {k: z[k] for k in z.files}
     meta = json.loads(str(members.pop("meta")[()]))
     change(meta, members)
-    golden.fixture.write_atomic(out, golden.fixture.to_bytes(port_fixture._PortFile(meta, members)))
+    fixture = golden.specification.fixture
+    fixture.write_atomic(out, fixture.to_bytes(port_fixture._PortFile(meta, members)))
     return out
 
 

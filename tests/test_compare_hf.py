@@ -20,7 +20,7 @@ from torch import nn
 
 import golden
 from golden import compare as C
-from golden.frameworks import JAX
+from golden.runners.frameworks import JAX
 from golden.examples import hf_ports as H
 from golden.examples import port_pair as P
 from tests.test_compare import _rewrite

@@ -152,7 +152,8 @@ def test_port_fixture_stores_submodule_inputs_and_reads_version_1(faithful, tmp_
     meta = json.loads(str(members.pop("meta")[()]))
     del meta["submodule_inputs"]
     old = tmp_path / "version1.npz"
-    golden.fixture.write_atomic(old, golden.fixture.to_bytes(port_fixture._PortFile(
+    fixture = golden.specification.fixture
+    fixture.write_atomic(old, fixture.to_bytes(port_fixture._PortFile(
         {**meta, "format_version": 1}, members)))
     assert "submodule_inputs" not in C.load_port(old)["expected"]
     report = C.check_port(old, flax_factory=lambda: P.make_flax("kv_tile"), torch_factory=False)
@@ -163,12 +164,12 @@ def test_port_fixture_stores_submodule_inputs_and_reads_version_1(faithful, tmp_
     for version, message in ((4, r"meta.format_version should be one of \[1, 2, 3\] \(this "
                                  r"attn-parity reads those\), got 4"),):
         bad = tmp_path / f"version{version}.npz"
-        golden.fixture.write_atomic(bad, golden.fixture.to_bytes(port_fixture._PortFile(
+        fixture.write_atomic(bad, fixture.to_bytes(port_fixture._PortFile(
             {**meta, "format_version": version}, members)))
         with pytest.raises(golden.FixtureError, match=message):
             C.load_port(bad)
     stray = tmp_path / "stray.npz"
-    golden.fixture.write_atomic(stray, golden.fixture.to_bytes(port_fixture._PortFile(
+    fixture.write_atomic(stray, fixture.to_bytes(port_fixture._PortFile(
         {**meta, "submodule_inputs": ["nowhere"]}, members)))
     with pytest.raises(golden.FixtureError, match=r"meta.submodule_inputs should name torch "
                        r"paths of meta.submodules, got \['nowhere'\]"):
@@ -224,8 +225,8 @@ def test_promoted_reference_is_the_float64_maths():
     for key in ("output", "q_norm.weight"):
         e, a, k = (r["output"] if key == "output" else r["grads"][key]
                    for r in (plain, as_run, kept))
-        assert golden.tolerances.compare(k, e, "float64", "grad").ok, key
-        assert not golden.tolerances.compare(a, e, "float64", "grad").ok, key
+        assert golden.specification.tolerances.compare(k, e, "float64", "grad").ok, key
+        assert not golden.specification.tolerances.compare(a, e, "float64", "grad").ok, key
     assert reference_steps._float32_steps(P.make_torch(), *run) == {}
 
 

@@ -28,8 +28,8 @@ import pytest
 from flax import nnx
 
 import jax_attn
-from golden import variants
-from golden.check import compare_all
+from golden.specification import variants
+from golden.harness.check import compare_all
 from golden.convert import flax_mha_to_neutral
 from jax_attn import convert
 from tests.helpers import JAX, fresh_rng, random_cotangents, reference_fixture
@@ -51,7 +51,7 @@ def _redraw(tree, rng, dtype) -> dict:
     """Fresh values for a Flax parameter tree {role: {"kernel", "bias"}}: kernels at Flax's
     initial scale, 1/√fan_in, biases at 0.5 (non-zero). Larger weights make larger gradients,
     and the float32 rounding noise of the key bias's gradient (zero by structure, judged by an
-    absolute bound: golden.tolerances) grows with them."""
+    absolute bound: golden.specification.tolerances) grows with them."""
     def draw(role, name, a):
         fan_in = np.prod(a.shape[:2] if role == "out" else a.shape[:1])
         return jnp.asarray(_exact(rng, a.shape, 0.5 if name == "bias" else fan_in ** -0.5),

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import torch_attn
-from golden.check import compare_all
+from golden.harness.check import compare_all
 from golden.convert import (
     HF_NAMES,
     META_NAMES,

@@ -17,7 +17,7 @@ from torch import nn
 
 import torch_attn
 from golden.reference import ZERO_GRADS
-from golden.tolerances import TOLERANCES, compare, compare_to_plain
+from golden.specification.tolerances import TOLERANCES, compare, compare_to_plain
 from tests.helpers import fresh_rng
 from torch_attn import convert
 from torch_attn.params import export_grads, export_params
@@ -254,7 +254,7 @@ def test_core_matches_torch(widths, case):
     # The input gradients (dX = dQ Wᵀ of a cancelling dQ) fail the float32 table alone on about
     # 0.6 % of random draws, and torch's own float32 nn.MultiheadAttention fails it on the same
     # inputs (seed 1848902255: both off by exactly 1.18e-5 on grad query); so, as the profiles
-    # do, ours may also pass within twice torch's float32 error (golden.tolerances).
+    # do, ours may also pass within twice torch's float32 error (golden.specification.tolerances).
     f32 = lambda x: None if x is None else x.float()  # noqa: E731
     plain32 = run_torch(copy.deepcopy(mha).float(), *map(f32, (q, k, v, dO, dW)),
                         **{n: m if m.dtype == torch.bool else m.float()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from golden import reference
-from golden.tolerances import compare
-from golden.validate import dtype_name
+from golden.specification.tolerances import compare
+from golden.specification.validate import dtype_name
 from tests.helpers import DTYPES, LOW_DTYPES, TWINS, fresh_rng
 
 # Notebook 003's hand-made keys and values, (4, 3) each.

@@ -22,7 +22,7 @@ import torch
 from flax import nnx
 
 import torch_attn
-from golden.check import compare_all
+from golden.harness.check import compare_all
 from tests.helpers import JAX, fresh_rng, random_cotangents, reference_fixture
 
 MHCA = "multi_head_cross_attention"

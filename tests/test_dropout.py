@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from golden import reference
-from golden.tolerances import compare
+from golden.specification.tolerances import compare
 from tests.helpers import DROPOUT_MODULES, by_name, fresh_rng, main_input
 
 P = 0.3  # the dropout rate: not 1/2, so that a mask keeping with probability p is caught too

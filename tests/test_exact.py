@@ -1,4 +1,5 @@
-"""golden.exact, the arithmetic the fixtures are written in: every operation correctly rounded to
+"""golden.specification.exact, the arithmetic the fixtures are written in: every operation correctly
+rounded to
 50 digits (checked against mpmath at 120 digits, independent of the series written here), one
 correct rounding to float64 at the end, and nothing that depends on the thread's decimal
 context or on float operands."""
@@ -13,7 +14,9 @@ import mpmath
 import numpy as np
 import pytest
 
-from golden import exact, reference
+from golden.specification import exact
+
+from golden import reference
 
 R = exact.Real
 HALF_ULP_50 = Decimal("5e-50")  # half a unit in the 50th significant digit, relative
@@ -114,6 +117,6 @@ def test_modes_do_not_nest():
     with reference.rounded_products(11), pytest.raises(ValueError, match="exact_arithmetic"):
         with reference.exact_arithmetic():
             pass
-    with pytest.raises(TypeError, match="real should be a golden.exact number type"):
+    with pytest.raises(TypeError, match="real should be a golden.specification.exact number type"):
         with reference.exact_arithmetic(float):
             pass

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import golden
-from golden import fixture as fx
-from golden.cases import CASES
-from golden.regenerate import build, regenerate
+from golden.specification import fixture as fx
+from golden.specification.cases import CASES
+from golden.harness.regenerate import build, regenerate
 
 SOME = CASES[0]
 

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import golden
-from golden import runners, variants
-from golden.cases import CASES
-from golden.check import compare_all
-from golden.regenerate import regenerate
-from golden.tolerances import compare
+from golden import runners
+from golden.specification import variants
+from golden.specification.cases import CASES
+from golden.harness.check import compare_all
+from golden.harness.regenerate import regenerate
+from golden.specification.tolerances import compare
 from tests.helpers import DTYPES, TWINS, fixture_features, sweep
 
 

@@ -25,7 +25,7 @@ from flax import nnx
 import jax_attn
 import torch_attn
 from golden import reference
-from golden.tolerances import UNIT_ROUNDOFF, compare
+from golden.specification.tolerances import UNIT_ROUNDOFF, compare
 from tests.helpers import JAX, TWINS, count_compiles, fresh_rng, kind, other, sweep
 
 GQA = "grouped_query_attention"

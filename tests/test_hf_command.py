@@ -21,8 +21,8 @@ import torch
 
 from golden import hf
 from golden.cli import main
-from golden.hf import check as hf_check
-from golden.hf.checkpoint import Checkpoint
+from golden.verifier import check as hf_check
+from golden.verifier.checkpoint import Checkpoint
 from tests.hf_harness import BASE
 from tests.helpers import WHOLE
 

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from golden.hf import checkpoint as ck
+from golden.verifier import checkpoint as ck
 from golden.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -241,7 +241,7 @@ def test_weights_that_are_not_finite(copy, capsys, bad, monkeypatch):
     tensors[K1][5, 6] = -float(bad)
     write(directory / "model.safetensors", tensors)
     computed = []
-    monkeypatch.setattr("golden.hf.check.layer_fixture", lambda *a: computed.append(a))
+    monkeypatch.setattr("golden.verifier.check.layer_fixture", lambda *a: computed.append(a))
     status, err = run_hf(directory, capsys)
     assert status == 2 and not computed
     counts = "2 NaN and 0 infinite" if bad == "nan" else "0 NaN and 2 infinite"

@@ -50,8 +50,8 @@ import pytest
 import torch
 
 from golden import reference
-from golden.check import compare_all
-from golden.decoder import sliding_window
+from golden.harness.check import compare_all
+from golden.specification.decoder import sliding_window
 from tests.helpers import TWINS, fresh_rng, random_cotangents, reference_fixture
 
 transformers = pytest.importorskip("transformers")
@@ -328,7 +328,7 @@ def run_ours(twin, run, config=None):
 def run_with_grads(twin, run, seed):
     """The twin's run of its module on the reference's fixture (output, weights, every
     gradient), checked against the float64 reference to the float64 tolerances
-    (golden.check.compare_all)."""
+    (golden.harness.check.compare_all)."""
     with twin.float64():
         result = twin.run_with_grads(twin.build(GQA, run.config, run.params), run.fixture,
                                      "float64")

@@ -21,8 +21,8 @@ import pytest
 
 from golden import hf
 from golden.cli import main
-from golden.hf import check as hf_check
-from golden.hf import exercise as hf_exercise
+from golden.verifier import check as hf_check
+from golden.verifier import exercise as hf_exercise
 
 transformers = pytest.importorskip("transformers")
 

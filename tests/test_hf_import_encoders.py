@@ -218,7 +218,7 @@ def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(n
     """Undoing one of the family's settings (bidirectional or causal, T5's bias table and
     scale, the biases of the cross-attention...) changes the layer's output by more than
     10³ times the loosest bound of these tests, so the agreement above is not blind to it."""
-    from golden import variants
+    from golden.specification import variants
     family, twin = FAMILIES[name], TWINS["torch"]
     rng, seed = fresh_rng()
     config, model, seen = _model(name, rng)

@@ -1,4 +1,4 @@
-"""The harness (``golden.check.run`` over ``golden.runners.adapt`` runners) against a third
+"""The harness (``golden.harness.check.run`` over ``golden.runners.adapt`` runners) against a third
 implementation, the NumPy port of ``tests/port_numpy.py``: the port passes every shipped fixture
 it can run, and each mistake planted in it fails exactly the rows whose fixture can see that
 mistake. Those rows are derived from each fixture's own configuration, inputs and expected
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import golden
-import golden.check
+import golden.harness.check
 from tests import port_numpy
 from tests.port_numpy import Attention
 
@@ -137,7 +137,7 @@ MUTANTS = {  # name: (runner keywords, which rows catch it)
 
 def _rows(runner) -> dict:
     """{(fixture, dtype): row} of the runner over every shipped fixture."""
-    report = golden.check.run(impls=[runner], progress=False)
+    report = golden.harness.check.run(impls=[runner], progress=False)
     rows = [r for r in report["rows"] if r["implementation"] == runner.name]
     return {(r["fixture"], r["dtype"]): r for r in rows}
 
@@ -209,7 +209,7 @@ class Recording(Attention):
 def test_port_computes_in_float32_in_a_float32_run():
     """No silent float64 anywhere on the way to the softmax or out of the core."""
     core = Recording()
-    report = golden.check.run(impls=[port_numpy.runner(core=core)], dtypes=("float32",),
+    report = golden.harness.check.run(impls=[port_numpy.runner(core=core)], dtypes=("float32",),
                               progress=False)
     assert {r["status"] for r in report["rows"]} == {"pass"}
     assert core.seen == {("softmax", "float32"), ("output", "float32"), ("weights", "float32")}

@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 import golden
-from golden import fixture as fx
-from golden.cases import CASES
-from golden.regenerate import build, regenerate
+from golden.specification import fixture as fx
+from golden.specification.cases import CASES
+from golden.harness.regenerate import build, regenerate
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZED = "multi_head_attention_causal"  # the file of the issue's 300 bit flips
@@ -599,8 +599,8 @@ CHILD = textwrap.dedent("""
         fsync(fd)
     os.fsync = slow_fsync
     import golden
-    from golden import regenerate as module
-    from golden.cases import CASES
+    from golden.harness import regenerate as module
+    from golden.specification.cases import CASES
     built = {case.name: golden.load(Path(sys.argv[2]) / f"{case.name}.npz") for case in CASES}
     module.build = lambda case: built[case.name]
     print("start", flush=True)

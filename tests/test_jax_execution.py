@@ -18,11 +18,12 @@ from flax import nnx
 
 import golden
 import jax_attn
-from golden import reference, variants
-from golden.check import compare_all
-from golden.tolerances import compare
-from golden.validate import window
-from golden.variants import MODULES
+from golden import reference
+from golden.specification import variants
+from golden.harness.check import compare_all
+from golden.specification.tolerances import compare
+from golden.specification.validate import window
+from golden.specification.variants import MODULES
 from jax_attn import functional
 from tests.helpers import (
     DTYPES,

@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from golden.tolerances import compare
-from golden.variants import MODULES
+from golden.specification.tolerances import compare
+from golden.specification.variants import MODULES
 from tests.helpers import (
     DROPOUT_MODULES,
     JAX,

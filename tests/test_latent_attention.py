@@ -18,7 +18,8 @@ from flax import nnx
 
 import jax_attn
 import torch_attn
-from golden import reference, variants
+from golden import reference
+from golden.specification import variants
 from tests.helpers import JAX, TWINS, count_compiles, fresh_rng
 
 MLA = "multi_head_latent_attention"
@@ -278,7 +279,8 @@ def _nbytes(a) -> int:
 # ---- against transformers' DeepseekV3Attention -------------------------------------------------
 #
 # HF's module in float64 (``.double()``, sdpa: float64 on the CPU), random weights copied into
-# ours, fed cos and sin computed in float64 from golden.positions' frequencies (times the yarn
+# ours, fed cos and sin computed in float64 from golden.specification.positions' frequencies (times
+# the yarn
 # attention factor, as HF's rotary embedding multiplies them). One float32 step remains inside
 # it: DeepseekV3RMSNorm casts to float32 (q_a_layernorm, kv_a_layernorm). Unpatched, the
 # agreement is at float32 level: the relative error (max |ours − HF| / max |HF|, output, x's
@@ -343,8 +345,8 @@ def _hf_module(config, rng):
 
 def _hf_cos_sin(config, positions):
     """(cos, sin) (1, L, Dr) float64 in HF's layout, cat(angles, angles), times the attention
-    factor: golden.positions' float64 frequencies."""
-    from golden.positions import rope_frequencies
+    factor: golden.specification.positions' float64 frequencies."""
+    from golden.specification.positions import rope_frequencies
     c = variants.get(MLA).config(config)
     f, m = rope_frequencies(variants.latent_rope(c), c["qk_rope_head_dim"])
     angles = np.asarray(positions)[:, None] * f

@@ -1,7 +1,8 @@
 """The torch core's named implementations (torch_attn.IMPLEMENTATIONS): "row_chunks" against
 every sdpa golden fixture and against "explicit" on fresh inputs, its memory (no (Lq, Lk) tensor
 kept for the backward), its drawn dropout; that each name runs the algorithm it names and is
-the one recorded (golden.implementations.record); the automatic choice (None); and that an
+the one recorded (golden.specification.implementations.record); the automatic choice (None); and
+that an
 argument an implementation cannot honour raises instead of falling back.
 
 row_chunks runs with tiny chunks here (1 to 3 query rows), so that every case has several
@@ -25,8 +26,8 @@ import torch_attn.explicit as explicit_module
 import torch_attn.functional as functional
 import torch_attn.row_chunks as row_chunks
 from golden import reference
-from golden.implementations import Asked, record
-from golden.tolerances import compare
+from golden.specification.implementations import Asked, record
+from golden.specification.tolerances import compare
 from tests.helpers import fresh_rng
 from torch_attn import scaled_dot_product_attention as sdpa
 
@@ -255,7 +256,7 @@ def test_row_chunks_keeps_no_weights_for_the_backward():
 def paths(monkeypatch):
     """Which algorithm each call ran, seen from the inside ("row_chunks": its autograd
     Function; "explicit": the weights formed outside it; "fused": PyTorch's kernel), and, as a
-    second list, what golden.implementations.record() reported."""
+    second list, what golden.specification.implementations.record() reported."""
     taken = []
     apply, explicit = row_chunks._RowChunks.apply, functional.explicit
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import jax_attn
-from golden import variants
-from golden.check import compare_all
-from golden.tolerances import compare
-from golden.validate import window
+from golden.specification import variants
+from golden.harness.check import compare_all
+from golden.specification.tolerances import compare
+from golden.specification.validate import window
 from jax_attn import functional
 from tests.helpers import (
     JAX,

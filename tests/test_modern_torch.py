@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from golden import reference
-from golden.implementations import record
-from golden.tolerances import compare
-from golden.validate import window
+from golden.specification.implementations import record
+from golden.specification.tolerances import compare
+from golden.specification.validate import window
 from tests.helpers import fresh_rng
 from torch_attn import scaled_dot_product_attention as sdpa
 from torch_attn.explicit import Where

@@ -13,12 +13,13 @@ import pytest
 
 import jax_attn
 import torch_attn
-from golden import reference, variants
-from golden.cases import CASES
-from golden.check import compare_all
-from golden.regenerate import build as build_fixture
-from golden.tolerances import compare
-from golden.variants import MODULES
+from golden import reference
+from golden.specification import variants
+from golden.specification.cases import CASES
+from golden.harness.check import compare_all
+from golden.harness.regenerate import build as build_fixture
+from golden.specification.tolerances import compare
+from golden.specification.variants import MODULES
 from tests.helpers import (
     DROPOUT_MODULES,
     DTYPES,

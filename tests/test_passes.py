@@ -14,10 +14,11 @@ import pytest
 
 import golden
 import jax_attn
-from golden import reference, runners, variants
-from golden.implementations import record
+from golden import reference, runners
+from golden.specification import variants
+from golden.specification.implementations import record
 from golden.reference import allowed_positions
-from golden.tolerances import compare, compare_terms
+from golden.specification.tolerances import compare, compare_terms
 from jax_attn import blockwise, explicit, functional
 from tests.helpers import JAX, fixture_sweep, fresh_rng, sweep
 from tests.test_blockwise import _grads

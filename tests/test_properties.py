@@ -42,10 +42,12 @@ every array (``draw_arrays``), so shrinking works on the structure, never on flo
 
 What is compared (property 1): the output and weights of torch (autograd, the explicit path),
 torch's output under no_grad (PyTorch's fused kernel where the core takes it) and JAX, with
-``golden.tolerances.compare`` at the case's dtype; and the gradients of Σ O ⊙ dO + Σ A ⊙ dA
+``golden.specification.tolerances.compare`` at the case's dtype; and the gradients of Σ O ⊙ dO + Σ A
+⊙ dA
 (query, key, value, bias, sinks; torch by autograd, JAX by ``jax.vjp``). Outputs and gradients sum
 terms that may cancel: they pass ``compare`` or, failing it, the same table relative to the
-size of those terms (golden.tolerances.compare_terms: a sum that cancels carries its terms'
+size of those terms (golden.specification.tolerances.compare_terms: a sum that cancels carries its
+terms'
 rounding, not its own size's). Property 2 runs
 JAX's forward alone (its backward triples the compile time), torch's backward included.
 """
@@ -63,8 +65,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from golden import reference
-from golden.regenerate import to_grid
-from golden.tolerances import compare, compare_terms
+from golden.harness.regenerate import to_grid
+from golden.specification.tolerances import compare, compare_terms
 from tests.helpers import IMPLS, WHOLE
 
 settings.register_profile(
@@ -332,7 +334,8 @@ def run_all(case, jax_grads=True):
 
 
 def _terms(name, args, weights_shape):
-    """As golden.check._terms: a broadcast bias's gradient sums weights.size / bias.size, the
+    """As golden.harness.check._terms: a broadcast bias's gradient sums weights.size / bias.size,
+    the
     sinks' weights.size / H."""
     array = {"bias": args[4], "sinks": args[5]}.get(name)
     return 1 if array is None else max(1, math.prod(weights_shape) // array.size)
@@ -345,7 +348,8 @@ def _zero(name, bias):
 
 
 def agreement_failures(case, runs, args):
-    """Each array of torch and JAX that fails golden.tolerances.compare against the reference."""
+    """Each array of torch and JAX that fails golden.specification.tolerances.compare against
+    the reference."""
     ref, bias, failures = runs["reference"], args[4], []
     for name in ("torch", "jax"):
         run = runs[name]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import golden
-from golden import check
+from golden.harness import check
 from golden.cli import main
 from golden.runners import recipes
 from golden.runners.adapt import from_function, load

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from golden.decoder import relative_position_bucket
+from golden.specification.decoder import relative_position_bucket
 from tests.helpers import TWINS, fresh_rng
 
 transformers = pytest.importorskip("transformers")

@@ -264,8 +264,8 @@ def _one_off(delta, n=10_000, value=0.5):
 
 
 def test_a_float32_value_row_shows_the_tables_bounds(tmp_path):
-    from golden.check import _array
-    from golden.tolerances import compare
+    from golden.harness.check import _array
+    from golden.specification.tolerances import compare
 
     a, e = _one_off(5e-7)
     c = compare(a, e, "float32", "value")
@@ -283,7 +283,7 @@ def test_a_float32_value_row_shows_the_tables_bounds(tmp_path):
 
 
 def test_a_scaled_gradient_row_shows_atol_scaled_by_its_size_and_terms():
-    from golden.tolerances import compare
+    from golden.specification.tolerances import compare
 
     a, e = _one_off(1e-5, value=4.0)  # max|e| = 4, 9 terms: atol' = 1e-6 · 4 · 3
     c = compare(a, e, "float32", "grad", terms=9)
@@ -294,7 +294,7 @@ def test_a_scaled_gradient_row_shows_atol_scaled_by_its_size_and_terms():
 
 
 def test_a_terms_row_shows_the_bounds_relative_to_the_terms():
-    from golden.tolerances import compare_terms
+    from golden.specification.tolerances import compare_terms
 
     e, m = np.full(100, 1e-3), np.full(100, 10.0)  # sums of terms of size 10 that cancel
     c = compare_terms(e + 5e-6, e, m, "float32", "value")  # the table alone: 1.01e-6 < 5e-6
@@ -306,8 +306,8 @@ def test_a_terms_row_shows_the_bounds_relative_to_the_terms():
 
 @pytest.mark.parametrize("delta, ok", [(5.9e-6, True), (6.1e-6, False)])
 def test_a_near_threshold_row_reads_against_its_bound(delta, ok):
-    from golden.check import _array, _format_row
-    from golden.tolerances import compare
+    from golden.harness.check import _array, _format_row
+    from golden.specification.tolerances import compare
 
     a, e = _one_off(delta)  # element 3 is held to 1e-6 + 1e-5 · 0.5 = 6e-6
     c = compare(a, e, "float32", "value")
@@ -323,8 +323,8 @@ def test_a_near_threshold_row_reads_against_its_bound(delta, ok):
 
 
 def test_the_relative_norm_decides_when_it_is_closer():
-    from golden.check import _array
-    from golden.tolerances import compare
+    from golden.harness.check import _array
+    from golden.specification.tolerances import compare
 
     e = np.ones(100)
     c = compare(e * (1 + 1.1e-6), e, "float32", "value")  # rel_norm 1.1e-6 > 1e-6
@@ -335,7 +335,7 @@ def test_the_relative_norm_decides_when_it_is_closer():
 
 
 def test_a_profile_row_shows_k_times_the_plain_error_plus_atol():
-    from golden.tolerances import compare_profile, compare_to_plain
+    from golden.specification.tolerances import compare_profile, compare_to_plain
 
     rng = np.random.default_rng(1)
     e = rng.standard_normal((3, 5, 7)) * 2  # max|e| > 1: atol scales with it
@@ -440,7 +440,7 @@ def test_compare_text_and_json_show_the_flax_columns_bounds(delta, ok):
 def test_written_files_get_the_umasks_mode(tmp_path, mask, mode):
     import os
 
-    from golden.fixture import write_atomic
+    from golden.specification.fixture import write_atomic
 
     old = os.umask(mask)
     try:
@@ -454,7 +454,7 @@ def test_written_files_get_the_umasks_mode(tmp_path, mask, mode):
 
 
 def test_check_html_draws_the_output_of_a_function_without_weights(tmp_path):
-    from golden import check
+    from golden.harness import check
     from golden.runners.adapt import from_function
 
     def sdpa(query, key, value):  # no return_weights: the runner's result has no "weights"

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 import golden
-from golden import exact, reference
-from golden.cases import CASES
+from golden.specification import exact
+from golden import reference
+from golden.specification.cases import CASES
 from tests.helpers import WHOLE, fixture_share
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +43,8 @@ import hashlib, json
 import numpy as np
 import golden
 from golden import runners
-from golden.cases import CASES
-from golden.regenerate import regenerate
+from golden.specification.cases import CASES
+from golden.harness.regenerate import regenerate
 lines = []
 differ = regenerate(check=True, log=lines.append)
 x = np.linspace(-30.0, 30.0, 20001)

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from golden import reference
-from golden.positions import rope_frequencies
-from golden.validate import rope_settings
+from golden.specification.positions import rope_frequencies
+from golden.specification.validate import rope_settings
 from tests.helpers import JAX, TWINS, count_compiles, fresh_rng
 from torch_attn import export_params as torch_attn_export
 

@@ -1,4 +1,4 @@
-"""``golden.testing``: the assertions users put in their own suites."""
+"""``golden.port.testing``: the assertions users put in their own suites."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from golden import compare as C
 from golden.runners.adapt import NotSupported, from_function
-from golden.testing import assert_impl, assert_port
+from golden.port.testing import assert_impl, assert_port
 from golden.examples import port_pair as P
 
 X = {"x": (2, 5, 8)}  # B=2, L=5, E=8
@@ -97,6 +97,6 @@ def test_assert_port_checks_a_port_fixture(frozen):
 
 
 def test_golden_testing_does_not_import_pytest():
-    code = "import sys, golden.testing; sys.exit('pytest' in sys.modules)"
+    code = "import sys, golden.port.testing; sys.exit('pytest' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

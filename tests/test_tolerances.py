@@ -1,4 +1,5 @@
-"""Every rule of ``golden.tolerances.compare``, one at a time, on arrays made by hand, and the
+"""Every rule of ``golden.specification.tolerances.compare``, one at a time, on arrays made by hand,
+and the
 table's units. (float32 bounds: rel_norm 1e-6, rtol 1e-5, atol 1e-6 for values.)"""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from golden.tolerances import TOLERANCES, UNIT_ROUNDOFF, compare, compare_terms
+from golden.specification.tolerances import TOLERANCES, UNIT_ROUNDOFF, compare, compare_terms
 
 
 def test_identical_arrays_pass_with_no_error():

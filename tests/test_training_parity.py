@@ -1,5 +1,6 @@
 """The same model trained in PyTorch (torch.optim) and in JAX (optax under nnx.jit) stays the same
-(golden.training): every optimizer pairing agrees to 1e-10 in float64 after 50 steps; each naive
+(golden.port.training): every optimizer pairing agrees to 1e-10 in float64 after 50 steps; each
+naive
 pairing (library defaults, or the plausible port) measurably does not, which backs each row of
 the README's table; float32 drifts by rounding only, within a bound measured here.
 
@@ -22,8 +23,8 @@ import optax
 import pytest
 import torch
 
-from golden import training
-from golden.training import INERT, PAIRINGS, STEPS, drift, train
+from golden.port import training
+from golden.port.training import INERT, PAIRINGS, STEPS, drift, train
 from tests.helpers import fresh_rng
 
 _, SEED = fresh_rng()  # one problem for the module, so that runs are shared between its tests

@@ -16,11 +16,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from golden import check, cli, positions, report, validate, variants
+from golden.harness import check
+
+from golden import cli, report
+
+from golden.specification import positions, validate, variants
 from golden import compare as C
-from golden.check import compare_all
+from golden.harness.check import compare_all
 from golden.runners.adapt import as_runner, from_function
-from golden.tolerances import TOLERANCES, compare_terms
+from golden.specification.tolerances import TOLERANCES, compare_terms
 from golden.examples import port_pair as P
 from tests.helpers import fresh_rng, random_cotangents, reference_fixture
 
@@ -50,7 +54,7 @@ LACKING = from_function(_lacking, "numpy", name="lacking")
 # ---- a. an error fails the run ----------------------------------------------------------------
 
 def test_a_port_that_raises_is_an_error_and_the_run_fails(capsys):
-    # Catches golden/check.py's _summary computing "ok" without count["error"]: a run whose
+    # Catches golden/harness/check.py's _summary computing "ok" without count["error"]: a run whose
     # every row raised would be reported ok, and `check --impl` would exit 0.
     run = check.run(["sdpa_plain"], impls=[CRASHING])
     assert [(r["status"], r["reason"]) for r in run["rows"]] == 2 * [
@@ -93,7 +97,8 @@ def test_compare_names_exactly_the_one_gradient_that_fails():
 # ---- c. compare_terms holds each element to its own term size -----------------------------------
 
 def test_compare_terms_bounds_each_element_by_its_own_terms():
-    # Catches golden/tolerances.py's compare_terms bounding every element by rtol · max(M)
+    # Catches golden/specification/tolerances.py's compare_terms bounding every element by rtol ·
+    # max(M)
     # instead of rtol · Mᵢ: an element whose terms are small would get the large elements'
     # bound. By the documented formula, float32 values (rel_norm 1e-6, rtol 1e-5, atol 1e-6):
     #   |aᵢ − eᵢ| ≤ atol · max(1, max M) · √terms + rtol · Mᵢ

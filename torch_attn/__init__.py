@@ -1,6 +1,6 @@
 """PyTorch twin of attn-parity: the attention core and the variant modules."""
 
-from golden.positions import ContextCache, KVCache, LatentCache
+from golden.specification.positions import ContextCache, KVCache, LatentCache
 from torch_attn import convert
 from torch_attn.functional import IMPLEMENTATIONS, scaled_dot_product_attention
 from torch_attn.modules import *  # noqa: F403  (the variant classes, listed in modules.__all__)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from golden import variants
+from golden.specification import variants
 from golden.convert import (
     HF_NAMES,
     META_NAMES,

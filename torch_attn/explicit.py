@@ -3,7 +3,8 @@
 explicit: the (..., H, Lq, Lk) weights formed (scores and softmax in at least float32; with
 sinks, the head's sink logit as one more column of the softmax, dropped after it), then the
 weighted sum of values; autograd differentiates it. ``Where`` turns the allowed-set
-arguments into a boolean mask through golden.positions.allowed_terms, the rule JAX's core uses
+arguments into a boolean mask through golden.specification.positions.allowed_terms, the rule JAX's
+core uses
 too, and cuts it into chunks for "row_chunks".
 
 Shape legend: B batch, H heads (Hkv of key and value, G = H / Hkv), Lq query length, Lk key
@@ -17,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from golden.positions import allowed_terms
+from golden.specification.positions import allowed_terms
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 

@@ -13,8 +13,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from golden.implementations import Asked, Implementation, Registry
-from golden.validate import check_attention_args, check_block_sizes, check_flags, window
+from golden.specification.implementations import Asked, Implementation, Registry
+from golden.specification.validate import (
+    check_attention_args, check_block_sizes, check_flags, window,
+)
 from torch_attn.explicit import Where, draw_dropout_mask, explicit
 from torch_attn.row_chunks import row_chunks
 
@@ -65,7 +67,7 @@ def scaled_dot_product_attention(
     - None: ``choose``, the first of "fused", then ("row_chunks" when B·H·Lq·Lk is above
       ROW_CHUNKS_ABOVE, i.e. from 2²⁴ up) "explicit", that takes the call. The measurements
       behind it: docs/performance.md.
-    ``golden.implementations.record()`` collects the name each call ran.
+    ``golden.specification.implementations.record()`` collects the name each call ran.
     """
     _expect_tensors(query=query, key=key, value=value, mask=mask, bias=bias,
                     dropout_mask=dropout_mask, sinks=sinks)

@@ -1,4 +1,5 @@
-"""Build a module from neutral-layout parameters and export them back (see golden.variants).
+"""Build a module from neutral-layout parameters and export them back (see
+golden.specification.variants).
 
 PyTorch's ``nn.Linear`` stores W as (out, in); the neutral layout is (in, out), so weights are
 transposed at this edge and nowhere else. The wrapper's heads are stacked on a leading axis.
@@ -9,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from golden.positions import KVCache
-from golden.validate import check_build_args, check_kv_cache, check_param_arrays
-from golden.variants import export_layers, load_layers, module_variant
+from golden.specification.positions import KVCache
+from golden.specification.validate import check_build_args, check_kv_cache, check_param_arrays
+from golden.specification.variants import export_layers, load_layers, module_variant
 from torch_attn import modules
 
 

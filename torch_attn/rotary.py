@@ -1,4 +1,5 @@
-"""Rotary position embeddings in PyTorch. The tables and the arithmetic are golden.positions'
+"""Rotary position embeddings in PyTorch. The tables and the arithmetic are
+golden.specification.positions'
 (the same code as jax_attn.rotary); this module converts the tables to the compute dtype.
 
 Shape legend: B batch, H heads, L tokens, Dh head width, rd the rotated features (the first rd
@@ -9,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from golden.positions import (
+from golden.specification.positions import (
     call_dependent,
     hf_inv_freq,
     rope_cos_sin,
     rope_turn,
     settings_tables,
 )
-from golden.validate import check_rotary, rotary_dims
+from golden.specification.validate import check_rotary, rotary_dims
 from torch_attn.explicit import LOW_PRECISION, per_batch
 
 
@@ -34,7 +35,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     longrope) says, cos and sin times its attention factor.
 
     ``precision="exact"``: the angles are exact to a few roundings at any position: cos and sin
-    come from float64 tables (golden.positions.rope_tables) for positions below
+    come from float64 tables (golden.specification.positions.rope_tables) for positions below
     ``max_position`` (default L, or the largest explicit position + 1); every position must be
     below it. The rotation runs in at least float32 and is rounded once to x's dtype.
     ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and
@@ -74,7 +75,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
 
 
 def _hf_cos_sin(settings, rd, positions, seq_len, device):
-    """Hugging Face's float32 cos and sin (..., L, rd/2): its inv_freq (golden.positions.
+    """Hugging Face's float32 cos and sin (..., L, rd/2): its inv_freq
+    (golden.specification.positions.
     hf_inv_freq with torch's own float32 operations), angles position · inv_freq in float32,
     cos and sin times the attention factor in float32."""
     def array(values):

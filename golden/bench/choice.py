@@ -16,7 +16,7 @@ from golden.bench.attention import random_qkv
 from golden.bench.cells import _ms
 from golden.bench.grid import Grid
 from golden.bench.timing import MIN_REPEATS, _call
-from golden.implementations import record
+from golden.specification.implementations import record
 
 __all__ = ["CHOICE_IMPLS", "CHOICE_ROUNDS", "CHOICE_NOISE", "choice_call", "run_choice",
            "choice_markdown"]

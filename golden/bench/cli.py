@@ -43,7 +43,7 @@ from golden.bench.modules import (
 )
 from golden.bench.report import markdown, run
 from golden.bench.timing import MIN_REPEATS, _cpu_seconds, other_cpu
-from golden.fixture import write_atomic
+from golden.specification.fixture import write_atomic
 
 __all__ = ["SECTIONS", "main"]
 

@@ -49,7 +49,7 @@ def _torch_peer_chunks(q, k, v, chunk):
 def alibi_bias_table(heads, length):
     """BLOOM's slopes times every distance key − query of a length-L call, (H, 2L + 1) float32:
     the JAX core's distance_bias, O(L)."""
-    from golden.decoder import alibi_slopes
+    from golden.specification.decoder import alibi_slopes
     return (alibi_slopes(heads, "bloom")[:, None]
             * np.arange(-length, length + 1)).astype(np.float32)
 
@@ -57,7 +57,7 @@ def alibi_bias_table(heads, length):
 def _alibi_materialised(q, k):
     """ALiBi's (H, Lq, Lk) float bias m_h · (j − i) formed in the call, as torch users (and
     HF's BLOOM) do; the causal entries −inf for torch_peer's float mask."""
-    from golden.decoder import alibi_slopes
+    from golden.specification.decoder import alibi_slopes
     slopes = torch.from_numpy(alibi_slopes(q.shape[-3], "bloom")).to(q.dtype)
     i = torch.arange(q.shape[-2], device=q.device)[:, None]
     j = torch.arange(k.shape[-2], device=q.device)

@@ -2,7 +2,8 @@
 
 ``compare(torch_factory, flax_factory, mapping, inputs)`` draws weights in the torch layout and
 inputs, sets the same weights in both modules through the mapping (torch state-dict key -> Flax
-parameter path, with a ``golden.mapping`` rule from the torch layout to the Flax one), and runs
+parameter path, with a ``golden.specification.mapping`` rule from the torch layout to the Flax one),
+and runs
 
     torch float64       the reference: output, gradients of L = Σ output ⊙ dO for every
                         parameter and float input, outputs of the paired submodules (hooks)
@@ -11,20 +12,24 @@ parameter path, with a ``golden.mapping`` rule from the torch layout to the Flax
                         layout through the rule's inverse), every submodule's ``__call__``
                         output (``nnx.capture(..., method_outputs=nnx.Intermediate)``)
 
-and judges the Flax float32 column against torch float64 with ``golden.tolerances.compare``.
+and judges the Flax float32 column against torch float64 with
+``golden.specification.tolerances.compare``.
 ``dtype="bfloat16"`` or ``"float16"`` runs the baseline and the Flax module in that dtype and
-judges with ``golden.tolerances.compare_to_plain`` (the dtype's row, or at most 2x the torch
+judges with ``golden.specification.tolerances.compare_to_plain`` (the dtype's row, or at most 2x the
+torch
 baseline's error). Inputs go positionally (``inputs``) and by name (``keywords``: arrays,
 nested arrays, plain values, per-run factories); ``output`` selects the array judged from a
 tuple, dict, ``ModelOutput`` or dataclass, the same way in both frameworks.
 The verdict is on the output and the gradients; a paired submodule is a module owning a mapped
-parameter on each side (``golden.mapping.submodule``), and the first one in torch's execution
+parameter on each side (``golden.specification.mapping.submodule``), and the first one in torch's
+execution
 order whose Flax output misses the float32 value tolerance is named as where the port diverges.
 Both modules run in eval mode; by default a module returning a tuple is judged on its first
 array, one returning a dict or ModelOutput on its first value.
 
 ``freeze`` writes what was drawn and the float64 expectations as a port fixture (the container
-of ``golden.fixture``: a zip of ``.npy`` members, never pickled), and ``check_port`` checks a
+of ``golden.specification.fixture``: a zip of ``.npy`` members, never pickled), and ``check_port``
+checks a
 Flax module against such a file without torch.
 
 The rooms, each importing only those above it:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from golden.frameworks import JAX, TORCH
+from golden.runners.frameworks import JAX, TORCH
 
 
 RUN_DTYPES = ("float32", "bfloat16", "float16")  # what compare(dtype=...) runs the port in

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden import mapping as mapping_lib
+from golden.specification import mapping as mapping_lib
 from golden.compare.calls import (_Call, _check_call, _check_dtype, _draw, _draw_weights,
                                   _inputs, _keywords, _on_grid, _terms)
 from golden.compare.mappings import _pairs, _validated

@@ -9,12 +9,12 @@ import os
 import sys
 from pathlib import Path
 
-from golden import mapping as mapping_lib
+from golden.specification import mapping as mapping_lib
 from golden.compare.calls import RUN_DTYPES
 from golden.compare.checks import check_port, compare
 from golden.compare.port_fixture import freeze
 from golden.compare.report import SCHEMA, PortReport
-from golden.fixture import write_atomic
+from golden.specification.fixture import write_atomic
 from golden.runners.adapt import SPEC, resolve_spec
 
 

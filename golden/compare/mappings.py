@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden import mapping as mapping_lib
+from golden.specification import mapping as mapping_lib
 
 
 def neutral(torch_table: dict, flax_table: dict, shapes: dict | None = None) -> dict:

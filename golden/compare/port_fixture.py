@@ -1,5 +1,6 @@
 """Freezing for ``golden.compare``: a port fixture holds what ``compare`` drew and the float64
-expectations (the container of ``golden.fixture``: a zip of ``.npy`` members and a JSON
+expectations (the container of ``golden.specification.fixture``: a zip of ``.npy`` members and a
+JSON
 ``meta``, never pickled). ``freeze`` writes one, ``load_port`` reads and validates one.
 """
 
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from golden import mapping as mapping_lib
+from golden.specification import mapping as mapping_lib
 from golden.compare.calls import _PLAIN_TYPES, RUN_DTYPES
 from golden.compare.report import PortReport
-from golden.fixture import FixtureError, read_members, to_bytes, write_atomic
+from golden.specification.fixture import FixtureError, read_members, to_bytes, write_atomic
 
 
 FORMAT = "attn-parity-port"
@@ -30,7 +31,8 @@ FORMAT_VERSIONS = (1, 2, 3)
 
 @dataclass
 class _PortFile:
-    """A port fixture's members, for ``golden.fixture.to_bytes`` (which calls ``arrays()``)."""
+    """A port fixture's members, for ``golden.specification.fixture.to_bytes`` (which calls
+    ``arrays()``)."""
 
     meta: dict
     members: dict

@@ -6,7 +6,7 @@ the verdict stays with the reference as run).
 
 from __future__ import annotations
 
-from golden import tolerances
+from golden.specification import tolerances
 from golden.compare.calls import _Call
 from golden.compare.report import PortReport
 from golden.compare.running import _run_torch

@@ -11,7 +11,8 @@ from golden.report import plain
 
 # 2: a number that is not finite is null, as in every report of this project (golden.report.plain)
 # 3: each comparison (a row's "torch_float32", "flax_float32") also states the bounds it was held
-#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule" (golden.tolerances.Comparison); the
+#    to: "abs_err", "bound_abs", "bound_rel_norm", "rule"
+# (golden.specification.tolerances.Comparison); the
 #    report gains "diagnosis", "interval" (where the port parts from the reference), "reference"
 #    (the float32 steps inside the torch float64 reference and how far they move it) and "dtype";
 #    rows "input of A ~ B" compare a paired submodule's input
@@ -48,7 +49,7 @@ class PortReport:
     def text(self) -> str:
         """A readable table: max |Δ| and the relative error norm per column, the Flax column's
         each beside the bound it was held to (the elementwise check's at its deciding element,
-        golden.tolerances.Comparison), then the verdict."""
+        golden.specification.tolerances.Comparison), then the verdict."""
         width = max(len(r["what"]) for r in self.rows) + 2
         dtype = self.data.get("dtype", "float32")
         lines = [f"{'':{width}}{'flax path':16}{'rule':8}{'torch ' + dtype:28}flax {dtype}",
@@ -75,7 +76,8 @@ class PortReport:
 
     def to_json(self) -> dict:
         """JSON-ready (schema ``SCHEMA``, version 3): the verdict, the rows and the notes; each
-        row's "torch_float32" and "flax_float32" are ``golden.tolerances.Comparison`` fields, the
+        row's "torch_float32" and "flax_float32" are ``golden.specification.tolerances.Comparison``
+        fields, the
         errors and the bounds they were held to; a number that is not finite is None (null in
         JSON), NumPy values are Python values (golden.report.plain)."""
         return plain({"ok": self.ok, "first_divergent": self.first_divergent,
@@ -90,7 +92,8 @@ class PortReport:
 def _cell(c, row=None, bounds=False) -> str:
     """A column's cell: max |Δ|, the relative error norm ("(zero)": not applied) and the
     verdict; with ``bounds``, rel‖Δ‖ / its bound and |Δᵢ| / boundᵢ at the elementwise check's
-    deciding element (golden.tolerances.Comparison: it passes exactly when |Δᵢ| ≤ boundᵢ)."""
+    deciding element (golden.specification.tolerances.Comparison: it passes exactly when |Δᵢ| ≤
+    boundᵢ)."""
     if c is None:
         return (row or {}).get("note") or "-"
     verdict = "pass" if c["ok"] else "FAIL"

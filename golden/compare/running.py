@@ -17,7 +17,7 @@ import functools
 import numpy as np
 
 from golden.compare.calls import _PLAIN_CALL, _Call, _first_array
-from golden.frameworks import JAX, TORCH
+from golden.runners.frameworks import JAX, TORCH
 
 
 def _run_torch(module, dtype: str, weights: dict, inputs: dict, pairs: list, cotangent,

@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from golden import mapping as mapping_lib
-from golden import tolerances
+from golden.specification import mapping as mapping_lib
+from golden.specification import tolerances
 from golden.compare.localise import _locate
 from golden.compare.report import PortReport
 

@@ -31,11 +31,8 @@ The rooms of the importer, each importing only those above it (NumPy only):
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
 table added to ``convert.FAMILIES``).
 
-The checkpoint verifier (``attn-parity hf DIR``) lives here too, in the harness layer (it
-imports the twins and transformers); this ``__init__`` does not import it: ``checkpoint``
-(safetensors files), ``layout`` (where each family's layers sit), ``preflight`` (the headers
-accounted for), ``exercise`` (inputs long enough), ``model`` (HF's own module), ``check`` (the
-command).
+The checkpoint verifier (``attn-parity hf DIR``), which imports the twins and transformers, is
+a room of its own above the harness: ``golden.verifier``.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from golden import variants
+from golden.specification import variants
 from golden.hf import decoders, encoders, fused, latent
 from golden.hf.family import Family, HFConfig, Kinds, _as_dict
-from golden.mapping import _numpy
+from golden.specification.mapping import _numpy
 
 
 def _tables(*tables) -> dict:

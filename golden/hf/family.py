@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from golden.mapping import _numpy
+from golden.specification.mapping import _numpy
 
 GQA = "grouped_query_attention"
 ROLES = ("query", "key", "value", "out")
@@ -112,7 +112,7 @@ def _rope(c, layer_type, mt) -> dict:
 
 
 def variants_rope_types() -> tuple:
-    from golden.validate import ROPE_TYPES
+    from golden.specification.validate import ROPE_TYPES
     return tuple(ROPE_TYPES)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from golden.hf.family import Family, _read, _rope
-from golden.mapping import _numpy
+from golden.specification.mapping import _numpy
 
 MLA = "multi_head_latent_attention"
 MLA_NAMES = {"W_query": "q_proj", "W_q_a": "q_a_proj", "W_q_b": "q_b_proj",

@@ -3,13 +3,14 @@
 Two arithmetics run the same code. By default it is NumPy float64: fast, the oracle of the
 property tests and of the tolerance profiles, but its last bits depend on the CPU (NumPy's float64
 exp, tanh and power have one SIMD kernel per instruction set). Inside ``exact_arithmetic()`` the
-arrays hold ``golden.exact.Real`` numbers (50 significant digits, every operation correctly
+arrays hold ``golden.specification.exact.Real`` numbers (50 significant digits, every operation
+correctly
 rounded, integer arithmetic underneath), and ``stored`` (golden.reference.storage) rounds each
 result once to float64: the fixtures' values, the same bits on every machine
 (docs/reproducibility.md).
 
 ``rounded_products(bits)`` turns the same code into the plain low-precision implementation that
-the tolerance profiles measure against (golden.tolerances.PROFILES): inside it, every
+the tolerance profiles measure against (golden.specification.tolerances.PROFILES): inside it, every
 contraction rounds its operands to ``bits`` bits of precision (TF32: 11, bfloat16: 8) and its
 result to float32, as a float32 matmul on TF32 or bfloat16 units does; nothing else changes.
 ``blas_products()`` sums the float64 contractions through BLAS instead (not for fixtures).
@@ -27,7 +28,7 @@ import contextvars
 
 import numpy as np
 
-from golden import exact
+from golden.specification import exact
 
 _PRODUCT_BITS = contextvars.ContextVar("product_bits", default=None)
 _EXACT = contextvars.ContextVar("exact", default=None)  # the number type, None for float64
@@ -36,14 +37,17 @@ _BLAS = contextvars.ContextVar("blas", default=False)
 
 @contextlib.contextmanager
 def exact_arithmetic(real=exact.Real):
-    """Inside, the reference computes in golden.exact's 50-digit decimal arithmetic: the float
-    arrays it is given are taken exactly, and it returns object arrays of golden.exact.Real
-    (``stored`` rounds them to float64). ``real``: another golden.exact number type (a higher
+    """Inside, the reference computes in golden.specification.exact's 50-digit decimal arithmetic:
+    the float
+    arrays it is given are taken exactly, and it returns object arrays of
+    golden.specification.exact.Real
+    (``stored`` rounds them to float64). ``real``: another golden.specification.exact number type (a
+    higher
     precision, for measuring this one)."""
     if _PRODUCT_BITS.get() is not None:
         raise ValueError("exact_arithmetic() cannot run inside rounded_products()")
     if not (isinstance(real, type) and issubclass(real, exact.Number)):
-        raise TypeError(f"real should be a golden.exact number type, got {real!r}")
+        raise TypeError(f"real should be a golden.specification.exact number type, got {real!r}")
     token = _EXACT.set(real)
     try:
         yield
@@ -52,7 +56,8 @@ def exact_arithmetic(real=exact.Real):
 
 
 def real(a):
-    """``a`` as float64, or inside exact_arithmetic() as an array of golden.exact.Real."""
+    """``a`` as float64, or inside exact_arithmetic() as an array of
+    golden.specification.exact.Real."""
     if exact.is_exact(a):
         return a
     real_type = _EXACT.get()
@@ -60,14 +65,15 @@ def real(a):
 
 
 def number(x):
-    """A Python float, or inside exact_arithmetic() the golden.exact.Real equal to it."""
+    """A Python float, or inside exact_arithmetic() the golden.specification.exact.Real equal
+    to it."""
     real_type = _EXACT.get()
     return float(x) if real_type is None else real_type(float(x))
 
 
 def number_type():
     """The number type in force: None for float64, or inside exact_arithmetic() its
-    golden.exact type."""
+    golden.specification.exact type."""
     return _EXACT.get()
 
 

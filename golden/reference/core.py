@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from golden.reference.arithmetic import einsum, number, number_type, real
-from golden.validate import check_attention_args, window
+from golden.specification.validate import check_attention_args, window
 
 
 def _checkable(a):
@@ -228,7 +228,8 @@ def _sum_to_sinks(g, sinks_shape):
 def sdpa_term_sizes(saved, d_output, d_weights):
     """The output A V and each gradient of ``sdpa_backward`` computed from absolute values,
     M ≥ |array| elementwise: the size of the terms each element sums, which its rounding is
-    relative to (golden.tolerances.compare_terms). The output's is A |V|; dL/dscores is
+    relative to (golden.specification.tolerances.compare_terms). The output's is A |V|; dL/dscores
+    is
     P ⊙ (g − Σ g ⊙ P), whose subtraction cancels (to nothing on a saturated row), so M takes
     P ⊙ (|g| + Σ |g| ⊙ P) and leaves out the soft-cap's 1 − tanh², itself a cancelling
     difference near ±c."""

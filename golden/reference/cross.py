@@ -9,7 +9,7 @@ and Lk the context length.
 
 from __future__ import annotations
 
-from golden import variants
+from golden.specification import variants
 from golden.reference.block import block_backward, block_forward
 from golden.reference.modules import one_head
 

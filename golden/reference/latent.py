@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden import variants
+from golden.specification import variants
 from golden.reference.arithmetic import number, real
 from golden.reference.block import Stage, block_backward, block_forward, linear, linear_backward
 from golden.reference.core import unbroadcast

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden import variants
-from golden.decoder import sliding_window
+from golden.specification import variants
+from golden.specification.decoder import sliding_window
 from golden.reference.arithmetic import number, real
 from golden.reference.block import block_backward, block_forward
 from golden.reference.core import sdpa_backward, sdpa_forward
@@ -23,7 +23,7 @@ from golden.reference.position_bias import alibi_term, relative_term
 from golden.reference.rotary import rope_cos_sin
 from golden.reference.stages import (qk_norm_stage, rope_stage, temperature_factors,
                                       temperature_stage)
-from golden.validate import rope_settings
+from golden.specification.validate import rope_settings
 
 
 def _sdpa(config, inputs, params):
@@ -109,7 +109,8 @@ def _wrapper_backward(saved, d_y, d_weights):
 def _grouped_query(config, inputs, params):
     """GroupedQueryAttention: Hkv key-value heads; a QK norm, RoPE and the query temperature at
     the tokens' positions (0 … L − 1, or the inputs' ``positions``) on q and k
-    (golden.variants.QK_NORMS says which norm runs before RoPE and which after); sinks and the
+    (golden.specification.variants.QK_NORMS says which norm runs before RoPE and which after); sinks
+    and the
     output gate when the parameters hold them; ALiBi's or T5's bias (alibi_term,
     relative_term, the table's gradient by bucket_sums); the padding past
     query_seq_lengths neither querying nor attended."""

@@ -12,10 +12,10 @@ import math
 
 import numpy as np
 
-from golden import exact
-from golden.positions import hf_inv_freq
+from golden.specification import exact
+from golden.specification.positions import hf_inv_freq
 from golden.reference.arithmetic import number, number_type, real
-from golden.validate import rope_settings, rotary_dims
+from golden.specification.validate import rope_settings, rotary_dims
 
 
 def _power(base, exponent):
@@ -32,7 +32,8 @@ def _pi():
 
 
 def rope_frequencies(settings, rd, seq_len=None):
-    """(f (rd/2,), attention factor m) of RoPE ``settings`` (golden.validate.rope_settings)
+    """(f (rd/2,), attention factor m) of RoPE ``settings``
+    (golden.specification.validate.rope_settings)
     for rd rotated features, Hugging Face's rope_types written out (it forms them in float32):
         default   f_i = θ^(−2i/rd)
         linear    f_i / s
@@ -113,7 +114,8 @@ def rope_angles(positions, head_dim, theta, rope_parameters=None, partial_rotary
 def rope_cos_sin(settings, head_dim, positions):
     """(cos, sin) (..., L, rd/2) times the attention factor, for integer ``positions``
     (..., L): exact (or float64), or with settings' precision "hf" Hugging Face's float32
-    arithmetic (golden.positions.hf_inv_freq in NumPy float32; np.cos in float32 is NumPy's,
+    arithmetic (golden.specification.positions.hf_inv_freq in NumPy float32; np.cos in float32 is
+    NumPy's,
     whose last bit depends on the CPU: no fixture uses it)."""
     rd = rotary_dims(head_dim, settings)
     seq_len = int(np.max(positions)) + 1

@@ -28,7 +28,7 @@ def rope_stage(cos, sin, interleaved) -> Stage:
 # QK normalisation: y = x̂ · w with x̂ = (x − μ) r, r = (mean((x − μ)²) + ε)^(−1/2) over the last
 # axis (μ = mean(x) for "layer", 0 for the RMS kinds), and w the weight ("rms", "layer",
 # "rms_across_heads"), 1 + the weight ("rms_one_plus") or 1 ("l2"). Where each applies and its
-# weight's shape: golden.variants.QK_NORMS.
+# weight's shape: golden.specification.variants.QK_NORMS.
 
 
 def normalize(kind, x, weight, eps):

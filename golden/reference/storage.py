@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden import exact
-from golden.validate import rope_settings, rotary_dims
+from golden.specification import exact
+from golden.specification.validate import rope_settings, rotary_dims
 
 
 # Gradients that are zero in exact arithmetic, whatever the inputs, because softmax is unchanged
@@ -60,7 +60,8 @@ def zero_elements(config):
 
 def stored(config, output, weights, grads):
     """What a fixture stores of a forward and backward: (output, weights, grads, zero) as
-    float64, each value rounded once (golden.exact.to_float64, exact for float64 input), the
+    float64, each value rounded once (golden.specification.exact.to_float64, exact for float64
+    input), the
     gradients named in ``zero`` (zero_grads) exact zeros."""
     grads = {n: exact.to_float64(g) for n, g in grads.items()}
     zero = zero_grads(config, grads)

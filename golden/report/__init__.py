@@ -1,6 +1,6 @@
 """Reports of ``attn-parity check``: ``--json FILE``, ``--junit FILE`` and ``--html DIR``.
 
-``golden.check`` builds one *report dict* and hands it to the writers here. Its JSON form
+``golden.harness.check`` builds one *report dict* and hands it to the writers here. Its JSON form
 (``write_json``) is the public schema, ``"schema": "attn-parity-check"``, ``"schema_version": 3``;
 keys appear in this order, and a float that is not finite (inf, NaN) is stored as ``null``::
 
@@ -15,7 +15,8 @@ keys appear in this order, and a float that is not finite (inf, NaN) is stored a
         {"fixture": "sdpa_plain", "variant": "scaled_dot_product_attention",
          "implementation": "torch",             # the implementation under test (a runner)
          "core": "explicit",                    # the core implementation(s) it ran, as
-                                                # recorded (golden.implementations); "" unknown
+                                                # recorded (golden.specification.implementations);
+                                                # "" unknown
          "dtype": "float32",
          "status": "pass",                      # "pass", "fail", "error" or "not supported"
          "reason": null,                        # the failing arrays, the exception, why not run
@@ -40,7 +41,8 @@ keys appear in this order, and a float that is not finite (inf, NaN) is stored a
                   "regeneration_failed": 1, "seconds": 40.2, "ok": false}
     }
 
-Every array states the bounds it was judged against (``golden.tolerances.Comparison``). The
+Every array states the bounds it was judged against
+(``golden.specification.tolerances.Comparison``). The
 elementwise check holds each |aᵢ − eᵢ| to its own bound atol' + rtol·|eᵢ| (atol' the table's atol
 times max(1, max|e|)·√terms), so no single number bounds ``max_abs``: ``abs_err`` and
 ``bound_abs`` are the error and the bound of the element nearest to (or furthest over) its
@@ -49,7 +51,8 @@ passes when ``rel_norm <= bound_rel_norm``. ``rule`` says which bounds decided: 
 tolerance table), "profile" (``--profile tf32/bf16`` at float32, tried when the table fails:
 ``bound_abs`` = k × the plain implementation's max|b − e| + atol', ``bound_rel_norm`` = k × its
 relative error norm + the table's, both flat, so ``abs_err`` = ``max_abs``) or "terms" (bounds
-relative to the terms' size, golden.tolerances.compare_terms). For a missing array all four are
+relative to the terms' size, golden.specification.tolerances.compare_terms). For a missing array all
+four are
 null.
 
 Versions: 2, a row's "path" became "core"; 3, arrays gained ``abs_err``, ``bound_abs``,
@@ -64,7 +67,8 @@ texts and the HTML rows show them too).
 ``write_junit`` writes JUnit XML for CI test reporters (one testsuite per implementation, one
 testcase per row, plus a "reference regeneration" suite); ``write_html`` writes ``DIR/index.html``
 and one heatmap image per fixture, ``DIR/fixtures/<fixture>.png`` (matplotlib, from the
-``[report]`` extra). Every file is written whole or not at all (``golden.fixture.write_atomic``).
+``[report]`` extra). Every file is written whole or not at all
+(``golden.specification.fixture.write_atomic``).
 
 Weights arrays have the shape legend of the cores: (B, H, Lq, Lk), B batch, H heads, Lq query
 length, Lk key length; the images show the first (B, H) slice.

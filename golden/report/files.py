@@ -1,11 +1,12 @@
-"""How every report file is written: whole or not at all (``golden.fixture.write_atomic``), its
+"""How every report file is written: whole or not at all
+(``golden.specification.fixture.write_atomic``), its
 parent directories created."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from golden.fixture import write_atomic
+from golden.specification.fixture import write_atomic
 
 
 def _write(path, data: bytes) -> Path:

@@ -12,7 +12,8 @@ The runner contract, public: any callable ``run_fixture(fixture, dtype) -> dict`
                           implementation that returns no weights); default "both"
     "dtype"               the dtype the computation ran in
     "core"                (optional) which named implementation(s) of the core ran
-                          (golden.implementations: "explicit", "fused", ...), as recorded
+                          (golden.specification.implementations: "explicit", "fused", ...), as
+                          recorded
 What a result holds is what gets checked: a forward-only runner (torch's fused kernel, a NumPy
 port) returns no "grads". A runner that cannot run a fixture raises
 ``golden.runners.adapt.NotSupported`` with the reason (a runner of ``golden.runners.adapt``,

@@ -4,7 +4,7 @@ common cases (see ``golden.runners`` for the contract itself).
     from_function(fn, framework)        a function of the core's signature, in NumPy, PyTorch
                                         or JAX: it runs the core's fixtures
     from_module(factory, framework,     a module class per variant, its weights set through a
-                mapping=...)            table from the neutral layout (golden.mapping)
+                mapping=...)            table from the neutral layout (golden.specification.mapping)
     combine(runner, ...)                the first runner that supports a fixture runs it
     load("pkg.mod:name")                what ``attn-parity check --impl`` takes
 
@@ -28,9 +28,9 @@ from functools import partial
 
 import numpy as np
 
-from golden import implementations, variants
-from golden import mapping as mappings
-from golden.frameworks import ADAPTERS, JAX, NUMPY, TORCH
+from golden.specification import implementations, variants
+from golden.specification import mapping as mappings
+from golden.runners.frameworks import ADAPTERS, JAX, NUMPY, TORCH
 
 CORE = variants.SDPA
 FRAMEWORKS = ("numpy", "torch", "jax")
@@ -195,7 +195,7 @@ def from_module(factory, framework: str, *, mapping, name: str | None = None,
     (None: not supported) for the variant's complete configuration (every constructor
     argument, defaults filled in), ``mapping`` (a dict, or ``mapping(variant, config)``
     returning one) sends each neutral parameter name to the module's attribute path with a
-    layout rule (golden.mapping): ``{"W_query": ("q_proj.weight", "T"), "b_query":
+    layout rule (golden.specification.mapping): ``{"W_query": ("q_proj.weight", "T"), "b_query":
     "q_proj.bias"}``. The module is called like this project's modules (inputs, mask,
     keywords, ``return_weights=True`` when it takes it), in training mode when the fixture has
     a dropout mask (``.train()``/``.eval()`` where the module has them)."""
@@ -306,7 +306,8 @@ def as_runner(runner, name=None) -> Runner:
                   getattr(runner, "framework", ""), runner)
 
 
-# ---- the frameworks (their adapters: golden.frameworks) ---------------------------------------
+# ---- the frameworks (their adapters: golden.runners.frameworks)
+# ---------------------------------------
 
 def _result(adapter, out, weights, grads, dtype):
     result = {"output": adapter.numpy(out), "dtype": dtype}

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jax_attn
-from golden import implementations, variants
-from golden.frameworks import JAX
+from golden.specification import implementations, variants
+from golden.runners.frameworks import JAX
 from golden.runners import cache, stored
 
 # The core implementations a compiled program ran, recorded when it was traced: a later call
@@ -143,7 +143,8 @@ def _program(fixture, params, train):
 
 def _static(config) -> tuple:
     """The fixture's config as a hashable jit argument: JSON gives a window pair as a list, and
-    a dict option (query_temperature, rope_parameters) is frozen (golden.variants.freeze)."""
+    a dict option (query_temperature, rope_parameters) is frozen
+    (golden.specification.variants.freeze)."""
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else variants.freeze(v))
                         for k, v in config.items()))
 

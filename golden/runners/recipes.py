@@ -17,7 +17,8 @@ lengths where the API has no such argument) is *not supported*, never failed. Th
 no attention weights: outputs are checked, and gradients of Σ output ⊙ dO.
 
 Most fixtures of the core have value width Dv ≠ key width Dk, which jax.nn (and so Flax's fast
-path) refuses; the ``sdpa_dkv_*`` fixtures (golden/cases.py) run every feature at Dk = Dv.
+path) refuses; the ``sdpa_dkv_*`` fixtures (golden/specification/cases.py) run every feature at Dk =
+Dv.
 
 Shape legend: B batch, H query heads, Hkv key-value heads, Lq query length, Lk key length,
 D head width (Dk = Dv for jax.nn and Flax).

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 import torch_attn
-from golden import implementations, variants
-from golden.frameworks import TORCH
+from golden.specification import implementations, variants
+from golden.runners.frameworks import TORCH
 from torch_attn.params import export_grads
 
 

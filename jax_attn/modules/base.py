@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from golden import variants
-from golden.variants import VARIANTS
+from golden.specification import variants
+from golden.specification.variants import VARIANTS
 from jax_attn.sharding import explicit_spec
 
 
@@ -40,7 +40,8 @@ class _Variant(nnx.Module):
     dropout = 0.0
 
     def _configure(self, **given) -> None:
-        """Check the constructor arguments (golden.variants); kept as a hashable tuple, because
+        """Check the constructor arguments (golden.specification.variants); kept as a hashable
+        tuple, because
         a module's plain attributes are static under jit."""
         self._config = tuple((n, variants.freeze(v))
                              for n, v in VARIANTS[self.variant].config(given).items())

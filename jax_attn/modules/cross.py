@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from golden import variants
-from golden.positions import ContextCache, context_fingerprint
-from golden.validate import check_context, check_context_inputs, check_same_context
+from golden.specification import variants
+from golden.specification.positions import ContextCache, context_fingerprint
+from golden.specification.validate import check_context, check_context_inputs, check_same_context
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import _linear, _merge_heads, _Variant, compiled_call
 
@@ -34,7 +34,8 @@ class MultiHeadCrossAttention(_Variant):
 
     With ``cache`` (from ``context_cache``, a pytree), the cached keys and values are used and
     ``context`` may be None; if it is given, it must be the context the cache was made from:
-    its shape is checked always, its fingerprint (golden.positions.context_fingerprint, to
+    its shape is checked always, its fingerprint
+    (golden.specification.positions.context_fingerprint, to
     1000 ulps: XLA may sum in another order in another program) where the values are concrete
     (an eager call; not under the caller's jit, where they are traced).
     """
@@ -109,7 +110,7 @@ class MultiHeadCrossAttention(_Variant):
 
 
 def _fingerprint(context):
-    """golden.positions.context_fingerprint of ``context`` in at least float32."""
+    """golden.specification.positions.context_fingerprint of ``context`` in at least float32."""
     compute = jnp.promote_types(context.dtype, jnp.float32)
     return context_fingerprint(jax.lax.stop_gradient(context).astype(compute), jnp.stack)
 

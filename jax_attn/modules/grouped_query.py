@@ -12,13 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from golden import variants
-from golden.decoder import alibi_slopes, bucket_table, qk_normalize, temperature, weight_broadcast
-from golden.decoder import sliding_window as core_window
-from golden.positions import KVCache, check_fits
-from golden.validate import (cache_shape, check_decoder_inputs, check_flags, rope_arguments,
-                             rope_settings)
-from golden.variants import VARIANTS
+from golden.specification import variants
+from golden.specification.decoder import (
+    alibi_slopes, bucket_table, qk_normalize, temperature, weight_broadcast,
+)
+from golden.specification.decoder import sliding_window as core_window
+from golden.specification.positions import KVCache, check_fits
+from golden.specification.validate import (
+    cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_settings,
+)
+from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import _linear, _merge_heads, _Variant, compiled_call
 from jax_attn.rotary import rotary_embedding
@@ -47,7 +50,8 @@ class GroupedQueryAttention(_Variant):
     lengths are traced, so a decode step compiles once per max_length. Tokens that do not fit
     in max_length are dropped, as in torch_attn: they are not written nor counted, and their
     output rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True``
-    raises ValueError instead (golden.positions.check_fits), reading the lengths on the host: a
+    raises ValueError instead (golden.specification.positions.check_fits), reading the lengths on
+    the host: a
     device sync, and impossible on traced lengths (under jit it raises saying so).
     """
 
@@ -126,7 +130,8 @@ class GroupedQueryAttention(_Variant):
 
     def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask):
         """strict=True: the lengths read on the host (as torch does), ValueError when the call's
-        tokens do not fit (golden.positions.check_fits); impossible on traced lengths."""
+        tokens do not fit (golden.specification.positions.check_fits); impossible on traced
+        lengths."""
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=self._rate(), cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim)

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from golden import variants
-from golden.decoder import qk_normalize
-from golden.positions import KVCache, LatentCache
-from golden.validate import cache_shape, check_flags, check_latent_inputs, rope_arguments
+from golden.specification import variants
+from golden.specification.decoder import qk_normalize
+from golden.specification.positions import KVCache, LatentCache
+from golden.specification.validate import (
+    cache_shape, check_flags, check_latent_inputs, rope_arguments,
+)
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import _linear, _merge_heads, _Variant
 from jax_attn.modules.grouped_query import _append, _cache_positions
@@ -27,7 +29,8 @@ class MultiHeadLatentAttention(_Variant):
     arguments, plus ``rngs`` and ``precision`` (every dot, projections and the absorbed
     products included).
 
-    With ``cache`` (from ``init_cache``, golden.positions.LatentCache, a pytree) the call
+    With ``cache`` (from ``init_cache``, golden.specification.positions.LatentCache, a pytree) the
+    call
     appends each token's normalised latent and rotated k_pe (a scatter; the lengths traced, so a
     decode step compiles once per max_length) and returns (output, new cache). ``absorb=True``
     folds W_kv_b into the query and the output (static: its own compiled program).

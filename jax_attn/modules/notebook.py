@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
+from golden.specification.validate import check_cross_inputs, check_self_inputs, check_sequence
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import _linear, _merge_heads, _Variant, compiled_call
 

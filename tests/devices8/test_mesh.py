@@ -1,7 +1,8 @@
 """Batch and heads sharded over a 2 × 4 mesh ("data" × "model") of 8 virtual CPU devices.
 
 Every sharded run is compared with the same computation on one device: outputs and gradients
-(inputs, parameters), float64 to 1e-12 and float32 to golden.tolerances' table; the output and
+(inputs, parameters), float64 to 1e-12 and float32 to golden.specification.tolerances' table; the
+output and
 gradients keep the expected NamedSharding; and the compiled program is read for collectives.
 Both kinds of mesh: "explicit" (jax.make_mesh's default axes, JAX's current default) and "auto"
 (a classic Mesh). Shapes are small and all different (B=4, H=8, Lq=24, Lk=40, Dk=6, Dv=10, so
@@ -26,9 +27,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_attn
-from golden import variants
+from golden.specification import variants
 from golden.reference import ZERO_GRADS
-from golden.tolerances import compare
+from golden.specification.tolerances import compare
 from jax_attn import functional
 from jax_attn.sharding import BATCH, HEADS, layer_specs, shard_module
 from tests.helpers import fresh_rng
@@ -63,7 +64,8 @@ def _dims(shape_text) -> set:
 
 def _equal(actual, expected, dtype, kind="value", terms=1, zero=False):
     """float64: within 1e-12 of the single-device result (relative to its scale); float32: the
-    tolerance table's bound for ``kind`` (``terms`` and ``zero`` as golden.tolerances.compare:
+    tolerance table's bound for ``kind`` (``terms`` and ``zero`` as
+    golden.specification.tolerances.compare:
     the partial sums of a parameter's gradient, and a gradient zero by structure)."""
     a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     if dtype == "float64":

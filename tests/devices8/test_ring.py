@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_attn
-from golden.tolerances import compare
+from golden.specification.tolerances import compare
 from jax_attn import ring
 from tests.helpers import count_compiles, fresh_rng
 

@@ -6,11 +6,12 @@ class because NNX keeps settings static and draws dropout from a stream.
 
 from __future__ import annotations
 
-from golden.variants import VARIANTS
+from golden.specification.variants import VARIANTS
 
 
 def _config(variant, **given) -> dict:
-    """The constructor arguments, checked against the variant's description (golden.variants)."""
+    """The constructor arguments, checked against the variant's description
+    (golden.specification.variants)."""
     return VARIANTS[variant].config(given)
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from golden import variants
-from golden.positions import ContextCache, context_fingerprint
-from golden.validate import check_context, check_context_inputs, check_same_context
+from golden.specification import variants
+from golden.specification.positions import ContextCache, context_fingerprint
+from golden.specification.validate import check_context, check_context_inputs, check_same_context
 from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.modules.base import _config
@@ -34,7 +34,8 @@ class MultiHeadCrossAttention(nn.Module):
 
     With ``cache`` (from ``context_cache``), the cached keys and values are used and
     ``context`` may be None; if it is given, it must be the context the cache was made from
-    (its shape, and its fingerprint: golden.positions.context_fingerprint), else ValueError.
+    (its shape, and its fingerprint: golden.specification.positions.context_fingerprint), else
+    ValueError.
     """
 
     variant = "multi_head_cross_attention"
@@ -96,6 +97,6 @@ class MultiHeadCrossAttention(nn.Module):
 
 
 def _fingerprint(context):
-    """golden.positions.context_fingerprint of ``context`` in at least float32."""
+    """golden.specification.positions.context_fingerprint of ``context`` in at least float32."""
     compute = torch.float32 if context.dtype in LOW_PRECISION else context.dtype
     return context_fingerprint(context.detach().to(compute), torch.stack)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from golden import variants
-from golden.decoder import (alibi_bias, alibi_slopes, bucket_table, qk_normalize, relative_bias,
-                            sliding_window, temperature, weight_broadcast)
-from golden.positions import KVCache, check_fits
-from golden.validate import (cache_shape, check_decoder_inputs, check_flags, rope_arguments,
-                             rope_settings)
+from golden.specification import variants
+from golden.specification.decoder import (
+    alibi_bias, alibi_slopes, bucket_table, qk_normalize, relative_bias, sliding_window,
+    temperature, weight_broadcast,
+)
+from golden.specification.positions import KVCache, check_fits
+from golden.specification.validate import (
+    cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_settings,
+)
 from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.modules.base import _config, _dropout_rate
@@ -38,7 +41,8 @@ class GroupedQueryAttention(nn.Module):
     row is the output bias) nor is attended, and is not written to a cache.
 
     Options, in Hugging Face's terms: ``sliding_window`` W (a query sees W keys, itself
-    included: the core's window (W − 1, 0)); ``qk_norm`` (golden.variants.QK_NORMS: "rms"
+    included: the core's window (W − 1, 0)); ``qk_norm`` (golden.specification.variants.QK_NORMS:
+    "rms"
     Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere, "l2" Llama 4,
     with ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
     ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C
@@ -55,7 +59,8 @@ class GroupedQueryAttention(nn.Module):
     (output, new cache); the cache given is left as it was. Tokens that do not fit in
     max_length are dropped, as in jax_attn: they are not written nor counted, and their output
     rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True`` raises
-    ValueError instead (golden.positions.check_fits; it reads the lengths: a device sync).
+    ValueError instead (golden.specification.positions.check_fits; it reads the lengths: a device
+    sync).
     """
 
     variant = "grouped_query_attention"
@@ -238,7 +243,7 @@ def _cache_positions(cache, length, query_seq_lengths):
     """(query offset, query lengths, key lengths) of a call of ``length`` tokens appended to
     ``cache``: row b's tokens at lengths[b] + i, the real ones (i < query_seq_lengths[b],
     clipped to [0, L]) counted, and of those only the ones that fit in max_length (as
-    jax_attn's; ``strict=True`` raises instead, golden.positions.check_fits)."""
+    jax_attn's; ``strict=True`` raises instead, golden.specification.positions.check_fits)."""
     held, room = cache.lengths, cache.key.shape[2]
     new = (torch.full_like(held, length) if query_seq_lengths is None
            else query_seq_lengths.to(held.device, held.dtype).clamp(0, length))

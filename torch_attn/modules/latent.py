@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from golden import variants
-from golden.decoder import qk_normalize
-from golden.positions import KVCache, LatentCache
-from golden.validate import cache_shape, check_flags, check_latent_inputs, rope_arguments
+from golden.specification import variants
+from golden.specification.decoder import qk_normalize
+from golden.specification.positions import KVCache, LatentCache
+from golden.specification.validate import (
+    cache_shape, check_flags, check_latent_inputs, rope_arguments,
+)
 from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.modules.base import _config
@@ -33,13 +35,15 @@ class MultiHeadLatentAttention(nn.Module):
     W_kv_b (no bias) make each head's [k_nope (Dn) | v (Dv)]; q_pe and the one rotary key head
     k_pe turned by RoPE (``rope_interleaved``: pairs (2i, 2i + 1), DeepSeek's layout; else
     "rotate half"), k_pe shared by every head; causal attention of [q_nope | q_pe] on
-    [k_nope | k_pe], scale Dk^−1/2 times yarn's mscale(s, mscale_all_dim)² (golden.variants.
+    [k_nope | k_pe], scale Dk^−1/2 times yarn's mscale(s, mscale_all_dim)²
+    (golden.specification.variants.
     latent_scale) unless ``scale`` is given; out_proj (N·Dv -> d_out). ``attention_bias`` puts
     biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output (B, L, d_out), weights
     (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths`` and ``positions``
     as GroupedQueryAttention's.
 
-    With ``cache`` (from ``init_cache``, golden.positions.LatentCache) the call appends each
+    With ``cache`` (from ``init_cache``, golden.specification.positions.LatentCache) the call
+    appends each
     token's normalised latent c and rotated k_pe at position cache.lengths[b] + i and returns
     (output, new cache); what does not fit in max_length is dropped, as GroupedQueryAttention
     drops it. ``absorb=True`` computes the same attention without making per-head keys and

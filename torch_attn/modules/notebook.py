@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from golden.validate import check_cross_inputs, check_self_inputs, check_sequence
+from golden.specification.validate import check_cross_inputs, check_self_inputs, check_sequence
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.modules.base import _config, _dropout_rate
 

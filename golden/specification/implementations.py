@@ -52,7 +52,7 @@ class Asked(NamedTuple):
     mask: bool = False
     bias: bool = False
     causal: bool = False
-    window: tuple = (None, None)  # (left, right) as golden.validate.window gives it
+    window: tuple = (None, None)  # (left, right) as golden.specification.validate.window gives it
     seq_lengths: bool = False  # query_seq_lengths or key_value_seq_lengths given
     offset: bool = False  # query_offset given
     chunk: bool = False  # attention_chunk_size given

@@ -2,7 +2,7 @@
 only, ``check_values`` reads the selected layers' arrays once and computes nothing with them.
 
 ``account(config, checkpoint)``: every stack's attention layers that the config implies
-(``golden.hf.layout.expected_layers``) are in the checkpoint, and each layer has every array
+(``golden.verifier.layout.expected_layers``) are in the checkpoint, and each layer has every array
 its conversion needs (``golden.hf.expected_state``), with the shape the config implies and a
 float dtype we read; a layer beyond the config's count is named and not checked (transformers
 does not load it either: DeepSeek-V3's multi-token-prediction layer). Every problem found is
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from golden.hf import expected_state
-from golden.hf.checkpoint import REFUSED, SCALES, CheckpointError, expand_scale, scale_keys
-from golden.hf.layout import (expected_layers, layer_count, layer_name, stacks)
+from golden.verifier.checkpoint import REFUSED, SCALES, CheckpointError, expand_scale, scale_keys
+from golden.verifier.layout import (expected_layers, layer_count, layer_name, stacks)
 
 SHOWN = 12  # problems listed in the error; the rest counted
 

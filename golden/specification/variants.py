@@ -27,8 +27,8 @@ from typing import Callable
 
 import numpy as np
 
-from golden.decoder import ALIBI_KINDS
-from golden.validate import (
+from golden.specification.decoder import ALIBI_KINDS
+from golden.specification.validate import (
     FLOAT_DTYPES,
     check_attention_args,
     check_chunk_size,
@@ -60,7 +60,8 @@ def _positive_or_none(name, n) -> None:
         _positive(name, n)
 
 
-_rate = check_rate  # one validator per kind of argument, shared with the core (golden.validate)
+# one validator per kind of argument, shared with the core (golden.specification.validate)
+_rate = check_rate
 _scale = check_scale
 
 
@@ -385,7 +386,8 @@ def _relative_buckets(c) -> None:
 
 
 def latent_rope(c):
-    """MultiHeadLatentAttention's RoPE settings (golden.validate.rope_settings): θ from
+    """MultiHeadLatentAttention's RoPE settings (golden.specification.validate.rope_settings): θ
+    from
     rope_theta or rope_parameters, 10000 (Hugging Face's default) when neither gives one."""
     theta, given = c["rope_theta"], c["rope_parameters"] or {}
     if theta is None and "rope_theta" not in given:

@@ -13,7 +13,8 @@ A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pick
     expected/output      float64 reference output, expected/weights the float64 weights
     grads/<name>         float64 dL/d<name> for every float input and every parameter
 
-Beside the shipped fixtures, ``MANIFEST.json`` (written last by ``golden.regenerate``) records
+Beside the shipped fixtures, ``MANIFEST.json`` (written last by ``golden.harness.regenerate``)
+records
 each file's sha256 and size, the case and seed it was built from, the fixture format version and
 the NumPy that wrote it; ``load`` checks a shipped fixture against it before parsing anything.
 
@@ -40,12 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
-from golden import variants
-from golden.validate import DTYPES
+from golden.specification import variants
+from golden.specification.validate import DTYPES
 
 FORMAT = "attn-parity-fixture"
-FORMAT_VERSION = 3  # 2: meta lists the zero-by-structure gradients; 3: exact values (golden.exact)
-FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
+# 2: meta lists the zero-by-structure gradients; 3: exact values (golden.specification.exact)
+FORMAT_VERSION = 3
+FIXTURE_DIR = Path(__file__).resolve().parents[1] / "fixtures"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps make the bytes reproducible
 
 MANIFEST_NAME = "MANIFEST.json"

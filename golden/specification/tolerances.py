@@ -62,7 +62,7 @@ TOLERANCES = {  # (dtype, "value" for outputs | "weights" | "grad" for gradients
     # u = 2⁻⁸, float16 u = 2⁻¹¹. Inputs and weights are exact on both grids, so this is the
     # arithmetic alone. Projections and the products with V run in the low dtype; the scores
     # and softmax in float32 (the weights are rounded once, to the low dtype, when applied).
-    # Largest seen on this machine over golden/cases.py's LOW cases, torch and JAX, as
+    # Largest seen on this machine over golden/specification/cases.py's LOW cases, torch and JAX, as
     # (rel. error norm, elementwise c in |a − e| ≤ c·(max(1, max|e|)·√terms + |e|)):
     # bfloat16 values (0.85u, 0.92u), gradients (2.7u, 1.5u); float16 values (0.89u, 0.86u),
     # gradients (2.9u, 1.2u). One rounding of the weights and one of the product with V make

@@ -1,4 +1,5 @@
-"""Rebuild every fixture from ``golden.cases.CASES`` with the reference in exact arithmetic
+"""Rebuild every fixture from ``golden.specification.cases.CASES`` with the reference in exact
+arithmetic
 (``golden.reference.exact_arithmetic``: the same bytes on every machine).
 
 ``python -m golden`` or ``attn-parity regenerate`` writes, then ``MANIFEST.json`` (sha256 of
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from golden import reference, variants
-from golden.cases import CASES, Case
-from golden.fixture import (
+from golden import reference
+
+from golden.specification import variants
+from golden.specification.cases import CASES, Case
+from golden.specification.fixture import (
     FIXTURE_DIR,
     MANIFEST_NAME,
     Fixture,
@@ -28,7 +31,7 @@ from golden.fixture import (
 
 
 def draw(spec, rng):
-    """One input array from its spec (see golden.cases)."""
+    """One input array from its spec (see golden.specification.cases)."""
     if spec[0] == "values":
         return np.array(spec[1], dtype=spec[2])
     kind, shape = spec[0], tuple(spec[1])
@@ -69,7 +72,8 @@ def build(case: Case) -> Fixture:
     low = {"bfloat16", "float16"} & set(case.dtypes)
     params = draw_params(case.variant, case.config, rng, grid=bool(low))
     forward, backward = reference.VARIANTS[case.variant]
-    with reference.exact_arithmetic():  # the same bits on every machine (golden.exact)
+    # the same bits on every machine (golden.specification.exact)
+    with reference.exact_arithmetic():
         out, weights, saved = forward(case.config, inputs, params)
         cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
                "weights": rng.standard_normal(weights.shape).astype(np.float32)}

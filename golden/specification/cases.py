@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from golden.validate import DTYPES
-from golden.variants import SDPA
+from golden.specification.validate import DTYPES
+from golden.specification.variants import SDPA
 
 B, H, LQ, LK, DK, DV = 2, 3, 5, 7, 4, 6
 
@@ -94,7 +94,7 @@ CASES = [
 
 # Module variants. Every dimension a different size within a case: B=2, L=7 (or Lq=6, Lk=7),
 # feature widths 3 to 5, heads 1 or 3, head widths 2 or 4. Weights are drawn from the case's
-# seed after the inputs (golden.regenerate.draw_params).
+# seed after the inputs (golden.harness.regenerate.draw_params).
 CASES += [
     Case("simple_self_attention_batched", "simple_self_attention", 201,
          {"x": ("normal", (2, 7, 3))}),

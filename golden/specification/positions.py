@@ -84,7 +84,8 @@ ROPE_BLOCK = 256
 
 
 def rope_frequencies(settings, rd, seq_len=None) -> tuple:
-    """(f (rd/2,) float64, attention factor m) of ``settings`` (golden.validate.rope_settings)
+    """(f (rd/2,) float64, attention factor m) of ``settings``
+    (golden.specification.validate.rope_settings)
     for rd rotated features, as Hugging Face's rope_type defines them, written in float64 (HF
     forms them in float32). ``seq_len``: the call's largest position + 1, read by longrope
     (long_factor past original_max_position_embeddings) and dynamic (θ' past it)."""

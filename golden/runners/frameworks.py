@@ -20,7 +20,7 @@ import importlib
 
 import numpy as np
 
-from golden.validate import DTYPES
+from golden.specification.validate import DTYPES
 
 
 class Adapter:

@@ -20,11 +20,11 @@ import warnings
 
 import numpy as np
 
-from golden.hf.checkpoint import CheckpointError
-from golden.hf.layout import COUNTS, FLOAT64, MODELS, OWN_INDEX, Stack
+from golden.verifier.checkpoint import CheckpointError
+from golden.verifier.layout import COUNTS, FLOAT64, MODELS, OWN_INDEX, Stack
 
 VOCAB = 8  # the one-layer model's: its tokens are all 0
-# Every field that counts a stack's layers (golden.hf.layout.COUNTS): each set to 1.
+# Every field that counts a stack's layers (golden.verifier.layout.COUNTS): each set to 1.
 LAYER_COUNTS = tuple(dict.fromkeys(field for fields in COUNTS.values() for field in fields))
 # Config fields of the checkpoint that the one-layer model must not take: quantisation (the
 # weights it gets are already dequantised, in float).

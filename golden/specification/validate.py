@@ -438,7 +438,8 @@ def check_cross_inputs(x_q, x_kv, x_v, d_q_in, d_kv_in, mask=None):
 def check_context_inputs(x, context, d_in, d_context, mask=None, context_lengths=None, *,
                          heads, cache=None, kv_heads=None, head_dim=None):
     """MultiHeadCrossAttention's call: x (B, Lq, d_in) or (Lq, d_in); the context (B, Lc,
-    d_context) unless a cache (a golden.positions.ContextCache) holds its keys and values, and
+    d_context) unless a cache (a golden.specification.positions.ContextCache) holds its keys and
+    values, and
     then, if given too, of the cache's shape (its values are compared by the module); the
     context's real lengths (B,) integers, never with a cache (it holds them); a mask
     broadcastable to (B, Lq, Lc). Returns the weights' shape (B, N, Lq, Lc)."""
@@ -527,7 +528,8 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
                          positions=None):
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
     array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,). Without
-    a cache the keys are x's L tokens; with one (a golden.positions.KVCache, see check_cache)
+    a cache the keys are x's L tokens; with one (a golden.specification.positions.KVCache, see
+    check_cache)
     they are its max_length positions M, and x must be batched like it. Returns the weights'
     shape (B, H, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
@@ -579,7 +581,8 @@ def check_cache(cache, x, kv_heads, head_dim) -> int:
 def check_latent_inputs(x, d_in, mask=None, query_seq_lengths=None, *, heads, positions=None,
                         cache=None, kv_lora_rank=None, rope_dim=None):
     """MultiHeadLatentAttention's call: as GroupedQueryAttention's (check_decoder_inputs), the
-    cache a golden.positions.LatentCache (check_latent_cache). Returns the weights' shape
+    cache a golden.specification.positions.LatentCache (check_latent_cache). Returns the weights'
+    shape
     (B, N, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
     check_decoder_inputs(x, d_in, None, None, query_seq_lengths, heads=heads,
@@ -652,7 +655,7 @@ def check_build_args(variant, config, params) -> None:
 
 def check_param_arrays(params) -> None:
     """A dict {neutral name: array} (``load_params``); names and shapes are checked against the
-    module's configuration by golden.variants."""
+    module's configuration by golden.specification.variants."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params should be a dict {{name: array}} in the neutral layout, got "
                         f"{type(params).__name__}")

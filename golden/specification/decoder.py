@@ -3,7 +3,7 @@ temperature and ALiBi's bias (its slopes in NumPy float64). Only arithmetic oper
 and the framework functions the caller passes (``mean``, ``rsqrt``, ``log1p``): the same code
 runs on torch tensors and JAX arrays. The float64 reference states the same maths on its own
 (golden.reference.qk_norm_stage, temperature_factors, alibi_term: it shares only the slopes);
-golden.variants.QK_NORMS lists the kinds.
+golden.specification.variants.QK_NORMS lists the kinds.
 
 Shape legend: N heads, L tokens, Dh head width.
 """

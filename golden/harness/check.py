@@ -17,16 +17,16 @@ import numpy as np
 
 import golden
 from golden import reference, runners
-from golden.fixture import Fixture
+from golden.specification.fixture import Fixture
 from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES, worst_bound
 from golden.runners.adapt import NotSupported, as_runner
-from golden.tolerances import compare_profile, profile
+from golden.specification.tolerances import compare_profile, profile
 
 # The runs check makes of each fixture: (framework, the core implementation asked for, None for
 # the framework's own choice). torch runs a fixture twice: forward and backward through autograd
 # (weights returned: its core takes "explicit"), and the forward alone with PyTorch's kernel
 # ("fused") where that implementation takes the fixture. Each row reports the implementations
-# that ran, as the runner recorded them (golden.implementations.record).
+# that ran, as the runner recorded them (golden.specification.implementations.record).
 FRAMEWORK_RUNS = (("torch", None), ("torch", "fused"), ("jax", None))
 
 
@@ -72,7 +72,8 @@ def _kind(what) -> str:
 
 
 def _terms(fixture, what) -> int:
-    """How many partial gradients each element of a gradient sums (see golden.tolerances)."""
+    """How many partial gradients each element of a gradient sums (see
+    golden.specification.tolerances)."""
     name = what.removeprefix("grad ")
     if name in fixture.params:  # one term per position of the longest input sequence
         return max(a.size // a.shape[-1] for a in fixture.inputs.values() if a.dtype.kind == "f")
@@ -144,7 +145,8 @@ class _Regeneration:
             root = os.path.dirname(os.path.dirname(os.path.abspath(golden.__file__)))
             path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
             self.process = subprocess.Popen(
-                [sys.executable, "-c", "from golden.check import _regeneration_process as r; r()"],
+                [sys.executable, "-c",
+                 "from golden.harness.check import _regeneration_process as r; r()"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 env={**os.environ, "PYTHONPATH": path})
             self.process.stdin.write(json.dumps([str(n) for n in names]))
@@ -233,7 +235,8 @@ def _row(fixture, runner, label, core, dtype, prof, memo):
 
 def _array(what, c) -> dict:
     """A row's entry for one compared array: its errors and the bounds they were held to
-    (golden.tolerances.Comparison); None throughout where the implementation returned none."""
+    (golden.specification.tolerances.Comparison); None throughout where the implementation returned
+    none."""
     kind = _kind(what)
     if c is None:
         return {"name": what, "kind": kind, "max_abs": None, "max_rel": None, "rel_norm": None,
@@ -257,7 +260,7 @@ def run(names=None, *, frameworks=(), impls=(), dtypes=(), pattern=None, variant
     the HTML page, and ``outputs`` likewise with the outputs (the page shows their difference
     where an implementation returns no weights); ``regeneration``: also check that the
     reference rewrites each fixture bit for bit (False for fixtures that are not from
-    golden/cases.py), in a second process while the rows run when ``background``."""
+    golden/specification/cases.py), in a second process while the rows run when ``background``."""
     log = log or (lambda line: None)
     prof = profile(profile_name)
     impls = [as_runner(i) for i in impls]

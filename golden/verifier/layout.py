@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from golden.hf import FAMILIES, T5_TABLE, _layer_type
-from golden.hf.checkpoint import CheckpointError
+from golden.verifier.checkpoint import CheckpointError
 
 
 @dataclass(frozen=True)

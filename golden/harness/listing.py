@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import golden
-from golden.variants import REQUIRED, VARIANTS
+from golden.specification.variants import REQUIRED, VARIANTS
 
 
 def describe(fixture) -> dict:
@@ -34,7 +34,7 @@ def non_default(variant: str, config: dict) -> dict:
 def entries(names=(), *, pattern=None, variants=()) -> list[dict]:
     """The entries of the fixtures named (shipped names or paths; default: every shipped one),
     filtered by ``pattern`` (a substring, or a glob with * ? [) and ``variants``."""
-    from golden.check import select
+    from golden.harness.check import select
 
     if variants:
         unknown = [v for v in variants if v not in VARIANTS]

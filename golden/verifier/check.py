@@ -1,21 +1,22 @@
 """``attn-parity hf DIR``: every attention layer of a local Hugging Face checkpoint, accounted
 for, converted (golden.hf.from_hf) and checked.
 
-1. ``DIR/config.json`` is read, and every ``*.safetensors`` file's header (golden.hf.checkpoint:
+1. ``DIR/config.json`` is read, and every ``*.safetensors`` file's header
+(golden.verifier.checkpoint:
    no pickle, no torch, no tensor data), with ``model.safetensors.index.json`` checked against
    the files.
-2. The whole checkpoint is accounted for from the headers alone (golden.hf.preflight.account):
-   every attention layer the config implies, in every stack (golden.hf.layout), with every
+2. The whole checkpoint is accounted for from the headers alone (golden.verifier.preflight.account):
+   every attention layer the config implies, in every stack (golden.verifier.layout), with every
    array its conversion needs, of the implied shape and a float dtype. Any problem ends the
    run here, with exit status 2 and a message naming file, key, expected and actual.
 3. The selected layers' arrays are read once and refused if any value is NaN or infinite.
 4. Each selected layer becomes an in-memory fixture on drawn inputs long enough to reach every
-   setting that acts only past some length (golden.hf.exercise: sliding windows, chunks, RoPE
+   setting that acts only past some length (golden.verifier.exercise: sliding windows, chunks, RoPE
    switches, Llama 4's temperature, T5's buckets; a scaled copy of the config where the real
    length is over ``--max-length``), with the float64 reference's output, weights and
    gradients. Each twin runs it at float32 and float64 against the tolerance table, as
    ``attn-parity check`` does; with transformers and torch installed the checkpoint's own HF
-   attention module runs it too (golden.hf.model): at float32, and at float64 too for the
+   attention module runs it too (golden.verifier.model): at float32, and at float64 too for the
    families with no float32 step in HF (``FLOAT64``).
 
 The text output: a header (what was read and how, what runs, the drawn inputs, which settings
@@ -36,16 +37,20 @@ from dataclasses import replace
 
 import numpy as np
 
-from golden import check, reference, variants
-from golden.fixture import Fixture
+from golden.harness import check
+
+from golden import reference
+
+from golden.specification import variants
+from golden.specification.fixture import Fixture
 from golden.hf import GQA, from_hf
-from golden.hf import exercise as hf_exercise
-from golden.hf.checkpoint import Checkpoint, CheckpointError
-from golden.hf.exercise import BASE_LENGTH, MAX_LENGTH
-from golden.hf.layout import LAYOUTS, read_config
-from golden.hf.preflight import account, check_values, layer_state
+from golden.verifier import exercise as hf_exercise
+from golden.verifier.checkpoint import Checkpoint, CheckpointError
+from golden.verifier.exercise import BASE_LENGTH, MAX_LENGTH
+from golden.verifier.layout import LAYOUTS, read_config
+from golden.verifier.preflight import account, check_values, layer_state
 from golden.report import worst_bound
-from golden.tolerances import compare_to_plain
+from golden.specification.tolerances import compare_to_plain
 
 __all__ = ["CheckpointError", "LAYOUTS", "run", "main", "add_arguments"]
 
@@ -98,7 +103,7 @@ def hf_peer(fixture) -> np.ndarray | None:
     """HF's row's peer where the layer has RoPE: the float32 output of our torch twin computing
     its angles as HF does (rope_precision="hf": position x frequency in float32, whose error
     grows with the position: 3e-5 rad at position 500, beyond float32's table). HF's float32
-    row passes the table, or stays within twice this peer's error (golden.tolerances.
+    row passes the table, or stays within twice this peer's error (golden.specification.tolerances.
     compare_to_plain, the rule of FlashAttention's tests); None where the layer has no RoPE."""
     if not hf_peer_applies(fixture):
         return None
@@ -152,7 +157,7 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
         raise CheckpointError(f"no layer selected: --layer, --layers and -k match none of the "
                               f"{len(found.layers)} layers")
     values = check_values(ckpt, chosen, config)
-    from golden.hf import model as hf_model
+    from golden.verifier import model as hf_model
 
     with_hf = with_hf and hf_model.available()
     if with_hf:
@@ -198,7 +203,7 @@ def _plans(chosen, max_length) -> list:
 
 def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, outputs):
     """check.run's report of the layer's fixtures (one per exercise)."""
-    from golden.hf import model as hf_model
+    from golden.verifier import model as hf_model
 
     report = None
     for exercise in plan:
@@ -237,9 +242,9 @@ def _merge(report, part):
 def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) -> dict:
     """What was read and how, what runs, the inputs and the settings exercised: the lines
     printed before the rows, and the same as data for the report."""
-    from golden.hf.checkpoint import FLOATS
-    from golden.hf.layout import FLOAT64
-    from golden.hf.model import FLOAT32_ONLY
+    from golden.verifier.checkpoint import FLOATS
+    from golden.verifier.layout import FLOAT64
+    from golden.verifier.model import FLOAT32_ONLY
 
     read_as = ", ".join(f"{d} {n}" + ("" if d in ("F32", "F64", "F16") else " (as float32, "
                                       "exactly" + (", times its scale in float64" if
@@ -501,7 +506,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--html", metavar="DIR", help="write an HTML page")
 
 
-def _cli(argv=None) -> int:  # python -m golden.hf.check DIR
+def _cli(argv=None) -> int:  # python -m golden.verifier.check DIR
     parser = argparse.ArgumentParser(prog="attn-parity hf", description=__doc__)
     add_arguments(parser)
     return main(parser.parse_args(argv))

@@ -4,14 +4,14 @@ Each runs what the command runs and, when it fails, raises ``AssertionError`` wh
 the report's table, so that pytest (or unittest) prints what ``attn-parity`` would have printed.
 Nothing here imports pytest: the package does not depend on it.
 
-    from golden.testing import assert_impl, assert_port
+    from golden.port.testing import assert_impl, assert_port
 
     def test_my_port():
         assert_port(make_torch, make_flax, MAPPING, {"x": (2, 5, 8)})   # golden.compare.compare
         assert_port(fixture="tests/port.npz")                          # golden.compare.check_port
 
     def test_my_attention():
-        assert_impl(from_function(my_sdpa, "numpy"), pattern="sdpa_")  # golden.check.run
+        assert_impl(from_function(my_sdpa, "numpy"), pattern="sdpa_")  # golden.harness.check.run
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def assert_port(*args, fixture=None, **kwargs):
 
 
 def assert_impl(runner, **kwargs) -> dict:
-    """``golden.check.run(impls=[runner], **kwargs)``: returns the report; raises
+    """``golden.harness.check.run(impls=[runner], **kwargs)``: returns the report; raises
     ``AssertionError`` whose message is the table of the rows that failed or raised, or says
     that nothing ran (every selected fixture not supported, or none selected)."""
-    from golden import check
+    from golden.harness import check
 
     if "impls" in kwargs:
         raise ValueError(f"impls: assert_impl checks the one runner it is given, got "

@@ -109,7 +109,7 @@ def plan(config, max_length=MAX_LENGTH) -> Plan:
 
 
 def exercises(layer, stack_plan, length) -> list[Exercise]:
-    """The inputs of one layer (a golden.hf.preflight.Layer) at ``length`` tokens: one, and a
+    """The inputs of one layer (a golden.verifier.preflight.Layer) at ``length`` tokens: one, and a
     second with shifted positions where its RoPE scaling switches past a length."""
     c, i = stack_plan.config, layer.index
     notes = [note for name, note, acts_on in stack_plan.settings

@@ -12,7 +12,7 @@ and ``differs`` say which argument makes them equal, and ``naive`` holds the pai
 defaults (or plausible ports), which ``tests/test_training_parity.py`` measures apart.
 In float64 the parameters agree to 1e-10 after 50 steps; float32 drifts by rounding:
 
-    python -m golden.training [--steps N] [--plot docs/training_parity.png]
+    python -m golden.port.training [--steps N] [--plot docs/training_parity.png]
 
 prints the float64 differences (defaults against the pairing) and the float32 drift per pairing,
 and plots the float32 drift per step and both loss curves.
@@ -37,7 +37,7 @@ from flax import nnx
 
 import jax_attn
 import torch_attn
-from golden.variants import VARIANTS
+from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION
 
 VARIANT = "multi_head_attention"
@@ -445,7 +445,7 @@ def _plot(runs, path, losses=("adamw", "schedule", "sgd_momentum")) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m golden.training", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m golden.port.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--plot", metavar="PNG", help="write the float32 drift and loss plot")
