@@ -38,13 +38,12 @@ def test_runners_cover_every_framework():
         runners.get("tensorflow")
 
 
-# torch runs every fixture at every dtype (about 1 s for all); JAX, whose every run is a new
-# compilation, runs in the quick suite a covering few that hold every variant, dtype, option
-# and input kind (tests/helpers.py ``sweep``), and every run in the whole matrix.
-TWIN_RUNS = [pytest.param(t, n, d, id=f"{t}-{n}-{d}") for t in TWINS for n, d in RUNS]
-TWIN_RUNS = [p for p in TWIN_RUNS if p.values[0] == "torch"] + sweep(
-    [p for p in TWIN_RUNS if p.values[0] == "jax"],
-    [fixture_features(golden.load(n), d) for n, d in RUNS])
+# Each twin runs in the quick suite a covering few of the fixture runs, which hold every
+# variant, dtype, option and input kind (tests/helpers.py ``sweep``), and every run in the whole
+# matrix (test_reference_reproduces_fixture below holds every fixture to the reference).
+TWIN_RUNS = [p for t in TWINS for p in sweep(
+    [pytest.param(t, n, d, id=f"{t}-{n}-{d}") for n, d in RUNS],
+    [fixture_features(golden.load(n), d) for n, d in RUNS])]
 
 
 @pytest.mark.parametrize("twin_name, fixture_name, dtype", TWIN_RUNS)

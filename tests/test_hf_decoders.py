@@ -52,7 +52,7 @@ import torch
 from golden import reference
 from golden.harness.check import compare_all
 from golden.specification.decoder import sliding_window
-from tests.helpers import TWINS, fresh_rng, random_cotangents, reference_fixture
+from tests.helpers import TWINS, fresh_rng, random_cotangents, reference_fixture, sweep
 
 transformers = pytest.importorskip("transformers")
 
@@ -351,7 +351,10 @@ def check_level(family, errors, seed):
 
 # ---- the tests ------------------------------------------------------------------------------
 
-CASES = [pytest.param(name, fw, id=f"{name}-{fw}") for name in FAMILIES for fw in TWINS]
+# Every family in both twins in the whole matrix; in the quick suite each family in one twin, in
+# turn (tests/helpers.py ``sweep``).
+CASES = sweep([pytest.param(name, fw, id=f"{name}-{fw}") for name in FAMILIES for fw in TWINS],
+              [{("family", name), ("framework", fw)} for name in FAMILIES for fw in TWINS])
 
 
 @pytest.mark.parametrize("name, framework", CASES)

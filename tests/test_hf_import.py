@@ -228,12 +228,14 @@ def _bound(family, twin, ours, precision):
     return EXACT if exact else FLOAT32_LEVEL
 
 
-# Decoding through our cache, for a covering few of the families in the quick suite (each config
+FAMILY_SWEEP = sweep([pytest.param(n, id=n) for n in FAMILIES],
+                     [{("field", k, kind(v)) for k, v in f.kw.items()} for f in FAMILIES.values()])
+
+
+# Decoding through our cache (and below, left padding and the input gradient), for a covering few of the families in the quick suite (each config
 # field they set, with its kind of value, at least once; tests/helpers.py ``sweep``), for every
 # family in the whole matrix; each family's conversion is checked by the test above in both.
-@pytest.mark.parametrize("name", sweep(
-    [pytest.param(n, id=n) for n in FAMILIES],
-    [{("field", k, kind(v)) for k, v in f.kw.items()} for f in FAMILIES.values()]))
+@pytest.mark.parametrize("name", FAMILY_SWEEP)
 def test_prefill_and_decode_with_our_cache_equal_the_full_forward(name, twin):
     # The first 4 tokens in one call, then one at a time, through the module's KV cache:
     # each token's output equals HF's full forward's (its own masks and positions).
@@ -270,7 +272,7 @@ NOT_LEFT_PADDED = {
 }
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", FAMILY_SWEEP)
 def test_left_padded_batch_equals_the_models_own_attention(name, twin):
     # HF's model given attention_mask (0 on row 1's first 3 tokens) and position_ids counting
     # the real tokens (as generate passes them); ours given the padding as mask (keys) and the
@@ -304,7 +306,7 @@ def test_left_padded_batch_equals_the_models_own_attention(name, twin):
         assert error <= _bound(family, twin, ours, "hf"), (name, i, error, seed)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", FAMILY_SWEEP)
 def test_input_gradient_through_the_torch_twin_equals_hfs(name):
     # dL/dx of Σ out ⊙ dO: HF's attention module called again as the model called it (its
     # masks and position embeddings), against our torch module's.

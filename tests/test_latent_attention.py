@@ -20,7 +20,7 @@ import jax_attn
 import torch_attn
 from golden import reference
 from golden.specification import variants
-from tests.helpers import JAX, TWINS, count_compiles, fresh_rng
+from tests.helpers import JAX, TWINS, count_compiles, fresh_rng, sweep
 
 MLA = "multi_head_latent_attention"
 B, L, M = 2, 10, 13
@@ -104,9 +104,15 @@ def rel(actual, expected):
 
 # ---- decoding from the latent cache equals the full forward ---------------------------------
 
-@pytest.mark.parametrize("absorb", [False, True], ids=["plain", "absorbed"])
-@pytest.mark.parametrize("chunks", [(1,), (2, 3)], ids=["token_by_token", "chunks_2_3"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+# Every configuration × way of feeding × path in the whole matrix; in the quick suite a covering
+# few, which hold each configuration, each way of feeding and each path at least once.
+DECODES = [(n, c, a) for n in CONFIGS for c in ((1,), (2, 3)) for a in (False, True)]
+
+
+@pytest.mark.parametrize("name, chunks, absorb", sweep(
+    [pytest.param(n, c, a, id=f"{n}-{'token_by_token' if c == (1,) else 'chunks_2_3'}-"
+                  f"{'absorbed' if a else 'plain'}") for n, c, a in DECODES],
+    [{("name", n), ("chunks", c), ("absorb", a)} for n, c, a in DECODES]))
 def test_decoding_equals_full_forward(twin, name, chunks, absorb):
     rng, seed = fresh_rng()
     config = CONFIGS[name]
@@ -387,8 +393,11 @@ def _float64_norm(self, h):
                                           + self.variance_epsilon))
 
 
-@pytest.mark.parametrize("float32_norm", [True, False], ids=["hf_norm", "float64_norm"])
-@pytest.mark.parametrize("name", list(HF_CASES))
+# Each case and each norm once in the quick suite, every pair in the whole matrix.
+@pytest.mark.parametrize("name, float32_norm", sweep(
+    [pytest.param(n, f, id=f"{n}-{'hf_norm' if f else 'float64_norm'}")
+     for n in HF_CASES for f in (True, False)],
+    [{("name", n), ("norm", f)} for n in HF_CASES for f in (True, False)]))
 def test_matches_transformers(name, float32_norm, monkeypatch):
     """The reference's output, x's gradient and every parameter's, and both twins' (plain and
     absorbed), against DeepseekV3Attention's: at float32 level with HF's float32 RMSNorm (but
