@@ -32,7 +32,7 @@ from golden.reference import ZERO_GRADS
 from golden.specification.tolerances import compare
 from jax_attn import functional
 from jax_attn.sharding import BATCH, HEADS, layer_specs, shard_module
-from tests.helpers import fresh_rng
+from tests.helpers import fresh_rng, sweep
 
 B, H, LQ, LK, DK, DV = 4, 8, 24, 40, 6, 10
 DATA, MODEL = 2, 4  # the mesh's shape
@@ -153,8 +153,12 @@ def _core_reference(name):
     return seed, arrays, cot, *result
 
 
-@pytest.mark.parametrize("name", CORE_CASES)
-def test_core_sharded_equals_one_device(mesh, name):
+# Each case on both mesh kinds in the whole matrix; in the quick suite on one kind each, in turn.
+@pytest.mark.parametrize("kind, name", sweep(
+    [pytest.param(k, n, id=f"{k}-{n}") for n in CORE_CASES for k in KINDS],
+    [{("case", n), ("kind", k)} for n in CORE_CASES for k in KINDS]))
+def test_core_sharded_equals_one_device(kind, name):
+    mesh = _mesh(kind)
     dtype, hkv, kv_spec, settings, extras = CORE_CASES[name]
     seed, arrays, cot, out1, w1, g1 = _core_reference(name)
     specs = {"query": HEADS, "key": kv_spec, "value": kv_spec,

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jax_attn
 from golden.specification.tolerances import compare
 from jax_attn import ring
-from tests.helpers import count_compiles, fresh_rng
+from tests.helpers import count_compiles, fresh_rng, sweep
 
 B, H, HKV, L, DK, DV = 2, 4, 2, 64, 8, 6  # G = 2; zig-zag chunks of L / 16 = 4 on 8 devices
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +127,20 @@ def _pairs(got, expected):
             ("grad key", "grad", dk, dk_e), ("grad value", "grad", dv, dv_e)]
 
 
-@pytest.mark.parametrize("name", CASES)
+def _features(name):
+    """What a ring case sets: its mesh axes, the ring's arguments, the core's arguments, and
+    whether its queries or heads differ from the keys'."""
+    axes, ring_kw, core_kw, shapes = CASES[name]
+    return {("axes", tuple(axes)), *(("ring", k, str(v)) for k, v in ring_kw.items()
+                                     if k != "block_sizes"),
+            ("blocks", "block_sizes" in ring_kw), *(("core", k) for k in core_kw),
+            *(("shape", k) for k in shapes)}
+
+
+# A covering few cases in the quick suite (each mesh, layout, argument and shape at least
+# once), every case in the whole matrix.
+@pytest.mark.parametrize("name", sweep([pytest.param(n, id=n) for n in CASES],
+                                       [_features(n) for n in CASES]))
 def test_matches_single_device_float64(name):
     # The same maths as the single-device core in another order (per chunk, per ring step):
     # float64 agrees to rounding. The reference is the dense path, which shares no code with
