@@ -17,30 +17,34 @@ A family, or a setting of one, that we do not express is a ValueError naming the
 what each maps: ``FAMILIES`` (docs/hf.md has the table, checked against the tests).
 
 The rooms of the importer, each importing only those above it (NumPy only):
-    family     what a family is (``Family``, ``Kinds``, ``HFConfig``) and the helpers its
-               entries share: reading an HF config and a state dict
+    family     what a family is (``Family``, ``Kinds``, ``HFConfig``; ``Stack``, where a
+               checkpoint keeps its attention modules) and the helpers its entries share:
+               reading an HF config and a state dict
     decoders   decoders of the Llama shape (q_proj, k_proj, v_proj, o_proj): a table of
                ``_llama_like`` entries
     fused      one projection for q, k and v (Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, GPT-2): a
                table of ``_fused_family`` entries
     encoders   encoders, encoder-decoders (``Kinds``) and vision towers (BERT, ViT, CLIP,
-               SigLIP, Whisper, BART, T5)
+               SigLIP, Whisper, BART, T5); ``COMPOSITES``, CLIP's and SigLIP's towers
     latent     multi-head latent attention (DeepSeek-V3)
     convert    ``FAMILIES`` (the kinds' tables), the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
-table added to ``convert.FAMILIES``).
+table added to ``convert.FAMILIES``): how it converts, and what the checkpoint verifier needs,
+which reads it from the entry (``Family``'s ``stacks``, ``hf_float64``, ``model_class``,
+``own_index``; a ``Kinds``' own).
 
 The checkpoint verifier (``attn-parity hf DIR``), which imports the twins and transformers, is
-a room of its own above the harness: ``golden.verifier``.
+a room of its own above the harness: ``golden.verifier``; its ``layout`` derives its tables
+from ``FAMILIES`` and ``COMPOSITES``.
 """
 
 from __future__ import annotations
 
 from golden.hf.convert import FAMILIES, expected_state, from_hf, to_hf
-from golden.hf.encoders import MHCA, T5_TABLE
-from golden.hf.family import GQA, Family, HFConfig, Kinds, _layer_type
+from golden.hf.encoders import COMPOSITES, MHCA, T5_TABLE
+from golden.hf.family import GQA, Family, HFConfig, Kinds, Stack, _layer_type
 from golden.hf.latent import MLA
 
-__all__ = ["FAMILIES", "GQA", "MHCA", "MLA", "T5_TABLE", "Family", "HFConfig", "Kinds",
-           "expected_state", "from_hf", "to_hf"]
+__all__ = ["COMPOSITES", "FAMILIES", "GQA", "MHCA", "MLA", "T5_TABLE", "Family", "HFConfig",
+           "Kinds", "Stack", "expected_state", "from_hf", "to_hf"]

@@ -3,7 +3,9 @@ family one ``_llama_like`` entry of ``FAMILIES`` with what it adds to the shared
 settings (golden.hf.family's ``_decoder_settings``): a small settings function (Gemma's scale
 and softcap, the QK norms of Qwen3, OLMo 2, Gemma 3, Cohere, StableLM, Llama 4's chunks and
 NoPE layers, ...), the state-dict keys of its q/k norms, and the arrays it moves besides the
-four projections (GPT-OSS's sinks, Qwen3-Next's output gate, StableLM's per-head norms).
+four projections (GPT-OSS's sinks, Qwen3-Next's output gate, StableLM's per-head norms). Each
+keeps its attention at ``layers.N.self_attn`` in a checkpoint's keys, the Family's default
+``stacks``.
 
 Shape legend: D (= d_in) the model's width, N query heads, Dh head width.
 """

@@ -31,13 +31,19 @@ Dropout on the attention weights (attention_probs_dropout_prob, attention_dropou
 dropout_rate) becomes GroupedQueryAttention's ``dropout`` (training only); our
 MultiHeadCrossAttention has none, so a cross-attention with a non-zero rate is refused
 (set it to 0.0: in inference HF's dropout is off too).
+
+For the checkpoint verifier each entry also says where its attention modules sit in a
+checkpoint's keys (``stacks``: BERT's ``encoder.layer.N.attention``, an encoder-decoder's three
+stacks, ...), and every family here has ``hf_float64``: HF's attention has no float32 step (no
+RoPE, ALiBi or float32 norm), so the verifier's HF rows run at float64 too. ``COMPOSITES``: the
+composite model_types (``clip``, ``siglip``), their towers' sub-configs and key prefixes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import (GQA, LLAMA_NAMES, ROLES, Family, Kinds, _bias_flags,
+from golden.hf.family import (GQA, LLAMA_NAMES, ROLES, Family, Kinds, Stack, _bias_flags,
                               _linears_to_neutral, _neutral_to_linears, _read)
 
 MHCA = "multi_head_cross_attention"
@@ -50,12 +56,13 @@ T5_TABLE = "relative_attention_bias.weight"
 
 
 def _self_family(mt, names, *, width, heads, causal=False, dropout=None, head_dim=None,
-                 zero_key_bias=False, relative=False, unsupported=None) -> Family:
+                 zero_key_bias=False, relative=False, unsupported=None, **family) -> Family:
     """A bidirectional (or causal) self-attention with separate q, k, v, out linears: sizes
     from the config fields ``width`` and ``heads`` (Dh = width // N unless ``head_dim(c)``),
     biases from the state dict; ``causal`` a bool or ``causal(c)``; ``dropout`` the config
     field of the weights' dropout; ``zero_key_bias``: k has no bias where q and v have one
-    (Whisper); ``relative``: T5's scale 1 and bucketed bias table."""
+    (Whisper); ``relative``: T5's scale 1 and bucketed bias table; ``family``: the Family's
+    other fields (``stacks``, ``hf_float64``, ...)."""
 
     def settings(c, layer_idx, sd):
         n, d = int(c[heads]), int(c[width])
@@ -99,7 +106,7 @@ def _self_family(mt, names, *, width, heads, causal=False, dropout=None, head_di
             sd[T5_TABLE] = np.array(params["relative_attention_bias"])
         return sd
 
-    return Family(GQA, settings, to_neutral, from_neutral, dict(unsupported or {}))
+    return Family(GQA, settings, to_neutral, from_neutral, dict(unsupported or {}), **family)
 
 
 def _cross_family(mt, names, *, width, heads, head_dim=None, scale=None, dropout) -> Family:
@@ -130,6 +137,17 @@ def _cross_family(mt, names, *, width, heads, head_dim=None, scale=None, dropout
                   lambda params, ours: _neutral_to_linears(params, names))
 
 
+def _seq2seq(stack, module, cross) -> tuple:
+    """Whisper's and BART's (encoder and decoder "layers"), T5's ("block") three stacks: the
+    encoder's and the decoder's self-attention ``module``, the decoder's ``cross``-attention;
+    T5's self-attention layers after the first are converted with their stack's layer 0
+    table."""
+    shared = T5_TABLE if stack == "block" else None
+    return (Stack(f"encoder.{stack}", module, "encoder", shared=shared, label="encoder"),
+            Stack(f"decoder.{stack}", module, "decoder", shared=shared, label="decoder"),
+            Stack(f"decoder.{stack}", cross, "cross", label="decoder"))
+
+
 def _encoder_decoder(mt, names, *, zero_key_bias=False) -> Kinds:
     """Whisper and BART: encoder_attention_heads and decoder_attention_heads over d_model."""
     common = dict(width="d_model", dropout="attention_dropout", zero_key_bias=zero_key_bias)
@@ -137,7 +155,8 @@ def _encoder_decoder(mt, names, *, zero_key_bias=False) -> Kinds:
                  decoder=_self_family(mt, names, heads="decoder_attention_heads", causal=True,
                                       **common),
                  cross=_cross_family(mt, names, width="d_model", heads="decoder_attention_heads",
-                                     dropout="attention_dropout"))
+                                     dropout="attention_dropout"),
+                 stacks=_seq2seq("layers", "self_attn", "encoder_attn"), hf_float64=True)
 
 
 def _t5() -> Kinds:
@@ -147,7 +166,9 @@ def _t5() -> Kinds:
                  decoder=_self_family("t5", T5_NAMES, dropout="dropout_rate", relative=True,
                                       causal=True, **common),
                  cross=_cross_family("t5", T5_NAMES, scale=1.0, dropout="dropout_rate",
-                                     **common))
+                                     **common),
+                 stacks=_seq2seq("block", "layer.0.SelfAttention", "layer.1.EncDecAttention"),
+                 hf_float64=True)
 
 
 def _bert(mt) -> Family:
@@ -156,27 +177,56 @@ def _bert(mt) -> Family:
                         dropout="attention_probs_dropout_prob", unsupported={
                             "position_embedding_type": ((None, "absolute"), "relative_key and "
                                                         "relative_key_query scores are not "
-                                                        "expressed")})
+                                                        "expressed")},
+                        # BERT's LayerNorm(dense(a) + x) after it is not attention: ours is
+                        # dense's output
+                        stacks=(Stack("encoder.layer", "attention", output="output.dense"),),
+                        hf_float64=True)
 
 
-def _tower(mt, causal) -> Family:
-    """CLIP's and SigLIP's text and vision transformers: CLIPAttention, SiglipAttention."""
+def _vit() -> Family:
+    return _self_family("vit", LLAMA_NAMES, width="hidden_size", heads="num_attention_heads",
+                        dropout="attention_probs_dropout_prob",
+                        head_dim=lambda c: c.get("head_dim") or (c["hidden_size"]
+                                                                 // c["num_attention_heads"]),
+                        # ViT's modules (5.x) are q_proj ... o_proj on layers.N.attention;
+                        # save_pretrained writes (as every published checkpoint has) the 4.x
+                        # names of the same arrays
+                        stacks=(Stack("encoder.layer", "attention",
+                                      in_model=("layers", "attention"),
+                                      renames=(("attention.query.", "q_proj."),
+                                               ("attention.key.", "k_proj."),
+                                               ("attention.value.", "v_proj."),
+                                               ("output.dense.", "o_proj."))),),
+                        hf_float64=True)
+
+
+def _tower(mt, causal, label, **family) -> Family:
+    """CLIP's and SigLIP's text and vision transformers: CLIPAttention, SiglipAttention, at
+    ``encoder.layers.N.self_attn``; ``label`` ("text", "vision") begins the rows' names."""
     return _self_family(mt, OUT_PROJ_NAMES, width="hidden_size", heads="num_attention_heads",
-                        causal=causal, dropout="attention_dropout")
+                        causal=causal, dropout="attention_dropout",
+                        stacks=(Stack("encoder.layers", "self_attn", label=label),),
+                        hf_float64=True, **family)
 
 
 FAMILIES: dict[str, Family | Kinds] = {
     "bert": _bert("bert"),
     "roberta": _bert("roberta"),
-    "vit": _self_family("vit", LLAMA_NAMES, width="hidden_size", heads="num_attention_heads",
-                        dropout="attention_probs_dropout_prob",
-                        head_dim=lambda c: c.get("head_dim") or (c["hidden_size"]
-                                                                 // c["num_attention_heads"])),
-    "clip_text_model": _tower("clip_text_model", causal=True),
-    "clip_vision_model": _tower("clip_vision_model", causal=False),
-    "siglip_text_model": _tower("siglip_text_model", causal=False),
-    "siglip_vision_model": _tower("siglip_vision_model", causal=False),
+    "vit": _vit(),
+    "clip_text_model": _tower("clip_text_model", causal=True, label="text"),
+    "clip_vision_model": _tower("clip_vision_model", causal=False, label="vision"),
+    # AutoModel does not take a SiglipTextConfig
+    "siglip_text_model": _tower("siglip_text_model", causal=False, label="text",
+                                model_class="SiglipTextModel"),
+    "siglip_vision_model": _tower("siglip_vision_model", causal=False, label="vision"),
     "whisper": _encoder_decoder("whisper", OUT_PROJ_NAMES, zero_key_bias=True),
     "bart": _encoder_decoder("bart", OUT_PROJ_NAMES),
     "t5": _t5(),
 }
+
+# Composite models (not converted themselves: from_hf takes a tower's own config): their
+# towers' sub-configs and the towers' key prefixes, {model_type: {sub-config: key prefix}}.
+COMPOSITES: dict[str, dict[str, str]] = {
+    mt: {"text_config": "text_model.", "vision_config": "vision_model."}
+    for mt in ("clip", "siglip")}

@@ -1,8 +1,9 @@
 """What a Hugging Face family is, and the helpers its entries share: the ``Family`` type (a
-model_type's settings and array layout, both ways), ``Kinds`` (an encoder-decoder's several
-attentions), ``HFConfig`` (our configuration remembering its model_type), and the readers of
-an HF config (sizes, RoPE, layer types, the settings every Llama-like decoder shares) and of a
-state dict (arrays as NumPy copies, ``nn.Linear`` weights transposed, bias flags). NumPy only.
+model_type's settings and array layout, both ways, and where a checkpoint keeps its attention:
+``Stack``), ``Kinds`` (an encoder-decoder's several attentions), ``HFConfig`` (our
+configuration remembering its model_type), and the readers of an HF config (sizes, RoPE, layer
+types, the settings every Llama-like decoder shares) and of a state dict (arrays as NumPy
+copies, ``nn.Linear`` weights transposed, bias flags). NumPy only.
 
 Layouts: ``nn.Linear`` weights are (out, in), ours (in, out): transposed both ways, copies.
 Shape legend: D (= d_in) the model's width, N query heads, Nkv key-value heads, Dh head width.
@@ -10,6 +11,7 @@ Shape legend: D (= d_in) the model's width, N query heads, Nkv key-value heads, 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -34,27 +36,104 @@ class HFConfig(dict):
 
 
 @dataclass(frozen=True)
-class Family:
-    """How one ``model_type``'s attention maps to ours.
+class Stack:
+    """One stack of attention modules in a checkpoint's keys, e.g. "model.layers.3.self_attn.
+    q_proj.weight" is ``Stack("layers", "self_attn")``'s layer 3 (any prefix before the stack,
+    ``within`` required just before it: a composite model's "text_model."). ``kind``:
+    from_hf's (None for a family with one kind); ``output``: the submodule whose output is the
+    attention's when not the module's own; ``shared``: layer 0's array the later layers of the
+    stack are converted with (T5's position bias table); ``label`` begins the rows' names;
+    ``renames``: (the file's, the module's) key prefixes where transformers saves the module's
+    arrays under older names (ViT), and ``in_model`` (stack, module) where the module sits in
+    transformers' model when not where the file's keys say."""
 
-    settings(c, layer_idx) -> our configuration from the HF config dict ``c``;
+    stack: str
+    module: str
+    kind: str | None = None
+    output: str | None = None
+    shared: str | None = None
+    label: str = ""
+    within: str = ""
+    renames: tuple = ()
+    in_model: tuple | None = None
+
+    def rename(self, key):
+        """The module's name of a state-dict key of the file."""
+        for old, new in self.renames:
+            if key.startswith(old):
+                return new + key[len(old):]
+        return key
+
+    def file_name(self, key):
+        """The file's name of a module's state-dict key (``rename`` undone)."""
+        for old, new in self.renames:
+            if key.startswith(new):
+                return old + key[len(new):]
+        return key
+
+    def pattern(self, layer=r"\d+"):
+        """A key's match: group 1 the module's prefix (with its dot), group 2 the layer."""
+        return re.compile(rf"^(.*?(?:^|\.){re.escape(self.within + self.stack)}\.({layer})\."
+                          rf"{re.escape(self.module)}\.)")
+
+
+# A decoder's one stack, "model.layers.N.self_attn" (Llama's and most decoders' since): the
+# stacks of a Family that states none.
+DECODER_STACKS = (Stack("layers", "self_attn"),)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one ``model_type``'s attention maps to ours, and where the checkpoint verifier
+    (``attn-parity hf``, golden.verifier) finds and runs it.
+
+    settings(c, layer_idx, sd) -> our configuration from the HF config dict ``c`` (and which
+    keys the state dict ``sd`` has);
     to_neutral(sd, ours) -> our parameters from the state dict (NumPy copies);
     from_neutral(params, ours) -> the state dict from our parameters.
     ``unsupported``: HF config fields whose non-default value we refuse, each with the value(s)
-    we accept and why (checked before anything else)."""
+    we accept and why (checked before anything else).
+
+    For the verifier, which reads them from ``FAMILIES``' entries (a Family inside a ``Kinds``
+    leaves them at their defaults: the Kinds holds its model_type's):
+    ``stacks``: a tuple of ``Stack``, where the attention modules sit in the checkpoint's keys
+    (default ``DECODER_STACKS``, a decoder's ``layers.N.self_attn``);
+    ``hf_float64``: HF's attention has no float32 step (no RoPE, ALiBi or float32 norm), so
+    the verifier's HF rows run at float64 too;
+    ``model_class``: the transformers class (a name, e.g. "SiglipTextModel") that builds the
+    model of a config AutoModel does not take; None: AutoModel's;
+    ``own_index``: the HF module reads its index in the whole model beyond layer_types (GPT-2):
+    in the verifier's one-layer model it is built again with the layer's own index."""
 
     variant: str
     settings: Callable
     to_neutral: Callable
     from_neutral: Callable
     unsupported: dict = field(default_factory=dict)
+    stacks: tuple = DECODER_STACKS
+    hf_float64: bool = False
+    model_class: str | None = None
+    own_index: bool = False
 
 
 class Kinds(dict):
     """A model_type with several attentions (an encoder-decoder): kind ("encoder", "decoder",
     "cross") -> Family; from_hf's ``kind=`` chooses, to_hf reads it from the config (or, given
     a plain dict, takes the kind whose variant it is: the encoder's and the decoder's
-    self-attention name their arrays alike)."""
+    self-attention name their arrays alike).
+
+    ``stacks``, ``hf_float64``, ``model_class``, ``own_index``: the model_type's, as a
+    ``Family``'s, given by keyword (``Kinds(encoder=..., decoder=..., cross=..., stacks=...)``);
+    each Stack names its ``kind``. No default stacks: ``()`` is a model_type whose modules the
+    verifier does not know where to find."""
+
+    def __init__(self, *kinds, stacks=(), hf_float64=False, model_class=None, own_index=False,
+                 **named):
+        super().__init__(*kinds, **named)
+        self.stacks = stacks
+        self.hf_float64 = hf_float64
+        self.model_class = model_class
+        self.own_index = own_index
 
 
 # ---- the configuration --------------------------------------------------------------------------

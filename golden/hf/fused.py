@@ -1,6 +1,8 @@
 """Fused q/k/v projections: one matrix for q, k and v, and GPT-2's Conv1D; each family one
 ``_fused_family`` entry of ``FAMILIES``: its settings function, its layout, the names of its
-fused and output projections.
+fused and output projections, and what the checkpoint verifier needs (its stacks of attention
+modules in the checkpoint's keys where not a decoder's ``layers.N.self_attn``; GPT-2's own
+index).
 
 Phi-3, GPT-NeoX, Falcon, BLOOM, MPT and GPT-2 keep q, k and v in one projection; two layouts
 cover them all, as rows of the fused (out, D) weight:
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import GQA, Family, _decoder_settings, _heads, _read, _rope
+from golden.hf.family import GQA, Family, Stack, _decoder_settings, _heads, _read, _rope
 
 
 def _fused_rows(layout, n, nkv, dh) -> tuple:
@@ -42,7 +44,8 @@ def _weight(sd, name, conv1d, mt) -> np.ndarray:
 def _fused_family(mt, settings, layout, fused, out, *, conv1d=False, **family) -> Family:
     """A family whose q, k and v come from one projection ``fused`` in ``layout`` (above) and
     whose output projection is ``out``; ``settings(c, layer_idx)`` -> our configuration
-    (sizes included), qkv_bias and out_bias read from which biases the state dict has."""
+    (sizes included), qkv_bias and out_bias read from which biases the state dict has;
+    ``family``: the Family's other fields (``stacks``, ``own_index``, ...)."""
 
     def our_settings(c, layer_idx, sd):
         ours = settings(c, layer_idx)
@@ -162,9 +165,17 @@ def _gpt2(c, layer_idx):
 
 FAMILIES: dict[str, Family] = {
     "phi3": _fused_family("phi3", _phi3, "thirds", "qkv_proj", "o_proj"),
-    "gpt_neox": _fused_family("gpt_neox", _gpt_neox, "grouped", "query_key_value", "dense"),
-    "falcon": _fused_family("falcon", _falcon, "grouped", "query_key_value", "dense"),
-    "bloom": _fused_family("bloom", _bloom, "grouped", "query_key_value", "dense"),
-    "mpt": _fused_family("mpt", _mpt, "thirds", "Wqkv", "out_proj"),
-    "gpt2": _fused_family("gpt2", _gpt2, "thirds", "c_attn", "c_proj", conv1d=True),
+    "gpt_neox": _fused_family("gpt_neox", _gpt_neox, "grouped", "query_key_value", "dense",
+                              stacks=(Stack("layers", "attention"),)),
+    "falcon": _fused_family("falcon", _falcon, "grouped", "query_key_value", "dense",
+                            stacks=(Stack("h", "self_attention"),)),
+    # BLOOM adds the residual inside its attention: ours is the output of its dense
+    "bloom": _fused_family("bloom", _bloom, "grouped", "query_key_value", "dense",
+                           stacks=(Stack("h", "self_attention", output="dense"),)),
+    "mpt": _fused_family("mpt", _mpt, "thirds", "Wqkv", "out_proj",
+                         stacks=(Stack("blocks", "attn"),)),
+    # GPT2Attention's scaling is divided by layer_idx + 1 (scale_attn_by_inverse_layer_idx): it
+    # reads its index in the whole model beyond layer_types (own_index)
+    "gpt2": _fused_family("gpt2", _gpt2, "thirds", "c_attn", "c_proj", conv1d=True,
+                          stacks=(Stack("h", "attn"),), own_index=True),
 }

@@ -2,7 +2,8 @@
 entry of ``FAMILIES``. Keys and values come from a low-rank latent (``kv_a_proj_with_mqa``,
 its RMSNorm, ``kv_b_proj``), queries from ``q_proj`` or, with a ``q_lora_rank``, from
 ``q_a_proj``, its RMSNorm and ``q_b_proj``; our MultiHeadLatentAttention holds the same
-arrays, transposed to (in, out).
+arrays, transposed to (in, out). The checkpoint keeps it at ``layers.N.self_attn``, the Family's
+default ``stacks``.
 """
 
 from __future__ import annotations

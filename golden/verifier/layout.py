@@ -5,107 +5,37 @@ config implies (``expected_layers``), and the config read from ``config.json``.
 A family's attention modules sit in one or more stacks: a decoder's ``layers.N.self_attn``;
 T5's encoder self-attention, decoder self-attention and cross-attention, each converted with
 its ``kind``; a composite CLIP's or SigLIP's two towers, each with its sub-config.
+
+Each family states its own in its entry of ``golden.hf.FAMILIES`` (``Family``'s or
+``Kinds``' ``stacks``, ``hf_float64``, ``model_class``, ``own_index``); the tables below are
+derived from those entries once, at import, and this module keeps only the reading of them.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from golden.hf import FAMILIES, T5_TABLE, _layer_type
+from golden.hf import COMPOSITES, FAMILIES, Stack, _layer_type
 from golden.verifier.checkpoint import CheckpointError
 
+__all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "MODELS", "OWN_INDEX", "Stack",
+           "attention_layers", "expected_layers", "is_attention", "layer_count", "layer_name",
+           "read_config", "stacks"]
 
-@dataclass(frozen=True)
-class Stack:
-    """One stack of attention modules in a checkpoint's keys, e.g. "model.layers.3.self_attn.
-    q_proj.weight" is ``Stack("layers", "self_attn")``'s layer 3 (any prefix before the stack,
-    ``within`` required just before it: a composite model's "text_model."). ``kind``:
-    from_hf's (None for a family with one kind); ``output``: the submodule whose output is the
-    attention's when not the module's own; ``shared``: layer 0's array the later layers of the
-    stack are converted with (T5's position bias table); ``label`` begins the rows' names;
-    ``renames``: (the file's, the module's) key prefixes where transformers saves the module's
-    arrays under older names (ViT), and ``in_model`` (stack, module) where the module sits in
-    transformers' model when not where the file's keys say."""
-
-    stack: str
-    module: str
-    kind: str | None = None
-    output: str | None = None
-    shared: str | None = None
-    label: str = ""
-    within: str = ""
-    renames: tuple = ()
-    in_model: tuple | None = None
-
-    def rename(self, key):
-        """The module's name of a state-dict key of the file."""
-        for old, new in self.renames:
-            if key.startswith(old):
-                return new + key[len(old):]
-        return key
-
-    def file_name(self, key):
-        """The file's name of a module's state-dict key (``rename`` undone)."""
-        for old, new in self.renames:
-            if key.startswith(new):
-                return old + key[len(new):]
-        return key
-
-    def pattern(self, layer=r"\d+"):
-        """A key's match: group 1 the module's prefix (with its dot), group 2 the layer."""
-        return re.compile(rf"^(.*?(?:^|\.){re.escape(self.within + self.stack)}\.({layer})\."
-                          rf"{re.escape(self.module)}\.)")
-
-
-# Where each family's attention modules sit in a checkpoint's keys (the layer number is the
-# stack's index); a composite model (COMPOSITES) has each tower's under its prefix.
-DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_next", "starcoder2",
-            "granite", "smollm3", "olmo", "olmo2", "gemma2", "gemma3_text", "cohere", "gpt_oss",
-            "llama4_text", "deepseek_v3", "phi3", "stablelm")
-
-
-def _seq2seq(stack, module, cross):
-    """Whisper's and BART's (encoder and decoder "layers"), T5's ("block") three stacks."""
-    shared = T5_TABLE if stack == "block" else None
-    return (Stack(f"encoder.{stack}", module, "encoder", shared=shared, label="encoder"),
-            Stack(f"decoder.{stack}", module, "decoder", shared=shared, label="decoder"),
-            Stack(f"decoder.{stack}", cross, "cross", label="decoder"))
-
-
-LAYOUTS = {**{mt: (Stack("layers", "self_attn"),) for mt in DECODERS},
-           "gpt2": (Stack("h", "attn"),), "gpt_neox": (Stack("layers", "attention"),),
-           "falcon": (Stack("h", "self_attention"),), "mpt": (Stack("blocks", "attn"),),
-           # BLOOM adds the residual inside its attention: ours is the output of its dense
-           "bloom": (Stack("h", "self_attention", output="dense"),),
-           # BERT's LayerNorm(dense(a) + x) after it is not attention: ours is dense's output
-           **{mt: (Stack("encoder.layer", "attention", output="output.dense"),)
-              for mt in ("bert", "roberta")},
-           # ViT's modules (5.x) are q_proj ... o_proj on layers.N.attention; save_pretrained
-           # writes (as every published checkpoint has) the 4.x names of the same arrays
-           "vit": (Stack("encoder.layer", "attention", in_model=("layers", "attention"),
-                         renames=(("attention.query.", "q_proj."), ("attention.key.", "k_proj."),
-                                  ("attention.value.", "v_proj."), ("output.dense.", "o_proj."))),),
-           **{f"{m}_{t}_model": (Stack("encoder.layers", "self_attn", label=t),)
-              for m in ("clip", "siglip") for t in ("text", "vision")},
-           "whisper": _seq2seq("layers", "self_attn", "encoder_attn"),
-           "bart": _seq2seq("layers", "self_attn", "encoder_attn"),
-           "t5": _seq2seq("block", "layer.0.SelfAttention", "layer.1.EncDecAttention")}
-# Composite models: their towers' sub-configs and the towers' key prefixes.
-COMPOSITES = {mt: {"text_config": "text_model.", "vision_config": "vision_model."}
-              for mt in ("clip", "siglip")}
-# The families whose HF attention has no float32 step (no RoPE, ALiBi or float32 norm): their
-# HF rows run at float64 too.
-FLOAT64 = ("bert", "roberta", "vit", "clip_text_model", "clip_vision_model",
-           "siglip_text_model", "siglip_vision_model", "whisper", "bart", "t5")
-# The transformers class of a config AutoModel does not take.
-MODELS = {"siglip_text_model": "SiglipTextModel"}
-# Families whose attention module reads its index in the whole model beyond layer_types (GPT-2's
-# scale_attn_by_inverse_layer_idx: GPT2Attention's scaling is divided by layer_idx + 1): in the
-# one-layer model it is built again with the layer's own index.
-OWN_INDEX = ("gpt2",)
+# {model_type: (Stack, ...)}: where each family's attention modules sit in a checkpoint's keys
+# (the layer number is the stack's index); a composite model (COMPOSITES, {model_type:
+# {sub-config: key prefix}}) has each tower's under its prefix. A family without stacks (a
+# Kinds that states none) is not here: the command refuses it by name.
+LAYOUTS = {mt: entry.stacks for mt, entry in FAMILIES.items() if entry.stacks}
+# The families whose HF attention has no float32 step: their HF rows run at float64 too.
+FLOAT64 = tuple(mt for mt, entry in FAMILIES.items() if entry.hf_float64)
+# {model_type: transformers class name} of the configs AutoModel does not take.
+MODELS = {mt: entry.model_class for mt, entry in FAMILIES.items() if entry.model_class}
+# Families whose attention module reads its layer index (GPT-2): in the one-layer model it is
+# built again with the layer's own index.
+OWN_INDEX = tuple(mt for mt, entry in FAMILIES.items() if entry.own_index)
 
 
 def read_config(directory) -> dict:
