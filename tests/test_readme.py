@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import matrix
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # {id: (page, block)}: "README-block0", "core-block3", ...
@@ -79,7 +81,16 @@ def test_the_tests_import_check_sees_every_form():
                                     "tests.port_bugs"]
 
 
-@pytest.mark.parametrize("page, block", BLOCKS.values(), ids=BLOCKS.keys())
+# A block that runs a whole check or comparison of a port (``check.run``, ``compare``,
+# ``assert_impl``, ...), or a fresh interpreter, runs in the whole matrix: each takes seconds,
+# and the quick suite runs what it shows in tests/test_check_impl.py, tests/test_compare*.py
+# and tests/devices8. Every other block runs in both.
+HEAVY = ("check.run(", "compare(", "check_port(", "assert_port(", "assert_impl(", FRESH_JAX)
+
+
+@pytest.mark.parametrize("page, block", [
+    pytest.param(page, block, id=key, marks=[matrix] if any(h in block for h in HEAVY) else [])
+    for key, (page, block) in BLOCKS.items()])
 def test_block_runs(page, block):
     if FRESH_JAX not in block:
         exec(compile(block, str(page), "exec"), {})
