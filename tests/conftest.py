@@ -16,6 +16,54 @@ from tests.helpers import FRAMEWORKS, IMPLS, MATRIX_ENV, TWINS, WHOLE
 # own, removed at the end, never to the user's.
 os.environ["ATTN_PARITY_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-parity-test-cache-")
 
+# The tests' own compiled JAX programs are kept between runs in JAX's persistent compilation
+# cache, in $ATTN_PARITY_TEST_CACHE (default: ~/.cache/attn-parity/tests; "off": none): a second
+# run loads each program instead of compiling it, and XLA's compiling is most of the suite's
+# time. JAX keys an entry by the lowered program, its versions, the backend and the XLA flags,
+# so an edited function compiles afresh, and what is loaded is the program compiled before, bit
+# for bit. A load still counts as a compilation (tests/helpers.py ``count_compiles``: JAX's
+# compile event wraps the cache lookup). Subprocesses that load this file share it.
+TEST_CACHE_ENV = "ATTN_PARITY_TEST_CACHE"
+TEST_CACHE_MOST = 2 * 2**30  # bytes: above this, the oldest half goes at a session's start
+
+
+def _keep_compiled_programs():
+    """Turn JAX's persistent cache on for this session; the directory, or None when off. JAX's
+    own size limit is left off: it scans the whole directory at every write, which costs more
+    than the compilations it saves; the session trims the directory itself, once."""
+    where = os.environ.get(TEST_CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "attn-parity", "tests")
+    if where.lower() == "off":
+        return None
+    os.makedirs(where, exist_ok=True)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # once, before the workers start
+        _trim(where, TEST_CACHE_MOST)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return where
+
+
+def _trim(where, most):
+    """When the files in ``where`` hold more than ``most`` bytes, remove the oldest written
+    until they hold at most half."""
+    files = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(where)
+             if e.is_file()]
+    total = sum(size for _, size, _ in files)
+    if total <= most:
+        return
+    for _, size, path in sorted(files):
+        if total <= most // 2:
+            break
+        os.remove(path)
+        total -= size
+
+
+TEST_CACHE = _keep_compiled_programs()
+
 # tests/devices8 needs 8 JAX devices, which only a process started with the XLA flag has:
 # tests/test_devices8.py runs it in one; this session collects it only when the flag is set.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
