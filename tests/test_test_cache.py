@@ -13,7 +13,8 @@ from tests import conftest
 
 def test_the_session_compiles_through_the_cache():
     if conftest.TEST_CACHE is None:
-        pytest.skip(f"{conftest.TEST_CACHE_ENV}=off: this session has no cache")
+        pytest.skip(f"this session has no cache ({conftest.TEST_CACHE_ENV}=off, or its "
+                    "directory could not be made: a warning said why)")
     assert jax.config.jax_compilation_cache_dir == conftest.TEST_CACHE
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0  # every program
     assert jax.config.jax_compilation_cache_max_size == -1  # JAX's scan at every write: off
