@@ -36,8 +36,8 @@ ORACLE_DIGITS = 100
 
 
 def oracle_type():
-    """A golden.specification.exact number type of 100 digits whose transcendental functions
-    are mpmath's."""
+    """A golden.specification.exact number type of 100 digits whose transcendental functions are
+    mpmath's."""
     import mpmath
 
     base = exact.real_type(ORACLE_DIGITS)

@@ -1,6 +1,6 @@
 """Rotary position embeddings in JAX. The tables and the arithmetic are
-golden.specification.positions' (the
-same code as torch_attn.rotary); this module converts the tables to the compute dtype.
+golden.specification.positions' (the same code as torch_attn.rotary); this module converts the
+tables to the compute dtype.
 
 Shape legend: B batch, H heads, L tokens, Dh head width, rd the rotated features (the first rd
 of each head).
@@ -37,12 +37,11 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
 
     ``precision="exact"``: the angles are exact to a few roundings at any position: cos and sin
     come from float64 tables (golden.specification.positions.rope_tables, constants of the compiled
-    program)
-    for positions below ``max_position`` (static; default L, or the largest explicit position
-    + 1 when they are not traced); every position must be below it (a larger one reads a
+    program) for positions below ``max_position`` (static; default L, or the largest explicit
+    position + 1 when they are not traced); every position must be below it (a larger one reads a
     clamped row). The rotation runs in at least float32 and is rounded once to x's dtype.
-    ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and
-    sin in float32, cast to x's dtype and applied in it), to match a port of it.
+    ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and sin
+    in float32, cast to x's dtype and applied in it), to match a port of it.
 
     longrope and dynamic depend on the call's largest position, traced under jit: longrope
     selects between its two static tables (jnp.where); dynamic NTK forms θ' and its angles in

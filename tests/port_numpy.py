@@ -544,10 +544,9 @@ class MultiHeadLatentAttention(Module):
 def rope(x, settings, interleaved, positions):
     """Rotary embedding of x (..., L, Dh), token i at positions[..., i]: feature pair k of the first
     rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k
-    (golden.specification.positions'
-    float64 frequencies, Hugging Face's rope_types), cos and sin times the attention factor;
-    the other features pass. Angles, cos and sin in float64, rounded once to x's dtype; the
-    turn in x's dtype."""
+    (golden.specification.positions' float64 frequencies, Hugging Face's rope_types), cos and sin
+    times the attention factor; the other features pass. Angles, cos and sin in float64, rounded
+    once to x's dtype; the turn in x's dtype."""
     dh = x.shape[-1]
     rd = int(dh * dict(settings)["partial_rotary_factor"])
     f, m = rope_frequencies(settings, rd, int(positions.max()) + 1)

@@ -1,8 +1,7 @@
 """golden.specification.exact, the arithmetic the fixtures are written in: every operation correctly
-rounded to
-50 digits (checked against mpmath at 120 digits, independent of the series written here), one
-correct rounding to float64 at the end, and nothing that depends on the thread's decimal
-context or on float operands."""
+rounded to 50 digits (checked against mpmath at 120 digits, independent of the series written here),
+one correct rounding to float64 at the end, and nothing that depends on the thread's decimal context
+or on float operands."""
 
 from __future__ import annotations
 

@@ -232,9 +232,10 @@ FAMILY_SWEEP = sweep([pytest.param(n, id=n) for n in FAMILIES],
                      [{("field", k, kind(v)) for k, v in f.kw.items()} for f in FAMILIES.values()])
 
 
-# Decoding through our cache (and below, left padding and the input gradient), for a covering few of the families in the quick suite (each config
-# field they set, with its kind of value, at least once; tests/helpers.py ``sweep``), for every
-# family in the whole matrix; each family's conversion is checked by the test above in both.
+# Decoding through our cache (and below, left padding and the input gradient), for a covering
+# few of the families in the quick suite (each config field they set, with its kind of value,
+# at least once; tests/helpers.py ``sweep``), for every family in the whole matrix; each
+# family's conversion is checked by the test above in both.
 @pytest.mark.parametrize("name", FAMILY_SWEEP)
 def test_prefill_and_decode_with_our_cache_equal_the_full_forward(name, twin):
     # The first 4 tokens in one call, then one at a time, through the module's KV cache:

@@ -2,8 +2,7 @@
 every sdpa golden fixture and against "explicit" on fresh inputs, its memory (no (Lq, Lk) tensor
 kept for the backward), its drawn dropout; that each name runs the algorithm it names and is
 the one recorded (golden.specification.implementations.record); the automatic choice (None); and
-that an
-argument an implementation cannot honour raises instead of falling back.
+that an argument an implementation cannot honour raises instead of falling back.
 
 row_chunks runs with tiny chunks here (1 to 3 query rows), so that every case has several
 chunks, a ragged last one, and key ranges cut by the causal and window bounds.

@@ -43,13 +43,11 @@ every array (``draw_arrays``), so shrinking works on the structure, never on flo
 What is compared (property 1): the output and weights of torch (autograd, the explicit path),
 torch's output under no_grad (PyTorch's fused kernel where the core takes it) and JAX, with
 ``golden.specification.tolerances.compare`` at the case's dtype; and the gradients of Σ O ⊙ dO + Σ A
-⊙ dA
-(query, key, value, bias, sinks; torch by autograd, JAX by ``jax.vjp``). Outputs and gradients sum
-terms that may cancel: they pass ``compare`` or, failing it, the same table relative to the
-size of those terms (golden.specification.tolerances.compare_terms: a sum that cancels carries its
-terms'
-rounding, not its own size's). Property 2 runs
-JAX's forward alone (its backward triples the compile time), torch's backward included.
+⊙ dA (query, key, value, bias, sinks; torch by autograd, JAX by ``jax.vjp``). Outputs and gradients
+sum terms that may cancel: they pass ``compare`` or, failing it, the same table relative to the size
+of those terms (golden.specification.tolerances.compare_terms: a sum that cancels carries its terms'
+rounding, not its own size's). Property 2 runs JAX's forward alone (its backward triples the compile
+time), torch's backward included.
 """
 
 from __future__ import annotations

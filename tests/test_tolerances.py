@@ -1,6 +1,5 @@
 """Every rule of ``golden.specification.tolerances.compare``, one at a time, on arrays made by hand,
-and the
-table's units. (float32 bounds: rel_norm 1e-6, rtol 1e-5, atol 1e-6 for values.)"""
+and the table's units. (float32 bounds: rel_norm 1e-6, rtol 1e-5, atol 1e-6 for values.)"""
 
 from __future__ import annotations
 

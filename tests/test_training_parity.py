@@ -1,7 +1,6 @@
 """The same model trained in PyTorch (torch.optim) and in JAX (optax under nnx.jit) stays the same
 (golden.port.training): every optimizer pairing agrees to 1e-10 in float64 after 50 steps; each
-naive
-pairing (library defaults, or the plausible port) measurably does not, which backs each row of
+naive pairing (library defaults, or the plausible port) measurably does not, which backs each row of
 the README's table; float32 drifts by rounding only, within a bound measured here.
 
 The key bias is compared apart (``training.INERT``): it moves no output, its gradient is zero in

@@ -4,8 +4,7 @@ explicit: the (..., H, Lq, Lk) weights formed (scores and softmax in at least fl
 sinks, the head's sink logit as one more column of the softmax, dropped after it), then the
 weighted sum of values; autograd differentiates it. ``Where`` turns the allowed-set
 arguments into a boolean mask through golden.specification.positions.allowed_terms, the rule JAX's
-core uses
-too, and cuts it into chunks for "row_chunks".
+core uses too, and cuts it into chunks for "row_chunks".
 
 Shape legend: B batch, H heads (Hkv of key and value, G = H / Hkv), Lq query length, Lk key
 length, Dk key width, Dv value width.

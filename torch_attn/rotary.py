@@ -1,6 +1,6 @@
 """Rotary position embeddings in PyTorch. The tables and the arithmetic are
-golden.specification.positions'
-(the same code as jax_attn.rotary); this module converts the tables to the compute dtype.
+golden.specification.positions' (the same code as jax_attn.rotary); this module converts the tables
+to the compute dtype.
 
 Shape legend: B batch, H heads, L tokens, Dh head width, rd the rotated features (the first rd
 of each head).
@@ -76,9 +76,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
 
 def _hf_cos_sin(settings, rd, positions, seq_len, device):
     """Hugging Face's float32 cos and sin (..., L, rd/2): its inv_freq
-    (golden.specification.positions.
-    hf_inv_freq with torch's own float32 operations), angles position · inv_freq in float32,
-    cos and sin times the attention factor in float32."""
+    (golden.specification.positions.hf_inv_freq with torch's own float32 operations), angles
+    position · inv_freq in float32, cos and sin times the attention factor in float32."""
     def array(values):
         return torch.as_tensor(values, dtype=torch.float32, device=device)
     s = dict(settings)

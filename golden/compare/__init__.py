@@ -16,21 +16,18 @@ and judges the Flax float32 column against torch float64 with
 ``golden.specification.tolerances.compare``.
 ``dtype="bfloat16"`` or ``"float16"`` runs the baseline and the Flax module in that dtype and
 judges with ``golden.specification.tolerances.compare_to_plain`` (the dtype's row, or at most 2x the
-torch
-baseline's error). Inputs go positionally (``inputs``) and by name (``keywords``: arrays,
-nested arrays, plain values, per-run factories); ``output`` selects the array judged from a
-tuple, dict, ``ModelOutput`` or dataclass, the same way in both frameworks.
-The verdict is on the output and the gradients; a paired submodule is a module owning a mapped
-parameter on each side (``golden.specification.mapping.submodule``), and the first one in torch's
-execution
-order whose Flax output misses the float32 value tolerance is named as where the port diverges.
-Both modules run in eval mode; by default a module returning a tuple is judged on its first
-array, one returning a dict or ModelOutput on its first value.
+torch baseline's error). Inputs go positionally (``inputs``) and by name (``keywords``: arrays,
+nested arrays, plain values, per-run factories); ``output`` selects the array judged from a tuple,
+dict, ``ModelOutput`` or dataclass, the same way in both frameworks. The verdict is on the output
+and the gradients; a paired submodule is a module owning a mapped parameter on each side
+(``golden.specification.mapping.submodule``), and the first one in torch's execution order whose
+Flax output misses the float32 value tolerance is named as where the port diverges. Both modules run
+in eval mode; by default a module returning a tuple is judged on its first array, one returning a
+dict or ModelOutput on its first value.
 
 ``freeze`` writes what was drawn and the float64 expectations as a port fixture (the container
 of ``golden.specification.fixture``: a zip of ``.npy`` members, never pickled), and ``check_port``
-checks a
-Flax module against such a file without torch.
+checks a Flax module against such a file without torch.
 
 The rooms, each importing only those above it:
 

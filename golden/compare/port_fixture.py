@@ -1,7 +1,6 @@
 """Freezing for ``golden.compare``: a port fixture holds what ``compare`` drew and the float64
 expectations (the container of ``golden.specification.fixture``: a zip of ``.npy`` members and a
-JSON
-``meta``, never pickled). ``freeze`` writes one, ``load_port`` reads and validates one.
+JSON ``meta``, never pickled). ``freeze`` writes one, ``load_port`` reads and validates one.
 """
 
 from __future__ import annotations

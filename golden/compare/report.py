@@ -77,9 +77,8 @@ class PortReport:
     def to_json(self) -> dict:
         """JSON-ready (schema ``SCHEMA``, version 3): the verdict, the rows and the notes; each
         row's "torch_float32" and "flax_float32" are ``golden.specification.tolerances.Comparison``
-        fields, the
-        errors and the bounds they were held to; a number that is not finite is None (null in
-        JSON), NumPy values are Python values (golden.report.plain)."""
+        fields, the errors and the bounds they were held to; a number that is not finite is None
+        (null in JSON), NumPy values are Python values (golden.report.plain)."""
         return plain({"ok": self.ok, "first_divergent": self.first_divergent,
                       "failing_params": self.failing_params, "suspects": self.suspects,
                       "diagnosis": self.diagnosis, "interval": self.interval,

@@ -1,6 +1,5 @@
 """Rebuild every fixture from ``golden.specification.cases.CASES`` with the reference in exact
-arithmetic
-(``golden.reference.exact_arithmetic``: the same bytes on every machine).
+arithmetic (``golden.reference.exact_arithmetic``: the same bytes on every machine).
 
 ``python -m golden`` or ``attn-parity regenerate`` writes, then ``MANIFEST.json`` (sha256 of
 every file, the case and seed, format version, NumPy version) last; ``--check`` compares both in

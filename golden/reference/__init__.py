@@ -3,8 +3,7 @@
 Nothing here imports torch or JAX. Every function is loop-free and works on any number of
 leading axes, and the same code runs in NumPy float64 or, inside ``exact_arithmetic()``, in
 golden.specification.exact's decimal arithmetic that writes the fixtures (docs/reproducibility.md).
-Each
-variant is a pair in ``VARIANTS``: forward(config, inputs, params) -> (output, weights, saved)
+Each variant is a pair in ``VARIANTS``: forward(config, inputs, params) -> (output, weights, saved)
 and backward(saved, d_output, d_weights) -> {input or parameter name: gradient}.
 
 The rooms, each importing only those above it:

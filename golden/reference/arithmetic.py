@@ -4,9 +4,8 @@ Two arithmetics run the same code. By default it is NumPy float64: fast, the ora
 property tests and of the tolerance profiles, but its last bits depend on the CPU (NumPy's float64
 exp, tanh and power have one SIMD kernel per instruction set). Inside ``exact_arithmetic()`` the
 arrays hold ``golden.specification.exact.Real`` numbers (50 significant digits, every operation
-correctly
-rounded, integer arithmetic underneath), and ``stored`` (golden.reference.storage) rounds each
-result once to float64: the fixtures' values, the same bits on every machine
+correctly rounded, integer arithmetic underneath), and ``stored`` (golden.reference.storage) rounds
+each result once to float64: the fixtures' values, the same bits on every machine
 (docs/reproducibility.md).
 
 ``rounded_products(bits)`` turns the same code into the plain low-precision implementation that
@@ -40,10 +39,8 @@ def exact_arithmetic(real=exact.Real):
     """Inside, the reference computes in golden.specification.exact's 50-digit decimal arithmetic:
     the float
     arrays it is given are taken exactly, and it returns object arrays of
-    golden.specification.exact.Real
-    (``stored`` rounds them to float64). ``real``: another golden.specification.exact number type (a
-    higher
-    precision, for measuring this one)."""
+    golden.specification.exact.Real (``stored`` rounds them to float64). ``real``: another
+    golden.specification.exact number type (a higher precision, for measuring this one)."""
     if _PRODUCT_BITS.get() is not None:
         raise ValueError("exact_arithmetic() cannot run inside rounded_products()")
     if not (isinstance(real, type) and issubclass(real, exact.Number)):

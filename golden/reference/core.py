@@ -229,10 +229,9 @@ def sdpa_term_sizes(saved, d_output, d_weights):
     """The output A V and each gradient of ``sdpa_backward`` computed from absolute values,
     M ≥ |array| elementwise: the size of the terms each element sums, which its rounding is
     relative to (golden.specification.tolerances.compare_terms). The output's is A |V|; dL/dscores
-    is
-    P ⊙ (g − Σ g ⊙ P), whose subtraction cancels (to nothing on a saturated row), so M takes
-    P ⊙ (|g| + Σ |g| ⊙ P) and leaves out the soft-cap's 1 − tanh², itself a cancelling
-    difference near ±c."""
+    is P ⊙ (g − Σ g ⊙ P), whose subtraction cancels (to nothing on a saturated row), so M takes P ⊙
+    (|g| + Σ |g| ⊙ P) and leaves out the soft-cap's 1 − tanh², itself a cancelling difference near
+    ±c."""
     v, q, k, probs = (np.abs(saved[n]) for n in ("v", "q", "k", "probs"))
     g = (np.einsum("...qv,...kv->...qk", np.abs(d_output), v) + np.abs(d_weights)) * (
         saved["keep_scaled"])

@@ -17,9 +17,8 @@ from golden.reference.arithmetic import number, real
 def alibi_term(c, length, dh):
     """ALiBi's score bias (N, L, L) for ``length`` tokens: m_h · (j − i), key j and query i in
     token order (golden.specification.decoder.alibi_slopes gives m_h); Falcon adds it before the
-    scale, so
-    its bias is multiplied by the scale (default 1/√Dh). Exact: powers of two times integers,
-    then the scale in the arithmetic in force. Not a parameter: no gradient."""
+    scale, so its bias is multiplied by the scale (default 1/√Dh). Exact: powers of two times
+    integers, then the scale in the arithmetic in force. Not a parameter: no gradient."""
     slopes = alibi_slopes(c["num_heads"], c["alibi"], c["alibi_bias_max"])
     distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
     bias = real(slopes[:, None, None] * distance)
@@ -31,8 +30,7 @@ def alibi_term(c, length, dh):
 def relative_term(c, length, table):
     """T5's score bias (N, L, L): the learned table (num_buckets, N) at the bucket of each
     distance j − i (golden.specification.decoder.relative_position_bucket, bidirectional unless
-    causal);
-    returns (bias, buckets (L, L))."""
+    causal); returns (bias, buckets (L, L))."""
     distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
     buckets = relative_position_bucket(distance, not c["causal"],
                                        c["relative_attention_num_buckets"],

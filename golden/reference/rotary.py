@@ -115,8 +115,7 @@ def rope_cos_sin(settings, head_dim, positions):
     """(cos, sin) (..., L, rd/2) times the attention factor, for integer ``positions``
     (..., L): exact (or float64), or with settings' precision "hf" Hugging Face's float32
     arithmetic (golden.specification.positions.hf_inv_freq in NumPy float32; np.cos in float32 is
-    NumPy's,
-    whose last bit depends on the CPU: no fixture uses it)."""
+    NumPy's, whose last bit depends on the CPU: no fixture uses it)."""
     rd = rotary_dims(head_dim, settings)
     seq_len = int(np.max(positions)) + 1
     if dict(settings)["precision"] == "hf":

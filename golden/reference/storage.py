@@ -61,8 +61,7 @@ def zero_elements(config):
 def stored(config, output, weights, grads):
     """What a fixture stores of a forward and backward: (output, weights, grads, zero) as
     float64, each value rounded once (golden.specification.exact.to_float64, exact for float64
-    input), the
-    gradients named in ``zero`` (zero_grads) exact zeros."""
+    input), the gradients named in ``zero`` (zero_grads) exact zeros."""
     grads = {n: exact.to_float64(g) for n, g in grads.items()}
     zero = zero_grads(config, grads)
     for n in zero:

@@ -52,8 +52,7 @@ tolerance table), "profile" (``--profile tf32/bf16`` at float32, tried when the 
 ``bound_abs`` = k × the plain implementation's max|b − e| + atol', ``bound_rel_norm`` = k × its
 relative error norm + the table's, both flat, so ``abs_err`` = ``max_abs``) or "terms" (bounds
 relative to the terms' size, golden.specification.tolerances.compare_terms). For a missing array all
-four are
-null.
+four are null.
 
 Versions: 2, a row's "path" became "core"; 3, arrays gained ``abs_err``, ``bound_abs``,
 ``bound_rel_norm`` and ``rule`` (the text table's "worst err/bound" column, JUnit failure

@@ -14,9 +14,8 @@ A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pick
     grads/<name>         float64 dL/d<name> for every float input and every parameter
 
 Beside the shipped fixtures, ``MANIFEST.json`` (written last by ``golden.harness.regenerate``)
-records
-each file's sha256 and size, the case and seed it was built from, the fixture format version and
-the NumPy that wrote it; ``load`` checks a shipped fixture against it before parsing anything.
+records each file's sha256 and size, the case and seed it was built from, the fixture format version
+and the NumPy that wrote it; ``load`` checks a shipped fixture against it before parsing anything.
 
 The loader trusts no size in the file: the zip's members, their local headers and the ``.npy``
 headers are checked against the bytes actually present (and against ``MAX_*`` bounds) before

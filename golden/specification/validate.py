@@ -439,9 +439,8 @@ def check_context_inputs(x, context, d_in, d_context, mask=None, context_lengths
                          heads, cache=None, kv_heads=None, head_dim=None):
     """MultiHeadCrossAttention's call: x (B, Lq, d_in) or (Lq, d_in); the context (B, Lc,
     d_context) unless a cache (a golden.specification.positions.ContextCache) holds its keys and
-    values, and
-    then, if given too, of the cache's shape (its values are compared by the module); the
-    context's real lengths (B,) integers, never with a cache (it holds them); a mask
+    values, and then, if given too, of the cache's shape (its values are compared by the module);
+    the context's real lengths (B,) integers, never with a cache (it holds them); a mask
     broadcastable to (B, Lq, Lc). Returns the weights' shape (B, N, Lq, Lc)."""
     lead = check_sequence("x", x, "d_in", d_in)
     if cache is None and context is None:
@@ -529,9 +528,8 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
     array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,). Without
     a cache the keys are x's L tokens; with one (a golden.specification.positions.KVCache, see
-    check_cache)
-    they are its max_length positions M, and x must be batched like it. Returns the weights'
-    shape (B, H, L, L or M)."""
+    check_cache) they are its max_length positions M, and x must be batched like it. Returns the
+    weights' shape (B, H, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
     if query_seq_lengths is not None:
         _expect_integers("query_seq_lengths", query_seq_lengths, lead, "B" if lead else None)

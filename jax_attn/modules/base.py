@@ -41,8 +41,7 @@ class _Variant(nnx.Module):
 
     def _configure(self, **given) -> None:
         """Check the constructor arguments (golden.specification.variants); kept as a hashable
-        tuple, because
-        a module's plain attributes are static under jit."""
+        tuple, because a module's plain attributes are static under jit."""
         self._config = tuple((n, variants.freeze(v))
                              for n, v in VARIANTS[self.variant].config(given).items())
 

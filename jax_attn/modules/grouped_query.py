@@ -51,8 +51,7 @@ class GroupedQueryAttention(_Variant):
     in max_length are dropped, as in torch_attn: they are not written nor counted, and their
     output rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True``
     raises ValueError instead (golden.specification.positions.check_fits), reading the lengths on
-    the host: a
-    device sync, and impossible on traced lengths (under jit it raises saying so).
+    the host: a device sync, and impossible on traced lengths (under jit it raises saying so).
     """
 
     variant = "grouped_query_attention"

@@ -30,9 +30,8 @@ class MultiHeadLatentAttention(_Variant):
     products included).
 
     With ``cache`` (from ``init_cache``, golden.specification.positions.LatentCache, a pytree) the
-    call
-    appends each token's normalised latent and rotated k_pe (a scatter; the lengths traced, so a
-    decode step compiles once per max_length) and returns (output, new cache). ``absorb=True``
+    call appends each token's normalised latent and rotated k_pe (a scatter; the lengths traced, so
+    a decode step compiles once per max_length) and returns (output, new cache). ``absorb=True``
     folds W_kv_b into the query and the output (static: its own compiled program).
     """
 

@@ -2,11 +2,10 @@
 
 Every sharded run is compared with the same computation on one device: outputs and gradients
 (inputs, parameters), float64 to 1e-12 and float32 to golden.specification.tolerances' table; the
-output and
-gradients keep the expected NamedSharding; and the compiled program is read for collectives.
-Both kinds of mesh: "explicit" (jax.make_mesh's default axes, JAX's current default) and "auto"
-(a classic Mesh). Shapes are small and all different (B=4, H=8, Lq=24, Lk=40, Dk=6, Dv=10, so
-that a gathered array's shape says what it is).
+output and gradients keep the expected NamedSharding; and the compiled program is read for
+collectives. Both kinds of mesh: "explicit" (jax.make_mesh's default axes, JAX's current default)
+and "auto" (a classic Mesh). Shapes are small and all different (B=4, H=8, Lq=24, Lk=40, Dk=6,
+Dv=10, so that a gathered array's shape says what it is).
 
 Shape legend: B batch, H query heads, Hkv key-value heads, Lq/Lk query/key length, Dk/Dv
 key/value width, L module sequence length, d_* feature widths.

@@ -42,16 +42,15 @@ class GroupedQueryAttention(nn.Module):
 
     Options, in Hugging Face's terms: ``sliding_window`` W (a query sees W keys, itself
     included: the core's window (W − 1, 0)); ``qk_norm`` (golden.specification.variants.QK_NORMS:
-    "rms"
-    Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere, "l2" Llama 4,
+    "rms" Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere, "l2" Llama 4,
     with ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
-    ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C
-    positions); ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers:
-    q · (1 + β·ln(1 + ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times
-    σ(x W_gate + b_gate) before out_proj); ``alibi`` ("bloom", "mpt" with
-    ``alibi_bias_max``, "falcon") and T5's ``relative_attention_num_buckets`` (a learned bias
-    per bucket of key − query distance, ``relative_attention_max_distance``); ``clip_qkv`` c
-    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
+    ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C positions);
+    ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers: q · (1 + β·ln(1 +
+    ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times σ(x W_gate + b_gate)
+    before out_proj); ``alibi`` ("bloom", "mpt" with ``alibi_bias_max``, "falcon") and T5's
+    ``relative_attention_num_buckets`` (a learned bias per bucket of key − query distance,
+    ``relative_attention_max_distance``); ``clip_qkv`` c (MPT, OLMo: q, k and v clamped to [−c, c]
+    after their projections).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and

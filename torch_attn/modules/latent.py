@@ -36,21 +36,19 @@ class MultiHeadLatentAttention(nn.Module):
     k_pe turned by RoPE (``rope_interleaved``: pairs (2i, 2i + 1), DeepSeek's layout; else
     "rotate half"), k_pe shared by every head; causal attention of [q_nope | q_pe] on
     [k_nope | k_pe], scale Dk^−1/2 times yarn's mscale(s, mscale_all_dim)²
-    (golden.specification.variants.
-    latent_scale) unless ``scale`` is given; out_proj (N·Dv -> d_out). ``attention_bias`` puts
-    biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output (B, L, d_out), weights
-    (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths`` and ``positions``
-    as GroupedQueryAttention's.
+    (golden.specification.variants.latent_scale) unless ``scale`` is given; out_proj (N·Dv ->
+    d_out). ``attention_bias`` puts biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output
+    (B, L, d_out), weights (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths``
+    and ``positions`` as GroupedQueryAttention's.
 
     With ``cache`` (from ``init_cache``, golden.specification.positions.LatentCache) the call
-    appends each
-    token's normalised latent c and rotated k_pe at position cache.lengths[b] + i and returns
-    (output, new cache); what does not fit in max_length is dropped, as GroupedQueryAttention
-    drops it. ``absorb=True`` computes the same attention without making per-head keys and
-    values (vLLM's and SGLang's decode): W_kv_b's key half folded into the query, q_lat =
-    q_nope W_kb per head (B, N, L, r), scores [q_lat | q_pe] · [c | k_pe] on the one latent
-    "head" (the core's multi-query attention), weights · c (B, N, L, r) then W_kv_b's value
-    half per head.
+    appends each token's normalised latent c and rotated k_pe at position cache.lengths[b] + i and
+    returns (output, new cache); what does not fit in max_length is dropped, as
+    GroupedQueryAttention drops it. ``absorb=True`` computes the same attention without making
+    per-head keys and values (vLLM's and SGLang's decode): W_kv_b's key half folded into the query,
+    q_lat = q_nope W_kb per head (B, N, L, r), scores [q_lat | q_pe] · [c | k_pe] on the one latent
+    "head" (the core's multi-query attention), weights · c (B, N, L, r) then W_kv_b's value half per
+    head.
     """
 
     variant = "multi_head_latent_attention"
