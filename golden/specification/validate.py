@@ -560,20 +560,13 @@ def check_cache(cache, x, kv_heads, head_dim) -> int:
     _expect_cache(cache)
     if len(x.shape) != 3:
         raise ValueError(f"x shape should be (B, L, d_in) with a cache, got {_fmt(tuple(x.shape))}")
-    b, length = x.shape[0], x.shape[1]
+    b = x.shape[0]
     _expect_shape("cache.key", tuple(cache.key.shape), ("B", "Hkv", "M", "Dh"),
                   (b, kv_heads, None, head_dim))
     m = cache.key.shape[2]
     _expect_shape("cache.value", tuple(cache.value.shape), ("B", "Hkv", "M", "Dh"),
                   (b, kv_heads, m, head_dim))
-    _expect_integers("cache.lengths", cache.lengths, (b,), "B")
-    for name in ("key", "value"):
-        _expect_float(f"cache.{name}", getattr(cache, name), like=dtype_name(x.dtype),
-                      whose="x's")
-    if length > m:
-        raise ValueError(f"x length L should be at most the cache's max_length M = {m}, "
-                         f"got {length}")
-    return m
+    return _cache_takes(cache, ("key", "value"), x, m)
 
 
 def check_latent_inputs(x, d_in, mask=None, query_seq_lengths=None, *, heads, positions=None,
@@ -603,14 +596,21 @@ def check_latent_cache(cache, x, kv_lora_rank, rope_dim) -> int:
         _expect_array(f"cache.{name}", getattr(cache, name))
     if len(x.shape) != 3:
         raise ValueError(f"x shape should be (B, L, d_in) with a cache, got {_fmt(tuple(x.shape))}")
-    b, length = x.shape[0], x.shape[1]
+    b = x.shape[0]
     _expect_shape("cache.latent", tuple(cache.latent.shape), ("B", "M", "kv_lora_rank"),
                   (b, None, kv_lora_rank))
     m = cache.latent.shape[1]
     _expect_shape("cache.rope_key", tuple(cache.rope_key.shape), ("B", "M", "qk_rope_head_dim"),
                   (b, m, rope_dim))
+    return _cache_takes(cache, ("latent", "rope_key"), x, m)
+
+
+def _cache_takes(cache, arrays, x, m) -> int:
+    """What every cache checks last, its shapes read: lengths (B,) integers, ``arrays`` in x's
+    dtype, x's length L at most the cache's max_length M. Returns M."""
+    b, length = x.shape[0], x.shape[1]
     _expect_integers("cache.lengths", cache.lengths, (b,), "B")
-    for name in ("latent", "rope_key"):
+    for name in arrays:
         _expect_float(f"cache.{name}", getattr(cache, name), like=dtype_name(x.dtype),
                       whose="x's")
     if length > m:
