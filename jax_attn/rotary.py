@@ -15,11 +15,13 @@ import numpy as np
 from golden.specification.positions import (
     call_dependent,
     hf_inv_freq,
+    mix_axes,
+    rope_axes,
     rope_cos_sin,
     rope_turn,
     settings_tables,
 )
-from golden.specification.validate import check_rotary, rotary_dims
+from golden.specification.validate import check_rotary, multi_axis, rotary_dims
 
 
 def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=None,
@@ -49,6 +51,12 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     position p, then one rounding to the compute dtype), in float32 otherwise (about p·2⁻²⁴
     radians, Hugging Face's own float32 level); a call whose positions stay within
     original_max_position_embeddings reads the exact static tables.
+
+    Multimodal RoPE (``rope_parameters`` with ``mrope_section``, Qwen2-VL's and Qwen3-VL's):
+    ``positions`` may hold one row per axis, (3, B, L) (Hugging Face's position ids) or (3, ...)
+    of any form above; pair i turns by the position of its axis
+    (golden.specification.positions.rope_axes). Positions of one axis (or none) are every
+    axis's: the 1-D RoPE.
     """
     settings = check_rotary(x, theta, rope_parameters, partial_rotary_factor, precision,
                             positions)
@@ -56,6 +64,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     if dh % 2:
         raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")
     rd = rotary_dims(dh, settings)
+    multi = positions is not None and multi_axis(settings, positions, x.shape)
     if positions is None:
         positions = jnp.arange(length)  # (L,)
         if offset is not None:
@@ -69,14 +78,16 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
                                  "jit: the tables' static size), got None")
             max_position = int(np.max(np.asarray(positions))) + 1
         positions = jnp.asarray(positions, dtype=jnp.int32)
-        if positions.ndim == 2 and x.ndim == 4:
-            positions = positions[:, None]  # (B, L) -> (B, 1, L): against (B, H, L)
+        if positions.ndim - multi == 2 and x.ndim == 4:
+            positions = positions[..., None, :]  # ([3,] B, L) -> ([3,] B, 1, L): against (B, H, L)
     s = dict(settings)
     long = None
     if call_dependent(settings):  # the call's largest position + 1 passes L0 (traced)
         long = jnp.max(positions) + 1 > s["original_max_position_embeddings"]
     if s["precision"] == "hf":
         cos, sin = _hf_cos_sin(settings, rd, positions, long)
+        if multi:
+            cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
         return rope_turn(x, cos.astype(x.dtype), sin.astype(x.dtype), interleaved,
                          stack=jnp.stack, concat=jnp.concatenate)
     compute = jnp.promote_types(x.dtype, jnp.float32)
@@ -92,8 +103,16 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     elif s["rope_type"] == "dynamic":
         cos_ntk, sin_ntk = (t.astype(compute) for t in _dynamic_cos_sin(s, rd, positions))
         cos, sin = jnp.where(long, cos_ntk, cos), jnp.where(long, sin_ntk, sin)
+    if multi:
+        cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
     return rope_turn(x.astype(compute), cos, sin, interleaved, stack=jnp.stack,
                      concat=jnp.concatenate).astype(x.dtype)
+
+
+def _mix(values, settings, rd):
+    """(..., L, rd/2) of each axis's (3, ..., L, rd/2): pair i from its axis (mix_axes)."""
+    return mix_axes(values, rope_axes(settings, rd),
+                    lambda a: jnp.asarray(a, dtype=values.dtype))
 
 
 def _dynamic_cos_sin(s, rd, positions):

@@ -13,11 +13,13 @@ import torch
 from golden.specification.positions import (
     call_dependent,
     hf_inv_freq,
+    mix_axes,
+    rope_axes,
     rope_cos_sin,
     rope_turn,
     settings_tables,
 )
-from golden.specification.validate import check_rotary, rotary_dims
+from golden.specification.validate import check_rotary, multi_axis, rotary_dims
 from torch_attn.explicit import LOW_PRECISION, per_batch
 
 
@@ -42,6 +44,12 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     sin in float32, cast to x's dtype and applied in it), to match a port of it.
 
     longrope and dynamic depend on the call's largest position (read on the host here).
+
+    Multimodal RoPE (``rope_parameters`` with ``mrope_section``, Qwen2-VL's and Qwen3-VL's):
+    ``positions`` may hold one row per axis, (3, B, L) (Hugging Face's position ids) or (3, ...)
+    of any form above; pair i turns by the position of its axis
+    (golden.specification.positions.rope_axes). Positions of one axis (or none) are every
+    axis's: the 1-D RoPE.
     """
     settings = check_rotary(x, theta, rope_parameters, partial_rotary_factor, precision,
                             positions)
@@ -49,6 +57,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     if dh % 2:
         raise ValueError(f"x's last axis Dh should be even for rotary embeddings, got {dh}")
     rd = rotary_dims(dh, settings)
+    multi = positions is not None and multi_axis(settings, positions, x.shape)
     if positions is None:
         offset = per_batch(offset, x.device)  # 0, an int or (B, 1, 1, 1)
         if torch.is_tensor(offset):
@@ -57,21 +66,31 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
         max_position = length if max_position is None else max_position
     else:
         positions = positions.to(x.device)
-        if positions.dim() == 2 and x.dim() == 4:
-            positions = positions[:, None]  # (B, L) -> (B, 1, L): against (B, H, L)
+        if positions.dim() - multi == 2 and x.dim() == 4:
+            positions = positions.unsqueeze(-2)  # ([3,] B, L) -> ([3,] B, 1, L): against (B, H, L)
         if max_position is None:
             max_position = int(positions.max()) + 1
     seq_len = int(positions.max()) + 1 if call_dependent(settings) else None  # a host read
     if dict(settings)["precision"] == "hf":
         cos, sin = _hf_cos_sin(settings, rd, positions, seq_len, x.device)
+        if multi:
+            cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
         return rope_turn(x, cos.to(x.dtype), sin.to(x.dtype), interleaved, stack=torch.stack,
                          concat=torch.cat)
     compute = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
     tables = [torch.tensor(t, dtype=compute, device=x.device)  # a copy: the tables are shared
               for t in settings_tables(settings, rd, max_position, seq_len)]
     cos, sin = rope_cos_sin(tables, positions)
+    if multi:
+        cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
     return rope_turn(x.to(compute), cos, sin, interleaved, stack=torch.stack,
                      concat=torch.cat).to(x.dtype)
+
+
+def _mix(values, settings, rd):
+    """(..., L, rd/2) of each axis's (3, ..., L, rd/2): pair i from its axis (mix_axes)."""
+    return mix_axes(values, rope_axes(settings, rd),
+                    lambda a: torch.as_tensor(a, dtype=values.dtype, device=values.device))
 
 
 def _hf_cos_sin(settings, rd, positions, seq_len, device):

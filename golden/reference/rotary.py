@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from golden.specification import exact
-from golden.specification.positions import hf_inv_freq
+from golden.specification.positions import hf_inv_freq, rope_axes
 from golden.reference.arithmetic import number, number_type, real
 from golden.specification.validate import rope_settings, rotary_dims
 
@@ -111,21 +111,29 @@ def rope_angles(positions, head_dim, theta, rope_parameters=None, partial_rotary
     return positions[..., None] * f
 
 
-def rope_cos_sin(settings, head_dim, positions):
+def rope_cos_sin(settings, head_dim, positions, multi=False):
     """(cos, sin) (..., L, rd/2) times the attention factor, for integer ``positions``
     (..., L): exact (or float64), or with settings' precision "hf" Hugging Face's float32
     arithmetic (golden.specification.positions.hf_inv_freq in NumPy float32; np.cos in float32 is
-    NumPy's, whose last bit depends on the CPU: no fixture uses it)."""
+    NumPy's, whose last bit depends on the CPU: no fixture uses it). ``multi``: ``positions``
+    are (3, ..., L), one row per axis of a multimodal RoPE, and pair i takes the cos and sin of
+    its axis's position (golden.specification.positions.rope_axes)."""
     rd = rotary_dims(head_dim, settings)
     seq_len = int(np.max(positions)) + 1
     if dict(settings)["precision"] == "hf":
         inv, m = hf_inv_freq(settings, rd, lambda v: np.asarray(v, np.float32), seq_len)
         angles = np.asarray(positions, np.float32)[..., None] * inv
-        return tuple(real((t(angles) * np.float32(m)).astype(np.float64)) for t in (np.cos,
-                                                                                   np.sin))
-    f, m = rope_frequencies(settings, rd, seq_len)
-    angles = positions[..., None] * f
-    return m * np.cos(angles), m * np.sin(angles)
+        cos, sin = (real((t(angles) * np.float32(m)).astype(np.float64)) for t in (np.cos,
+                                                                                  np.sin))
+    else:
+        f, m = rope_frequencies(settings, rd, seq_len)
+        angles = positions[..., None] * f
+        cos, sin = m * np.cos(angles), m * np.sin(angles)
+    if multi:  # pair i's values from axis a(i): picked, (3, ..., L, rd/2) -> (..., L, rd/2)
+        pick = rope_axes(settings, rd)
+        cos, sin = (t[pick, ..., np.arange(rd // 2)] for t in (cos, sin))  # (rd/2, ..., L)
+        cos, sin = (np.moveaxis(t, 0, -1) for t in (cos, sin))
+    return cos, sin
 
 
 def turn(x, cos, sin, interleaved):

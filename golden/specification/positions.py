@@ -247,6 +247,40 @@ def rope_cos_sin(tables, positions):
     return cos_hi * cos_lo - sin_hi * sin_lo, sin_hi * cos_lo + cos_hi * sin_lo
 
 
+def rope_axes(settings, rd):
+    """(rd/2,) int: the axis of multimodal positions (3, ..., L) whose position turns each pair,
+    None for a 1-D RoPE. Hugging Face's two layouts of ``mrope_section`` (s_t, s_h, s_w), which
+    sums to rd/2:
+        chunked (Qwen2-VL, GLM-4V)   pairs 0 … s_t − 1 the temporal axis, the next s_h the
+                                     height, the last s_w the width
+        interleaved (Qwen3-VL,       pair j the height if j ≡ 1 (mod 3) and j < 3 s_h, the width
+        mrope_interleaved=True)      if j ≡ 2 (mod 3) and j < 3 s_w, else the temporal axis
+    The pairing (rotate-half or interleaved features) is another setting: the map is by pair."""
+    s = dict(settings) if settings is not None else {}
+    section = s.get("mrope_section")
+    if section is None:
+        return None
+    pair = np.arange(rd // 2)
+    if not s.get("mrope_interleaved", False):
+        return np.repeat(np.arange(len(section)), section)
+    axes = np.zeros(rd // 2, dtype=np.int64)
+    for axis in (1, 2):
+        axes[(pair % 3 == axis) & (pair < 3 * section[axis])] = axis
+    return axes
+
+
+def mix_axes(values, axes, array):
+    """(..., L, rd/2) from ``values`` (A, ..., L, rd/2), the cos or sin of each axis's
+    positions: pair j from axis axes[j] (rope_axes), by products with 0 and 1 and a sum over A
+    whose other terms are zeros (exact: the same values, only −0 may become +0). ``array``
+    makes the framework's array of the one-hot map in values' dtype. The same code for torch,
+    JAX and NumPy."""
+    count = values.shape[0]
+    onehot = (np.arange(count)[:, None] == np.asarray(axes)[None, :])  # (A, rd/2)
+    onehot = array(onehot.reshape((count,) + (1,) * (len(values.shape) - 2) + onehot.shape[1:]))
+    return (values * onehot).sum(0)
+
+
 def rope_turn(x, cos, sin, interleaved, *, stack, concat):
     """The first rd = 2 · cos.shape[-1] features of x (..., L, Dh) turned pair by pair, (a, b)
     -> (a cos − b sin, b cos + a sin), the pairs (i, i + rd/2) ("rotate half") or, with

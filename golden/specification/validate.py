@@ -207,14 +207,44 @@ def check_rotary(x, theta, rope_parameters=None, partial_rotary_factor=1.0, prec
         _expect_array("positions", positions)
         lead, length = tuple(x.shape[:-2]), x.shape[-2]
         shape = tuple(positions.shape)
-        fits = shape[-1:] == (length,) and (
-            len(shape) == 1 or (len(lead) == 2 and shape == (lead[0], length))
-            or _broadcasts(shape, lead + (length,)))
+        axes = multi_axis(settings, positions, x.shape)
+        fits = _positions_fit(shape[1:] if axes else shape, lead, length)
         if not fits or dtype_name(positions.dtype) not in ("int32", "int64", "int16", "uint8"):
-            raise ValueError(f"positions should be integers shaped (L,), (B, L) or (..., L) "
-                             f"against x's {lead + (length, x.shape[-1])} (L = {length}), got "
+            forms = "(L,), (B, L) or (..., L)"
+            if settings is not None and "mrope_section" in dict(settings):
+                forms += f", or ({MROPE_AXES}, ...) of these (multimodal RoPE)"
+            raise ValueError(f"positions should be integers shaped {forms} against x's "
+                             f"{lead + (length, x.shape[-1])} (L = {length}), got "
                              f"{dtype_name(positions.dtype)} {shape}")
     return settings
+
+
+def _positions_fit(shape, lead, length) -> bool:
+    """Whether one axis's positions ``shape`` fits x's (lead..., L, Dh): (L,), (B, L) against
+    (B, H, L, Dh), or broadcasting to (lead..., L)."""
+    return shape[-1:] == (length,) and (
+        len(shape) == 1 or (len(lead) == 2 and shape == (lead[0], length))
+        or _broadcasts(shape, lead + (length,)))
+
+
+def multi_axis(settings, positions, x_shape) -> bool:
+    """Whether ``positions`` (an array) holds one row per axis of a multimodal RoPE against x of
+    ``x_shape`` (..., L, Dh): the settings have mrope_section and the positions a leading axis
+    of MROPE_AXES over one axis's form ((L,), (B, L), (..., L)). Without that axis (text only)
+    every axis is the token's position. ValueError when both readings fit (positions (3, L)
+    against x (3, H, L, Dh): three rows' positions, or one row's three axes?)."""
+    shape = tuple(positions.shape)
+    if settings is None or "mrope_section" not in dict(settings) or len(shape) < 2 \
+            or shape[0] != MROPE_AXES:
+        return False
+    lead, length = tuple(x_shape[:-2]), x_shape[-2]
+    if len(lead) == 2 and shape[1:] == (lead[0], length):
+        return True  # Hugging Face's (3, B, L) against (B, H, L, Dh)
+    if _positions_fit(shape, lead, length) and _positions_fit(shape[1:], lead, length):
+        raise ValueError(f"positions {shape} against x {tuple(x_shape)} with mrope_section are "
+                         f"ambiguous: give ({MROPE_AXES}, B, L) for each axis's positions, or "
+                         f"one row's positions repeated on a leading axis of {MROPE_AXES}")
+    return _positions_fit(shape[1:], lead, length)
 
 
 def _broadcasts(shape, target) -> bool:
@@ -242,6 +272,12 @@ ROPE_TYPES = {
                  {"factor": None, "attention_factor": None}),
 }
 ROPE_PRECISIONS = ("exact", "hf")
+# Multimodal RoPE (Qwen2-VL's and Qwen3-VL's rope_parameters, any rope_type): positions of shape
+# (3, ..., L), one row per axis (temporal, height, width), each pair's angle read from one axis
+# (golden.specification.positions.rope_axes). Given only when present: a 1-D RoPE's settings
+# carry neither field.
+MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
+MROPE_AXES = 3
 
 
 def _rope_field(name, value) -> None:
@@ -257,6 +293,14 @@ def _rope_field(name, value) -> None:
                 and all(_real_number(v) and math.isfinite(v) and v > 0 for v in value)):
             raise ValueError(f"{where} should be a list of positive numbers (one per rotated "
                              f"pair), got {value!r}")
+    elif name == "mrope_section":
+        if not (isinstance(value, (list, tuple)) and len(value) == MROPE_AXES
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                        for v in value) and sum(value) > 0):
+            raise ValueError(f"{where} should be {MROPE_AXES} non-negative ints (the rotated "
+                             f"pairs of the temporal, height and width axes), got {value!r}")
+    elif name == "mrope_interleaved":
+        check_flags(**{where: value})
     elif name in ("mscale", "mscale_all_dim"):
         if value is not None and not (_real_number(value) and math.isfinite(value)):
             raise ValueError(f"{where} should be a number or None, got {value!r}")
@@ -283,7 +327,7 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
         raise ValueError(f"rope_parameters['rope_type'] should be one of "
                          f"{', '.join(ROPE_TYPES)}, got {kind!r}")
     required, optional = ROPE_TYPES[kind]
-    known = ("rope_theta", "partial_rotary_factor") + required + tuple(optional)
+    known = ("rope_theta", "partial_rotary_factor") + required + tuple(optional) + MROPE_FIELDS
     for name in given:
         if name not in known:
             raise ValueError(f"rope_parameters has an unknown field {name!r} for rope_type "
@@ -307,6 +351,9 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
     fields = {**optional, **given}
     for name, value in fields.items():
         _rope_field(name, value)
+    if "mrope_interleaved" in fields and "mrope_section" not in fields:
+        raise ValueError("rope_parameters['mrope_interleaved'] needs mrope_section (the pairs of "
+                         "each axis), got no mrope_section")
     if kind == "llama3" and not fields["high_freq_factor"] > fields["low_freq_factor"]:
         raise ValueError(f"rope_parameters['high_freq_factor'] should be greater than "
                          f"low_freq_factor = {fields['low_freq_factor']}, got "
@@ -353,6 +400,10 @@ def rotary_dims(head_dim, settings) -> int:
     if s["rope_type"] == "dynamic" and rd == 2:
         raise ValueError("the rotated width should be at least 4 for rope_type 'dynamic' "
                          "(θ' has the exponent rd / (rd − 2)), got 2")
+    if "mrope_section" in s and sum(s["mrope_section"]) != rd // 2:
+        raise ValueError(f"rope_parameters['mrope_section'] should sum to the rotated pairs rd / "
+                         f"2 = {rd // 2}, got {list(s['mrope_section'])} (sum "
+                         f"{sum(s['mrope_section'])})")
     for name in ("short_factor", "long_factor"):
         if name in s and len(s[name]) != rd // 2:
             raise ValueError(f"rope_parameters['{name}'] should have rd / 2 = {rd // 2} numbers "

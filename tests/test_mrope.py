@@ -1,0 +1,215 @@
+"""Multimodal RoPE (MRoPE) in the rotary embedding of both twins and the reference, against
+transformers' own text rotary embeddings: Qwen2-VL's chunked sections (rotate-half), Qwen3-VL's
+interleaved sections, GLM-4V's chunked sections on interleaved pairs of a partial slice.
+Positions (3, B, L) as Hugging Face's ``get_rope_index`` makes them: an image span whose height
+and width rows differ from the temporal one; with every axis equal, the 1-D RoPE.
+
+What is compared, and at which level (the levels of tests/test_rope_scaling.py):
+- ``precision="hf"``: HF's own float32 angles, cos and sin, recomposed per axis: the torch twin
+  equal to HF's bits (the same operations on the same machine), JAX at float32's level (1e-6);
+- exact mode (float64) against the reference: 1e-12 (the same angles, another order);
+- exact mode against HF's float64 model, whose angles are float32: 1e-6 of |x| at positions
+  below 16 (HF's angle p · f in float32 errs by about p · 2⁻²⁴ radians);
+- equal axes against the 1-D RoPE: bit for bit (the mixing multiplies by 1 and adds zeros).
+
+Shape legend: B batch, H heads, L tokens, Dh head width, rd rotated features.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from golden.reference import rotary as reference_rotary
+from golden.specification.positions import rope_axes
+from golden.specification.validate import rope_settings
+from jax_attn.rotary import rotary_embedding as jax_rotary
+from tests.helpers import fresh_rng
+from torch_attn.rotary import rotary_embedding as torch_rotary
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.glm4v import modeling_glm4v  # noqa: E402
+from transformers.models.qwen2_vl import modeling_qwen2_vl  # noqa: E402
+from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: E402
+
+B, H, L, DH, THETA = 2, 3, 11, 16, 100.0
+F32 = 1e-6
+EXACT = 1e-12
+NO_MROPE = {"mrope_section": None, "mrope_interleaved": None}  # the 1-D RoPE's settings
+
+# name: (HF's text config class, its rotary embedding, its apply_rotary_pos_emb, our
+# interleaved pairing, rope_parameters without θ)
+FAMILIES = {
+    "qwen2_vl": (transformers.Qwen2VLTextConfig, modeling_qwen2_vl.Qwen2VLRotaryEmbedding,
+                 modeling_qwen2_vl.apply_rotary_pos_emb, False,
+                 {"rope_type": "default", "mrope_section": [2, 3, 3]}),
+    "qwen3_vl": (transformers.Qwen3VLTextConfig, modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding,
+                 modeling_qwen3_vl.apply_rotary_pos_emb, False,
+                 {"rope_type": "default", "mrope_section": [4, 2, 2],
+                  "mrope_interleaved": True}),
+    "glm4v": (transformers.Glm4vTextConfig, modeling_glm4v.Glm4vTextRotaryEmbedding,
+              modeling_glm4v.apply_rotary_pos_emb, True,
+              {"rope_type": "default", "mrope_section": [1, 2, 1],
+               "partial_rotary_factor": 0.5}),
+}
+
+
+def image_positions():
+    """(3, B, L) int64: text 0 1 2, a 2 × 2 image at temporal position 3 (height 3 3 4 4, width
+    3 4 3 4), text again from 5 (HF's get_rope_index: after an image, the largest position + 1);
+    row 1 shifted by one (left padding of one token)."""
+    positions = np.broadcast_to(np.arange(L), (3, B, L)).copy()
+    positions[:, :, 3:7] = 3
+    positions[1, :, 3:7] += [0, 0, 1, 1]
+    positions[2, :, 3:7] += [0, 1, 0, 1]
+    positions[:, :, 7:] -= 2
+    positions[:, 1] += 1
+    return positions
+
+
+def _hf(name, q):
+    """HF's rotary embedding of q (B, H, L, Dh) at image_positions(), in q's dtype."""
+    config_class, embedding, apply, _, parameters = FAMILIES[name]
+    config = config_class(hidden_size=H * DH, num_attention_heads=H, num_key_value_heads=H,
+                          head_dim=DH, max_position_embeddings=64,
+                          rope_parameters={**parameters, "rope_theta": THETA})
+    cos, sin = embedding(config)(q, torch.from_numpy(image_positions()))
+    return apply(q, q, cos, sin)[0]
+
+
+def _ours(framework, name, q, positions=None, precision="exact", **change):
+    """Our rotary embedding of q (NumPy float64/float32) in ``framework``, as float64 NumPy."""
+    *_, interleaved, parameters = FAMILIES[name]
+    parameters = _changed(parameters, change)
+    positions = image_positions() if positions is None else positions
+    kw = dict(theta=THETA, interleaved=interleaved, rope_parameters=parameters,
+              precision=precision)
+    if framework == "torch":
+        out = torch_rotary(torch.from_numpy(q), positions=torch.from_numpy(positions), **kw)
+        return out.double().numpy()
+    with jax.enable_x64(q.dtype == np.float64):
+        return np.asarray(jax_rotary(jnp.asarray(q), positions=jnp.asarray(positions), **kw),
+                          np.float64)
+
+
+def _reference(name, q, positions=None, **change):
+    """The reference's rotary embedding of q at positions (3, B, L), float64."""
+    *_, interleaved, parameters = FAMILIES[name]
+    settings = rope_settings(THETA, _changed(parameters, change))
+    positions = image_positions() if positions is None else positions
+    cos, sin = reference_rotary.rope_cos_sin(settings, DH, positions[..., None, :],
+                                             multi=positions.ndim == 3)  # ([3,] B, 1, L)
+    return reference_rotary.turn(q.astype(np.float64), cos, sin, interleaved)
+
+
+def _changed(parameters, change):
+    """rope_parameters with ``change`` applied, a field changed to None removed."""
+    return {k: v for k, v in {**parameters, **change}.items() if v is not None}
+
+
+def _q(dtype):
+    rng, seed = fresh_rng()
+    return rng.standard_normal((B, H, L, DH)).astype(dtype), seed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_hf_precision_reproduces_hfs_own_recomposition(name, dtype):
+    q, seed = _q(dtype)
+    expected = _hf(name, torch.from_numpy(q)).double().numpy()
+    np.testing.assert_array_equal(_ours("torch", name, q, precision="hf"), expected,
+                                  err_msg=f"torch, seed {seed}")
+    np.testing.assert_allclose(_ours("jax", name, q, precision="hf"), expected, rtol=0,
+                               atol=F32 * np.abs(q).max(), err_msg=f"jax, seed {seed}")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_exact_mode_equals_the_reference_and_hf_at_its_float32_angles(name):
+    q, seed = _q("float64")
+    reference = _reference(name, q)
+    for framework in ("torch", "jax"):
+        np.testing.assert_allclose(_ours(framework, name, q), reference, rtol=0, atol=EXACT,
+                                   err_msg=f"{framework}, seed {seed}")
+    hf = _hf(name, torch.from_numpy(q)).numpy()
+    np.testing.assert_allclose(reference, hf, rtol=0, atol=F32 * np.abs(q).max(),
+                               err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_equal_axes_are_the_one_dimensional_rope(name):
+    """Every axis at the token's position (text only) equals the 1-D RoPE bit for bit, and so
+    do positions of one axis (B, L) with the MRoPE settings."""
+    q, seed = _q("float64")
+    text = np.broadcast_to(np.arange(L) + np.arange(B)[:, None], (B, L)).copy()  # (B, L)
+    equal = np.broadcast_to(text, (3, B, L)).copy()
+    for framework in ("torch", "jax"):
+        one_d = _ours(framework, name, q, positions=text, **NO_MROPE)
+        np.testing.assert_array_equal(_ours(framework, name, q, positions=equal), one_d,
+                                      err_msg=f"{framework}, seed {seed}")
+        np.testing.assert_array_equal(_ours(framework, name, q, positions=text), one_d,
+                                      err_msg=f"{framework}, seed {seed}")
+    np.testing.assert_array_equal(_reference(name, q, positions=equal),
+                                  _reference(name, q, positions=text, **NO_MROPE))
+
+
+def test_each_layout_is_its_own():
+    """The axis maps as Hugging Face lays them out (hand-derived from its recomposition), and
+    swapping the layout moves the output by far more than the bound."""
+    chunked = dict(rope_settings(THETA, {"mrope_section": [2, 3, 3]}))
+    assert rope_axes(chunked, 16).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    interleaved = rope_settings(THETA, {"mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    assert rope_axes(interleaved, 16).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    assert rope_axes(rope_settings(THETA), 16) is None
+    q, seed = _q("float64")
+    moved = np.abs(_ours("torch", "qwen3_vl", q)
+                   - _ours("torch", "qwen3_vl", q, mrope_interleaved=False)).max()
+    assert moved > 1e3 * F32 * np.abs(q).max(), f"seed {seed}"
+
+
+def test_jax_under_jit_with_traced_positions():
+    q, seed = _q("float32")
+    *_, interleaved, parameters = FAMILIES["qwen2_vl"]
+    run = jax.jit(lambda x, p: jax_rotary(x, theta=THETA, positions=p, max_position=16,
+                                          rope_parameters=parameters))
+    # One compiled program may contract products into fused multiply-adds where the eager
+    # operations round each: float32's level, not bit equality.
+    np.testing.assert_allclose(np.asarray(run(jnp.asarray(q), jnp.asarray(image_positions()))),
+                               _ours("jax", "qwen2_vl", q), rtol=0, atol=F32 * np.abs(q).max(),
+                               err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("change, positions, message", [
+    ({"mrope_section": [2, 3]}, None, r"mrope_section'\] should be 3 non-negative ints"),
+    ({"mrope_section": [2, 3, -1]}, None, r"mrope_section'\] should be 3 non-negative ints"),
+    ({"mrope_section": [2, 3, 4]}, None, r"should sum to the rotated pairs rd / 2 = 8, got "
+                                         r"\[2, 3, 4\] \(sum 9\)"),
+    ({"mrope_interleaved": "yes"}, None, r"mrope_interleaved'\] should be True or False"),
+    ({"mrope_section": None, "mrope_interleaved": True}, None,
+     r"mrope_interleaved'\] needs mrope_section"),
+    ({}, np.zeros((4, B, L), np.int64), r"positions should be integers shaped .*multimodal"),
+    ({}, np.zeros((3, L), np.int64)[None].repeat(3, 0)[:, :, None],
+     r"positions should be integers shaped"),
+])
+def test_bad_settings_and_positions_name_the_field(framework, change, positions, message):
+    q, _ = _q("float64")
+    parameters = _changed(FAMILIES["qwen2_vl"][-1], change)
+    positions = image_positions() if positions is None else positions
+    with pytest.raises(ValueError, match=message):
+        if framework == "torch":
+            torch_rotary(torch.from_numpy(q), theta=THETA, positions=torch.from_numpy(positions),
+                         rope_parameters=parameters)
+        else:
+            jax_rotary(jnp.asarray(q), theta=THETA, positions=jnp.asarray(positions),
+                       rope_parameters=parameters)
+
+
+def test_ambiguous_positions_are_refused():
+    """(3, L) against x (3, H, L, Dh): three rows' positions, or one row's three axes?"""
+    x = torch.zeros(3, H, L, DH)
+    with pytest.raises(ValueError, match=r"ambiguous: give \(3, B, L\)"):
+        torch_rotary(x, theta=THETA, positions=torch.zeros(3, L, dtype=torch.int64),
+                     rope_parameters=FAMILIES["qwen2_vl"][-1])
