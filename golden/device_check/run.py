@@ -126,7 +126,14 @@ def environment(command: list[str]) -> dict:
     env["gpu"] = _guarded(_gpu)
     env["nvidia_smi"] = _guarded(_nvidia_smi)
     env["git_commit"] = _guarded(_git_commit)
+    env["jax_environment_info"] = _guarded(_jax_info)
     return env
+
+
+def _jax_info() -> list[str]:
+    import jax
+
+    return jax.print_environment_info(return_string=True).splitlines()
 
 
 def _guarded(fn):
