@@ -28,7 +28,7 @@ from golden.device_check.plan import (
 )
 from golden.specification.fixture import write_atomic
 
-__all__ = ["ROOT", "PREALLOCATE", "main", "gpu_refusal", "environment"]
+__all__ = ["ROOT", "PREALLOCATE", "GPU_PACKAGES", "main", "gpu_refusal", "environment"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the source tree: golden/, tests/
 # JAX and torch share the GPU in one process: JAX must not take 75 % of its memory at start.
@@ -123,6 +123,7 @@ def environment(command: list[str]) -> dict:
     env = {"command": command, "cwd": os.getcwd(), "source": str(ROOT),
            "python_executable": sys.executable, "host": platform.node(),
            PREALLOCATE: os.environ.get(PREALLOCATE), **versions()}
+    env["gpu_packages"] = {name: _installed(name) for name in GPU_PACKAGES}
     env["gpu"] = _guarded(_gpu)
     env["nvidia_smi"] = _guarded(_nvidia_smi)
     env["git_commit"] = _guarded(_git_commit)
@@ -134,6 +135,20 @@ def _jax_info() -> list[str]:
     import jax
 
     return jax.print_environment_info(return_string=True).splitlines()
+
+
+# The distributions behind JAX's and torch's GPU kernels (None where not installed).
+GPU_PACKAGES = ("jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+                "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "triton", "ml_dtypes")
+
+
+def _installed(name: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _guarded(fn):
