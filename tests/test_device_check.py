@@ -231,6 +231,25 @@ def test_a_phase_past_its_cap_is_stopped_and_recorded(tmp_path):
     assert record["last_line"] == "x"
 
 
+def test_inputs_that_cannot_be_made_are_each_cells_error(monkeypatch):
+    def fail(*args):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(timing, "_jax_inputs", fail)
+    grid = TimingGrid(1, 2, 16, (32,), "float32", impls=(Impl("jax", None),), steady_s=0.0)
+    report = timing.run_timing(grid, deadline=time.perf_counter() + 60, device="cpu",
+                               log=lambda line: None)
+    assert {(r["status"], r["reason"]) for r in report["rows"]} == {
+        ("error", "making the inputs: MemoryError: no room")}
+
+
+def test_sigterm_ends_the_run_as_an_exit():
+    """The handler device-check installs: SIGTERM unwinds (phases stopped, env.json written)."""
+    with pytest.raises(SystemExit) as exit_:
+        run._terminated(15, None)
+    assert exit_.value.code == 143
+
+
 def test_a_timing_phase_writes_its_files(tmp_path):
     """The run past the GPU refusal, timing alone at a tiny size: env.json, progress.log,
     timing.json and timing.md, and exit status 0 (torch's cells skipped: no CUDA here)."""

@@ -76,8 +76,11 @@ def _phase_subprocess(name, command, output: Path, cap_s: float, log):
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     log(f"phase {name}: {shlex.join(command)} > {output} (stopped at {cap_s:.0f} s)")
     handle = open(output, "w", encoding="utf-8")  # noqa: SIM115 - closed in _wait
+    # A process group of its own (in this session, so that whatever ends this run's session
+    # ends it too), which _stop ends whole: pytest's or check's own subprocesses included.
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT, **group)
     return {"name": name, "process": process, "handle": handle, "start": time.perf_counter(),
             "cap_s": cap_s, "output": output}
 
@@ -90,11 +93,7 @@ def _wait(job, log) -> dict:
         process.wait(timeout=max(0.0, job["start"] + job["cap_s"] - time.perf_counter()))
     except subprocess.TimeoutExpired:
         timed_out = True
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the group this run started, and only it
-        except ProcessLookupError:
-            pass
-        process.wait()
+        _stop(process)
     job["handle"].close()
     seconds = time.perf_counter() - job["start"]
     last = _last_line(job["output"])
@@ -106,6 +105,15 @@ def _wait(job, log) -> dict:
     log(f"phase {job['name']}: {'passed' if ok else 'FAILED (' + why + ')'} in {seconds:.0f} s"
         f"{': ' + last if last else ''}")
     return record
+
+
+def _stop(process) -> None:
+    """End a phase's process group (the group this run started, and only it)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _last_line(path: Path) -> str:
@@ -209,11 +217,19 @@ def main(args, argv=None) -> int:
     out = out.absolute()  # the phases' processes run from the source tree
     out.mkdir(parents=True, exist_ok=True)
     log = _log_for(out)
+    # SIGTERM (a `timeout`, a lease ending) as an exit: the phases' processes are ended and
+    # env.json written on the way out.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return _run(phases, grid, out, args.budget, log,
                     ["attn-parity", "device-check", *(sys.argv[1:] if argv is None else argv)])
     finally:
+        signal.signal(signal.SIGTERM, previous)
         log.close()
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _log_for(out: Path) -> _Log:
@@ -225,22 +241,27 @@ def _log_for(out: Path) -> _Log:
 def _run(phases, grid, out, budget_s, log, command) -> int:
     start = time.perf_counter()
     deadline = start + budget_s
-    env = {"phases": {}, "budget_s": budget_s, **environment(command)}
     log(f"attn-parity device-check: {', '.join(phases)}; budget {budget_s:.0f} s; into {out}/")
-    log(f"GPU: {env['gpu']}")
-    _write_json(out / "env.json", env)
-    python = sys.executable
-    jobs = [_phase_subprocess(name, make(python, out), out / output,
+    jobs = [_phase_subprocess(name, make(sys.executable, out), out / output,
                               min(CAPS_S[name], budget_s), log)
             for name, make, output in (("check", check_command, "check_jax.txt"),
                                        ("tests", tests_command, "tests.log")) if name in phases]
-    for job in jobs:
-        env["phases"][job["name"]] = _wait(job, log)
+    env = {"phases": {}, "budget_s": budget_s}
+    try:
+        env.update(environment(command))  # while the phases' processes run
+        log(f"GPU: {env['gpu']}")
         _write_json(out / "env.json", env)
-    if "timing" in phases:
-        env["phases"]["timing"] = _timing(grid, out, deadline, log, env)
-    env["seconds"] = round(time.perf_counter() - start, 1)
-    _write_json(out / "env.json", env)
+        for job in jobs:
+            env["phases"][job["name"]] = _wait(job, log)
+            _write_json(out / "env.json", env)
+        if "timing" in phases:
+            env["phases"]["timing"] = _timing(grid, out, deadline, log, env)
+    finally:
+        for job in jobs:  # stopped early (an exception, SIGTERM): none outlives the run
+            if job["process"].poll() is None:
+                _stop(job["process"])
+        env["seconds"] = round(time.perf_counter() - start, 1)
+        _write_json(out / "env.json", env)
     failed = [name for name, record in env["phases"].items() if record["status"] != "pass"]
     written = [name for name in FILES if (out / name).exists()]
     log(f"done in {env['seconds']:.0f} s: {', '.join(written)} in {out}/"

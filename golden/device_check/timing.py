@@ -312,7 +312,7 @@ def run_timing(grid: TimingGrid, *, deadline: float, log=print, save=None, devic
     if torch is None:
         log(f"  timing: torch cells skipped: {no_torch}")
     cells = grid.cells()
-    inputs, length = {}, None
+    inputs, length, failed = None, None, None
     for i, cell in enumerate(cells):
         now = time.perf_counter()
         if now > deadline:
@@ -320,11 +320,16 @@ def run_timing(grid: TimingGrid, *, deadline: float, log=print, save=None, devic
                    "reason": "past the run's budget (--budget)"}
         else:
             if cell.length != length:
-                inputs, length = _inputs(grid, cell.length, seed, torch, torch_device), cell.length
+                inputs, length = None, cell.length  # the last length's arrays freed first
+                try:
+                    inputs, failed = _inputs(grid, cell.length, seed, torch, torch_device), None
+                except Exception as e:  # noqa: BLE001 - this length's cells say why
+                    failed = f"making the inputs: {_reason(e)}"
             steady = min(grid.steady_s, max(0.0, (deadline - now) / (len(cells) - i)
                                              - CELL_OVERHEAD_S))
-            row = time_cell(cell, grid, inputs, steady_s=steady, platform=platform, torch=torch,
-                            device=torch_device, no_torch=no_torch)
+            row = {**_row(cell, grid), "status": "error", "reason": failed} if failed else (
+                time_cell(cell, grid, inputs, steady_s=steady, platform=platform, torch=torch,
+                          device=torch_device, no_torch=no_torch))
         report["rows"].append(row)
         _group_ratios(report["rows"])
         log(f"  [{i + 1}/{len(cells)}] {_line(row)}")
