@@ -177,6 +177,9 @@ def test_measure_counts_its_calls():
     assert len(calls) == 2 + timing.SAMPLES_LEAST * timing.INNER_MOST
     assert len(syncs) == 2 + timing.SAMPLES_LEAST
     assert 0 <= got["min_ms"] <= got["median_ms"]
+    late = timing.measure(lambda: None, lambda r: None, steady_s=1.0,
+                          deadline=time.perf_counter() - 1)
+    assert late["samples"] == 1  # past the budget: one sample, not the least three
 
 
 TINY = TimingGrid(batch=1, heads=2, width=16, lengths=(32,), dtype="float32", steady_s=0.01,

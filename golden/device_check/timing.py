@@ -11,7 +11,8 @@ call timed apart; then a warm call, and samples of k back-to-back calls ended by
 synchronisation (``jax.block_until_ready``, ``torch.cuda.synchronize``), k chosen so that a
 sample lasts about SAMPLE_S (a launch's overhead is then a small part), as many samples as fit
 the cell's steady time (at least SAMPLES_LEAST, 2 for a call of SLOW_S or more, at most
-SAMPLES_MOST); the cell's time is the median sample ÷ k.
+SAMPLES_MOST; fewer, down to one, where they would run past the budget); the cell's time is
+the median sample ÷ k.
 
 Shape legend: B batch, H heads, L sequence length, D head width; JAX's and torch's arrays are
 (B, H, L, D), jax.nn's (B, L, H, D), transposed once outside the timing.
@@ -53,14 +54,17 @@ def _timed(call, sync) -> float:
     return time.perf_counter() - start
 
 
-def measure(call, sync, steady_s: float) -> dict:
+def measure(call, sync, steady_s: float, deadline: float | None = None) -> dict:
     """A first call and a warm one, then samples of k back-to-back calls, each sample ended
-    by ``sync(result)``; the median and least sample ÷ k, in ms."""
+    by ``sync(result)``; the median and least sample ÷ k, in ms. Fewer samples (one at least)
+    where the least would run past ``deadline`` (a time.perf_counter() value)."""
     first = _timed(call, sync)
     warm = _timed(call, sync)
     inner = max(1, min(INNER_MOST, math.ceil(SAMPLE_S / max(warm, 1e-9))))
     least = 2 if warm >= SLOW_S else SAMPLES_LEAST
     count = max(least, min(SAMPLES_MOST, round(steady_s / max(warm * inner, 1e-9))))
+    if deadline is not None:
+        count = max(1, min(count, int((deadline - time.perf_counter()) / (warm * inner))))
     times = []
     for _ in range(count):
         start = time.perf_counter()
@@ -136,7 +140,7 @@ def _jax_free() -> int | None:
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
-def _jax_cell(cell, grid, inputs, row, steady_s, platform):
+def _jax_cell(cell, grid, inputs, row, steady_s, platform, deadline):
     import jax
 
     from golden.specification.implementations import names, record
@@ -162,7 +166,8 @@ def _jax_cell(cell, grid, inputs, row, steady_s, platform):
     start = time.perf_counter()
     compiled = lowered.compile()
     row["compile_s"] = time.perf_counter() - start
-    return {**row, **measure(lambda: compiled(*args), jax.block_until_ready, steady_s)}
+    return {**row, **measure(lambda: compiled(*args), jax.block_until_ready, steady_s,
+                             deadline)}
 
 
 def _memory_row(row, needed, free):
@@ -206,7 +211,7 @@ def _torch_call(torch, cell: Cell, qkv):
     return forward
 
 
-def _torch_cell(torch, cell, grid, qkv, row, steady_s, device):
+def _torch_cell(torch, cell, grid, qkv, row, steady_s, device, deadline):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     needed = memory_bytes(cell.impl.name, grid.batch, grid.heads, cell.length, grid.width,
@@ -221,7 +226,7 @@ def _torch_cell(torch, cell, grid, qkv, row, steady_s, device):
         with sdpa_kernel(backend), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                measured = measure(_torch_call(torch, cell, qkv), sync, steady_s)
+                measured = measure(_torch_call(torch, cell, qkv), sync, steady_s, deadline)
             except RuntimeError as e:
                 if not any(x in str(e) for x in NO_KERNEL):
                     raise
@@ -260,7 +265,8 @@ def _row(cell: Cell, grid: TimingGrid) -> dict:
 
 
 def time_cell(cell: Cell, grid: TimingGrid, inputs: dict, *, steady_s: float, platform: str,
-              torch=None, device=None, no_torch: str = "torch is not loaded") -> dict:
+              torch=None, device=None, no_torch: str = "torch is not loaded",
+              deadline: float | None = None) -> dict:
     """One cell's row; every failure is the row's status and reason ("refused", "skipped",
     "error"), never raised (a KeyboardInterrupt aside). A torch cell needs ``torch`` and its
     ``device``; without them it is skipped, ``no_torch`` its reason."""
@@ -269,9 +275,10 @@ def time_cell(cell: Cell, grid: TimingGrid, inputs: dict, *, steady_s: float, pl
         if cell.impl.framework == "torch":
             if torch is None:
                 return {**row, "status": "skipped", "reason": no_torch}
-            done = _torch_cell(torch, cell, grid, inputs["torch"], row, steady_s, device)
+            done = _torch_cell(torch, cell, grid, inputs["torch"], row, steady_s, device,
+                               deadline)
         else:
-            done = _jax_cell(cell, grid, inputs, row, steady_s, platform)
+            done = _jax_cell(cell, grid, inputs, row, steady_s, platform, deadline)
     except Exception as e:  # noqa: BLE001 - one cell never ends the run
         return {**row, "status": "error", "reason": _reason(e)}
     if done.get("status") is None:
@@ -329,7 +336,7 @@ def run_timing(grid: TimingGrid, *, deadline: float, log=print, save=None, devic
                                              - CELL_OVERHEAD_S))
             row = {**_row(cell, grid), "status": "error", "reason": failed} if failed else (
                 time_cell(cell, grid, inputs, steady_s=steady, platform=platform, torch=torch,
-                          device=torch_device, no_torch=no_torch))
+                          device=torch_device, no_torch=no_torch, deadline=deadline))
         report["rows"].append(row)
         _group_ratios(report["rows"])
         log(f"  [{i + 1}/{len(cells)}] {_line(row)}")
