@@ -159,7 +159,7 @@ def test_the_memory_rule():
     needed = plan.memory_bytes("explicit", 4, 16, 16384, 128, backward=False)
     assert plan.memory_skip(needed, 80 * GIB) == (
         "needs about 129.0 GiB (estimate), more than 90% of the 80.0 GiB free")
-    assert plan.memory_skip(needed, 139 * GIB) is not None  # an H200 cannot either
+    assert plan.memory_skip(needed, 139 * GIB) is not None  # nor an H200's whole memory
     assert plan.memory_skip(plan.memory_bytes("blockwise", 4, 16, 16384, 128, backward=True),
                             80 * GIB) is None
     assert plan.memory_skip(90, 100) is None and plan.memory_skip(91, 100) is not None
