@@ -1,5 +1,5 @@
 """The ``attn-parity`` command: ``check``, ``compare``, ``hf``, ``fixtures``,
-``regenerate [--check]``, ``bench``.
+``regenerate [--check]``, ``bench``, ``device-check``.
 
 User errors (a bad ``--impl``, a missing file) get a one-line message and exit status 2.
 """
@@ -85,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
     hf_arguments(hf)
     sub.add_parser("bench", add_help=False,
                    help="time attention against the peers (attn-parity bench --help)")
+    device = sub.add_parser("device-check", help="on a lent GPU: the JAX twin over every "
+                                                 "fixture, the GPU tests and a bfloat16 timing "
+                                                 "grid, into one folder (docs/devices.md)")
+    from golden.device_check import add_arguments as device_arguments
+
+    device_arguments(device)
     return parser
 
 
@@ -109,6 +115,10 @@ def main(argv=None) -> int:
         from golden.compare import run_cli
 
         return run_cli(args, error_log=lambda line: print(line, file=sys.stderr))
+    if args.command == "device-check":
+        from golden.device_check.run import main as device_main
+
+        return device_main(args, argv)
     from golden.harness.regenerate import regenerate
 
     return 1 if regenerate(check=args.check) and args.check else 0

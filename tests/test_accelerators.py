@@ -29,6 +29,11 @@ from golden.specification.validate import window
 from jax_attn import accelerators, functional
 
 DKV = [n for n in golden.names() if n.startswith("sdpa_dkv_")]
+# What these tests pin down of a CPU (Pallas's interpret mode, float32 through Pallas, the
+# choice without accelerators, cuDNN refused there): on a GPU (attn-parity device-check runs
+# this file there) the same calls take the kernels, which test_the_kernels_on_a_gpu checks.
+ON_A_CPU = pytest.mark.skipif(jax.default_backend() != "cpu",
+                              reason="a CPU's behaviour (interpret mode, no accelerator)")
 
 
 # ---- "cudnn"'s mapping, through jax.nn's XLA path ----------------------------------------------
@@ -159,6 +164,7 @@ def test_on_a_gpu_cudnn_and_pallas_would_take_these_fixtures(monkeypatch):
             assert (pallas is None) == (f.name == "accel_causal_gqa"), f.name
 
 
+@ON_A_CPU
 def test_pallas_at_the_kernels_shapes_on_a_cpu():
     rows = _kernel_rows(_by_name("pallas"), "pallas (interpret)", ["float32", "bfloat16"])
     assert {k: r["status"] for k, r in rows.items()} == {
@@ -193,6 +199,7 @@ def _pallas(query, key, value, **keywords):
         raise
 
 
+@ON_A_CPU
 def test_pallas_in_interpret_mode_passes_the_fixtures_it_takes():
     rows = _rows("pallas")
     taken = {"sdpa_dkv_plain", "sdpa_dkv_causal_square", "sdpa_dkv_causal_rect",
@@ -204,6 +211,7 @@ def test_pallas_in_interpret_mode_passes_the_fixtures_it_takes():
     assert "takes no mask" in rows["sdpa_dkv_mask_bias", "float32"]["reason"]
 
 
+@ON_A_CPU
 def test_pallas_runs_past_one_block_and_records_its_name():
     """Lengths of two 128-row blocks, causal, GQA (H=4, Hkv=2): the kernel's online
     softmax across blocks against the core's "explicit" on the same float32 inputs."""
@@ -275,6 +283,7 @@ def test_pallas_refusals(change, reason):
     assert reason in accelerators.pallas_refuses(GPU_BF16._replace(**change))
 
 
+@ON_A_CPU
 def test_cudnn_by_name_on_a_cpu_raises_its_reason():
     q = jnp.ones((2, 3, 5, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"implementation='cudnn' cannot run this call: cuDNN "
@@ -302,6 +311,7 @@ def _portable(q_shape, k_shape):
     return ("blockwise", "explicit") if big else ("explicit", "blockwise")
 
 
+@ON_A_CPU
 def test_the_choice_on_a_cpu_is_the_portable_one_for_every_core_fixture():
     """Every core fixture, at every dtype it has: the choice on this CPU never names an
     accelerator, and selects what the portable order alone selects."""
@@ -349,6 +359,7 @@ def test_cudnn_head_width_by_compute_capability(capability, widest, monkeypatch)
         widths=(widest + 8, widest + 8)))
 
 
+@ON_A_CPU
 def test_without_a_cuda_gpu_cudnn_refuses_a_gpu_call():
     """This machine has no GPU: a call claiming one is refused, not run."""
     assert accelerators.cuda_head_max() is None

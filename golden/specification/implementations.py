@@ -82,6 +82,11 @@ class Registry:
     def __getitem__(self, name) -> Implementation:
         return self._by_name[name]
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every implementation's name, in the order registered."""
+        return tuple(self._by_name)
+
     def refuses(self, name: str, asked: Asked) -> str | None:
         """Why implementation ``name`` cannot honour ``asked`` (None: it can)."""
         return self.named(name).refuses(asked)
