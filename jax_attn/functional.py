@@ -95,8 +95,8 @@ def scaled_dot_product_attention(
       Dk = Dv, is_causal and scale only; compiled on a GPU (float16, bfloat16), Pallas's
       interpret mode on a CPU.
     - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
-      (L > 1024 for Lq = Lk), else "explicit" first, and on a GPU "cudnn" then "pallas"
-      before both; the first that takes the call runs it. "explicit" chosen so, without the
+      (L > 1024 for Lq = Lk; on a GPU GPU_BLOCKWISE_ABOVE = 2²⁴, L > 4096), else "explicit"
+      first, and on a GPU "cudnn" then "pallas" before both; the first that takes the call runs it. "explicit" chosen so, without the
       weights and forming more than SPLIT_ABOVE = 2²² scores over all heads (B·H·Lq·Lk, or
       what its causal, window or chunk tiles cover), is differentiated with blockwise's
       backward from the statistics its forward saves (explicit.attend_split; record() then
@@ -107,7 +107,7 @@ def scaled_dot_product_attention(
       record() names that one, and, when the call is differentiated, the forward and
       backward that ran instead. Its blockwise takes blocks of CAUSAL_BLOCK_SIZES = (512,
       512) for a causal call without other extras up to Lq·Lk = 2²⁴ (``none_blocks``). The
-      measurements (CPU): docs/performance.md; the GPU rows are unmeasured.
+      measurements: docs/performance.md (a CPU's; a GPU's, an H200's, in its "GPU" section).
     ``golden.specification.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
     explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
@@ -330,6 +330,13 @@ def heads_per_step(q_shape, k_shape):
 # docs/performance.md, "Why the thresholds are where they are". Below it, explicit's forward is
 # differentiated with blockwise's backward (_split_passes).
 BLOCKWISE_ABOVE = 2**20
+# On a GPU, where the accelerators refuse a call (float32, soft-cap, sinks, ...), explicit first
+# up to Lq·Lk = 2²⁴: on an H200 at L = 4096 (B4 H16 D128 bfloat16) explicit ran 3.6-5.5× faster
+# forward and 1.9-2.0× forward+backward than blockwise (docs/performance.md, "GPU"; at L = 16384
+# explicit's weights do not fit, and above 2²⁴ nothing between was measured). A differentiated
+# call there runs explicit's forward with blockwise's backward (_split_passes), not measured on
+# a GPU as such: its forward is the faster one, its backward blockwise's as before.
+GPU_BLOCKWISE_ABOVE = 2**24
 
 
 ACCELERATORS = ("cudnn", "pallas")  # preferred on a GPU, in this order
@@ -341,12 +348,13 @@ def choose(q_shape, k_shape, platform=None) -> tuple:
     accelerator kernels come first ("cudnn", then "pallas"), each taking only the calls it
     can (float16 and bfloat16, no weights, ...: their refusals), then the portable order; on
     a CPU or a TPU the portable order alone ("pallas" on a CPU is interpret mode: only when
-    asked for by name)."""
-    portable = (("blockwise", "explicit") if q_shape[-2] * k_shape[-2] > BLOCKWISE_ABOVE
+    asked for by name). The portable order: "blockwise" first above BLOCKWISE_ABOVE (a GPU:
+    GPU_BLOCKWISE_ABOVE) of one head's Lq·Lk, else "explicit" first."""
+    gpu = (platform or jax.default_backend()) == "gpu"
+    above = GPU_BLOCKWISE_ABOVE if gpu else BLOCKWISE_ABOVE
+    portable = (("blockwise", "explicit") if q_shape[-2] * k_shape[-2] > above
                 else ("explicit", "blockwise"))
-    if (platform or jax.default_backend()) == "gpu":
-        return ACCELERATORS + portable
-    return portable
+    return ACCELERATORS + portable if gpu else portable
 
 
 

@@ -273,3 +273,29 @@ def test_a_timing_phase_writes_its_files(tmp_path):
     assert [r["status"] for r in rows if r["impl"] == "torch cudnn"] == ["skipped"] * 4
     assert "torch sees no CUDA device" in rows[-1]["reason"]
     assert "phase timing: done" in (tmp_path / "progress.log").read_text()
+
+
+def test_explicits_slow_backward_compile_is_skipped_on_a_gpu_only():
+    """SLOW_COMPILE (measured on an H200: explicit's forward+backward compiled for 102 s at
+    L = 4096): skipped there with the reason, before anything is traced; its forward and a CPU
+    run are not."""
+    from golden.device_check.plan import SLOW_COMPILE, Cell
+
+    grid = TimingGrid(1, 2, 16, (4096,), "bfloat16")
+    slow = Cell(4096, True, True, Impl("jax", "explicit"))
+    row = timing.time_cell(slow, grid, {}, steady_s=0.0, platform="gpu")
+    assert (row["status"], row["reason"]) == (
+        "skipped", "its compile at L ≥ 4096 takes minutes (SLOW_COMPILE)")
+    assert SLOW_COMPILE == {("explicit", True): 4096}
+    forward = timing.time_cell(slow._replace(backward=False), grid, {}, steady_s=0.0,
+                               platform="gpu")
+    assert forward["status"] == "error"  # it went on to trace (no inputs given here)
+
+
+def test_the_command_line_recorded_is_the_one_given(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(run, "_run", lambda *a: seen.setdefault("command", a[-1]) and 0)
+    monkeypatch.setattr(run, "gpu_refusal", lambda: None)
+    argv = ["device-check", "--out", str(tmp_path), "--only", "timing"]
+    assert main(argv) == 0
+    assert seen["command"] == ["attn-parity", *argv]

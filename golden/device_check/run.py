@@ -222,7 +222,8 @@ def main(args, argv=None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return _run(phases, grid, out, args.budget, log,
-                    ["attn-parity", "device-check", *(sys.argv[1:] if argv is None else argv)])
+                    ["attn-parity", *(sys.argv[1:] if argv is None else argv)])  # argv: its
+        # subcommand first (device-check), as the command line gave it
     finally:
         signal.signal(signal.SIGTERM, previous)
         log.close()

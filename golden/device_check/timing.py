@@ -29,6 +29,7 @@ from functools import partial
 from golden.device_check.plan import (
     FLOPS_CONVENTION,
     MEMORY_FRACTION,
+    SLOW_COMPILE,
     Cell,
     TimingGrid,
     flops,
@@ -148,6 +149,10 @@ def _jax_cell(cell, grid, inputs, row, steady_s, platform, deadline):
     reason = _jax_refusal(cell, grid, platform)
     if reason:
         return {**row, "status": "refused", "reason": reason}
+    slow = SLOW_COMPILE.get((cell.impl.name, cell.backward))
+    if slow is not None and cell.length >= slow and platform == "gpu":
+        return {**row, "status": "skipped",
+                "reason": f"its compile at L ≥ {slow} takes minutes (SLOW_COMPILE)"}
     args = inputs[cell.impl.framework]
     try:
         with record() as ran:
