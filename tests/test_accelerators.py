@@ -172,7 +172,8 @@ def test_pallas_at_the_kernels_shapes_on_a_cpu():
         for c in KERNEL_CASES for d in ("float32", "bfloat16")}
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (attn-parity device-check runs it; passed on an H200, 2026-11-27)")
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (attn-parity "
+                    "device-check runs it; passed on an H200, 2026-11-27)")
 @pytest.mark.parametrize("implementation, taken", [
     ("cudnn", {c.name for c in KERNEL_CASES}), ("pallas", {"accel_causal_gqa"})])
 def test_the_kernels_on_a_gpu(implementation, taken):
