@@ -100,8 +100,8 @@ def scaled_dot_product_attention(
       runs it. "explicit" chosen so, without the weights and forming more than SPLIT_ABOVE =
       2²² scores over all heads (B·H·Lq·Lk, or what its causal, window or chunk tiles cover),
       is differentiated with blockwise's backward from the statistics its forward saves
-      (explicit.attend_split; record() then lists "blockwise" too); with fewer, by JAX. Where that split applies, or "blockwise" is
-      chosen, the forward that runs when the call is not differentiated is the faster of the
+      (explicit.attend_split; record() then lists "blockwise" too); with fewer, by JAX.
+      Where that split applies, or "blockwise" is chosen, the forward that runs when the call is not differentiated is the faster of the
       two measured for it (``forward_passes``: blockwise's for untiled float32 explicit from
       Lq·Lk = 2¹⁸, explicit's causal tiles for bfloat16 blockwise up to Lq·Lk = 2²²);
       record() names that one, and, when the call is differentiated, the forward and
