@@ -94,20 +94,20 @@ def scaled_dot_product_attention(
     - "pallas" (jax_attn.accelerators): the Pallas flash kernel (pallas.ops.gpu.attention),
       Dk = Dv, is_causal and scale only; compiled on a GPU (float16, bfloat16), Pallas's
       interpret mode on a CPU.
-    - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
-      (L > 1024 for Lq = Lk; on a GPU GPU_BLOCKWISE_ABOVE = 2²⁴, L > 4096), else "explicit"
-      first, and on a GPU "cudnn" then "pallas" before both; the first that takes the call
-      runs it. "explicit" chosen so, without the weights and forming more than SPLIT_ABOVE =
-      2²² scores over all heads (B·H·Lq·Lk, or what its causal, window or chunk tiles cover),
-      is differentiated with blockwise's backward from the statistics its forward saves
-      (explicit.attend_split; record() then lists "blockwise" too); with fewer, by JAX.
-      Where that split applies, or "blockwise" is chosen, the forward that runs when the call is not differentiated is the faster of the
-      two measured for it (``forward_passes``: blockwise's for untiled float32 explicit from
-      Lq·Lk = 2¹⁸, explicit's causal tiles for bfloat16 blockwise up to Lq·Lk = 2²²);
-      record() names that one, and, when the call is differentiated, the forward and
-      backward that ran instead. Its blockwise takes blocks of CAUSAL_BLOCK_SIZES = (512,
-      512) for a causal call without other extras up to Lq·Lk = 2²⁴ (``none_blocks``). The
-      measurements: docs/performance.md (a CPU's; a GPU's, an H200's, in its "GPU" section).
+    - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰ (L >
+      1024 for Lq = Lk; on a GPU GPU_BLOCKWISE_ABOVE = 2²⁴, L > 4096), else "explicit" first, and on
+      a GPU "cudnn" then "pallas" before both; the first that takes the call runs it. "explicit"
+      chosen so, without the weights and forming more than SPLIT_ABOVE = 2²² scores over all heads
+      (B·H·Lq·Lk, or what its causal, window or chunk tiles cover), is differentiated with
+      blockwise's backward from the statistics its forward saves (explicit.attend_split; record()
+      then lists "blockwise" too); with fewer, by JAX. Where that split applies, or "blockwise" is
+      chosen, the forward that runs when the call is not differentiated is the faster of the two
+      measured for it (``forward_passes``: blockwise's for untiled float32 explicit from Lq·Lk =
+      2¹⁸, explicit's causal tiles for bfloat16 blockwise up to Lq·Lk = 2²²); record() names that
+      one, and, when the call is differentiated, the forward and backward that ran instead. Its
+      blockwise takes blocks of CAUSAL_BLOCK_SIZES = (512, 512) for a causal call without other
+      extras up to Lq·Lk = 2²⁴ (``none_blocks``). The measurements: docs/performance.md (a CPU's; a
+      GPU's, an H200's, in its "GPU" section).
     ``golden.specification.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
     explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
