@@ -191,6 +191,13 @@ def test_unsupported_family_and_settings_are_named():
                                          r"= 'mrope' is not supported"):
         golden.convert.from_hf(config, {})
     rng, _ = fresh_rng()
+    # mrope_section under a 1-D family's default type: HF's Qwen2 ignores it, and so do we.
+    config, model = build_model(FAMILIES["qwen2"], rng)
+    config = dict(config.to_dict(), rope_parameters={
+        **config.to_dict()["rope_parameters"], "mrope_section": [1, 1, 1]})
+    kwargs = golden.convert.from_hf(config, state_dict(attention_of(FAMILIES["qwen2"], model,
+                                                                   0)))[1]
+    assert "mrope_section" not in kwargs.get("rope_parameters", {})
     config, model = build_model(FAMILIES["qwen3_next"], rng)
     with pytest.raises(ValueError, match=r"model_type 'qwen3_next': layer 0 is a "
                                          r"'linear_attention' layer"):

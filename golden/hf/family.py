@@ -187,7 +187,15 @@ def _rope(c, layer_type, mt) -> dict:
         rope["original_max_position_embeddings"] = int(source)
     if "partial_rotary_factor" not in rope and c.get("partial_rotary_factor") is not None:
         rope["partial_rotary_factor"] = c["partial_rotary_factor"]
+    for name in MROPE_FIELDS:  # read by HF's multimodal families only; none is one of these
+        rope.pop(name, None)
     return {"rope_parameters": rope}
+
+
+# Multimodal RoPE's fields (golden.specification.validate.MROPE_FIELDS): Hugging Face's 1-D
+# families (Qwen2's rotary embedding, say) ignore them where a config carries them, and so does
+# their conversion here.
+MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
 
 
 def variants_rope_types() -> tuple:
