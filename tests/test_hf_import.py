@@ -34,6 +34,7 @@ from tests.hf_harness import (  # noqa: E402
     BASE,
     EXACT,
     FLOAT32_LEVEL,
+    DH,
     B,
     Family,
     L,
@@ -109,6 +110,16 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 100.0,
                          "partial_rotary_factor": 0.67}), layers=(1,),
         float32="Qwen3NextRMSNorm"),
+    # The text towers of Qwen2-VL and Qwen3-VL, text only here (every axis the token's index,
+    # the 1-D RoPE: tests/test_mrope.py gives them images' positions).
+    "qwen2_vl_text": Family("Qwen2VLTextConfig", dict(  # head width D / N = 6 (HF's, always)
+        num_hidden_layers=1, hidden_size=4 * DH, rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                                              "mrope_section": [1, 1, 1]})),
+    "qwen3_vl_text": Family("Qwen3VLTextConfig", dict(
+        num_hidden_layers=1, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
+        float32="Qwen3VLTextRMSNorm"),
 }
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).
@@ -130,6 +141,9 @@ DISTINCT = {
     "llama4_text": [(0, {"attention_chunk_size": None}), (0, {"qk_norm": None}),
                     (1, {"query_temperature": None})],
     "qwen3_next": [(1, {"output_gate": False}), (1, {"partial_rotary_factor": 1.0})],
+    # Text only, MRoPE is the 1-D RoPE: its layouts are tests/test_mrope.py's.
+    "qwen2_vl_text": [(0, {"rope_parameters": {"rope_theta": 500.0}})],
+    "qwen3_vl_text": [(0, {"qk_norm": None})],
     "deepseek_v3": [(0, {"rope_interleaved": False}),
                     (0, {"rope_parameters": {"rope_theta": 500.0}})],
 }

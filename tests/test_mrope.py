@@ -2,7 +2,10 @@
 transformers' own text rotary embeddings: Qwen2-VL's chunked sections (rotate-half), Qwen3-VL's
 interleaved sections, GLM-4V's chunked sections on interleaved pairs of a partial slice.
 Positions (3, B, L) as Hugging Face's ``get_rope_index`` makes them: an image span whose height
-and width rows differ from the temporal one; with every axis equal, the 1-D RoPE.
+and width rows differ from the temporal one; with every axis equal, the 1-D RoPE. Then the
+attention layers of the text towers (``qwen2_vl_text``, ``qwen3_vl_text``, converted by
+``golden.convert.from_hf``) given an image's positions: forward, prefill and decode with (3, B, n)
+positions per call, and the input gradient, against HF's model given the same position ids.
 
 What is compared, and at which level (the levels of tests/test_rope_scaling.py):
 - ``precision="hf"``: HF's own float32 angles, cos and sin, recomposed per axis: the torch twin
@@ -23,17 +26,32 @@ import numpy as np
 import pytest
 import torch
 
+import golden.convert
 from golden.reference import rotary as reference_rotary
 from golden.specification.positions import rope_axes
 from golden.specification.validate import rope_settings
 from jax_attn.rotary import rotary_embedding as jax_rotary
-from tests.helpers import fresh_rng
+from tests.helpers import TWINS, fresh_rng
 from torch_attn.rotary import rotary_embedding as torch_rotary
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.glm4v import modeling_glm4v  # noqa: E402
 from transformers.models.qwen2_vl import modeling_qwen2_vl  # noqa: E402
 from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: E402
+from tests.hf_harness import (  # noqa: E402
+    BASE,
+    FLOAT32_LEVEL,
+    Family,
+    attention_of,
+    build_model,
+    captured,
+    rel,
+    state_dict,
+)
+from tests.hf_harness import EXACT as LAYER_EXACT  # noqa: E402
+from tests.hf_harness import B as HB  # noqa: E402
+from tests.hf_harness import DH as HDH  # noqa: E402
+from tests.hf_harness import L as HL  # noqa: E402
 
 B, H, L, DH, THETA = 2, 3, 11, 16, 100.0
 F32 = 1e-6
@@ -213,3 +231,132 @@ def test_ambiguous_positions_are_refused():
     with pytest.raises(ValueError, match=r"ambiguous: give \(3, B, L\)"):
         torch_rotary(x, theta=THETA, positions=torch.zeros(3, L, dtype=torch.int64),
                      rope_parameters=FAMILIES["qwen2_vl"][-1])
+
+
+# ---- the text towers' attention layers, with an image's positions -------------------------------
+
+TOWERS = {
+    "qwen2_vl_text": Family("Qwen2VLTextConfig", dict(
+        num_hidden_layers=1, hidden_size=4 * HDH,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [1, 1, 1]})),
+    "qwen3_vl_text": Family("Qwen3VLTextConfig", dict(
+        num_hidden_layers=1, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
+        float32="Qwen3VLTextRMSNorm"),
+}
+
+
+def tower_positions():
+    """(3, B, L) int64 for the towers' L tokens: text 0 1, a 2 × 2 image at temporal position
+    2 (height 2 2 3 3, width 2 3 2 3), text from 4; row 1 two positions on."""
+    positions = np.broadcast_to(np.arange(HL), (3, HB, HL)).copy()
+    positions[:, :, 2:6] = 2
+    positions[1, :, 2:6] += [0, 0, 1, 1]
+    positions[2, :, 2:6] += [0, 1, 0, 1]
+    positions[:, :, 6:] -= 2
+    positions[:, 1] += 2
+    return positions
+
+
+def _tower(name, rng, **kw):
+    """HF's tiny text tower, its layer 0's captured input and output with tower_positions(),
+    and our configuration of it (rope_precision "hf")."""
+    family = TOWERS[name]
+    config, model = build_model(family, rng)
+    calls = {}
+    seen = captured(family, model, (0,), rng.integers(0, BASE["vocab_size"], (HB, HL)),
+                    position_ids=torch.from_numpy(tower_positions()), calls=calls, **kw)
+    converted = golden.convert.from_hf(config, state_dict(attention_of(family, model, 0)),
+                                       rope_precision="hf")
+    return family, model, seen[0], calls[0], converted
+
+
+def _bound(family, twin):
+    """HF's own float32 steps are RoPE's (reproduced by "hf" in torch) and, in Qwen3-VL, its
+    RMSNorm of q and k: EXACT for torch without a float32 norm, else float32's level."""
+    return LAYER_EXACT if family.float32 is None and twin.name == "torch" else FLOAT32_LEVEL
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
+def test_text_tower_layer_with_an_images_positions_equals_hfs(name, twin):
+    rng, seed = fresh_rng()
+    family, _, (x, expected), _, (variant, ours, params) = _tower(name, rng)
+    positions = tower_positions()
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        out = twin.numpy(module(twin.array(x), positions=twin.array(positions)))
+        text_only = twin.numpy(module(twin.array(x)))
+    error = rel(out, expected)
+    assert error <= _bound(family, twin), (name, error, seed)
+    assert rel(text_only, expected) > 1e3 * FLOAT32_LEVEL, (name, seed)  # the image moves it
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
+def test_text_tower_prefill_and_decode_with_3d_positions(name, twin):
+    """The first 4 tokens in one call, then one at a time, each call given its tokens'
+    (3, B, n) positions: every output equals HF's full forward's."""
+    rng, seed = fresh_rng()
+    family, _, (x, expected), _, (variant, ours, params) = _tower(name, rng)
+    positions = tower_positions()
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        cache = module.init_cache(HB, HL)
+        outs = []
+        for start, stop in [(0, 4)] + [(t, t + 1) for t in range(4, HL)]:
+            out, cache = module(twin.array(x[:, start:stop]), cache=cache,
+                                positions=twin.array(positions[:, :, start:stop].copy()))
+            outs.append(twin.numpy(out))
+    error = rel(np.concatenate(outs, axis=1), expected)
+    assert error <= _bound(family, twin), (name, error, seed)
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
+def test_text_tower_input_gradient_equals_hfs(name):
+    """dL/dx of Σ out ⊙ dO: HF's attention called again as the model called it (its position
+    embeddings of the image's positions), against the torch twin's."""
+    rng, seed = fresh_rng()
+    family, model, (x, expected), (args, kwargs), (variant, ours, params) = _tower(
+        name, rng, use_cache=False)
+    d_out = rng.standard_normal(expected.shape)
+    xt = torch.from_numpy(x.copy()).requires_grad_()
+    kwargs = dict(kwargs, hidden_states=xt) if "hidden_states" in kwargs else kwargs
+    args = args if "hidden_states" in kwargs else (xt,) + tuple(args[1:])
+    (attention_of(family, model, 0)(*args, **kwargs)[0] * torch.from_numpy(d_out)).sum().backward()
+    twin = TWINS["torch"]
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        ours_x = torch.from_numpy(x.copy()).requires_grad_()
+        (module(ours_x, positions=torch.from_numpy(tower_positions()))
+         * torch.from_numpy(d_out)).sum().backward()
+    error = rel(ours_x.grad.numpy(), xt.grad.numpy())
+    assert error <= _bound(family, twin), (name, error, seed)
+
+
+def test_module_positions_are_checked():
+    """A module without MRoPE takes (B, L) only; with it, (3, B, L) too, but not beside a query
+    temperature; the reference refuses the same."""
+    rng, _ = fresh_rng()
+    *_, (variant, ours, params) = _tower("qwen2_vl_text", rng)
+    twin = TWINS["torch"]
+    x = torch.zeros(HB, HL, ours["d_in"], dtype=torch.float64)
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        with pytest.raises(ValueError, match=r"positions shape should be \(B, L\) = \(2, 9\) "
+                                             r"or \(3, B, L\) = \(3, 2, 9\) \(multimodal RoPE\), "
+                                             r"got \(4, 2, 9\)"):
+            module(x, positions=torch.zeros(4, HB, HL, dtype=torch.int64))
+        plain = twin.build(variant, {k: v for k, v in ours.items() if k != "rope_parameters"},
+                           params)
+        with pytest.raises(ValueError, match=r"positions shape should be \(B, L\) = \(2, 9\), "
+                                             r"got \(3, 2, 9\)"):
+            plain(x, positions=torch.from_numpy(tower_positions()))
+        warm = twin.build(variant, dict(ours, query_temperature={
+            "beta": 0.1, "floor_scale": 4, "shift": 1}), params)
+        with pytest.raises(ValueError, match=r"with query_temperature: no family says which "
+                                             r"axis"):
+            warm(x, positions=torch.from_numpy(tower_positions()))

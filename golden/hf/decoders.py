@@ -184,6 +184,30 @@ def _per_head_norms_out(params, ours, sd):
     return sd
 
 
+def _mrope(section, interleaved):
+    """Multimodal RoPE of a vision-language model's text tower: ``mrope_section`` from the
+    config's rope_parameters, or the family's default when it has none (HF's rotary embedding
+    falls back to it: Qwen2-VL [16, 24, 24], Qwen3-VL [24, 20, 20]); the layout is the family's
+    whatever the config says (HF's Qwen3-VL always interleaves, Qwen2-VL never)."""
+
+    def extra(c, layer_idx, ours):
+        given = c.get("rope_parameters") or {}
+        ours["rope_parameters"]["mrope_section"] = list(given.get("mrope_section", section))
+        if interleaved:
+            ours["rope_parameters"]["mrope_interleaved"] = True
+    return extra
+
+
+def _qwen2_vl_text(c, layer_idx, ours):
+    ours["head_dim"] = c["hidden_size"] // c["num_attention_heads"]  # HF's attention's, always
+    _mrope([16, 24, 24], False)(c, layer_idx, ours)
+
+
+def _qwen3_vl_text(c, layer_idx, ours):
+    _qwen3(c, layer_idx, ours)
+    _mrope([24, 20, 20], True)(c, layer_idx, ours)
+
+
 FAMILIES: dict[str, Family] = {
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
@@ -206,4 +230,7 @@ FAMILIES: dict[str, Family] = {
                               to_extra=_gate_split, from_extra=_gate_join),
     "stablelm": _llama_like("stablelm", _stablelm, to_extra=_per_head_norms_in,
                             from_extra=_per_head_norms_out),
+    "qwen2_vl_text": _llama_like("qwen2_vl_text", _qwen2_vl_text),
+    "qwen3_vl_text": _llama_like("qwen3_vl_text", _qwen3_vl_text,
+                                 norms=("q_norm.weight", "k_norm.weight")),
 }

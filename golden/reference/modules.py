@@ -122,11 +122,14 @@ def _grouped_query(config, inputs, params):
     stages = [norm] if norm is not None and kind != "l2" else []
     settings = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                              c["rope_precision"])
-    positions = inputs.get("positions")  # (B, L) or (L,): each token's, default its index
+    positions = inputs.get("positions")  # (B, L) or (L,): each token's, default its index;
     positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
-    heads_axis = (slice(None), None) if positions.ndim == 2 else ()  # (B, L) -> (B, 1, L)
+    multi = positions.ndim == x.ndim  # (3, B, L) or (3, L): a multimodal RoPE's axes
+    if multi and c.get("query_temperature") is not None:
+        raise ValueError("a query temperature with multimodal positions: which axis scales it?")
+    heads_axis = (slice(None), None) if positions.ndim - multi == 2 else ()  # (B, L) -> (B, 1, L)
     if settings is not None:
-        cos, sin = rope_cos_sin(settings, dh, positions)  # (..., L, rd/2)
+        cos, sin = rope_cos_sin(settings, dh, positions, multi)  # (..., L, rd/2)
         stages.append(rope_stage(cos[heads_axis], sin[heads_axis], c["rope_interleaved"]))
     if kind == "l2":  # Llama 4: after RoPE
         stages.append(norm)

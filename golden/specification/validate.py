@@ -219,6 +219,11 @@ def check_rotary(x, theta, rope_parameters=None, partial_rotary_factor=1.0, prec
     return settings
 
 
+def has_mrope(settings) -> bool:
+    """Whether checked RoPE ``settings`` (rope_settings; None: no RoPE) are multimodal."""
+    return settings is not None and "mrope_section" in dict(settings)
+
+
 def _positions_fit(shape, lead, length) -> bool:
     """Whether one axis's positions ``shape`` fits x's (lead..., L, Dh): (L,), (B, L) against
     (B, H, L, Dh), or broadcasting to (lead..., L)."""
@@ -575,10 +580,12 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
 
 def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_lengths=None, *,
                          heads, rate=0.0, cache=None, kv_heads=None, head_dim=None,
-                         positions=None):
+                         positions=None, mrope=False, temperature=False):
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
-    array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,). Without
-    a cache the keys are x's L tokens; with one (a golden.specification.positions.KVCache, see
+    array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,), or with
+    ``mrope`` (the module's RoPE is multimodal) also (3, B, L) or (3, L), one row per axis, but
+    not with a query ``temperature`` (which axis's position would scale it?). Without a cache
+    the keys are x's L tokens; with one (a golden.specification.positions.KVCache, see
     check_cache) they are its max_length positions M, and x must be batched like it. Returns the
     weights' shape (B, H, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
@@ -588,9 +595,18 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
         _expect_array("positions", positions)
         _expect_integers("positions", positions, tuple(positions.shape), None)  # the dtype
         want = tuple(lead) + tuple(x.shape[-2:-1])
-        if tuple(positions.shape) != want:
-            raise ValueError(f"positions shape should be {'(B, L)' if lead else '(L,)'} = "
-                             f"{_fmt(want)}, got {_fmt(tuple(positions.shape))}")
+        multi = mrope and tuple(positions.shape) == (MROPE_AXES,) + want
+        if tuple(positions.shape) != want and not multi:
+            form = "(B, L)" if lead else "(L,)"
+            multi_form = f"({MROPE_AXES}, B, L)" if lead else f"({MROPE_AXES}, L)"
+            axes = (f" or {multi_form} = {_fmt((MROPE_AXES,) + want)} (multimodal RoPE)"
+                    if mrope else "")
+            raise ValueError(f"positions shape should be {form} = {_fmt(want)}{axes}, got "
+                             f"{_fmt(tuple(positions.shape))}")
+        if multi and temperature:
+            raise ValueError(f"positions of shape {_fmt(tuple(positions.shape))} (one row per "
+                             f"axis of a multimodal RoPE) with query_temperature: no family "
+                             f"says which axis's position scales the query; give (B, L)")
     lk = x.shape[-2]
     if cache is not None:
         lk = check_cache(cache, x, kv_heads, head_dim)

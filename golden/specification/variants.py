@@ -465,7 +465,9 @@ def _self_inputs(c, i, rate):
 def _decoder_inputs(c, i, rate):
     return check_decoder_inputs(i["x"], c["d_in"], i.get("mask"), i.get("dropout_mask"),
                                 i.get("query_seq_lengths"), heads=c["num_heads"], rate=rate,
-                                positions=i.get("positions"))
+                                positions=i.get("positions"),
+                                mrope="mrope_section" in (c.get("rope_parameters") or {}),
+                                temperature=c.get("query_temperature") is not None)
 
 
 def _cross_inputs(c, i, rate):
