@@ -333,7 +333,8 @@ def test_on_a_gpu_the_accelerators_come_first_where_they_take_the_call(monkeypat
         functional.IMPLEMENTATIONS.select(None, GPU_BF16._replace(softcap=True), order)
     assert ran == [("jax", "explicit")]
     assert functional.choose((8, 2048, 64), (8, 2048, 64), "gpu")[2] == "blockwise"
-    assert functional.choose((8, 2048, 64), (8, 2048, 64), "tpu") == ("blockwise", "explicit")
+    assert functional.choose((8, 2048, 64), (8, 2048, 64), "tpu") == (
+        "splash", "blockwise", "explicit")  # tests/test_splash.py
 
 
 class _Device:
