@@ -142,21 +142,22 @@ def _lengths(x, batch):
     return None if x is None else jnp.broadcast_to(x.astype(jnp.int32), (batch,))
 
 
-def rows_allowed(lq, lk, mask, q_lengths, kv_lengths, *, is_causal, window):
+def rows_allowed(lq, lk, mask, q_lengths, kv_lengths, *, is_causal, window, chunk=None):
     """(B|1, H|1, Lq) bool: whether query row i (at position i) has any allowed key; None
     when every row has one. Without a mask in closed form (row i's keys are lo … hi, lo ≤ hi
-    and lo < its batch's key length, i < its query length): nothing of size Lq·Lk. With a
-    mask (B|1, H|1, Lq, Lk), the mask AND the same terms as the core
-    (golden.specification.positions)."""
+    and lo < its batch's key length, i < its query length; chunks of C keep lo … hi inside
+    i's chunk): nothing of size Lq·Lk. With a mask (B|1, H|1, Lq, Lk), the mask AND the same
+    terms as the core (golden.specification.positions)."""
     left, right = window
     if mask is not None:
         row, key = jnp.arange(lq)[:, None], jnp.arange(lk)[None, :]  # (Lq, 1), (1, Lk)
         per_batch = [None if x is None else x[:, None, None, None]
                      for x in (q_lengths, kv_lengths)]  # (B, 1, 1, 1)
         terms = [mask] + allowed_terms(row, key, row, is_causal=is_causal, window=window,
-                                       q_lengths=per_batch[0], kv_lengths=per_batch[1])
+                                       chunk=chunk, q_lengths=per_batch[0],
+                                       kv_lengths=per_batch[1])
         return reduce(jnp.logical_and, terms).any(axis=-1)
-    if q_lengths is None and kv_lengths is None and left is None:
+    if q_lengths is None and kv_lengths is None and left is None and chunk is None:
         return None  # lo = 0 ≤ hi for every row
     row = jnp.arange(lq)  # (Lq,)
     lo = jnp.zeros_like(row) if left is None else jnp.maximum(row - left, 0)
@@ -165,6 +166,9 @@ def rows_allowed(lq, lk, mask, q_lengths, kv_lengths, *, is_causal, window):
         hi = jnp.minimum(hi, row + right)
     if is_causal:
         hi = jnp.minimum(hi, row)
+    if chunk is not None:
+        start = row // chunk * chunk  # (Lq,): the first position of row i's chunk
+        lo, hi = jnp.maximum(lo, start), jnp.minimum(hi, start + chunk - 1)
     ok = (lo <= hi)[None, None, :]  # (1, 1, Lq)
     if kv_lengths is not None:
         ok = ok & (lo[None, :] < kv_lengths[:, None])[:, None, :]  # (B, 1, Lq)
@@ -173,9 +177,11 @@ def rows_allowed(lq, lk, mask, q_lengths, kv_lengths, *, is_causal, window):
     return ok
 
 
-def _zero_empty_rows(out, lq, lk, mask, q_lengths, kv_lengths, *, is_causal, window):
+def _zero_empty_rows(out, lq, lk, mask, q_lengths, kv_lengths, *, is_causal, window,
+                     chunk=None):
     """out (B, H, Lq, D) with zeros in every row that has no allowed key (as the core)."""
-    ok = rows_allowed(lq, lk, mask, q_lengths, kv_lengths, is_causal=is_causal, window=window)
+    ok = rows_allowed(lq, lk, mask, q_lengths, kv_lengths, is_causal=is_causal, window=window,
+                      chunk=chunk)
     return out if ok is None else jnp.where(ok[..., None], out, jnp.zeros((), out.dtype))
 
 
@@ -211,23 +217,25 @@ def jax_nn_call(query, key, value, mask=None, bias=None, q_lengths=None, kv_leng
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
-@partial(jax.jit, static_argnames=("scale", "is_causal", "window"))
-def cudnn(query, key, value, mask=None, bias=None, q_lengths=None, kv_lengths=None, *,
-          scale, is_causal, window):
-    """The "cudnn" implementation: ``jax_nn_call`` with implementation="cudnn"."""
+@partial(jax.jit, static_argnames=("scale", "is_causal", "window", "softcap", "chunk_size"))
+def cudnn(query, key, value, mask=None, bias=None, q_lengths=None, kv_lengths=None, sinks=None,
+          *, scale, is_causal, window, softcap=None, chunk_size=None):
+    """The "cudnn" implementation: ``jax_nn_call`` with implementation="cudnn" (sinks,
+    softcap and chunk_size are refused before: cudnn_refuses)."""
+    del sinks, softcap, chunk_size
     return jax_nn_call(query, key, value, mask, bias, q_lengths, kv_lengths, scale=scale,
                        is_causal=is_causal, window=window, implementation="cudnn")
 
 
-@partial(jax.jit, static_argnames=("scale", "is_causal", "window"))
-def pallas(query, key, value, mask=None, bias=None, q_lengths=None, kv_lengths=None, *,
-           scale, is_causal, window):
+@partial(jax.jit, static_argnames=("scale", "is_causal", "window", "softcap", "chunk_size"))
+def pallas(query, key, value, mask=None, bias=None, q_lengths=None, kv_lengths=None, sinks=None,
+           *, scale, is_causal, window, softcap=None, chunk_size=None):
     """The "pallas" implementation: ``mha`` on (B, L, H, D), GQA key and value repeated to H
     heads (the kernel reads head h of each; G copies of key and value), interpret mode off a
     GPU. mask, bias, window and lengths are refused before (pallas_refuses)."""
     from jax.experimental.pallas.ops.gpu import attention
 
-    del mask, bias, q_lengths, kv_lengths, window
+    del mask, bias, q_lengths, kv_lengths, window, sinks, softcap, chunk_size
     q, k, v = (_lift(x) for x in (query, key, value))  # (B, H, Lq, D), (B, Hkv, Lk, D)
     groups = q.shape[1] // k.shape[1]  # G
     k, v = (jnp.repeat(x, groups, axis=1) if groups > 1 else x for x in (k, v))  # (B, H, Lk, D)

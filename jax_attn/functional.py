@@ -24,7 +24,7 @@ from golden.specification.validate import (
     check_flags,
     window,
 )
-from jax_attn import accelerators, blockwise, explicit
+from jax_attn import accelerators, blockwise, explicit, splash
 from jax_attn.sharding import (
     check_head_sharding,
     explicit_spec,
@@ -94,20 +94,26 @@ def scaled_dot_product_attention(
     - "pallas" (jax_attn.accelerators): the Pallas flash kernel (pallas.ops.gpu.attention),
       Dk = Dv, is_causal and scale only; compiled on a GPU (float16, bfloat16), Pallas's
       interpret mode on a CPU.
-    - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰ (L >
-      1024 for Lq = Lk; on a GPU GPU_BLOCKWISE_ABOVE = 2²⁴, L > 4096), else "explicit" first, and on
-      a GPU "cudnn" then "pallas" before both; the first that takes the call runs it. "explicit"
-      chosen so, without the weights and forming more than SPLIT_ABOVE = 2²² scores over all heads
-      (B·H·Lq·Lk, or what its causal, window or chunk tiles cover), is differentiated with
-      blockwise's backward from the statistics its forward saves (explicit.attend_split; record()
-      then lists "blockwise" too); with fewer, by JAX. Where that split applies, or "blockwise" is
-      chosen, the forward that runs when the call is not differentiated is the faster of the two
-      measured for it (``forward_passes``: blockwise's for untiled float32 explicit from Lq·Lk =
-      2¹⁸, explicit's causal tiles for bfloat16 blockwise up to Lq·Lk = 2²²); record() names that
-      one, and, when the call is differentiated, the forward and backward that ran instead. Its
-      blockwise takes blocks of CAUSAL_BLOCK_SIZES = (512, 512) for a causal call without other
-      extras up to Lq·Lk = 2²⁴ (``none_blocks``). The measurements: docs/performance.md (a CPU's; a
-      GPU's, an H200's, in its "GPU" section).
+    - "splash" (jax_attn.splash): the TPU splash-attention kernel
+      (pallas.ops.tpu.splash_attention), float32 and bfloat16, lengths multiples of 128:
+      is_causal, scale, softcap, a window, attention_chunk_size with is_causal, the lengths,
+      sinks, GQA; compiled on a TPU, Pallas's interpret mode elsewhere
+      (jax_attn.splash.splash_refuses).
+    - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
+      (L > 1024 for Lq = Lk; on a GPU GPU_BLOCKWISE_ABOVE = 2²⁴, L > 4096), else "explicit"
+      first, and on a GPU "cudnn" then "pallas", on a TPU "splash", before both; the first that
+      takes the call runs it. "explicit" chosen so, without the weights and forming more than
+      SPLIT_ABOVE = 2²² scores over all heads (B·H·Lq·Lk, or what its causal, window or chunk
+      tiles cover), is differentiated with blockwise's backward from the statistics its forward
+      saves (explicit.attend_split; record() then lists "blockwise" too); with fewer, by JAX.
+      Where that split applies, or "blockwise" is chosen, the forward that runs when the call is
+      not differentiated is the faster of the two measured for it (``forward_passes``:
+      blockwise's for untiled float32 explicit from Lq·Lk = 2¹⁸, explicit's causal tiles for
+      bfloat16 blockwise up to Lq·Lk = 2²²); record() names that one, and, when the call is
+      differentiated, the forward and backward that ran instead. Its blockwise takes blocks of
+      CAUSAL_BLOCK_SIZES = (512, 512) for a causal call without other extras up to Lq·Lk = 2²⁴
+      (``none_blocks``). The measurements: docs/performance.md (a CPU's; a GPU's, an H200's, in
+      its "GPU" section; no TPU's).
     ``golden.specification.implementations.record()`` collects the name each call ran (when traced).
     Dropout drawn from ``dropout_rng`` differs between the implementations for the same key:
     explicit draws one (..., H, Lq, Lk) mask, blockwise draws each block's mask from
@@ -156,8 +162,11 @@ def scaled_dot_product_attention(
     if chosen.whole:  # an accelerator kernel: the whole call, its refusals checked above
         q_lengths, kv_lengths = (batch_int32(x, batch) for x in
                                  (query_seq_lengths, key_value_seq_lengths))
-        out = chosen.run(query, key, value, mask, bias, q_lengths, kv_lengths, scale=scale,
-                         is_causal=bool(is_causal), window=window(local_window_size))
+        out = chosen.run(query, key, value, mask, bias, q_lengths, kv_lengths, sinks,
+                         scale=scale, is_causal=bool(is_causal),
+                         window=window(local_window_size),
+                         softcap=None if softcap is None else float(softcap),
+                         chunk_size=attention_chunk_size)
         return out
     check_head_sharding(query, key)
     spec = explicit_spec(query)  # None unless on a mesh with explicit axes
@@ -339,22 +348,22 @@ BLOCKWISE_ABOVE = 2**20
 GPU_BLOCKWISE_ABOVE = 2**24
 
 
-ACCELERATORS = ("cudnn", "pallas")  # preferred on a GPU, in this order
+ACCELERATORS = {"gpu": ("cudnn", "pallas"), "tpu": ("splash",)}  # preferred there, in order
 
 
 def choose(q_shape, k_shape, platform=None) -> tuple:
     """The order of preference of ``implementation=None`` for these shapes on ``platform``
     (default: the default backend): the first that takes the call runs it. On a GPU the
-    accelerator kernels come first ("cudnn", then "pallas"), each taking only the calls it
-    can (float16 and bfloat16, no weights, ...: their refusals), then the portable order; on
-    a CPU or a TPU the portable order alone ("pallas" on a CPU is interpret mode: only when
-    asked for by name). The portable order: "blockwise" first above BLOCKWISE_ABOVE (a GPU:
-    GPU_BLOCKWISE_ABOVE) of one head's Lq·Lk, else "explicit" first."""
-    gpu = (platform or jax.default_backend()) == "gpu"
-    above = GPU_BLOCKWISE_ABOVE if gpu else BLOCKWISE_ABOVE
+    accelerator kernels come first ("cudnn", then "pallas"), on a TPU "splash", each taking
+    only the calls it can (dtypes, lengths, no weights, ...: their refusals), then the
+    portable order; on a CPU the portable order alone ("pallas" and "splash" on a CPU are
+    interpret mode: only when asked for by name). The portable order: "blockwise" first above
+    BLOCKWISE_ABOVE (a GPU: GPU_BLOCKWISE_ABOVE) of one head's Lq·Lk, else "explicit" first."""
+    platform = platform or jax.default_backend()
+    above = GPU_BLOCKWISE_ABOVE if platform == "gpu" else BLOCKWISE_ABOVE
     portable = (("blockwise", "explicit") if q_shape[-2] * k_shape[-2] > above
                 else ("explicit", "blockwise"))
-    return ACCELERATORS + portable if gpu else portable
+    return ACCELERATORS.get(platform, ()) + portable
 
 
 
@@ -378,6 +387,7 @@ IMPLEMENTATIONS = Registry(
     Implementation("blockwise", blockwise.attend, _blockwise_refuses),
     Implementation("cudnn", accelerators.cudnn, accelerators.cudnn_refuses, whole=True),
     Implementation("pallas", accelerators.pallas, accelerators.pallas_refuses, whole=True),
+    Implementation("splash", splash.splash, splash.splash_refuses, whole=True),
 )
 
 

@@ -66,7 +66,7 @@ def test_the_dry_run_lists_the_phases_the_grid_and_the_files(tmp_path, capsys):
         assert f"phase {phase} " in text
     assert f"check --framework jax --json {out}/check_jax.json" in text
     assert "pytest -q -ra -p no:cacheprovider --junitxml" in text and "test_accelerators" in text
-    assert "B=4,H=16,D=128,bfloat16, L in 1024, 4096, 16384: 96 cells" in text
+    assert "B=4,H=16,D=128,bfloat16, L in 1024, 4096, 16384: 108 cells" in text
     assert all(f"  {cell.label} " in text for cell in FULL.cells())
     assert re.search(r"L=16384 full fwd jax explicit +memory ≤ 129.0 GiB", text)
     assert f"files: {', '.join(plan.FILES)}" in text
@@ -77,7 +77,7 @@ def test_the_quick_dry_run_of_one_phase(tmp_path, capsys):
                  str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "phase check" not in text and "phase tests" not in text
-    assert "L in 1024: 32 cells" in text and "L=4096" not in text
+    assert "L in 1024: 36 cells" in text and "L=4096" not in text
     assert text.rstrip().endswith("files: env.json, progress.log, timing.json, timing.md")
 
 
@@ -104,7 +104,7 @@ def test_the_wrapper_runs_the_command_into_OUT(tmp_path):
     if "No module named" in done.stderr:
         pytest.skip("this python3 is not the one with the project's requirements")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"output in {tmp_path}/" in done.stdout and "32 cells" in done.stdout
+    assert f"output in {tmp_path}/" in done.stdout and "36 cells" in done.stdout
 
 
 # ---- what a run writes, and what it covers ------------------------------------------------------

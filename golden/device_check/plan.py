@@ -66,7 +66,8 @@ class Impl(NamedTuple):
 # The JAX core's named implementations are jax_attn.IMPLEMENTATIONS.names (a test checks they
 # are all here); None first, the baseline of every group.
 IMPLS = (Impl("jax", None), Impl("jax", "explicit"), Impl("jax", "blockwise"),
-         Impl("jax", "cudnn"), Impl("jax", "pallas"), Impl("jax.nn", "cudnn"),
+         Impl("jax", "cudnn"), Impl("jax", "pallas"), Impl("jax", "splash"),
+         Impl("jax.nn", "cudnn"),
          Impl("torch", "flash"), Impl("torch", "cudnn"))
 
 

@@ -19,6 +19,9 @@ refuse. A name means one algorithm in both twins; the names in use:
                  (JAX only, NVIDIA GPUs, float16 and bfloat16)
     pallas       the Pallas flash-attention kernel (jax.experimental.pallas.ops.gpu.attention;
                  JAX only: compiled on an NVIDIA GPU, Pallas's interpret mode on a CPU)
+    splash       the TPU splash-attention kernel (jax.experimental.pallas.ops.tpu.
+                 splash_attention; JAX only: compiled on a TPU, Pallas's interpret mode
+                 elsewhere)
 
 ``record()`` collects, in the running thread, the (framework, name) of every core call that runs
 inside it: the harness reads which implementation ran instead of working it out again.
@@ -35,8 +38,8 @@ from typing import NamedTuple
 class Asked(NamedTuple):
     """What a call asks of an implementation beyond the arrays themselves. Every field has a
     default that asks nothing, so a twin fills in only what its implementations look at (the
-    fields from ``platform`` on are read by JAX's accelerator kernels, "cudnn" and "pallas",
-    which take a narrower set of calls than the portable implementations)."""
+    fields from ``platform`` on are read by JAX's accelerator kernels, "cudnn", "pallas" and
+    "splash", which take a narrower set of calls than the portable implementations)."""
 
     return_weights: bool = False
     softcap: bool = False
