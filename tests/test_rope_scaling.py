@@ -26,7 +26,7 @@ import torch
 
 from golden import reference
 from golden.specification.positions import rope_frequencies
-from golden.specification.validate import rope_settings
+from golden.specification.validate import rope_settings, rotary_dims
 from tests.helpers import JAX, TWINS, count_compiles, fresh_rng
 from torch_attn import export_params as torch_attn_export
 
@@ -74,6 +74,12 @@ HF_CASES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 500.0,
                          "short_factor": [1.0, 1.25, 2.0], "long_factor": [1.5, 3.0, 5.0]}),
         modeling_phi3, False, {"factor": 24 / 6}),
+    # Gemma 4's full layers: the whole head paired, a quarter of the pairs turning, /factor.
+    "proportional": (transformers.LlamaConfig(
+        hidden_size=48, num_attention_heads=3, head_dim=16,
+        rope_parameters={"rope_type": "proportional", "rope_theta": 100.0,
+                         "partial_rotary_factor": 0.25, "factor": 2.0}), modeling_llama, False,
+        {}),
     "partial_gpt_neox": (transformers.GPTNeoXConfig(hidden_size=32, num_attention_heads=2,
                                                     rotary_pct=0.25, rotary_emb_base=1000),
                          modeling_gpt_neox, False, {}),
@@ -122,11 +128,11 @@ def _qk(rng, dh, length=9):
 def test_frequencies_and_attention_factor_match_hf(name):
     rotary, _, params, dh, _ = _hf(name)
     settings = rope_settings(None, params)
-    rd = int(dh * dict(settings)["partial_rotary_factor"])
+    rd = rotary_dims(dh, settings)
     rotary(torch.zeros(1, dtype=torch.float64), torch.arange(9)[None])  # long/dynamic: seq 9
     f, m = rope_frequencies(settings, rd, 9)
     hf = rotary.inv_freq.double().numpy()
-    assert np.abs(f / hf - 1).max() <= F32, (f, hf)
+    assert np.all(np.abs(f - hf) <= F32 * np.abs(hf)), (f, hf)  # zeros exactly (proportional)
     assert abs(m - rotary.attention_scaling) <= 1e-15
     exact_f, exact_m = reference.rope_frequencies(settings, rd, 9)
     with reference.exact_arithmetic():
@@ -349,7 +355,7 @@ def test_reference_hf_precision_is_hf_float32(twin):
 BAD = [
     (dict(rope_parameters={"rope_type": "ntk"}),
      r"rope_parameters\['rope_type'\] should be one of default, linear, dynamic, llama3, "
-     r"yarn, longrope, got 'ntk'"),
+     r"yarn, longrope, proportional, got 'ntk'"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "beta": 1}),
      r"rope_parameters has an unknown field 'beta' for rope_type 'linear'; it takes "
      r"rope_type, rope_theta, partial_rotary_factor, factor"),
@@ -425,3 +431,19 @@ def test_converters_refuse_what_they_cannot_carry(twin):
                                          r"features turn\), got False"):
         convert.to_llama(partial)
     assert set(convert.to_llama(partial, interleaved=True)) >= {"q_proj.weight"}
+
+
+def test_proportional_is_not_partial_rotary(twin):
+    """Proportional RoPE pairs the whole head (i, i + Dh/2) at θ^(−2i/Dh) and stops the pairs
+    past ⌊p·Dh/2⌋; partial rotary with the same p turns the first p·Dh features at
+    θ^(−2i/(p·Dh)): far apart. Its frequencies' zeros leave those pairs as they are."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((2, 3, 9, 16))
+    kw = dict(theta=100.0, partial_rotary_factor=0.25)
+    with twin.float64():
+        ours = twin.numpy(twin.lib.rotary_embedding(twin.array(x), rope_parameters={
+            "rope_type": "proportional"}, **kw))
+        partial = twin.numpy(twin.lib.rotary_embedding(twin.array(x), **kw))
+    assert np.abs(ours - partial).max() > 0.1, seed
+    pairs = np.r_[2:8, 10:16]  # pairs 2 … 7 (and their partners i + 8) do not turn
+    np.testing.assert_array_equal(ours[..., pairs], x[..., pairs], err_msg=f"seed {seed}")

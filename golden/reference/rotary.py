@@ -46,6 +46,8 @@ def rope_frequencies(settings, rd, seq_len=None):
                   mscale(s, mscale_all_dim), or 0.1 ln s + 1
         longrope  f_i / long_factor_i when seq > L0, else / short_factor_i; m =
                   attention_factor or √(1 + ln s / ln L0)
+        proportional  rd = Dh (the whole head): f_i / s for i < ⌊p · Dh / 2⌋ (p the rotary
+                  fraction), 0 beyond
     with s the factor, L0 original_max_position_embeddings, seq the call's largest position
     + 1. Float64, or exact inside exact_arithmetic()."""
     s = dict(settings)
@@ -72,6 +74,9 @@ def rope_frequencies(settings, rd, seq_len=None):
         f = f / real(np.asarray(s["long_factor" if long else "short_factor"], np.float64))
         m = (number(s["attention_factor"]) if s["attention_factor"] is not None
              else one if factor <= 1 else np.sqrt(one + np.log(factor) / np.log(number(l0))))
+    elif kind == "proportional":  # rd = Dh: pair i turns when i < ⌊p · Dh / 2⌋, else not
+        turning = int(s["partial_rotary_factor"] * rd // 2)
+        f = np.where(np.arange(rd // 2) < turning, f, number(0)) / factor
     return f, m
 
 

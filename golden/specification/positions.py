@@ -108,7 +108,16 @@ def rope_frequencies(settings, rd, seq_len=None) -> tuple:
         long = seq_len is not None and seq_len > s["original_max_position_embeddings"]
         f = f / np.asarray(s["long_factor" if long else "short_factor"], dtype=np.float64)
         m = _longrope_factor(s)
+    elif kind == "proportional":  # rd = Dh; the pairs past ⌊p·Dh/2⌋ do not turn
+        f = np.where(np.arange(rd // 2) < proportional_pairs(s, rd), f, 0.0) / s_
     return f, m
+
+
+def proportional_pairs(s, head_dim) -> int:
+    """Proportional RoPE's turning pairs, int(p · Dh // 2) as Hugging Face counts them
+    (_compute_proportional_rope_parameters), p the rotary fraction; the other pairs' frequency
+    is 0."""
+    return int(s["partial_rotary_factor"] * head_dim // 2)
 
 
 def _llama3(f, s):
@@ -219,6 +228,9 @@ def hf_inv_freq(settings, rd, array, seq_len=None):
         ext = array(np.asarray(s["long_factor" if long else "short_factor"]))
         return 1.0 / (ext * base ** exponents), _longrope_factor(s)
     inv = 1.0 / (base ** exponents)
+    if kind == "proportional":  # HF: the turning pairs' inv_freq, zeros after, / factor
+        turning = np.arange(rd // 2) < proportional_pairs(s, rd)
+        return inv * array(turning.astype(np.float64)) / factor, 1.0
     if kind == "linear":
         inv = inv / factor
     elif kind == "llama3":

@@ -275,6 +275,8 @@ ROPE_TYPES = {
               "mscale_all_dim": None, "truncate": True}),
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"),
                  {"factor": None, "attention_factor": None}),
+    # Gemma 4's full layers, LFM3: over the whole head, the first ⌊p·Dh/2⌋ pairs turning.
+    "proportional": ((), {"factor": 1.0}),
 }
 ROPE_PRECISIONS = ("exact", "hf")
 # Multimodal RoPE (Qwen2-VL's and Qwen3-VL's rope_parameters, any rope_type): positions of shape
@@ -395,9 +397,12 @@ def _given_once(name, argument, field, default):
 def rotary_dims(head_dim, settings) -> int:
     """rd = int(Dh · partial_rotary_factor), the rotated features of each head (the first rd):
     ValueError unless even, ≥ 2, and matching longrope's per-pair factors (and > 2 for the
-    dynamic type, whose θ' has the exponent rd / (rd − 2))."""
+    dynamic type, whose θ' has the exponent rd / (rd − 2)). Proportional RoPE pairs the whole
+    head, rd = Dh (its rotary fraction says how many pairs turn:
+    golden.specification.positions.rope_frequencies)."""
     s = dict(settings)
-    rd = int(head_dim * s["partial_rotary_factor"])
+    whole = s["rope_type"] == "proportional"
+    rd = head_dim if whole else int(head_dim * s["partial_rotary_factor"])
     if rd < 2 or rd % 2:
         raise ValueError(f"the rotated width int(head_dim · partial_rotary_factor) should be even "
                          f"and at least 2, got int({head_dim} · {s['partial_rotary_factor']}) "
