@@ -368,6 +368,41 @@ CASES += [
                               "beta_slow": 2.0}}),
 ]
 
+# Positions in more than one dimension (issue 41): multimodal RoPE's positions (3, B, L) with an
+# image span whose height and width rows differ from the temporal one (row 1 a 2 × 2 image from
+# token 2, row 0 a 3 × 1 one from token 3), in Qwen2-VL's chunked sections, Qwen3-VL's
+# interleaved ones with its per-head norms, GLM-4V's chunked sections on interleaved pairs of a
+# partial slice; and Gemma 4's proportional RoPE (the whole head paired, a quarter turning).
+# As get_rope_index makes them: an image's tokens at its temporal position, each at its own row
+# and column; the text after it from the largest position so far + 1, every axis alike.
+_MROPE_POSITIONS = _ints([[[0, 1, 2, 3, 3, 3, 6, 7, 8], [0, 1, 2, 2, 2, 2, 4, 5, 6]],
+                          [[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 2, 3, 3, 4, 5, 6]],
+                          [[0, 1, 2, 3, 3, 3, 6, 7, 8], [0, 1, 2, 3, 2, 3, 4, 5, 6]]])
+CASES += [
+    Case("gqa_mrope_chunked_qwen2_vl", GQA, 441,
+         {"x": ("normal", (2, 9, 5)), "positions": _MROPE_POSITIONS},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 12, "d_out": 3,
+          "qkv_bias": True,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 100.0,
+                              "mrope_section": [2, 2, 2]}}),
+    Case("gqa_mrope_interleaved_qwen3_vl", GQA, 442,
+         {"x": ("normal", (2, 9, 7)), "positions": _MROPE_POSITIONS},
+         {"d_in": 7, "num_heads": 6, "num_kv_heads": 2, "head_dim": 12, "d_out": 4,
+          "qk_norm": "rms",
+          "rope_parameters": {"rope_type": "default", "rope_theta": 300.0,
+                              "mrope_section": [2, 2, 2], "mrope_interleaved": True}}),
+    Case("gqa_mrope_glm4v_partial_interleaved_pairs", GQA, 443,
+         {"x": ("normal", (2, 9, 5)), "positions": _MROPE_POSITIONS},
+         {"d_in": 5, "num_heads": 3, "num_kv_heads": 1, "head_dim": 12, "d_out": 6,
+          "qkv_bias": True, "rope_interleaved": True,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 50.0,
+                              "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 1]}}),
+    Case("gqa_rope_proportional", GQA, 444, {"x": ("normal", (2, 9, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "d_out": 3,
+          "rope_parameters": {"rope_type": "proportional", "rope_theta": 100.0,
+                              "partial_rotary_factor": 0.25, "factor": 2.0}}),
+]
+
 # MultiHeadCrossAttention (issue 24): queries from x, keys and values from a context of another
 # length and width; Whisper's encoder_attn (no bias on k_proj), T5's (no biases, scale 1),
 # multi-query, padded contexts (context_lengths) and a row with no context at all.
