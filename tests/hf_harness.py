@@ -43,6 +43,22 @@ BASE = dict(hidden_size=D, num_attention_heads=N, num_key_value_heads=NKV, head_
             intermediate_size=32, vocab_size=64, max_position_embeddings=64)
 
 
+# The text towers of Qwen2-VL and Qwen3-VL (multimodal RoPE, one pair of each axis): the rows
+# of tests/test_hf_import.py (text only) and tests/test_mrope.py (an image's positions). Qwen2-VL's
+# attention takes its head width as D / N whatever the config's head_dim says.
+TEXT_TOWERS = {
+    "qwen2_vl_text": Family("Qwen2VLTextConfig", dict(
+        num_hidden_layers=1, hidden_size=N * DH,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [1, 1, 1]})),
+    "qwen3_vl_text": Family("Qwen3VLTextConfig", dict(
+        num_hidden_layers=1, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
+        float32="Qwen3VLTextRMSNorm"),
+}
+
+
 def build_model(family, rng):
     """The tiny base model, float64, sdpa attention (or the family's), every parameter drawn
     N(0, 0.5²) (norm weights, biases and sinks included)."""

@@ -34,7 +34,7 @@ from tests.hf_harness import (  # noqa: E402
     BASE,
     EXACT,
     FLOAT32_LEVEL,
-    DH,
+    TEXT_TOWERS,
     B,
     Family,
     L,
@@ -112,14 +112,7 @@ FAMILIES = {
         float32="Qwen3NextRMSNorm"),
     # The text towers of Qwen2-VL and Qwen3-VL, text only here (every axis the token's index,
     # the 1-D RoPE: tests/test_mrope.py gives them images' positions).
-    "qwen2_vl_text": Family("Qwen2VLTextConfig", dict(  # head width D / N = 6 (HF's, always)
-        num_hidden_layers=1, hidden_size=4 * DH, rope_parameters={"rope_type": "default", "rope_theta": 100.0,
-                                              "mrope_section": [1, 1, 1]})),
-    "qwen3_vl_text": Family("Qwen3VLTextConfig", dict(
-        num_hidden_layers=1, attention_bias=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
-                         "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
-        float32="Qwen3VLTextRMSNorm"),
+    **TEXT_TOWERS,
 }
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).

@@ -40,6 +40,7 @@ from transformers.models.qwen2_vl import modeling_qwen2_vl  # noqa: E402
 from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: E402
 from tests.hf_harness import (  # noqa: E402
     BASE,
+    TEXT_TOWERS,
     FLOAT32_LEVEL,
     Family,
     attention_of,
@@ -50,7 +51,6 @@ from tests.hf_harness import (  # noqa: E402
 )
 from tests.hf_harness import EXACT as LAYER_EXACT  # noqa: E402
 from tests.hf_harness import B as HB  # noqa: E402
-from tests.hf_harness import DH as HDH  # noqa: E402
 from tests.hf_harness import L as HL  # noqa: E402
 
 B, H, L, DH, THETA = 2, 3, 11, 16, 100.0
@@ -75,16 +75,18 @@ FAMILIES = {
 }
 
 
-def image_positions():
-    """(3, B, L) int64: text 0 1 2, a 2 × 2 image at temporal position 3 (height 3 3 4 4, width
-    3 4 3 4), text again from 5 (HF's get_rope_index: after an image, the largest position + 1);
-    row 1 shifted by one (left padding of one token)."""
-    positions = np.broadcast_to(np.arange(L), (3, B, L)).copy()
-    positions[:, :, 3:7] = 3
-    positions[1, :, 3:7] += [0, 0, 1, 1]
-    positions[2, :, 3:7] += [0, 1, 0, 1]
-    positions[:, :, 7:] -= 2
-    positions[:, 1] += 1
+def image_positions(batch=B, length=L, start=3, shift=1):
+    """(3, B, L) int64: text 0 … start − 1, a 2 × 2 image at temporal position ``start`` (height
+    start, start, start + 1, start + 1; width start, start + 1, start, start + 1), then text from
+    start + 2 (HF's get_rope_index: after an image, the largest position + 1); row 1
+    ``shift`` positions on (left padding)."""
+    positions = np.broadcast_to(np.arange(length), (3, batch, length)).copy()
+    image = slice(start, start + 4)
+    positions[:, :, image] = start
+    positions[1, :, image] += [0, 0, 1, 1]
+    positions[2, :, image] += [0, 1, 0, 1]
+    positions[:, :, start + 4:] -= 2
+    positions[:, 1] += shift
     return positions
 
 
@@ -235,29 +237,12 @@ def test_ambiguous_positions_are_refused():
 
 # ---- the text towers' attention layers, with an image's positions -------------------------------
 
-TOWERS = {
-    "qwen2_vl_text": Family("Qwen2VLTextConfig", dict(
-        num_hidden_layers=1, hidden_size=4 * HDH,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
-                         "mrope_section": [1, 1, 1]})),
-    "qwen3_vl_text": Family("Qwen3VLTextConfig", dict(
-        num_hidden_layers=1, attention_bias=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
-                         "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
-        float32="Qwen3VLTextRMSNorm"),
-}
+TOWERS = TEXT_TOWERS
 
 
 def tower_positions():
-    """(3, B, L) int64 for the towers' L tokens: text 0 1, a 2 × 2 image at temporal position
-    2 (height 2 2 3 3, width 2 3 2 3), text from 4; row 1 two positions on."""
-    positions = np.broadcast_to(np.arange(HL), (3, HB, HL)).copy()
-    positions[:, :, 2:6] = 2
-    positions[1, :, 2:6] += [0, 0, 1, 1]
-    positions[2, :, 2:6] += [0, 1, 0, 1]
-    positions[:, :, 6:] -= 2
-    positions[:, 1] += 2
-    return positions
+    """(3, B, L) for the towers' L tokens: image_positions with the image at 2, row 1 two on."""
+    return image_positions(HB, HL, start=2, shift=2)
 
 
 def _tower(name, rng, **kw):
