@@ -56,6 +56,15 @@ TEXT_TOWERS = {
         rope_parameters={"rope_type": "default", "rope_theta": 100.0,
                          "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
         float32="Qwen3VLTextRMSNorm"),
+    "qwen2_5_vl_text": Family("Qwen2_5_VLTextConfig", dict(
+        num_hidden_layers=1, hidden_size=N * DH,
+        rope_parameters={"rope_type": "default", "rope_theta": 300.0,
+                         "mrope_section": [2, 0, 1]})),
+    "qwen3_vl_moe_text": Family("Qwen3VLMoeTextConfig", dict(
+        num_hidden_layers=1, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
+        float32="Qwen3VLMoeTextRMSNorm"),
 }
 
 

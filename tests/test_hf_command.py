@@ -23,7 +23,7 @@ from golden import hf
 from golden.cli import main
 from golden.verifier import check as hf_check
 from golden.verifier.checkpoint import Checkpoint
-from tests.hf_harness import BASE
+from tests.hf_harness import BASE, TEXT_TOWERS
 from tests.helpers import WHOLE
 
 transformers = pytest.importorskip("transformers")
@@ -58,7 +58,9 @@ def _checkpoint(name, directory, seed=0):
     base = BASE if name in DECODERS else {k: v for k, v in BASE.items()
                                           if k not in ("head_dim", "num_key_value_heads")}
     config = getattr(transformers, family.config)(**{**base, **family.kw})
-    return _save(transformers.AutoModelForCausalLM.from_config(config), directory, seed)
+    make = (transformers.AutoModel if name in TEXT_TOWERS  # a text tower has no causal-LM head
+            else transformers.AutoModelForCausalLM)
+    return _save(make.from_config(config), directory, seed)
 
 
 def _save(model, directory, seed):

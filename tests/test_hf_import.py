@@ -137,6 +137,8 @@ DISTINCT = {
     # Text only, MRoPE is the 1-D RoPE: its layouts are tests/test_mrope.py's.
     "qwen2_vl_text": [(0, {"rope_parameters": {"rope_theta": 500.0}})],
     "qwen3_vl_text": [(0, {"qk_norm": None})],
+    "qwen2_5_vl_text": [(0, {"rope_parameters": {"rope_theta": 500.0}})],
+    "qwen3_vl_moe_text": [(0, {"qk_norm": None})],
     "deepseek_v3": [(0, {"rope_interleaved": False}),
                     (0, {"rope_parameters": {"rope_theta": 500.0}})],
 }

@@ -231,6 +231,9 @@ FAMILIES: dict[str, Family] = {
     "stablelm": _llama_like("stablelm", _stablelm, to_extra=_per_head_norms_in,
                             from_extra=_per_head_norms_out),
     "qwen2_vl_text": _llama_like("qwen2_vl_text", _qwen2_vl_text),
+    "qwen2_5_vl_text": _llama_like("qwen2_5_vl_text", _qwen2_vl_text),  # Qwen2-VL's attention
     "qwen3_vl_text": _llama_like("qwen3_vl_text", _qwen3_vl_text,
                                  norms=("q_norm.weight", "k_norm.weight")),
+    "qwen3_vl_moe_text": _llama_like("qwen3_vl_moe_text", _qwen3_vl_text,  # Qwen3-VL's
+                                     norms=("q_norm.weight", "k_norm.weight")),
 }
