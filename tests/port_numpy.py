@@ -377,7 +377,9 @@ class GroupedQueryAttention(Module):
     def __call__(self, x, mask=None, *, query_seq_lengths=None, positions=None,
                  dropout_mask=None, return_weights=False):
         positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
-        if positions.ndim == 2:
+        if positions.ndim == x.ndim:  # multimodal RoPE: (3, B, L), one row per axis
+            positions = positions[..., None, :]  # (3, B, 1, L): the same for every head
+        elif positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
         q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.clip is not None:  # MPT's and OLMo's clip_qkv
@@ -390,8 +392,8 @@ class GroupedQueryAttention(Module):
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.rope_settings is not None:
-            q, k = (rope(t, self.rope_settings, self.rope_interleaved, positions)
-                    for t in (q, k))
+            q, k = (rope(t, self.rope_settings, self.rope_interleaved, positions,
+                         multi=positions.ndim == x.ndim + 1) for t in (q, k))
         if self.qk_norm == "l2":  # Llama 4: after RoPE, no weight
             q, k = self.norm(q, None), self.norm(k, None)
         if self.temperature is not None:  # 1 + β ln(1 + ⌊(p + shift) / F⌋) at position p
@@ -541,16 +543,28 @@ class MultiHeadLatentAttention(Module):
         return table
 
 
-def rope(x, settings, interleaved, positions):
+def rope(x, settings, interleaved, positions, multi=False):
     """Rotary embedding of x (..., L, Dh), token i at positions[..., i]: feature pair k of the first
     rd, (k, k + rd/2) or (2k, 2k + 1) when ``interleaved``, turns by i·f_k
     (golden.specification.positions' float64 frequencies, Hugging Face's rope_types), cos and sin
     times the attention factor; the other features pass. Angles, cos and sin in float64, rounded
-    once to x's dtype; the turn in x's dtype."""
-    dh = x.shape[-1]
-    rd = int(dh * dict(settings)["partial_rotary_factor"])
+    once to x's dtype; the turn in x's dtype. Proportional RoPE pairs the whole head (rd = Dh).
+    ``multi``: positions (3, ..., L), and pair k's angle is its axis's position times f_k: with
+    mrope_section (t, h, w), the first t pairs the temporal axis, the next h the height, the
+    last w the width; interleaved, pair k the height's when k % 3 == 1 and k < 3h, the width's
+    when k % 3 == 2 and k < 3w, else the temporal's."""
+    dh, s = x.shape[-1], dict(settings)
+    rd = dh if s["rope_type"] == "proportional" else int(dh * s["partial_rotary_factor"])
     f, m = rope_frequencies(settings, rd, int(positions.max()) + 1)
-    angles = positions[..., None] * f  # (L, rd/2), or (B, 1, L, rd/2)
+    angles = positions[..., None] * f  # (L, rd/2), or (B, 1, L, rd/2); ([3,] ...) with multi
+    if multi:
+        t, h, w = s["mrope_section"]
+        if s.get("mrope_interleaved"):
+            axis = [1 if k % 3 == 1 and k < 3 * h else 2 if k % 3 == 2 and k < 3 * w else 0
+                    for k in range(rd // 2)]
+        else:
+            axis = [0] * t + [1] * h + [2] * w
+        angles = np.stack([angles[axis[k], ..., k] for k in range(rd // 2)], axis=-1)
     cos, sin = (m * np.cos(angles)).astype(x.dtype), (m * np.sin(angles)).astype(x.dtype)
     x, rest = x[..., :rd], x[..., rd:]
     a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :rd // 2], x[..., rd // 2:])
