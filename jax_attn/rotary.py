@@ -15,6 +15,7 @@ import numpy as np
 from golden.specification.positions import (
     call_dependent,
     hf_inv_freq,
+    ROPE_BLOCK,
     mix_axes,
     rope_axes,
     rope_cos_sin,
@@ -40,8 +41,9 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     ``precision="exact"``: the angles are exact to a few roundings at any position: cos and sin
     come from float64 tables (golden.specification.positions.rope_tables, constants of the compiled
     program) for positions below ``max_position`` (static; default L, or the largest explicit
-    position + 1 when they are not traced); every position must be below it (a larger one reads a
-    clamped row). The rotation runs in at least float32 and is rounded once to x's dtype.
+    position + 1 when they are not traced); every position must be below it (one past the
+    tables' whole blocks of golden.specification.positions.ROPE_BLOCK, or below 0, gives NaN: a
+    loud error, never another angle). The rotation runs in at least float32 and is rounded once to x's dtype.
     ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and sin
     in float32, cast to x's dtype and applied in it), to match a port of it.
 
@@ -92,10 +94,14 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
                          stack=jnp.stack, concat=jnp.concatenate)
     compute = jnp.promote_types(x.dtype, jnp.float32)
 
+    # The tables hold whole blocks of ROPE_BLOCK positions: past them (or below 0) JAX's
+    # indexing would clamp, silently another angle, so such a position's cos and sin are NaN.
+    held = (positions >= 0) & (positions < -(-max_position // ROPE_BLOCK) * ROPE_BLOCK)
+
     def table_cos_sin(seq_len=None):
         tables = [jnp.asarray(t, dtype=compute)
                   for t in settings_tables(settings, rd, max_position, seq_len)]
-        return rope_cos_sin(tables, positions)
+        return (jnp.where(held[..., None], t, jnp.nan) for t in rope_cos_sin(tables, positions))
     cos, sin = table_cos_sin()  # default, or longrope's short factors
     if s["rope_type"] == "longrope":
         cos_long, sin_long = table_cos_sin(s["original_max_position_embeddings"] + 1)
