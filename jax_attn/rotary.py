@@ -42,8 +42,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     come from float64 tables (golden.specification.positions.rope_tables, constants of the compiled
     program) for positions below ``max_position`` (static; default L, or the largest explicit
     position + 1 when they are not traced); every position must be below it (one past the
-    tables' whole blocks of golden.specification.positions.ROPE_BLOCK, or below 0, gives NaN: a
-    loud error, never another angle). The rotation runs in at least float32 and is rounded once to x's dtype.
+    tables' whole blocks of golden.specification.positions.ROPE_BLOCK gives NaN: a loud error,
+    never another angle). The rotation runs in at least float32 and is rounded once to x's dtype.
     ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and sin
     in float32, cast to x's dtype and applied in it), to match a port of it.
 
@@ -94,9 +94,10 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
                          stack=jnp.stack, concat=jnp.concatenate)
     compute = jnp.promote_types(x.dtype, jnp.float32)
 
-    # The tables hold whole blocks of ROPE_BLOCK positions: past them (or below 0) JAX's
-    # indexing would clamp, silently another angle, so such a position's cos and sin are NaN.
-    held = (positions >= 0) & (positions < -(-max_position // ROPE_BLOCK) * ROPE_BLOCK)
+    # The tables hold whole blocks of ROPE_BLOCK positions: past them JAX's indexing would
+    # clamp, silently another angle, so such a position's cos and sin are NaN. (A negative one
+    # reads from the end in both twins, as Python's indexing does.)
+    held = positions < -(-max_position // ROPE_BLOCK) * ROPE_BLOCK
 
     def table_cos_sin(seq_len=None):
         tables = [jnp.asarray(t, dtype=compute)
