@@ -65,6 +65,11 @@ TEXT_TOWERS = {
         rope_parameters={"rope_type": "default", "rope_theta": 100.0,
                          "mrope_section": [1, 1, 1], "mrope_interleaved": True}),
         float32="Qwen3VLMoeTextRMSNorm"),
+    # GLM-4V: half of each head (D / N = 12) rotated, its pairs interleaved.
+    "glm4v_text": Family("Glm4vTextConfig", dict(
+        num_hidden_layers=1, hidden_size=N * 12, head_dim=12,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 1]})),
 }
 
 

@@ -139,6 +139,7 @@ DISTINCT = {
     "qwen3_vl_text": [(0, {"qk_norm": None})],
     "qwen2_5_vl_text": [(0, {"rope_parameters": {"rope_theta": 500.0}})],
     "qwen3_vl_moe_text": [(0, {"qk_norm": None})],
+    "glm4v_text": [(0, {"rope_interleaved": False})],
     "deepseek_v3": [(0, {"rope_interleaved": False}),
                     (0, {"rope_parameters": {"rope_theta": 500.0}})],
 }

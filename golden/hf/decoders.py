@@ -203,6 +203,12 @@ def _qwen2_vl_text(c, layer_idx, ours):
     _mrope([16, 24, 24], False)(c, layer_idx, ours)
 
 
+def _glm4v_text(c, layer_idx, ours):
+    ours["head_dim"] = c["hidden_size"] // c["num_attention_heads"]  # HF's attention's, always
+    ours["rope_interleaved"] = True  # GLM's pairs (2i, 2i + 1), on its rotary slice
+    _mrope([8, 12, 12], False)(c, layer_idx, ours)
+
+
 def _qwen3_vl_text(c, layer_idx, ours):
     _qwen3(c, layer_idx, ours)
     _mrope([24, 20, 20], True)(c, layer_idx, ours)
@@ -236,4 +242,5 @@ FAMILIES: dict[str, Family] = {
                                  norms=("q_norm.weight", "k_norm.weight")),
     "qwen3_vl_moe_text": _llama_like("qwen3_vl_moe_text", _qwen3_vl_text,  # Qwen3-VL's
                                      norms=("q_norm.weight", "k_norm.weight")),
+    "glm4v_text": _llama_like("glm4v_text", _glm4v_text),
 }
