@@ -70,6 +70,20 @@ TEXT_TOWERS = {
         num_hidden_layers=1, hidden_size=N * 12, head_dim=12,
         rope_parameters={"rope_type": "default", "rope_theta": 100.0,
                          "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 1]})),
+    # Qwen3.5's full-attention layer (layer 1; layer 0 is Gated DeltaNet): Qwen3-Next's
+    # attention, interleaved MRoPE on its rotary slice (4 of 6 features: pairs t, h).
+    **{mt: Family(config, dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+        linear_value_head_dim=4, **moe,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "partial_rotary_factor": 0.67, "mrope_section": [1, 1, 0]}),
+        layers=(1,), float32=norm)
+       for mt, config, norm, moe in [
+           ("qwen3_5_text", "Qwen3_5TextConfig", "Qwen3_5RMSNorm", {}),
+           ("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeRMSNorm",
+            dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                 shared_expert_intermediate_size=8))]},
 }
 
 

@@ -140,6 +140,8 @@ DISTINCT = {
     "qwen2_5_vl_text": [(0, {"rope_parameters": {"rope_theta": 500.0}})],
     "qwen3_vl_moe_text": [(0, {"qk_norm": None})],
     "glm4v_text": [(0, {"rope_interleaved": False})],
+    "qwen3_5_text": [(1, {"output_gate": False}), (1, {"qk_norm": None})],
+    "qwen3_5_moe_text": [(1, {"output_gate": False})],
     "deepseek_v3": [(0, {"rope_interleaved": False}),
                     (0, {"rope_parameters": {"rope_theta": 500.0}})],
 }

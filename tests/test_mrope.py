@@ -246,16 +246,18 @@ def tower_positions():
 
 
 def _tower(name, rng, **kw):
-    """HF's tiny text tower, its layer 0's captured input and output with tower_positions(),
-    and our configuration of it (rope_precision "hf")."""
+    """HF's tiny text tower, its attention layer's (the family's first layer's) captured input
+    and output with tower_positions(), the call, our configuration of it (rope_precision "hf"),
+    and the layer's index."""
     family = TOWERS[name]
+    layer = family.layers[0]
     config, model = build_model(family, rng)
     calls = {}
-    seen = captured(family, model, (0,), rng.integers(0, BASE["vocab_size"], (HB, HL)),
+    seen = captured(family, model, (layer,), rng.integers(0, BASE["vocab_size"], (HB, HL)),
                     position_ids=torch.from_numpy(tower_positions()), calls=calls, **kw)
-    converted = golden.convert.from_hf(config, state_dict(attention_of(family, model, 0)),
-                                       rope_precision="hf")
-    return family, model, seen[0], calls[0], converted
+    converted = golden.convert.from_hf(config, state_dict(attention_of(family, model, layer)),
+                                       layer_idx=layer, rope_precision="hf")
+    return family, model, seen[layer], calls[layer], converted, layer
 
 
 def _bound(family, twin):
@@ -267,7 +269,7 @@ def _bound(family, twin):
 @pytest.mark.parametrize("name", list(TOWERS))
 def test_text_tower_layer_with_an_images_positions_equals_hfs(name, twin):
     rng, seed = fresh_rng()
-    family, _, (x, expected), _, (variant, ours, params) = _tower(name, rng)
+    family, _, (x, expected), _, (variant, ours, params), _ = _tower(name, rng)
     positions = tower_positions()
     with twin.float64():
         module = twin.build(variant, ours, params)
@@ -284,7 +286,7 @@ def test_text_tower_prefill_and_decode_with_3d_positions(name, twin):
     """The first 4 tokens in one call, then one at a time, each call given its tokens'
     (3, B, n) positions: every output equals HF's full forward's."""
     rng, seed = fresh_rng()
-    family, _, (x, expected), _, (variant, ours, params) = _tower(name, rng)
+    family, _, (x, expected), _, (variant, ours, params), _ = _tower(name, rng)
     positions = tower_positions()
     with twin.float64():
         module = twin.build(variant, ours, params)
@@ -304,13 +306,14 @@ def test_text_tower_input_gradient_equals_hfs(name):
     """dL/dx of Σ out ⊙ dO: HF's attention called again as the model called it (its position
     embeddings of the image's positions), against the torch twin's."""
     rng, seed = fresh_rng()
-    family, model, (x, expected), (args, kwargs), (variant, ours, params) = _tower(
+    family, model, (x, expected), (args, kwargs), (variant, ours, params), layer = _tower(
         name, rng, use_cache=False)
     d_out = rng.standard_normal(expected.shape)
     xt = torch.from_numpy(x.copy()).requires_grad_()
     kwargs = dict(kwargs, hidden_states=xt) if "hidden_states" in kwargs else kwargs
     args = args if "hidden_states" in kwargs else (xt,) + tuple(args[1:])
-    (attention_of(family, model, 0)(*args, **kwargs)[0] * torch.from_numpy(d_out)).sum().backward()
+    hf = attention_of(family, model, layer)
+    (hf(*args, **kwargs)[0] * torch.from_numpy(d_out)).sum().backward()
     twin = TWINS["torch"]
     with twin.float64():
         module = twin.build(variant, ours, params)
@@ -326,7 +329,7 @@ def test_module_positions_are_checked():
     """A module without MRoPE takes (B, L) only; with it, (3, B, L) too, but not beside a query
     temperature; the reference refuses the same."""
     rng, _ = fresh_rng()
-    *_, (variant, ours, params) = _tower("qwen2_vl_text", rng)
+    *_, (variant, ours, params), _ = _tower("qwen2_vl_text", rng)
     twin = TWINS["torch"]
     x = torch.zeros(HB, HL, ours["d_in"], dtype=torch.float64)
     with twin.float64():

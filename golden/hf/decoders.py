@@ -128,12 +128,32 @@ def _sinks_out(params, ours, sd):
     return sd
 
 
-def _qwen3_next(c, layer_idx, ours):
-    if _layer_type(c, layer_idx) != "full_attention":
-        raise ValueError(f"model_type 'qwen3_next': layer {layer_idx} is a "
-                         f"{_layer_type(c, layer_idx)!r} layer (Gated DeltaNet, not softmax "
-                         f"attention); only its full_attention layers convert")
-    ours.update(qk_norm="rms_one_plus", qk_norm_eps=float(c["rms_norm_eps"]), output_gate=True)
+def _gated_full_attention(mt):
+    """Qwen3-Next's attention (its full_attention layers: (1 + w) QK norms, the output gate in
+    q_proj); its linear_attention layers refused by name."""
+
+    def extra(c, layer_idx, ours):
+        if _layer_type(c, layer_idx) != "full_attention":
+            raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a "
+                             f"{_layer_type(c, layer_idx)!r} layer (Gated DeltaNet, not softmax "
+                             f"attention); only its full_attention layers convert")
+        ours.update(qk_norm="rms_one_plus", qk_norm_eps=float(c["rms_norm_eps"]),
+                    output_gate=True)
+    return extra
+
+
+_qwen3_next = _gated_full_attention("qwen3_next")
+
+
+def _qwen3_5(mt):
+    """Qwen3.5's full_attention layers: Qwen3-Next's attention with Qwen3-VL's interleaved
+    MRoPE ([11, 11, 10] by default) on its rotary slice."""
+    gated = _gated_full_attention(mt)
+
+    def extra(c, layer_idx, ours):
+        gated(c, layer_idx, ours)
+        _mrope([11, 11, 10], True)(c, layer_idx, ours)
+    return extra
 
 
 def _gate_split(sd, ours, params):
@@ -243,4 +263,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl_moe_text": _llama_like("qwen3_vl_moe_text", _qwen3_vl_text,  # Qwen3-VL's
                                      norms=("q_norm.weight", "k_norm.weight")),
     "glm4v_text": _llama_like("glm4v_text", _glm4v_text),
+    **{mt: _llama_like(mt, _qwen3_5(mt), norms=("q_norm.weight", "k_norm.weight"),
+                       to_extra=_gate_split, from_extra=_gate_join)
+       for mt in ("qwen3_5_text", "qwen3_5_moe_text")},
 }
