@@ -348,3 +348,21 @@ def test_module_positions_are_checked():
         with pytest.raises(ValueError, match=r"with query_temperature: no family says which "
                                              r"axis"):
             warm(x, positions=torch.from_numpy(tower_positions()))
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl_text", "qwen3_vl_text"])
+def test_a_config_json_of_before_transformers_5_converts_alike(name):
+    """Qwen2-VL's published config.json: θ at the top, the section in rope_scaling ({"type":
+    "mrope", ...}), no rope_parameters: the same RoPE settings as transformers 5's form."""
+    rng, _ = fresh_rng()
+    family = TOWERS[name]
+    config, model = build_model(family, rng)
+    new = config.to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old.update(rope_theta=new["rope_parameters"]["rope_theta"],
+               rope_scaling={"type": "mrope",
+                             "mrope_section": new["rope_parameters"]["mrope_section"]})
+    sd = state_dict(attention_of(family, model, family.layers[0]))
+    settings = [rope_settings(None, golden.convert.from_hf(c, sd)[1]["rope_parameters"])
+                for c in (old, new)]
+    assert settings[0] == settings[1] and dict(settings[0])["mrope_section"] == (1, 1, 1)

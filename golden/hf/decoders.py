@@ -211,10 +211,15 @@ def _mrope(section, interleaved):
     whatever the config says (HF's Qwen3-VL always interleaves, Qwen2-VL never)."""
 
     def extra(c, layer_idx, ours):
-        given = c.get("rope_parameters") or {}
-        ours["rope_parameters"]["mrope_section"] = list(given.get("mrope_section", section))
+        # A config.json of before transformers 5 keeps θ at the top and the section in
+        # rope_scaling ({"type": "mrope", "mrope_section": ...}).
+        given = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if "rope_parameters" not in ours:
+            ours["rope_parameters"] = {"rope_theta": ours.pop("rope_theta")}
+        rope = ours["rope_parameters"]
+        rope["mrope_section"] = list(given.get("mrope_section", section))
         if interleaved:
-            ours["rope_parameters"]["mrope_interleaved"] = True
+            rope["mrope_interleaved"] = True
     return extra
 
 
