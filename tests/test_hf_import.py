@@ -357,3 +357,24 @@ def test_input_gradient_through_the_torch_twin_equals_hfs(name):
             (module(ours_x) * torch.from_numpy(d_out)).sum().backward()
         error = rel(ours_x.grad.numpy(), xt.grad.numpy())
         assert error <= _bound(family, twin, ours, "hf"), (name, i, error, seed)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # llama3 and yarn
+def test_a_config_json_of_before_transformers_5_converts_alike(name):
+    """Published config.json files of before transformers 5 keep θ at the top and the scaling
+    in ``rope_scaling`` (its kind under "type" or "rope_type"): read as transformers 5 reads
+    them, the same RoPE settings as the 5.x form, not the scaling dropped."""
+    from golden.specification.validate import rope_settings
+
+    family = FAMILIES[name]
+    rng, _ = fresh_rng()
+    config, model = build_model(family, rng)
+    new = config.to_dict()
+    rope = dict(new["rope_parameters"])
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old.update(rope_theta=rope.pop("rope_theta"), rope_scaling=dict(rope, type=rope.pop(
+        "rope_type")))
+    sd = state_dict(attention_of(family, model, family.layers[0]))
+    settings = [rope_settings(None, golden.convert.from_hf(c, sd, layer_idx=family.layers[0])[1]
+                              ["rope_parameters"]) for c in (old, new)]
+    assert settings[0] == settings[1] and dict(settings[0])["rope_type"] != "default", name

@@ -171,6 +171,8 @@ def _rope(c, layer_type, mt) -> dict:
     puts them), original_max_position_embeddings filled from max_position_embeddings where the
     type needs it and HF falls back to it; a per-layer-type dict (Gemma 3) resolved."""
     rope = c.get("rope_parameters")
+    if rope is None and isinstance(c.get("rope_scaling"), Mapping):
+        rope = _legacy_rope(c)
     if rope is None:
         theta = c.get("rope_theta")
         return {} if theta is None else {"rope_theta": float(theta)}
@@ -190,6 +192,21 @@ def _rope(c, layer_type, mt) -> dict:
     for name in MROPE_FIELDS:  # read by HF's multimodal families only; none is one of these
         rope.pop(name, None)
     return {"rope_parameters": rope}
+
+
+def _legacy_rope(c) -> dict:
+    """rope_parameters from a config.json of before transformers 5, as transformers 5 reads it:
+    its ``rope_scaling`` dict, "type" renamed "rope_type" (default "default"), θ from the
+    top-level ``rope_theta``; the vision-language configs' "mrope" type is "default" with its
+    mrope_section (Qwen2VLTextConfig's own rule)."""
+    rope = dict(c["rope_scaling"])
+    kind = rope.pop("type", None)
+    rope.setdefault("rope_type", kind or "default")
+    if rope["rope_type"] == "mrope":
+        rope["rope_type"] = "default"
+    if c.get("rope_theta") is not None:
+        rope.setdefault("rope_theta", c["rope_theta"])
+    return rope
 
 
 # Multimodal RoPE's fields (golden.specification.validate.MROPE_FIELDS): Hugging Face's 1-D
