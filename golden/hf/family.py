@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from golden.specification.mapping import _numpy
+from golden.specification.validate import MROPE_FIELDS
 
 GQA = "grouped_query_attention"
 ROLES = ("query", "key", "value", "out")
@@ -189,8 +190,8 @@ def _rope(c, layer_type, mt) -> dict:
         rope["original_max_position_embeddings"] = int(source)
     if "partial_rotary_factor" not in rope and c.get("partial_rotary_factor") is not None:
         rope["partial_rotary_factor"] = c["partial_rotary_factor"]
-    for name in MROPE_FIELDS:  # read by HF's multimodal families only; none is one of these
-        rope.pop(name, None)
+    for name in MROPE_FIELDS:  # HF's 1-D families ignore them where a config carries them;
+        rope.pop(name, None)  # a multimodal family's entry puts them back (decoders._mrope)
     return {"rope_parameters": rope}
 
 
@@ -207,12 +208,6 @@ def _legacy_rope(c) -> dict:
     if c.get("rope_theta") is not None:
         rope.setdefault("rope_theta", c["rope_theta"])
     return rope
-
-
-# Multimodal RoPE's fields (golden.specification.validate.MROPE_FIELDS): Hugging Face's 1-D
-# families (Qwen2's rotary embedding, say) ignore them where a config carries them, and so does
-# their conversion here.
-MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
 
 
 def variants_rope_types() -> tuple:

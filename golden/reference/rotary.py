@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from golden.specification import exact
-from golden.specification.positions import hf_inv_freq, rope_axes
+from golden.specification.positions import hf_inv_freq, proportional_pairs, rope_axes
 from golden.reference.arithmetic import number, number_type, real
 from golden.specification.validate import rope_settings, rotary_dims
 
@@ -75,8 +75,7 @@ def rope_frequencies(settings, rd, seq_len=None):
         m = (number(s["attention_factor"]) if s["attention_factor"] is not None
              else one if factor <= 1 else np.sqrt(one + np.log(factor) / np.log(number(l0))))
     elif kind == "proportional":  # rd = Dh: pair i turns when i < ⌊p · Dh / 2⌋, else not
-        turning = int(s["partial_rotary_factor"] * rd // 2)
-        f = np.where(np.arange(rd // 2) < turning, f, number(0)) / factor
+        f = np.where(np.arange(rd // 2) < proportional_pairs(s, rd), f, number(0)) / factor
     return f, m
 
 

@@ -211,7 +211,7 @@ def check_rotary(x, theta, rope_parameters=None, partial_rotary_factor=1.0, prec
         fits = _positions_fit(shape[1:] if axes else shape, lead, length)
         if not fits or dtype_name(positions.dtype) not in ("int32", "int64", "int16", "uint8"):
             forms = "(L,), (B, L) or (..., L)"
-            if settings is not None and "mrope_section" in dict(settings):
+            if has_mrope(settings):
                 forms += f", or ({MROPE_AXES}, ...) of these (multimodal RoPE)"
             raise ValueError(f"positions should be integers shaped {forms} against x's "
                              f"{lead + (length, x.shape[-1])} (L = {length}), got "
@@ -239,8 +239,7 @@ def multi_axis(settings, positions, x_shape) -> bool:
     every axis is the token's position. ValueError when both readings fit (positions (3, L)
     against x (3, H, L, Dh): three rows' positions, or one row's three axes?)."""
     shape = tuple(positions.shape)
-    if settings is None or "mrope_section" not in dict(settings) or len(shape) < 2 \
-            or shape[0] != MROPE_AXES:
+    if not has_mrope(settings) or len(shape) < 2 or shape[0] != MROPE_AXES:
         return False
     lead, length = tuple(x_shape[:-2]), x_shape[-2]
     if len(lead) == 2 and shape[1:] == (lead[0], length):
