@@ -18,6 +18,7 @@ from golden.specification.positions import (
     ROPE_BLOCK,
     mix_axes,
     rope_axes,
+    rope_blocks,
     rope_cos_sin,
     rope_turn,
     settings_tables,
@@ -58,7 +59,9 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     ``positions`` may hold one row per axis, (3, B, L) (Hugging Face's position ids) or (3, ...)
     of any form above; pair i turns by the position of its axis
     (golden.specification.positions.rope_axes). Positions of one axis (or none) are every
-    axis's: the 1-D RoPE.
+    axis's: the 1-D RoPE. Axial RoPE (``rope_type="axial"``, vision towers) likewise takes
+    (A, B, L), A = ``axial_axes`` (the patch's row and column): its sections, frequencies and
+    pairing are golden.specification.positions' rope_axes, axial_exponents and rope_blocks.
     """
     settings = check_rotary(x, theta, rope_parameters, partial_rotary_factor, precision,
                             positions)
@@ -91,7 +94,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
         if multi:
             cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
         return rope_turn(x, cos.astype(x.dtype), sin.astype(x.dtype), interleaved,
-                         stack=jnp.stack, concat=jnp.concatenate)
+                         stack=jnp.stack, concat=jnp.concatenate, blocks=rope_blocks(settings))
     compute = jnp.promote_types(x.dtype, jnp.float32)
 
     # The tables hold whole blocks of ROPE_BLOCK positions: past them JAX's indexing would
@@ -113,11 +116,11 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     if multi:
         cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
     return rope_turn(x.astype(compute), cos, sin, interleaved, stack=jnp.stack,
-                     concat=jnp.concatenate).astype(x.dtype)
+                     concat=jnp.concatenate, blocks=rope_blocks(settings)).astype(x.dtype)
 
 
 def _mix(values, settings, rd):
-    """(..., L, rd/2) of each axis's (3, ..., L, rd/2): pair i from its axis (mix_axes)."""
+    """(..., L, rd/2) of each axis's (A, ..., L, rd/2): pair i from its axis (mix_axes)."""
     return mix_axes(values, rope_axes(settings, rd),
                     lambda a: jnp.asarray(a, dtype=values.dtype))
 

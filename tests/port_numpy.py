@@ -552,12 +552,17 @@ def rope(x, settings, interleaved, positions, multi=False):
     ``multi``: positions (3, ..., L), and pair k's angle is its axis's position times f_k: with
     mrope_section (t, h, w), the first t pairs the temporal axis, the next h the height, the
     last w the width; interleaved, pair k the height's when k % 3 == 1 and k < 3h, the width's
-    when k % 3 == 2 and k < 3w, else the temporal's."""
+    when k % 3 == 2 and k < 3w, else the temporal's; axial (rope_type "axial"), A equal
+    sections of pairs, section a the axis a's, each axis's block of features turned alone with
+    axial_pairs "blocks"."""
     dh, s = x.shape[-1], dict(settings)
     rd = dh if s["rope_type"] == "proportional" else int(dh * s["partial_rotary_factor"])
     f, m = rope_frequencies(settings, rd, int(positions.max()) + 1)
     angles = positions[..., None] * f  # (L, rd/2), or (B, 1, L, rd/2); ([3,] ...) with multi
-    if multi:
+    if multi and s["rope_type"] == "axial":  # A equal sections, section a turned by axis a
+        axis = [k // (rd // 2 // s["axial_axes"]) for k in range(rd // 2)]
+        angles = np.stack([angles[axis[k], ..., k] for k in range(rd // 2)], axis=-1)
+    elif multi:
         t, h, w = s["mrope_section"]
         if s.get("mrope_interleaved"):
             axis = [1 if k % 3 == 1 and k < 3 * h else 2 if k % 3 == 2 and k < 3 * w else 0
@@ -567,11 +572,23 @@ def rope(x, settings, interleaved, positions, multi=False):
         angles = np.stack([angles[axis[k], ..., k] for k in range(rd // 2)], axis=-1)
     cos, sin = (m * np.cos(angles)).astype(x.dtype), (m * np.sin(angles)).astype(x.dtype)
     x, rest = x[..., :rd], x[..., rd:]
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :rd // 2], x[..., rd // 2:])
+    if s.get("axial_pairs") == "blocks":  # Gemma 4: each axis's block of rd/A turned alone
+        n = rd // 2 // s["axial_axes"]
+        return np.concatenate([_turn(x[..., 2 * n * a:2 * n * (a + 1)],
+                                     cos[..., n * a:n * (a + 1)], sin[..., n * a:n * (a + 1)],
+                                     interleaved) for a in range(s["axial_axes"])] + [rest],
+                              axis=-1)
+    return np.concatenate([_turn(x, cos, sin, interleaved), rest], axis=-1)
+
+
+def _turn(x, cos, sin, interleaved):
+    """x's pairs, (k, k + w/2) or (2k, 2k + 1), turned by (cos, sin)."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
     turned = (a * cos - b * sin, b * cos + a * sin)
     if interleaved:
-        return np.concatenate([np.stack(turned, axis=-1).reshape(x.shape), rest], axis=-1)
-    return np.concatenate([*turned, rest], axis=-1)
+        return np.stack(turned, axis=-1).reshape(x.shape)
+    return np.concatenate(turned, axis=-1)
 
 
 MODULES = {

@@ -210,7 +210,7 @@ def test_jax_under_jit_with_traced_positions():
     ({"mrope_interleaved": "yes"}, None, r"mrope_interleaved'\] should be True or False"),
     ({"mrope_section": None, "mrope_interleaved": True}, None,
      r"mrope_interleaved'\] needs mrope_section"),
-    ({}, np.zeros((4, B, L), np.int64), r"positions should be integers shaped .*multimodal"),
+    ({}, np.zeros((4, B, L), np.int64), r"positions should be integers shaped .*one row per position axis"),
     ({}, np.zeros((3, L), np.int64)[None].repeat(3, 0)[:, :, None],
      r"positions should be integers shaped"),
 ])
@@ -335,8 +335,8 @@ def test_module_positions_are_checked():
     with twin.float64():
         module = twin.build(variant, ours, params)
         with pytest.raises(ValueError, match=r"positions shape should be \(B, L\) = \(2, 9\) "
-                                             r"or \(3, B, L\) = \(3, 2, 9\) \(multimodal RoPE\), "
-                                             r"got \(4, 2, 9\)"):
+                                             r"or \(3, B, L\) = \(3, 2, 9\) \(one row per "
+                                             r"position axis\), got \(4, 2, 9\)"):
             module(x, positions=torch.zeros(4, HB, HL, dtype=torch.int64))
         plain = twin.build(variant, {k: v for k, v in ours.items() if k != "rope_parameters"},
                            params)

@@ -355,7 +355,7 @@ def test_reference_hf_precision_is_hf_float32(twin):
 BAD = [
     (dict(rope_parameters={"rope_type": "ntk"}),
      r"rope_parameters\['rope_type'\] should be one of default, linear, dynamic, llama3, "
-     r"yarn, longrope, proportional, got 'ntk'"),
+     r"yarn, longrope, proportional, axial, got 'ntk'"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "beta": 1}),
      r"rope_parameters has an unknown field 'beta' for rope_type 'linear'; it takes "
      r"rope_type, rope_theta, partial_rotary_factor, factor"),

@@ -15,6 +15,7 @@ from golden.specification.positions import (
     hf_inv_freq,
     mix_axes,
     rope_axes,
+    rope_blocks,
     rope_cos_sin,
     rope_turn,
     settings_tables,
@@ -49,7 +50,9 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     ``positions`` may hold one row per axis, (3, B, L) (Hugging Face's position ids) or (3, ...)
     of any form above; pair i turns by the position of its axis
     (golden.specification.positions.rope_axes). Positions of one axis (or none) are every
-    axis's: the 1-D RoPE.
+    axis's: the 1-D RoPE. Axial RoPE (``rope_type="axial"``, vision towers) likewise takes
+    (A, B, L), A = ``axial_axes`` (the patch's row and column): its sections, frequencies and
+    pairing are golden.specification.positions' rope_axes, axial_exponents and rope_blocks.
     """
     settings = check_rotary(x, theta, rope_parameters, partial_rotary_factor, precision,
                             positions)
@@ -76,7 +79,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
         if multi:
             cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
         return rope_turn(x, cos.to(x.dtype), sin.to(x.dtype), interleaved, stack=torch.stack,
-                         concat=torch.cat)
+                         concat=torch.cat, blocks=rope_blocks(settings))
     compute = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
     tables = [torch.tensor(t, dtype=compute, device=x.device)  # a copy: the tables are shared
               for t in settings_tables(settings, rd, max_position, seq_len)]
@@ -84,11 +87,11 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     if multi:
         cos, sin = (_mix(t, settings, rd) for t in (cos, sin))
     return rope_turn(x.to(compute), cos, sin, interleaved, stack=torch.stack,
-                     concat=torch.cat).to(x.dtype)
+                     concat=torch.cat, blocks=rope_blocks(settings)).to(x.dtype)
 
 
 def _mix(values, settings, rd):
-    """(..., L, rd/2) of each axis's (3, ..., L, rd/2): pair i from its axis (mix_axes)."""
+    """(..., L, rd/2) of each axis's (A, ..., L, rd/2): pair i from its axis (mix_axes)."""
     return mix_axes(values, rope_axes(settings, rd),
                     lambda a: torch.as_tensor(a, dtype=values.dtype, device=values.device))
 

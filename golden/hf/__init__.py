@@ -27,12 +27,13 @@ The rooms of the importer, each importing only those above it (NumPy only):
     encoders   encoders, encoder-decoders (``Kinds``) and vision towers (BERT, ViT, CLIP,
                SigLIP, Whisper, BART, T5); ``COMPOSITES``, CLIP's and SigLIP's towers
     latent     multi-head latent attention (DeepSeek-V3)
+    vision     vision towers with axial 2-D RoPE (Qwen-VL and kin, Pixtral, Llama 4)
     convert    ``FAMILIES`` (the kinds' tables), the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
 table added to ``convert.FAMILIES``): how it converts, and what the checkpoint verifier needs,
 which reads it from the entry (``Family``'s ``stacks``, ``hf_float64``, ``model_class``,
-``own_index``; a ``Kinds``' own).
+``own_index``, ``unverified``; a ``Kinds``' own).
 
 The checkpoint verifier (``attn-parity hf DIR``), which imports the twins and transformers, is
 a room of its own above the harness: ``golden.verifier``; its ``layout`` derives its tables

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from golden.specification import variants
-from golden.hf import decoders, encoders, fused, latent
+from golden.hf import decoders, encoders, fused, latent, vision
 from golden.hf.family import Family, HFConfig, Kinds, _as_dict
 from golden.specification.mapping import _numpy
 
@@ -29,7 +29,8 @@ def _tables(*tables) -> dict:
 
 # model_type -> Family, or Kinds for a model_type with several attentions (an encoder-decoder)
 FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
-                                              encoders.FAMILIES, latent.FAMILIES)
+                                              encoders.FAMILIES, latent.FAMILIES,
+                                              vision.FAMILIES)
 
 
 # ---- the family lookup --------------------------------------------------------------------------

@@ -104,7 +104,9 @@ class Family:
     ``model_class``: the transformers class (a name, e.g. "SiglipTextModel") that builds the
     model of a config AutoModel does not take; None: AutoModel's;
     ``own_index``: the HF module reads its index in the whole model beyond layer_types (GPT-2):
-    in the verifier's one-layer model it is built again with the layer's own index."""
+    in the verifier's one-layer model it is built again with the layer's own index;
+    ``unverified``: why the verifier does not check this family yet (it refuses a checkpoint of
+    it with this reason), None when it does."""
 
     variant: str
     settings: Callable
@@ -115,6 +117,7 @@ class Family:
     hf_float64: bool = False
     model_class: str | None = None
     own_index: bool = False
+    unverified: str | None = None
 
 
 class Kinds(dict):
@@ -135,6 +138,7 @@ class Kinds(dict):
         self.hf_float64 = hf_float64
         self.model_class = model_class
         self.own_index = own_index
+        self.unverified = None
 
 
 # ---- the configuration --------------------------------------------------------------------------

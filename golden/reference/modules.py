@@ -21,6 +21,7 @@ from golden.reference.block import block_backward, block_forward
 from golden.reference.core import sdpa_backward, sdpa_forward
 from golden.reference.position_bias import alibi_term, relative_term
 from golden.reference.rotary import rope_cos_sin
+from golden.specification.positions import rope_blocks
 from golden.reference.stages import (qk_norm_stage, rope_stage, temperature_factors,
                                       temperature_stage)
 from golden.specification.validate import rope_settings
@@ -124,13 +125,14 @@ def _grouped_query(config, inputs, params):
                              c["rope_precision"])
     positions = inputs.get("positions")  # (B, L) or (L,): each token's, default its index;
     positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
-    multi = positions.ndim == x.ndim  # (3, B, L) or (3, L): a multimodal RoPE's axes
+    multi = positions.ndim == x.ndim  # (A, B, L) or (A, L): a multimodal or axial RoPE's axes
     if multi and c.get("query_temperature") is not None:
         raise ValueError("a query temperature with multimodal positions: which axis scales it?")
     heads_axis = (slice(None), None) if positions.ndim - multi == 2 else ()  # (B, L) -> (B, 1, L)
     if settings is not None:
         cos, sin = rope_cos_sin(settings, dh, positions, multi)  # (..., L, rd/2)
-        stages.append(rope_stage(cos[heads_axis], sin[heads_axis], c["rope_interleaved"]))
+        stages.append(rope_stage(cos[heads_axis], sin[heads_axis], c["rope_interleaved"],
+                                 rope_blocks(settings)))
     if kind == "l2":  # Llama 4: after RoPE
         stages.append(norm)
     if c.get("query_temperature") is not None:

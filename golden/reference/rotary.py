@@ -48,6 +48,8 @@ def rope_frequencies(settings, rd, seq_len=None):
                   attention_factor or √(1 + ln s / ln L0)
         proportional  rd = Dh (the whole head): f_i / s for i < ⌊p · Dh / 2⌋ (p the rotary
                   fraction), 0 beyond
+        axial     A sections of n = rd/2A pairs (one per position axis): section a's pair m
+                  θ^(−2(A·m + o_a)/rd), o_a = 0 ("shared"), or a ("split": Pixtral)
     with s the factor, L0 original_max_position_embeddings, seq the call's largest position
     + 1. Float64, or exact inside exact_arithmetic()."""
     s = dict(settings)
@@ -76,6 +78,12 @@ def rope_frequencies(settings, rd, seq_len=None):
              else one if factor <= 1 else np.sqrt(one + np.log(factor) / np.log(number(l0))))
     elif kind == "proportional":  # rd = Dh: pair i turns when i < ⌊p · Dh / 2⌋, else not
         f = np.where(np.arange(rd // 2) < proportional_pairs(s, rd), f, number(0)) / factor
+    elif kind == "axial":  # section a = i // n (n = rd/2A), m = i % n: θ^(−2(A·m + o_a)/rd)
+        n = rd // 2 // s["axial_axes"]
+        k = s["axial_axes"] * (np.arange(rd // 2) % n)
+        if s["axial_frequencies"] == "split":  # the 1-D frequencies dealt to the axes in turn
+            k = k + np.arange(rd // 2) // n
+        f = _power(theta, -(2 * k / number(rd)))
     return f, m
 
 
@@ -140,12 +148,19 @@ def rope_cos_sin(settings, head_dim, positions, multi=False):
     return cos, sin
 
 
-def turn(x, cos, sin, interleaved):
+def turn(x, cos, sin, interleaved, blocks=1):
     """The first rd = 2 · cos.shape[-1] features of x (..., L, Dh) turned pair by pair by
     (cos, sin) (..., L, rd/2): the pair (i, i + rd/2) ("rotate half", interleaved=False) or
     (2i, 2i + 1) (interleaved=True), (a, b) -> (a cos − b sin, b cos + a sin); the other
-    Dh − rd features passed through (partial rotary)."""
+    Dh − rd features passed through (partial rotary). ``blocks`` k > 1 (an axial RoPE's
+    "blocks" pairing, Gemma 4): block b of the rd features, rd/k wide, turned alone by pairs
+    b·rd/2k … (b + 1)·rd/2k − 1, paired within itself the same way."""
     half = cos.shape[-1]
+    if blocks > 1:
+        width, n = 2 * half // blocks, half // blocks
+        parts = [turn(x[..., b * width:(b + 1) * width], cos[..., b * n:(b + 1) * n],
+                      sin[..., b * n:(b + 1) * n], interleaved) for b in range(blocks)]
+        return np.concatenate(parts + [x[..., 2 * half:]], axis=-1)
     rot, rest = x[..., :2 * half], x[..., 2 * half:]
     a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
     turned = (a * cos - b * sin, b * cos + a * sin)

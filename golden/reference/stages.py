@@ -15,14 +15,14 @@ from golden.reference.core import unbroadcast
 from golden.reference.rotary import turn
 
 
-def rope_stage(cos, sin, interleaved) -> Stage:
-    """RoPE on q and k by (cos, sin) (..., L, rd/2), the attention factor in both (turn); the
-    transpose of a rotation turns by the opposite angle, times the same factor, and the
-    pass-through features' is the identity."""
-    return Stage(lambda q, k: (turn(q, cos, sin, interleaved), turn(k, cos, sin, interleaved),
-                               None),
-                 lambda s, g_q, g_k: (turn(g_q, cos, -sin, interleaved),
-                                      turn(g_k, cos, -sin, interleaved), {}))
+def rope_stage(cos, sin, interleaved, blocks=1) -> Stage:
+    """RoPE on q and k by (cos, sin) (..., L, rd/2), the attention factor in both (turn, its
+    pairs in ``blocks``); the transpose of a rotation turns by the opposite angle, times the
+    same factor, and the pass-through features' is the identity."""
+    def rotate(t, s):
+        return turn(t, cos, s, interleaved, blocks)
+    return Stage(lambda q, k: (rotate(q, sin), rotate(k, sin), None),
+                 lambda s, g_q, g_k: (rotate(g_q, -sin), rotate(g_k, -sin), {}))
 
 
 # QK normalisation: y = x̂ · w with x̂ = (x − μ) r, r = (mean((x − μ)²) + ε)^(−1/2) over the last

@@ -403,6 +403,43 @@ CASES += [
                               "partial_rotary_factor": 0.25, "factor": 2.0}}),
 ]
 
+# Axial 2-D RoPE of vision towers (issue 41): positions (2, B, L), each patch's row and column;
+# row 0 two images packed, 2 × 3 then 2 × 2 patches, under their block-diagonal mask (HF's
+# cu_seqlens), row 1 one image of 2 × 5: Qwen-VL's shared frequencies (rotate-half over the
+# head), Pixtral's split ones, Gemma 4's blocks (each axis rotate-half in its half of the head,
+# with its QK norms and scale 1), Llama 4's interleaved pairs at (column + 1, row + 1) with its
+# class token, last, at (0, 0).
+_AXIAL_POSITIONS = _ints([[[0, 0, 0, 1, 1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]],
+                          [[0, 1, 2, 0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]]])
+_TWO_IMAGES = ("values", [[[i < 6] * 6 + [i >= 6] * 4 for i in range(10)], [[True] * 10] * 10],
+               "bool")
+_LLAMA4_POSITIONS = _ints([[[1, 2, 3, 1, 2, 3, 1, 2, 3, 0]] * 2,
+                           [[1, 1, 1, 2, 2, 2, 3, 3, 3, 0]] * 2])
+CASES += [
+    Case("gqa_axial_qwen_vl_two_images", GQA, 445,
+         {"x": ("normal", (2, 10, 5)), "positions": _AXIAL_POSITIONS, "mask": _TWO_IMAGES},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 4, "head_dim": 12, "d_out": 3,
+          "qkv_bias": True, "out_bias": True, "causal": False,
+          "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}),
+    Case("gqa_axial_pixtral_split", GQA, 446,
+         {"x": ("normal", (2, 10, 6)), "positions": _AXIAL_POSITIONS, "mask": _TWO_IMAGES},
+         {"d_in": 6, "num_heads": 2, "num_kv_heads": 2, "head_dim": 12, "d_out": 6,
+          "causal": False,
+          "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0,
+                              "axial_frequencies": "split"}}),
+    Case("gqa_axial_gemma4_blocks", GQA, 447,
+         {"x": ("normal", (2, 10, 5)), "positions": _AXIAL_POSITIONS, "mask": _TWO_IMAGES},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 12, "d_out": 4,
+          "causal": False, "qk_norm": "rms", "scale": 1.0,
+          "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0,
+                              "axial_pairs": "blocks"}}),
+    Case("gqa_axial_llama4_interleaved_class_token", GQA, 448,
+         {"x": ("normal", (2, 10, 5)), "positions": _LLAMA4_POSITIONS},
+         {"d_in": 5, "num_heads": 2, "num_kv_heads": 2, "head_dim": 8, "d_out": 5,
+          "qkv_bias": True, "causal": False, "rope_interleaved": True,
+          "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}),
+]
+
 # MultiHeadCrossAttention (issue 24): queries from x, keys and values from a context of another
 # length and width; Whisper's encoder_attn (no bias on k_proj), T5's (no biases, scale 1),
 # multi-query, padded contexts (context_lengths) and a row with no context at all.

@@ -110,7 +110,19 @@ def rope_frequencies(settings, rd, seq_len=None) -> tuple:
         m = _longrope_factor(s)
     elif kind == "proportional":  # rd = Dh; the pairs past ⌊p·Dh/2⌋ do not turn
         f = np.where(np.arange(rd // 2) < proportional_pairs(s, rd), f, 0.0) / s_
+    elif kind == "axial":  # section a's pair m: θ^(−2(A·m + o_a)/rd)
+        f = theta ** -(2 * axial_exponents(s, rd) / rd)
     return f, m
+
+
+def axial_exponents(s, rd):
+    """(rd/2,) int: A·m + o_a, where axial RoPE's pair j (section a = j // n, m = j % n, n =
+    rd/(2A) pairs per axis) takes its frequency θ^(−2(A·m + o_a)/rd): o_a = 0 when every axis
+    shares the same n frequencies (axial_frequencies "shared": HF's inv_freq over Dh/2 for two
+    axes), o_a = a when the 1-D RoPE's rd/2 are dealt to the axes in turn ("split", Pixtral)."""
+    count, pair = s["axial_axes"], np.arange(rd // 2)
+    section, m = pair // (rd // 2 // count), pair % (rd // 2 // count)
+    return count * m + (section if s["axial_frequencies"] == "split" else 0)
 
 
 def proportional_pairs(s, head_dim) -> int:
@@ -227,6 +239,8 @@ def hf_inv_freq(settings, rd, array, seq_len=None):
         long = seq_len is not None and seq_len > l0
         ext = array(np.asarray(s["long_factor" if long else "short_factor"]))
         return 1.0 / (ext * base ** exponents), _longrope_factor(s)
+    if kind == "axial":  # 1/θ^(2k/rd) at k = A·m + o_a; HF's shared 1/θ^(2m/(rd/A)) has the
+        return (1.0 / (base ** exponents))[axial_exponents(s, rd)], 1.0  # same float32 exponent
     inv = 1.0 / (base ** exponents)
     if kind == "proportional":  # HF: the turning pairs' inv_freq, zeros after, / factor
         turning = np.arange(rd // 2) < proportional_pairs(s, rd)
@@ -267,8 +281,12 @@ def rope_axes(settings, rd):
                                      height, the last s_w the width
         interleaved (Qwen3-VL,       pair j the height if j ≡ 1 (mod 3) and j < 3 s_h, the width
         mrope_interleaved=True)      if j ≡ 2 (mod 3) and j < 3 s_w, else the temporal axis
+    and an axial RoPE's (rope_type "axial", vision towers): A = axial_axes equal sections in
+    order, pairs 0 … rd/2A − 1 axis 0 (the patch's row for Qwen-VL, Pixtral, Gemma 4), ...
     The pairing (rotate-half or interleaved features) is another setting: the map is by pair."""
     s = dict(settings) if settings is not None else {}
+    if s.get("rope_type") == "axial":  # A equal sections, in order
+        return np.arange(rd // 2) // (rd // 2 // s["axial_axes"])
     section = s.get("mrope_section")
     if section is None:
         return None
@@ -293,13 +311,29 @@ def mix_axes(values, axes, array):
     return (values * onehot).sum(0)
 
 
-def rope_turn(x, cos, sin, interleaved, *, stack, concat):
+def rope_blocks(settings) -> int:
+    """In how many blocks of features the pairs turn: an axial RoPE's A with axial_pairs
+    "blocks" (Gemma 4: each axis rotate-half within its own rd/A features), else 1."""
+    s = dict(settings) if settings is not None else {}
+    return s["axial_axes"] if s.get("axial_pairs") == "blocks" else 1
+
+
+def rope_turn(x, cos, sin, interleaved, *, stack, concat, blocks=1):
     """The first rd = 2 · cos.shape[-1] features of x (..., L, Dh) turned pair by pair, (a, b)
     -> (a cos − b sin, b cos + a sin), the pairs (i, i + rd/2) ("rotate half") or, with
     ``interleaved``, (2i, 2i + 1); the other Dh − rd features passed through (partial rotary).
+    ``blocks`` k > 1 (rope_blocks): the rd features as k blocks of rd/k, the pairs of block
+    b's turn (cos, sin)[..., b·rd/2k: (b + 1)·rd/2k] paired within it the same way.
     ``stack(arrays, axis)`` and ``concat(arrays, axis)`` are the framework's (torch.stack/
     torch.cat, jnp.stack/jnp.concatenate)."""
     half = cos.shape[-1]
+    if blocks > 1:
+        rot, rest = x[..., :2 * half], x[..., 2 * half:]
+        split = tuple(rot.shape[:-1]) + (blocks, 2 * half // blocks)
+        cut = tuple(cos.shape[:-1]) + (blocks, half // blocks)
+        turned = rope_turn(rot.reshape(split), cos.reshape(cut), sin.reshape(cut), interleaved,
+                           stack=stack, concat=concat).reshape(rot.shape)
+        return turned if rest.shape[-1] == 0 else concat((turned, rest), -1)
     rot, rest = x[..., :2 * half], x[..., 2 * half:]
     a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
     turned = (a * cos - b * sin, b * cos + a * sin)

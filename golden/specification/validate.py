@@ -211,17 +211,28 @@ def check_rotary(x, theta, rope_parameters=None, partial_rotary_factor=1.0, prec
         fits = _positions_fit(shape[1:] if axes else shape, lead, length)
         if not fits or dtype_name(positions.dtype) not in ("int32", "int64", "int16", "uint8"):
             forms = "(L,), (B, L) or (..., L)"
-            if has_mrope(settings):
-                forms += f", or ({MROPE_AXES}, ...) of these (multimodal RoPE)"
+            if has_axes(settings):
+                forms += (f", or ({rope_axis_count(settings)}, ...) of these (one row per "
+                          f"position axis)")
             raise ValueError(f"positions should be integers shaped {forms} against x's "
                              f"{lead + (length, x.shape[-1])} (L = {length}), got "
                              f"{dtype_name(positions.dtype)} {shape}")
     return settings
 
 
-def has_mrope(settings) -> bool:
-    """Whether checked RoPE ``settings`` (rope_settings; None: no RoPE) are multimodal."""
-    return settings is not None and "mrope_section" in dict(settings)
+def rope_axis_count(settings) -> int | None:
+    """The position axes of checked RoPE ``settings`` (rope_settings; None: no RoPE): MROPE_AXES
+    for a multimodal RoPE (mrope_section), ``axial_axes`` for an axial one, None for a 1-D
+    RoPE (positions of one axis)."""
+    s = {} if settings is None else dict(settings)
+    if "mrope_section" in s:
+        return MROPE_AXES
+    return s.get("axial_axes")
+
+
+def has_axes(settings) -> bool:
+    """Whether checked RoPE ``settings`` take positions of several axes (multimodal or axial)."""
+    return rope_axis_count(settings) is not None
 
 
 def _positions_fit(shape, lead, length) -> bool:
@@ -233,21 +244,22 @@ def _positions_fit(shape, lead, length) -> bool:
 
 
 def multi_axis(settings, positions, x_shape) -> bool:
-    """Whether ``positions`` (an array) holds one row per axis of a multimodal RoPE against x of
-    ``x_shape`` (..., L, Dh): the settings have mrope_section and the positions a leading axis
-    of MROPE_AXES over one axis's form ((L,), (B, L), (..., L)). Without that axis (text only)
-    every axis is the token's position. ValueError when both readings fit (positions (3, L)
-    against x (3, H, L, Dh): three rows' positions, or one row's three axes?)."""
-    shape = tuple(positions.shape)
-    if not has_mrope(settings) or len(shape) < 2 or shape[0] != MROPE_AXES:
+    """Whether ``positions`` (an array) hold one row per axis of a multimodal or axial RoPE
+    against x of ``x_shape`` (..., L, Dh): the settings have A = rope_axis_count axes and the
+    positions a leading axis of A over one axis's form ((L,), (B, L), (..., L)). Without that
+    axis every axis is the token's position (a multimodal RoPE's text). ValueError when both
+    readings fit (positions (3, L) against x (3, H, L, Dh): three rows' positions, or one row's
+    three axes?)."""
+    shape, count = tuple(positions.shape), rope_axis_count(settings)
+    if count is None or len(shape) < 2 or shape[0] != count:
         return False
     lead, length = tuple(x_shape[:-2]), x_shape[-2]
     if len(lead) == 2 and shape[1:] == (lead[0], length):
-        return True  # Hugging Face's (3, B, L) against (B, H, L, Dh)
+        return True  # Hugging Face's (A, B, L) against (B, H, L, Dh)
     if _positions_fit(shape, lead, length) and _positions_fit(shape[1:], lead, length):
-        raise ValueError(f"positions {shape} against x {tuple(x_shape)} with mrope_section are "
-                         f"ambiguous: give ({MROPE_AXES}, B, L) for each axis's positions, or "
-                         f"one row's positions repeated on a leading axis of {MROPE_AXES}")
+        raise ValueError(f"positions {shape} against x {tuple(x_shape)} with {count} position "
+                         f"axes are ambiguous: give ({count}, B, L) for each axis's positions, "
+                         f"or one row's positions repeated on a leading axis of {count}")
     return _positions_fit(shape[1:], lead, length)
 
 
@@ -276,6 +288,10 @@ ROPE_TYPES = {
                  {"factor": None, "attention_factor": None}),
     # Gemma 4's full layers, LFM3: over the whole head, the first ⌊p·Dh/2⌋ pairs turning.
     "proportional": ((), {"factor": 1.0}),
+    # Vision towers (Qwen-VL, Pixtral, Llama 4, Gemma 4): positions (A, ..., L), one row per
+    # axis (the patch's row and column); the rd/2 pairs in A sections, section a turned by axis
+    # a (golden.specification.positions.rope_frequencies, rope_axes, rope_blocks).
+    "axial": ((), {"axial_axes": 2, "axial_frequencies": "shared", "axial_pairs": "half"}),
 }
 ROPE_PRECISIONS = ("exact", "hf")
 # Multimodal RoPE (Qwen2-VL's and Qwen3-VL's rope_parameters, any rope_type): positions of shape
@@ -284,6 +300,11 @@ ROPE_PRECISIONS = ("exact", "hf")
 # carry neither field.
 MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
 MROPE_AXES = 3
+# Axial RoPE's two choices: "shared": every axis the same rd/(2A) frequencies θ^(−2m·A/rd)
+# (Qwen-VL, Gemma 4, Llama 4), "split": the 1-D RoPE's rd/2 dealt to the axes in turn (Pixtral);
+# "half": the rotated width's own pairing (rotate-half, or rope_interleaved), "blocks": each
+# axis rotate-half within its own block of rd/A features (Gemma 4).
+AXIAL_CHOICES = {"axial_frequencies": ("shared", "split"), "axial_pairs": ("half", "blocks")}
 
 
 def _rope_field(name, value) -> None:
@@ -307,6 +328,14 @@ def _rope_field(name, value) -> None:
                              f"pairs of the temporal, height and width axes), got {value!r}")
     elif name == "mrope_interleaved":
         check_flags(**{where: value})
+    elif name == "axial_axes":
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 2):
+            raise ValueError(f"{where} should be an int ≥ 2 (the position axes, 2 for a "
+                             f"patch's row and column), got {value!r}")
+    elif name in AXIAL_CHOICES:
+        if value not in AXIAL_CHOICES[name]:
+            raise ValueError(f"{where} should be one of {', '.join(AXIAL_CHOICES[name])}, got "
+                             f"{value!r}")
     elif name in ("mscale", "mscale_all_dim"):
         if value is not None and not (_real_number(value) and math.isfinite(value)):
             raise ValueError(f"{where} should be a number or None, got {value!r}")
@@ -357,6 +386,10 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
     fields = {**optional, **given}
     for name, value in fields.items():
         _rope_field(name, value)
+    if kind == "axial" and "mrope_section" in fields:
+        raise ValueError("rope_parameters['mrope_section'] is a multimodal RoPE's; an axial "
+                         "RoPE's sections are its axial_axes equal ones, got mrope_section "
+                         f"{list(fields['mrope_section'])} with rope_type 'axial'")
     if "mrope_interleaved" in fields and "mrope_section" not in fields:
         raise ValueError("rope_parameters['mrope_interleaved'] needs mrope_section (the pairs of "
                          "each axis), got no mrope_section")
@@ -409,6 +442,10 @@ def rotary_dims(head_dim, settings) -> int:
     if s["rope_type"] == "dynamic" and rd == 2:
         raise ValueError("the rotated width should be at least 4 for rope_type 'dynamic' "
                          "(θ' has the exponent rd / (rd − 2)), got 2")
+    if s["rope_type"] == "axial" and (rd // 2) % s["axial_axes"]:
+        raise ValueError(f"the rotated pairs rd / 2 = {rd // 2} should be a multiple of "
+                         f"rope_parameters['axial_axes'] = {s['axial_axes']} (each axis an equal "
+                         f"section), got int({head_dim} · {s['partial_rotary_factor']}) = {rd}")
     if "mrope_section" in s and sum(s["mrope_section"]) != rd // 2:
         raise ValueError(f"rope_parameters['mrope_section'] should sum to the rotated pairs rd / "
                          f"2 = {rd // 2}, got {list(s['mrope_section'])} (sum "
@@ -584,14 +621,14 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
 
 def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_lengths=None, *,
                          heads, rate=0.0, cache=None, kv_heads=None, head_dim=None,
-                         positions=None, mrope=False, temperature=False):
+                         positions=None, axes=None, temperature=False):
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
     array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,), or with
-    ``mrope`` (the module's RoPE is multimodal) also (3, B, L) or (3, L), one row per axis, but
-    not with a query ``temperature`` (which axis's position would scale it?). Without a cache
-    the keys are x's L tokens; with one (a golden.specification.positions.KVCache, see
-    check_cache) they are its max_length positions M, and x must be batched like it. Returns the
-    weights' shape (B, H, L, L or M)."""
+    ``axes`` A (the module's RoPE is multimodal or axial: validate.rope_axis_count) also (A, B,
+    L) or (A, L), one row per axis, but not with a query ``temperature`` (which axis's position
+    would scale it?). Without a cache the keys are x's L tokens; with one (a
+    golden.specification.positions.KVCache, see check_cache) they are its max_length positions
+    M, and x must be batched like it. Returns the weights' shape (B, H, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
     if query_seq_lengths is not None:
         _expect_integers("query_seq_lengths", query_seq_lengths, lead, "B" if lead else None)
@@ -599,18 +636,18 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
         _expect_array("positions", positions)
         _expect_integers("positions", positions, tuple(positions.shape), None)  # the dtype
         want = tuple(lead) + tuple(x.shape[-2:-1])
-        multi = mrope and tuple(positions.shape) == (MROPE_AXES,) + want
+        multi = axes is not None and tuple(positions.shape) == (axes,) + want
         if tuple(positions.shape) != want and not multi:
             form = "(B, L)" if lead else "(L,)"
-            multi_form = f"({MROPE_AXES}, B, L)" if lead else f"({MROPE_AXES}, L)"
-            axes = (f" or {multi_form} = {_fmt((MROPE_AXES,) + want)} (multimodal RoPE)"
-                    if mrope else "")
-            raise ValueError(f"positions shape should be {form} = {_fmt(want)}{axes}, got "
+            multi_form = f"({axes}, B, L)" if lead else f"({axes}, L)"
+            other = (f" or {multi_form} = {_fmt((axes,) + want)} (one row per position axis)"
+                     if axes is not None else "")
+            raise ValueError(f"positions shape should be {form} = {_fmt(want)}{other}, got "
                              f"{_fmt(tuple(positions.shape))}")
         if multi and temperature:
             raise ValueError(f"positions of shape {_fmt(tuple(positions.shape))} (one row per "
-                             f"axis of a multimodal RoPE) with query_temperature: no family "
-                             f"says which axis's position scales the query; give (B, L)")
+                             f"position axis) with query_temperature: no family says which "
+                             f"axis's position scales the query; give (B, L)")
     lk = x.shape[-2]
     if cache is not None:
         lk = check_cache(cache, x, kv_heads, head_dim)

@@ -42,6 +42,7 @@ from golden.specification.validate import (
     check_scale,
     check_self_inputs,
     dtype_name,
+    rope_axis_count,
     rope_settings,
     rotary_dims,
     window,
@@ -466,7 +467,9 @@ def _decoder_inputs(c, i, rate):
     return check_decoder_inputs(i["x"], c["d_in"], i.get("mask"), i.get("dropout_mask"),
                                 i.get("query_seq_lengths"), heads=c["num_heads"], rate=rate,
                                 positions=i.get("positions"),
-                                mrope="mrope_section" in (c.get("rope_parameters") or {}),
+                                axes=rope_axis_count(rope_settings(
+                                    c["rope_theta"], c["rope_parameters"],
+                                    c["partial_rotary_factor"])),
                                 temperature=c.get("query_temperature") is not None)
 
 

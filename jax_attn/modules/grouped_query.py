@@ -19,7 +19,8 @@ from golden.specification.decoder import (
 from golden.specification.decoder import sliding_window as core_window
 from golden.specification.positions import KVCache, check_fits
 from golden.specification.validate import (
-    cache_shape, check_decoder_inputs, check_flags, has_mrope, rope_arguments, rope_settings,
+    cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_axis_count,
+    rope_settings,
 )
 from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
@@ -148,9 +149,9 @@ class GroupedQueryAttention(_Variant):
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             positions=positions, mrope=has_mrope(self.rotary),
+                             positions=positions, axes=rope_axis_count(self.rotary),
                              temperature=self.query_temperature is not None)
-        if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (3, L)
+        if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split

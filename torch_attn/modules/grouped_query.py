@@ -18,7 +18,8 @@ from golden.specification.decoder import (
 )
 from golden.specification.positions import KVCache, check_fits
 from golden.specification.validate import (
-    cache_shape, check_decoder_inputs, check_flags, has_mrope, rope_arguments, rope_settings,
+    cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_axis_count,
+    rope_settings,
 )
 from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
@@ -131,9 +132,9 @@ class GroupedQueryAttention(nn.Module):
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             positions=positions, mrope=has_mrope(self.rotary),
+                             positions=positions, axes=rope_axis_count(self.rotary),
                              temperature=self.query_temperature is not None)
-        if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (3, L)
+        if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         check_flags(strict=strict)
         if strict and cache is not None:  # reads the lengths: a device sync

@@ -1,0 +1,126 @@
+"""Vision towers with axial 2-D RoPE: each patch's row and column turn its own sections of the
+head's pairs (rope_type "axial", golden.specification.positions). Bidirectional multi-head
+attention, scale Dh^−1/2, one ``FAMILIES`` entry per tower:
+
+  Qwen-VL and their kin   ``qkv`` fused in thirds [q; k; v] (or ``q``, ``k``, ``v``), ``proj``;
+                          Dh = width / heads whatever head_dim says; "shared" frequencies
+                          θ^(−4m/Dh), rotate-half over the whole head; rows (h, w)
+  Pixtral                 ``q_proj`` … ``o_proj`` without biases; the 1-D frequencies dealt to
+                          rows and columns in turn ("split"); rows (h, w)
+  Llama 4's vision model  ``q_proj`` … ``o_proj`` with biases; "shared" frequencies on
+                          interleaved pairs (2i, 2i + 1); rows (column + 1, row + 1), and the
+                          class token, last, at (0, 0) (its angle 0)
+
+The call takes the tower's own order: x (B, L, D) with one image per batch row (or images
+packed in a row under a block-diagonal ``mask``, Hugging Face's ``cu_seqlens``), positions
+(2, B, L) as the model makes them (``get_vision_position_ids`` for Qwen-VL, the patch's row and
+column for Pixtral). Qwen2.5-VL's and Qwen3-VL's windowed layers (those not in
+``fullatt_block_indexes``) are the same attention over the window order, with the windows'
+block-diagonal mask (``cu_window_seqlens``): the caller's mask, not a setting.
+
+HF's float32 steps: the angles (positions times a float32 inv_freq, cos and sin in float32,
+as every RoPE of HF's), and Qwen-VL's and Llama 4's rotation itself (q and k cast to float32,
+turned, cast back): against a float64 model the level is float32's.
+
+Shape legend: D (= d_in) the tower's width, N heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _linears_to_neutral,
+                              _neutral_to_linears)
+from golden.hf.fused import _fused_family
+
+QWEN_SEPARATE = {"query": "q", "key": "k", "value": "v", "out": "proj"}
+# attn-parity hf runs a layer on drawn hidden states alone; these layers also take the patches'
+# rows and columns and the images' block mask.
+UNVERIFIED = ("attn-parity hf does not check vision towers yet: their attention also takes each "
+              "patch's row and column (positions (2, B, L)) and the images' block mask; convert "
+              "a layer with golden.convert.from_hf and compare it given those")
+
+
+def _axial_rope(c, mt, **fields) -> dict:
+    """Our axial rope_parameters from the tower's (θ, inside since transformers 5, or at the top
+    of an older config.json); a rope_type HF's tower would not build is refused."""
+    given = dict(c.get("rope_parameters") or {})
+    kind = given.get("rope_type", "axial")
+    if kind not in ("axial", "default"):
+        raise ValueError(f"model_type {mt!r}: rope_parameters['rope_type'] should be 'axial' "
+                         f"(a vision tower's 2-D RoPE), got {kind!r}")
+    theta = given.get("rope_theta", c.get("rope_theta"))
+    if theta is None:
+        raise ValueError(f"model_type {mt!r}: the config has no rope_theta (in rope_parameters "
+                         f"or at its top)")
+    return {"rope_type": "axial", "rope_theta": float(theta), **fields}
+
+
+def _sizes(c, mt, width, heads) -> dict:
+    d, n = int(c[width]), int(c[heads])
+    if d % n:
+        raise ValueError(f"model_type {mt!r}: {width} = {d} should be a multiple of {heads} = "
+                         f"{n}")
+    return dict(d_in=d, num_heads=n, num_kv_heads=n, head_dim=d // n, causal=False)
+
+
+def _qwen_settings(mt, width):
+    """A Qwen-VL-like tower's settings (sizes from ``width`` and num_heads, axial RoPE)."""
+    def settings(c, layer_idx):
+        ours = _sizes(c, mt, width, "num_heads")
+        ours["rope_parameters"] = _axial_rope(c, mt)
+        if c.get("attention_dropout"):
+            ours["dropout"] = float(c["attention_dropout"])
+        return ours
+    return settings
+
+
+def _qwen_fused(mt, width="hidden_size") -> Family:
+    """Qwen2-VL's VisionAttention and its descendants: ``qkv`` in thirds, ``proj``, at
+    ``blocks.N.attn`` of the vision model."""
+    return _fused_family(mt, _qwen_settings(mt, width), "thirds", "qkv", "proj",
+                         stacks=(Stack("blocks", "attn", label="vision"),),
+                         unverified=UNVERIFIED)
+
+
+def _separate(mt, names, settings, stacks) -> Family:
+    """A tower with one nn.Linear per role, ``names`` the role's module names."""
+    def our_settings(c, layer_idx, sd):
+        ours = settings(c, layer_idx)
+        ours.update(_bias_flags(sd, names, mt))
+        return ours
+    return Family(GQA, our_settings, lambda sd, ours: _linears_to_neutral(sd, names, mt),
+                  lambda params, ours: _neutral_to_linears(params, names), stacks=stacks,
+                  unverified=UNVERIFIED)
+
+
+def _pixtral(c, layer_idx):
+    ours = _sizes(c, "pixtral", "hidden_size", "num_attention_heads")  # HF: D / N, always
+    ours["rope_parameters"] = _axial_rope(c, "pixtral", axial_frequencies="split")
+    if c.get("attention_dropout"):
+        ours["dropout"] = float(c["attention_dropout"])
+    return ours
+
+
+def _llama4_vision(c, layer_idx):
+    ours = _sizes(c, "llama4_vision_model", "hidden_size", "num_attention_heads")
+    ours["rope_parameters"] = _axial_rope(c, "llama4_vision_model")
+    ours["rope_interleaved"] = True  # HF's complex product on (2i, 2i + 1)
+    if c.get("attention_dropout"):
+        ours["dropout"] = float(c["attention_dropout"])
+    return ours
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_vl_vision": _qwen_fused("qwen2_vl_vision", width="embed_dim"),
+    **{mt: _qwen_fused(mt) for mt in (
+        "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision",
+        "qwen3_5_moe_vision", "qwen3_omni_moe_vision_encoder", "glm4v_vision",
+        "glm4v_moe_vision", "ernie4_5_vl_moe_vision")},
+    "qwen2_5_omni_vision_encoder": _separate(
+        "qwen2_5_omni_vision_encoder", QWEN_SEPARATE,
+        _qwen_settings("qwen2_5_omni_vision_encoder", "hidden_size"),
+        (Stack("blocks", "attn", label="vision"),)),
+    "pixtral": _separate("pixtral", LLAMA_NAMES, _pixtral,
+                         (Stack("transformer.layers", "attention", label="vision"),)),
+    "llama4_vision_model": _separate("llama4_vision_model", LLAMA_NAMES, _llama4_vision,
+                                     (Stack("model.layers", "self_attn", label="vision"),)),
+}

@@ -1,0 +1,307 @@
+"""The vision towers' attention layers with axial 2-D RoPE (golden.hf.vision), converted by
+``golden.convert.from_hf`` and given the patches' rows and columns as positions (2, B, L),
+against transformers' own modules at float64: the Qwen-VL towers and their kin (GLM-4V, ERNIE-
+4.5-VL, the Omni encoders) on two images of different grids packed in one sequence (HF's
+``cu_seqlens``: our block-diagonal mask; Qwen2.5-VL's windowed layer in its window order),
+Pixtral on two images of different sizes (its block mask), Llama 4's vision model on two
+images of a fixed grid with their class tokens; the input gradient; and each tower without its
+own setting (its 2-D RoPE, Pixtral's frequencies, Llama 4's pairs) far from HF's.
+
+Level: FLOAT32_LEVEL (1e-6 relative), HF's angles being float32, and Qwen-VL's and Llama 4's
+rotation itself float32 (q and k cast down, turned, cast back). The rotary embeddings alone are
+tests/test_axial_rope.py's.
+
+Shape legend: B batch, L patches, D width.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+import golden.convert
+from tests.helpers import TWINS, fresh_rng
+from tests.test_axial_rope import AXIAL, THETA, _grid_positions, _layout_positions
+
+transformers = pytest.importorskip("transformers")
+from transformers import vision_utils  # noqa: E402
+from tests.hf_harness import FLOAT32_LEVEL, rel, state_dict  # noqa: E402
+
+PATCH, MERGE = 2, 2
+GRIDS = np.array([[1, 4, 6], [1, 2, 4]])  # two images (t, h, w), of 24 and 8 patches
+
+
+def _qwen_tower(config, model, width="hidden_size", **kw):
+    return dict(config=config, model=model, width=width, kw=kw)
+
+
+def _hf_class(name):
+    """A transformers class by name, from the top or from the module of its model type."""
+    if hasattr(transformers, name):
+        return getattr(transformers, name)
+    for module in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+                   "qwen2_5_omni", "qwen3_omni_moe", "glm4v", "glm4v_moe", "ernie4_5_vl_moe"):
+        found = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        if hasattr(found, name):
+            return getattr(found, name)
+    raise AttributeError(name)
+
+
+# model_type -> the vision config class, the model class, its tiny settings (width 32, 2 heads
+# of 16: 4 frequencies per axis)
+QWEN_TOWERS = {
+    "qwen2_vl_vision": _qwen_tower("Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel",
+                                   width="embed_dim", hidden_size=32, mlp_ratio=2),
+    "qwen2_5_vl_vision": _qwen_tower("Qwen2_5_VLVisionConfig",
+                                     "Qwen2_5_VisionTransformerPretrainedModel",
+                                     intermediate_size=32, out_hidden_size=32, window_size=8,
+                                     fullatt_block_indexes=[1], depth=2),
+    **{mt: _qwen_tower(config, model, intermediate_size=32, out_hidden_size=32,
+                       num_position_embeddings=16, deepstack_visual_indexes=[])
+       for mt, config, model in [
+           ("qwen3_vl_vision", "Qwen3VLVisionConfig", "Qwen3VLVisionModel"),
+           ("qwen3_vl_moe_vision", "Qwen3VLMoeVisionConfig", "Qwen3VLMoeVisionModel"),
+           ("qwen3_5_vision", "Qwen3_5VisionConfig", "Qwen3_5VisionModel"),
+           ("qwen3_5_moe_vision", "Qwen3_5MoeVisionConfig", "Qwen3_5MoeVisionModel"),
+           ("qwen3_omni_moe_vision_encoder", "Qwen3OmniMoeVisionEncoderConfig",
+            "Qwen3OmniMoeVisionEncoder")]},
+    "qwen2_5_omni_vision_encoder": _qwen_tower(
+        "Qwen2_5OmniVisionEncoderConfig", "Qwen2_5OmniVisionEncoder", intermediate_size=32,
+        out_hidden_size=32, window_size=8, fullatt_block_indexes=[1], depth=2),
+    # GLM-4V: no bias on proj, qkv's as attention_bias says
+    **{mt: _qwen_tower(config, model, intermediate_size=32, out_hidden_size=32,
+                       attention_bias=True, image_size=8)
+       for mt, config, model in [
+           ("glm4v_vision", "Glm4vVisionConfig", "Glm4vVisionModel"),
+           ("glm4v_moe_vision", "Glm4vMoeVisionConfig", "Glm4vMoeVisionModel")]},
+    "ernie4_5_vl_moe_vision": _qwen_tower(
+        "Ernie4_5_VLMoeVisionConfig", "Ernie4_5_VLMoeVisionTransformerPretrainedModel",
+        intermediate_size=32),
+}
+
+
+def _random_model(model, rng):
+    model = model.double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    return model
+
+
+def _tower_model(mt, rng):
+    spec = QWEN_TOWERS[mt]
+    kw = dict(dict(depth=1, num_heads=2, in_channels=3, patch_size=PATCH,
+                   spatial_merge_size=MERGE, temporal_patch_size=1,
+                   rope_parameters=dict(AXIAL)), **spec["kw"])
+    kw[spec["width"]] = 32
+    config = _hf_class(spec["config"])(**kw)
+    config._attn_implementation = "sdpa"
+    return config, _random_model(_hf_class(spec["model"])(config), rng)
+
+
+def _layer_calls(attentions, run):
+    """Each attention's input x, mask (HF's additive one), cu_seqlens and output as NumPy, and
+    its call (args, kwargs) to call it again, from one forward (``run()``)."""
+    seen, calls = {}, {}
+
+    def hooks(i, attention):
+        def before(module, args, kwargs):
+            calls[i] = (args, dict(kwargs))
+            seen[i] = {"x": kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+                       "mask": kwargs.get("attention_mask"), "cu": kwargs.get("cu_seqlens")}
+
+        def after(module, args, output):
+            seen[i]["y"] = output if isinstance(output, torch.Tensor) else output[0]
+        return (attention.register_forward_pre_hook(before, with_kwargs=True),
+                attention.register_forward_hook(after))
+    handles = [h for i, a in enumerate(attentions) for h in hooks(i, a)]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: {**{n: None if t is None else t.detach().numpy().copy() for n, t in s.items()},
+                "call": calls[i]} for i, s in seen.items()}
+
+
+def _tower_positions(model, grids):
+    """(2, L): the rows and columns in the order the attention sees the patches (HF's
+    get_vision_position_ids; Qwen2.5-VL's window order where the model permutes)."""
+    g = torch.from_numpy(grids)
+    positions = vision_utils.get_vision_position_ids(g, MERGE)  # (L, 2)
+    if hasattr(model, "permute_input_for_window_attn"):
+        window_index, _ = vision_utils.get_vision_window_index(
+            g, spatial_merge_size=MERGE, window_size=model.window_size, patch_size=PATCH)
+        positions = model.permute_input_for_window_attn(positions, window_index,
+                                                        seq_len=positions.shape[0])
+    return positions.numpy().T.copy()
+
+
+def _block_mask(cu):
+    """(1, L, L) bool: True within each span of cu_seqlens."""
+    segment = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+    return (segment[:, None] == segment[None, :])[None]
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+@pytest.mark.parametrize("mt", sorted(QWEN_TOWERS))
+def test_tower_layer_with_two_images_equals_hfs(mt, twin):
+    rng, seed = fresh_rng()
+    config, model = _tower_model(mt, rng)
+    n = int((GRIDS[:, 0] * GRIDS[:, 1] * GRIDS[:, 2]).sum())
+    patches = rng.standard_normal((n, 3 * PATCH * PATCH))
+    seen = _layer_calls([block.attn for block in model.blocks], lambda: model(
+        torch.from_numpy(patches), grid_thw=torch.from_numpy(GRIDS)))
+    positions = _tower_positions(model, GRIDS)[:, None]  # (2, 1, L)
+    t = TWINS[twin]
+    for i, s in seen.items():
+        variant, ours, params = golden.convert.from_hf(config.to_dict(),
+                                                       state_dict(model.blocks[i].attn),
+                                                       layer_idx=i)
+        with t.float64():
+            module = t.build(variant, ours, params)
+            out = t.numpy(module(t.array(s["x"][None]), t.array(_block_mask(s["cu"])),
+                                 positions=t.array(positions)))[0]
+        assert rel(out, s["y"]) < FLOAT32_LEVEL, (mt, i, seed)
+        if i == 0 and mt == "qwen2_5_vl_vision":  # a windowed layer: its windows are smaller
+            assert len(s["cu"]) > len(GRIDS) + 1
+        if twin == "torch":  # without its 2-D RoPE the layer is far from HF's
+            plain = {n: v for n, v in ours.items() if n != "rope_parameters"}
+            with t.float64():
+                far = t.numpy(t.build(variant, plain, params)(
+                    t.array(s["x"][None]), t.array(_block_mask(s["cu"]))))[0]
+            assert rel(far, s["y"]) > 1e3 * FLOAT32_LEVEL, (mt, i, seed)
+
+
+def _pixtral(rng):
+    """Pixtral's vision model on two images of 4 × 6 and 2 × 4 patches packed in one sequence
+    (HF's block-diagonal mask); positions each patch's (row, column)."""
+    config = transformers.PixtralVisionConfig(
+        hidden_size=32, num_attention_heads=2, head_dim=16, intermediate_size=32,
+        num_hidden_layers=1, patch_size=PATCH, image_size=16, rope_parameters=dict(AXIAL))
+    config._attn_implementation = "sdpa"
+    model = _random_model(transformers.PixtralVisionModel(config), rng)
+    sizes = [(4, 6), (2, 4)]
+    pixels = rng.standard_normal((2, 3, 8, 12))
+    seen = _layer_calls([layer.attention for layer in model.transformer.layers], lambda: model(
+        torch.from_numpy(pixels), image_sizes=[(h * PATCH, w * PATCH) for h, w in sizes]))
+    positions = np.concatenate([_grid_positions(h, w) for h, w in sizes], axis=1)
+    return config, [layer.attention for layer in model.transformer.layers], seen, positions
+
+
+def _llama4(rng):
+    """Llama 4's vision model on two images of 4 × 4 patches and their class tokens (last):
+    positions (column + 1, row + 1), the class token (0, 0); no mask."""
+    config = transformers.Llama4VisionConfig(
+        hidden_size=32, num_attention_heads=2, intermediate_size=128, num_hidden_layers=1,
+        image_size=4 * PATCH, patch_size=PATCH, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=32, pixel_shuffle_ratio=0.5,
+        rope_parameters={"rope_type": "default", "rope_theta": THETA})
+    config._attn_implementation = "sdpa"
+    model = _random_model(transformers.Llama4VisionModel(config), rng)
+    pixels = rng.standard_normal((2, 3, 4 * PATCH, 4 * PATCH))
+    attentions = [layer.self_attn for layer in model.model.layers]
+    seen = _layer_calls(attentions, lambda: model(torch.from_numpy(pixels)))
+    return config, attentions, seen, _layout_positions("llama4", side=4)
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+@pytest.mark.parametrize("mt, make", [("pixtral", _pixtral), ("llama4_vision_model", _llama4)])
+def test_pixtral_and_llama4_layers_equal_hfs(mt, make, twin):
+    rng, seed = fresh_rng()
+    config, attentions, seen, positions = make(rng)
+    t = TWINS[twin]
+    for i, s in seen.items():
+        x = s["x"]
+        mask = None if s["mask"] is None else t.array(s["mask"][:, 0] == 0)  # HF's 0 / −inf
+        variant, ours, params = golden.convert.from_hf(config.to_dict(),
+                                                       state_dict(attentions[i]), layer_idx=i)
+        assert ours["rope_parameters"]["rope_type"] == "axial"
+        batch_positions = np.broadcast_to(positions[:, None], (2,) + x.shape[:2]).copy()
+        with t.float64():
+            module = t.build(variant, ours, params)
+            out = t.numpy(module(t.array(x), mask, positions=t.array(batch_positions)))
+        assert rel(out, s["y"]) < FLOAT32_LEVEL, (mt, i, seed)
+        if twin == "torch":  # its own layout undone (Pixtral's split, Llama 4's pairs): far
+            undone = dict(ours)
+            if mt == "pixtral":
+                undone["rope_parameters"] = dict(ours["rope_parameters"],
+                                                 axial_frequencies="shared")
+            else:
+                undone["rope_interleaved"] = False
+            with t.float64():
+                far = t.numpy(t.build(variant, undone, params)(
+                    t.array(x), mask, positions=t.array(batch_positions)))
+            assert rel(far, s["y"]) > 1e3 * FLOAT32_LEVEL, (mt, i, seed)
+
+
+def _qwen2_5_windowed(rng):
+    """Qwen2.5-VL's tower, its windowed layer 0 (the window order and the windows' mask)."""
+    config, model = _tower_model("qwen2_5_vl_vision", rng)
+    n = int((GRIDS[:, 0] * GRIDS[:, 1] * GRIDS[:, 2]).sum())
+    patches = rng.standard_normal((n, 3 * PATCH * PATCH))
+    attentions = [block.attn for block in model.blocks]
+    seen = _layer_calls(attentions, lambda: model(torch.from_numpy(patches),
+                                                  grid_thw=torch.from_numpy(GRIDS)))
+    for s in seen.values():
+        s["mask"] = np.where(_block_mask(s["cu"]), 0.0, -np.inf)[:, None]  # HF's additive form
+    return config, attentions, seen, _tower_positions(model, GRIDS)
+
+
+@pytest.mark.parametrize("mt, make", [("qwen2_5_vl_vision", _qwen2_5_windowed),
+                                      ("pixtral", _pixtral), ("llama4_vision_model", _llama4)])
+def test_tower_input_gradient_equals_hfs(mt, make):
+    """dL/dx of Σ out ⊙ dO for layer 0: HF's attention called again as its model called it,
+    against the torch twin's (the JAX twin's gradients against the torch twin's are
+    tests/test_modules.py's)."""
+    rng, seed = fresh_rng()
+    config, attentions, seen, positions = make(rng)
+    s = seen[0]
+    args, kwargs = s["call"]
+    x = torch.from_numpy(s["x"].copy()).requires_grad_()
+    if "hidden_states" in kwargs:
+        kwargs = dict(kwargs, hidden_states=x)
+    else:
+        args = (x,) + tuple(args[1:])
+    d_out = rng.standard_normal(s["y"].shape)
+    out = attentions[0](*args, **kwargs)
+    ((out if isinstance(out, torch.Tensor) else out[0]) * torch.from_numpy(d_out)).sum().backward()
+    variant, ours, params = golden.convert.from_hf(config.to_dict(), state_dict(attentions[0]))
+    twin = TWINS["torch"]
+    lead = s["x"].shape[:-1]
+    batched = len(lead) == 2
+    mask = s["mask"][:, 0] == 0 if s["mask"] is not None else None
+    if not batched:  # a Qwen tower's (L, D): ours (1, L, D)
+        mask = mask if mask is None else mask[:1]
+    batch_positions = np.broadcast_to(positions[:, None], (2, lead[0] if batched else 1,
+                                                           lead[-1])).copy()
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        ours_x = torch.from_numpy(s["x"].copy() if batched else s["x"][None].copy())
+        ours_x.requires_grad_()
+        y = module(ours_x, None if mask is None else torch.from_numpy(mask),
+                   positions=torch.from_numpy(batch_positions))
+        (y.reshape(d_out.shape) * torch.from_numpy(d_out)).sum().backward()
+    grad = ours_x.grad.numpy().reshape(x.shape)
+    assert rel(grad, x.grad.numpy()) < FLOAT32_LEVEL, (mt, seed)
+
+
+# The model_types tested here (tests/test_hf_import.py's census and docs/hf.md's table read it).
+FAMILIES = {**QWEN_TOWERS, "pixtral": _pixtral, "llama4_vision_model": _llama4}
+
+
+def test_the_checkpoint_verifier_refuses_a_vision_tower_by_name(tmp_path):
+    """attn-parity hf draws hidden states alone: a vision tower's checkpoint is refused with the
+    reason, not run without its positions."""
+    import json
+
+    from golden.verifier.checkpoint import CheckpointError
+    from golden.verifier.layout import read_config
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "pixtral", "hidden_size": 32, "num_attention_heads": 2}))
+    with pytest.raises(CheckpointError, match="'pixtral': attn-parity hf does not check vision"):
+        read_config(tmp_path)
