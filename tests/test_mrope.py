@@ -7,7 +7,8 @@ Positions (3, B, L) as Hugging Face's ``get_rope_index`` makes them: an image sp
 and width rows differ from the temporal one; with every axis equal, the 1-D RoPE. Then the
 attention layers of the text towers (tests/hf_harness.py's TEXT_TOWERS, converted by
 ``golden.convert.from_hf``) given an image's positions: forward, prefill and decode with (3, B, n)
-positions per call, and the input gradient, against HF's model given the same position ids.
+positions per call, and the input gradient, against HF's model given the same position ids; and
+what each tower's HF code decides beyond its config.
 
 What is compared, and at which level (the levels of tests/test_rope_scaling.py):
 - ``precision="hf"``: HF's own float32 angles, cos and sin, recomposed per axis: the torch twin
@@ -23,6 +24,8 @@ Shape legend: B batch, H heads, L tokens, Dh head width, rd rotated features.
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +33,7 @@ import pytest
 import torch
 
 import golden.convert
+import golden.hf
 from golden.reference import rotary as reference_rotary
 from golden.specification.positions import rope_axes
 from golden.specification.validate import MROPE_FIELDS, rope_settings
@@ -434,4 +438,55 @@ def test_a_config_json_of_before_transformers_5_converts_alike(name):
     settings = [rope_settings(None, golden.convert.from_hf(c, sd)[1]["rope_parameters"])
                 for c in (old, new)]
     assert settings[0] == settings[1] and dict(settings[0])["mrope_section"] == (1, 1, 1)
+
+
+# ---- what the towers' HF code decides beyond their configs -------------------------------------
+
+def _expected_settings(name, config, layer):
+    """Our configuration of a tower's layer (golden.hf.expected_state: the arrays not read)."""
+    family = TOWERS[name]
+    rng, _ = fresh_rng()
+    _, model = build_model(family, rng)
+    sd = state_dict(attention_of(family, model, family.layers[0]))
+    return golden.hf.expected_state(config, sd, layer_idx=layer)[1]
+
+
+@pytest.mark.parametrize("name, strip", [
+    ("qwen2_5_omni_text", lambda c: c.pop("layer_types")),  # from max_window_layers
+    ("glm4v_moe_text", lambda c: c["rope_parameters"].pop("partial_rotary_factor")),  # 0.5
+    # 128; its section then the default, [16, 24, 24], to fit 64 pairs
+    ("paddleocr_vl_text", lambda c: (c.pop("head_dim"), c["rope_parameters"].pop("mrope_section"))),
+])
+def test_a_config_json_without_what_hfs_class_fills_in_converts_as_hf_reads_it(name, strip):
+    """A config.json may leave out what the config class fills in (to_dict() always has it):
+    converted from such a file, every layer is what HF's own class makes of the same file."""
+    rng, _ = fresh_rng()
+    config, _ = build_model(TOWERS[name], rng)
+    short = copy.deepcopy(config.to_dict())
+    strip(short)
+    hf_read = type(config).from_dict(copy.deepcopy(short)).to_dict()
+    for layer in range(config.num_hidden_layers):
+        assert (_expected_settings(name, short, layer)
+                == _expected_settings(name, hf_read, layer)), (name, layer)
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("ernie4_5_vl_moe_text", {"rope_type": "linear", "factor": 2.0},
+     r"'ernie4_5_vl_moe_text': rope_parameters\['rope_type'\] = 'linear' is not supported "
+     r"\(HF's ERNIE 4.5 VL takes 'default' only\)"),
+    ("ernie4_5_vl_moe_text", {"mrope_section": [2, 1, 2]},
+     r"rope_parameters\['mrope_section'\] = \[2, 1, 2\] is not supported \(HF's ERNIE 4.5 VL "
+     r"alternates height and width pairs"),
+    *((name, {"partial_rotary_factor": 0.5}, r"rope_parameters\['partial_rotary_factor'\] = "
+      r"0.5 is not supported \(HF's attention of this family turns the whole head")
+      for name in ("qwen2_5_omni_text", "qwen3_omni_moe_text", "paddleocr_vl_text",
+                   "ernie4_5_vl_moe_text")),
+])
+def test_settings_a_towers_hf_code_does_not_take_are_refused_by_name(name, change, message):
+    rng, _ = fresh_rng()
+    config, _ = build_model(TOWERS[name], rng)
+    c = config.to_dict()
+    c["rope_parameters"] = dict(c["rope_parameters"], **change)
+    with pytest.raises(ValueError, match=message):
+        _expected_settings(name, c, 0)
 
