@@ -490,3 +490,11 @@ def test_settings_a_towers_hf_code_does_not_take_are_refused_by_name(name, chang
     with pytest.raises(ValueError, match=message):
         _expected_settings(name, c, 0)
 
+
+def test_hunyuan_vl_is_refused_with_why():
+    """HunYuan-VL's text tower: its QK RMSNorm after RoPE and its XD-RoPE (each half of a pair
+    on its own axis) are not ours to express; named, not converted."""
+    with pytest.raises(ValueError, match=r"model_type 'hunyuan_vl_text' is not supported: "
+                                         r"HunYuan-VL's attention normalises q and k .* after "
+                                         r"RoPE.*XD-RoPE"):
+        golden.convert.from_hf({"model_type": "hunyuan_vl_text"}, {})

@@ -5,7 +5,8 @@ and softcap, the QK norms of Qwen3, OLMo 2, Gemma 3, Cohere, StableLM, Llama 4's
 NoPE layers, ...), the state-dict keys of its q/k norms, and the arrays it moves besides the
 four projections (GPT-OSS's sinks, Qwen3-Next's output gate, StableLM's per-head norms). Each
 keeps its attention at ``layers.N.self_attn`` in a checkpoint's keys, the Family's default
-``stacks``.
+``stacks``. ``REFUSED``: text towers of the same shape we do not convert, each with why
+(from_hf names it).
 
 Shape legend: D (= d_in) the model's width, N query heads, Dh head width.
 """
@@ -334,6 +335,15 @@ def _ernie4_5_vl_text(c, layer_idx, ours):
         raise ValueError(f"model_type {mt!r}: rope_parameters['mrope_section'] = "
                          f"{section[1:] + section[:1]} is not supported (HF's ERNIE 4.5 VL "
                          f"alternates height and width pairs: their sections should be equal)")
+
+
+# Towers we do not convert, with why: from_hf names the reason.
+REFUSED = {
+    "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
+                       "RoPE, where ours do before; and its XD-RoPE gives the two features of a "
+                       "rotated pair the positions of different axes (its sections split the "
+                       "duplicated frequency vector over 3 or 4 axes), not one axis per pair",
+}
 
 
 FAMILIES: dict[str, Family] = {
