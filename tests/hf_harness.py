@@ -43,7 +43,7 @@ BASE = dict(hidden_size=D, num_attention_heads=N, num_key_value_heads=NKV, head_
             intermediate_size=32, vocab_size=64, max_position_embeddings=64)
 
 
-# The text towers of Qwen2-VL and Qwen3-VL (multimodal RoPE, one pair of each axis): the rows
+# The text towers of the vision-language models (multimodal RoPE): the rows
 # of tests/test_hf_import.py (text only) and tests/test_mrope.py (an image's positions). Qwen2-VL's
 # attention takes its head width as D / N whatever the config's head_dim says.
 TEXT_TOWERS = {
@@ -84,6 +84,43 @@ TEXT_TOWERS = {
            ("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeRMSNorm",
             dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
                  shared_expert_intermediate_size=8))]},
+    # The towers below each have a section whose layouts differ (chunked, Qwen3-VL's
+    # interleaving, ERNIE's), so that an image's positions tell them apart.
+    # Qwen2.5-Omni's thinker: Qwen2-VL's chunked MRoPE (its config's mrope_interleaved ignored,
+    # as HF does) with the config's head width (6, not D / N); layer 1 sliding.
+    "qwen2_5_omni_text": Family("Qwen2_5OmniTextConfig", dict(
+        num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [1, 2, 0], "mrope_interleaved": True}),
+        layers=(0, 1), model="Qwen2_5OmniThinkerTextModel"),
+    # Qwen3-Omni-MoE's thinker: Qwen3-VL's attention, interleaved whatever the config says;
+    # its sliding_window is not read by HF's attention.
+    "qwen3_omni_moe_text": Family("Qwen3OmniMoeTextConfig", dict(
+        num_hidden_layers=1, head_dim=8, attention_bias=True, sliding_window=4, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [2, 1, 1]}),
+        float32="Qwen3OmniMoeThinkerTextRMSNorm", model="Qwen3OmniMoeThinkerTextModel"),
+    # GLM-4.5V: half of each head (20) rotated by default, rotate-half pairs, chunked.
+    "glm4v_moe_text": Family("Glm4vMoeTextConfig", dict(
+        num_hidden_layers=1, head_dim=20, n_routed_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [2, 2, 1]})),
+    # PaddleOCR-VL: biases on q, k, v and o, Qwen2-VL's chunked MRoPE.
+    "paddleocr_vl_text": Family("PaddleOCRTextConfig", dict(
+        num_hidden_layers=1, head_dim=8, use_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [2, 1, 1]}), model="PaddleOCRTextModel"),
+    # ERNIE 4.5 VL: (s_h, s_w, s_t) = (2, 2, 1), pairs h w h w t, interleaved features; HF
+    # turns q and k in float32.
+    "ernie4_5_vl_moe_text": Family("Ernie4_5_VLMoeTextConfig", dict(
+        num_hidden_layers=1, head_dim=10, use_bias=True, moe_num_experts=2, moe_k=1,
+        moe_intermediate_size=[8, 8],
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "mrope_section": [2, 2, 1]}),
+        float32="apply_rotary_pos_emb (q and k turned in float32)",
+        model="Ernie4_5_VLMoeTextModel"),
 }
 
 

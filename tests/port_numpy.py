@@ -552,9 +552,12 @@ def rope(x, settings, interleaved, positions, multi=False):
     ``multi``: positions (3, ..., L), and pair k's angle is its axis's position times f_k: with
     mrope_section (t, h, w), the first t pairs the temporal axis, the next h the height, the
     last w the width; interleaved, pair k the height's when k % 3 == 1 and k < 3h, the width's
-    when k % 3 == 2 and k < 3w, else the temporal's; axial (rope_type "axial"), A equal
-    sections of pairs, section a the axis a's, each axis's block of features turned alone with
-    axial_pairs "blocks"."""
+    when k % 3 == 2 and k < 3w, else the temporal's. With mrope_temporal_last the temporal pairs
+    come last: the first h the height, the next w the width, the last t the temporal axis;
+    interleaved, pair k the height's when k is even and k < 2h, the width's when k is odd and
+    k < 2w, else the temporal's (ERNIE 4.5 VL). Axial (rope_type "axial"): A equal sections of
+    pairs, section a the axis a's, each axis's block of features turned alone with axial_pairs
+    "blocks"."""
     dh, s = x.shape[-1], dict(settings)
     rd = dh if s["rope_type"] == "proportional" else int(dh * s["partial_rotary_factor"])
     f, m = rope_frequencies(settings, rd, int(positions.max()) + 1)
@@ -564,9 +567,15 @@ def rope(x, settings, interleaved, positions, multi=False):
         angles = np.stack([angles[axis[k], ..., k] for k in range(rd // 2)], axis=-1)
     elif multi:
         t, h, w = s["mrope_section"]
-        if s.get("mrope_interleaved"):
+        last = s.get("mrope_temporal_last")
+        if s.get("mrope_interleaved") and last:
+            axis = [1 if k % 2 == 0 and k < 2 * h else 2 if k % 2 == 1 and k < 2 * w else 0
+                    for k in range(rd // 2)]
+        elif s.get("mrope_interleaved"):
             axis = [1 if k % 3 == 1 and k < 3 * h else 2 if k % 3 == 2 and k < 3 * w else 0
                     for k in range(rd // 2)]
+        elif last:
+            axis = [1] * h + [2] * w + [0] * t
         else:
             axis = [0] * t + [1] * h + [2] * w
         angles = np.stack([angles[axis[k], ..., k] for k in range(rd // 2)], axis=-1)

@@ -58,6 +58,8 @@ def _checkpoint(name, directory, seed=0):
     base = BASE if name in DECODERS else {k: v for k, v in BASE.items()
                                           if k not in ("head_dim", "num_key_value_heads")}
     config = getattr(transformers, family.config)(**{**base, **family.kw})
+    if family.model is not None:  # a class AutoModel does not take the config of
+        return _save(getattr(transformers, family.model)(config), directory, seed)
     make = (transformers.AutoModel if name in TEXT_TOWERS  # a text tower has no causal-LM head
             else transformers.AutoModelForCausalLM)
     return _save(make.from_config(config), directory, seed)

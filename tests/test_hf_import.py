@@ -142,6 +142,13 @@ DISTINCT = {
     "glm4v_text": [(0, {"rope_interleaved": False})],
     "qwen3_5_text": [(1, {"output_gate": False}), (1, {"qk_norm": None})],
     "qwen3_5_moe_text": [(1, {"output_gate": False})],
+    "qwen2_5_omni_text": [(1, {"sliding_window": None}),
+                          (0, {"rope_parameters": {"rope_theta": 500.0}})],
+    "qwen3_omni_moe_text": [(0, {"qk_norm": None}), (0, {"sliding_window": 4})],
+    "glm4v_moe_text": [(0, {"rope_interleaved": True})],  # GLM-4V's pairing, not its own
+    "paddleocr_vl_text": [(0, {"out_bias": False}),
+                          (0, {"rope_parameters": {"rope_theta": 500.0}})],
+    "ernie4_5_vl_moe_text": [(0, {"rope_interleaved": False})],
     "deepseek_v3": [(0, {"rope_interleaved": False}),
                     (0, {"rope_parameters": {"rope_theta": 500.0}})],
 }

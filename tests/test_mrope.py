@@ -1,15 +1,19 @@
 """Multimodal RoPE (MRoPE) in the rotary embedding of both twins and the reference, against
 transformers' own text rotary embeddings: Qwen2-VL's chunked sections (rotate-half), Qwen3-VL's
-interleaved sections, GLM-4V's chunked sections on interleaved pairs of a partial slice.
+interleaved sections (and Qwen3-Omni's code for them), GLM-4V's chunked sections on interleaved
+pairs of a partial slice (GLM-4.5V's on rotate-half pairs), ERNIE 4.5 VL's height and width pairs
+alternating with the temporal ones last (``mrope_temporal_last``) on interleaved pairs.
 Positions (3, B, L) as Hugging Face's ``get_rope_index`` makes them: an image span whose height
 and width rows differ from the temporal one; with every axis equal, the 1-D RoPE. Then the
-attention layers of the text towers (``qwen2_vl_text``, ``qwen3_vl_text``, converted by
+attention layers of the text towers (tests/hf_harness.py's TEXT_TOWERS, converted by
 ``golden.convert.from_hf``) given an image's positions: forward, prefill and decode with (3, B, n)
-positions per call, and the input gradient, against HF's model given the same position ids.
+positions per call, and the input gradient, against HF's model given the same position ids; and
+what each tower's HF code decides beyond its config.
 
 What is compared, and at which level (the levels of tests/test_rope_scaling.py):
 - ``precision="hf"``: HF's own float32 angles, cos and sin, recomposed per axis: the torch twin
   equal to HF's bits (the same operations on the same machine), JAX at float32's level (1e-6);
+  where HF turns a float64 q in float32 (ERNIE 4.5 VL), float32's level for torch too;
 - exact mode (float64) against the reference: 1e-12 (the same angles, another order);
 - exact mode against HF's float64 model, whose angles are float32: 1e-6 of |x| at positions
   below 16 (HF's angle p · f in float32 errs by about p · 2⁻²⁴ radians);
@@ -20,6 +24,8 @@ Shape legend: B batch, H heads, L tokens, Dh head width, rd rotated features.
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,17 +33,22 @@ import pytest
 import torch
 
 import golden.convert
+import golden.hf
 from golden.reference import rotary as reference_rotary
 from golden.specification.positions import rope_axes
-from golden.specification.validate import rope_settings
+from golden.specification.validate import MROPE_FIELDS, rope_settings
 from jax_attn.rotary import rotary_embedding as jax_rotary
 from tests.helpers import TWINS, fresh_rng
 from torch_attn.rotary import rotary_embedding as torch_rotary
 
 transformers = pytest.importorskip("transformers")
+from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe  # noqa: E402
 from transformers.models.glm4v import modeling_glm4v  # noqa: E402
+from transformers.models.glm4v_moe import modeling_glm4v_moe  # noqa: E402
 from transformers.models.qwen2_vl import modeling_qwen2_vl  # noqa: E402
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe  # noqa: E402
 from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: E402
+from tests import port_numpy  # noqa: E402
 from tests.hf_harness import (  # noqa: E402
     BASE,
     TEXT_TOWERS,
@@ -56,7 +67,7 @@ from tests.hf_harness import L as HL  # noqa: E402
 B, H, L, DH, THETA = 2, 3, 11, 16, 100.0
 F32 = 1e-6
 EXACT = 1e-12
-NO_MROPE = {"mrope_section": None, "mrope_interleaved": None}  # the 1-D RoPE's settings
+NO_MROPE = dict.fromkeys(MROPE_FIELDS)  # the 1-D RoPE's settings: every MRoPE field removed
 
 # name: (HF's text config class, its rotary embedding, its apply_rotary_pos_emb, our
 # interleaved pairing, rope_parameters without θ)
@@ -72,7 +83,31 @@ FAMILIES = {
               modeling_glm4v.apply_rotary_pos_emb, True,
               {"rope_type": "default", "mrope_section": [1, 2, 1],
                "partial_rotary_factor": 0.5}),
+    # Qwen3-VL's layout in code of its own; HF interleaves whatever the config says.
+    "qwen3_omni_moe": (transformers.Qwen3OmniMoeTextConfig,
+                       modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextRotaryEmbedding,
+                       modeling_qwen3_omni_moe.apply_rotary_pos_emb, False,
+                       {"rope_type": "default", "mrope_section": [4, 2, 2],
+                        "mrope_interleaved": True}),
+    # GLM-4.5V: GLM-4V's chunked sections on the rotary half, rotate-half pairs.
+    "glm4v_moe": (transformers.Glm4vMoeTextConfig, modeling_glm4v_moe.Glm4vMoeTextRotaryEmbedding,
+                  modeling_glm4v_moe.apply_rotary_pos_emb, False,
+                  {"rope_type": "default", "mrope_section": [1, 2, 1],
+                   "partial_rotary_factor": 0.5}),
+    # ERNIE 4.5 VL: height and width pairs alternating, then the temporal ones; HF's config
+    # lists the section as (s_h, s_w, s_t) (HF_PARAMETERS).
+    "ernie4_5_vl_moe": (transformers.Ernie4_5_VLMoeTextConfig,
+                        modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextRotaryEmbedding,
+                        modeling_ernie4_5_vl_moe.apply_rotary_pos_emb, True,
+                        {"rope_type": "default", "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True, "mrope_temporal_last": True}),
 }
+# HF's rope_parameters where they differ from ours (a field None: not given to HF).
+HF_PARAMETERS = {"ernie4_5_vl_moe": {"mrope_section": [3, 3, 2], "mrope_interleaved": None,
+                                     "mrope_temporal_last": None}}
+# HF's apply_rotary_pos_emb turns q and k in float32 whatever their dtype (and its cos and sin
+# stay float32): a float64 q is rounded to float32 there.
+ROTATES_IN_FLOAT32 = {"ernie4_5_vl_moe"}
 
 
 def image_positions(batch=B, length=L, start=3, shift=1):
@@ -93,6 +128,7 @@ def image_positions(batch=B, length=L, start=3, shift=1):
 def _hf(name, q):
     """HF's rotary embedding of q (B, H, L, Dh) at image_positions(), in q's dtype."""
     config_class, embedding, apply, _, parameters = FAMILIES[name]
+    parameters = _changed(parameters, HF_PARAMETERS.get(name, {}))
     config = config_class(hidden_size=H * DH, num_attention_heads=H, num_key_value_heads=H,
                           head_dim=DH, max_position_embeddings=64,
                           rope_parameters={**parameters, "rope_theta": THETA})
@@ -138,10 +174,16 @@ def _q(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_hf_precision_reproduces_hfs_own_recomposition(name, dtype):
+    """The torch twin's "hf" angles are HF's bits; where HF turns a float64 q in float32
+    (ROTATES_IN_FLOAT32) the rest of our turn is float64, so float32's level there."""
     q, seed = _q(dtype)
     expected = _hf(name, torch.from_numpy(q)).double().numpy()
-    np.testing.assert_array_equal(_ours("torch", name, q, precision="hf"), expected,
-                                  err_msg=f"torch, seed {seed}")
+    if name in ROTATES_IN_FLOAT32 and dtype == "float64":
+        np.testing.assert_allclose(_ours("torch", name, q, precision="hf"), expected, rtol=0,
+                                   atol=F32 * np.abs(q).max(), err_msg=f"torch, seed {seed}")
+    else:
+        np.testing.assert_array_equal(_ours("torch", name, q, precision="hf"), expected,
+                                      err_msg=f"torch, seed {seed}")
     np.testing.assert_allclose(_ours("jax", name, q, precision="hf"), expected, rtol=0,
                                atol=F32 * np.abs(q).max(), err_msg=f"jax, seed {seed}")
 
@@ -182,11 +224,36 @@ def test_each_layout_is_its_own():
     assert rope_axes(chunked, 16).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
     interleaved = rope_settings(THETA, {"mrope_section": [4, 2, 2], "mrope_interleaved": True})
     assert rope_axes(interleaved, 16).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    ernie = rope_settings(THETA, {"mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                  "mrope_temporal_last": True})
+    assert rope_axes(ernie, 16).tolist() == [1, 2, 1, 2, 1, 2, 0, 0]
+    last = rope_settings(THETA, {"mrope_section": [2, 3, 3], "mrope_temporal_last": True})
+    assert rope_axes(last, 16).tolist() == [1, 1, 1, 2, 2, 2, 0, 0]
     assert rope_axes(rope_settings(THETA), 16) is None
     q, seed = _q("float64")
-    moved = np.abs(_ours("torch", "qwen3_vl", q)
-                   - _ours("torch", "qwen3_vl", q, mrope_interleaved=False)).max()
-    assert moved > 1e3 * F32 * np.abs(q).max(), f"seed {seed}"
+    for name, change in [("qwen3_vl", {"mrope_interleaved": False}),
+                         ("ernie4_5_vl_moe", {"mrope_temporal_last": False}),
+                         ("ernie4_5_vl_moe", {"mrope_interleaved": False})]:
+        moved = np.abs(_ours("torch", name, q) - _ours("torch", name, q, **change)).max()
+        assert moved > 1e3 * F32 * np.abs(q).max(), (name, change, seed)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("temporal_last", [False, True])
+def test_the_numpy_ports_own_axis_rule_equals_the_reference(name, temporal_last):
+    """tests/port_numpy.py writes each layout's axis rule again, independently of rope_axes:
+    its turn at an image's positions equals the reference's (each layout, the temporal pairs
+    first and last; the chunked one with temporal_last has no HF family, only this)."""
+    q, seed = _q("float64")
+    *_, interleaved, parameters = FAMILIES[name]
+    parameters = dict(parameters, mrope_temporal_last=temporal_last)
+    if parameters.get("mrope_interleaved") and temporal_last:
+        parameters["mrope_section"] = [2, 3, 3]  # alternating pairs: equal h and w
+    settings = rope_settings(THETA, parameters)
+    positions = image_positions()[..., None, :]  # (3, B, 1, L)
+    ours = port_numpy.rope(q, settings, interleaved, positions, multi=True)
+    np.testing.assert_allclose(ours, _reference(name, q, **parameters), rtol=0, atol=EXACT,
+                               err_msg=f"seed {seed}")
 
 
 def test_jax_under_jit_with_traced_positions():
@@ -210,7 +277,13 @@ def test_jax_under_jit_with_traced_positions():
     ({"mrope_interleaved": "yes"}, None, r"mrope_interleaved'\] should be True or False"),
     ({"mrope_section": None, "mrope_interleaved": True}, None,
      r"mrope_interleaved'\] needs mrope_section"),
-    ({}, np.zeros((4, B, L), np.int64), r"positions should be integers shaped .*one row per position axis"),
+    ({"mrope_temporal_last": 1}, None, r"mrope_temporal_last'\] should be True or False"),
+    ({"mrope_section": None, "mrope_temporal_last": True}, None,
+     r"mrope_temporal_last'\] needs mrope_section"),
+    ({"mrope_section": [2, 4, 2], "mrope_interleaved": True, "mrope_temporal_last": True}, None,
+     r"should have equal height and width sections .*got \[2, 4, 2\]"),
+    ({}, np.zeros((4, B, L), np.int64),
+     r"positions should be integers shaped .*one row per position axis"),
     ({}, np.zeros((3, L), np.int64)[None].repeat(3, 0)[:, :, None],
      r"positions should be integers shaped"),
 ])
@@ -366,3 +439,63 @@ def test_a_config_json_of_before_transformers_5_converts_alike(name):
     settings = [rope_settings(None, golden.convert.from_hf(c, sd)[1]["rope_parameters"])
                 for c in (old, new)]
     assert settings[0] == settings[1] and dict(settings[0])["mrope_section"] == (1, 1, 1)
+
+
+# ---- what the towers' HF code decides beyond their configs -------------------------------------
+
+def _expected_settings(name, config, layer):
+    """Our configuration of a tower's layer (golden.hf.expected_state: the arrays not read)."""
+    family = TOWERS[name]
+    rng, _ = fresh_rng()
+    _, model = build_model(family, rng)
+    sd = state_dict(attention_of(family, model, family.layers[0]))
+    return golden.hf.expected_state(config, sd, layer_idx=layer)[1]
+
+
+@pytest.mark.parametrize("name, strip", [
+    ("qwen2_5_omni_text", lambda c: c.pop("layer_types")),  # from max_window_layers
+    ("glm4v_moe_text", lambda c: c["rope_parameters"].pop("partial_rotary_factor")),  # 0.5
+    # 128; its section then the default, [16, 24, 24], to fit 64 pairs
+    ("paddleocr_vl_text", lambda c: (c.pop("head_dim"), c["rope_parameters"].pop("mrope_section"))),
+])
+def test_a_config_json_without_what_hfs_class_fills_in_converts_as_hf_reads_it(name, strip):
+    """A config.json may leave out what the config class fills in (to_dict() always has it):
+    converted from such a file, every layer is what HF's own class makes of the same file."""
+    rng, _ = fresh_rng()
+    config, _ = build_model(TOWERS[name], rng)
+    short = copy.deepcopy(config.to_dict())
+    strip(short)
+    hf_read = type(config).from_dict(copy.deepcopy(short)).to_dict()
+    for layer in range(config.num_hidden_layers):
+        assert (_expected_settings(name, short, layer)
+                == _expected_settings(name, hf_read, layer)), (name, layer)
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("ernie4_5_vl_moe_text", {"rope_type": "linear", "factor": 2.0},
+     r"'ernie4_5_vl_moe_text': rope_parameters\['rope_type'\] = 'linear' is not supported "
+     r"\(HF's ERNIE 4.5 VL takes 'default' only\)"),
+    ("ernie4_5_vl_moe_text", {"mrope_section": [2, 1, 2]},
+     r"rope_parameters\['mrope_section'\] = \[2, 1, 2\] is not supported \(HF's ERNIE 4.5 VL "
+     r"alternates height and width pairs"),
+    *((name, {"partial_rotary_factor": 0.5}, r"rope_parameters\['partial_rotary_factor'\] = "
+      r"0.5 is not supported \(HF's attention of this family turns the whole head")
+      for name in ("qwen2_5_omni_text", "qwen3_omni_moe_text", "paddleocr_vl_text",
+                   "ernie4_5_vl_moe_text")),
+])
+def test_settings_a_towers_hf_code_does_not_take_are_refused_by_name(name, change, message):
+    rng, _ = fresh_rng()
+    config, _ = build_model(TOWERS[name], rng)
+    c = config.to_dict()
+    c["rope_parameters"] = dict(c["rope_parameters"], **change)
+    with pytest.raises(ValueError, match=message):
+        _expected_settings(name, c, 0)
+
+
+def test_hunyuan_vl_is_refused_with_why():
+    """HunYuan-VL's text tower: its QK RMSNorm after RoPE and its XD-RoPE (each half of a pair
+    on its own axis) are not ours to express; named, not converted."""
+    with pytest.raises(ValueError, match=r"model_type 'hunyuan_vl_text' is not supported: "
+                                         r"HunYuan-VL's attention normalises q and k .* after "
+                                         r"RoPE.*XD-RoPE"):
+        golden.convert.from_hf({"model_type": "hunyuan_vl_text"}, {})

@@ -36,6 +36,8 @@ FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
 # ---- the family lookup --------------------------------------------------------------------------
 
 def _family(mt) -> Family:
+    if mt in decoders.REFUSED:
+        raise ValueError(f"model_type {mt!r} is not supported: {decoders.REFUSED[mt]}")
     if mt not in FAMILIES:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")

@@ -129,7 +129,9 @@ def rope_cos_sin(settings, head_dim, positions, multi=False):
     arithmetic (golden.specification.positions.hf_inv_freq in NumPy float32; np.cos in float32 is
     NumPy's, whose last bit depends on the CPU: no fixture uses it). ``multi``: ``positions``
     are (3, ..., L), one row per axis of a multimodal RoPE, and pair i takes the cos and sin of
-    its axis's position (golden.specification.positions.rope_axes)."""
+    its axis's position (golden.specification.positions.rope_axes: chunked or interleaved
+    sections, the temporal pairs first or, with mrope_temporal_last, last), at its own
+    frequency f_i."""
     rd = rotary_dims(head_dim, settings)
     seq_len = int(np.max(positions)) + 1
     if dict(settings)["precision"] == "hf":

@@ -275,15 +275,22 @@ def rope_cos_sin(tables, positions):
 
 def rope_axes(settings, rd):
     """(rd/2,) int: the axis of multimodal positions (3, ..., L) whose position turns each pair,
-    None for a 1-D RoPE. Hugging Face's two layouts of ``mrope_section`` (s_t, s_h, s_w), which
+    None for a 1-D RoPE. Hugging Face's layouts of ``mrope_section`` (s_t, s_h, s_w), which
     sums to rd/2:
         chunked (Qwen2-VL, GLM-4V)   pairs 0 … s_t − 1 the temporal axis, the next s_h the
                                      height, the last s_w the width
         interleaved (Qwen3-VL,       pair j the height if j ≡ 1 (mod 3) and j < 3 s_h, the width
         mrope_interleaved=True)      if j ≡ 2 (mod 3) and j < 3 s_w, else the temporal axis
-    and an axial RoPE's (rope_type "axial", vision towers): A = axial_axes equal sections in
-    order, pairs 0 … rd/2A − 1 axis 0 (the patch's row for Qwen-VL, Pixtral, Gemma 4), ...
-    The pairing (rotate-half or interleaved features) is another setting: the map is by pair."""
+    and with ``mrope_temporal_last`` the temporal pairs after the spatial ones:
+        chunked                      pairs 0 … s_h − 1 the height, the next s_w the width, the
+                                     last s_t the temporal axis
+        interleaved (ERNIE 4.5 VL,   pair j the height if j is even and j < 2 s_h, the width if
+        s_h = s_w)                   j is odd and j < 2 s_w, else the temporal axis
+    Each pair keeps its own frequency f_j (ERNIE's pre-permuted inv_freq is undone by its
+    recomposition). An axial RoPE's (rope_type "axial", vision towers): A = axial_axes equal
+    sections in order, pairs 0 … rd/2A − 1 axis 0 (the patch's row for Qwen-VL, Pixtral,
+    Gemma 4), ... The pairing (rotate-half or interleaved features) is another setting: the
+    map is by pair."""
     s = dict(settings) if settings is not None else {}
     if s.get("rope_type") == "axial":  # A equal sections, in order
         return np.arange(rd // 2) // (rd // 2 // s["axial_axes"])
@@ -291,11 +298,14 @@ def rope_axes(settings, rd):
     if section is None:
         return None
     pair = np.arange(rd // 2)
+    last = bool(s.get("mrope_temporal_last", False))
     if not s.get("mrope_interleaved", False):
-        return np.repeat(np.arange(len(section)), section)
+        order = [1, 2, 0] if last else [0, 1, 2]
+        return np.repeat(order, [section[a] for a in order])
+    cycle, residues = (2, (0, 1)) if last else (3, (1, 2))  # of the height's, the width's pairs
     axes = np.zeros(rd // 2, dtype=np.int64)
-    for axis in (1, 2):
-        axes[(pair % 3 == axis) & (pair < 3 * section[axis])] = axis
+    for axis, residue in zip((1, 2), residues):
+        axes[(pair % cycle == residue) & (pair < cycle * section[axis])] = axis
     return axes
 
 

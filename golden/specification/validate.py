@@ -297,8 +297,9 @@ ROPE_PRECISIONS = ("exact", "hf")
 # Multimodal RoPE (Qwen2-VL's and Qwen3-VL's rope_parameters, any rope_type): positions of shape
 # (3, ..., L), one row per axis (temporal, height, width), each pair's angle read from one axis
 # (golden.specification.positions.rope_axes). Given only when present: a 1-D RoPE's settings
-# carry neither field.
-MROPE_FIELDS = ("mrope_section", "mrope_interleaved")
+# carry none of the fields. mrope_temporal_last (ours: ERNIE 4.5 VL's layout, which HF writes
+# in its rotary embedding, not its config) puts the temporal pairs after the spatial ones.
+MROPE_FIELDS = ("mrope_section", "mrope_interleaved", "mrope_temporal_last")
 MROPE_AXES = 3
 # Axial RoPE's two choices: "shared": every axis the same rd/(2A) frequencies θ^(−2m·A/rd)
 # (Qwen-VL, Gemma 4, Llama 4), "split": the 1-D RoPE's rd/2 dealt to the axes in turn (Pixtral);
@@ -326,7 +327,7 @@ def _rope_field(name, value) -> None:
                         for v in value) and sum(value) > 0):
             raise ValueError(f"{where} should be {MROPE_AXES} non-negative ints (the rotated "
                              f"pairs of the temporal, height and width axes), got {value!r}")
-    elif name == "mrope_interleaved":
+    elif name in ("mrope_interleaved", "mrope_temporal_last"):
         check_flags(**{where: value})
     elif name == "axial_axes":
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 2):
@@ -390,9 +391,7 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
         raise ValueError("rope_parameters['mrope_section'] is a multimodal RoPE's; an axial "
                          "RoPE's sections are its axial_axes equal ones, got mrope_section "
                          f"{list(fields['mrope_section'])} with rope_type 'axial'")
-    if "mrope_interleaved" in fields and "mrope_section" not in fields:
-        raise ValueError("rope_parameters['mrope_interleaved'] needs mrope_section (the pairs of "
-                         "each axis), got no mrope_section")
+    _check_mrope_layout(fields)
     if kind == "llama3" and not fields["high_freq_factor"] > fields["low_freq_factor"]:
         raise ValueError(f"rope_parameters['high_freq_factor'] should be greater than "
                          f"low_freq_factor = {fields['low_freq_factor']}, got "
@@ -405,6 +404,21 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
     return (("rope_type", kind), ("rope_theta", float(theta)),
             ("partial_rotary_factor", float(fraction)), ("precision", rope_precision),
             *fields.items())
+
+
+def _check_mrope_layout(fields) -> None:
+    """The layout flags need mrope_section; interleaved with the temporal pairs last alternates
+    height and width pairs, so their sections must be equal (as in ERNIE 4.5 VL)."""
+    for flag in ("mrope_interleaved", "mrope_temporal_last"):
+        if flag in fields and "mrope_section" not in fields:
+            raise ValueError(f"rope_parameters['{flag}'] needs mrope_section (the pairs of "
+                             f"each axis), got no mrope_section")
+    if fields.get("mrope_interleaved") and fields.get("mrope_temporal_last"):
+        _, h, w = fields["mrope_section"]
+        if h != w:
+            raise ValueError(f"rope_parameters['mrope_section'] should have equal height and "
+                             f"width sections with mrope_interleaved and mrope_temporal_last "
+                             f"(their pairs alternate), got {list(fields['mrope_section'])}")
 
 
 def rope_arguments(settings) -> dict:
