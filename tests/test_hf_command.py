@@ -44,9 +44,13 @@ ENCODER_MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
                   "vit": "ViTForImageClassification", "clip_text_model": "CLIPTextModel",
                   "clip_vision_model": "CLIPVisionModel", "siglip_text_model": "SiglipTextModel",
                   "siglip_vision_model": "SiglipVisionModel",
+                  "siglip2_text_model": "Siglip2TextModel",
+                  "siglip2_vision_model": "Siglip2VisionModel",
+                  "aimv2_text_model": "Aimv2TextModel", "aimv2_vision_model": "Aimv2VisionModel",
                   "whisper": "WhisperForConditionalGeneration",
                   "bart": "BartForConditionalGeneration", "t5": "T5ForConditionalGeneration"}
-COMPOSITE = {"clip": ("CLIPConfig", "CLIPModel"), "siglip": ("SiglipConfig", "SiglipModel")}
+COMPOSITE = {"clip": ("CLIPConfig", "CLIPModel"), "siglip": ("SiglipConfig", "SiglipModel"),
+             "siglip2": ("Siglip2Config", "Siglip2Model"), "aimv2": ("Aimv2Config", "Aimv2Model")}
 ENCODER_NAMES = (list(ENCODER_MODELS) + list(COMPOSITE) if WHOLE
                  else ["bert", "vit", "whisper", "t5"])
 

@@ -59,6 +59,19 @@ def _pixels(config, rng):
     return {"pixel_values": rng.standard_normal((B, 3, IMAGE, IMAGE))}
 
 
+def _patches(config, rng):
+    """SigLIP 2's vision input: the image's patches flattened (B, N, C·P²), all real (its
+    pixel_attention_mask ones), on a 3 × 3 grid."""
+    n, p = 9, config.patch_size
+    return {"pixel_values": rng.standard_normal((B, n, 3 * p * p)),
+            "pixel_attention_mask": np.ones((B, n), np.int64),
+            "spatial_shapes": np.array([[3, 3]] * B)}
+
+
+def _aimv2_attention(model, i):
+    return model.encoder.layers[i].attention
+
+
 def _seq2seq(config, rng):
     return {"input_ids": rng.integers(4, BASE["vocab_size"], (B, LC)),
             "decoder_input_ids": rng.integers(4, BASE["vocab_size"], (B, L))}
@@ -115,6 +128,16 @@ FAMILIES = {
                                 inputs=_ids(), model="SiglipTextModel"),
     "siglip_vision_model": Family("SiglipVisionConfig", VISION, layers=(0, 1),
                                   attention_of=_tower, inputs=_pixels),
+    "siglip2_text_model": Family("Siglip2TextConfig", TOWER, layers=(0, 1), attention_of=_tower,
+                                 inputs=_ids(), model="Siglip2TextModel"),
+    "siglip2_vision_model": Family("Siglip2VisionConfig", dict(TOWER, patch_size=PATCH,
+                                                               num_patches=16),
+                                   layers=(0, 1), attention_of=_tower, inputs=_patches),
+    "aimv2_text_model": Family("Aimv2TextConfig", dict(TOWER, qkv_bias=True), layers=(0, 1),
+                               attention_of=_aimv2_attention, inputs=_ids(),
+                               model="Aimv2TextModel"),
+    "aimv2_vision_model": Family("Aimv2VisionConfig", VISION, layers=(0, 1),
+                                 attention_of=_aimv2_attention, inputs=_pixels),
     "whisper": Family("WhisperConfig", dict(SEQ2SEQ, num_key_value_heads=5, num_mel_bins=4,
                                             max_source_positions=LC, max_target_positions=16),
                       layers=CROSS_AND_SELF, attention_of=_stacks, inputs=_whisper_inputs),
@@ -136,6 +159,10 @@ DISTINCT = {
     "clip_vision_model": [(1, {"causal": True})],
     "siglip_text_model": [(0, {"causal": True})],
     "siglip_vision_model": [(1, {"causal": True})],
+    "siglip2_text_model": [(0, {"causal": True})],
+    "siglip2_vision_model": [(1, {"causal": True})],
+    "aimv2_text_model": [(0, {"causal": True}), (1, {"qkv_bias": False, "out_bias": False})],
+    "aimv2_vision_model": [(1, {"causal": True})],
     "whisper": [(("encoder", 0), {"causal": True}), (("decoder", 1), {"causal": False}),
                 (("cross", 0), {"qkv_bias": False, "key_bias": None, "out_bias": False})],
     "bart": [(("encoder", 1), {"causal": True}), (("decoder", 1), {"causal": False}),

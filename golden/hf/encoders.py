@@ -220,6 +220,19 @@ FAMILIES: dict[str, Family | Kinds] = {
     "siglip_text_model": _tower("siglip_text_model", causal=False, label="text",
                                 model_class="SiglipTextModel"),
     "siglip_vision_model": _tower("siglip_vision_model", causal=False, label="vision"),
+    # SigLIP 2 (its vision tower's variable resolution is the patch embedding's and the mask's)
+    "siglip2_text_model": _tower("siglip2_text_model", causal=False, label="text",
+                                 model_class="Siglip2TextModel"),
+    "siglip2_vision_model": _tower("siglip2_vision_model", causal=False, label="vision"),
+    # AIMv2: the attention at encoder.layers.N.attention, out_proj's bias as qkv_bias. Its text
+    # attention is not causal itself: Aimv2TextModel makes a causal mask only when it is given
+    # an attention_mask, and passes none otherwise; that mask is the caller's here
+    **{mt: _self_family(mt, OUT_PROJ_NAMES, width="hidden_size", heads="num_attention_heads",
+                        causal=causal, dropout="attention_dropout", hf_float64=True,
+                        stacks=(Stack("encoder.layers", "attention", label=label),), **kw)
+       for mt, causal, label, kw in (
+           ("aimv2_vision_model", False, "vision", {}),
+           ("aimv2_text_model", False, "text", {"model_class": "Aimv2TextModel"}))},
     "whisper": _encoder_decoder("whisper", OUT_PROJ_NAMES, zero_key_bias=True),
     "bart": _encoder_decoder("bart", OUT_PROJ_NAMES),
     "t5": _t5(),
@@ -229,4 +242,4 @@ FAMILIES: dict[str, Family | Kinds] = {
 # towers' sub-configs and the towers' key prefixes, {model_type: {sub-config: key prefix}}.
 COMPOSITES: dict[str, dict[str, str]] = {
     mt: {"text_config": "text_model.", "vision_config": "vision_model."}
-    for mt in ("clip", "siglip")}
+    for mt in ("clip", "siglip", "siglip2", "aimv2")}

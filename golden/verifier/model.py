@@ -230,7 +230,8 @@ def _no_init():
 
 def _model_inputs(model, stack, inputs, dtype) -> dict:
     """The one-layer model's inputs, zeros (the attention's input is replaced): token ids of
-    x's length, an image or features of the config's size; a decoder's positions as its
+    x's length, an image or features of the config's size (SigLIP 2: x's L patches, one row
+    of them); a decoder's positions as its
     position_ids; an encoder-decoder's decoder tokens and, for a decoder's attention, in place
     of its encoder's output the drawn context (or zeros)."""
     import torch
@@ -241,7 +242,12 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
     shapes = {"input_ids": lambda: (b, length),
               "pixel_values": lambda: (b, c.num_channels, c.image_size, c.image_size),
               "input_features": lambda: (b, c.num_mel_bins, 2 * c.max_source_positions)}
-    given = {main: torch.zeros(shapes[main](), dtype=torch.long if main == "input_ids" else dtype)}
+    given = {main: torch.zeros(shapes[main](), dtype=torch.long if main == "input_ids" else dtype)
+             } if not hasattr(c, "num_patches") else {  # SigLIP 2: x's L patches, flattened,
+        "pixel_values": torch.zeros((b, length, c.num_channels * c.patch_size ** 2),  # all real
+                                    dtype=dtype),
+        "pixel_attention_mask": torch.ones((b, length), dtype=torch.long),
+        "spatial_shapes": torch.tensor([[1, length]] * b)}
     if "use_cache" in inspect.signature(model.forward).parameters:
         given["use_cache"] = False
     if "positions" in inputs:
