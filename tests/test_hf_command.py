@@ -242,9 +242,9 @@ def test_unreadable_and_unsupported_checkpoints_exit_2(tmp_path, capsys):
     assert "model_type 'qwen2_vl' is not supported" in capsys.readouterr().err
     (directory / "config.json").write_text(json.dumps(dict(
         config, model_type="clip", text_config=dict(config, model_type="clip_text_model"),
-        vision_config={"model_type": "siglip2_vision_model"})))
+        vision_config={"model_type": "mobilevit"})))
     assert main(["hf", str(directory)]) == 2
-    assert "model_type 'siglip2_vision_model' is not supported" in capsys.readouterr().err
+    assert "model_type 'mobilevit' is not supported" in capsys.readouterr().err
     (directory / "config.json").write_text(json.dumps(dict(config, model_type="bert",
                                                            add_cross_attention=True)))
     assert main(["hf", str(directory)]) == 2
