@@ -345,7 +345,8 @@ class GroupedQueryAttention(Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, *, core=None):
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, *,
+                 core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         self.slopes = None if alibi is None else alibi_slopes(num_heads, alibi, alibi_bias_max)
@@ -356,7 +357,7 @@ class GroupedQueryAttention(Module):
         self.relative_attention_bias = (None if relative_attention_num_buckets is None else
                                         np.zeros((relative_attention_num_buckets, num_heads)))
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
-        self.clip = clip_qkv
+        self.clip, self.v_norm = clip_qkv, v_norm
         shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
                   "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh)}
         self.q_norm, self.k_norm = (np.zeros(shapes[qk_norm](n)) if qk_norm in shapes else None
@@ -389,6 +390,8 @@ class GroupedQueryAttention(Module):
         q = _split(q, self.heads)                   # (..., N, L, Dh)
         k = _split(k, self.kv_heads)                # (..., Nkv, L, Dh)
         v = _split(v, self.kv_heads)
+        if self.v_norm:  # Gemma 4: v / √(mean(v²) + ε) per head, no weight
+            v = v / np.sqrt((v * v).mean(-1, keepdims=True) + self.eps).astype(v.dtype)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.rope_settings is not None:

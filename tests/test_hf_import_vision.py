@@ -209,8 +209,35 @@ def _llama4(rng):
     return config, attentions, seen, _layout_positions("llama4", side=4)
 
 
+def _gemma4(rng):
+    """Gemma 4's vision tower (GQA: 2 heads, 1 key-value head) on two images, 4 × 4 and 2 × 4
+    patches, the second padded to 16 with HF's (−1, −1): positions its pixel_position_ids (x,
+    y), the padding's 0 here (their rows are padding in both; only real rows are compared)."""
+    config = transformers.Gemma4VisionConfig(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=32, num_hidden_layers=1, patch_size=PATCH, pooling_kernel_size=1,
+        position_embedding_size=8, rope_parameters=dict(AXIAL))
+    config._attn_implementation = "sdpa"
+    model = _random_model(transformers.Gemma4VisionModel(config), rng)
+    xy = [np.stack([cols, rows], -1) for rows, cols in (_grid_positions(4, 4),
+                                                        _grid_positions(2, 4))]
+    ids = np.full((2, 16, 2), -1)
+    for b, p in enumerate(xy):
+        ids[b, :len(p)] = p
+    pixels = rng.standard_normal((2, 16, 3 * PATCH * PATCH))
+    attentions = [layer.self_attn for layer in model.encoder.layers]
+    seen = _layer_calls(attentions, lambda: model(torch.from_numpy(pixels),
+                                                  pixel_position_ids=torch.from_numpy(ids)))
+    valid = (ids >= 0).all(-1)  # (B, L)
+    for s in seen.values():
+        s["mask"] = np.where(valid[:, None, None, :], 0.0, -np.inf)  # HF's, as additive
+        s["valid"] = valid
+    return config, attentions, seen, np.where(valid, np.moveaxis(ids, -1, 0), 0)  # (2, B, L)
+
+
 @pytest.mark.parametrize("twin", sorted(TWINS))
-@pytest.mark.parametrize("mt, make", [("pixtral", _pixtral), ("llama4_vision_model", _llama4)])
+@pytest.mark.parametrize("mt, make", [("pixtral", _pixtral), ("llama4_vision_model", _llama4),
+                                      ("gemma4_vision", _gemma4)])
 def test_pixtral_and_llama4_layers_equal_hfs(mt, make, twin):
     rng, seed = fresh_rng()
     config, attentions, seen, positions = make(rng)
@@ -221,22 +248,31 @@ def test_pixtral_and_llama4_layers_equal_hfs(mt, make, twin):
         variant, ours, params = golden.convert.from_hf(config.to_dict(),
                                                        state_dict(attentions[i]), layer_idx=i)
         assert ours["rope_parameters"]["rope_type"] == "axial"
-        batch_positions = np.broadcast_to(positions[:, None], (2,) + x.shape[:2]).copy()
+        batch_positions = (positions if positions.ndim == 3 else np.broadcast_to(
+            positions[:, None], (2,) + x.shape[:2])).copy()
+        rows = s.get("valid", np.ones(x.shape[:2], bool))  # the real patches' rows
         with t.float64():
             module = t.build(variant, ours, params)
             out = t.numpy(module(t.array(x), mask, positions=t.array(batch_positions)))
-        assert rel(out, s["y"]) < FLOAT32_LEVEL, (mt, i, seed)
+        assert rel(out[rows], s["y"][rows]) < FLOAT32_LEVEL, (mt, i, seed)
         if twin == "torch":  # its own layout undone (Pixtral's split, Llama 4's pairs): far
             undone = dict(ours)
             if mt == "pixtral":
                 undone["rope_parameters"] = dict(ours["rope_parameters"],
                                                  axial_frequencies="shared")
+            elif mt == "gemma4_vision":  # its pairs in blocks, and its value norm
+                undone["rope_parameters"] = dict(ours["rope_parameters"], axial_pairs="half")
             else:
                 undone["rope_interleaved"] = False
             with t.float64():
                 far = t.numpy(t.build(variant, undone, params)(
                     t.array(x), mask, positions=t.array(batch_positions)))
-            assert rel(far, s["y"]) > 1e3 * FLOAT32_LEVEL, (mt, i, seed)
+            assert rel(far[rows], s["y"][rows]) > 1e3 * FLOAT32_LEVEL, (mt, i, seed)
+            if mt == "gemma4_vision":
+                with t.float64():
+                    far = t.numpy(t.build(variant, dict(ours, v_norm=False), params)(
+                        t.array(x), mask, positions=t.array(batch_positions)))
+                assert rel(far[rows], s["y"][rows]) > 1e3 * FLOAT32_LEVEL, (mt, "v", seed)
 
 
 def _qwen2_5_windowed(rng):
@@ -253,7 +289,8 @@ def _qwen2_5_windowed(rng):
 
 
 @pytest.mark.parametrize("mt, make", [("qwen2_5_vl_vision", _qwen2_5_windowed),
-                                      ("pixtral", _pixtral), ("llama4_vision_model", _llama4)])
+                                      ("pixtral", _pixtral), ("llama4_vision_model", _llama4),
+                                      ("gemma4_vision", _gemma4)])
 def test_tower_input_gradient_equals_hfs(mt, make):
     """dL/dx of Σ out ⊙ dO for layer 0: HF's attention called again as its model called it,
     against the torch twin's (the JAX twin's gradients against the torch twin's are
@@ -268,6 +305,8 @@ def test_tower_input_gradient_equals_hfs(mt, make):
     else:
         args = (x,) + tuple(args[1:])
     d_out = rng.standard_normal(s["y"].shape)
+    if "valid" in s:  # padding rows: their outputs are padding (their positions differ)
+        d_out = d_out * s["valid"][..., None]
     out = attentions[0](*args, **kwargs)
     ((out if isinstance(out, torch.Tensor) else out[0]) * torch.from_numpy(d_out)).sum().backward()
     variant, ours, params = golden.convert.from_hf(config.to_dict(), state_dict(attentions[0]))
@@ -277,8 +316,8 @@ def test_tower_input_gradient_equals_hfs(mt, make):
     mask = s["mask"][:, 0] == 0 if s["mask"] is not None else None
     if not batched:  # a Qwen tower's (L, D): ours (1, L, D)
         mask = mask if mask is None else mask[:1]
-    batch_positions = np.broadcast_to(positions[:, None], (2, lead[0] if batched else 1,
-                                                           lead[-1])).copy()
+    batch_positions = (positions if positions.ndim == 3 else np.broadcast_to(
+        positions[:, None], (2, lead[0] if batched else 1, lead[-1]))).copy()
     with twin.float64():
         module = twin.build(variant, ours, params)
         ours_x = torch.from_numpy(s["x"].copy() if batched else s["x"][None].copy())
@@ -291,7 +330,8 @@ def test_tower_input_gradient_equals_hfs(mt, make):
 
 
 # The model_types tested here (tests/test_hf_import.py's census and docs/hf.md's table read it).
-FAMILIES = {**QWEN_TOWERS, "pixtral": _pixtral, "llama4_vision_model": _llama4}
+FAMILIES = {**QWEN_TOWERS, "pixtral": _pixtral, "llama4_vision_model": _llama4,
+            "gemma4_vision": _gemma4}
 
 
 def test_the_checkpoint_verifier_refuses_a_vision_tower_by_name(tmp_path):

@@ -10,6 +10,10 @@ attention, scale Dh^−1/2, one ``FAMILIES`` entry per tower:
   Llama 4's vision model  ``q_proj`` … ``o_proj`` with biases; "shared" frequencies on
                           interleaved pairs (2i, 2i + 1); rows (column + 1, row + 1), and the
                           class token, last, at (0, 0) (its angle 0)
+  Gemma 4's vision tower  ``q_proj.linear`` … ``o_proj.linear`` without biases, GQA, RMSNorm of
+                          q and k (weight w), of v (no weight), scale 1; "shared" frequencies,
+                          each axis rotate-half in its own half of the head ("blocks"); rows
+                          its pixel_position_ids (x, y): (column, row)
 
 The call takes the tower's own order: x (B, L, D) with one image per batch row (or images
 packed in a row under a block-diagonal ``mask``, Hugging Face's ``cu_seqlens``), positions
@@ -27,8 +31,10 @@ Shape legend: D (= d_in) the tower's width, N heads, Dh head width.
 
 from __future__ import annotations
 
+import numpy as np
+
 from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _linears_to_neutral,
-                              _neutral_to_linears)
+                              _neutral_to_linears, _read)
 from golden.hf.fused import _fused_family
 
 QWEN_SEPARATE = {"query": "q", "key": "k", "value": "v", "out": "proj"}
@@ -109,6 +115,54 @@ def _llama4_vision(c, layer_idx):
     return ours
 
 
+GEMMA4_NAMES = {"query": "q_proj.linear", "key": "k_proj.linear", "value": "v_proj.linear",
+                "out": "o_proj.linear"}
+
+
+def _gemma4_vision(c, layer_idx):
+    mt = "gemma4_vision"
+    if c.get("use_clipped_linears"):
+        raise ValueError(f"model_type {mt!r}: use_clipped_linears = True is not supported (its "
+                         f"projections clamp their inputs and outputs to stored bounds, which "
+                         f"no option of ours does)")
+    n = int(c["num_attention_heads"])
+    dh = c.get("head_dim") or c["hidden_size"] // n
+    ours = dict(d_in=int(c["hidden_size"]), num_heads=n,
+                num_kv_heads=int(c.get("num_key_value_heads") or n), head_dim=int(dh),
+                causal=False, scale=1.0, qk_norm="rms",
+                qk_norm_eps=float(c.get("rms_norm_eps", 1e-6)), v_norm=True,
+                rope_parameters=_axial_rope(c, mt, axial_pairs="blocks"))
+    if c.get("attention_dropout"):
+        ours["dropout"] = float(c["attention_dropout"])
+    return ours
+
+
+def _gemma4_vision_family() -> Family:
+    """Gemma 4's vision attention: GEMMA4_NAMES' projections (no biases: HF's clippable linears
+    have none), its q_norm and k_norm weights (Dh,)."""
+    mt = "gemma4_vision"
+
+    def settings(c, layer_idx, sd):
+        ours = _gemma4_vision(c, layer_idx)
+        ours.update(_bias_flags(sd, GEMMA4_NAMES, mt))
+        return ours
+
+    def to_neutral(sd, ours):
+        params = _linears_to_neutral(sd, GEMMA4_NAMES, mt)
+        params.update(q_norm=_read(sd, "q_norm.weight", mt), k_norm=_read(sd, "k_norm.weight", mt))
+        return params
+
+    def from_neutral(params, ours):
+        sd = _neutral_to_linears(params, GEMMA4_NAMES)
+        sd["q_norm.weight"], sd["k_norm.weight"] = (np.array(params[n])
+                                                    for n in ("q_norm", "k_norm"))
+        return sd
+
+    return Family(GQA, settings, to_neutral, from_neutral,
+                  stacks=(Stack("encoder.layers", "self_attn", label="vision"),),
+                  unverified=UNVERIFIED)
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2_vl_vision": _qwen_fused("qwen2_vl_vision", width="embed_dim"),
     **{mt: _qwen_fused(mt) for mt in (
@@ -123,4 +177,5 @@ FAMILIES: dict[str, Family] = {
                          (Stack("transformer.layers", "attention", label="vision"),)),
     "llama4_vision_model": _separate("llama4_vision_model", LLAMA_NAMES, _llama4_vision,
                                      (Stack("model.layers", "self_attn", label="vision"),)),
+    "gemma4_vision": _gemma4_vision_family(),
 }

@@ -22,6 +22,7 @@ import numpy as np
 from golden.reference.arithmetic import einsum, number, real
 from golden.reference.core import sdpa_backward, sdpa_forward
 from golden.reference.position_bias import bucket_sums
+from golden.reference.norms import normalize, normalize_backward
 
 
 def linear(x, w, b=None):
@@ -63,11 +64,12 @@ class Stage(NamedTuple):
 
 
 def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
-                  clip=None, **core):
+                  clip=None, v_norm=None, **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate) and sinks. Key and value
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
     ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
+    ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
     ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
     p = {n: real(a) for n, a in p.items()}
@@ -79,6 +81,9 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         c = number(clip)
         inside = [((a >= -c) & (a <= c)).astype(bool) for a in (q, k, v)]
         q, k, v = (np.where(i, a, np.where(a > c, c, -c)) for i, a in zip(inside, (q, k, v)))
+    v_normed = None
+    if v_norm is not None:
+        v, v_normed = normalize("l2", v, None, v_norm)
     staged = []
     for stage in stages:
         q, k, s = stage.forward(q, k)
@@ -95,7 +100,7 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         merged = merged * gate[2]
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
-                 merged=merged, gate=gate, attn=attn, inside=inside)
+                 merged=merged, gate=gate, attn=attn, inside=inside, v_normed=v_normed)
     return y, weights, saved
 
 
@@ -113,6 +118,8 @@ def block_backward(saved, d_y, d_weights):
     g = sdpa_backward(saved["attn"], split_heads(g_merged, saved["heads"]["query"]), d_weights)
     if "sinks" in p:
         grads["sinks"] = g["sinks"]
+    if saved.get("v_normed") is not None:  # the value norm's transpose (no weight)
+        g["value"] = normalize_backward("l2", saved["v_normed"], g["value"])[0]
     if saved.get("buckets") is not None:  # T5: the bias's gradient summed into its buckets
         grads["relative_attention_bias"] = bucket_sums(g["bias"], saved["buckets"],
                                                        p["relative_attention_bias"].shape)

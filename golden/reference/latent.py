@@ -16,7 +16,8 @@ from golden.reference.arithmetic import number, real
 from golden.reference.block import Stage, block_backward, block_forward, linear, linear_backward
 from golden.reference.core import unbroadcast
 from golden.reference.rotary import rope_cos_sin, turn
-from golden.reference.stages import normalize, normalize_backward, temperature_stage
+from golden.reference.norms import normalize, normalize_backward
+from golden.reference.stages import temperature_stage
 
 
 def latent_rope_stage(k_pe, cos, sin, interleaved, nope) -> Stage:

@@ -155,6 +155,7 @@ def _grouped_query(config, inputs, params):
         local_window_size=sliding_window(c.get("sliding_window"), causal),
         query_seq_lengths=lengths, key_value_seq_lengths=lengths,
         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
-        dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"], **core)
+        dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"],
+        v_norm=number(c["qk_norm_eps"]) if c.get("v_norm") else None, **core)
     saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
     return y, weights, saved

@@ -407,7 +407,7 @@ CASES += [
 # row 0 two images packed, 2 × 3 then 2 × 2 patches, under their block-diagonal mask (HF's
 # cu_seqlens), row 1 one image of 2 × 5: Qwen-VL's shared frequencies (rotate-half over the
 # head), Pixtral's split ones, Gemma 4's blocks (each axis rotate-half in its half of the head,
-# with its QK norms and scale 1), Llama 4's interleaved pairs at (column + 1, row + 1) with its
+# with its QK norms, value norm and scale 1), Llama 4's interleaved pairs at (column + 1, row + 1) with its
 # class token, last, at (0, 0).
 _AXIAL_POSITIONS = _ints([[[0, 0, 0, 1, 1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]],
                           [[0, 1, 2, 0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]]])
@@ -430,7 +430,7 @@ CASES += [
     Case("gqa_axial_gemma4_blocks", GQA, 447,
          {"x": ("normal", (2, 10, 5)), "positions": _AXIAL_POSITIONS, "mask": _TWO_IMAGES},
          {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 12, "d_out": 4,
-          "causal": False, "qk_norm": "rms", "scale": 1.0,
+          "causal": False, "qk_norm": "rms", "scale": 1.0, "v_norm": True,
           "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0,
                               "axial_pairs": "blocks"}}),
     Case("gqa_axial_llama4_interleaved_class_token", GQA, 448,

@@ -558,7 +558,7 @@ _VARIANTS = [
              Arg("alibi_bias_max", _alibi_bias_max, 8),
              Arg("relative_attention_num_buckets", _positive_or_none, None),
              Arg("relative_attention_max_distance", _positive, 128),
-             Arg("clip_qkv", check_positive_or_none, None)),
+             Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias"),

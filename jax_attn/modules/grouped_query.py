@@ -64,7 +64,7 @@ class GroupedQueryAttention(_Variant):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, *, rngs,
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, *, rngs,
                  precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -79,8 +79,8 @@ class GroupedQueryAttention(_Variant):
                         alibi=alibi, alibi_bias_max=alibi_bias_max,
                         relative_attention_num_buckets=relative_attention_num_buckets,
                         relative_attention_max_distance=relative_attention_max_distance,
-                        clip_qkv=clip_qkv)
-        self.clip_qkv = clip_qkv
+                        clip_qkv=clip_qkv, v_norm=v_norm)
+        self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -159,6 +159,8 @@ class GroupedQueryAttention(_Variant):
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
         v = self._split(v, self.num_kv_heads)
+        if self.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
+            v = self._norm(v, None, kind="l2")
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
@@ -205,12 +207,13 @@ class GroupedQueryAttention(_Variant):
                  "attention_chunk_size": self.attention_chunk_size}
         return {n: a for n, a in extra.items() if a is not None}
 
-    def _norm(self, t, weight):
-        """The QK norm of t, computed in at least float32 and rounded once to t's dtype."""
+    def _norm(self, t, weight, kind=None):
+        """The QK norm of t (or ``kind``, "l2" for the value norm), computed in at least float32
+        and rounded once to t's dtype."""
         compute = jnp.promote_types(t.dtype, jnp.float32)
         w = None if weight is None else weight_broadcast(self.qk_norm,
                                                          weight.get_value().astype(compute))
-        return qk_normalize(t.astype(compute), self.qk_norm, w, self.qk_norm_eps,
+        return qk_normalize(t.astype(compute), kind or self.qk_norm, w, self.qk_norm_eps,
                             mean=lambda a: a.mean(-1, keepdims=True),
                             rsqrt=jax.lax.rsqrt).astype(t.dtype)
 

@@ -51,7 +51,8 @@ class GroupedQueryAttention(nn.Module):
     before out_proj); ``alibi`` ("bloom", "mpt" with ``alibi_bias_max``, "falcon") and T5's
     ``relative_attention_num_buckets`` (a learned bias per bucket of key − query distance,
     ``relative_attention_max_distance``); ``clip_qkv`` c (MPT, OLMo: q, k and v clamped to [−c, c]
-    after their projections).
+    after their projections); ``v_norm`` (Gemma 4: each value head v / √(mean(v²) + ε), no
+    weight, ε = ``qk_norm_eps``; the cache holds the normed values).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -72,7 +73,7 @@ class GroupedQueryAttention(nn.Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None):
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -88,8 +89,8 @@ class GroupedQueryAttention(nn.Module):
                               alibi_bias_max=alibi_bias_max,
                               relative_attention_num_buckets=relative_attention_num_buckets,
                               relative_attention_max_distance=relative_attention_max_distance,
-                              clip_qkv=clip_qkv)
-        self.clip_qkv = clip_qkv
+                              clip_qkv=clip_qkv, v_norm=v_norm)
+        self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -147,6 +148,8 @@ class GroupedQueryAttention(nn.Module):
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
         v = self._split(v, self.num_kv_heads)
+        if self.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
+            v = self._norm(v, None, kind="l2")
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
@@ -192,11 +195,12 @@ class GroupedQueryAttention(nn.Module):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
         return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
 
-    def _norm(self, t, weight):
-        """The QK norm of t, computed in at least float32 and rounded once to t's dtype."""
+    def _norm(self, t, weight, kind=None):
+        """The QK norm of t (or ``kind``, "l2" for the value norm), computed in at least float32
+        and rounded once to t's dtype."""
         compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
         w = None if weight is None else weight_broadcast(self.qk_norm, weight.to(compute))
-        return qk_normalize(t.to(compute), self.qk_norm, w, self.qk_norm_eps,
+        return qk_normalize(t.to(compute), kind or self.qk_norm, w, self.qk_norm_eps,
                             mean=lambda a: a.mean(-1, keepdim=True),
                             rsqrt=torch.rsqrt).to(t.dtype)
 
