@@ -153,6 +153,29 @@ def config_layers(name):
     return [i for i in range(count) if types[i] != "linear_attention"]
 
 
+def test_a_text_towers_multimodal_rope_is_exercised(tmp_path, monkeypatch):
+    """A Qwen2.5-VL text tower is drawn an image's positions (3, B, L): its sections turned
+    into the 1-D RoPE by a wrong conversion pass the twins (they use the converted settings)
+    and fail HF's row on every layer."""
+    directory = _checkpoint("qwen2_5_vl_text", tmp_path / "qwen2_5_vl_text")
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    assert {r["status"] for r in report["rows"]} <= {"pass", "not supported"}
+    assert any("multimodal RoPE: exercised" in note for r in report["rows"]
+               for note in r["exercised"])
+    family = hf.FAMILIES["qwen2_5_vl_text"]
+
+    def one_axis(c, layer_idx, sd):
+        ours = family.settings(c, layer_idx, sd)
+        rope = {k: v for k, v in ours["rope_parameters"].items() if not k.startswith("mrope")}
+        return dict(ours, rope_parameters=rope)
+
+    monkeypatch.setitem(hf.FAMILIES, "qwen2_5_vl_text", family.__class__(
+        family.variant, one_axis, family.to_neutral, family.from_neutral, position_axes=3))
+    report = hf_check.run(directory, frameworks=["torch"], log=lambda row: None)
+    failed = {r["implementation"] for r in report["rows"] if r["status"] == "fail"}
+    assert failed == {"hf"}
+
+
 def test_a_wrong_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
     # Drop the sliding window from Qwen2's conversion: the twins still agree with the reference
     # (both use the converted settings), HF's own module does not, on the sliding layer only.

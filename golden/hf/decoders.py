@@ -346,6 +346,15 @@ REFUSED = {
 }
 
 
+QK_NORMS = ("q_norm.weight", "k_norm.weight")
+
+
+def _text_tower(mt, extra, **family) -> Family:
+    """A vision-language model's text tower: a ``_llama_like`` entry whose HF model takes
+    positions of 3 axes (multimodal RoPE)."""
+    return _llama_like(mt, extra, position_axes=3, **family)
+
+
 FAMILIES: dict[str, Family] = {
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
@@ -368,24 +377,24 @@ FAMILIES: dict[str, Family] = {
                               to_extra=_gate_split, from_extra=_gate_join),
     "stablelm": _llama_like("stablelm", _stablelm, to_extra=_per_head_norms_in,
                             from_extra=_per_head_norms_out),
-    "qwen2_vl_text": _llama_like("qwen2_vl_text", _qwen2_vl_text),
-    "qwen2_5_vl_text": _llama_like("qwen2_5_vl_text", _qwen2_vl_text),  # Qwen2-VL's attention
-    "qwen3_vl_text": _llama_like("qwen3_vl_text", _qwen3_vl_text,
-                                 norms=("q_norm.weight", "k_norm.weight")),
-    "qwen3_vl_moe_text": _llama_like("qwen3_vl_moe_text", _qwen3_vl_text,  # Qwen3-VL's
-                                     norms=("q_norm.weight", "k_norm.weight")),
-    "glm4v_text": _llama_like("glm4v_text", _glm4v_text),
-    "qwen2_5_omni_text": _llama_like("qwen2_5_omni_text", _qwen2_5_omni_text,
+    # The text towers of vision-language models: their HF models take (3, B, L) position_ids
+    # (``_text_tower``: the verifier draws an image's span)
+    "qwen2_vl_text": _text_tower("qwen2_vl_text", _qwen2_vl_text),
+    "qwen2_5_vl_text": _text_tower("qwen2_5_vl_text", _qwen2_vl_text),  # Qwen2-VL's attention
+    "qwen3_vl_text": _text_tower("qwen3_vl_text", _qwen3_vl_text, norms=QK_NORMS),
+    "qwen3_vl_moe_text": _text_tower("qwen3_vl_moe_text", _qwen3_vl_text,  # Qwen3-VL's
+                                     norms=QK_NORMS),
+    "glm4v_text": _text_tower("glm4v_text", _glm4v_text),
+    "qwen2_5_omni_text": _text_tower("qwen2_5_omni_text", _qwen2_5_omni_text,
                                      model_class="Qwen2_5OmniThinkerTextModel"),
-    "qwen3_omni_moe_text": _llama_like("qwen3_omni_moe_text", _qwen3_omni_moe_text,
-                                       norms=("q_norm.weight", "k_norm.weight"),
-                                       model_class="Qwen3OmniMoeThinkerTextModel"),
-    "glm4v_moe_text": _llama_like("glm4v_moe_text", _glm4v_moe_text),
-    "paddleocr_vl_text": _llama_like("paddleocr_vl_text", _paddleocr_vl_text,
+    "qwen3_omni_moe_text": _text_tower("qwen3_omni_moe_text", _qwen3_omni_moe_text,
+                                       norms=QK_NORMS, model_class="Qwen3OmniMoeThinkerTextModel"),
+    "glm4v_moe_text": _text_tower("glm4v_moe_text", _glm4v_moe_text),
+    "paddleocr_vl_text": _text_tower("paddleocr_vl_text", _paddleocr_vl_text,
                                      model_class="PaddleOCRTextModel"),
-    "ernie4_5_vl_moe_text": _llama_like("ernie4_5_vl_moe_text", _ernie4_5_vl_text,
+    "ernie4_5_vl_moe_text": _text_tower("ernie4_5_vl_moe_text", _ernie4_5_vl_text,
                                         model_class="Ernie4_5_VLMoeTextModel"),
-    **{mt: _llama_like(mt, _qwen3_5(mt), norms=("q_norm.weight", "k_norm.weight"),
-                       to_extra=_gate_split, from_extra=_gate_join)
+    **{mt: _text_tower(mt, _qwen3_5(mt), norms=QK_NORMS, to_extra=_gate_split,
+                       from_extra=_gate_join)
        for mt in ("qwen3_5_text", "qwen3_5_moe_text")},
 }

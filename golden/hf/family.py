@@ -106,7 +106,9 @@ class Family:
     ``own_index``: the HF module reads its index in the whole model beyond layer_types (GPT-2):
     in the verifier's one-layer model it is built again with the layer's own index;
     ``unverified``: why the verifier does not check this family yet (it refuses a checkpoint of
-    it with this reason), None when it does."""
+    it with this reason), None when it does; ``position_axes``: the rows of the positions HF's
+    model takes, 3 for a multimodal text tower ((3, B, L) position_ids: the verifier draws an
+    image's span), 1 for a 1-D RoPE."""
 
     variant: str
     settings: Callable
@@ -118,6 +120,7 @@ class Family:
     model_class: str | None = None
     own_index: bool = False
     unverified: str | None = None
+    position_axes: int = 1
 
 
 class Kinds(dict):
@@ -139,6 +142,7 @@ class Kinds(dict):
         self.model_class = model_class
         self.own_index = own_index
         self.unverified = None
+        self.position_axes = 1
 
 
 # ---- the configuration --------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from golden import reference
 
 from golden.specification import variants
 from golden.specification.fixture import Fixture
+from golden.specification.validate import rope_axis_count, rope_settings
 from golden.hf import GQA, from_hf
 from golden.verifier import exercise as hf_exercise
 from golden.verifier.checkpoint import Checkpoint, CheckpointError
@@ -80,8 +81,14 @@ def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
     inputs = {i.name: _drawn(rng, (rows, exercise.length if i.side == "query" else LC,
                                    full[i.width]))
               for i in spec.inputs if not i.optional}
-    if exercise.positions is not None:
-        inputs["positions"] = np.tile(exercise.positions, (rows, 1))  # (B, L)
+    if exercise.positions is not None:  # (L,) -> (B, L); one row per axis (A, L) -> (A, B, L)
+        p = np.asarray(exercise.positions)
+        if p.ndim == 2 and rope_axis_count(rope_settings(
+                full.get("rope_theta"), full.get("rope_parameters"),
+                full.get("partial_rotary_factor", 1.0))) is None:
+            p = p[0]  # a conversion without the axes: the temporal row, text's positions
+        inputs["positions"] = (np.tile(p, (rows, 1)) if p.ndim == 1 else
+                               np.repeat(p[:, None], rows, axis=1))
     params = {n: np.asarray(a, np.float64) for n, a in params.items()}
     forward, backward = reference.VARIANTS[variant]
     with reference.blas_products():  # float64, its sums in BLAS's order (not stored)
@@ -216,7 +223,8 @@ def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, o
         if models is not None:
             seen = {}
             runner = hf_model.runner(models, hf_model.layer_only(exercise.config, layer.index),
-                                     layer.stack, layer.index, state_dict, seen)
+                                     layer.stack, layer.index, state_dict, seen,
+                                     positions=exercise.positions)
             hf_part = check.run([fixture], impls=[runner], dtypes=dtypes, regeneration=False,
                                 weights=weights, outputs=outputs, progress=False)
             peer = hf_peer(fixture) if any(r["status"] == "fail" for r in hf_part["rows"]) \
@@ -334,6 +342,9 @@ def _positions(c) -> str:
         fraction = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
         if fraction not in (None, 1.0):
             text += f" on {fraction:g} of each head"
+        if rope.get("mrope_section"):
+            text += (f", multimodal sections {list(rope['mrope_section'])}"
+                     f"{' interleaved' if rope.get('mrope_interleaved') else ''}")
         return text + (" (interleaved)" if c.get("rope_interleaved") else "")
     if c.get("alibi"):
         return f"ALiBi ({c['alibi']})"

@@ -20,6 +20,10 @@ the same config, is the judge:
   rescaling, past ``original_max_position_embeddings`` S, or ``max_position_embeddings``): a
   second input for each such layer whose positions run from S − L/2 past S (the first keeps
   0 … L − 1: both sides of the switch are reached).
+- multimodal RoPE (a vision-language model's text tower, whose family's HF model takes
+  positions (3, B, L)): text with text positions would turn every pair alike, as the 1-D RoPE
+  does; its input holds an image of 2 × 2 tokens after two text tokens, as ``get_rope_index``
+  places one (``image_positions``): its height and width rows differ from its temporal one.
 
 Every layer is drawn at one length, the longest any setting needs, so that layers of one
 configuration share their compiled programs.
@@ -31,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from golden.hf import FAMILIES
 
 BASE_LENGTH = 8   # the drawn inputs' length when no setting needs more
 MAX_LENGTH = 640  # the longest input drawn (``attn-parity hf --max-length``)
@@ -119,6 +125,10 @@ def exercises(layer, stack_plan, length) -> list[Exercise]:
         notes.append(f"dropout {layer.settings['dropout']}: not exercised (inference mode, as "
                      f"HF's module runs)")
     first = Exercise(c, length, notes=notes)
+    if _multimodal(layer):
+        first.positions = image_positions(length)
+        notes.append("multimodal RoPE: exercised (an image of 2 × 2 tokens at 2–5, its height "
+                      "and width rows other than its temporal one)")
     switch = _switch(c, i)
     if switch is None or layer.variant not in POSITIONED:
         return [first]
@@ -132,6 +142,21 @@ def exercises(layer, stack_plan, length) -> list[Exercise]:
                        f"and past it (positions from {positions[0]})")
     return [first, Exercise(c, length, positions, f" @ positions {positions[0]}-{positions[-1]}",
                             list(first.notes))]
+
+
+def image_positions(length) -> np.ndarray:
+    """(3, L) int64: two text tokens, an image of 2 × 2 tokens (temporal 2, rows 2–3, columns
+    2–3), then text from 4 on, every axis alike: Hugging Face's get_rope_index for such a
+    prompt (the text after an image starts at the largest position so far + 1)."""
+    t = np.concatenate([[0, 1, 2, 2, 2, 2], np.arange(4, length - 2)])
+    h = np.concatenate([[0, 1, 2, 2, 3, 3], np.arange(4, length - 2)])
+    w = np.concatenate([[0, 1, 2, 3, 2, 3], np.arange(4, length - 2)])
+    return np.stack([t, h, w])[:, :length].astype(np.int64)
+
+
+def _multimodal(layer) -> bool:
+    entry = FAMILIES.get(layer.config.get("model_type"))
+    return getattr(entry, "position_axes", 1) == 3 and layer.variant in POSITIONED
 
 
 def _switch(c, layer_idx):

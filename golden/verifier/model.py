@@ -79,15 +79,21 @@ def check_config(config, log) -> None:
         log(f"warning: config.json (transformers says): {message.strip()}")
 
 
-def runner(models, config, stack, layer_idx, state_dict, seen=None):
+def runner(models, config, stack, layer_idx, state_dict, seen=None, positions=None):
     """A runner of the checkpoint's own HF attention module for this layer: float32, and
-    float64 too for the FLOAT64 families; ``seen`` (a dict) keeps each dtype's output."""
+    float64 too for the FLOAT64 families; ``seen`` (a dict) keeps each dtype's output;
+    ``positions`` (A, L), the exercise's own rows per axis, given to HF's model whatever the
+    conversion made of them (a multimodal text tower's)."""
     from golden.runners.adapt import NotSupported, Runner
 
     def run(fixture, dtype):
         if dtype != "float32" and config["model_type"] not in FLOAT64:
             raise NotSupported(FLOAT32_ONLY)
-        output = models.output(config, stack, state_dict, fixture.inputs, dtype, layer_idx)
+        inputs = fixture.inputs
+        if positions is not None and np.ndim(positions) == 2:
+            rows = np.asarray(inputs["x"]).shape[0]
+            inputs = dict(inputs, positions=np.repeat(np.asarray(positions)[:, None], rows, 1))
+        output = models.output(config, stack, state_dict, inputs, dtype, layer_idx)
         if seen is not None:
             seen[dtype] = output
         return {"output": output, "dtype": dtype}
@@ -250,8 +256,10 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
         "spatial_shapes": torch.tensor([[1, length]] * b)}
     if "use_cache" in inspect.signature(model.forward).parameters:
         given["use_cache"] = False
-    if "positions" in inputs:
-        positions = np.broadcast_to(np.asarray(inputs["positions"]), (b, length))
+    if "positions" in inputs:  # (B, L), or (A, B, L) for a multimodal text tower
+        positions = np.asarray(inputs["positions"])
+        if positions.ndim < 3:
+            positions = np.broadcast_to(positions, (b, length))
         given["position_ids"] = torch.from_numpy(np.array(positions, np.int64))
     if getattr(c, "is_encoder_decoder", False):
         given["decoder_input_ids"] = torch.zeros((b, length), dtype=torch.long)
