@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import golden.convert
-from tests.helpers import TWINS, fresh_rng
+from golden.hf.vision import COMPOSITES as COMPOSITES_VL
+from tests.helpers import TWINS, WHOLE, fresh_rng
 from tests.test_axial_rope import AXIAL, THETA, _grid_positions, _layout_positions
 
 transformers = pytest.importorskip("transformers")
@@ -343,5 +344,89 @@ def test_the_checkpoint_verifier_refuses_a_vision_tower_by_name(tmp_path):
     from golden.verifier.layout import read_config
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "pixtral", "hidden_size": 32, "num_attention_heads": 2}))
-    with pytest.raises(CheckpointError, match="'pixtral': attn-parity hf does not check vision"):
+    with pytest.raises(CheckpointError, match="'pixtral': attn-parity hf does not check this vision tower"):
+        read_config(tmp_path)
+
+
+# ---- vision-language checkpoints through attn-parity hf, tower by tower --------------------------
+
+def _vl_config(mt):
+    """A tiny vision-language config of ``mt`` (golden.hf.COMPOSITES): its text tower's tiny
+    settings (tests/hf_harness.TEXT_TOWERS, two layers) and its vision tower's (QWEN_TOWERS,
+    two blocks)."""
+    from tests.hf_harness import BASE, TEXT_TOWERS
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL",
+              "qwen3_vl_moe": "Qwen3VLMoe", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe",
+              "glm4v": "Glm4v", "glm4v_moe": "Glm4vMoe"}[mt]
+    text = {**BASE, **TEXT_TOWERS[f"{mt}_text"].kw} if f"{mt}_text" in TEXT_TOWERS else None
+    if text is None:  # a text tower without a tiny config in the harness: Qwen2-VL's
+        text = {**BASE, **TEXT_TOWERS["qwen2_vl_text"].kw}
+    text = dict(text, num_hidden_layers=max(2, text.get("num_hidden_layers", 2)))
+    if isinstance(text.get("layer_types"), list) and len(text["layer_types"]) < 2:
+        text["layer_types"] = text["layer_types"] * 2
+    spec = QWEN_TOWERS[f"{mt}_vision"]
+    vision = dict(dict(depth=2, num_heads=2, in_channels=3, patch_size=PATCH,
+                       spatial_merge_size=MERGE, temporal_patch_size=1,
+                       rope_parameters=dict(AXIAL)), **spec["kw"])
+    vision[spec["width"]] = 32
+    vision["depth"] = 2
+    config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision)
+    return config, getattr(transformers, f"{prefix}ForConditionalGeneration")
+
+
+VL = tuple(COMPOSITES_VL)  # every vision-language composite attn-parity hf reads
+
+
+@pytest.mark.parametrize("mt", VL if WHOLE else ("qwen2_5_vl", "qwen3_vl"))
+def test_a_vision_language_checkpoint_is_checked_tower_by_tower(mt, tmp_path):
+    """A composite checkpoint made with save_pretrained: attn-parity hf checks every attention
+    layer of both towers (the text tower given an image's (3, B, L) positions, the vision
+    tower one image of its grid), every row passing."""
+    from golden.verifier import check as hf_check
+    config, make = _vl_config(mt)
+    model = make(config)
+    model.save_pretrained(tmp_path)
+    report = hf_check.run(tmp_path, frameworks=["torch", "jax"], log=lambda row: None)
+    names = {r["fixture"] for r in report["rows"]}
+    assert {n for n in names if n.startswith("vision layer")} == {
+        "vision layer 0 (attention)", "vision layer 1 (attention)"}, names
+    assert len(names) >= 3, names  # and the text tower's attention layers
+    assert {r["status"] for r in report["rows"]} <= {"pass", "not supported"}, [
+        (r["fixture"], r["implementation"], r["dtype"], r["reason"]) for r in report["rows"]
+        if r["status"] not in ("pass", "not supported")]
+    assert any("hf" == r["implementation"] and r["status"] == "pass" and
+               r["fixture"].startswith("vision") for r in report["rows"])
+
+
+def test_a_wrong_vision_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
+    """Pixtral's frequencies in a Qwen2.5-VL tower's conversion: the twins agree with the
+    reference (both use the converted settings), HF's own module does not."""
+    from golden import hf
+    from golden.verifier import check as hf_check
+    config, make = _vl_config("qwen2_5_vl")
+    make(config).save_pretrained(tmp_path)
+    family = hf.FAMILIES["qwen2_5_vl_vision"]
+
+    def split(c, layer_idx, sd):
+        ours = family.settings(c, layer_idx, sd)
+        return dict(ours, rope_parameters=dict(ours["rope_parameters"],
+                                               axial_frequencies="split"))
+
+    monkeypatch.setitem(hf.FAMILIES, "qwen2_5_vl_vision", family.__class__(
+        family.variant, split, family.to_neutral, family.from_neutral, stacks=family.stacks,
+        model_class=family.model_class, position_axes=2))
+    report = hf_check.run(tmp_path, frameworks=["torch"], log=lambda row: None)
+    failed = {(r["fixture"], r["implementation"]) for r in report["rows"]
+              if r["status"] == "fail"}
+    assert failed == {("vision layer 0 (attention)", "hf"), ("vision layer 1 (attention)", "hf")}
+
+
+def test_a_composite_without_its_towers_config_is_refused_by_name(tmp_path):
+    import json
+
+    from golden.verifier.checkpoint import CheckpointError
+    from golden.verifier.layout import read_config
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    with pytest.raises(CheckpointError, match="'qwen2_5_vl' is a composite model: its "
+                                              "text_config should be a dict"):
         read_config(tmp_path)

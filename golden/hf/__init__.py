@@ -25,10 +25,11 @@ The rooms of the importer, each importing only those above it (NumPy only):
     fused      one projection for q, k and v (Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, GPT-2): a
                table of ``_fused_family`` entries
     encoders   encoders, encoder-decoders (``Kinds``) and vision towers (BERT, ViT, CLIP,
-               SigLIP, Whisper, BART, T5); ``COMPOSITES``, CLIP's and SigLIP's towers
+               SigLIP, Whisper, BART, T5); their ``COMPOSITES``, CLIP's and SigLIP's towers
     latent     multi-head latent attention (DeepSeek-V3)
-    vision     vision towers with axial 2-D RoPE (Qwen-VL and kin, Pixtral, Llama 4)
-    convert    ``FAMILIES`` (the kinds' tables), the lookup, ``from_hf``, ``to_hf``,
+    vision     vision towers with axial 2-D RoPE (Qwen-VL and kin, Pixtral, Llama 4, Gemma 4);
+               its ``COMPOSITES``, the vision-language models' towers
+    convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
 table added to ``convert.FAMILIES``): how it converts, and what the checkpoint verifier needs,
@@ -42,8 +43,8 @@ from ``FAMILIES`` and ``COMPOSITES``.
 
 from __future__ import annotations
 
-from golden.hf.convert import FAMILIES, expected_state, from_hf, to_hf
-from golden.hf.encoders import COMPOSITES, MHCA, T5_TABLE
+from golden.hf.convert import COMPOSITES, FAMILIES, expected_state, from_hf, to_hf
+from golden.hf.encoders import MHCA, T5_TABLE
 from golden.hf.family import GQA, Family, HFConfig, Kinds, Stack, _layer_type
 from golden.hf.latent import MLA
 

@@ -31,6 +31,9 @@ def _tables(*tables) -> dict:
 FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
                                               encoders.FAMILIES, latent.FAMILIES,
                                               vision.FAMILIES)
+# Composite model_types (not converted themselves: from_hf takes a tower's own config): their
+# towers' sub-configs and key prefixes, {model_type: {sub-config: key prefix}}.
+COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES}
 
 
 # ---- the family lookup --------------------------------------------------------------------------

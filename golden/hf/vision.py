@@ -38,11 +38,12 @@ from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _lin
 from golden.hf.fused import _fused_family
 
 QWEN_SEPARATE = {"query": "q", "key": "k", "value": "v", "out": "proj"}
-# attn-parity hf runs a layer on drawn hidden states alone; these layers also take the patches'
-# rows and columns and the images' block mask.
-UNVERIFIED = ("attn-parity hf does not check vision towers yet: their attention also takes each "
-              "patch's row and column (positions (2, B, L)) and the images' block mask; convert "
-              "a layer with golden.convert.from_hf and compare it given those")
+# attn-parity hf draws one image for a Qwen-VL-like tower (its grid_thw, the positions of
+# get_vision_position_ids); not yet the inputs of these towers' models.
+UNVERIFIED = ("attn-parity hf does not check this vision tower yet (its model's image inputs, "
+              "and with them each patch's row and column, are not drawn: only the Qwen-VL-like "
+              "towers' are); convert a layer with golden.convert.from_hf and compare it given "
+              "the patches' positions")
 
 
 def _axial_rope(c, mt, **fields) -> dict:
@@ -79,23 +80,25 @@ def _qwen_settings(mt, width):
     return settings
 
 
-def _qwen_fused(mt, width="hidden_size") -> Family:
+def _qwen_fused(mt, model, width="hidden_size") -> Family:
     """Qwen2-VL's VisionAttention and its descendants: ``qkv`` in thirds, ``proj``, at
-    ``blocks.N.attn`` of the vision model."""
+    ``blocks.N.attn`` of the vision model ``model`` ("module.Class" in transformers.models)."""
     return _fused_family(mt, _qwen_settings(mt, width), "thirds", "qkv", "proj",
-                         stacks=(Stack("blocks", "attn", label="vision"),),
-                         unverified=UNVERIFIED)
+                         stacks=(Stack("blocks", "attn", label="vision"),), model_class=model,
+                         position_axes=2)
 
 
-def _separate(mt, names, settings, stacks) -> Family:
-    """A tower with one nn.Linear per role, ``names`` the role's module names."""
+def _separate(mt, names, settings, stacks, **family) -> Family:
+    """A tower with one nn.Linear per role, ``names`` the role's module names (``family``: the
+    Family's other fields; by default not checked by attn-parity hf)."""
     def our_settings(c, layer_idx, sd):
         ours = settings(c, layer_idx)
         ours.update(_bias_flags(sd, names, mt))
         return ours
+    family = {"unverified": UNVERIFIED, "position_axes": 2, **family}
     return Family(GQA, our_settings, lambda sd, ours: _linears_to_neutral(sd, names, mt),
                   lambda params, ours: _neutral_to_linears(params, names), stacks=stacks,
-                  unverified=UNVERIFIED)
+                  **family)
 
 
 def _pixtral(c, layer_idx):
@@ -160,22 +163,39 @@ def _gemma4_vision_family() -> Family:
 
     return Family(GQA, settings, to_neutral, from_neutral,
                   stacks=(Stack("encoder.layers", "self_attn", label="vision"),),
-                  unverified=UNVERIFIED)
+                  unverified=UNVERIFIED, position_axes=2)
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2_vl_vision": _qwen_fused("qwen2_vl_vision", width="embed_dim"),
-    **{mt: _qwen_fused(mt) for mt in (
-        "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision",
-        "qwen3_5_moe_vision", "qwen3_omni_moe_vision_encoder", "glm4v_vision",
-        "glm4v_moe_vision", "ernie4_5_vl_moe_vision")},
+    "qwen2_vl_vision": _qwen_fused(
+        "qwen2_vl_vision", "qwen2_vl.Qwen2VisionTransformerPretrainedModel", width="embed_dim"),
+    **{mt: _qwen_fused(mt, model) for mt, model in (
+        ("qwen2_5_vl_vision", "qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel"),
+        ("qwen3_vl_vision", "qwen3_vl.Qwen3VLVisionModel"),
+        ("qwen3_vl_moe_vision", "qwen3_vl_moe.Qwen3VLMoeVisionModel"),
+        ("qwen3_5_vision", "qwen3_5.Qwen3_5VisionModel"),
+        ("qwen3_5_moe_vision", "qwen3_5_moe.Qwen3_5MoeVisionModel"),
+        ("qwen3_omni_moe_vision_encoder", "qwen3_omni_moe.Qwen3OmniMoeVisionEncoder"),
+        ("glm4v_vision", "glm4v.Glm4vVisionModel"),
+        ("glm4v_moe_vision", "glm4v_moe.Glm4vMoeVisionModel"),
+        ("ernie4_5_vl_moe_vision",
+         "ernie4_5_vl_moe.Ernie4_5_VLMoeVisionTransformerPretrainedModel"))},
     "qwen2_5_omni_vision_encoder": _separate(
         "qwen2_5_omni_vision_encoder", QWEN_SEPARATE,
         _qwen_settings("qwen2_5_omni_vision_encoder", "hidden_size"),
-        (Stack("blocks", "attn", label="vision"),)),
+        (Stack("blocks", "attn", label="vision"),), unverified=None,
+        model_class="qwen2_5_omni.Qwen2_5OmniVisionEncoder"),
     "pixtral": _separate("pixtral", LLAMA_NAMES, _pixtral,
                          (Stack("transformer.layers", "attention", label="vision"),)),
     "llama4_vision_model": _separate("llama4_vision_model", LLAMA_NAMES, _llama4_vision,
                                      (Stack("model.layers", "self_attn", label="vision"),)),
     "gemma4_vision": _gemma4_vision_family(),
 }
+
+# Vision-language checkpoints, tower by tower: {model_type: {sub-config: key prefix}} (the
+# text tower's layers.N.self_attn under any prefix: "model." as save_pretrained writes it,
+# "model.language_model." in transformers 5's own layout).
+COMPOSITES: dict[str, dict[str, str]] = {
+    mt: {"text_config": "", "vision_config": "visual."}
+    for mt in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+               "glm4v", "glm4v_moe")}

@@ -77,7 +77,7 @@ def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
                                     kind=layer.stack.kind)
     spec = variants.VARIANTS[variant]
     full = spec.config(dict(ours))
-    rows = batch(exercise.length)
+    rows = exercise.rows or batch(exercise.length)
     inputs = {i.name: _drawn(rng, (rows, exercise.length if i.side == "query" else LC,
                                    full[i.width]))
               for i in spec.inputs if not i.optional}

@@ -24,6 +24,9 @@ the same config, is the judge:
   positions (3, B, L)): text with text positions would turn every pair alike, as the 1-D RoPE
   does; its input holds an image of 2 × 2 tokens after two text tokens, as ``get_rope_index``
   places one (``image_positions``): its height and width rows differ from its temporal one.
+- axial RoPE (a Qwen-VL-like vision tower): one image of m × 2m patches (m the spatial merge
+  size; ``vision_grid``), in the tower's order (``vision_positions``), one batch row; the
+  model is given the image's grid_thw, and computes the positions itself.
 
 Every layer is drawn at one length, the longest any setting needs, so that layers of one
 configuration share their compiled programs.
@@ -48,14 +51,16 @@ POSITIONED = ("grouped_query_attention", "multi_head_latent_attention")  # take 
 @dataclass
 class Exercise:
     """One input for a layer: the config it converts with (the checkpoint's, or a scaled copy),
-    its length, its positions (None: 0 … L − 1), the suffix of its rows' name, and how each
-    length-dependent setting of the layer is reached."""
+    its length, its positions (None: 0 … L − 1), the suffix of its rows' name, how each
+    length-dependent setting of the layer is reached, and its batch rows (None: check.batch's;
+    a vision tower's image: 1)."""
 
     config: dict
     length: int
     positions: np.ndarray | None = None
     suffix: str = ""
     notes: list = field(default_factory=list)
+    rows: int | None = None
 
 
 def _window_layer(c, i):
@@ -124,8 +129,10 @@ def exercises(layer, stack_plan, length) -> list[Exercise]:
     if layer.settings.get("dropout"):
         notes.append(f"dropout {layer.settings['dropout']}: not exercised (inference mode, as "
                      f"HF's module runs)")
+    if _axes(layer) == 2:
+        return [_vision_exercise(layer, c, notes)]
     first = Exercise(c, length, notes=notes)
-    if _multimodal(layer):
+    if _axes(layer) == 3:
         first.positions = image_positions(length)
         notes.append("multimodal RoPE: exercised (an image of 2 × 2 tokens at 2–5, its height "
                       "and width rows other than its temporal one)")
@@ -154,9 +161,41 @@ def image_positions(length) -> np.ndarray:
     return np.stack([t, h, w])[:, :length].astype(np.int64)
 
 
-def _multimodal(layer) -> bool:
+def _axes(layer) -> int:
+    """The rows of positions the layer's family's HF model takes (Family.position_axes)."""
     entry = FAMILIES.get(layer.config.get("model_type"))
-    return getattr(entry, "position_axes", 1) == 3 and layer.variant in POSITIONED
+    return getattr(entry, "position_axes", 1) if layer.variant in POSITIONED else 1
+
+
+def vision_grid(c) -> tuple[int, int]:
+    """The patches (rows, columns) of the one image drawn for a Qwen-VL-like tower: m × 2m (m
+    its spatial_merge_size), or m × m where a window (Qwen2.5-VL's window_size, in patches /
+    m) is one merged patch wide: the image then fits one window."""
+    m = int(c.get("spatial_merge_size", 1))
+    window = c.get("window_size")
+    if window is not None and window // m // int(c.get("patch_size", 1)) < 2:
+        return m, m
+    return m, 2 * m
+
+
+def vision_positions(rows, cols, m) -> np.ndarray:
+    """(2, rows · cols) int64: each patch's (row, column) in the order the tower sees them,
+    HF's get_vision_position_ids: the m × m merge blocks in row-major order, each block's
+    patches row-major."""
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    shape = (rows // m, m, cols // m, m)
+    return np.stack([t.reshape(shape).transpose(0, 2, 1, 3).reshape(-1) for t in (r, c)])
+
+
+def _vision_exercise(layer, c, notes) -> Exercise:
+    """One image of vision_grid's patches: its positions (2, L), one batch row."""
+    rows, cols = vision_grid(c)
+    positions = vision_positions(rows, cols, int(c.get("spatial_merge_size", 1)))
+    notes = list(notes) + [f"axial RoPE: exercised (one image of {rows} × {cols} patches, each "
+                           f"turned by its row and column)"]
+    if c.get("window_size") is not None:
+        notes.append("Qwen2.5-VL's windows: not exercised (the image fits one window)")
+    return Exercise(c, rows * cols, positions, notes=notes, rows=1)
 
 
 def _switch(c, layer_idx):

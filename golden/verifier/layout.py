@@ -50,7 +50,11 @@ def read_config(directory) -> dict:
         raise CheckpointError(f"{path}: should be a transformers config with a model_type")
     if config["model_type"] in COMPOSITES:
         for sub in COMPOSITES[config["model_type"]]:
-            _supported(config.get(sub) if isinstance(config.get(sub), dict) else {})
+            if not isinstance(config.get(sub), dict):
+                raise CheckpointError(f"{path}: model_type {config['model_type']!r} is a "
+                                      f"composite model: its {sub} should be a dict (the "
+                                      f"tower's config), got {config.get(sub)!r}")
+            _supported(config[sub])
         return config
     for sub in ("text_config", "decoder"):  # composite models: the decoder's own config
         if config["model_type"] not in FAMILIES and isinstance(config.get(sub), dict):
@@ -104,7 +108,7 @@ def attention_layers(stack, keys) -> dict:
 COUNTS = {"encoder": ("encoder_layers", "num_layers"),
           "decoder": ("decoder_layers", "num_decoder_layers", "num_layers"),
           "cross": ("decoder_layers", "num_decoder_layers", "num_layers"),
-          None: ("num_hidden_layers", "n_layer", "n_layers", "num_layers")}
+          None: ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "depth")}
 
 
 def layer_count(config, stack) -> tuple[str, int] | None:

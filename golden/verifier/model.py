@@ -107,11 +107,15 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 
 def layer_only(config, layer_idx):
     """The config as layer ``layer_idx`` sees it: its entries of layer_types and
-    no_rope_layers."""
+    no_rope_layers, whether it is one of Qwen2.5-VL's full layers; no DeepStack outputs."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers"):
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
+    if isinstance(c.get("fullatt_block_indexes"), list):  # Qwen2.5-VL's full (not windowed)
+        c["fullatt_block_indexes"] = [0] if layer_idx in c["fullatt_block_indexes"] else []
+    if isinstance(c.get("deepstack_visual_indexes"), list):  # Qwen3-VL's, past the one layer
+        c["deepstack_visual_indexes"] = []
     return c
 
 
@@ -181,13 +185,16 @@ class Models:
         fed = torch.from_numpy(np.asarray(inputs["x"])).to(dtype)
         seen = {}
 
-        def feed(mod, args, kwargs):
+        def feed(mod, args, kwargs):  # a Qwen-VL tower's attention takes (L, D): x's one row
+            given = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            x = fed[0] if given.dim() == fed.dim() - 1 else fed
             if "hidden_states" in kwargs:
-                return args, dict(kwargs, hidden_states=fed)
-            return (fed,) + tuple(args[1:]), kwargs
+                return args, dict(kwargs, hidden_states=x)
+            return (x,) + tuple(args[1:]), kwargs
 
         def read(mod, args, kwargs, out):
             out = out if isinstance(out, torch.Tensor) else out[0]
+            out = out[None] if out.dim() == fed.dim() - 1 else out
             seen["out"] = out.detach().numpy().astype(np.float64)
             raise _Stop
 
@@ -212,8 +219,8 @@ def _one_layer_model(config, dtype):
 
     hf_config = _one_layer_config(config)
     hf_config._experts_implementation = "eager"
-    make = (getattr(transformers, MODELS[config["model_type"]])
-            if config["model_type"] in MODELS else transformers.AutoModel.from_config)
+    make = (_class(MODELS[config["model_type"]]) if config["model_type"] in MODELS
+            else transformers.AutoModel.from_config)
     for attention in ("sdpa", "eager"):
         hf_config._attn_implementation = attention
         try:
@@ -222,6 +229,19 @@ def _one_layer_model(config, dtype):
         except ValueError:  # this family has no sdpa path
             continue
     raise CheckpointError(f"model_type {config['model_type']!r}: transformers builds no model")
+
+
+def _class(name):
+    """A transformers class: "Name" at its top, or "module.Name" in transformers.models.module's
+    modeling_module (the vision towers' models, which it does not export)."""
+    import importlib
+
+    import transformers
+
+    if "." not in name:
+        return getattr(transformers, name)
+    module, cls = name.split(".")
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
 
 
 def _no_init():
@@ -237,13 +257,19 @@ def _no_init():
 def _model_inputs(model, stack, inputs, dtype) -> dict:
     """The one-layer model's inputs, zeros (the attention's input is replaced): token ids of
     x's length, an image or features of the config's size (SigLIP 2: x's L patches, one row
-    of them); a decoder's positions as its
+    of them; a Qwen-VL-like vision tower: one image of the positions' grid, its patches in
+    their flattened form, and its grid_thw); a decoder's positions as its
     position_ids; an encoder-decoder's decoder tokens and, for a decoder's attention, in place
     of its encoder's output the drawn context (or zeros)."""
     import torch
 
     c = model.config
     b, length = inputs["x"].shape[:2]
+    if hasattr(c, "spatial_merge_size") and "positions" in inputs:  # a Qwen-VL-like tower:
+        rows, cols = np.asarray(inputs["positions"])[:, 0]  # one image, its patches' grid
+        width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
+        return {"hidden_states": torch.zeros((length, width), dtype=dtype),
+                "grid_thw": torch.tensor([[1, int(rows.max()) + 1, int(cols.max()) + 1]])}
     main = model.main_input_name
     shapes = {"input_ids": lambda: (b, length),
               "pixel_values": lambda: (b, c.num_channels, c.image_size, c.image_size),
