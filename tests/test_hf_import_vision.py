@@ -430,3 +430,9 @@ def test_a_composite_without_its_towers_config_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="'qwen2_5_vl' is a composite model: its "
                                               "text_config should be a dict"):
         read_config(tmp_path)
+
+
+def test_dinov3_is_refused_with_why():
+    with pytest.raises(ValueError, match=r"model_type 'dinov3_vit' is not supported: DINOv3's "
+                                         r"RoPE turns each patch by its centre's continuous"):
+        golden.convert.from_hf({"model_type": "dinov3_vit"}, {})

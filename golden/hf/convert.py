@@ -39,8 +39,9 @@ COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSI
 # ---- the family lookup --------------------------------------------------------------------------
 
 def _family(mt) -> Family:
-    if mt in decoders.REFUSED:
-        raise ValueError(f"model_type {mt!r} is not supported: {decoders.REFUSED[mt]}")
+    refused = {**decoders.REFUSED, **vision.REFUSED}
+    if mt in refused:
+        raise ValueError(f"model_type {mt!r} is not supported: {refused[mt]}")
     if mt not in FAMILIES:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")

@@ -192,6 +192,14 @@ FAMILIES: dict[str, Family] = {
     "gemma4_vision": _gemma4_vision_family(),
 }
 
+# Towers we do not convert, with why: from_hf names the reason.
+REFUSED = {
+    "dinov3_vit": "DINOv3's RoPE turns each patch by its centre's continuous coordinates in "
+                  "[−1, 1] (2π · ((i + 0.5) / H · 2 − 1) · f, per image size), not by integer "
+                  "positions, and leaves its class and register tokens unturned; our rotary "
+                  "embeddings take integer positions",
+}
+
 # Vision-language checkpoints, tower by tower: {model_type: {sub-config: key prefix}} (the
 # text tower's layers.N.self_attn under any prefix: "model." as save_pretrained writes it,
 # "model.language_model." in transformers 5's own layout).
