@@ -335,17 +335,47 @@ FAMILIES = {**QWEN_TOWERS, "pixtral": _pixtral, "llama4_vision_model": _llama4,
             "gemma4_vision": _gemma4}
 
 
-def test_the_checkpoint_verifier_refuses_a_vision_tower_by_name(tmp_path):
-    """attn-parity hf draws hidden states alone: a vision tower's checkpoint is refused with the
-    reason, not run without its positions."""
-    import json
+def _tower_checkpoint(mt, directory):
+    """A tiny checkpoint of Pixtral's, Llama 4's or Gemma 4's vision tower alone (the sizes of
+    the layer tests above, two layers), written by save_pretrained."""
+    rng = np.random.default_rng(0)
+    if mt == "pixtral":
+        config = transformers.PixtralVisionConfig(
+            hidden_size=32, num_attention_heads=2, head_dim=16, intermediate_size=32,
+            num_hidden_layers=2, patch_size=PATCH, image_size=16, rope_parameters=dict(AXIAL))
+        model = transformers.PixtralVisionModel(config)
+    elif mt == "llama4_vision_model":
+        config = transformers.Llama4VisionConfig(
+            hidden_size=32, num_attention_heads=2, intermediate_size=128, num_hidden_layers=2,
+            image_size=4 * PATCH, patch_size=PATCH, vision_output_dim=32,
+            projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5,
+            rope_parameters={"rope_type": "default", "rope_theta": THETA})
+        model = transformers.Llama4VisionModel(config)
+    else:
+        config = transformers.Gemma4VisionConfig(
+            hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            intermediate_size=32, num_hidden_layers=2, patch_size=PATCH,
+            pooling_kernel_size=1, position_embedding_size=8, rope_parameters=dict(AXIAL))
+        model = transformers.Gemma4VisionModel(config)
+    _random_model(model, rng).float().save_pretrained(directory)
+    return directory
 
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "pixtral", "hidden_size": 32, "num_attention_heads": 2}))
-    with pytest.raises(CheckpointError, match="'pixtral': attn-parity hf does not check this vision tower"):
-        read_config(tmp_path)
+
+@pytest.mark.parametrize("mt", ["pixtral", "llama4_vision_model", "gemma4_vision"])
+def test_a_vision_towers_checkpoint_is_checked(mt, tmp_path):
+    """attn-parity hf on a tower's own checkpoint: one image drawn as its model takes it
+    (Pixtral's image_sizes, Llama 4's fixed grid and class token, Gemma 4's
+    pixel_position_ids), every layer's rows passing, HF's among them."""
+    from golden.verifier import check as hf_check
+    report = hf_check.run(_tower_checkpoint(mt, tmp_path), frameworks=["torch"],
+                          log=lambda row: None)
+    assert {r["fixture"] for r in report["rows"]} == {
+        "vision layer 0 (attention)", "vision layer 1 (attention)"}
+    assert {r["status"] for r in report["rows"]} <= {"pass", "not supported"}, [
+        (r["fixture"], r["implementation"], r["dtype"], r["reason"]) for r in report["rows"]
+        if r["status"] not in ("pass", "not supported")]
+    assert sum(r["implementation"] == "hf" and r["status"] == "pass"
+               for r in report["rows"]) == 2
 
 
 # ---- vision-language checkpoints through attn-parity hf, tower by tower --------------------------

@@ -34,7 +34,7 @@ The rooms of the importer, each importing only those above it (NumPy only):
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
 table added to ``convert.FAMILIES``): how it converts, and what the checkpoint verifier needs,
 which reads it from the entry (``Family``'s ``stacks``, ``hf_float64``, ``model_class``,
-``own_index``, ``unverified``; a ``Kinds``' own).
+``own_index``, ``position_axes``; a ``Kinds``' own).
 
 The checkpoint verifier (``attn-parity hf DIR``), which imports the twins and transformers, is
 a room of its own above the harness: ``golden.verifier``; its ``layout`` derives its tables

@@ -105,10 +105,9 @@ class Family:
     model of a config AutoModel does not take; None: AutoModel's;
     ``own_index``: the HF module reads its index in the whole model beyond layer_types (GPT-2):
     in the verifier's one-layer model it is built again with the layer's own index;
-    ``unverified``: why the verifier does not check this family yet (it refuses a checkpoint of
-    it with this reason), None when it does; ``position_axes``: the rows of the positions HF's
-    model takes, 3 for a multimodal text tower ((3, B, L) position_ids: the verifier draws an
-    image's span), 1 for a 1-D RoPE."""
+    ``position_axes``: the rows of the positions HF's model takes, 3 for a multimodal text
+    tower ((3, B, L) position_ids: the verifier draws an image's span), 2 for a vision tower
+    with axial RoPE (the verifier draws one image), 1 for a 1-D RoPE."""
 
     variant: str
     settings: Callable
@@ -119,7 +118,6 @@ class Family:
     hf_float64: bool = False
     model_class: str | None = None
     own_index: bool = False
-    unverified: str | None = None
     position_axes: int = 1
 
 
@@ -141,7 +139,6 @@ class Kinds(dict):
         self.hf_float64 = hf_float64
         self.model_class = model_class
         self.own_index = own_index
-        self.unverified = None
         self.position_axes = 1
 
 

@@ -38,12 +38,6 @@ from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _lin
 from golden.hf.fused import _fused_family
 
 QWEN_SEPARATE = {"query": "q", "key": "k", "value": "v", "out": "proj"}
-# attn-parity hf draws one image for a Qwen-VL-like tower (its grid_thw, the positions of
-# get_vision_position_ids); not yet the inputs of these towers' models.
-UNVERIFIED = ("attn-parity hf does not check this vision tower yet (its model's image inputs, "
-              "and with them each patch's row and column, are not drawn: only the Qwen-VL-like "
-              "towers' are); convert a layer with golden.convert.from_hf and compare it given "
-              "the patches' positions")
 
 
 def _axial_rope(c, mt, **fields) -> dict:
@@ -90,12 +84,12 @@ def _qwen_fused(mt, model, width="hidden_size") -> Family:
 
 def _separate(mt, names, settings, stacks, **family) -> Family:
     """A tower with one nn.Linear per role, ``names`` the role's module names (``family``: the
-    Family's other fields; by default not checked by attn-parity hf)."""
+    Family's other fields)."""
     def our_settings(c, layer_idx, sd):
         ours = settings(c, layer_idx)
         ours.update(_bias_flags(sd, names, mt))
         return ours
-    family = {"unverified": UNVERIFIED, "position_axes": 2, **family}
+    family = {"position_axes": 2, **family}
     return Family(GQA, our_settings, lambda sd, ours: _linears_to_neutral(sd, names, mt),
                   lambda params, ours: _neutral_to_linears(params, names), stacks=stacks,
                   **family)
@@ -163,7 +157,7 @@ def _gemma4_vision_family() -> Family:
 
     return Family(GQA, settings, to_neutral, from_neutral,
                   stacks=(Stack("encoder.layers", "self_attn", label="vision"),),
-                  unverified=UNVERIFIED, position_axes=2)
+                  position_axes=2)
 
 
 FAMILIES: dict[str, Family] = {
@@ -183,12 +177,13 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_omni_vision_encoder": _separate(
         "qwen2_5_omni_vision_encoder", QWEN_SEPARATE,
         _qwen_settings("qwen2_5_omni_vision_encoder", "hidden_size"),
-        (Stack("blocks", "attn", label="vision"),), unverified=None,
+        (Stack("blocks", "attn", label="vision"),),
         model_class="qwen2_5_omni.Qwen2_5OmniVisionEncoder"),
     "pixtral": _separate("pixtral", LLAMA_NAMES, _pixtral,
                          (Stack("transformer.layers", "attention", label="vision"),)),
     "llama4_vision_model": _separate("llama4_vision_model", LLAMA_NAMES, _llama4_vision,
-                                     (Stack("model.layers", "self_attn", label="vision"),)),
+                                     (Stack("model.layers", "self_attn", label="vision"),),
+                                     model_class="Llama4VisionModel"),
     "gemma4_vision": _gemma4_vision_family(),
 }
 

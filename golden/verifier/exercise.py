@@ -188,14 +188,29 @@ def vision_positions(rows, cols, m) -> np.ndarray:
 
 
 def _vision_exercise(layer, c, notes) -> Exercise:
-    """One image of vision_grid's patches: its positions (2, L), one batch row."""
-    rows, cols = vision_grid(c)
-    positions = vision_positions(rows, cols, int(c.get("spatial_merge_size", 1)))
+    """One image, one batch row, its positions (2, L) as the tower's model makes them: a
+    Qwen-VL-like tower's vision_grid in merge-block order; Pixtral's 2 × 4 patches row-major
+    (row, column); Gemma 4's 2 × 4 as its pixel_position_ids (x, y) = (column, row); Llama 4's
+    fixed grid (image_size / patch_size on a side) as (column + 1, row + 1), its class token,
+    last, at (0, 0)."""
+    mt = c.get("model_type")
+    if mt == "llama4_vision_model":
+        side = int(c["image_size"]) // int(c["patch_size"])
+        rows, cols = np.divmod(np.arange(side * side), side)
+        positions = np.concatenate([np.stack([cols + 1, rows + 1]), [[0], [0]]], axis=1)
+        rows, cols = side, side
+    elif mt in ("pixtral", "gemma4_vision"):
+        rows, cols = 2, 4
+        r, w = np.divmod(np.arange(rows * cols), cols)
+        positions = np.stack([r, w] if mt == "pixtral" else [w, r])
+    else:
+        rows, cols = vision_grid(c)
+        positions = vision_positions(rows, cols, int(c.get("spatial_merge_size", 1)))
     notes = list(notes) + [f"axial RoPE: exercised (one image of {rows} × {cols} patches, each "
                            f"turned by its row and column)"]
     if c.get("window_size") is not None:
         notes.append("Qwen2.5-VL's windows: not exercised (the image fits one window)")
-    return Exercise(c, rows * cols, positions, notes=notes, rows=1)
+    return Exercise(c, positions.shape[1], positions.astype(np.int64), notes=notes, rows=1)
 
 
 def _switch(c, layer_idx):

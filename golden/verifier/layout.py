@@ -72,9 +72,6 @@ def _supported(config):
                               f"True: its crossattention layers are not converted (from_hf "
                               f"reads its self-attention only), so not every layer would be "
                               f"checked")
-    if FAMILIES[config["model_type"]].unverified:
-        raise CheckpointError(f"model_type {config['model_type']!r}: "
-                              f"{FAMILIES[config['model_type']].unverified}")
     if config["model_type"] not in LAYOUTS:
         raise CheckpointError(f"model_type {config['model_type']!r}: attn-parity hf does not "
                               f"know where its attention modules sit (it reads "

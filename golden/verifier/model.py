@@ -162,7 +162,8 @@ class Models:
                 if own:  # built again with the layer's own index
                     name = next(n for n, m in model.named_modules() if m is attn)
                     parent, _, child = name.rpartition(".")
-                    attn = type(attn)(model.config, layer_idx=layer_idx).to(dtype).eval()
+                    attn = _floats_to(type(attn)(model.config, layer_idx=layer_idx),
+                                      dtype).eval()
                     setattr(model.get_submodule(parent), child, attn)
             self._built[key] = model, attn
         return self._built[key]
@@ -225,10 +226,17 @@ def _one_layer_model(config, dtype):
         hf_config._attn_implementation = attention
         try:
             with _no_init():  # the attention's weights are loaded; the rest is never read
-                return make(hf_config).to(dtype).eval()
+                return _floats_to(make(hf_config), dtype).eval()
         except ValueError:  # this family has no sdpa path
             continue
     raise CheckpointError(f"model_type {config['model_type']!r}: transformers builds no model")
+
+
+def _floats_to(module, dtype):
+    """The module with its floating-point parameters and buffers in ``dtype``, the others as
+    they are: ``Module.to(dtype)`` would also cast a complex buffer to the real dtype, dropping
+    its imaginary part (Llama 4's vision freqs_ci)."""
+    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _class(name):
@@ -270,6 +278,18 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
         width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
         return {"hidden_states": torch.zeros((length, width), dtype=dtype),
                 "grid_thw": torch.tensor([[1, int(rows.max()) + 1, int(cols.max()) + 1]])}
+    if c.model_type == "pixtral":  # one image of the positions' (row, column) grid
+        rows, cols = (int(a.max()) + 1 for a in np.asarray(inputs["positions"])[:, 0])
+        size = (rows * c.patch_size, cols * c.patch_size)
+        return {"pixel_values": torch.zeros((b, c.num_channels) + size, dtype=dtype),
+                "image_sizes": [size] * b}
+    if c.model_type == "llama4_vision_model":  # its one fixed grid (and class token)
+        return {"pixel_values": torch.zeros((b, c.num_channels, c.image_size, c.image_size),
+                                            dtype=dtype)}
+    if c.model_type == "gemma4_vision":  # its patches flattened, their (x, y)
+        ids = np.moveaxis(np.asarray(inputs["positions"]), 0, -1)  # (B, L, 2)
+        return {"pixel_values": torch.zeros((b, length, 3 * c.patch_size ** 2), dtype=dtype),
+                "pixel_position_ids": torch.from_numpy(np.array(ids, np.int64))}
     main = model.main_input_name
     shapes = {"input_ids": lambda: (b, length),
               "pixel_values": lambda: (b, c.num_channels, c.image_size, c.image_size),
