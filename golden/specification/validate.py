@@ -6,10 +6,13 @@ the same code and raise the same ``ValueError`` messages.
 Shape legend: B batch, H heads (Hkv of key and value), Lq query length, Lk key length, Dk key
 width, Dv value width.
 
-Why one room of about 670 lines: every check here is called by the reference and by both twins,
+Why one room of about 800 lines: every check here is called by the reference and by both twins,
 and they must raise the same message for the same bad input; kept together, a check and the
-messages its siblings word alike are read at once. A new mixer's checks go in a room of their
-own beside it.
+messages its siblings word alike are read at once. A quarter of it is RoPE's settings and
+positions (``rope_settings``, ``rotary_dims``, ``multi_axis`` for multimodal and axial RoPE),
+which ``check_rotary`` and ``check_decoder_inputs`` share with the rest; it is the first part to
+move into a room of its own when this one grows again. A new mixer's checks go in a room of
+their own beside it.
 """
 
 from __future__ import annotations
