@@ -28,6 +28,8 @@ The rooms of the importer, each importing only those above it (NumPy only):
                SigLIP, Whisper, BART, T5); ``COMPOSITES``, CLIP's and SigLIP's towers
     latent     multi-head latent attention (DeepSeek-V3)
     vision     vision towers with axial 2-D RoPE (Qwen-VL and kin, Pixtral, Llama 4)
+    speech     speech encoders with Transformer-XL's relative positions (Parakeet's
+               FastConformer: Parakeet, Canary, Cohere ASR, Nemotron ASR streaming)
     convert    ``FAMILIES`` (the kinds' tables), the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
