@@ -4,8 +4,10 @@ transformers' own ParakeetEncoderAttention and ParakeetEncoderRelPositionalEncod
 the sinusoidal table against HF's (float32) and by hand, our distance index against HF's
 ``_rel_shift``, both twins against the attention module given our float64 table (output, and
 in torch the gradients of x and the parameters), decoding with a KV cache, a
-left-padded row, a long sequence through JAX's blockwise path, and bad settings. The whole
-encoder's layers, converted by from_hf, are tests/test_hf_import_speech.py's.
+left-padded row, a long sequence through JAX's blockwise path, and bad settings; the JAX core's
+``distance_query`` and ``distance_keys`` (the term as blockwise forms it, block by block)
+against the bias they stand for, never formed whole, and their checks. The whole encoder's
+layers, converted by from_hf, are tests/test_hf_import_speech.py's.
 
 Where HF has a float32 step: its table (ω, the angles t·ω, sin and cos in float32, cast to the
 model's dtype), and its eager softmax (float32, as Llama's; run here with "sdpa", float64).
@@ -16,13 +18,19 @@ Shape legend: B batch, L length, D model width (d_in), N heads, Dh head width, S
 
 from __future__ import annotations
 
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+import jax_attn
 from golden.specification.decoder import sinusoid_table
 from golden.specification.positions import distance_index
-from tests.helpers import TWINS, fresh_rng
+from tests.helpers import JAX, TWINS, fresh_rng
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,7 +195,8 @@ def test_left_padded_row_equals_the_sequence_alone(framework):
 
 
 def test_a_long_sequence_runs_blockwise_and_equals_torch():
-    # L = 1100 > 1024: the JAX core takes "blockwise"; float64, output at 1e-12 against torch.
+    # L = 1100 > 1024: the JAX core takes "blockwise", which forms the position term block by
+    # block (distance_query, distance_keys); torch forms the (N, L, L) bias. Float64, 1e-12.
     from golden.specification.implementations import record
     torch_twin, jax_twin = TWINS["torch"], TWINS["jax"]
     rng, seed = fresh_rng()
@@ -222,3 +231,112 @@ def test_bad_relative_positions_settings(framework, change, message):
     with pytest.raises(ValueError, match=message):
         TWINS[framework].make(GQA, dict(dict(d_in=6, num_heads=2, num_kv_heads=2, head_dim=4),
                                         **change))
+
+
+# ---- the JAX core's distance_query and distance_keys ----------------------------------------
+
+CB, CH, CHKV, CLQ, CLK, CD, CDR = 2, 4, 2, 7, 9, 3, 5  # the core's sizes, every one distinct
+
+
+def _materialised(query, keys, offset, lk):
+    """distance_query (B, H, Lq, Dr) and distance_keys (H, 2S + 1, Dr) as the (B, H, Lq, Lk)
+    bias they stand for, by NumPy loops: row i of batch b at i + offset[b], key j, entry
+    S + clip(j − position, −S, S)."""
+    span = (keys.shape[1] - 1) // 2
+    out = np.empty(query.shape[:3] + (lk,))
+    for b, h, i, j in np.ndindex(out.shape):
+        d = span + min(max(j - (i + offset[b]), -span), span)
+        out[b, h, i, j] = query[b, h, i] @ keys[h, d]
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["explicit", "blockwise"])
+@pytest.mark.parametrize("span", [3, CLQ + CLK])  # 3: most distances take an end of the table
+def test_distance_product_equals_the_bias_it_stands_for(implementation, span):
+    # Output and every gradient equal explicit's with the (B, H, Lq, Lk) bias, float64; the
+    # query's and the table's gradients those of the bias pushed through its definition.
+    rng, seed = fresh_rng()
+    arrays = {n: rng.standard_normal(s) for n, s in (
+        ("query", (CB, CH, CLQ, CD)), ("key", (CB, CHKV, CLK, CD)),
+        ("value", (CB, CHKV, CLK, 6)), ("distance_query", (CB, CH, CLQ, CDR)),
+        ("distance_keys", (CH, 2 * span + 1, CDR)))}
+    offset = np.array([0, 5], "int32")
+    settings = dict(query_offset=offset, key_value_seq_lengths=np.array([CLK, 6], "int32"),
+                    is_causal=True, local_window_size=(6, None), softcap=3.0)
+    kw = {"block_sizes": (2, 3)} if implementation == "blockwise" else {}
+    d_out = rng.standard_normal((CB, CH, CLQ, 6))
+    bias = _materialised(arrays["distance_query"], arrays["distance_keys"], offset, CLK)
+    with JAX.float64():
+        def loss(names, fn, **given):
+            def f(*xs):
+                return jnp.sum(fn(**dict(zip(names, xs)), **settings) * d_out)
+            return jax.value_and_grad(f, argnums=tuple(range(len(names))))(
+                *(jnp.asarray(given[n]) for n in names))
+        names = list(arrays)
+        value, grads = loss(names, partial(jax_attn.scaled_dot_product_attention,
+                                           implementation=implementation, **kw), **arrays)
+        plain = ["query", "key", "value", "bias"]
+        ref, ref_grads = loss(plain, partial(jax_attn.scaled_dot_product_attention,
+                                             implementation="explicit"), **arrays, bias=bias)
+        value, ref = float(value), float(ref)
+        grads = {n: np.asarray(g) for n, g in zip(names, grads)}
+        ref_grads = {n: np.asarray(g) for n, g in zip(plain, ref_grads)}
+    assert abs(value - ref) <= 1e-12 * abs(ref), f"seed {seed}"
+    for n in ("query", "key", "value"):
+        np.testing.assert_allclose(grads[n], ref_grads[n], rtol=0, atol=1e-12,
+                                   err_msg=f"{n}, seed {seed}")
+    g_bias, index = ref_grads["bias"], np.zeros((CB, CLQ, CLK), int)
+    for b, i, j in np.ndindex(index.shape):
+        index[b, i, j] = span + min(max(j - (i + offset[b]), -span), span)
+    keys = arrays["distance_keys"]
+    want_query = np.einsum("bhij,hbijd->bhid", g_bias, keys[:, index])
+    want_keys = np.zeros_like(keys)
+    for b, h, i, j in np.ndindex(g_bias.shape):
+        want_keys[h, index[b, i, j]] += g_bias[b, h, i, j] * arrays["distance_query"][b, h, i]
+    np.testing.assert_allclose(grads["distance_query"], want_query, rtol=0, atol=1e-12,
+                               err_msg=f"seed {seed}")
+    np.testing.assert_allclose(grads["distance_keys"], want_keys, rtol=0, atol=1e-12,
+                               err_msg=f"seed {seed}")
+
+
+def test_distance_product_is_never_formed_as_scores():
+    # The blockwise program holds the query's vectors (Lq, Dr), the table (2S + 1, Dr) and one
+    # block's products with its band of distances (Bq, Bq + Bk − 1), never (Lq, Lk) nor
+    # (Lq, 2S + 1).
+    lq, lk, d, dr = 64, 96, 8, 4
+    q = jax.ShapeDtypeStruct((1, 2, lq, d), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 2, lk, d), jnp.float32)
+    query = jax.ShapeDtypeStruct((1, 2, lq, dr), jnp.float32)
+    keys = jax.ShapeDtypeStruct((2, 2 * lk - 1, dr), jnp.float32)
+
+    def loss(q, k, v, query, keys):
+        return jnp.sum(jax_attn.scaled_dot_product_attention(
+            q, k, v, distance_query=query, distance_keys=keys, implementation="blockwise",
+            block_sizes=(16, 32)))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(q, k, k, query,
+                                                                    keys).as_text()
+    sizes = [int(np.prod([int(n) for n in dims.split("x")[:-1]]))
+             for dims in re.findall(r"tensor<((?:\d+x)+)\w+>", text)]
+    assert "stablehlo.while" in text
+    assert max(sizes) <= 2 * max(16 * 32, lk * d, (2 * lk - 1) * dr) < lq * lk, max(sizes)
+
+
+@pytest.mark.parametrize("given, match", [
+    (dict(distance_query=(CB, CH, CLQ, CDR)),
+     r"distance_keys should be given with distance_query \(their product is the bias\), got "
+     r"None"),
+    (dict(distance_query=(CB, CH, CLQ, CDR), distance_keys=(CH, 8, CDR)),
+     r"distance_keys's axis D should be odd \(2S \+ 1: distances −S … S\), got D = 8"),
+    (dict(distance_query=(CB, CH, CLQ + 1, CDR), distance_keys=(CH, 9, CDR)),
+     r"distance_query shape should be \(B, H, Lq, Dr\) = \(2, 4, 7, \?\), got \(2, 4, 8, 5\)"),
+    (dict(distance_query=(CH, CLQ, CDR), distance_keys=(CH, 9, CDR + 1)),
+     r"distance_keys shape should be \(H, D, Dr\) = \(4, \?, 5\), got \(4, 9, 6\)"),
+])
+def test_bad_distance_product(given, match):
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+            for s in ((CB, CH, CLQ, CD), (CB, CHKV, CLK, CD)))
+    with pytest.raises(ValueError, match=match):
+        jax_attn.scaled_dot_product_attention(q, k, k, **{n: jnp.zeros(s) for n, s in
+                                                          given.items()})

@@ -17,7 +17,7 @@ from golden.specification.decoder import (
     alibi_slopes, bucket_table, qk_normalize, sinusoid_table, temperature, weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
-from golden.specification.positions import KVCache, check_fits, distance_index
+from golden.specification.positions import KVCache, check_fits
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_axis_count,
     rope_settings,
@@ -182,11 +182,11 @@ class GroupedQueryAttention(_Variant):
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
-        bias = None
+        relative = {}
         if self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
-            q, bias = self._relative(q, k.shape[-2], offset)
+            q, relative = self._relative(q, k.shape[-2])
         o = scaled_dot_product_attention(
-            q, k, v, head_mask, bias, distance_bias=self._position_bias(q, k.shape[-2]),
+            q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]), **relative,
             is_causal=self.causal, scale=self.scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
@@ -244,30 +244,23 @@ class GroupedQueryAttention(_Variant):
             bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
         return bias
 
-    def _relative(self, q, keys, offset):
-        """Transformer-XL's relative positions, as torch_attn's: (the core's query q + u, its
-        bias (..., N, L, Lk)), the bias scale · (q_i + v)·e[S + j − p] for query i at p =
-        offset + i and key j in token order, e = split(R W_pos) (N, 2S + 1, Dh) over the
-        distances −S … S, S = Lk − 1, R the sinusoidal table
-        (golden.specification.decoder.sinusoid_table) in the parameters' dtype; the product and
-        the bias in at least float32."""
+    def _relative(self, q, keys):
+        """Transformer-XL's relative positions, as torch_attn's: the core's query q + u, and
+        its ``distance_query`` scale · (q + v) (..., N, L, Dh) and ``distance_keys`` e =
+        split(R W_pos) (N, 2S + 1, Dh) over the distances −S … S, S = Lk − 1, R the sinusoidal
+        table (golden.specification.decoder.sinusoid_table) in the parameters' dtype, both in
+        at least float32: the core adds (scale · (q_i + v))·e[S + j − p_i], query i at p_i =
+        offset + i and key j in token order, per block in "blockwise" (O(L) memory)."""
         compute = jnp.promote_types(q.dtype, jnp.float32)
         span = keys - 1
         table = jnp.asarray(sinusoid_table(self.d_in, span),
                             self.W_pos.kernel.get_value().dtype)  # (2S + 1, d_in)
         e = self.W_pos(table).astype(compute).reshape(2 * span + 1, self.num_heads, -1)
-        e = jnp.swapaxes(e, 0, 1)  # (N, 2S + 1, Dh)
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         qv = q.astype(compute) + self.bias_v.get_value().astype(compute)[:, None, :]
-        products = jnp.einsum("...nld,ntd->...nlt", qv, e,
-                              precision=self.precision) * scale  # (..., N, L, 2S + 1)
-        pos = jnp.arange(q.shape[-2])[:, None]  # (L, 1)
-        if offset is not None:
-            pos = pos + offset[:, None, None]  # (B, L, 1)
-        index = distance_index(2 * span + 1, jnp.arange(keys), pos)[..., None, :, :]
-        index = jnp.broadcast_to(index, products.shape[:-1] + (keys,))  # (..., N, L, Lk)
         u = self.bias_u.get_value().astype(q.dtype)[:, None, :]
-        return q + u, jnp.take_along_axis(products, index, axis=-1)
+        return q + u, {"distance_query": qv * scale,
+                       "distance_keys": jnp.swapaxes(e, 0, 1)}  # (N, 2S + 1, Dh)
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +
