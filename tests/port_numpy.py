@@ -415,7 +415,7 @@ class GroupedQueryAttention(Module):
             buckets = relative_position_bucket(np.arange(length) - np.arange(length)[:, None],
                                                *self.buckets)  # (L, L)
             bias = np.moveaxis(self.relative_attention_bias[buckets], -1, 0).astype(q.dtype)
-        if self.pos_proj is not None:  # Transformer-XL: q + u against k, q + v against W_pos R(i − j)
+        if self.pos_proj is not None:  # Transformer-XL: q + u · k, q + v · W_pos R(i − j)
             bias = self.transformer_xl(q + self.bias_v[:, None, :].astype(q.dtype))
             q = q + self.bias_u[:, None, :].astype(q.dtype)
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **self.attend,
