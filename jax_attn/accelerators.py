@@ -41,6 +41,7 @@ def _common_refusal(asked, name) -> str | None:
         (asked.softcap, "softcap"), (asked.sinks, "sinks"), (asked.dropout, "dropout"),
         (asked.offset, "query_offset"), (asked.chunk, "attention_chunk_size"),
         (asked.distance_bias, "distance_bias"),
+        (asked.distance_keys, "distance_query and distance_keys"),
         (asked.block_sizes is not None, "block_sizes (for 'blockwise')"),
         (asked.sharded, "arrays on a mesh with explicit axes")]
     given = [what for flag, what in taken_elsewhere if flag]

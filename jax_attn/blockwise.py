@@ -65,15 +65,18 @@ class Static(NamedTuple):
 
 
 def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None,
-           distance_bias=None, *, static):
+           distance_bias=None, distance_query=None, distance_keys=None, *, static):
     """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, dropout_mask broadcastable to
     (Lq, Lk) with size-1 axes kept; rng a key (drawn dropout) or None; offset, q_lengths, kv_lengths
     int scalars or None; sink the head's sink logit (a scalar) or None; distance_bias
     (2S + 1,) or None, the bias of each key − query distance, gathered block by block (ALiBi's
-    and T5's biases in O(L) memory). Returns (the output (Lq, Dv) in q's dtype, None): the
-    weights are never formed."""
+    and T5's biases in O(L) memory); distance_query (Lq, Dr) and distance_keys (2S + 1, Dr) or
+    None, the bias distance_query[i] · distance_keys[S + j − p_i] (Transformer-XL's), each
+    block's from the Bq + Bk − 1 distances it spans (``_band``). Returns (the output (Lq, Dv)
+    in q's dtype, None): the weights are never formed."""
     return _flash(fitted(static, q.shape[0], k.shape[0]), q, k, v, mask, bias, dropout_mask,
-                  rng, offset, q_lengths, kv_lengths, sink, distance_bias), None
+                  rng, offset, q_lengths, kv_lengths, sink, distance_bias, distance_query,
+                  distance_keys), None
 
 
 def fit(length, block):
@@ -88,11 +91,13 @@ def fitted(st, lq, lk):
 
 
 def head_forward(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
-                 distance_bias):
+                 distance_bias, distance_query=None, distance_keys=None):
     """One head's output in q's dtype and its statistics (2, Lq) (``_forward``), ``st`` fitted:
     _flash's forward, and jax_attn.explicit.attend_split's when it takes blockwise's."""
     out, stats = _forward(st, Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset,
-                                        q_lengths, kv_lengths, distance_bias=distance_bias), sink)
+                                        q_lengths, kv_lengths, distance_bias=distance_bias,
+                                        distance_query=distance_query,
+                                        distance_keys=distance_keys), sink)
     return out.astype(q.dtype), stats
 
 
@@ -110,17 +115,20 @@ def flash_bwd(st, res, d_out):
     """The gradients of _flash's differentiable arguments from its residuals (the arguments,
     the output and the statistics; jax_attn.explicit.attend_split saves the same)."""
     (q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink, distance_bias,
-     out, stats) = res
+     distance_query, distance_keys, out, stats) = res
     h = Head.make(st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
-                  distance_bias=distance_bias)
-    dq, dk, dv, dbias, ddistance = backward(st, h, out, stats, d_out)
+                  distance_bias=distance_bias, distance_query=distance_query,
+                  distance_keys=distance_keys)
+    dq, dk, dv, dbias, (ddistance, dquery, dkeys) = backward(st, h, out, stats, d_out)
     if bias is not None:
         dbias = dbias[:bias.shape[0], :bias.shape[1]].astype(bias.dtype)  # (Lq|1, Lk|1)
-    if distance_bias is not None:
-        ddistance = ddistance.astype(distance_bias.dtype)
+    cast = lambda g, x: None if x is None else g.astype(x.dtype)  # noqa: E731
+    dquery = None if distance_query is None else dquery[:q.shape[0]]
     dsink = None if sink is None else sink_grad(st, sink, out, stats, d_out).astype(sink.dtype)
     grads = tuple(g.astype(x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return grads + (None, dbias, None, None, None, None, None, dsink, ddistance)
+    return grads + (None, dbias, None, None, None, None, None, dsink,
+                    cast(ddistance, distance_bias), cast(dquery, distance_query),
+                    cast(dkeys, distance_keys))
 
 
 _flash.defvjp(_flash_fwd, flash_bwd)
@@ -146,10 +154,13 @@ class Head(NamedTuple):
     key_start: Any = 0  # the absolute position of key 0 (jax_attn.ring), for the chunks
     distance_bias: jax.Array | None = None  # (2S + 1,): the bias at key − query distance d is
     # entry S + clip(d, −S, S), gathered per block (golden.specification.positions.distance_terms)
+    distance_query: jax.Array | None = None  # (Lq', Dr), padded with 0, and
+    distance_keys: jax.Array | None = None  # (2S + 1, Dr): the bias distance_query[i] ·
+    # distance_keys[S + clip(j − p_i, −S, S)], each block's from its band of distances (_band)
 
     @classmethod
     def make(cls, st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
-             key_start=0, distance_bias=None):
+             key_start=0, distance_bias=None, distance_query=None, distance_keys=None):
         compute = jnp.promote_types(q.dtype, jnp.float32)
         lq, lk = q.shape[0], k.shape[0]
         rows, cols = _padding(lq, st.block_q), _padding(lk, st.block_k)
@@ -162,7 +173,10 @@ class Head(NamedTuple):
         return cls(q, k, v, pad(mask, False), pad(None if bias is None else bias.astype(compute),
                                                   0), pad(dropout_mask, False), rng,
                    0 if offset is None else offset, q_lengths, kv_lengths, lq, lk, key_start,
-                   None if distance_bias is None else distance_bias.astype(compute))
+                   None if distance_bias is None else distance_bias.astype(compute),
+                   None if distance_query is None else jnp.pad(
+                       distance_query.astype(compute), ((0, rows), (0, 0))),
+                   None if distance_keys is None else distance_keys.astype(compute))
 
 
 def _padding(length, block):
@@ -312,11 +326,45 @@ def _distances(st, i, j, h):
 
 def _block_bias(st, h, i, j, bias_ij):
     """The block's bias (Bq|1, Bk|1) or (Bq, Bk): ``bias`` sliced, plus the distance bias
-    gathered at its distances; None when neither is given."""
-    if h.distance_bias is None:
-        return bias_ij
-    near = h.distance_bias[_distances(st, i, j, h)]  # (Bq, Bk)
-    return near if bias_ij is None else bias_ij + near
+    gathered at its distances and the distance product (``_band``); None when none is
+    given."""
+    terms = [t for t in (bias_ij,) if t is not None]
+    if h.distance_bias is not None:
+        terms.append(h.distance_bias[_distances(st, i, j, h)])  # (Bq, Bk)
+    if h.distance_query is not None:
+        rows, keys, columns = _band(st, h, i, j)
+        products = jnp.einsum("qd,td->qt", _rows(h.distance_query, i, st.block_q), keys,
+                              precision=st.precision)  # (Bq, Bq + Bk − 1)
+        terms.append(jnp.take_along_axis(products, columns, axis=1))  # (Bq, Bk)
+    return reduce(jnp.add, terms) if terms else None
+
+
+def _band(st, h, i, j):
+    """The distances query block i spans against key block j: key c0 + b − query position
+    r0 + a + offset = d0 + (b − a + Bq − 1), d0 = c0 − (r0 + Bq − 1 + offset), so Bq + Bk − 1
+    consecutive ones. Returns their table rows (Bq + Bk − 1,) int32 (clipped to −S … S), the
+    table's vectors there (Bq + Bk − 1, Dr), and each entry's column in the band (Bq, Bk),
+    b − a + Bq − 1 (static): a block's products are (Bq, Bq + Bk − 1), never (Bq, 2S + 1)."""
+    d0 = j * st.block_k - (i * st.block_q + st.block_q - 1 + h.offset)
+    band = d0 + lax.broadcasted_iota(jnp.int32, (st.block_q + st.block_k - 1,), 0)
+    rows = distance_index(h.distance_keys.shape[0], band, 0)
+    columns = np.arange(st.block_k)[None, :] - np.arange(st.block_q)[:, None] + st.block_q - 1
+    return rows, h.distance_keys[rows], jnp.asarray(columns, jnp.int32)
+
+
+def _band_grads(st, h, i, j, ds, dquery, dkeys):
+    """The distance product's gradients from the block's dS (Bq, Bk): the band's dP (Bq,
+    Bq + Bk − 1) (dS at each entry's column), then dquery's rows of block i += dP · keys and
+    dkeys at the band's rows += dPᵀ · query (clipped distances summed into their end)."""
+    rows, keys, columns = _band(st, h, i, j)
+    d_products = jnp.zeros((st.block_q, keys.shape[0]), ds.dtype).at[
+        np.arange(st.block_q)[:, None], columns].add(ds)
+    q_i = _rows(h.distance_query, i, st.block_q)
+    dq_i = _rows(dquery, i, st.block_q) + jnp.einsum("qt,td->qd", d_products, keys,
+                                                    precision=st.precision)
+    dquery = lax.dynamic_update_slice_in_dim(dquery, dq_i, i * st.block_q, axis=0)
+    dkeys = dkeys.at[rows].add(jnp.einsum("qt,qd->td", d_products, q_i, precision=st.precision))
+    return dquery, dkeys
 
 
 # ---- per-block slices and scores ----------------------------------------------------------------
@@ -460,7 +508,9 @@ def visited(st, h):
 
 def backward(st, h, out, stats, d_out):
     """dQ (Lq, Dk), dK (Lk, Dk), dV (Lk, Dv) in the compute dtype, dbias (Lq'|1, Lk'|1) or
-    None, and d(distance_bias) (2S + 1,) or None. Each block is taken transposed, (Bk, Bq), so
+    None, and the distance terms' (d(distance_bias) (2S + 1,), d(distance_query) (Lq', Dr),
+    d(distance_keys) (2S + 1, Dr), each None when not given). Each block is taken transposed,
+    (Bk, Bq), so
     that dK and dV, summed over queries, are plain products (on CPU a product contracting both
     operands' first axes runs at a third of the speed); dQ is accumulated transposed,
     (Dk, Lq'), for the same reason."""
@@ -480,7 +530,7 @@ def backward(st, h, out, stats, d_out):
                                      for x in (h.mask, h.bias, h.dropout_mask))
 
         def step(i, c, masked):
-            dq_t, dbias, ddistance, dk_j, dv_j = c  # (Dk, Lq'), ..., (Bk, Dk), (Bk, Dv)
+            dq_t, dbias, (ddistance, dquery, dkeys), dk_j, dv_j = c  # (Dk, Lq'), ..., (Bk, Dk)
             q_i, do_i = _rows(h.q, i, st.block_q), _rows(d_out, i, st.block_q)
             bias_ij = _block_bias(st, h, i, j, _rows(bias_j, i, st.block_q))
             s_t, capped_t = _scores_t(st, q_i, k_j, None if bias_ij is None else bias_ij.T)
@@ -502,31 +552,33 @@ def backward(st, h, out, stats, d_out):
             dq_t = lax.dynamic_update_slice_in_dim(dq_t, dq_i, i * st.block_q, axis=1)
             if ddistance is not None:  # dS summed into each distance's entry
                 ddistance = ddistance.at[_distances(st, i, j, h).T].add(ds_t)
-            return dq_t, _add_bias_grad(st, dbias, ds_t.T, i, j), ddistance, dk_j, dv_j
+            if dquery is not None:
+                dquery, dkeys = _band_grads(st, h, i, j, ds_t.T, dquery, dkeys)
+            return (dq_t, _add_bias_grad(st, dbias, ds_t.T, i, j), (ddistance, dquery, dkeys),
+                    dk_j, dv_j)
 
-        dq_t, dbias, ddistance = carry
-        init = (dq_t, dbias, ddistance, jnp.zeros_like(k_j), jnp.zeros_like(v_j))
-        dq_t, dbias, ddistance, dk_j, dv_j = _loops(
+        dq_t, dbias, dpos = carry
+        init = (dq_t, dbias, dpos, jnp.zeros_like(k_j), jnp.zeros_like(v_j))
+        dq_t, dbias, dpos, dk_j, dv_j = _loops(
             _query_blocks(st, h, j), partial(step, masked=True), partial(step, masked=False),
             init)
-        return (dq_t, dbias, ddistance), (dk_j, dv_j)
+        return (dq_t, dbias, dpos), (dk_j, dv_j)
 
-    dbias, ddistance = (None if x is None else jnp.zeros_like(x)
-                        for x in (h.bias, h.distance_bias))
-    carry = (jnp.zeros_like(h.q.T), dbias, ddistance)
+    dbias, *dpos = (None if x is None else jnp.zeros_like(x) for x in
+                    (h.bias, h.distance_bias, h.distance_query, h.distance_keys))
+    carry = (jnp.zeros_like(h.q.T), dbias, tuple(dpos))
     if _xp(h, 0) is np and h.q.shape[0] * h.k.shape[0] <= UNROLL_AT_MOST:  # unrolled
         parts = []
         for j in range(n_k):
             carry, part = key_block(carry, j)
             parts.append(part)
-        dq_t, dbias, ddistance = carry
+        dq_t, dbias, dpos = carry
         dk, dv = (jnp.stack(x) for x in zip(*parts))
     else:
-        (dq_t, dbias, ddistance), (dk, dv) = lax.scan(
+        (dq_t, dbias, dpos), (dk, dv) = lax.scan(
             key_block, carry, jnp.arange(n_k, dtype=jnp.int32))
     flat = lambda x: x.reshape(-1, x.shape[-1])[:h.lk]  # noqa: E731  (Nk, Bk, D) -> (Lk, D)
-    return (st.scale * dq_t.T[:h.lq], (st.softcap or 1.0) * flat(dk), flat(dv), dbias,
-            ddistance)
+    return (st.scale * dq_t.T[:h.lq], (st.softcap or 1.0) * flat(dk), flat(dv), dbias, dpos)
 
 
 def sink_grad(st, sink, out, stats, d_out):

@@ -14,18 +14,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from golden.specification.implementations import ran, ran_instead
-from golden.specification.positions import allowed_terms, distance_terms
+from golden.specification.positions import allowed_terms, distance_index, distance_terms
 from jax_attn import blockwise
 
 NO_WINDOW = (None, None)
 
 
 def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None,
-           distance_bias=None, *, static):
+           distance_bias=None, distance_query=None, distance_keys=None, *, static):
     """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv); mask, bias, dropout_mask broadcast to
     (Lq, Lk); offset, q_lengths, kv_lengths scalars or None; sink the head's sink logit (a
     scalar) or None; distance_bias (2S + 1,) or None, the bias of each key − query distance
-    (formed here as an (Lq, Lk) bias); ``static`` a blockwise.Static (its blocks unused). rng
+    (formed here as an (Lq, Lk) bias); distance_query (Lq, Dr) and distance_keys (2S + 1, Dr)
+    or None, the bias distance_query[i] · distance_keys[S + j − p_i] (the (Lq, 2S + 1) products
+    formed, each key's gathered); ``static`` a blockwise.Static (its blocks unused). rng
     is unused: a drawn dropout mask comes in as ``dropout_mask``.
     Where the causal bound, the window or the chunks leave each block of query rows a narrower
     range of keys (fixed at trace time: no ``offset``), the rows are taken in tiles of 128 to
@@ -34,7 +36,7 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     Returns (output (Lq, Dv), weights (Lq, Lk)) in q's dtype."""
     del rng
     return _attend(static, q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths,
-                   sink, distance_bias)
+                   sink, distance_bias, distance_query, distance_keys)
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -56,7 +58,7 @@ def _attend_jvp(static, primals, tangents):
 
 
 def _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink,
-           distance_bias, static, *, divide_last):
+           distance_bias, distance_query, distance_keys, static, *, divide_last):
     """(output (Lq, Dv), weights (Lq, Lk), statistics (2, Lq)) of ``attend``, tile by tile;
     the statistics are each row's largest score m and 1 / l, l = Σ exp(s − m), in the format
     of jax_attn.blockwise (a row with no allowed key: m = the largest finite number, 1 / l = 0;
@@ -65,8 +67,9 @@ def _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sin
     found = tiles(q.shape[0], k.shape[0], offset, static)
     parts = [_attend_tile(q[a:b], k[lo:hi], v[lo:hi],
                           *(_slice(x, a, b, lo, hi) for x in (mask, bias, dropout_mask)),
-                          offset, q_lengths, kv_lengths, sink, distance_bias, row0=a, key0=lo,
-                          static=static, divide_last=divide_last)
+                          offset, q_lengths, kv_lengths, sink, distance_bias,
+                          None if distance_query is None else distance_query[a:b], distance_keys,
+                          row0=a, key0=lo, static=static, divide_last=divide_last)
              for a, b, lo, hi in found]
     lk = k.shape[0]
     if found == [(0, q.shape[0], 0, lk)]:
@@ -79,7 +82,8 @@ def _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sin
 
 
 def attend_split(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
-                 sink=None, distance_bias=None, *, static, passes=("explicit", "explicit")):
+                 sink=None, distance_bias=None, distance_query=None, distance_keys=None, *,
+                 static, passes=("explicit", "explicit")):
     """``attend``'s output, differentiated with jax_attn.blockwise's backward (each block's
     probabilities recomputed from the row statistics a forward saves) instead of JAX's
     derivative of this program: the same function, the faster pass each way on a CPU
@@ -96,7 +100,8 @@ def attend_split(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_l
                          f"got {passes!r}")
     del rng  # a drawn dropout mask comes in as dropout_mask
     return _split(static, tuple(passes), q, k, v, mask, bias, dropout_mask, None, offset,
-                  q_lengths, kv_lengths, sink, distance_bias), None
+                  q_lengths, kv_lengths, sink, distance_bias, distance_query,
+                  distance_keys), None
 
 
 # The backward's blocks when attend_split differentiates explicit's forward
@@ -115,18 +120,18 @@ def backward_blocks(lq, lk):
 
 
 def _forward(st, name, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
-             sink, distance_bias, *, differentiated):
+             sink, distance_bias, distance_query, distance_keys, *, differentiated):
     """(output in q's dtype, statistics (2, Lq)) of implementation ``name``'s forward: both
     in jax_attn.blockwise's format. explicit's output is the weights' product when
     ``differentiated``, divided last when not, as in ``_attend``."""
     if name == "explicit":
         out, _, stats = _tiled(q, k, v, mask, bias, dropout_mask, offset, q_lengths,
-                               kv_lengths, sink, distance_bias, st,
-                               divide_last=not differentiated)
+                               kv_lengths, sink, distance_bias, distance_query, distance_keys,
+                               st, divide_last=not differentiated)
         return out, stats
     return blockwise.head_forward(blockwise.fitted(st, q.shape[0], k.shape[0]), q, k, v, mask,
                                   bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink,
-                                  distance_bias)
+                                  distance_bias, distance_query, distance_keys)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -223,7 +228,8 @@ def _slice(x, a, b, lo, hi):
 
 
 def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink,
-                 distance_bias, *, row0, key0, static, divide_last):
+                 distance_bias, distance_query, distance_keys, *, row0, key0, static,
+                 divide_last):
     """``_tiled`` for query rows row0 … and keys key0 … (a tile; the whole head at 0, 0)."""
     compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
     wide = wide_products(q.dtype)
@@ -234,10 +240,16 @@ def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_length
         scores = static.softcap * jnp.tanh(scores / static.softcap)
     if bias is not None:
         scores = scores + bias.astype(compute)
+    key = key0 + jnp.arange(k.shape[0])[None, :]  # (1, Lk)
+    pos = row0 + jnp.arange(q.shape[0])[:, None] + (0 if offset is None else offset)  # (Lq, 1)
     if distance_bias is not None:
-        key = key0 + jnp.arange(k.shape[0])[None, :]  # (1, Lk)
-        pos = row0 + jnp.arange(q.shape[0])[:, None] + (0 if offset is None else offset)
         scores = scores + distance_terms(distance_bias.astype(compute), key, pos)
+    if distance_query is not None:  # the products with every distance, each key's gathered
+        products = jnp.einsum("qd,td->qt", distance_query.astype(compute),
+                              distance_keys.astype(compute),
+                              precision=static.precision)  # (Lq, 2S + 1)
+        index = jnp.broadcast_to(distance_index(products.shape[-1], key, pos), scores.shape)
+        scores = scores + jnp.take_along_axis(products, index, axis=-1)
     allowed = _allowed(scores.shape, mask, offset, q_lengths, kv_lengths,
                        is_causal=static.is_causal, window=static.window,
                        chunk=static.chunk_size, row0=row0, key0=key0)

@@ -21,6 +21,7 @@ from golden.specification.validate import (
     check_attention_args,
     check_block_sizes,
     check_distance_bias,
+    check_distance_product,
     check_flags,
     window,
 )
@@ -43,6 +44,7 @@ def scaled_dot_product_attention(
     query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
     dropout_rate=0.0, dropout_mask=None, dropout_rng=None, implementation=None,
     return_weights=False, block_sizes=None, precision=DEFAULT_PRECISION, distance_bias=None,
+    distance_query=None, distance_keys=None,
 ):
     """softmax(c · tanh(scale · Q Kᵀ / c) + bias, over allowed keys) V (without ``softcap`` c:
     scale · Q Kᵀ + bias).
@@ -70,6 +72,16 @@ def scaled_dot_product_attention(
     nearest end); traced and differentiable. "explicit" forms its (Lq, Lk) terms; "blockwise"
     gathers each block's, so a long sequence's bias costs O(L) memory, not O(Lq·Lk). The
     twins' modules build it (jax_attn.modules.GroupedQueryAttention's alibi and T5 buckets).
+    distance_query, distance_keys: a bias that is each query row's product with a table of
+    vectors over key − query distances (Transformer-XL's position term, (q_i + v)·W_pos R(i − j)
+    times the scale: jax_attn.modules.GroupedQueryAttention's relative_positions), added as
+    ``bias`` is: distance_query (H, Lq, Dr) or (B, H, Lq, Dr), distance_keys (H, 2S + 1, Dr) or
+    (B, H, 2S + 1, Dr) ((Lq, Dr) and (2S + 1, Dr) for (Lq, Dk) inputs), both or neither, any
+    float dtypes; the bias of query row i and key j is distance_query[i] · distance_keys[S +
+    clip(j − p_i, −S, S)], p_i = i + query_offset; traced and differentiable. "explicit" forms
+    the (Lq, 2S + 1) products and gathers each key's; "blockwise" forms each block's products
+    with the Bq + Bk − 1 distances it spans and never an (Lq, Lk) or (Lq, 2S + 1) array, so the
+    term costs O(L·Dr) memory.
     dropout_mask: bool, True = kept (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn from ``dropout_rng`` (a ``jax.random`` key), which is then required.
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
@@ -132,6 +144,7 @@ def scaled_dot_product_attention(
                          attention_chunk_size=attention_chunk_size)
     if distance_bias is not None:
         check_distance_bias(distance_bias, query)
+    check_distance_product(distance_query, distance_keys, query)
     check_flags(is_causal=is_causal, return_weights=return_weights)
     block_sizes = check_block_sizes(block_sizes)
     asked = _asked(query, key, value, mask, bias, is_causal=is_causal, softcap=softcap,
@@ -139,7 +152,7 @@ def scaled_dot_product_attention(
                    lengths=(query_seq_lengths, key_value_seq_lengths), sinks=sinks,
                    dropout_rate=dropout_rate, return_weights=return_weights,
                    block_sizes=block_sizes, chunk_size=attention_chunk_size,
-                   distance_bias=distance_bias)
+                   distance_bias=distance_bias, distance_keys=distance_keys)
     chosen = IMPLEMENTATIONS.select(implementation, asked,
                                     choose(query.shape, key.shape, asked.platform))
     passes = None if implementation is not None else forward_passes(
@@ -174,7 +187,8 @@ def scaled_dot_product_attention(
     one_device = on_one_device(query, key, value)
     attention = on_mesh(_attention, query, spec, return_weights)
     out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
-                             *positions, sinks, distance_bias, scale=scale,
+                             *positions, sinks, distance_bias, distance_query, distance_keys,
+                             scale=scale,
                              is_causal=bool(is_causal),
                              softcap=None if softcap is None else float(softcap),
                              window=window(local_window_size),
@@ -276,7 +290,7 @@ def _tiles(query, key, query_offset, is_causal, local_window_size, chunk_size) -
 
 def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,
            lengths, sinks, dropout_rate, return_weights, block_sizes, chunk_size,
-           distance_bias) -> Asked:
+           distance_bias, distance_keys=None) -> Asked:
     """What the call asks of an implementation (golden.specification.implementations.Asked)."""
     return Asked(return_weights=bool(return_weights), softcap=softcap is not None,
                  dropout=dropout_rate > 0.0, block_sizes=block_sizes, sinks=sinks is not None,
@@ -290,6 +304,7 @@ def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_si
                  seq_lengths=any(x is not None for x in lengths),
                  offset=query_offset is not None, chunk=chunk_size is not None,
                  distance_bias=distance_bias is not None,
+                 distance_keys=distance_keys is not None,
                  sharded=explicit_spec(query) is not None)
 
 
@@ -379,8 +394,8 @@ def _blockwise_refuses(asked):
 
 
 # Each implementation runs one head: run(q, k, v, mask, bias, dropout_mask, rng, offset,
-# q_lengths, kv_lengths, sink, distance_bias, *, static) -> (output, weights | None); the
-# core vmaps it.
+# q_lengths, kv_lengths, sink, distance_bias, distance_query, distance_keys, *, static) ->
+# (output, weights | None); the core vmaps it.
 IMPLEMENTATIONS = Registry(
     "jax",
     Implementation("explicit", explicit.attend, _explicit_refuses),
@@ -395,7 +410,8 @@ IMPLEMENTATIONS = Registry(
                                    "precision", "return_weights", "chunk", "implementation",
                                    "block_sizes", "chunk_size", "passes"))
 def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_lengths=None,
-               kv_lengths=None, sinks=None, distance_bias=None, *, scale, is_causal, dropout_rate,
+               kv_lengths=None, sinks=None, distance_bias=None, distance_query=None,
+               distance_keys=None, *, scale, is_causal, dropout_rate,
                precision, return_weights, softcap=None, window=NO_WINDOW, chunk_size=None,
                chunk=None, implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES,
                passes=None):
@@ -421,6 +437,8 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
     extras += (None if distance_bias is None else distance_bias.reshape(
         (distance_bias.shape[:-2] or (1,)) + q.shape[1:3] + distance_bias.shape[-1:]),)
     # (B|1, Hkv, G, 2S + 1)
+    extras += tuple(None if x is None else _group(_lift(x), groups)
+                    for x in (distance_query, distance_keys))  # (B|1, Hkv, G, Lq | 2S + 1, Dr)
     drawn = blocks and dropout_rate > 0.0 and dropout_mask is None
     extras += (jnp.arange(math.prod(q.shape[:3]), dtype=jnp.int32).reshape(q.shape[:3])
                if drawn else None,)  # (B, Hkv, G): the head's dropout stream
@@ -432,10 +450,11 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
               partial(explicit.attend_split, passes=passes))
 
     def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink, distance,
-            stream):
+            distance_query, distance_keys, stream):
         head_rng = None if stream is None else jax.random.fold_in(rng, stream)
         out, weights = attend(q, k, v, mask, bias, dropout_mask, head_rng, offset, q_lengths,
-                              kv_lengths, sink, distance, static=static)
+                              kv_lengths, sink, distance, distance_query, distance_keys,
+                              static=static)
         return (out, weights) if return_weights else (out, None)  # weights only when asked for
 
     run = _vmap_all if chunk is None else partial(_vmap_chunks, chunk=chunk)

@@ -336,7 +336,7 @@ class GroupedQueryAttention(Module):
     """N query heads over Nkv key/value heads, RoPE, causal by default:
     x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
 
-    layers = {**QKV, "out": "out_proj", "gate": "gate_proj"}
+    layers = {**QKV, "out": "out_proj", "gate": "gate_proj", "pos": "pos_proj"}
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
@@ -345,10 +345,15 @@ class GroupedQueryAttention(Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, *,
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
+                 relative_positions=None, *,
                  core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
+        self.pos_proj = Linear(d_in, num_heads * dh, False) if relative_positions else None
+        self.bias_u, self.bias_v = (np.zeros((num_heads, dh)) if relative_positions else None
+                                    for _ in "uv")
+        self.relative_scale = dh ** -0.5 if scale is None else scale
         self.slopes = None if alibi is None else alibi_slopes(num_heads, alibi, alibi_bias_max)
         if alibi == "falcon":  # Falcon: ALiBi added before the scale
             self.slopes = self.slopes * (dh ** -0.5 if scale is None else scale)
@@ -413,6 +418,9 @@ class GroupedQueryAttention(Module):
             buckets = relative_position_bucket(np.arange(length) - np.arange(length)[:, None],
                                                *self.buckets)  # (L, L)
             bias = np.moveaxis(self.relative_attention_bias[buckets], -1, 0).astype(q.dtype)
+        if self.pos_proj is not None:  # Transformer-XL: q + u · k, q + v · W_pos R(i − j)
+            bias = self.transformer_xl(q + self.bias_v[:, None, :].astype(q.dtype))
+            q = q + self.bias_u[:, None, :].astype(q.dtype)
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **self.attend,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
@@ -424,6 +432,16 @@ class GroupedQueryAttention(Module):
             merged = merged / (1 + np.exp(-self.gate_proj(x)))
         y = self.out_proj(merged)
         return (y, w) if return_weights else y
+
+    def transformer_xl(self, qv):
+        """scale · (q_i + v)·r_ij (..., N, L, L), r_ij head n's slice of W_pos R(i − j), R(t) =
+        (sin tω_0, cos tω_0, sin tω_1, …), ω_k = 10000^(−2k/d_in): every pair's own row."""
+        length, width = qv.shape[-2], self.pos_proj.weight.shape[1]
+        t = np.arange(length)[:, None] - np.arange(length)  # (L, L): query i − key j
+        angles = t[..., None] * 10000.0 ** -(np.arange(0, width, 2) / width)  # (L, L, d/2)
+        table = np.stack([np.sin(angles), np.cos(angles)], -1).reshape(length, length, width)
+        keys = _split(self.pos_proj(table.astype(qv.dtype)), qv.shape[-3])  # (L, N, L, Dh)
+        return (self.relative_scale * np.einsum("...nid,injd->...nij", qv, keys)).astype(qv.dtype)
 
     def norm(self, t, weight):
         """The QK norm over t's last axis: (t − mean) / √(mean((t − mean)²) + ε) for LayerNorm,
@@ -438,8 +456,8 @@ class GroupedQueryAttention(Module):
 
     def mapping(self) -> dict:
         table = super().mapping()
-        table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias")
-                      if getattr(self, n) is not None})
+        table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
+                                           "bias_u", "bias_v") if getattr(self, n) is not None})
         return table
 
 

@@ -245,6 +245,7 @@ GPU_BF16 = Asked(platform="gpu", dtype="bfloat16", lengths=(128, 256), widths=(6
     ({"offset": True}, "cuDNN takes no query_offset"),
     ({"chunk": True}, "cuDNN takes no attention_chunk_size"),
     ({"distance_bias": True}, "cuDNN takes no distance_bias"),
+    ({"distance_keys": True}, "cuDNN takes no distance_query and distance_keys"),
     ({"window": (3, 1)}, "got local_window_size (3, 1) without is_causal"),
     ({"window": (3, None)}, "got local_window_size (3, None) without is_causal"),
     ({"bias": True, "lengths": (127, 256)}, "even lengths"),

@@ -152,9 +152,11 @@ def test_twin_signatures():
     j = inspect.signature(TWINS["jax"].sdpa).parameters
     # every JAX dot's precision (PyTorch has no per-call equivalent); block_sizes in both, for
     # their block implementations (JAX's blockwise (Bq, Bk), torch's row_chunks (rows, None));
-    # distance_bias, the bias of key − query distance that JAX's blockwise gathers per block
-    # (torch has no blockwise path: its modules form the bias)
-    jax_only = ["precision", "distance_bias"]
+    # distance_bias, the bias of key − query distance that JAX's blockwise gathers per block,
+    # and distance_query and distance_keys, the bias of a query row's product with a table of
+    # vectors over distances that it forms per block (torch has no blockwise path: its modules
+    # form the bias)
+    jax_only = ["precision", "distance_bias", "distance_query", "distance_keys"]
     assert list(t) == CORE_PARAMETERS + ["block_sizes"]
     assert list(j) == CORE_PARAMETERS + ["block_sizes"] + jax_only
     assert list(t) == [n for n in j if n not in jax_only]

@@ -170,6 +170,9 @@ def _small(dtype=jnp.float32, lq=128, lk=128):
     ({"bias": np.zeros((128, 128), np.float32)}, "splash takes no bias"),
     ({"query_offset": 1}, "splash takes no query_offset"),
     ({"distance_bias": np.zeros((3, 9), np.float32)}, "splash takes no distance_bias"),
+    ({"distance_query": np.zeros((3, 128, 2), np.float32),
+      "distance_keys": np.zeros((3, 9, 2), np.float32)},
+     "splash takes no distance_query and distance_keys"),
     ({"block_sizes": (128, 128)}, "splash takes no block_sizes (for 'blockwise')"),
     ({"attention_chunk_size": 64}, "attention_chunk_size needs is_causal=True"),
 ])

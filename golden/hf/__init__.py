@@ -29,12 +29,14 @@ The rooms of the importer, each importing only those above it (NumPy only):
     latent     multi-head latent attention (DeepSeek-V3)
     vision     vision towers with axial 2-D RoPE (Qwen-VL and kin, Pixtral, Llama 4, Gemma 4);
                its ``COMPOSITES``, the vision-language models' towers
+    speech     speech encoders with Transformer-XL's relative positions (Parakeet's
+               FastConformer: Parakeet, Canary, Cohere ASR, Nemotron ASR streaming)
     convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
 table added to ``convert.FAMILIES``): how it converts, and what the checkpoint verifier needs,
 which reads it from the entry (``Family``'s ``stacks``, ``hf_float64``, ``model_class``,
-``own_index``, ``position_axes``; a ``Kinds``' own).
+``own_index``, ``position_axes``, ``unverified``; a ``Kinds``' own).
 
 The checkpoint verifier (``attn-parity hf DIR``), which imports the twins and transformers, is
 a room of its own above the harness: ``golden.verifier``; its ``layout`` derives its tables

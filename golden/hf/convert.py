@@ -1,6 +1,7 @@
 """The conversion: ``FAMILIES`` (every kind's table: golden.hf.decoders, fused, encoders,
-latent), the family lookup (a model_type's entry, an encoder-decoder's ``kind``), and the API:
-``from_hf``, ``to_hf``, ``expected_state`` (golden.hf's docstring says what each takes).
+latent, vision, speech), the family lookup (a model_type's entry, an encoder-decoder's
+``kind``), and the API: ``from_hf``, ``to_hf``, ``expected_state`` (golden.hf's docstring says
+what each takes).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from golden.specification import variants
-from golden.hf import decoders, encoders, fused, latent, vision
+from golden.hf import decoders, encoders, fused, latent, speech, vision
 from golden.hf.family import Family, HFConfig, Kinds, _as_dict
 from golden.specification.mapping import _numpy
 
@@ -30,7 +31,7 @@ def _tables(*tables) -> dict:
 # model_type -> Family, or Kinds for a model_type with several attentions (an encoder-decoder)
 FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
                                               encoders.FAMILIES, latent.FAMILIES,
-                                              vision.FAMILIES)
+                                              vision.FAMILIES, speech.FAMILIES)
 # Composite model_types (not converted themselves: from_hf takes a tower's own config): their
 # towers' sub-configs and key prefixes, {model_type: {sub-config: key prefix}}.
 COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES}

@@ -107,7 +107,9 @@ class Family:
     in the verifier's one-layer model it is built again with the layer's own index;
     ``position_axes``: the rows of the positions HF's model takes, 3 for a multimodal text
     tower ((3, B, L) position_ids: the verifier draws an image's span), 2 for a vision tower
-    with axial RoPE (the verifier draws one image), 1 for a 1-D RoPE."""
+    with axial RoPE (the verifier draws one image), 1 for a 1-D RoPE; ``unverified``: why the
+    verifier does not check this family yet (it refuses a checkpoint of it with this reason),
+    None when it does."""
 
     variant: str
     settings: Callable
@@ -119,6 +121,7 @@ class Family:
     model_class: str | None = None
     own_index: bool = False
     position_axes: int = 1
+    unverified: str | None = None
 
 
 class Kinds(dict):
@@ -140,6 +143,7 @@ class Kinds(dict):
         self.model_class = model_class
         self.own_index = own_index
         self.position_axes = 1
+        self.unverified = None
 
 
 # ---- the configuration --------------------------------------------------------------------------

@@ -9,8 +9,9 @@ either), D head width (Dv of the value), d_* feature widths.
     O = attention(split(Q), split(K), split(V))                   (..., N, Lq, Dv)
     y = merge(O) W_out + b_out   (or merge(O) when there is no output projection)
 A Stage is the contract of the steps between the projections and the core
-(golden.reference.stages holds them); the output gate, clip_qkv (MPT, OLMo) and the gradient
-of T5's bias table ride in the block itself.
+(golden.reference.stages holds them); the output gate, clip_qkv (MPT, OLMo), the gradient of
+T5's bias table and Transformer-XL's relative positional term (after the stages: its query
+q + u to the core, its position term as the core's bias) ride in the block itself.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import numpy as np
 
 from golden.reference.arithmetic import einsum, number, real
 from golden.reference.core import sdpa_backward, sdpa_forward
-from golden.reference.position_bias import bucket_sums
 from golden.reference.norms import normalize, normalize_backward
+from golden.reference.position_bias import (bucket_sums, transformer_xl_backward,
+                                            transformer_xl_term)
 
 
 def linear(x, w, b=None):
@@ -66,7 +68,9 @@ class Stage(NamedTuple):
 def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
                   clip=None, v_norm=None, **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
-    GroupedQueryAttention's options W_gate/b_gate (the output gate) and sinks. Key and value
+    GroupedQueryAttention's options W_gate/b_gate (the output gate), sinks, and W_pos, bias_u
+    and bias_v (Transformer-XL's relative positions: golden.reference.transformer_xl_term,
+    after the stages). Key and value
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
     ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
@@ -88,6 +92,11 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     for stage in stages:
         q, k, s = stage.forward(q, k)
         staged.append(s)
+    relative = None
+    if "W_pos" in p:  # Transformer-XL: the core takes q + u, and the position term as its bias
+        scale = core.get("scale")
+        scale = number(1) / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
+        q, core["bias"], relative = transformer_xl_term(q, p, scale)
     head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
     if "sinks" in p:
         core["sinks"] = p["sinks"]
@@ -100,7 +109,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         merged = merged * gate[2]
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
-                 merged=merged, gate=gate, attn=attn, inside=inside, v_normed=v_normed)
+                 merged=merged, gate=gate, attn=attn, inside=inside, v_normed=v_normed,
+                 relative=relative)
     return y, weights, saved
 
 
@@ -123,6 +133,10 @@ def block_backward(saved, d_y, d_weights):
     if saved.get("buckets") is not None:  # T5: the bias's gradient summed into its buckets
         grads["relative_attention_bias"] = bucket_sums(g["bias"], saved["buckets"],
                                                        p["relative_attention_bias"].shape)
+    if saved.get("relative") is not None:  # Transformer-XL's term, after the stages
+        g["query"], g_params = transformer_xl_backward(saved["relative"], p, g["query"],
+                                                       g["bias"])
+        grads.update(g_params)
     for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
         g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])
         grads.update(g_params)

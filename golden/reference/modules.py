@@ -112,8 +112,9 @@ def _grouped_query(config, inputs, params):
     the tokens' positions (0 … L − 1, or the inputs' ``positions``) on q and k
     (golden.specification.variants.QK_NORMS says which norm runs before RoPE and which after); sinks
     and the output gate when the parameters hold them; ALiBi's or T5's bias (alibi_term,
-    relative_term, the table's gradient by bucket_sums); the padding past query_seq_lengths neither
-    querying nor attended."""
+    relative_term, the table's gradient by bucket_sums), or Transformer-XL's relative positions
+    (W_pos, bias_u, bias_v: transformer_xl_term, in block_forward); the padding past
+    query_seq_lengths neither querying nor attended."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
     num_heads, kind = c["num_heads"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads

@@ -1,17 +1,20 @@
 """Position biases: score terms that depend on where query and key sit, added to the scores
-before the softmax. ALiBi's linear distance penalty (no parameter) and T5's learned table
-read at the bucket of each distance, with the table's gradient.
+before the softmax. ALiBi's linear distance penalty (no parameter), T5's learned table read at
+the bucket of each distance, with the table's gradient, and Transformer-XL's relative positional
+term, a product of each query with a projected sinusoidal table of distances, with the
+gradients of its query, its biases u and v and its projection.
 
 Shape legend: N heads, L sequence length (query i and key j both in token order), num_buckets
-the rows of T5's table (num_buckets, N).
+the rows of T5's table (num_buckets, N), Dh head width, d the model width (d_in), S = L − 1
+the farthest distance (2S + 1 rows of a table over distances −S … S).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from golden.specification.decoder import alibi_slopes, relative_position_bucket
-from golden.reference.arithmetic import number, real
+from golden.specification.decoder import SINUSOID_BASE, alibi_slopes, relative_position_bucket
+from golden.reference.arithmetic import einsum, number, number_type, real
 
 
 def alibi_term(c, length, dh):
@@ -45,3 +48,55 @@ def bucket_sums(g_bias, buckets, shape):
     out = real(np.zeros(shape))
     np.add.at(out, buckets, np.moveaxis(g, 0, -1))  # (L, L, N) into (num_buckets, N)
     return out
+
+
+# Transformer-XL (Dai et al. 2019, section 3.3; Hugging Face's ParakeetEncoderAttention): with q
+# the query heads the core would see, u and v (N, Dh) per-head biases and r_h(t) head h's slice
+# of R(t) W_pos (R the sinusoidal encoding of the query − key distance t), the scores are
+#     s_ij = scale · (q_i + u)·k_j + scale · (q_i + v)·r(i − j)
+# the first by the core (its query q + u), the second a bias (N, L, L) beside it.
+
+
+def sinusoid_term(width, span):
+    """The reference's own sinusoidal table (2·span + 1, width): row span + d is R(−d),
+    R(t) = (sin tω_0, cos tω_0, sin tω_1, …), ω_k = 10000^(−2k/width) (exp(−(2k/width)·ln
+    10000) inside exact_arithmetic()); golden.specification.decoder.sinusoid_table is the
+    twins'."""
+    exponent = np.arange(0, width, 2) / number(width)  # 2k / width
+    base = number(SINUSOID_BASE)
+    omega = base ** -exponent if number_type() is None else np.exp(-exponent * np.log(base))
+    angles = -np.arange(-span, span + 1)[:, None] * omega  # (2S + 1, width/2): t·ω, t = −d
+    return np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(2 * span + 1, width)
+
+
+def transformer_xl_term(q, p, scale):
+    """(q + u, the bias (..., N, L, L), saved) for the query heads q (..., N, L, Dh) and the
+    parameters p (W_pos (d, N·Dh), bias_u, bias_v (N, Dh)): the bias is scale · (q_i + v)·
+    e[S + j − i], e = split(R W_pos) (N, 2S + 1, Dh), S = L − 1."""
+    heads, length = q.shape[-3], q.shape[-2]
+    pe = sinusoid_term(p["W_pos"].shape[0], length - 1)  # (2S + 1, d)
+    e = einsum("ti,io->to", pe, p["W_pos"])  # (2S + 1, N·Dh)
+    e = np.swapaxes(e.reshape(e.shape[0], heads, -1), 0, 1)  # (N, 2S + 1, Dh)
+    index = length - 1 + np.arange(length)[None, :] - np.arange(length)[:, None]  # S + j − i
+    gathered = e[:, index]  # (N, L, L, Dh)
+    qv = q + p["bias_v"][:, None, :]
+    bias = scale * einsum("...nid,nijd->...nij", qv, gathered)
+    return q + p["bias_u"][:, None, :], bias, (qv, gathered, index, pe, scale)
+
+
+def transformer_xl_backward(saved, p, g_query, g_bias):
+    """(dL/dq, {bias_u, bias_v, W_pos: gradient}) of transformer_xl_term from the gradients of
+    its query q + u (..., N, L, Dh) and of its bias (..., N, L, L): each table row's gradient
+    summed over the query–key pairs at its distance, in index order."""
+    qv, gathered, index, pe, scale = saved
+    heads = qv.shape[-3]
+    g_qv = scale * einsum("...nij,nijd->...nid", g_bias, gathered)
+    flat_g = g_bias.reshape((-1,) + g_bias.shape[-3:])  # (B, N, L, L)
+    flat_qv = qv.reshape((-1,) + qv.shape[-3:])  # (B, N, L, Dh)
+    g_gathered = scale * einsum("bnij,bnid->ijnd", flat_g, flat_qv)  # (L, L, N, Dh)
+    g_e = real(np.zeros((pe.shape[0],) + g_gathered.shape[2:]))  # (2S + 1, N, Dh)
+    np.add.at(g_e, index, g_gathered)
+    g_w = einsum("ti,to->io", pe, g_e.reshape(g_e.shape[0], -1))  # (d, N·Dh)
+    per_head = lambda g: g.reshape((-1,) + g.shape[-3:]).sum(axis=(0, 2))  # noqa: E731 (N, Dh)
+    return g_query + g_qv, {"bias_u": per_head(g_query), "bias_v": per_head(g_qv),
+                            "W_pos": g_w}

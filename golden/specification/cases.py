@@ -440,6 +440,21 @@ CASES += [
           "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}),
 ]
 
+# Transformer-XL's relative positions (issue 41, the speech encoders: Parakeet, Canary): bias_u,
+# bias_v and W_pos; Parakeet's layout (q/k/v/o biases, bidirectional) on right-padded rows, and
+# unbatched with grouped heads, causal, a mask and a scale.
+CASES += [
+    Case("gqa_transformer_xl_padding", GQA, 451,
+         {"x": ("normal", (2, 7, 6)), "query_seq_lengths": _ints([7, 4])},
+         {"d_in": 6, "num_heads": 3, "num_kv_heads": 3, "head_dim": 4, "d_out": 5,
+          "qkv_bias": True, "out_bias": True, "causal": False,
+          "relative_positions": "transformer_xl"}),
+    Case("gqa_transformer_xl_unbatched", GQA, 452,
+         {"x": ("normal", (6, 8)), "mask": ("mask", (6, 6), 0.8, ())},
+         {"d_in": 8, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3, "d_out": 5,
+          "scale": 0.4, "relative_positions": "transformer_xl"}),
+]
+
 # MultiHeadCrossAttention (issue 24): queries from x, keys and values from a context of another
 # length and width; Whisper's encoder_attn (no bias on k_proj), T5's (no biases, scale 1),
 # multi-query, padded contexts (context_lengths) and a row with no context at all.

@@ -1,9 +1,10 @@
 """What both twins' GroupedQueryAttention do besides RoPE, written once: the QK norms, the query
-temperature and ALiBi's bias (its slopes in NumPy float64). Only arithmetic operators, indexing
-and the framework functions the caller passes (``mean``, ``rsqrt``, ``log1p``): the same code
-runs on torch tensors and JAX arrays. The float64 reference states the same maths on its own
-(golden.reference.qk_norm_stage, temperature_factors, alibi_term: it shares only the slopes);
-golden.specification.variants.QK_NORMS lists the kinds.
+temperature, ALiBi's bias (its slopes in NumPy float64), T5's buckets and Transformer-XL's
+sinusoidal table of distances (NumPy float64). Only arithmetic operators, indexing and the
+framework functions the caller passes (``mean``, ``rsqrt``, ``log1p``): the same code runs on
+torch tensors and JAX arrays. The float64 reference states the same maths on its own
+(golden.reference.qk_norm_stage, temperature_factors, alibi_term, sinusoid_term: it shares only
+the slopes and the buckets); golden.specification.variants.QK_NORMS lists the kinds.
 
 Shape legend: N heads, L tokens, Dh head width.
 """
@@ -11,6 +12,7 @@ Shape legend: N heads, L tokens, Dh head width.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -121,3 +123,26 @@ def relative_bias(table, buckets, *, moveaxis):
     ``buckets`` (..., L, Lk), heads moved before the two position axes; ``moveaxis`` is the
     framework's (torch.movedim, jnp.moveaxis, np.moveaxis)."""
     return moveaxis(table[buckets], -1, -3)  # (..., L, Lk, N) -> (..., N, L, Lk)
+
+
+# Transformer-XL's relative positional attention (Dai et al. 2019, section 3.3), as NVIDIA's
+# FastConformer encoders use it (Hugging Face's ParakeetEncoderAttention): a content bias u and a
+# position bias v per head, and the keys of each distance projected from a sinusoidal table.
+RELATIVE_POSITIONS = ("transformer_xl",)
+SINUSOID_BASE = 10000.0
+
+
+@lru_cache(maxsize=32)
+def sinusoid_table(width, span):
+    """Transformer-XL's sinusoidal encodings of the key − query distances d = −span … span,
+    (2·span + 1, width) float64, read-only: row span + d is R(−d), the encoding of the query −
+    key distance t = −d (Transformer-XL's R_{i−j}), R(t) = (sin tω_0, cos tω_0, sin tω_1,
+    cos tω_1, …), ω_k = 10000^(−2k/width), width even. Hugging Face's Parakeet forms the same
+    table in float32 (ω, t·ω, sin and cos), rows ordered t = L − 1 … −(L − 1); its rel_shift
+    reads row L − 1 − (i − j) for query i and key j, which is this row span + (j − i)."""
+    t = -np.arange(-span, span + 1, dtype=np.float64)[:, None]  # (2S + 1, 1): query − key
+    omega = SINUSOID_BASE ** -(np.arange(0, width, 2, dtype=np.float64) / width)  # (width/2,)
+    angles = t * omega  # (2S + 1, width/2)
+    table = np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(2 * span + 1, width)
+    table.flags.writeable = False
+    return table

@@ -60,6 +60,7 @@ class Asked(NamedTuple):
     offset: bool = False  # query_offset given
     chunk: bool = False  # attention_chunk_size given
     distance_bias: bool = False
+    distance_keys: bool = False  # distance_query and distance_keys given (JAX)
     sharded: bool = False  # on a mesh with explicit axes
 
 

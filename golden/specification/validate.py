@@ -166,6 +166,34 @@ def check_distance_bias(distance_bias, query) -> None:
     _expect_float("distance_bias", distance_bias)
 
 
+def check_distance_product(distance_query, distance_keys, query) -> None:
+    """The JAX core's ``distance_query`` and ``distance_keys``, both or neither: a vector per
+    query row (…, Lq, Dr) and a table of vectors over distances (…, D, Dr), D = 2S + 1 odd, each
+    (Lq, Dr) and (D, Dr) for (Lq, Dk) queries, (H, …) for (H, Lq, Dk), (H, …) or (B, H, …) for
+    (B, H, Lq, Dk); one width Dr."""
+    if (distance_query is None) != (distance_keys is None):
+        given, missing = (("distance_query", "distance_keys") if distance_keys is None
+                          else ("distance_keys", "distance_query"))
+        raise ValueError(f"{missing} should be given with {given} (their product is the bias), "
+                         f"got None")
+    if distance_query is None:
+        return
+    q_shape = tuple(query.shape)
+    for arg, x, rows in (("distance_query", distance_query, q_shape[-2]),
+                         ("distance_keys", distance_keys, None)):
+        _expect_array(arg, x)
+        heads, letters = q_shape[-3:-2], ("H",) if len(q_shape) > 2 else ()
+        if len(q_shape) == 4 and len(x.shape) == 4:
+            heads, letters = q_shape[:2], ("B", "H")
+        width = distance_query.shape[-1] if arg == "distance_keys" else None
+        _expect_shape(arg, tuple(x.shape), letters + ("Lq" if rows else "D", "Dr"),
+                      heads + (rows, width))
+        _expect_float(arg, x)
+    if distance_keys.shape[-2] % 2 == 0:
+        raise ValueError(f"distance_keys's axis D should be odd (2S + 1: distances −S … S), "
+                         f"got D = {distance_keys.shape[-2]}")
+
+
 def _real_number(x) -> bool:
     """A Python or NumPy int or float, not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from golden.specification.decoder import ALIBI_KINDS
+from golden.specification.decoder import ALIBI_KINDS, RELATIVE_POSITIONS
 from golden.specification.validate import (
     FLOAT_DTYPES,
     check_attention_args,
@@ -266,6 +266,12 @@ def _alibi(name, kind) -> None:
                          f"got {kind!r}")
 
 
+def _relative_positions(name, kind) -> None:
+    if kind is not None and kind not in RELATIVE_POSITIONS:
+        raise ValueError(f"{name} should be None or one of "
+                         f"{', '.join(map(repr, RELATIVE_POSITIONS))}, got {kind!r}")
+
+
 def _alibi_bias_max(name, x) -> None:
     """A finite number > 0 (MPT's alibi_bias_max)."""
     _epsilon(name, x)
@@ -326,6 +332,9 @@ def _grouped_query_shapes(c):
         shapes["sinks"] = (h,)
     if c["relative_attention_num_buckets"] is not None:
         shapes["relative_attention_bias"] = (c["relative_attention_num_buckets"], h)
+    if c["relative_positions"] is not None:
+        _transformer_xl(c)
+        shapes.update(W_pos=(c["d_in"], h * dh), bias_u=(h, dh), bias_v=(h, dh))
     return shapes
 
 
@@ -384,6 +393,18 @@ def _relative_buckets(c) -> None:
     if far <= max_exact:
         raise ValueError(f"relative_attention_max_distance should exceed the {max_exact} exact "
                          f"buckets, got {far}")
+
+
+def _transformer_xl(c) -> None:
+    """Transformer-XL's relative positions: the sinusoidal table is d_in wide (its sin and cos
+    in pairs: d_in even), and it is the one position bias."""
+    if c["d_in"] % 2:
+        raise ValueError(f"d_in should be even with relative_positions (the sinusoidal table's "
+                         f"sin and cos pairs), got {c['d_in']}")
+    for other in ("alibi", "relative_attention_num_buckets"):
+        if c[other] is not None:
+            raise ValueError(f"{other} should be None with relative_positions (one position "
+                             f"bias), got {c[other]!r}")
 
 
 def latent_rope(c):
@@ -558,10 +579,12 @@ _VARIANTS = [
              Arg("alibi_bias_max", _alibi_bias_max, 8),
              Arg("relative_attention_num_buckets", _positive_or_none, None),
              Arg("relative_attention_max_distance", _positive, 128),
-             Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False)),
+             Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False),
+             Arg("relative_positions", _relative_positions, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
-            layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate"},
-            vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias"),
+            layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
+            vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",
+                     "bias_v"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",

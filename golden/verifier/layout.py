@@ -56,7 +56,7 @@ def read_config(directory) -> dict:
                                       f"tower's config), got {config.get(sub)!r}")
             _supported(config[sub])
         return config
-    for sub in ("text_config", "decoder"):  # composite models: the decoder's own config
+    for sub in ("text_config", "decoder", "encoder_config"):  # composites: the tower they convert
         if config["model_type"] not in FAMILIES and isinstance(config.get(sub), dict):
             config = config[sub]
     _supported(config)
@@ -72,6 +72,9 @@ def _supported(config):
                               f"True: its crossattention layers are not converted (from_hf "
                               f"reads its self-attention only), so not every layer would be "
                               f"checked")
+    if FAMILIES[config["model_type"]].unverified:
+        raise CheckpointError(f"model_type {config['model_type']!r}: "
+                              f"{FAMILIES[config['model_type']].unverified}")
     if config["model_type"] not in LAYOUTS:
         raise CheckpointError(f"model_type {config['model_type']!r}: attn-parity hf does not "
                               f"know where its attention modules sit (it reads "

@@ -14,7 +14,7 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import (
-    alibi_slopes, bucket_table, qk_normalize, temperature, weight_broadcast,
+    alibi_slopes, bucket_table, qk_normalize, sinusoid_table, temperature, weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
 from golden.specification.positions import KVCache, check_fits
@@ -42,7 +42,9 @@ class GroupedQueryAttention(_Variant):
     row is the output bias) nor is attended, and is not written to a cache.
 
     Options: as torch_attn.GroupedQueryAttention's (docs/modules.md), ``clip_qkv`` c included
-    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections).
+    (MPT, OLMo: q, k and v clamped to [−c, c] after their projections), and
+    ``relative_positions="transformer_xl"`` (Transformer-XL's relative positional attention:
+    bias_u, bias_v (N, Dh), W_pos (d_in, N·Dh); ``_relative``).
 
     With ``cache`` (from ``init_cache``, a pytree), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there (a scatter, in place when the
@@ -64,8 +66,8 @@ class GroupedQueryAttention(_Variant):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, *, rngs,
-                 precision=DEFAULT_PRECISION):
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
+                 relative_positions=None, *, rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
@@ -79,7 +81,8 @@ class GroupedQueryAttention(_Variant):
                         alibi=alibi, alibi_bias_max=alibi_bias_max,
                         relative_attention_num_buckets=relative_attention_num_buckets,
                         relative_attention_max_distance=relative_attention_max_distance,
-                        clip_qkv=clip_qkv, v_norm=v_norm)
+                        clip_qkv=clip_qkv, v_norm=v_norm,
+                        relative_positions=relative_positions)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
@@ -103,13 +106,16 @@ class GroupedQueryAttention(_Variant):
         self.W_value = _linear(d_in, kv_width, qkv_bias, rngs, precision)
         self.W_gate = _linear(d_in, width, qkv_bias, rngs, precision) if output_gate else None
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
+        self.W_pos = (_linear(d_in, width, False, rngs, precision) if relative_positions
+                      else None)
         shapes = VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
-        self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias = (
-            nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
-            if n in shapes else None
-            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias"))
+        (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
+         self.bias_v) = (nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
+                         if n in shapes else None
+                         for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
+                                   "bias_u", "bias_v"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -179,8 +185,11 @@ class GroupedQueryAttention(_Variant):
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
+        relative = {}
+        if self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
+            q, relative = self._relative(q, k.shape[-2])
         o = scaled_dot_product_attention(
-            q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]),
+            q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]), **relative,
             is_causal=self.causal, scale=self.scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
@@ -238,6 +247,24 @@ class GroupedQueryAttention(_Variant):
         if self.alibi == "falcon":
             bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
         return bias
+
+    def _relative(self, q, keys):
+        """Transformer-XL's relative positions, as torch_attn's: the core's query q + u, and
+        its ``distance_query`` scale · (q + v) (..., N, L, Dh) and ``distance_keys`` e =
+        split(R W_pos) (N, 2S + 1, Dh) over the distances −S … S, S = Lk − 1, R the sinusoidal
+        table (golden.specification.decoder.sinusoid_table) in the parameters' dtype, both in
+        at least float32: the core adds (scale · (q_i + v))·e[S + j − p_i], query i at p_i =
+        offset + i and key j in token order, per block in "blockwise" (O(L) memory)."""
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        span = keys - 1
+        table = jnp.asarray(sinusoid_table(self.d_in, span),
+                            self.W_pos.kernel.get_value().dtype)  # (2S + 1, d_in)
+        e = self.W_pos(table).astype(compute).reshape(2 * span + 1, self.num_heads, -1)
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        qv = q.astype(compute) + self.bias_v.get_value().astype(compute)[:, None, :]
+        u = self.bias_u.get_value().astype(q.dtype)[:, None, :]
+        return q + u, {"distance_query": qv * scale,
+                       "distance_keys": jnp.swapaxes(e, 0, 1)}  # (N, 2S + 1, Dh)
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +

@@ -1,6 +1,7 @@
 """GroupedQueryAttention, the decoder family (Llama, Mistral, Qwen, Gemma and their successors):
 query heads over fewer key-value heads, RoPE, the QK norms, sinks, chunks, the query
-temperature, the output gate, ALiBi and T5's buckets, and its functional KV cache:
+temperature, the output gate, ALiBi, T5's buckets and Transformer-XL's relative positions, and
+its functional KV cache:
 ``_cache_positions`` and ``_append``, which MultiHeadLatentAttention's latent cache shares.
 Shape legend as in torch_attn.modules; the class docstring gives its own (Nkv key-value heads,
 M the cache's max_length).
@@ -13,10 +14,10 @@ from torch import nn
 
 from golden.specification import variants
 from golden.specification.decoder import (
-    alibi_bias, alibi_slopes, bucket_table, qk_normalize, relative_bias, sliding_window,
-    temperature, weight_broadcast,
+    alibi_bias, alibi_slopes, bucket_table, qk_normalize, relative_bias, sinusoid_table,
+    sliding_window, temperature, weight_broadcast,
 )
-from golden.specification.positions import KVCache, check_fits
+from golden.specification.positions import KVCache, check_fits, distance_index
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_axis_count,
     rope_settings,
@@ -52,7 +53,12 @@ class GroupedQueryAttention(nn.Module):
     ``relative_attention_num_buckets`` (a learned bias per bucket of key − query distance,
     ``relative_attention_max_distance``); ``clip_qkv`` c (MPT, OLMo: q, k and v clamped to [−c, c]
     after their projections); ``v_norm`` (Gemma 4: each value head v / √(mean(v²) + ε), no
-    weight, ε = ``qk_norm_eps``; the cache holds the normed values).
+    weight, ε = ``qk_norm_eps``; the cache holds the normed values);
+    ``relative_positions="transformer_xl"`` (Transformer-XL's, as NVIDIA's FastConformer
+    encoders have it: Parakeet, Canary; learned bias_u and bias_v (N, Dh) and W_pos (d_in,
+    N·Dh), scores scale · ((q_i + u)·k_j + (q_i + v)·r(j − p)), r(d) the head's slice of W_pos
+    applied to the sinusoidal encoding of the distance query − key = −d,
+    golden.specification.decoder.sinusoid_table; q after RoPE, the QK norm and the temperature).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -73,7 +79,8 @@ class GroupedQueryAttention(nn.Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False):
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
+                 relative_positions=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -89,7 +96,8 @@ class GroupedQueryAttention(nn.Module):
                               alibi_bias_max=alibi_bias_max,
                               relative_attention_num_buckets=relative_attention_num_buckets,
                               relative_attention_max_distance=relative_attention_max_distance,
-                              clip_qkv=clip_qkv, v_norm=v_norm)
+                              clip_qkv=clip_qkv, v_norm=v_norm,
+                              relative_positions=relative_positions)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
@@ -109,13 +117,15 @@ class GroupedQueryAttention(nn.Module):
         self.W_value = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.W_gate = nn.Linear(d_in, width, bias=qkv_bias) if output_gate else None
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
+        self.W_pos = nn.Linear(d_in, width, bias=False) if relative_positions else None
         shapes = variants.VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
-        self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias = (
-            nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
-            if n in shapes else None
-            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias"))
+        (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
+         self.bias_v) = (nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
+                         if n in shapes else None
+                         for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
+                                   "bias_u", "bias_v"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -172,6 +182,8 @@ class GroupedQueryAttention(nn.Module):
                                    ("attention_chunk_size", self.attention_chunk_size))
                  if a is not None}
         bias = self._position_bias(q, k.shape[-2], offset)
+        if self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
+            q, bias = self._relative(q, k.shape[-2], offset)
         o = scaled_dot_product_attention(
             q, k, v, head_mask, bias, is_causal=self.causal, scale=self.scale,
             softcap=self.softcap,
@@ -229,6 +241,30 @@ class GroupedQueryAttention(nn.Module):
         if self.alibi == "falcon":
             bias = bias * (self.head_dim ** -0.5 if self.scale is None else self.scale)
         return bias
+
+    def _relative(self, q, keys, offset):
+        """Transformer-XL's relative positions: (the core's query q + u, its bias (..., N, L,
+        Lk)) for query i at p = offset + i and key j, in token order (as ALiBi's): the bias is
+        scale · (q_i + v)·e[S + j − p], e = split(R W_pos) (N, 2S + 1, Dh) over the distances
+        −S … S, S = Lk − 1 (farther ones take the nearest end), R the sinusoidal table
+        (golden.specification.decoder.sinusoid_table) in the parameters' dtype; the product and
+        the bias in at least float32. As Hugging Face's rel_shift, without its (2L − 1)-wide
+        padding: the (..., L, 2S + 1) products gathered at each key's distance."""
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        span = keys - 1
+        table = torch.tensor(sinusoid_table(self.d_in, span), device=q.device,
+                                dtype=self.W_pos.weight.dtype)  # (2S + 1, d_in)
+        e = self.W_pos(table).to(compute).unflatten(-1, (self.num_heads, self.head_dim))
+        e = e.transpose(0, 1)  # (2S + 1, N, Dh) -> (N, 2S + 1, Dh)
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        qv = q.to(compute) + self.bias_v.to(compute)[:, None, :]  # (..., N, L, Dh)
+        products = (qv @ e.transpose(-1, -2)) * scale  # (..., N, L, 2S + 1)
+        pos = torch.arange(q.shape[-2], device=q.device)[:, None]  # (L, 1)
+        if offset is not None:
+            pos = pos + offset[:, None, None]  # (B, L, 1)
+        index = distance_index(2 * span + 1, torch.arange(keys, device=q.device), pos)
+        index = index.unsqueeze(-3).expand(products.shape[:-1] + (keys,))  # (..., N, L, Lk)
+        return q + self.bias_u.to(q.dtype)[:, None, :], products.gather(-1, index)
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +
