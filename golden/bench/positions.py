@@ -9,6 +9,7 @@ forward, float32; torch under no_grad, JAX's call one ``nnx.jit`` program at pre
 ``PRECISION``), and the encoding alone (``rotary_embedding`` of the layer's q and k with the
 module's settings and the module's table bound, JAX's jitted as one program), which says how
 much of the layer's time the encoding takes, below the run-to-run noise of the layer itself.
+The calls a ratio compares are interleaved round by round (``interleaved``).
 
 Shape legend: B batch, L tokens, d model width, H query heads, Hkv key-value heads, Dh head
 width; an image of S × S patches (vision) or tokens (text).
@@ -16,7 +17,9 @@ width; an image of S × S patches (vision) or tokens (text).
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,15 +32,17 @@ import torch_attn
 from golden.bench.attention import framework
 from golden.bench.cells import _f, _ms
 from golden.bench.grid import Grid
-from golden.bench.timing import measure
+from golden.bench.timing import STEADY_S, _call, _cpu_seconds, other_cpu, steady_repeats
 from golden.specification.validate import rope_arguments
 
-__all__ = ["PRECISION", "POSITION_IMPLS", "PLAIN", "image_positions", "text_positions",
-           "position_encodings", "run_positions", "positions_markdown"]
+__all__ = ["PRECISION", "POSITION_IMPLS", "PARTS", "PLAIN", "image_positions",
+           "text_positions", "position_encodings", "interleaved", "run_positions",
+           "positions_markdown"]
 
 
 PRECISION = jax.lax.Precision.HIGHEST  # the JAX module's, stated (its default too)
 POSITION_IMPLS = ("torch_module", "jax_module")
+PARTS = ("layer", "rope")  # the module's call; rotary_embedding of its q and k alone
 PLAIN = "1-D"  # every tower's baseline encoding: rope_theta only, positions arange (B, L)
 VISION_THETA, TEXT_THETA = 10000.0, 1e6  # Qwen2-VL's vision tower's and text tower's θ
 
@@ -117,32 +122,51 @@ def _arrays(impl: str, *host):
     return [torch.from_numpy(a) for a in host]
 
 
+def interleaved(calls: dict, most: int) -> dict:
+    """{key: measurement} of ``calls`` {key: (f, args)}: a first call of each (compiling,
+    warming up; timed apart), then rounds of one call of each in turn, so that the machine's
+    slow and fast spells fall on all of them (as the automatic choice's section does): as many
+    rounds as steady_repeats gives the slowest call of the first round, at most ``most``.
+    others %: over all the rounds."""
+    first = {key: _call(fn, args) for key, (fn, args) in calls.items()}
+    cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
+    times = {key: [_call(fn, args)] for key, (fn, args) in calls.items()}
+    rounds = steady_repeats(max(t[0] for t in times.values()), STEADY_S, most)
+    for _ in range(rounds - 1):
+        for key, (fn, args) in calls.items():
+            times[key].append(_call(fn, args))
+    others = other_cpu(cpu_start, time.perf_counter() - wall_start)
+    return {key: {"median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3,
+                  "repeats": len(t), "most_repeats": most, "times_ms": [x * 1e3 for x in t],
+                  "first_call_ms": first[key] * 1e3, "other_cpu_pct": others}
+            for key, t in times.items()}
+
+
 def run_positions(grid: Grid, rng) -> list[dict]:
-    """Each tower's encodings (position_encodings), each twin, the layer and the rope alone, on
-    one random float32 x (B, L, d) and q, k per tower; enc_ratio: time ÷ the 1-D encoding's,
-    same tower, part and twin; torch_ratio: time ÷ torch_module's, same tower, encoding and
-    part. Measured tower by tower, twin by twin, part by part, so that the rows a ratio compares
-    are seconds apart."""
+    """Each tower's encodings (position_encodings), both twins, the layer and the rope alone, on
+    one random float32 x (B, L, d) and q, k per tower, every encoding and twin of a tower's part
+    interleaved round by round (``interleaved``); enc_ratio: time ÷ the 1-D encoding's, same
+    tower, part and twin; torch_ratio: time ÷ torch_module's, same tower, encoding and part."""
     rows = []
     for tower, (shape, options, encodings) in position_encodings(grid).items():
         b, length = encodings[PLAIN][1].shape  # the 1-D positions (B, L)
         heads, kv, dh = options["num_heads"], options["num_kv_heads"], options["head_dim"]
         x = rng.standard_normal((b, length, options["d_in"]), dtype=np.float32)
         q, k = (rng.standard_normal((b, n, length, dh), dtype=np.float32) for n in (heads, kv))
-        modules = {name: _twins({**options, **rope}) for name, (rope, _) in encodings.items()}
-        for impl in POSITION_IMPLS:
-            calls = {name: _calls(modules[name][impl], impl, *_arrays(impl, x, q, k, p))
-                     for name, (_, p) in encodings.items()}
-            for part in ("layer", "rope"):
-                for name in encodings:
-                    fn, args = calls[name][part]
-                    with torch.no_grad():
-                        m = measure(fn, args, grid.repeats)
-                    rows.append({"tower": tower, "shape": shape, "encoding": name, "part": part,
-                                 "impl": impl, "framework": framework(impl), **m})
-                    print(f"  positions {tower:6} {part:5} {name:30} {impl:12} "
-                          f"{m['median_ms']:9.1f} ms ×{m['repeats']}", file=sys.stderr,
-                          flush=True)
+        calls = {}
+        for name, (rope, p) in encodings.items():
+            for impl, module in _twins({**options, **rope}).items():
+                for part, call in _calls(module, impl, *_arrays(impl, x, q, k, p)).items():
+                    calls[part, name, impl] = call
+        for part in PARTS:
+            with torch.no_grad():
+                measured = interleaved({key[1:]: c for key, c in calls.items()
+                                        if key[0] == part}, grid.repeats)
+            for (name, impl), m in measured.items():
+                rows.append({"tower": tower, "shape": shape, "encoding": name, "part": part,
+                             "impl": impl, "framework": framework(impl), **m})
+                print(f"  positions {tower:6} {part:5} {name:30} {impl:12} "
+                      f"{m['median_ms']:9.1f} ms ×{m['repeats']}", file=sys.stderr, flush=True)
     for r in rows:
         same = [s for s in rows if (s["tower"], s["part"]) == (r["tower"], r["part"])]
         plain = next(s for s in same if s["impl"] == r["impl"] and s["encoding"] == PLAIN)
@@ -168,10 +192,11 @@ def positions_markdown(rows: list[dict]) -> list[str]:
         "the module's settings (JAX's jitted as one program). 1-D: rope_theta only, positions "
         "arange (B, L); axial (2, B, L) rows and columns; MRoPE (3, B, L) as get_rope_index "
         "builds text, an image at one temporal position, text.",
-        "- ms: median (min–max) of the n steady calls. ÷ 1-D: this row's median ÷ the 1-D "
-        "encoding's, same tower, part and twin. JAX ÷ torch: jax_module's median ÷ "
-        "torch_module's, same row. others %: the larger of the two twins' (share of the cores "
-        "other processes kept busy).", "",
+        "- ms: median (min–max) of the n steady calls, every encoding and twin of a tower's "
+        "part called in turn, round by round, after a first call each. ÷ 1-D: this row's "
+        "median ÷ the 1-D encoding's, same tower, part and twin. JAX ÷ torch: jax_module's "
+        "median ÷ torch_module's, same row. others %: the share of the cores other processes "
+        "kept busy during the rounds.", "",
         "| tower | encoding | part | torch ms | n | ÷ 1-D | JAX ms | n | ÷ 1-D | JAX ÷ torch "
         "| others % |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
