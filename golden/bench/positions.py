@@ -126,12 +126,12 @@ def interleaved(calls: dict, most: int) -> dict:
     """{key: measurement} of ``calls`` {key: (f, args)}: a first call of each (compiling,
     warming up; timed apart), then rounds of one call of each in turn, so that the machine's
     slow and fast spells fall on all of them (as the automatic choice's section does): as many
-    rounds as steady_repeats gives the slowest call of the first round, at most ``most``.
-    others %: over all the rounds."""
+    rounds as steady_repeats gives the first round's mean call (about STEADY_S of steady calls
+    each on average), at most ``most``. others %: over all the rounds."""
     first = {key: _call(fn, args) for key, (fn, args) in calls.items()}
     cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
     times = {key: [_call(fn, args)] for key, (fn, args) in calls.items()}
-    rounds = steady_repeats(max(t[0] for t in times.values()), STEADY_S, most)
+    rounds = steady_repeats(statistics.mean(t[0] for t in times.values()), STEADY_S, most)
     for _ in range(rounds - 1):
         for key, (fn, args) in calls.items():
             times[key].append(_call(fn, args))
