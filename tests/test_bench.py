@@ -29,6 +29,7 @@ from golden.bench import (
     latent_models,
     interleaved,
     position_encodings,
+    positions_markdown,
     text_positions,
     steady_repeats,
     xla_isa,
@@ -422,3 +423,17 @@ def test_performance_tables_are_the_committed_reports(reports):
     loaded = [json.loads((ROOT / "bench" / "results" / p).read_text()) for p in reports]
     table = isa_table.table(*loaded).strip()
     assert table in (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("report", ["positions.json", "avx2/positions.json",
+                                    "one_core/positions.json", "one_core/avx2/positions.json"])
+def test_positions_tables_are_the_committed_reports(report):
+    """Both tables of each run in docs/performance.md's positions section are
+    positions_markdown's on the committed rows (bench/results/positions/), line for line and
+    in one block each: no figure typed by hand."""
+    path = ROOT / "bench" / "results" / "positions" / report
+    lines = [x for x in positions_markdown(json.loads(path.read_text())["positions"])
+             if x.startswith("|")]
+    cut = [n for n, x in enumerate(lines) if x.startswith("| tower |")][1]  # the second table
+    doc = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert "\n".join(lines[:cut]) in doc and "\n".join(lines[cut:]) in doc
