@@ -23,9 +23,14 @@ from golden.bench import (
     QUICK,
     Shape,
     ceiling,
+    POSITION_IMPLS,
     decode_features,
     emulation_gap,
     latent_models,
+    interleaved,
+    position_encodings,
+    positions_markdown,
+    text_positions,
     steady_repeats,
     xla_isa,
     xla_max_isa,
@@ -252,6 +257,54 @@ def test_only_latent_decode_runs_that_section_alone(tmp_path, capsys):
     assert "## Multi-head latent attention's decode step" in capsys.readouterr().out
 
 
+def test_text_positions_are_get_rope_index_s_for_text_an_image_text():
+    """L = 8 with a 2 × 2 image, by hand: 2 text tokens (0, 1 on every axis), the image at
+    t = 2, h = 2 + row, w = 2 + column, then text from max + 1 = 4 on."""
+    assert text_positions(8, 2).tolist() == [[[0, 1, 2, 2, 2, 2, 4, 5]],
+                                             [[0, 1, 2, 2, 3, 3, 4, 5]],
+                                             [[0, 1, 2, 3, 2, 3, 4, 5]]]
+
+
+def test_interleaved_calls_each_in_turn_round_by_round():
+    """A first call of each, then rounds of one call of each in the given order: fast calls get
+    the most rounds (round(0.5 s / a few µs) > 4), each row its own times."""
+    order = []
+    calls = {key: (lambda key: order.append(key), [key]) for key in ("a", "b", "c")}
+    measured = interleaved(calls, 4)
+    assert order == ["a", "b", "c"] * 5  # first calls, then 4 rounds
+    assert [m["repeats"] for m in measured.values()] == [4, 4, 4]
+    assert all(len(m["times_ms"]) == 4 and m["most_repeats"] == 4 for m in measured.values())
+
+
+def test_only_positions_times_each_encoding_against_1d_in_both_twins(tmp_path, capsys):
+    """Every tower's encodings, the layer and the rope alone, both twins, on the quick grid's
+    small shapes; the positions each module was given have the axes its encoding takes. Speed is
+    not asserted: only that each row was measured and its ratios are the medians'."""
+    assert main(["bench", "--quick", "--only", "positions", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "positions.json").read_text())["positions"]
+    encodings = position_encodings(QUICK)
+    assert [n for _, _, e in encodings.values() for n in e] == [
+        "1-D", "axial", "1-D", "MRoPE chunked [2, 3, 3]", "MRoPE interleaved [4, 2, 2]"]
+    assert [e["axial"][1].shape for *_, e in encodings.values() if "axial" in e] == [(2, 1, 16)]
+    assert encodings["text"][2]["MRoPE chunked [2, 3, 3]"][1].shape == (3, 1, 48)
+    assert {(r["tower"], r["encoding"], r["part"], r["impl"]) for r in rows} == {
+        (t, n, p, i) for t, (_, _, e) in encodings.items() for n in e
+        for p in ("layer", "rope") for i in POSITION_IMPLS}
+    assert len(rows) == 5 * 2 * 2
+    at = {(r["tower"], r["encoding"], r["part"], r["impl"]): r for r in rows}
+    for r in rows:
+        assert r["median_ms"] > 0 and r["repeats"] == len(r["times_ms"]) >= 2
+        plain = at[r["tower"], "1-D", r["part"], r["impl"]]["median_ms"]
+        peer = at[r["tower"], r["encoding"], r["part"], "torch_module"]["median_ms"]
+        assert r["enc_ratio"] == r["median_ms"] / plain and r["torch_ratio"] == (
+            r["median_ms"] / peer)
+    assert not (tmp_path / "latest.json").exists()
+    out = capsys.readouterr().out
+    assert "## Positions in more than one dimension: MRoPE and axial RoPE" in out
+    assert "| text | MRoPE interleaved [4, 2, 2] | layer |" in out
+    assert "| vision | axial |" in out.split("extra % of layer")[-1]
+
+
 def test_steady_repeats_fills_half_a_second_within_three_and_the_most():
     assert steady_repeats(0.1, 0.5, 10) == 5   # 0.5 s / 0.1 s
     assert steady_repeats(0.001, 0.5, 10) == 10  # 500 wanted, 10 at most
@@ -370,3 +423,17 @@ def test_performance_tables_are_the_committed_reports(reports):
     loaded = [json.loads((ROOT / "bench" / "results" / p).read_text()) for p in reports]
     table = isa_table.table(*loaded).strip()
     assert table in (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("report", ["positions.json", "avx2/positions.json",
+                                    "one_core/positions.json", "one_core/avx2/positions.json"])
+def test_positions_tables_are_the_committed_reports(report):
+    """Both tables of each run in docs/performance.md's positions section are
+    positions_markdown's on the committed rows (bench/results/positions/), line for line and
+    in one block each: no figure typed by hand."""
+    path = ROOT / "bench" / "results" / "positions" / report
+    lines = [x for x in positions_markdown(json.loads(path.read_text())["positions"])
+             if x.startswith("|")]
+    cut = [n for n, x in enumerate(lines) if x.startswith("| tower |")][1]  # the second table
+    doc = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert "\n".join(lines[:cut]) in doc and "\n".join(lines[cut:]) in doc

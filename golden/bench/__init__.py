@@ -10,6 +10,8 @@ docstring says what a run measures and writes). One room a section, imports poin
 - ``modules``: module calls, KV-cache decoding, the decode step per option, MLA's decode step;
 - ``long``, ``modern``, ``choice``: long sequences; sinks, chunks and ALiBi; the automatic
   choice;
+- ``positions``: axial RoPE and MRoPE against 1-D RoPE in the twin modules (``--only``
+  alone);
 - ``report``: every section into one report (``run``) and its Markdown (``markdown``);
 - ``cli``: the command (``main``; ``--only`` runs one of ``SECTIONS``).
 
@@ -26,5 +28,6 @@ from golden.bench.modules import *  # noqa: F403
 from golden.bench.long import *  # noqa: F403
 from golden.bench.modern import *  # noqa: F403
 from golden.bench.choice import *  # noqa: F403
+from golden.bench.positions import *  # noqa: F403
 from golden.bench.report import *  # noqa: F403
 from golden.bench.cli import *  # noqa: F403

@@ -35,6 +35,7 @@ from golden.bench.choice import choice_markdown, run_choice
 from golden.bench.grid import FULL, QUICK
 from golden.bench.host import cpu_flags, emulation_gap, machine, machine_markdown
 from golden.bench.modern import modern_markdown, run_modern
+from golden.bench.positions import positions_markdown, run_positions
 from golden.bench.modules import (
     decode_features_markdown,
     latent_decode_markdown,
@@ -51,7 +52,8 @@ __all__ = ["SECTIONS", "main"]
 SECTIONS = {"modern": (run_modern, modern_markdown),  # --only: (run, markdown)
             "choice": (run_choice, choice_markdown),
             "decode_features": (run_decode_features, decode_features_markdown),
-            "latent_decode": (run_latent_decode, latent_decode_markdown)}
+            "latent_decode": (run_latent_decode, latent_decode_markdown),
+            "positions": (run_positions, positions_markdown)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                              "implementation at every float32 grid row; decode_features "
                              "= the decode step with each option of GroupedQueryAttention; "
                              "latent_decode = MultiHeadLatentAttention's decode step (plain, "
-                             "absorbed) against GroupedQueryAttention's")
+                             "absorbed) against GroupedQueryAttention's; positions = a "
+                             "vision tower's layer with axial RoPE and a text tower's prefill "
+                             "with MRoPE, each against 1-D RoPE, both twins (not part of the "
+                             "whole run)")
     args = parser.parse_args(argv)
     gap = emulation_gap(cpu_flags(), os.environ)
     if gap is not None:

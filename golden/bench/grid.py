@@ -42,6 +42,11 @@ class Grid:
     long: tuple = ((1, 1, 64), (4096, 16384, 65536), 4096)
     # sinks and chunked attention, causal: B, H, L, D, attention_chunk_size
     modern: tuple = (1, 4, 4096, 64, 1024)
+    # positions, float32 forward: a vision tower's layer over one S × S image (B, S, d, H, Dh;
+    # Qwen2-VL's tower, non-causal, axial RoPE) and a text tower's prefill (B, L, d, H, Hkv, Dh,
+    # the S of an S × S image inside the text, MRoPE's chunked and interleaved mrope_section)
+    positions_vision: tuple = (1, 32, 1280, 16, 80)
+    positions_text: tuple = (1, 4096, 2048, 16, 2, 128, 32, (16, 24, 24), (24, 20, 20))
 
 
 def _self(L, B=4, H=8, D=64):
@@ -55,4 +60,6 @@ FULL = Grid(shapes=(_self(128), _self(512), _self(1024), Shape(4, 8, 256, 1024, 
 QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
              bf16_shape=_self(64, B=1, H=2, D=16), matmul_n=256, repeats=3, budget_s=60.0,
              gqa=(1, 4, 2, 64, 16), decode=(1, 32, 4, 2, 8, 64, 16),
-             long=((1, 1, 16), (256, 512), 256), modern=(1, 2, 256, 16, 64))
+             long=((1, 1, 16), (256, 512), 256), modern=(1, 2, 256, 16, 64),
+             positions_vision=(1, 4, 32, 2, 16),
+             positions_text=(1, 48, 32, 4, 2, 16, 4, (2, 3, 3), (4, 2, 2)))
