@@ -8,10 +8,11 @@ Not wired into the package or the bench; run from the repository root with PYTHO
 
 Per tower and encoding: ``rope q,k`` (the section's rope row: q and k rotated in one program),
 ``gathers`` (golden.specification.positions.rope_cos_sin: cos and sin of every axis from the
-tables), ``mix`` (mix_axes: each pair's axis picked by a one-hot product summed over the axes,
-on the gathered cos and sin) and, for comparison, ``select`` (the same picks by jnp.choose: the
-same values, checked), and whether XLA gave the mix's multiply-reduce to its YNNPACK fusion
-(``__ynn_fusion`` in the compiled HLO). Median and min of 15 steady calls after one, in ms.
+tables), ``mix`` (mix_axes: each pair's axis picked by the JAX twin's chain of selects, on the
+gathered cos and sin; a one-hot product summed over the axes before 2026-11-27's change, when
+XLA gave that multiply-reduce to its slow YNNPACK fusion) and, for comparison, ``select`` (the
+same picks by jnp.choose: the same values, checked), and whether XLA put the mix in a YNNPACK
+fusion (``__ynn_fusion`` in the compiled HLO). Median and min of 15 steady calls after one, in ms.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_attn
+from jax_attn import rotary as jax_rotary
 from golden.bench import FULL, PLAIN, position_encodings
 from golden.specification import positions
 from golden.specification.validate import rope_arguments, rope_settings
@@ -57,8 +59,8 @@ def parts(tower: str, rng) -> None:
         found = {"rope q,k": timed(rope_qk, q, k, p), "gathers": timed(gathers, p)}
         if axes is not None:
             cos_sin = jax.block_until_ready(gathers(p))  # (A, B, 1, L, rd/2) each
-            mix = jax.jit(lambda c, s: [positions.mix_axes(
-                v, axes, lambda a: jnp.asarray(a, jnp.float32)) for v in (c, s)])
+            mix = jax.jit(lambda c, s: [positions.mix_axes(v, axes, jax_rotary._select)
+                                        for v in (c, s)])  # the JAX twin's selects
             select = jax.jit(lambda c, s: [jnp.choose(jnp.broadcast_to(
                 jnp.asarray(axes), v.shape[1:]), list(v), mode="clip") for v in (c, s)])
             assert all(bool(jnp.array_equal(a, b)) for a, b in zip(mix(*cos_sin),

@@ -121,8 +121,17 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
 
 def _mix(values, settings, rd):
     """(..., L, rd/2) of each axis's (A, ..., L, rd/2): pair i from its axis (mix_axes)."""
-    return mix_axes(values, rope_axes(settings, rd),
-                    lambda a: jnp.asarray(a, dtype=values.dtype))
+    return mix_axes(values, rope_axes(settings, rd), _select)
+
+
+def _select(values, index):
+    """values (A, ..., rd/2) at ``index`` (1, ..., rd/2) along the first axis, by a chain of
+    elementwise selects (fused with the rest of the rotation; a gather there, take_along_axis,
+    was slower on XLA's CPU backend than the whole 1-D rotation)."""
+    out = values[:1]
+    for a in range(1, values.shape[0]):
+        out = jnp.where(jnp.asarray(index) == a, values[a:a + 1], out)
+    return out
 
 
 def _dynamic_cos_sin(s, rd, positions):

@@ -17,7 +17,7 @@ What is compared, and at which level (the levels of tests/test_rope_scaling.py):
 - exact mode (float64) against the reference: 1e-12 (the same angles, another order);
 - exact mode against HF's float64 model, whose angles are float32: 1e-6 of |x| at positions
   below 16 (HF's angle p · f in float32 errs by about p · 2⁻²⁴ radians);
-- equal axes against the 1-D RoPE: bit for bit (the mixing multiplies by 1 and adds zeros).
+- equal axes against the 1-D RoPE: bit for bit (the mixing selects each pair's axis).
 
 Shape legend: B batch, H heads, L tokens, Dh head width, rd rotated features.
 """

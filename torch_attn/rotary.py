@@ -92,8 +92,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
 
 def _mix(values, settings, rd):
     """(..., L, rd/2) of each axis's (A, ..., L, rd/2): pair i from its axis (mix_axes)."""
-    return mix_axes(values, rope_axes(settings, rd),
-                    lambda a: torch.as_tensor(a, dtype=values.dtype, device=values.device))
+    return mix_axes(values, rope_axes(settings, rd), lambda v, i: torch.gather(
+        v, 0, torch.from_numpy(i).to(v.device).expand((1,) + tuple(v.shape[1:]))))
 
 
 def _hf_cos_sin(settings, rd, positions, seq_len, device):
