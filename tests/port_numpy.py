@@ -346,7 +346,7 @@ class GroupedQueryAttention(Module):
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
-                 relative_positions=None, *,
+                 relative_positions=None, k_eq_v=False, *,
                  core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
@@ -378,6 +378,8 @@ class GroupedQueryAttention(Module):
         self.rope_theta, self.rope_interleaved, self.dropout = rope_theta, rope_interleaved, dropout
         self.q_proj = Linear(d_in, num_heads * dh, qkv_bias)
         self.k_proj, self.v_proj = (Linear(d_in, num_kv_heads * dh, qkv_bias) for _ in "kv")
+        if k_eq_v:  # Gemma 4's full layers: the values are the key projection's
+            self.v_proj = None
         self.out_proj = Linear(num_heads * dh, d_in if d_out is None else d_out, out_bias)
 
     def __call__(self, x, mask=None, *, query_seq_lengths=None, positions=None,
@@ -387,7 +389,8 @@ class GroupedQueryAttention(Module):
             positions = positions[..., None, :]  # (3, B, 1, L): the same for every head
         elif positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
-        q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.q_proj(x), self.k_proj(x)
+        v = k if self.v_proj is None else self.v_proj(x)
         if self.clip is not None:  # MPT's and OLMo's clip_qkv
             q, k, v = (np.clip(t, -self.clip, self.clip) for t in (q, k, v))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: over all heads, before the split

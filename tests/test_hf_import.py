@@ -85,6 +85,17 @@ FAMILIES = {
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000.0,
                                             "factor": 2.0}}),
         layers=(0, 1), float32="Gemma3RMSNorm"),
+    # Gemma 4: a sliding layer (v_proj, Dh 6) and a full one (K = V, wider heads Dh 8, one KV
+    # head, proportional RoPE turning a quarter of its pairs)
+    "gemma4_text": Family("Gemma4TextConfig", dict(
+        num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention",
+                                                            "full_attention"],
+        attention_k_eq_v=True, global_head_dim=8, num_global_key_value_heads=1,
+        hidden_size_per_layer_input=4, vocab_size_per_layer_input=64,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 1000.0,
+                                            "partial_rotary_factor": 0.25}}),
+        layers=(0, 1), float32="Gemma4RMSNorm"),
     "cohere": Family("CohereConfig", dict(num_hidden_layers=1, use_qk_norm=True),
                      float32="CohereLayerNorm and apply_rotary_pos_emb"),
     "gpt_oss": Family("GptOssConfig", dict(
@@ -129,6 +140,8 @@ DISTINCT = {
     "olmo2": [(0, {"qk_norm": None})],
     "gemma2": [(0, {"softcap": None}), (0, {"scale": None}), (0, {"sliding_window": None})],
     "gemma3_text": [(0, {"qk_norm": None}), (1, {"rope_parameters": {"rope_theta": 1000.0}})],
+    "gemma4_text": [(0, {"v_norm": False}), (1, {"scale": None}),
+                    (1, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
     "cohere": [(0, {"rope_interleaved": False}), (0, {"qk_norm": None})],
     "gpt_oss": [(0, {"sinks": False}), (1, {"rope_parameters": {"rope_theta": 500.0}})],
     "llama4_text": [(0, {"attention_chunk_size": None}), (0, {"qk_norm": None}),

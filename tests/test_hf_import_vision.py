@@ -466,3 +466,29 @@ def test_dinov3_is_refused_with_why():
     with pytest.raises(ValueError, match=r"model_type 'dinov3_vit' is not supported: DINOv3's "
                                          r"RoPE turns each patch by its centre's continuous"):
         golden.convert.from_hf({"model_type": "dinov3_vit"}, {})
+
+
+def test_a_gemma4_shaped_checkpoint_is_checked_tower_by_tower(tmp_path):
+    """Gemma 4 (text tower: a sliding layer and a full one with K = V, wider heads, proportional
+    RoPE; vision tower: axial blocks, QK and V norms), made with save_pretrained: attn-parity hf
+    checks all four layers, every row passing (its audio tower, absent here, is not one of the
+    towers read)."""
+    from golden.verifier import check as hf_check
+    from tests.test_hf_import import FAMILIES as DECODERS
+    from tests.hf_harness import BASE
+    text = {**BASE, **DECODERS["gemma4_text"].kw}
+    vision = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  intermediate_size=32, num_hidden_layers=2, patch_size=PATCH,
+                  pooling_kernel_size=1, position_embedding_size=8, rope_parameters=dict(AXIAL))
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision,
+                                       audio_config=None)
+    transformers.Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path)
+    report = hf_check.run(tmp_path, frameworks=["torch", "jax"], log=lambda row: None)
+    assert {r["fixture"] for r in report["rows"]} == {
+        "layer 0 (sliding_attention)", "layer 1 (full_attention)",
+        "vision layer 0 (attention)", "vision layer 1 (attention)"}
+    assert {r["status"] for r in report["rows"]} <= {"pass", "not supported"}, [
+        (r["fixture"], r["implementation"], r["dtype"], r["reason"]) for r in report["rows"]
+        if r["status"] not in ("pass", "not supported")]
+    assert sum(r["implementation"] == "hf" and r["status"] == "pass"
+               for r in report["rows"]) == 4

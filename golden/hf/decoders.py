@@ -337,6 +337,60 @@ def _ernie4_5_vl_text(c, layer_idx, ours):
                          f"alternates height and width pairs: their sections should be equal)")
 
 
+def _gemma4_layer(c, layer_idx):
+    """Gemma 4's layer ``layer_idx``: its per_layer_config's overrides (the full layers' wider
+    heads and fewer KV heads), whether its values are its keys' (attention_k_eq_v, full layers
+    only), and a layer that reuses an earlier layer's keys and values refused by name."""
+    mt = "gemma4_text"
+    if c.get("use_bidirectional_attention") == "all":
+        raise ValueError(f"model_type {mt!r}: use_bidirectional_attention = 'all' is not "
+                         f"supported (HF's bidirectional Gemma 4 halves its sliding window, "
+                         f"(W // 2) + 1 on each side, which no option of ours says)")
+    count, shared = int(c["num_hidden_layers"]), int(c.get("num_kv_shared_layers") or 0)
+    if shared and layer_idx >= count - shared:
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} reuses the keys and values of "
+                         f"an earlier layer (num_kv_shared_layers = {shared}: the last {shared} "
+                         f"layers have no k_proj or v_proj), which one module does not express")
+    overrides = dict((c.get("per_layer_config") or {}).get(str(layer_idx))
+                     or (c.get("per_layer_config") or {}).get(layer_idx) or {})
+    sliding = _layer_type(c, layer_idx) == "sliding_attention"
+    return overrides, bool(c.get("attention_k_eq_v")) and not sliding
+
+
+def _gemma4_text() -> Family:
+    """Gemma 4's text attention: LLAMA_NAMES' projections (no v_proj on a k_eq_v layer), RMSNorm
+    of q and k with weight and of v without, scale 1, RoPE per layer type (proportional on the
+    full layers), sliding windows on the sliding layers."""
+    mt = "gemma4_text"
+
+    def names(ours):
+        return ({r: n for r, n in LLAMA_NAMES.items() if r != "value"} if ours.get("k_eq_v")
+                else LLAMA_NAMES)
+
+    def settings(c, layer_idx, sd):
+        overrides, k_eq_v = _gemma4_layer(c, layer_idx)
+        ours = _decoder_settings(c, layer_idx, mt=mt)
+        ours.update({n: int(overrides[k]) for n, k in (("head_dim", "head_dim"),
+                                                       ("num_kv_heads", "num_key_value_heads"))
+                     if overrides.get(k) is not None})
+        ours.update(scale=1.0, qk_norm="rms", qk_norm_eps=float(c["rms_norm_eps"]), v_norm=True)
+        if k_eq_v:
+            ours["k_eq_v"] = True
+        ours.update(_bias_flags(sd, names(ours), mt))
+        return ours
+
+    def to_neutral(sd, ours):
+        return {**_linears_to_neutral(sd, names(ours), mt), **_qk_norm_entries(sd, mt)}
+
+    def from_neutral(params, ours):
+        sd = _neutral_to_linears(params, names(ours))
+        sd["q_norm.weight"], sd["k_norm.weight"] = (np.array(params[n])
+                                                    for n in ("q_norm", "k_norm"))
+        return sd
+
+    return Family(GQA, settings, to_neutral, from_neutral)
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -369,6 +423,7 @@ FAMILIES: dict[str, Family] = {
     "gemma2": _llama_like("gemma2", _gemma),
     "gemma3_text": _llama_like("gemma3_text", _gemma3, norms=("q_norm.weight",
                                                                 "k_norm.weight")),
+    "gemma4_text": _gemma4_text(),
     "cohere": _llama_like("cohere", _cohere, norms=("q_norm.weight", "k_norm.weight")),
     "gpt_oss": _llama_like("gpt_oss", _gpt_oss, to_extra=_sinks_in, from_extra=_sinks_out),
     "llama4_text": _llama_like("llama4_text", _llama4),

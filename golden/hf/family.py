@@ -280,8 +280,8 @@ def _bias_flags(sd, names, mt) -> dict:
     """qkv_bias and out_bias from which of q, k, v, o have a bias in the checkpoint (q, k, v
     all or none: one with and one without is not a setting we express here)."""
     has = {role: f"{names[role]}.bias" in sd for role in ROLES if role in names}
-    qkv = {has[r] for r in ("query", "key", "value")}
+    qkv = {has[r] for r in ("query", "key", "value") if r in has}  # no value: Gemma 4's K = V
     if len(qkv) > 1:
         raise ValueError(f"model_type {mt!r}: q, k and v should all have a bias or none, got "
-                         f"{', '.join(f'{names[r]}: {has[r]}' for r in ('query', 'key', 'value'))}")
+                         f"{', '.join(f'{names[r]}: {has[r]}' for r in ROLES[:3] if r in has)}")
     return dict(qkv_bias=qkv.pop(), out_bias=has.get("out", False))

@@ -199,6 +199,9 @@ REFUSED = {
 # text tower's layers.N.self_attn under any prefix: "model." as save_pretrained writes it,
 # "model.language_model." in transformers 5's own layout).
 COMPOSITES: dict[str, dict[str, str]] = {
-    mt: {"text_config": "", "vision_config": "visual."}
-    for mt in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
-               "glm4v", "glm4v_moe")}
+    **{mt: {"text_config": "", "vision_config": "visual."}
+       for mt in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+                  "glm4v", "glm4v_moe")},
+    # Gemma 4: its audio tower (audio_config) is not read (its attention is not converted)
+    "gemma4": {"text_config": "language_model.", "vision_config": "vision_tower."},
+}

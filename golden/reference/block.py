@@ -74,12 +74,15 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
     ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
+    without W_value (k_eq_v, Gemma 4's full layers) the values are the key projection's heads,
+    before the stages;
     ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
     p = {n: real(a) for n, a in p.items()}
     heads = {"query": num_heads, "key": kv_heads or num_heads, "value": kv_heads or num_heads}
+    value_from = (x_v, "value") if "W_value" in p else (x_k, "key")  # Gemma 4's K = V
     q, k, v = (split_heads(linear(x, p[f"W_{n}"], p.get(f"b_{n}")), heads[n])
-               for x, n in ((x_q, "query"), (x_k, "key"), (x_v, "value")))
+               for x, n in ((x_q, "query"), (x_k, "key"), value_from))
     inside = None
     if clip is not None:  # the derivative is 1 inside [−c, c] (ends included, as torch's), else 0
         c = number(clip)
@@ -142,7 +145,12 @@ def block_backward(saved, d_y, d_weights):
         grads.update(g_params)
     for i, n in enumerate(("query", "key", "value") if saved.get("inside") else ()):
         g[n] = np.where(saved["inside"][i], g[n], number(0))
-    for x, n in zip(saved["x"], ("query", "key", "value")):
+    roles = ("query", "key", "value")
+    if "W_value" not in p:  # the values are the key projection's: its gradient the sum of both
+        g["key"] = g["key"] + g.pop("value")
+        grads["x_value"] = np.zeros_like(saved["x"][2])
+        roles = ("query", "key")
+    for x, n in zip(saved["x"], roles):
         grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
                                           (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
     if g_gate is not None:

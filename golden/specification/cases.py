@@ -455,6 +455,18 @@ CASES += [
           "scale": 0.4, "relative_positions": "transformer_xl"}),
 ]
 
+# Gemma 4's full-attention layers (issues 41-42): no value projection (k_eq_v: the values are
+# the key projection's heads, RMS-normalised without weight, v_norm), QK norms with weight,
+# scale 1, proportional RoPE with a quarter of the pairs turning; and a sliding layer's options.
+CASES += [
+    Case("gqa_gemma4_full_k_eq_v", GQA, 449,
+         {"x": ("normal", (2, 9, 5)), "query_seq_lengths": _ints([9, 6])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "d_out": 5,
+          "qk_norm": "rms", "v_norm": True, "k_eq_v": True, "scale": 1.0,
+          "rope_parameters": {"rope_type": "proportional", "rope_theta": 100.0,
+                              "partial_rotary_factor": 0.25}}),
+]
+
 # MultiHeadCrossAttention (issue 24): queries from x, keys and values from a context of another
 # length and width; Whisper's encoder_attn (no bias on k_proj), T5's (no biases, scale 1),
 # multi-query, padded contexts (context_lengths) and a row with no context at all.

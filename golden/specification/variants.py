@@ -323,6 +323,9 @@ def _grouped_query_shapes(c):
         shapes.update({"b_query": (h * dh,), "b_key": (hkv * dh,), "b_value": (hkv * dh,)})
         if c["output_gate"]:
             shapes["b_gate"] = (h * dh,)
+    if c["k_eq_v"]:  # Gemma 4's full layers: no value projection, V is the key's
+        shapes.pop("W_value")
+        shapes.pop("b_value", None)
     if c["out_bias"]:
         shapes["b_out"] = (d_out,)
     if c["qk_norm"] is not None and QK_NORMS[c["qk_norm"]][0](h, dh) is not None:
@@ -580,6 +583,7 @@ _VARIANTS = [
              Arg("relative_attention_num_buckets", _positive_or_none, None),
              Arg("relative_attention_max_distance", _positive, 128),
              Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False),
+             Arg("k_eq_v", _flag, False),
              Arg("relative_positions", _relative_positions, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},

@@ -326,7 +326,9 @@ def describe(layer) -> str:
     parts += [f"{name} {c[name]}" for name in ("sliding_window", "attention_chunk_size",
                                                 "softcap", "qk_norm", "clip_qkv")
               if c.get(name) is not None]
-    parts += [name for name in ("sinks", "output_gate") if c.get(name)]
+    parts += [name for name in ("sinks", "output_gate", "v_norm", "k_eq_v") if c.get(name)]
+    if c.get("relative_positions"):
+        parts.append(f"relative positions ({c['relative_positions']})")
     if c.get("query_temperature"):
         parts.append("query temperature")
     return "; ".join(p for p in parts if p)

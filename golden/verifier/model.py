@@ -107,7 +107,8 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 
 def layer_only(config, layer_idx):
     """The config as layer ``layer_idx`` sees it: its entries of layer_types and
-    no_rope_layers, whether it is one of Qwen2.5-VL's full layers; no DeepStack outputs."""
+    no_rope_layers, whether it is one of Qwen2.5-VL's full layers, its per_layer_config (Gemma
+    4); no DeepStack outputs."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers"):
         if isinstance(c.get(key), list):
@@ -116,6 +117,11 @@ def layer_only(config, layer_idx):
         c["fullatt_block_indexes"] = [0] if layer_idx in c["fullatt_block_indexes"] else []
     if isinstance(c.get("deepstack_visual_indexes"), list):  # Qwen3-VL's, past the one layer
         c["deepstack_visual_indexes"] = []
+    if isinstance(c.get("per_layer_config"), dict):  # Gemma 4's overrides, as layer 0's
+        layer = c["per_layer_config"].get(str(layer_idx), c["per_layer_config"].get(layer_idx))
+        c["per_layer_config"] = {} if layer is None else {"0": layer}
+        if c.get("layer_types") == ["sliding_attention"]:  # HF makes a last layer full: a
+            c["layer_types"] = ["sliding_attention", "full_attention"]  # second, never run
     return c
 
 
@@ -131,9 +137,10 @@ def _one_layer_config(config):
     c = {k: v for k, v in c.items() if v is not None or k in ("pad_token_id",)}
     model_type = c.pop("model_type")
     names = getattr(transformers.CONFIG_MAPPING[model_type], "attribute_map", {})
+    layers = len(c["layer_types"]) if isinstance(c.get("layer_types"), list) else 1
     for count in LAYER_COUNTS:
         if count in c or count == "num_hidden_layers":
-            c[names.get(count, count)] = 1  # GPT-2's n_layer, ...
+            c[names.get(count, count)] = layers  # GPT-2's n_layer, ... (1, or layer_only's)
     c[names.get("vocab_size", "vocab_size")] = VOCAB
     return transformers.AutoConfig.for_model(model_type, **c)
 

@@ -66,7 +66,7 @@ class GroupedQueryAttention(_Variant):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, k_eq_v=False,
                  relative_positions=None, *, rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -81,7 +81,7 @@ class GroupedQueryAttention(_Variant):
                         alibi=alibi, alibi_bias_max=alibi_bias_max,
                         relative_attention_num_buckets=relative_attention_num_buckets,
                         relative_attention_max_distance=relative_attention_max_distance,
-                        clip_qkv=clip_qkv, v_norm=v_norm,
+                        clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
                         relative_positions=relative_positions)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
@@ -103,7 +103,8 @@ class GroupedQueryAttention(_Variant):
         width, kv_width = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.W_query = _linear(d_in, width, qkv_bias, rngs, precision)
         self.W_key = _linear(d_in, kv_width, qkv_bias, rngs, precision)
-        self.W_value = _linear(d_in, kv_width, qkv_bias, rngs, precision)
+        self.W_value = (None if k_eq_v  # k_eq_v (Gemma 4): V is K's projection
+                        else _linear(d_in, kv_width, qkv_bias, rngs, precision))
         self.W_gate = _linear(d_in, width, qkv_bias, rngs, precision) if output_gate else None
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
         self.W_pos = (_linear(d_in, width, False, rngs, precision) if relative_positions
@@ -159,7 +160,8 @@ class GroupedQueryAttention(_Variant):
                              temperature=self.query_temperature is not None)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
-        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
+        q, k = (self._clip(p(x)) for p in (self.W_query, self.W_key))
+        v = k if self.W_value is None else self._clip(self.W_value(x))  # k_eq_v: K's projection
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)

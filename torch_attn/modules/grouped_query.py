@@ -53,7 +53,9 @@ class GroupedQueryAttention(nn.Module):
     ``relative_attention_num_buckets`` (a learned bias per bucket of key − query distance,
     ``relative_attention_max_distance``); ``clip_qkv`` c (MPT, OLMo: q, k and v clamped to [−c, c]
     after their projections); ``v_norm`` (Gemma 4: each value head v / √(mean(v²) + ε), no
-    weight, ε = ``qk_norm_eps``; the cache holds the normed values);
+    weight, ε = ``qk_norm_eps``; the cache holds the normed values); ``k_eq_v`` (Gemma 4's full
+    layers: no value projection, the values are the key projection's heads, before k's norm and
+    RoPE: with ``v_norm``, V = the weightless norm of x W_key);
     ``relative_positions="transformer_xl"`` (Transformer-XL's, as NVIDIA's FastConformer
     encoders have it: Parakeet, Canary; learned bias_u and bias_v (N, Dh) and W_pos (d_in,
     N·Dh), scores scale · ((q_i + u)·k_j + (q_i + v)·r(j − p)), r(d) the head's slice of W_pos
@@ -79,7 +81,7 @@ class GroupedQueryAttention(nn.Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
+                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, k_eq_v=False,
                  relative_positions=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
@@ -96,7 +98,7 @@ class GroupedQueryAttention(nn.Module):
                               alibi_bias_max=alibi_bias_max,
                               relative_attention_num_buckets=relative_attention_num_buckets,
                               relative_attention_max_distance=relative_attention_max_distance,
-                              clip_qkv=clip_qkv, v_norm=v_norm,
+                              clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
                               relative_positions=relative_positions)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
@@ -114,7 +116,8 @@ class GroupedQueryAttention(nn.Module):
         width = num_heads * self.head_dim
         self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.W_value = None if k_eq_v else nn.Linear(  # k_eq_v (Gemma 4): V is K's projection
+            d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.W_gate = nn.Linear(d_in, width, bias=qkv_bias) if output_gate else None
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
         self.W_pos = nn.Linear(d_in, width, bias=False) if relative_positions else None
@@ -152,7 +155,8 @@ class GroupedQueryAttention(nn.Module):
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
                        cache.key.shape[2], x.shape[-2])
-        q, k, v = (self._clip(p(x)) for p in (self.W_query, self.W_key, self.W_value))
+        q, k = (self._clip(p(x)) for p in (self.W_query, self.W_key))
+        v = k if self.W_value is None else self._clip(self.W_value(x))  # k_eq_v: K's projection
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
