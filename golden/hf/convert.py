@@ -40,7 +40,7 @@ COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSI
 # ---- the family lookup --------------------------------------------------------------------------
 
 def _family(mt) -> Family:
-    refused = {**decoders.REFUSED, **vision.REFUSED}
+    refused = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED}
     if mt in refused:
         raise ValueError(f"model_type {mt!r} is not supported: {refused[mt]}")
     if mt not in FAMILIES:
