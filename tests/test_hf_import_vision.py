@@ -404,7 +404,8 @@ def _vl_config(mt):
     return config, getattr(transformers, f"{prefix}ForConditionalGeneration")
 
 
-VL = tuple(COMPOSITES_VL)  # every vision-language composite attn-parity hf reads
+# every vision-language composite attn-parity hf reads (Gemma 4's: its own test below)
+VL = tuple(mt for mt in COMPOSITES_VL if mt != "gemma4")
 
 
 @pytest.mark.parametrize("mt", VL if WHOLE else ("qwen2_5_vl", "qwen3_vl"))
