@@ -499,3 +499,35 @@ def test_hunyuan_vl_is_refused_with_why():
                                          r"HunYuan-VL's attention normalises q and k .* after "
                                          r"RoPE.*XD-RoPE"):
         golden.convert.from_hf({"model_type": "hunyuan_vl_text"}, {})
+
+
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_module_positions_past_the_calls_tokens_equal_the_reference(twin):
+    """A video's temporal positions pass the call's length: the module's tables reach the
+    largest position (read on the host), and under jax.jit with traced positions the call's
+    max_position does; the output equals the reference's. Before, torch raised an IndexError
+    and JAX gave NaN."""
+    from golden import reference
+    rng, seed = fresh_rng()
+    config = dict(d_in=8, num_heads=2, num_kv_heads=1, head_dim=8,
+                  rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                                   "mrope_section": [2, 1, 1]})
+    x = rng.standard_normal((2, 5, 8))
+    positions = np.array([[[0, 1, 300, 300, 302], [0, 1, 2, 3, 4]]] * 2
+                         + [[[0, 1, 600, 601, 700], [0, 1, 2, 3, 4]]])  # (3, B, L)
+    t = TWINS[twin]
+    import torch_attn
+    source = torch_attn.GroupedQueryAttention(**config).double()
+    params = torch_attn.export_params(source)
+    forward, _ = reference.VARIANTS["grouped_query_attention"]
+    expected, _, _ = forward(dict(source.config), {"x": x, "positions": positions}, params)
+    with t.float64():
+        module = t.build("grouped_query_attention", source.config, params)
+        out = t.numpy(module(t.array(x), positions=t.array(positions)))
+        assert rel(out, expected) < EXACT, seed
+        if twin == "jax":
+            traced = jax.jit(lambda a, p: module(a, positions=p, max_position=701))
+            out = t.numpy(traced(t.array(x), t.array(positions)))
+            assert rel(out, expected) < EXACT, seed
+    with pytest.raises(ValueError, match="max_position"):
+        module(t.array(x), positions=t.array(positions), max_position=0)

@@ -17,14 +17,15 @@ from golden.specification.decoder import (
     alibi_slopes, bucket_table, qk_normalize, sinusoid_table, temperature, weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
-from golden.specification.positions import KVCache, check_fits
+from golden.specification.positions import ROPE_BLOCK, KVCache, check_fits
 from golden.specification.validate import (
-    cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_axis_count,
+    cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
+    rope_axis_count,
     rope_settings,
 )
 from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
-from jax_attn.modules.base import _linear, _merge_heads, _Variant, compiled_call
+from jax_attn.modules.base import _linear, _merge_heads, _Variant
 from jax_attn.rotary import rotary_embedding
 
 
@@ -127,13 +128,19 @@ class GroupedQueryAttention(_Variant):
                        jnp.zeros((batch_size,), jnp.int32))
 
     def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-                 dropout_mask=None, return_weights=False, strict=False):
+                 dropout_mask=None, return_weights=False, strict=False, max_position=None):
         check_flags(strict=strict)
+        check_positive_or_none("max_position", max_position)
         if strict and cache is not None:
             self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask)
+        if max_position is None and positions is not None and not isinstance(
+                positions, jax.core.Tracer):  # the positions' own reach, read on the host
+            max_position = int(np.max(np.asarray(positions))) + 1
+        if max_position is not None:  # whole blocks of the tables: one program per block count
+            max_position = -(-int(max_position) // ROPE_BLOCK) * ROPE_BLOCK
         return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
                           positions=positions, dropout_mask=dropout_mask,
-                          return_weights=return_weights)
+                          return_weights=return_weights, max_position=max_position)
 
     def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask):
         """strict=True: the lengths read on the host (as torch does), ValueError when the call's
@@ -149,9 +156,9 @@ class GroupedQueryAttention(_Variant):
                              "strict=False (tokens that do not fit are then dropped)")
         check_fits(np.asarray(cache.lengths), np.asarray(new), cache.key.shape[2], x.shape[-2])
 
-    @compiled_call
+    @nnx.jit(graph=False, static_argnames=("return_weights", "max_position"))
     def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-              dropout_mask=None, return_weights=False):
+              dropout_mask=None, return_weights=False, max_position=None):
         rate = self._rate()
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
@@ -176,6 +183,7 @@ class GroupedQueryAttention(_Variant):
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
+            bound = max(bound, max_position or 0)  # positions past the call's tokens (video)
             q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
                                      positions=positions, max_position=bound,
                                      **rope_arguments(self.rotary)) for t in (q, k))

@@ -19,7 +19,8 @@ from golden.specification.decoder import (
 )
 from golden.specification.positions import KVCache, check_fits, distance_index
 from golden.specification.validate import (
-    cache_shape, check_decoder_inputs, check_flags, rope_arguments, rope_axis_count,
+    cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
+    rope_axis_count,
     rope_settings,
 )
 from torch_attn.explicit import LOW_PRECISION
@@ -141,7 +142,7 @@ class GroupedQueryAttention(nn.Module):
                        torch.zeros(batch_size, dtype=torch.int32, device=device))
 
     def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-                dropout_mask=None, return_weights=False, strict=False):
+                dropout_mask=None, return_weights=False, strict=False, max_position=None):
         rate = _dropout_rate(self)
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
@@ -151,6 +152,7 @@ class GroupedQueryAttention(nn.Module):
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         check_flags(strict=strict)
+        check_positive_or_none("max_position", max_position)
         if strict and cache is not None:  # reads the lengths: a device sync
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
@@ -171,6 +173,9 @@ class GroupedQueryAttention(nn.Module):
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
+            if positions is not None:  # positions past the call's tokens (video): a host read
+                bound = max(bound, int(positions.max()) + 1)
+            bound = max(bound, max_position or 0)
             q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
                                      positions=positions, max_position=bound,
                                      **rope_arguments(self.rotary)) for t in (q, k))
