@@ -70,7 +70,9 @@ class GroupedQueryAttention(nn.Module):
     max_length are dropped, as in jax_attn: they are not written nor counted, and their output
     rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True`` raises
     ValueError instead (golden.specification.positions.check_fits; it reads the lengths: a device
-    sync).
+    sync). Explicit ``positions`` may reach past the call's tokens (a video's multimodal
+    positions): RoPE's tables then reach their largest + 1 (read on the host: a device sync), or
+    ``max_position`` when larger.
     """
 
     variant = "grouped_query_attention"
