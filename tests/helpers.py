@@ -329,3 +329,21 @@ def fixture_share(names) -> list:
                 for f in map(golden.load, names)]
     keep = covering(features)
     return [n for i, n in enumerate(names) if i in keep]
+
+
+def long_blockwise_against_torch(config, length=1100, variant="grouped_query_attention"):
+    """A module of ``config`` on one row of ``length`` tokens (past 1024: JAX's core takes
+    "blockwise"), random parameters, float64: (JAX's output, torch's output, the JAX
+    implementations that ran, the seed)."""
+    from golden.specification.implementations import record
+    torch_twin, jax_twin = TWINS["torch"], TWINS["jax"]
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((1, length, config["d_in"]))
+    with torch_twin.float64():
+        made = torch_twin.make(variant, config)
+        params = {n: rng.standard_normal(np.shape(a)) for n, a in torch_twin.export(made).items()}
+        expected = torch_twin.numpy(torch_twin.build(variant, config, params)(torch_twin.array(x)))
+    with jax_twin.float64(), record() as ran:
+        out = jax_twin.numpy(jax_twin.build(variant, config, params)(jax_twin.array(x)))
+    return out, expected, ran, seed
+

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from golden.specification.decoder import alibi_slopes
-from tests.helpers import TWINS, fresh_rng
+from tests.helpers import TWINS, fresh_rng, long_blockwise_against_torch
 from torch_attn.params import export_grads
 
 transformers = pytest.importorskip("transformers")
@@ -277,17 +277,7 @@ def test_a_long_sequence_runs_blockwise_and_equals_torch(bias):
     # L = 1100 > 1024: the JAX core takes "blockwise", which gathers the position bias per block
     # from a (N, 2S + 1) table (the core's distance_bias), never an (N, L, L) array; torch adds
     # the bias it forms. Float64, output at 1e-12.
-    from golden.specification.implementations import record
-    torch_twin, jax_twin = TWINS["torch"], TWINS["jax"]
-    rng, seed = fresh_rng()
-    config = dict(d_in=5, num_heads=3, num_kv_heads=1, head_dim=4, d_out=2, **bias)
-    length = 1100
-    x = rng.standard_normal((1, length, 5))
-    with torch_twin.float64():
-        made = torch_twin.make(GQA, config)
-        params = {n: rng.standard_normal(np.shape(a)) for n, a in torch_twin.export(made).items()}
-        expected = torch_twin.numpy(torch_twin.build(GQA, config, params)(torch_twin.array(x)))
-    with jax_twin.float64(), record() as ran:
-        out = jax_twin.numpy(jax_twin.build(GQA, config, params)(jax_twin.array(x)))
+    out, expected, ran, seed = long_blockwise_against_torch(
+        dict(d_in=5, num_heads=3, num_kv_heads=1, head_dim=4, d_out=2, **bias))
     assert ("jax", "blockwise") in ran
     assert np.abs(out - expected).max() <= EXACT, f"seed {seed}"

@@ -335,6 +335,13 @@ FAMILIES = {**QWEN_TOWERS, "pixtral": _pixtral, "llama4_vision_model": _llama4,
             "gemma4_vision": _gemma4}
 
 
+def _assert_every_row_passes(report):
+    """Every row of an attn-parity hf report passes or is not supported, the others named."""
+    bad = [(r["fixture"], r["implementation"], r["dtype"], r["reason"])
+           for r in report["rows"] if r["status"] not in ("pass", "not supported")]
+    assert not bad, bad
+
+
 def _tower_checkpoint(mt, directory):
     """A tiny checkpoint of Pixtral's, Llama 4's or Gemma 4's vision tower alone (the sizes of
     the layer tests above, two layers), written by save_pretrained."""
@@ -371,9 +378,7 @@ def test_a_vision_towers_checkpoint_is_checked(mt, tmp_path):
                           log=lambda row: None)
     assert {r["fixture"] for r in report["rows"]} == {
         "vision layer 0 (attention)", "vision layer 1 (attention)"}
-    assert {r["status"] for r in report["rows"]} <= {"pass", "not supported"}, [
-        (r["fixture"], r["implementation"], r["dtype"], r["reason"]) for r in report["rows"]
-        if r["status"] not in ("pass", "not supported")]
+    _assert_every_row_passes(report)
     assert sum(r["implementation"] == "hf" and r["status"] == "pass"
                for r in report["rows"]) == 2
 
@@ -422,9 +427,7 @@ def test_a_vision_language_checkpoint_is_checked_tower_by_tower(mt, tmp_path):
     assert {n for n in names if n.startswith("vision layer")} == {
         "vision layer 0 (attention)", "vision layer 1 (attention)"}, names
     assert len(names) >= 3, names  # and the text tower's attention layers
-    assert {r["status"] for r in report["rows"]} <= {"pass", "not supported"}, [
-        (r["fixture"], r["implementation"], r["dtype"], r["reason"]) for r in report["rows"]
-        if r["status"] not in ("pass", "not supported")]
+    _assert_every_row_passes(report)
     assert any("hf" == r["implementation"] and r["status"] == "pass" and
                r["fixture"].startswith("vision") for r in report["rows"])
 
@@ -488,8 +491,6 @@ def test_a_gemma4_shaped_checkpoint_is_checked_tower_by_tower(tmp_path):
     assert {r["fixture"] for r in report["rows"]} == {
         "layer 0 (sliding_attention)", "layer 1 (full_attention)",
         "vision layer 0 (attention)", "vision layer 1 (attention)"}
-    assert {r["status"] for r in report["rows"]} <= {"pass", "not supported"}, [
-        (r["fixture"], r["implementation"], r["dtype"], r["reason"]) for r in report["rows"]
-        if r["status"] not in ("pass", "not supported")]
+    _assert_every_row_passes(report)
     assert sum(r["implementation"] == "hf" and r["status"] == "pass"
                for r in report["rows"]) == 4

@@ -30,7 +30,7 @@ import torch
 import jax_attn
 from golden.specification.decoder import sinusoid_table
 from golden.specification.positions import distance_index
-from tests.helpers import JAX, TWINS, fresh_rng
+from tests.helpers import JAX, TWINS, fresh_rng, long_blockwise_against_torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -197,19 +197,9 @@ def test_left_padded_row_equals_the_sequence_alone(framework):
 def test_a_long_sequence_runs_blockwise_and_equals_torch():
     # L = 1100 > 1024: the JAX core takes "blockwise", which forms the position term block by
     # block (distance_query, distance_keys); torch forms the (N, L, L) bias. Float64, 1e-12.
-    from golden.specification.implementations import record
-    torch_twin, jax_twin = TWINS["torch"], TWINS["jax"]
-    rng, seed = fresh_rng()
-    config = dict(d_in=4, num_heads=3, num_kv_heads=1, head_dim=2, d_out=2, causal=False,
-                  relative_positions=XL)
-    length = 1100
-    x = rng.standard_normal((1, length, 4))
-    with torch_twin.float64():
-        made = torch_twin.make(GQA, config)
-        params = {n: rng.standard_normal(np.shape(a)) for n, a in torch_twin.export(made).items()}
-        expected = torch_twin.numpy(torch_twin.build(GQA, config, params)(torch_twin.array(x)))
-    with jax_twin.float64(), record() as ran:
-        out = jax_twin.numpy(jax_twin.build(GQA, config, params)(jax_twin.array(x)))
+    out, expected, ran, seed = long_blockwise_against_torch(
+        dict(d_in=4, num_heads=3, num_kv_heads=1, head_dim=2, d_out=2, causal=False,
+             relative_positions=XL))
     assert ("jax", "blockwise") in ran
     assert np.abs(out - expected).max() <= EXACT * np.abs(expected).max(), f"seed {seed}"
 

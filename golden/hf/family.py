@@ -243,8 +243,14 @@ def _decoder_settings(c, layer_idx, *, mt, sd_names=LLAMA_NAMES) -> dict:
         window is not None and c.get("use_sliding_window", True))
     if sliding and window is not None:
         ours["sliding_window"] = int(window)
-    if c.get("attention_dropout"):
-        ours["dropout"] = float(c["attention_dropout"])
+    return _dropout(c, ours)
+
+
+def _dropout(c, ours, name="attention_dropout"):
+    """``ours`` with HF's dropout of the attention weights (the config field ``name``) as our
+    ``dropout`` where it is not zero."""
+    if c.get(name):
+        ours["dropout"] = float(c[name])
     return ours
 
 

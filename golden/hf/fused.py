@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import GQA, Family, Stack, _decoder_settings, _heads, _read, _rope
+from golden.hf.family import (GQA, Family, Stack, _decoder_settings, _dropout, _heads, _read,
+                              _rope)
 
 
 def _fused_rows(layout, n, nkv, dh) -> tuple:
@@ -90,12 +91,6 @@ def _fused_family(mt, settings, layout, fused, out, *, conv1d=False, **family) -
         return sd
 
     return Family(GQA, our_settings, to_neutral, from_neutral, **family)
-
-
-def _dropout(c, ours, name="attention_dropout"):
-    if c.get(name):
-        ours["dropout"] = float(c[name])
-    return ours
 
 
 def _phi3(c, layer_idx):

@@ -27,8 +27,8 @@ Shape legend: D (= d_in) the encoder's width, N heads, Dh head width.
 
 from __future__ import annotations
 
-from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _linears_to_neutral,
-                              _neutral_to_linears, _read, _sizes)
+from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _dropout,
+                              _linears_to_neutral, _neutral_to_linears, _read, _sizes)
 from golden.specification.mapping import _numpy
 
 NAMES = {**LLAMA_NAMES, "pos": "relative_k_proj"}
@@ -50,9 +50,7 @@ def _settings(mt):
                              f"it so), got {ours['num_kv_heads']}")
         ours.update(_bias_flags(sd, LLAMA_NAMES, mt), causal=False,
                     relative_positions="transformer_xl")
-        if c.get("attention_dropout"):
-            ours["dropout"] = float(c["attention_dropout"])
-        return ours
+        return _dropout(c, ours)
     return settings
 
 

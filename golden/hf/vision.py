@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _linears_to_neutral,
-                              _neutral_to_linears, _read)
+from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _dropout,
+                              _linears_to_neutral, _neutral_to_linears, _read)
 from golden.hf.fused import _fused_family
 
 QWEN_SEPARATE = {"query": "q", "key": "k", "value": "v", "out": "proj"}
@@ -68,9 +68,7 @@ def _qwen_settings(mt, width):
     def settings(c, layer_idx):
         ours = _sizes(c, mt, width, "num_heads")
         ours["rope_parameters"] = _axial_rope(c, mt)
-        if c.get("attention_dropout"):
-            ours["dropout"] = float(c["attention_dropout"])
-        return ours
+        return _dropout(c, ours)
     return settings
 
 
@@ -98,18 +96,14 @@ def _separate(mt, names, settings, stacks, **family) -> Family:
 def _pixtral(c, layer_idx):
     ours = _sizes(c, "pixtral", "hidden_size", "num_attention_heads")  # HF: D / N, always
     ours["rope_parameters"] = _axial_rope(c, "pixtral", axial_frequencies="split")
-    if c.get("attention_dropout"):
-        ours["dropout"] = float(c["attention_dropout"])
-    return ours
+    return _dropout(c, ours)
 
 
 def _llama4_vision(c, layer_idx):
     ours = _sizes(c, "llama4_vision_model", "hidden_size", "num_attention_heads")
     ours["rope_parameters"] = _axial_rope(c, "llama4_vision_model")
     ours["rope_interleaved"] = True  # HF's complex product on (2i, 2i + 1)
-    if c.get("attention_dropout"):
-        ours["dropout"] = float(c["attention_dropout"])
-    return ours
+    return _dropout(c, ours)
 
 
 GEMMA4_NAMES = {"query": "q_proj.linear", "key": "k_proj.linear", "value": "v_proj.linear",
@@ -129,9 +123,7 @@ def _gemma4_vision(c, layer_idx):
                 causal=False, scale=1.0, qk_norm="rms",
                 qk_norm_eps=float(c.get("rms_norm_eps", 1e-6)), v_norm=True,
                 rope_parameters=_axial_rope(c, mt, axial_pairs="blocks"))
-    if c.get("attention_dropout"):
-        ours["dropout"] = float(c["attention_dropout"])
-    return ours
+    return _dropout(c, ours)
 
 
 def _gemma4_vision_family() -> Family:
