@@ -345,7 +345,8 @@ class GroupedQueryAttention(Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
+                 relative_attention_max_distance=128, relative_attention_buckets="t5",
+                 clip_qkv=None, v_norm=False,
                  relative_positions=None, k_eq_v=False, *,
                  core=None):
         super().__init__(core)
@@ -358,7 +359,7 @@ class GroupedQueryAttention(Module):
         if alibi == "falcon":  # Falcon: ALiBi added before the scale
             self.slopes = self.slopes * (dh ** -0.5 if scale is None else scale)
         self.buckets = (not causal, relative_attention_num_buckets,
-                        relative_attention_max_distance)
+                        relative_attention_max_distance, relative_attention_buckets)
         self.relative_attention_bias = (None if relative_attention_num_buckets is None else
                                         np.zeros((relative_attention_num_buckets, num_heads)))
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature

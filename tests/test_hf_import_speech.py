@@ -213,8 +213,7 @@ def test_a_speech_checkpoint_is_refused_by_attn_parity_hf_with_why(tmp_path):
         read_config(tmp_path)
 
 
-@pytest.mark.parametrize("mt", ["gemma3n_audio", "gemma4_audio", "granite_speech_encoder",
-                                "phi4_multimodal_audio"])
+@pytest.mark.parametrize("mt", ["gemma3n_audio", "gemma4_audio", "granite_speech_encoder"])
 def test_the_speech_encoders_not_expressed_yet_are_refused_with_why(mt):
     with pytest.raises(ValueError, match=rf"model_type '{mt}' is not supported: its attention"):
         golden.convert.from_hf({"model_type": mt}, {})

@@ -119,6 +119,20 @@ def test_module_matches_t5_attention(framework, setting):
     (dict(relative_attention_num_buckets=8, alibi="bloom"),
      r"alibi should be None with relative_attention_num_buckets \(one position bias\), "
      r"got 'bloom'"),
+    (dict(relative_attention_num_buckets=8, relative_attention_buckets="clip"),
+     r"relative_attention_buckets should be one of 't5', 'clipped', 'clipped_symmetric', got "
+     r"'clip'"),
+    (dict(relative_attention_buckets="clipped"),
+     r"relative_attention_buckets should be 't5' \(its default\) unless "
+     r"relative_attention_num_buckets is set, got 'clipped'"),
+    (dict(relative_attention_num_buckets=8, relative_attention_max_distance=3,
+          relative_attention_buckets="clipped"),
+     r"relative_attention_num_buckets should be 6 with relative_attention_buckets='clipped' "
+     r"\(relative_attention_max_distance 3: one bucket per clipped distance\), got 8"),
+    (dict(relative_attention_num_buckets=6, relative_attention_max_distance=3,
+          relative_attention_buckets="clipped_symmetric"),
+     r"relative_attention_num_buckets should be 3 with relative_attention_buckets="
+     r"'clipped_symmetric'"),
 ])
 @pytest.mark.parametrize("framework", list(TWINS))
 def test_bad_bucket_settings(framework, change, message):

@@ -10,6 +10,8 @@
                                   ``chunked_limited`` mask (chunks of lookahead + 1 frames, the
                                   sliding_window − 1 frames before) is the model's, per call
                                   (``num_lookahead_tokens``): the caller's mask, not a setting
+  phi4_multimodal_audio           Phi-4-multimodal's audio encoder (audio_config of
+                                  phi4_multimodal): not Transformer-XL's, see below
 
 The layer: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (biases as attention_bias says),
 ``relative_k_proj`` (no bias) our W_pos, ``bias_u`` and ``bias_v`` (N, Dh) ours; multi-head
@@ -21,6 +23,19 @@ table itself (golden.specification.decoder.sinusoid_table), in float64.
 HF's float32 steps: that table (ω, the angles t·ω, sin and cos in float32, cast to the model's
 dtype: about 2⁻²⁴ (2 + 3|t|) at distance t), and the eager softmax (float32, as Llama's; sdpa is
 the model's dtype). Against a float64 model the level is float32's.
+
+Phi-4-multimodal's audio attention (Phi4MultimodalAudioAttention, layers ``encoders.N.self_attn``):
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, all with biases, multi-head, Dh = hidden_size / N,
+scale Dh^−1/2, bidirectional, dropout_rate our dropout; plus a learned bias per clipped key −
+query distance, the encoder's (``relative_attention_bias_layer.bias_values.weight``, (2M, N), or
+(M, N) when bias_symmetric; M = bias_max_distance), one table for every layer: our
+``relative_attention_num_buckets`` table with ``relative_attention_buckets`` "clipped" (or
+"clipped_symmetric"). from_hf takes a layer's state dict with the encoder's table put in under
+that name (as T5's layers after the first). HF's encoder passes its layers ``hs_mask + bias``
+with ``hs_mask`` boolean, so a position its streaming or padding mask blocks gets +0 and an
+allowed one +1 rather than −∞: no row of the full (unchunked, chunk_size −1) mask is changed by
+that (softmax ignores a constant), but a padded or chunked one is not blocked by HF's model; our
+module blocks what the caller's mask blocks. Its eager softmax is float32; nothing else is.
 
 Shape legend: D (= d_in) the encoder's width, N heads, Dh head width.
 """
@@ -74,8 +89,48 @@ def _encoder(mt) -> Family:
                   unverified=UNVERIFIED)
 
 
-FAMILIES: dict[str, Family] = {mt: _encoder(mt) for mt in (
-    "parakeet_encoder", "nemotron_asr_streaming_encoder")}
+PHI4_TABLE = "relative_attention_bias_layer.bias_values.weight"
+PHI4 = "phi4_multimodal_audio"
+
+
+def _phi4_settings(c, layer_idx, sd):
+    n, d = int(c["num_attention_heads"]), int(c["hidden_size"])
+    far, symmetric = int(c["bias_max_distance"]), bool(c.get("bias_symmetric"))
+    if PHI4_TABLE not in sd:
+        raise ValueError(f"model_type {PHI4!r}: the state dict has no {PHI4_TABLE!r}: the encoder "
+                         f"holds one table of position biases for all its layers; put it into "
+                         f"layer {layer_idx}'s state dict under that name")
+    ours = dict(d_in=d, num_heads=n, num_kv_heads=n, head_dim=int(c.get("head_dim") or d // n),
+                causal=False,
+                relative_attention_num_buckets=far if symmetric else 2 * far,
+                relative_attention_max_distance=far,
+                relative_attention_buckets="clipped_symmetric" if symmetric else "clipped",
+                **_bias_flags(sd, LLAMA_NAMES, PHI4))
+    return _dropout(c, ours, "dropout_rate")
+
+
+def _phi4_to_neutral(sd, ours):
+    params = _linears_to_neutral(sd, LLAMA_NAMES, PHI4)
+    params["relative_attention_bias"] = _read(sd, PHI4_TABLE, PHI4)
+    return params
+
+
+def _phi4_from_neutral(params, ours):
+    sd = _neutral_to_linears({n: a for n, a in params.items()
+                              if n != "relative_attention_bias"}, LLAMA_NAMES)
+    sd[PHI4_TABLE] = _numpy(params["relative_attention_bias"])
+    return sd
+
+
+FAMILIES: dict[str, Family] = {
+    **{mt: _encoder(mt) for mt in ("parakeet_encoder", "nemotron_asr_streaming_encoder")},
+    PHI4: Family(GQA, _phi4_settings, _phi4_to_neutral, _phi4_from_neutral,
+                 stacks=(Stack("encoders", "self_attn", label="encoder"),),
+                 unverified=("attn-parity hf does not check Phi-4-multimodal's audio encoder "
+                             "yet: its layers take the encoder's table of position biases "
+                             f"({PHI4_TABLE}); convert a layer with golden.convert.from_hf, "
+                             "that table put into its state dict")),
+}
 
 # Speech encoders whose relative positions are not expressed yet, each with why: from_hf names
 # the reason.
@@ -88,7 +143,4 @@ REFUSED = {
     "gemma3n_audio": _CHUNKED, "gemma4_audio": _CHUNKED,
     **{mt: _SHAW for mt in ("granite_speech_encoder", "granite_speech5_encoder",
                             "granite_speech_plus_encoder")},
-    "phi4_multimodal_audio": ("its attention adds a learned bias per clipped key - query "
-                              "distance to the scores of its Conformer blocks, which its "
-                              "converter does not read yet"),
 }

@@ -32,12 +32,13 @@ def alibi_term(c, length, dh):
 
 def relative_term(c, length, table):
     """T5's score bias (N, L, L): the learned table (num_buckets, N) at the bucket of each
-    distance j − i (golden.specification.decoder.relative_position_bucket, bidirectional unless
-    causal); returns (bias, buckets (L, L))."""
+    distance j − i (golden.specification.decoder.relative_position_bucket, by the config's rule:
+    T5's, bidirectional unless causal, or Phi-4's clipped distances); returns (bias, buckets (L, L))."""
     distance = np.arange(length)[None, :] - np.arange(length)[:, None]  # j − i (L, L)
     buckets = relative_position_bucket(distance, not c["causal"],
                                        c["relative_attention_num_buckets"],
-                                       c["relative_attention_max_distance"])
+                                       c["relative_attention_max_distance"],
+                                       c["relative_attention_buckets"])
     return np.moveaxis(real(table)[buckets], -1, -3), buckets
 
 

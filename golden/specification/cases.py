@@ -520,6 +520,24 @@ CASES += [
           "relative_attention_max_distance": 6}),
 ]
 
+# Phi-4-multimodal's audio encoder: a learned bias per clipped distance (relative_attention_
+# buckets "clipped": j − i clipped to [−M, M − 1], 2M rows; "clipped_symmetric": |j − i| clipped
+# to M − 1, M rows), with q/k/v/o biases, bidirectional on right-padded rows; distances far past
+# M on both sides, so the clipping is exercised.
+CASES += [
+    Case("gqa_clipped_buckets_padding", GQA, 455,
+         {"x": ("normal", (2, 9, 6)), "query_seq_lengths": _ints([9, 6])},
+         {"d_in": 6, "num_heads": 2, "num_kv_heads": 2, "head_dim": 3, "qkv_bias": True,
+          "out_bias": True, "causal": False, "relative_attention_num_buckets": 6,
+          "relative_attention_max_distance": 3, "relative_attention_buckets": "clipped"}),
+    Case("gqa_clipped_buckets_symmetric_unbatched", GQA, 456,
+         {"x": ("normal", (8, 5)), "mask": ("mask", (8, 8), 0.8, ())},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3, "d_out": 4,
+          "causal": False, "relative_attention_num_buckets": 3,
+          "relative_attention_max_distance": 3, "relative_attention_buckets":
+              "clipped_symmetric"}),
+]
+
 # MPT's clip_qkv (q, k and v clamped to [−c, c] after their projections; OLMo's too), with its
 # ALiBi: about half the projected entries clipped here, so the gradient's zeros are exercised.
 CASES += [

@@ -87,14 +87,28 @@ def alibi_bias(slopes, distance):
     return slopes[:, None, None] * distance[..., None, :, :]
 
 
-# T5's relative position buckets (Hugging Face's T5Attention._relative_position_bucket).
-def relative_position_bucket(distance, bidirectional, num_buckets, max_distance):
-    """The bucket (int64, distance's shape) of each integer ``distance`` = key − query, by HF's
-    rule in its float32 operations and order: bidirectional, half the buckets for keys after
-    the query; then max_exact = (those buckets) // 2 exact buckets for |d| < max_exact, and
-    max_exact + ⌊ln(|d| / max_exact) / ln(max_distance / max_exact) · (buckets − max_exact)⌋
-    (at most buckets − 1) beyond. Causal: keys after the query share bucket 0."""
+# Relative position buckets: T5's (Hugging Face's T5Attention._relative_position_bucket) and the
+# clipped distances of Phi-4-multimodal's audio encoder (Phi4MultimodalAudioRelativeAttentionBias).
+BUCKET_RULES = ("t5", "clipped", "clipped_symmetric")
+
+
+def relative_position_bucket(distance, bidirectional, num_buckets, max_distance, rule="t5"):
+    """The bucket (int64, distance's shape) of each integer ``distance`` = key − query.
+
+    ``rule="t5"``, by HF's rule in its float32 operations and order: bidirectional, half the
+    buckets for keys after the query; then max_exact = (those buckets) // 2 exact buckets for
+    |d| < max_exact, and max_exact + ⌊ln(|d| / max_exact) / ln(max_distance / max_exact) ·
+    (buckets − max_exact)⌋ (at most buckets − 1) beyond. Causal: keys after the query share
+    bucket 0.
+    ``rule="clipped"`` (Phi-4's audio, num_buckets = 2M, M = max_distance): d clipped to
+    [−M, M − 1], plus M; ``"clipped_symmetric"`` (num_buckets = M): |d| clipped to M − 1 (HF
+    clips d to [−M, M − 1] first, and its table of M rows has no row M: the two agree wherever
+    HF's runs). Both ignore ``bidirectional``: the mask decides which keys a query sees."""
     d = np.asarray(distance, dtype=np.int64)
+    if rule == "clipped":
+        return np.clip(d, -max_distance, max_distance - 1) + max_distance
+    if rule == "clipped_symmetric":
+        return np.minimum(np.abs(d), max_distance - 1)
     buckets = np.zeros_like(d)
     if bidirectional:
         num_buckets //= 2
@@ -111,11 +125,11 @@ def relative_position_bucket(distance, bidirectional, num_buckets, max_distance)
     return buckets + np.where(d < max_exact, d, np.minimum(large, num_buckets - 1))
 
 
-def bucket_table(span, bidirectional, num_buckets, max_distance):
+def bucket_table(span, bidirectional, num_buckets, max_distance, rule="t5"):
     """relative_position_bucket of the distances −span … span, (2·span + 1,): the bucket of
     distance d is entry d + span (what a twin indexes with distances it computes, traced)."""
     return relative_position_bucket(np.arange(-span, span + 1), bidirectional, num_buckets,
-                                    max_distance)
+                                    max_distance, rule)
 
 
 def relative_bias(table, buckets, *, moveaxis):

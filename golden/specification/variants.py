@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from golden.specification.decoder import ALIBI_KINDS, RELATIVE_POSITIONS
+from golden.specification.decoder import ALIBI_KINDS, BUCKET_RULES, RELATIVE_POSITIONS
 from golden.specification.validate import (
     FLOAT_DTYPES,
     check_attention_args,
@@ -272,6 +272,12 @@ def _relative_positions(name, kind) -> None:
                          f"{', '.join(map(repr, RELATIVE_POSITIONS))}, got {kind!r}")
 
 
+def _bucket_rule(name, rule) -> None:
+    if rule not in BUCKET_RULES:
+        raise ValueError(f"{name} should be one of {', '.join(map(repr, BUCKET_RULES))}, got "
+                         f"{rule!r}")
+
+
 def _alibi_bias_max(name, x) -> None:
     """A finite number > 0 (MPT's alibi_bias_max)."""
     _epsilon(name, x)
@@ -377,17 +383,30 @@ def _key_bias(name, b) -> None:
 
 
 def _relative_buckets(c) -> None:
-    """T5's buckets: max_exact = (num_buckets, halved when bidirectional) // 2 exact buckets,
-    at least 1, and max_distance beyond them; max_distance left at its default without them."""
+    """Relative buckets: T5's (max_exact = (num_buckets, halved when bidirectional) // 2 exact
+    buckets, at least 1, and max_distance beyond them) or the clipped distances (num_buckets
+    2·max_distance, or max_distance when symmetric); max_distance and the rule left at their
+    defaults without them."""
     nb, far = c["relative_attention_num_buckets"], c["relative_attention_max_distance"]
+    rule = c["relative_attention_buckets"]
     if nb is None:
         if far != 128:
             raise ValueError(f"relative_attention_max_distance should be 128 (its default) "
                              f"unless relative_attention_num_buckets is set, got {far!r}")
+        if rule != "t5":
+            raise ValueError(f"relative_attention_buckets should be 't5' (its default) unless "
+                             f"relative_attention_num_buckets is set, got {rule!r}")
         return
     if c["alibi"] is not None:
         raise ValueError(f"alibi should be None with relative_attention_num_buckets (one "
                          f"position bias), got {c['alibi']!r}")
+    if rule != "t5":
+        rows = 2 * far if rule == "clipped" else far
+        if nb != rows:
+            raise ValueError(f"relative_attention_num_buckets should be {rows} with "
+                             f"relative_attention_buckets={rule!r} (relative_attention_max_"
+                             f"distance {far}: one bucket per clipped distance), got {nb}")
+        return
     least = 2 if c["causal"] else 4
     if nb < least:
         raise ValueError(f"relative_attention_num_buckets should be at least {least} "
@@ -582,6 +601,7 @@ _VARIANTS = [
              Arg("alibi_bias_max", _alibi_bias_max, 8),
              Arg("relative_attention_num_buckets", _positive_or_none, None),
              Arg("relative_attention_max_distance", _positive, 128),
+             Arg("relative_attention_buckets", _bucket_rule, "t5"),
              Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False),
              Arg("k_eq_v", _flag, False),
              Arg("relative_positions", _relative_positions, None)),

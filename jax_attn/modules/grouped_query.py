@@ -67,7 +67,8 @@ class GroupedQueryAttention(_Variant):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, k_eq_v=False,
+                 relative_attention_max_distance=128, relative_attention_buckets="t5",
+                 clip_qkv=None, v_norm=False, k_eq_v=False,
                  relative_positions=None, *, rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -82,6 +83,7 @@ class GroupedQueryAttention(_Variant):
                         alibi=alibi, alibi_bias_max=alibi_bias_max,
                         relative_attention_num_buckets=relative_attention_num_buckets,
                         relative_attention_max_distance=relative_attention_max_distance,
+                        relative_attention_buckets=relative_attention_buckets,
                         clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
                         relative_positions=relative_positions)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
@@ -112,7 +114,8 @@ class GroupedQueryAttention(_Variant):
                       else None)
         shapes = VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
-        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
+        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
+                        relative_attention_buckets)
         (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
          self.bias_v) = (nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
                          if n in shapes else None

@@ -52,7 +52,9 @@ class GroupedQueryAttention(nn.Module):
     ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times σ(x W_gate + b_gate)
     before out_proj); ``alibi`` ("bloom", "mpt" with ``alibi_bias_max``, "falcon") and T5's
     ``relative_attention_num_buckets`` (a learned bias per bucket of key − query distance,
-    ``relative_attention_max_distance``); ``clip_qkv`` c (MPT, OLMo: q, k and v clamped to [−c, c]
+    ``relative_attention_max_distance``; ``relative_attention_buckets`` "t5" or Phi-4 audio's
+    "clipped" / "clipped_symmetric" distances, golden.specification.decoder.
+    relative_position_bucket); ``clip_qkv`` c (MPT, OLMo: q, k and v clamped to [−c, c]
     after their projections); ``v_norm`` (Gemma 4: each value head v / √(mean(v²) + ε), no
     weight, ε = ``qk_norm_eps``; the cache holds the normed values); ``k_eq_v`` (Gemma 4's full
     layers: no value projection, the values are the key projection's heads, before k's norm and
@@ -84,7 +86,8 @@ class GroupedQueryAttention(nn.Module):
                  query_temperature=None, output_gate=False, rope_parameters=None,
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
-                 relative_attention_max_distance=128, clip_qkv=None, v_norm=False, k_eq_v=False,
+                 relative_attention_max_distance=128, relative_attention_buckets="t5",
+                 clip_qkv=None, v_norm=False, k_eq_v=False,
                  relative_positions=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
@@ -101,6 +104,7 @@ class GroupedQueryAttention(nn.Module):
                               alibi_bias_max=alibi_bias_max,
                               relative_attention_num_buckets=relative_attention_num_buckets,
                               relative_attention_max_distance=relative_attention_max_distance,
+                              relative_attention_buckets=relative_attention_buckets,
                               clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
                               relative_positions=relative_positions)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
@@ -126,7 +130,8 @@ class GroupedQueryAttention(nn.Module):
         self.W_pos = nn.Linear(d_in, width, bias=False) if relative_positions else None
         shapes = variants.VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
-        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance)
+        self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
+                        relative_attention_buckets)
         (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
          self.bias_v) = (nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
                          if n in shapes else None
