@@ -31,7 +31,7 @@ The rooms of the importer, each importing only those above it (NumPy only):
                its ``COMPOSITES``, the vision-language models' towers
     speech     speech encoders with Transformer-XL's relative positions (Parakeet's
                FastConformer: Parakeet, Canary, Cohere ASR, Nemotron ASR streaming)
-    convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, the lookup, ``from_hf``, ``to_hf``,
+    convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, ``REFUSED``, the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
 table added to ``convert.FAMILIES``): how it converts, and what the checkpoint verifier needs,
@@ -45,10 +45,10 @@ from ``FAMILIES`` and ``COMPOSITES``.
 
 from __future__ import annotations
 
-from golden.hf.convert import COMPOSITES, FAMILIES, expected_state, from_hf, to_hf
+from golden.hf.convert import COMPOSITES, FAMILIES, REFUSED, expected_state, from_hf, to_hf
 from golden.hf.encoders import MHCA, T5_TABLE
 from golden.hf.family import GQA, Family, HFConfig, Kinds, Stack, _layer_type
 from golden.hf.latent import MLA
 
-__all__ = ["COMPOSITES", "FAMILIES", "GQA", "MHCA", "MLA", "T5_TABLE", "Family", "HFConfig",
+__all__ = ["COMPOSITES", "FAMILIES", "GQA", "MHCA", "MLA", "REFUSED", "T5_TABLE", "Family", "HFConfig",
            "Kinds", "Stack", "expected_state", "from_hf", "to_hf"]

@@ -35,14 +35,15 @@ FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
 # Composite model_types (not converted themselves: from_hf takes a tower's own config): their
 # towers' sub-configs and key prefixes, {model_type: {sub-config: key prefix}}.
 COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES}
+# model_types refused by name: {model_type: why}.
+REFUSED: dict[str, str] = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED}
 
 
 # ---- the family lookup --------------------------------------------------------------------------
 
 def _family(mt) -> Family:
-    refused = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED}
-    if mt in refused:
-        raise ValueError(f"model_type {mt!r} is not supported: {refused[mt]}")
+    if mt in REFUSED:
+        raise ValueError(f"model_type {mt!r} is not supported: {REFUSED[mt]}")
     if mt not in FAMILIES:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(sorted(FAMILIES))}")

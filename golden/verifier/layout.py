@@ -17,12 +17,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from golden.hf import COMPOSITES, FAMILIES, Stack, _layer_type
+from golden.hf import COMPOSITES, FAMILIES, REFUSED, Stack, _layer_type
 from golden.verifier.checkpoint import CheckpointError
 
 __all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "MODELS", "OWN_INDEX", "Stack",
            "attention_layers", "expected_layers", "is_attention", "layer_count", "layer_name",
-           "read_config", "stacks"]
+           "read_config", "stacks", "unread_towers"]
 
 # {model_type: (Stack, ...)}: where each family's attention modules sit in a checkpoint's keys
 # (the layer number is the stack's index); a composite model (COMPOSITES, {model_type:
@@ -89,6 +89,25 @@ def stacks(config) -> list:
     return [(config[sub], replace(stack, within=within))
             for sub, within in COMPOSITES[config["model_type"]].items()
             for stack in LAYOUTS[config[sub]["model_type"]]]
+
+
+def unread_towers(config) -> list[str]:
+    """The report's notes on a composite model's towers that are not read (Gemma 4's audio
+    encoder): each sub-config with a model_type that COMPOSITES does not list, with why."""
+    read = COMPOSITES.get(config["model_type"])
+    if read is None:
+        return []
+    notes = []
+    for sub, tower in config.items():
+        if sub in read or not isinstance(tower, dict) or "model_type" not in tower:
+            continue
+        mt = tower["model_type"]
+        entry = FAMILIES.get(mt)
+        why = (entry.unverified if entry is not None and entry.unverified else
+               REFUSED[mt] if mt in REFUSED else
+               "its attention is not converted")
+        notes.append(f"{sub} ({mt}): not checked: {why}")
+    return notes
 
 
 def attention_layers(stack, keys) -> dict:

@@ -23,7 +23,8 @@ import numpy as np
 
 from golden.hf import expected_state
 from golden.verifier.checkpoint import REFUSED, SCALES, CheckpointError, expand_scale, scale_keys
-from golden.verifier.layout import (expected_layers, layer_count, layer_name, stacks)
+from golden.verifier.layout import (expected_layers, layer_count, layer_name, stacks,
+                                    unread_towers)
 
 SHOWN = 12  # problems listed in the error; the rest counted
 
@@ -58,7 +59,7 @@ class Accounting:
 def account(config, checkpoint) -> Accounting:
     """Every layer the config implies, checked against the checkpoint's headers (see the
     module's docstring); CheckpointError listing every problem."""
-    problems, notes, layers, expected = [], [], [], 0
+    problems, notes, layers, expected = [], unread_towers(config), [], 0
     entries = checkpoint.entries
     found_any = False
     for c, stack in stacks(config):
