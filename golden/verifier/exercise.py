@@ -24,9 +24,10 @@ the same config, is the judge:
   positions (3, B, L)): text with text positions would turn every pair alike, as the 1-D RoPE
   does; its input holds an image of 2 × 2 tokens after two text tokens, as ``get_rope_index``
   places one (``image_positions``): its height and width rows differ from its temporal one.
-- axial RoPE (a Qwen-VL-like vision tower): one image of m × 2m patches (m the spatial merge
-  size; ``vision_grid``), in the tower's order (``vision_positions``), one batch row; the
-  model is given the image's grid_thw, and computes the positions itself.
+- axial RoPE (a vision tower): one image, one batch row, drawn as the tower's own table entry
+  says (golden.verifier.towers: a Qwen-VL-like tower's m × 2m patches in merge-block order,
+  Pixtral's, Gemma 4's, Llama 4's); HF's model is given the image, and computes the positions
+  itself.
 
 Every layer is drawn at one length, the longest any setting needs, so that layers of one
 configuration share their compiled programs.
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from golden.hf import FAMILIES
+from golden.verifier.towers import tower
 
 BASE_LENGTH = 8   # the drawn inputs' length when no setting needs more
 MAX_LENGTH = 640  # the longest input drawn (``attn-parity hf --max-length``)
@@ -167,45 +169,10 @@ def _axes(layer) -> int:
     return getattr(entry, "position_axes", 1) if layer.variant in POSITIONED else 1
 
 
-def vision_grid(c) -> tuple[int, int]:
-    """The patches (rows, columns) of the one image drawn for a Qwen-VL-like tower: m × 2m (m
-    its spatial_merge_size), or m × m where a window (Qwen2.5-VL's window_size, in patches /
-    m) is one merged patch wide: the image then fits one window."""
-    m = int(c.get("spatial_merge_size", 1))
-    window = c.get("window_size")
-    if window is not None and window // m // int(c.get("patch_size", 1)) < 2:
-        return m, m
-    return m, 2 * m
-
-
-def vision_positions(rows, cols, m) -> np.ndarray:
-    """(2, rows · cols) int64: each patch's (row, column) in the order the tower sees them,
-    HF's get_vision_position_ids: the m × m merge blocks in row-major order, each block's
-    patches row-major."""
-    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-    shape = (rows // m, m, cols // m, m)
-    return np.stack([t.reshape(shape).transpose(0, 2, 1, 3).reshape(-1) for t in (r, c)])
-
-
 def _vision_exercise(layer, c, notes) -> Exercise:
-    """One image, one batch row, its positions (2, L) as the tower's model makes them: a
-    Qwen-VL-like tower's vision_grid in merge-block order; Pixtral's 2 × 4 patches row-major
-    (row, column); Gemma 4's 2 × 4 as its pixel_position_ids (x, y) = (column, row); Llama 4's
-    fixed grid (image_size / patch_size on a side) as (column + 1, row + 1), its class token,
-    last, at (0, 0)."""
-    mt = c.get("model_type")
-    if mt == "llama4_vision_model":
-        side = int(c["image_size"]) // int(c["patch_size"])
-        rows, cols = np.divmod(np.arange(side * side), side)
-        positions = np.concatenate([np.stack([cols + 1, rows + 1]), [[0], [0]]], axis=1)
-        rows, cols = side, side
-    elif mt in ("pixtral", "gemma4_vision"):
-        rows, cols = 2, 4
-        r, w = np.divmod(np.arange(rows * cols), cols)
-        positions = np.stack([r, w] if mt == "pixtral" else [w, r])
-    else:
-        rows, cols = vision_grid(c)
-        positions = vision_positions(rows, cols, int(c.get("spatial_merge_size", 1)))
+    """One image, one batch row, its positions (2, L) as the tower's model makes them
+    (golden.verifier.towers: each tower's own drawing)."""
+    rows, cols, positions = tower(c).draw(c)
     notes = list(notes) + [f"axial RoPE: exercised (one image of {rows} × {cols} patches, each "
                            f"turned by its row and column)"]
     if c.get("window_size") is not None:

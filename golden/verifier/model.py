@@ -22,6 +22,7 @@ import numpy as np
 
 from golden.verifier.checkpoint import CheckpointError
 from golden.verifier.layout import COUNTS, FLOAT64, MODELS, OWN_INDEX, Stack
+from golden.verifier.towers import tower
 
 VOCAB = 8  # the one-layer model's: its tokens are all 0
 # Every field that counts a stack's layers (golden.verifier.layout.COUNTS): each set to 1.
@@ -272,31 +273,17 @@ def _no_init():
 def _model_inputs(model, stack, inputs, dtype) -> dict:
     """The one-layer model's inputs, zeros (the attention's input is replaced): token ids of
     x's length, an image or features of the config's size (SigLIP 2: x's L patches, one row
-    of them; a Qwen-VL-like vision tower: one image of the positions' grid, its patches in
-    their flattened form, and its grid_thw); a decoder's positions as its
+    of them; a vision tower with axial RoPE: the one image of the positions, as
+    golden.verifier.towers gives it); a decoder's positions as its
     position_ids; an encoder-decoder's decoder tokens and, for a decoder's attention, in place
     of its encoder's output the drawn context (or zeros)."""
     import torch
 
     c = model.config
     b, length = inputs["x"].shape[:2]
-    if hasattr(c, "spatial_merge_size") and "positions" in inputs:  # a Qwen-VL-like tower:
-        rows, cols = np.asarray(inputs["positions"])[:, 0]  # one image, its patches' grid
-        width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
-        return {"hidden_states": torch.zeros((length, width), dtype=dtype),
-                "grid_thw": torch.tensor([[1, int(rows.max()) + 1, int(cols.max()) + 1]])}
-    if c.model_type == "pixtral":  # one image of the positions' (row, column) grid
-        rows, cols = (int(a.max()) + 1 for a in np.asarray(inputs["positions"])[:, 0])
-        size = (rows * c.patch_size, cols * c.patch_size)
-        return {"pixel_values": torch.zeros((b, c.num_channels) + size, dtype=dtype),
-                "image_sizes": [size] * b}
-    if c.model_type == "llama4_vision_model":  # its one fixed grid (and class token)
-        return {"pixel_values": torch.zeros((b, c.num_channels, c.image_size, c.image_size),
-                                            dtype=dtype)}
-    if c.model_type == "gemma4_vision":  # its patches flattened, their (x, y)
-        ids = np.moveaxis(np.asarray(inputs["positions"]), 0, -1)  # (B, L, 2)
-        return {"pixel_values": torch.zeros((b, length, 3 * c.patch_size ** 2), dtype=dtype),
-                "pixel_position_ids": torch.from_numpy(np.array(ids, np.int64))}
+    vision = tower(c)
+    if vision is not None and "positions" in inputs:  # one image (golden.verifier.towers)
+        return vision.inputs(c, b, length, np.asarray(inputs["positions"]), dtype)
     main = model.main_input_name
     shapes = {"input_ids": lambda: (b, length),
               "pixel_values": lambda: (b, c.num_channels, c.image_size, c.image_size),

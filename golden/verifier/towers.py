@@ -1,0 +1,120 @@
+"""Vision towers in the checkpoint verifier: how each draws its one image and how HF's model is
+given it, in one table (``TOWERS``), read by golden.verifier.exercise (the positions our module
+takes) and golden.verifier.model (HF's one-layer model's inputs, from which it computes the same
+positions itself).
+
+A tower's entry: ``draw(config) -> (rows, cols, positions)``, the patches of its one image and
+their positions (2, L) int64 in the order the attention sees them; ``inputs(config, b, length,
+positions, dtype) -> {name: tensor}``, the model's inputs for that image (zeros: the
+attention's input is replaced), positions (2, B, L) as the exercise drew them. ``note``: what
+the report says is exercised.
+
+- Qwen-VL-like towers (any vision config with ``spatial_merge_size``: Qwen2/2.5/3-VL, Qwen3.5,
+  the Omni encoders, GLM-4V, ERNIE-4.5-VL): an image of m × 2m patches (``vision_grid``) in
+  merge-block order (``vision_positions``); the model takes the flattened patches and grid_thw.
+- Pixtral: 2 × 4 patches row-major (row, column); the model takes the image and its size.
+- Gemma 4: 2 × 4 patches as its pixel_position_ids (x, y) = (column, row).
+- Llama 4: its fixed grid (image_size / patch_size a side) as (column + 1, row + 1), its class
+  token, last, at (0, 0); the model takes the image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tower:
+    draw: Callable
+    inputs: Callable
+
+
+def vision_grid(c) -> tuple[int, int]:
+    """The patches (rows, columns) of the one image drawn for a Qwen-VL-like tower: m × 2m (m
+    its spatial_merge_size), or m × m where a window (Qwen2.5-VL's window_size, in patches /
+    m) is one merged patch wide: the image then fits one window."""
+    m = int(c.get("spatial_merge_size", 1))
+    window = c.get("window_size")
+    if window is not None and window // m // int(c.get("patch_size", 1)) < 2:
+        return m, m
+    return m, 2 * m
+
+
+def vision_positions(rows, cols, m) -> np.ndarray:
+    """(2, rows · cols) int64: each patch's (row, column) in the order the tower sees them,
+    HF's get_vision_position_ids: the m × m merge blocks in row-major order, each block's
+    patches row-major."""
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    shape = (rows // m, m, cols // m, m)
+    return np.stack([t.reshape(shape).transpose(0, 2, 1, 3).reshape(-1) for t in (r, c)])
+
+
+def _qwen_draw(c):
+    rows, cols = vision_grid(c)
+    return rows, cols, vision_positions(rows, cols, int(c.get("spatial_merge_size", 1)))
+
+
+def _qwen_inputs(c, b, length, positions, dtype):
+    import torch
+    rows, cols = positions[:, 0]  # one image: its patches' grid
+    width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
+    return {"hidden_states": torch.zeros((length, width), dtype=dtype),
+            "grid_thw": torch.tensor([[1, int(rows.max()) + 1, int(cols.max()) + 1]])}
+
+
+def _row_major(rows, cols):
+    return np.divmod(np.arange(rows * cols), cols)  # (row, column) of each patch
+
+
+def _pixtral_draw(c):
+    return 2, 4, np.stack(_row_major(2, 4))
+
+
+def _pixtral_inputs(c, b, length, positions, dtype):
+    import torch
+    rows, cols = (int(a.max()) + 1 for a in positions[:, 0])
+    size = (rows * c.patch_size, cols * c.patch_size)
+    return {"pixel_values": torch.zeros((b, c.num_channels) + size, dtype=dtype),
+            "image_sizes": [size] * b}
+
+
+def _gemma4_draw(c):
+    r, w = _row_major(2, 4)
+    return 2, 4, np.stack([w, r])
+
+
+def _gemma4_inputs(c, b, length, positions, dtype):
+    import torch
+    ids = np.moveaxis(positions, 0, -1)  # (B, L, 2)
+    return {"pixel_values": torch.zeros((b, length, 3 * c.patch_size ** 2), dtype=dtype),
+            "pixel_position_ids": torch.from_numpy(np.array(ids, np.int64))}
+
+
+def _llama4_draw(c):
+    side = int(c["image_size"]) // int(c["patch_size"])
+    rows, cols = _row_major(side, side)
+    return side, side, np.concatenate([np.stack([cols + 1, rows + 1]), [[0], [0]]], axis=1)
+
+
+def _llama4_inputs(c, b, length, positions, dtype):
+    import torch
+    return {"pixel_values": torch.zeros((b, c.num_channels, c.image_size, c.image_size),
+                                        dtype=dtype)}
+
+
+QWEN = Tower(_qwen_draw, _qwen_inputs)
+TOWERS = {"pixtral": Tower(_pixtral_draw, _pixtral_inputs),
+          "gemma4_vision": Tower(_gemma4_draw, _gemma4_inputs),
+          "llama4_vision_model": Tower(_llama4_draw, _llama4_inputs)}
+
+
+def tower(config) -> Tower | None:
+    """The entry of a tower's config (a dict, or HF's config object), None for a model that is
+    not a vision tower with axial RoPE."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    if get("model_type") in TOWERS:
+        return TOWERS[get("model_type")]
+    return QWEN if get("spatial_merge_size") is not None else None
