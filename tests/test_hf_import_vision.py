@@ -455,6 +455,47 @@ def test_a_wrong_vision_conversion_fails_on_hfs_row(tmp_path, monkeypatch):
     assert failed == {("vision layer 0 (attention)", "hf"), ("vision layer 1 (attention)", "hf")}
 
 
+@pytest.mark.parametrize("rows, cols, m, w", [(6, 6, 2, 2), (4, 8, 2, 2), (10, 6, 2, 4),
+                                               (3, 6, 1, 2), (6, 4, 2, 1), (16, 16, 2, 4)])
+def test_the_verifiers_window_order_is_hfs(rows, cols, m, w):
+    """golden.verifier.towers.window_order against transformers' get_vision_window_index (one
+    image): the same patch order, and the same windows (its cu_window_seqlens), grids that
+    divide into whole windows (an empty padded window row) and grids that do not."""
+    from golden.verifier.towers import window_order
+    order, windows = window_order(rows, cols, m, w)
+    index, cu = vision_utils.get_vision_window_index(
+        torch.tensor([[1, rows, cols]]), spatial_merge_size=m, window_size=w * m * PATCH,
+        patch_size=PATCH)
+    expected = (index.numpy()[:, None] * m * m + np.arange(m * m)).reshape(-1)
+    np.testing.assert_array_equal(order, expected)
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(windows))])  # empty windows: repeats
+    np.testing.assert_array_equal(np.unique(bounds), cu.numpy())
+
+
+def test_qwen2_5_vls_windows_are_exercised_by_attn_parity_hf(tmp_path, monkeypatch):
+    """The Qwen2.5-VL tower's windowed layer (layer 0; layer 1 is in fullatt_block_indexes) is
+    checked on an image that spans several windows, under their block mask: the report says
+    so, every row passes, and the same image with the windows' mask dropped (one window) fails
+    HF's row of that layer alone."""
+    from golden.verifier import check as hf_check
+    from golden.verifier import towers
+    config, make = _vl_config("qwen2_5_vl")
+    make(config).save_pretrained(tmp_path)
+    report = hf_check.run(tmp_path, frameworks=["torch"], log=lambda row: None)
+    _assert_every_row_passes(report)
+    windowed = {r["fixture"] for r in report["rows"]
+                if any(n.startswith("Qwen2.5-VL's windows: exercised (the image spans 4 windows")
+                       for n in r["exercised"])}
+    assert windowed == {"vision layer 0 (attention)"}
+    order = towers.window_order
+    monkeypatch.setattr(towers, "window_order",
+                        lambda *a: (order(*a)[0], np.zeros_like(order(*a)[1])))
+    report = hf_check.run(tmp_path, frameworks=["torch"], log=lambda row: None)
+    failed = {(r["fixture"], r["implementation"]) for r in report["rows"]
+              if r["status"] == "fail"}
+    assert failed == {("vision layer 0 (attention)", "hf")}
+
+
 def test_a_composite_without_its_towers_config_is_refused_by_name(tmp_path):
     import json
 

@@ -72,7 +72,7 @@ def _drawn(rng, shape):
 
 def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
     """The layer's converted weights on drawn inputs (x (B, L, D), a cross-attention's
-    context (B, LC, D), the exercise's positions), with the float64 reference's results."""
+    context (B, LC, D), the exercise's positions and mask), with the float64 reference's results."""
     variant, ours, params = from_hf(config, state_dict, layer_idx=layer.index,
                                     kind=layer.stack.kind)
     spec = variants.VARIANTS[variant]
@@ -89,6 +89,8 @@ def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
             p = p[0]  # a conversion without the axes: the temporal row, text's positions
         inputs["positions"] = (np.tile(p, (rows, 1)) if p.ndim == 1 else
                                np.repeat(p[:, None], rows, axis=1))
+    if exercise.mask is not None:  # (L, L) -> (B, L, L)
+        inputs["mask"] = np.repeat(exercise.mask[None], rows, axis=0)
     params = {n: np.asarray(a, np.float64) for n, a in params.items()}
     forward, backward = reference.VARIANTS[variant]
     with reference.blas_products():  # float64, its sums in BLAS's order (not stored)

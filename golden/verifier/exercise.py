@@ -54,8 +54,8 @@ POSITIONED = ("grouped_query_attention", "multi_head_latent_attention")  # take 
 class Exercise:
     """One input for a layer: the config it converts with (the checkpoint's, or a scaled copy),
     its length, its positions (None: 0 … L − 1), the suffix of its rows' name, how each
-    length-dependent setting of the layer is reached, and its batch rows (None: check.batch's;
-    a vision tower's image: 1)."""
+    length-dependent setting of the layer is reached, its batch rows (None: check.batch's;
+    a vision tower's image: 1) and its mask (L, L) bool (None: none; Qwen2.5-VL's windows)."""
 
     config: dict
     length: int
@@ -63,6 +63,7 @@ class Exercise:
     suffix: str = ""
     notes: list = field(default_factory=list)
     rows: int | None = None
+    mask: np.ndarray | None = None
 
 
 def _window_layer(c, i):
@@ -171,13 +172,18 @@ def _axes(layer) -> int:
 
 def _vision_exercise(layer, c, notes) -> Exercise:
     """One image, one batch row, its positions (2, L) as the tower's model makes them
-    (golden.verifier.towers: each tower's own drawing)."""
-    rows, cols, positions = tower(c).draw(c)
-    notes = list(notes) + [f"axial RoPE: exercised (one image of {rows} × {cols} patches, each "
-                           f"turned by its row and column)"]
-    if c.get("window_size") is not None:
-        notes.append("Qwen2.5-VL's windows: not exercised (the image fits one window)")
-    return Exercise(c, positions.shape[1], positions.astype(np.int64), notes=notes, rows=1)
+    (golden.verifier.towers: each tower's own drawing); a windowed layer (Qwen2.5-VL's, not in
+    fullatt_block_indexes) under its windows' block mask, as the model computes them."""
+    image = tower(c).draw(c)
+    notes = list(notes) + [f"axial RoPE: exercised (one image of {image.rows} × {image.cols} "
+                           f"patches, each turned by its row and column)"]
+    mask = None
+    if image.windows is not None and layer.index not in c.get("fullatt_block_indexes", ()):
+        mask = image.windows[:, None] == image.windows[None, :]
+        notes.append(f"Qwen2.5-VL's windows: exercised (the image spans "
+                     f"{len(np.unique(image.windows))} windows, its patches in window order)")
+    return Exercise(c, image.positions.shape[1], image.positions.astype(np.int64),
+                    notes=notes, rows=1, mask=mask)
 
 
 def _switch(c, layer_idx):

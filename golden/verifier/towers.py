@@ -3,15 +3,18 @@ given it, in one table (``TOWERS``), read by golden.verifier.exercise (the posit
 takes) and golden.verifier.model (HF's one-layer model's inputs, from which it computes the same
 positions itself).
 
-A tower's entry: ``draw(config) -> (rows, cols, positions)``, the patches of its one image and
-their positions (2, L) int64 in the order the attention sees them; ``inputs(config, b, length,
+A tower's entry: ``draw(config) -> Image``, the patches of its one image, their positions (2, L)
+int64 in the order the attention sees them and, for a tower with windowed layers, the window
+of each patch; ``inputs(config, b, length,
 positions, dtype) -> {name: tensor}``, the model's inputs for that image (zeros: the
-attention's input is replaced), positions (2, B, L) as the exercise drew them. ``note``: what
-the report says is exercised.
+attention's input is replaced), positions (2, B, L) as the exercise drew them.
 
 - Qwen-VL-like towers (any vision config with ``spatial_merge_size``: Qwen2/2.5/3-VL, Qwen3.5,
   the Omni encoders, GLM-4V, ERNIE-4.5-VL): an image of m × 2m patches (``vision_grid``) in
   merge-block order (``vision_positions``); the model takes the flattened patches and grid_thw.
+  Qwen2.5-VL's (``window_size``, windows of w = window_size / m / patch_size merged patches a
+  side): m(w + 1) patches a side, so that it spans four windows, three of them cut short, in
+  the window order the model permutes them into (``window_order``).
 - Pixtral: 2 × 4 patches row-major (row, column); the model takes the image and its size.
 - Gemma 4: 2 × 4 patches as its pixel_position_ids (x, y) = (column, row).
 - Llama 4: its fixed grid (image_size / patch_size a side) as (column + 1, row + 1), its class
@@ -32,15 +35,49 @@ class Tower:
     inputs: Callable
 
 
+@dataclass
+class Image:
+    """One drawn image: its patches (rows, cols), their positions (2, L) in the attention's
+    order, and the window of each (L,) (None: no windows)."""
+
+    rows: int
+    cols: int
+    positions: np.ndarray
+    windows: np.ndarray | None = None
+
+
+def merged_window(c) -> int | None:
+    """Qwen2.5-VL's window side in merged patches (window_size / m / patch_size), None without
+    windows."""
+    if c.get("window_size") is None:
+        return None
+    m = int(c.get("spatial_merge_size", 1))
+    return int(c["window_size"]) // m // int(c.get("patch_size", 1))
+
+
 def vision_grid(c) -> tuple[int, int]:
     """The patches (rows, columns) of the one image drawn for a Qwen-VL-like tower: m × 2m (m
-    its spatial_merge_size), or m × m where a window (Qwen2.5-VL's window_size, in patches /
-    m) is one merged patch wide: the image then fits one window."""
-    m = int(c.get("spatial_merge_size", 1))
-    window = c.get("window_size")
-    if window is not None and window // m // int(c.get("patch_size", 1)) < 2:
-        return m, m
-    return m, 2 * m
+    its spatial_merge_size); with windows of w merged patches a side, m(w + 1) a side."""
+    m, w = int(c.get("spatial_merge_size", 1)), merged_window(c)
+    return (m, 2 * m) if w is None else (m * (w + 1), m * (w + 1))
+
+
+def window_order(rows, cols, m, w) -> tuple[np.ndarray, np.ndarray]:
+    """Hugging Face's get_vision_window_index for one image (t = 1) of rows × cols patches, m
+    the merge size, windows of w × w merged patches: (the patches' order (L,), indices into
+    the merge-block order of vision_positions; the window of each patch in that order (L,)).
+    The merged grid is padded to whole windows (a whole extra window row or column where it
+    divides, empty), windows taken row-major, each window's merged patches row-major, each
+    merged patch's m² patches together."""
+    gh, gw = rows // m, cols // m
+    index = np.arange(gh * gw).reshape(gh, gw)
+    padded = np.pad(index, ((0, w - gh % w), (0, w - gw % w)), constant_values=-1)
+    nh, nw = padded.shape[0] // w, padded.shape[1] // w
+    windows = padded.reshape(nh, w, nw, w).transpose(0, 2, 1, 3).reshape(nh * nw, w * w)
+    merged = windows[windows >= 0]
+    order = (merged[:, None] * m * m + np.arange(m * m)).reshape(-1)
+    counts = (windows >= 0).sum(axis=1)
+    return order, np.repeat(np.arange(len(counts)), counts * m * m)
 
 
 def vision_positions(rows, cols, m) -> np.ndarray:
@@ -54,12 +91,17 @@ def vision_positions(rows, cols, m) -> np.ndarray:
 
 def _qwen_draw(c):
     rows, cols = vision_grid(c)
-    return rows, cols, vision_positions(rows, cols, int(c.get("spatial_merge_size", 1)))
+    m, w = int(c.get("spatial_merge_size", 1)), merged_window(c)
+    positions = vision_positions(rows, cols, m)
+    if w is None:
+        return Image(rows, cols, positions)
+    order, windows = window_order(rows, cols, m, w)
+    return Image(rows, cols, positions[:, order], windows)
 
 
 def _qwen_inputs(c, b, length, positions, dtype):
     import torch
-    rows, cols = positions[:, 0]  # one image: its patches' grid
+    rows, cols = positions[:, 0]  # one image: its patches' grid (in any order)
     width = c.in_channels * c.temporal_patch_size * c.patch_size ** 2
     return {"hidden_states": torch.zeros((length, width), dtype=dtype),
             "grid_thw": torch.tensor([[1, int(rows.max()) + 1, int(cols.max()) + 1]])}
@@ -70,7 +112,7 @@ def _row_major(rows, cols):
 
 
 def _pixtral_draw(c):
-    return 2, 4, np.stack(_row_major(2, 4))
+    return Image(2, 4, np.stack(_row_major(2, 4)))
 
 
 def _pixtral_inputs(c, b, length, positions, dtype):
@@ -83,7 +125,7 @@ def _pixtral_inputs(c, b, length, positions, dtype):
 
 def _gemma4_draw(c):
     r, w = _row_major(2, 4)
-    return 2, 4, np.stack([w, r])
+    return Image(2, 4, np.stack([w, r]))
 
 
 def _gemma4_inputs(c, b, length, positions, dtype):
@@ -96,7 +138,8 @@ def _gemma4_inputs(c, b, length, positions, dtype):
 def _llama4_draw(c):
     side = int(c["image_size"]) // int(c["patch_size"])
     rows, cols = _row_major(side, side)
-    return side, side, np.concatenate([np.stack([cols + 1, rows + 1]), [[0], [0]]], axis=1)
+    return Image(side, side, np.concatenate([np.stack([cols + 1, rows + 1]), [[0], [0]]],
+                                            axis=1))
 
 
 def _llama4_inputs(c, b, length, positions, dtype):
