@@ -335,9 +335,12 @@ def _grouped_query_shapes(c):
         shapes["sinks"] = (h,)
     if c["relative_attention_num_buckets"] is not None:
         shapes["relative_attention_bias"] = (c["relative_attention_num_buckets"], h)
-    if c["relative_positions"] is not None:
+    _shaw(c)
+    if c["relative_positions"] == "transformer_xl":
         _transformer_xl(c)
         shapes.update(W_pos=(c["d_in"], h * dh), bias_u=(h, dh), bias_v=(h, dh))
+    if c["relative_positions"] == "shaw":
+        shapes["relative_key_table"] = (2 * c["relative_max_distance"] + 1, dh)
     return shapes
 
 
@@ -405,6 +408,22 @@ def _transformer_xl(c) -> None:
         raise ValueError(f"d_in should be even with relative_positions (the sinusoidal table's "
                          f"sin and cos pairs), got {c['d_in']}")
     for other in ("alibi", "relative_attention_num_buckets"):
+        if c[other] is not None:
+            raise ValueError(f"{other} should be None with relative_positions (one position "
+                             f"bias), got {c[other]!r}")
+
+
+def _shaw(c) -> None:
+    """Shaw's relative positions: relative_max_distance M (the table's rows: distances −M … M)
+    given with them and only with them, and they are the one position bias."""
+    far, shaw = c["relative_max_distance"], c["relative_positions"] == "shaw"
+    if shaw and far is None:
+        raise ValueError("relative_max_distance should be given with relative_positions='shaw' "
+                         "(the table's rows: distances −M … M), got None")
+    if not shaw and far is not None:
+        raise ValueError(f"relative_max_distance should be None unless relative_positions is "
+                         f"'shaw', got {far!r}")
+    for other in ("alibi", "relative_attention_num_buckets") if shaw else ():
         if c[other] is not None:
             raise ValueError(f"{other} should be None with relative_positions (one position "
                              f"bias), got {c[other]!r}")
@@ -584,11 +603,12 @@ _VARIANTS = [
              Arg("relative_attention_max_distance", _positive, 128),
              Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False),
              Arg("k_eq_v", _flag, False),
-             Arg("relative_positions", _relative_positions, None)),
+             Arg("relative_positions", _relative_positions, None),
+             Arg("relative_max_distance", _positive_or_none, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",
-                     "bias_v"),
+                     "bias_v", "relative_key_table"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",
