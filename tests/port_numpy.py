@@ -346,8 +346,8 @@ class GroupedQueryAttention(Module):
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, clip_qkv=None, v_norm=False,
-                 relative_positions=None, k_eq_v=False, relative_max_distance=None, *,
-                 core=None):
+                 relative_positions=None, k_eq_v=False, relative_max_distance=None,
+                 input_norm=None, input_norm_eps=1e-5, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         xl = relative_positions == "transformer_xl"
@@ -355,6 +355,9 @@ class GroupedQueryAttention(Module):
         self.bias_u, self.bias_v = (np.zeros((num_heads, dh)) if xl else None for _ in "uv")
         self.relative_key_table = (np.zeros((2 * relative_max_distance + 1, dh))
                                    if relative_positions == "shaw" else None)
+        self.input_norm_weight, self.input_norm_bias = (
+            (np.ones(d_in), np.zeros(d_in)) if input_norm else (None, None))
+        self.input_norm_eps = input_norm_eps
         self.relative_scale = dh ** -0.5 if scale is None else scale
         self.slopes = None if alibi is None else alibi_slopes(num_heads, alibi, alibi_bias_max)
         if alibi == "falcon":  # Falcon: ALiBi added before the scale
@@ -391,6 +394,11 @@ class GroupedQueryAttention(Module):
             positions = positions[..., None, :]  # (3, B, 1, L): the same for every head
         elif positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
+        if self.input_norm_weight is not None:  # Granite's pre_norm: LayerNorm over d_in
+            centred = x - x.mean(-1, keepdims=True)
+            x = centred / np.sqrt((centred * centred).mean(-1, keepdims=True)
+                                  + self.input_norm_eps).astype(x.dtype)
+            x = x * self.input_norm_weight.astype(x.dtype) + self.input_norm_bias.astype(x.dtype)
         q, k = self.q_proj(x), self.k_proj(x)
         v = k if self.v_proj is None else self.v_proj(x)
         if self.clip is not None:  # MPT's and OLMo's clip_qkv
@@ -472,7 +480,8 @@ class GroupedQueryAttention(Module):
     def mapping(self) -> dict:
         table = super().mapping()
         table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
-                                           "bias_u", "bias_v", "relative_key_table")
+                                           "bias_u", "bias_v", "relative_key_table",
+                                           "input_norm_weight", "input_norm_bias")
                       if getattr(self, n) is not None})
         return table
 

@@ -1,12 +1,12 @@
 """Shaw's relative positions in GroupedQueryAttention (``relative_positions="shaw"``,
 ``relative_max_distance`` M: one relative_key_table E (2M + 1, Dh) shared by the heads, the
 scores gaining scale · q_i·E[M + clip(p_i − j, −M, M)]): the float64 reference's term by hand and
-its backward against finite differences; both twins against the reference (output, weights and
+its backward against finite differences (with Granite's input norm); both twins against the reference (output, weights and
 every gradient, float64 and float32) in Granite Speech's blocks (attention_chunk_size,
-bidirectional) on right-padded rows; decoding with a KV cache; the JAX core's distance_query and
+bidirectional) on right-padded rows, with and without its pre_norm (input_norm="layer"); decoding with a KV cache; the JAX core's distance_query and
 distance_keys (the table reversed) against the (L, L) bias the reference forms, blockwise and
 explicit; a long sequence through blockwise; the lowered program of the JAX module holding no
-(L, L) array; bad settings. Granite's own modules are tests/test_hf_import_speech.py's.
+(L, L) array; bad settings, the input norm's included. Granite's own modules are tests/test_hf_import_speech.py's.
 
 Shape legend: B batch, L length, D model width (d_in), N heads, Nkv key-value heads, Dh head
 width, M relative_max_distance, C the block (attention_chunk_size).
@@ -60,7 +60,7 @@ def test_reference_gradients_match_finite_differences():
     # The loss Σ y⊙dy + Σ A⊙dA of the reference module (Granite's blocks, a padded row) against
     # central differences in every float input and parameter, the table included.
     rng, seed = fresh_rng()
-    config = dict(GRANITE, qkv_bias=True)
+    config = dict(GRANITE, qkv_bias=True, input_norm="layer", input_norm_eps=1e-3)
     params = _params(rng, config)
     inputs = {"x": rng.standard_normal((B, 7, D)),
               "query_seq_lengths": np.array([7, 5], np.int32)}
@@ -99,6 +99,7 @@ def test_reference_gradients_match_finite_differences():
 @pytest.mark.parametrize("framework", list(TWINS))
 @pytest.mark.parametrize("config", [
     pytest.param(GRANITE, id="granite_blocks"),
+    pytest.param(dict(GRANITE, input_norm="layer"), id="granite_input_norm"),
     pytest.param(dict(d_in=D, num_heads=N, num_kv_heads=NKV, head_dim=2, qkv_bias=True,
                       scale=0.7, rope_theta=50.0, relative_positions="shaw",
                       relative_max_distance=2), id="causal_rope_clipped"),
@@ -229,6 +230,11 @@ def test_the_modules_program_holds_no_length_squared_array():
      r"relative_max_distance should be None unless relative_positions is 'shaw', got 4"),
     (dict(relative_positions="transformer_xl", relative_max_distance=4),
      r"relative_max_distance should be None unless relative_positions is 'shaw', got 4"),
+    (dict(input_norm="rms"), r"input_norm should be None or one of 'layer', got 'rms'"),
+    (dict(input_norm_eps=1e-6),
+     r"input_norm_eps should be 1e-05 \(its default\) unless input_norm is set, got 1e-06"),
+    (dict(input_norm="layer", input_norm_eps=0.0),
+     r"input_norm_eps should be a positive number, got 0.0"),
     (dict(relative_positions="shaw", relative_max_distance=0),
      r"relative_max_distance should be a positive int, got 0"),
     (dict(relative_positions="shaw", relative_max_distance=2, alibi="bloom"),

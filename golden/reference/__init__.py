@@ -42,8 +42,9 @@ from golden.reference.core import (allowed_positions, masked_softmax, per_batch,
 from golden.reference.cross import (_cross, _cross_backward, _multi_head_cross,
                                     _multi_head_cross_backward)
 from golden.reference.latent import _latent, _latent_backward, latent_mscale, latent_rope_stage
-from golden.reference.modules import (_causal, _grouped_query, _multi_head,
-                                      _multi_head_backward, _sdpa, _self, _self_backward,
+from golden.reference.modules import (_causal, _grouped_query, _grouped_query_backward,
+                                      _multi_head, _multi_head_backward, _sdpa, _self,
+                                      _self_backward,
                                       _simple, _simple_backward, _wrapper, _wrapper_backward)
 from golden.reference.position_bias import (alibi_term, bucket_sums, relative_term,
                                             shaw_backward, shaw_term, sinusoid_term,
@@ -61,7 +62,7 @@ VARIANTS = {
     "cross_attention": (_cross, _cross_backward),
     "multi_head_attention_wrapper": (_wrapper, _wrapper_backward),
     "multi_head_attention": (_multi_head, _multi_head_backward),
-    "grouped_query_attention": (_grouped_query, _multi_head_backward),
+    "grouped_query_attention": (_grouped_query, _grouped_query_backward),
     "multi_head_cross_attention": (_multi_head_cross, _multi_head_cross_backward),
     "multi_head_latent_attention": (_latent, _latent_backward),
 }

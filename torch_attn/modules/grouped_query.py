@@ -66,7 +66,9 @@ class GroupedQueryAttention(nn.Module):
     embeddings, as IBM's Granite Speech Conformer has them: one learned relative_key_table E
     (2M + 1, Dh) shared by the heads, the scores gain scale · q_i·E[M + clip(p − j, −M, M)],
     query at p, key j; Granite's blocks of C frames are ``attention_chunk_size`` C with
-    ``causal=False``).
+    ``causal=False``); ``input_norm="layer"`` (Granite Speech's pre_norm inside its attention:
+    LayerNorm of x over d_in, input_norm_weight and input_norm_bias (d_in,), ε =
+    ``input_norm_eps``, before every projection).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -90,7 +92,8 @@ class GroupedQueryAttention(nn.Module):
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, clip_qkv=None, v_norm=False, k_eq_v=False,
-                 relative_positions=None, relative_max_distance=None):
+                 relative_positions=None, relative_max_distance=None, input_norm=None,
+                 input_norm_eps=1e-5):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -108,7 +111,8 @@ class GroupedQueryAttention(nn.Module):
                               relative_attention_max_distance=relative_attention_max_distance,
                               clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
                               relative_positions=relative_positions,
-                              relative_max_distance=relative_max_distance)
+                              relative_max_distance=relative_max_distance,
+                              input_norm=input_norm, input_norm_eps=input_norm_eps)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
@@ -141,6 +145,10 @@ class GroupedQueryAttention(nn.Module):
                                    "bias_u", "bias_v"))
         self.relative_key_table = (nn.Parameter(torch.zeros(shapes["relative_key_table"]))
                                    if "relative_key_table" in shapes else None)  # Shaw's
+        self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in), w = 1, b = 0
+        self.input_norm_weight, self.input_norm_bias = (
+            nn.Parameter(torch.full(shapes[n], 1.0 if n.endswith("weight") else 0.0))
+            if n in shapes else None for n in ("input_norm_weight", "input_norm_bias"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -168,6 +176,8 @@ class GroupedQueryAttention(nn.Module):
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
                        cache.key.shape[2], x.shape[-2])
+        if self.input_norm_weight is not None:  # Granite Speech's pre_norm
+            x = self._input_norm(x)
         q, k = (self._clip(p(x)) for p in (self.W_query, self.W_key))
         v = k if self.W_value is None else self._clip(self.W_value(x))  # k_eq_v: K's projection
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
@@ -287,6 +297,15 @@ class GroupedQueryAttention(nn.Module):
         index = distance_index(2 * span + 1, torch.arange(keys, device=q.device), pos)
         index = index.unsqueeze(-3).expand(products.shape[:-1] + (keys,))  # (..., N, L, Lk)
         return q + self.bias_u.to(q.dtype)[:, None, :], products.gather(-1, index)
+
+    def _input_norm(self, x):
+        """LayerNorm of x (..., L, d_in) over d_in, times input_norm_weight plus input_norm_bias,
+        in at least float32 and rounded once to x's dtype."""
+        compute = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
+        y = qk_normalize(x.to(compute), "layer", self.input_norm_weight.to(compute),
+                         self.input_norm_eps, mean=lambda a: a.mean(-1, keepdim=True),
+                         rsqrt=torch.rsqrt)
+        return (y + self.input_norm_bias.to(compute)).to(x.dtype)
 
     def _shaw(self, q, keys, offset):
         """Shaw's relative positions: the core's bias (..., N, L, Lk) scale · q_i·E[M +
