@@ -346,14 +346,19 @@ class GroupedQueryAttention(Module):
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
-                 clip_qkv=None, v_norm=False,
-                 relative_positions=None, k_eq_v=False, *,
+                 clip_qkv=None, v_norm=False, relative_positions=None, k_eq_v=False,
+                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5, *,
                  core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
-        self.pos_proj = Linear(d_in, num_heads * dh, False) if relative_positions else None
-        self.bias_u, self.bias_v = (np.zeros((num_heads, dh)) if relative_positions else None
-                                    for _ in "uv")
+        xl = relative_positions == "transformer_xl"
+        self.pos_proj = Linear(d_in, num_heads * dh, False) if xl else None
+        self.bias_u, self.bias_v = (np.zeros((num_heads, dh)) if xl else None for _ in "uv")
+        self.relative_key_table = (np.zeros((2 * relative_max_distance + 1, dh))
+                                   if relative_positions == "shaw" else None)
+        self.input_norm_weight, self.input_norm_bias = (
+            (np.ones(d_in), np.zeros(d_in)) if input_norm else (None, None))
+        self.input_norm_eps = input_norm_eps
         self.relative_scale = dh ** -0.5 if scale is None else scale
         self.slopes = None if alibi is None else alibi_slopes(num_heads, alibi, alibi_bias_max)
         if alibi == "falcon":  # Falcon: ALiBi added before the scale
@@ -390,6 +395,11 @@ class GroupedQueryAttention(Module):
             positions = positions[..., None, :]  # (3, B, 1, L): the same for every head
         elif positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
+        if self.input_norm_weight is not None:  # Granite's pre_norm: LayerNorm over d_in
+            centred = x - x.mean(-1, keepdims=True)
+            x = centred / np.sqrt((centred * centred).mean(-1, keepdims=True)
+                                  + self.input_norm_eps).astype(x.dtype)
+            x = x * self.input_norm_weight.astype(x.dtype) + self.input_norm_bias.astype(x.dtype)
         q, k = self.q_proj(x), self.k_proj(x)
         v = k if self.v_proj is None else self.v_proj(x)
         if self.clip is not None:  # MPT's and OLMo's clip_qkv
@@ -425,6 +435,8 @@ class GroupedQueryAttention(Module):
         if self.pos_proj is not None:  # Transformer-XL: q + u · k, q + v · W_pos R(i − j)
             bias = self.transformer_xl(q + self.bias_v[:, None, :].astype(q.dtype))
             q = q + self.bias_u[:, None, :].astype(q.dtype)
+        if self.relative_key_table is not None:  # Shaw: q_i · E[M + clip(i − j, −M, M)]
+            bias = self.shaw(q)
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **self.attend,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
@@ -447,6 +459,14 @@ class GroupedQueryAttention(Module):
         keys = _split(self.pos_proj(table.astype(qv.dtype)), qv.shape[-3])  # (L, N, L, Dh)
         return (self.relative_scale * np.einsum("...nid,injd->...nij", qv, keys)).astype(qv.dtype)
 
+    def shaw(self, q):
+        """scale · q_i·E[M + clip(i − j, −M, M)] (..., N, L, L), E the relative_key_table
+        (2M + 1, Dh): every pair's own row."""
+        length, span = q.shape[-2], (self.relative_key_table.shape[0] - 1) // 2
+        t = np.clip(np.arange(length)[:, None] - np.arange(length), -span, span)  # (L, L)
+        rows = self.relative_key_table[t + span].astype(q.dtype)  # (L, L, Dh)
+        return (self.relative_scale * np.einsum("...nid,ijd->...nij", q, rows)).astype(q.dtype)
+
     def norm(self, t, weight):
         """The QK norm over t's last axis: (t − mean) / √(mean((t − mean)²) + ε) for LayerNorm,
         t / √(mean(t²) + ε) otherwise; times the weight (1 + weight for Gemma's)."""
@@ -461,7 +481,9 @@ class GroupedQueryAttention(Module):
     def mapping(self) -> dict:
         table = super().mapping()
         table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
-                                           "bias_u", "bias_v") if getattr(self, n) is not None})
+                                           "bias_u", "bias_v", "relative_key_table",
+                                           "input_norm_weight", "input_norm_bias")
+                      if getattr(self, n) is not None})
         return table
 
 

@@ -205,8 +205,8 @@ def test_a_long_sequence_runs_blockwise_and_equals_torch():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(relative_positions="shaw"),
-     r"relative_positions should be None or one of 'transformer_xl', got 'shaw'"),
+    (dict(relative_positions="t5"),
+     r"relative_positions should be None or one of 'transformer_xl', 'shaw', got 't5'"),
     (dict(relative_positions=XL, d_in=5),
      r"d_in should be even with relative_positions \(the sinusoidal table's sin and cos "
      r"pairs\), got 5"),

@@ -15,7 +15,7 @@ The rooms, each importing only those above it:
     storage        what a fixture stores: values rounded once, gradients zero by structure
     rotary         RoPE: every rope_type's frequencies, angles, the turn of pairs
     position_bias  ALiBi's and T5's score biases, the bucket table's gradient, Transformer-XL's
-                   relative positional term and its gradients
+                   relative positional term and Shaw's relative key term, with their gradients
     block          projections, heads split and merged, the Stage contract, the generic block
                    (output gate, clip_qkv) forward and backward
     stages         the decoder's stages on q and k: RoPE, the QK norms, the query temperature
@@ -42,12 +42,13 @@ from golden.reference.core import (allowed_positions, masked_softmax, per_batch,
 from golden.reference.cross import (_cross, _cross_backward, _multi_head_cross,
                                     _multi_head_cross_backward)
 from golden.reference.latent import _latent, _latent_backward, latent_mscale, latent_rope_stage
-from golden.reference.modules import (_causal, _grouped_query, _multi_head,
-                                      _multi_head_backward, _sdpa, _self, _self_backward,
+from golden.reference.modules import (_causal, _grouped_query, _grouped_query_backward,
+                                      _multi_head, _multi_head_backward, _sdpa, _self,
+                                      _self_backward,
                                       _simple, _simple_backward, _wrapper, _wrapper_backward)
 from golden.reference.position_bias import (alibi_term, bucket_sums, relative_term,
-                                            sinusoid_term, transformer_xl_backward,
-                                            transformer_xl_term)
+                                            shaw_backward, shaw_term, sinusoid_term,
+                                            transformer_xl_backward, transformer_xl_term)
 from golden.reference.rotary import rope_angles, rope_cos_sin, rope_frequencies, rotate, turn
 from golden.reference.stages import (qk_norm_stage, rope_stage, temperature_factors,
                                      temperature_stage)
@@ -61,7 +62,7 @@ VARIANTS = {
     "cross_attention": (_cross, _cross_backward),
     "multi_head_attention_wrapper": (_wrapper, _wrapper_backward),
     "multi_head_attention": (_multi_head, _multi_head_backward),
-    "grouped_query_attention": (_grouped_query, _multi_head_backward),
+    "grouped_query_attention": (_grouped_query, _grouped_query_backward),
     "multi_head_cross_attention": (_multi_head_cross, _multi_head_cross_backward),
     "multi_head_latent_attention": (_latent, _latent_backward),
 }
@@ -73,8 +74,9 @@ __all__ = [
     "merge_heads", "number", "number_type", "per_batch", "qk_norm_stage", "real",
     "relative_term", "repeat_kv", "rope_angles", "rope_cos_sin", "rope_frequencies",
     "rope_stage", "rotate", "round_to_bits", "rounded_products", "scaled_dot_product_attention",
-    "sdpa_backward", "sdpa_forward", "sdpa_term_sizes", "sink_logits", "sinusoid_term",
-    "split_heads", "stored", "sum_groups", "temperature_factors", "temperature_stage",
+    "sdpa_backward", "sdpa_forward", "sdpa_term_sizes", "shaw_backward", "shaw_term",
+    "sink_logits", "sinusoid_term", "split_heads", "stored", "sum_groups", "temperature_factors",
+    "temperature_stage",
     "transformer_xl_backward", "transformer_xl_term", "turn", "unbroadcast",
     "zero_elements", "zero_grads",
 ]

@@ -23,8 +23,8 @@ import numpy as np
 from golden.reference.arithmetic import einsum, number, real
 from golden.reference.core import sdpa_backward, sdpa_forward
 from golden.reference.norms import normalize, normalize_backward
-from golden.reference.position_bias import (bucket_sums, transformer_xl_backward,
-                                            transformer_xl_term)
+from golden.reference.position_bias import (bucket_sums, shaw_backward, shaw_term,
+                                            transformer_xl_backward, transformer_xl_term)
 
 
 def linear(x, w, b=None):
@@ -70,7 +70,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate), sinks, and W_pos, bias_u
     and bias_v (Transformer-XL's relative positions: golden.reference.transformer_xl_term,
-    after the stages). Key and value
+    after the stages), or relative_key_table (Shaw's: golden.reference.shaw_term, after the
+    stages). Key and value
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
     ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
@@ -100,6 +101,11 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         scale = core.get("scale")
         scale = number(1) / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
         q, core["bias"], relative = transformer_xl_term(q, p, scale)
+    shaw = None
+    if "relative_key_table" in p:  # Shaw's: the core's bias scale · q_i·E[M + clip(i − j)]
+        scale = core.get("scale")
+        scale = number(1) / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
+        core["bias"], shaw = shaw_term(q, p["relative_key_table"], scale)
     head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
     if "sinks" in p:
         core["sinks"] = p["sinks"]
@@ -113,7 +119,7 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
                  merged=merged, gate=gate, attn=attn, inside=inside, v_normed=v_normed,
-                 relative=relative)
+                 relative=relative, shaw=shaw)
     return y, weights, saved
 
 
@@ -140,6 +146,10 @@ def block_backward(saved, d_y, d_weights):
         g["query"], g_params = transformer_xl_backward(saved["relative"], p, g["query"],
                                                        g["bias"])
         grads.update(g_params)
+    if saved.get("shaw") is not None:  # Shaw's term, after the stages
+        g_q, grads["relative_key_table"] = shaw_backward(saved["shaw"], p["relative_key_table"],
+                                                         g["bias"])
+        g["query"] = g["query"] + g_q
     for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
         g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])
         grads.update(g_params)

@@ -19,6 +19,7 @@ from golden.specification.decoder import sliding_window
 from golden.reference.arithmetic import number, real
 from golden.reference.block import block_backward, block_forward
 from golden.reference.core import sdpa_backward, sdpa_forward
+from golden.reference.norms import normalize, normalize_backward
 from golden.reference.position_bias import alibi_term, relative_term
 from golden.reference.rotary import rope_cos_sin
 from golden.specification.positions import rope_blocks
@@ -113,7 +114,9 @@ def _grouped_query(config, inputs, params):
     (golden.specification.variants.QK_NORMS says which norm runs before RoPE and which after); sinks
     and the output gate when the parameters hold them; ALiBi's or T5's bias (alibi_term,
     relative_term, the table's gradient by bucket_sums), or Transformer-XL's relative positions
-    (W_pos, bias_u, bias_v: transformer_xl_term, in block_forward); the padding past
+    (W_pos, bias_u, bias_v: transformer_xl_term, in block_forward) or Shaw's
+    (relative_key_table: shaw_term, in block_forward); the input norm (input_norm: LayerNorm
+    of x before every projection, _input_norm); the padding past
     query_seq_lengths neither querying nor attended."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
     num_heads, kind = c["num_heads"], c["qk_norm"]
@@ -150,6 +153,7 @@ def _grouped_query(config, inputs, params):
     if c["relative_attention_num_buckets"] is not None:
         core["bias"], buckets = relative_term(c, x.shape[-2], params["relative_attention_bias"])
     causal = c.get("causal", True)
+    x, normed = _input_norm(c, x, params)  # Granite Speech's pre_norm, before the projections
     y, weights, saved = block_forward(
         x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"], stages=stages,
         mask=inputs.get("mask"), is_causal=causal, scale=c.get("scale"), softcap=c.get("softcap"),
@@ -159,4 +163,27 @@ def _grouped_query(config, inputs, params):
         dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"],
         v_norm=number(c["qk_norm_eps"]) if c.get("v_norm") else None, **core)
     saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
+    saved["input_norm"] = normed
     return y, weights, saved
+
+
+def _input_norm(c, x, params):
+    """(x normed, saved) for the projections: LayerNorm over d_in with input_norm_weight and
+    input_norm_bias, ε = input_norm_eps (Granite Speech's pre_norm); (x, None) without."""
+    if c.get("input_norm") is None:
+        return x, None
+    y, saved = normalize("layer", real(x), real(params["input_norm_weight"]),
+                         number(c["input_norm_eps"]))
+    return y + real(params["input_norm_bias"]), saved
+
+
+def _grouped_query_backward(saved, d_y, d_weights):
+    """_multi_head_backward, then through the input norm when there is one: its weight's and
+    bias's gradients summed over the leading axes."""
+    g = _multi_head_backward(saved, d_y, d_weights)
+    if saved.get("input_norm") is not None:
+        lead = tuple(range(g["x"].ndim - 1))
+        g["input_norm_bias"] = g["x"].sum(axis=lead)
+        g["x"], g_w = normalize_backward("layer", saved["input_norm"], g["x"])
+        g["input_norm_weight"] = g_w.sum(axis=lead)
+    return g

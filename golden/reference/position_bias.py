@@ -2,11 +2,14 @@
 before the softmax. ALiBi's linear distance penalty (no parameter), T5's learned table read at
 the bucket of each distance, with the table's gradient, and Transformer-XL's relative positional
 term, a product of each query with a projected sinusoidal table of distances, with the
-gradients of its query, its biases u and v and its projection.
+gradients of its query, its biases u and v and its projection; Shaw's relative key term, each
+query's product with a learned table of clipped distances, with the gradients of its query
+and its table.
 
 Shape legend: N heads, L sequence length (query i and key j both in token order), num_buckets
 the rows of T5's table (num_buckets, N), Dh head width, d the model width (d_in), S = L − 1
-the farthest distance (2S + 1 rows of a table over distances −S … S).
+the farthest distance (2S + 1 rows of a table over distances −S … S); M Shaw's
+relative_max_distance (its table (2M + 1, Dh) over the query − key distances −M … M).
 """
 
 from __future__ import annotations
@@ -101,3 +104,33 @@ def transformer_xl_backward(saved, p, g_query, g_bias):
     per_head = lambda g: g.reshape((-1,) + g.shape[-3:]).sum(axis=(0, 2))  # noqa: E731 (N, Dh)
     return g_query + g_qv, {"bias_u": per_head(g_query), "bias_v": per_head(g_qv),
                             "W_pos": g_w}
+
+
+# Shaw et al. 2018 (Hugging Face's GraniteSpeechConformerAttention): with q the query heads the
+# core sees and E (2M + 1, Dh) one learned table shared by every head, the scores are
+#     s_ij = scale · q_i·k_j + scale · q_i·E[M + clip(i − j, −M, M)]
+# the first by the core, the second a bias (N, L, L) beside it (row M + t: query − key = t).
+
+
+def shaw_term(q, table, scale):
+    """(the bias (..., N, L, L), saved) for the query heads q (..., N, L, Dh) and the table
+    (2M + 1, Dh): scale · q_i·E[M + clip(i − j, −M, M)]."""
+    span, length = (table.shape[0] - 1) // 2, q.shape[-2]
+    index = span + np.clip(np.arange(length)[:, None] - np.arange(length)[None, :],
+                           -span, span)  # (L, L): M + clip(i − j)
+    gathered = table[index]  # (L, L, Dh)
+    return scale * einsum("...nid,ijd->...nij", q, gathered), (q, gathered, index, scale)
+
+
+def shaw_backward(saved, table, g_bias):
+    """(dL/dq (..., N, L, Dh), dL/dE (2M + 1, Dh)) of shaw_term from the gradient of its bias
+    (..., N, L, L): each table row's gradient summed over the heads and the query–key pairs at
+    its clipped distance, in index order."""
+    q, gathered, index, scale = saved
+    g_q = scale * einsum("...nij,ijd->...nid", g_bias, gathered)
+    flat_g = g_bias.reshape((-1,) + g_bias.shape[-3:])  # (B·N…, N, L, L)
+    flat_q = q.reshape((-1,) + q.shape[-3:])  # (B, N, L, Dh)
+    g_gathered = scale * einsum("bnij,bnid->ijd", flat_g, flat_q)  # (L, L, Dh)
+    g_table = real(np.zeros(table.shape))
+    np.add.at(g_table, index, g_gathered)
+    return g_q, g_table

@@ -455,6 +455,30 @@ CASES += [
           "scale": 0.4, "relative_positions": "transformer_xl"}),
 ]
 
+# Shaw's relative positions (issue 41, Granite Speech's Conformer): one relative_key_table
+# (2M + 1, Dh) for every head; Granite's layout (blocks of C = 3 frames: attention_chunk_size,
+# bidirectional; no q/k/v bias, an output bias; M = 4 > C) on right-padded rows of a length not
+# a multiple of C, and unbatched with grouped heads, causal, a mask, a scale and distances past
+# M clipped; Granite's pre_norm inside the attention (input_norm: LayerNorm of x, weight and
+# bias, before the projections).
+CASES += [
+    Case("gqa_shaw_blocks_padding", GQA, 461,
+         {"x": ("normal", (2, 7, 6)), "query_seq_lengths": _ints([7, 5])},
+         {"d_in": 6, "num_heads": 3, "num_kv_heads": 3, "head_dim": 4, "d_out": 6,
+          "out_bias": True, "causal": False, "attention_chunk_size": 3,
+          "relative_positions": "shaw", "relative_max_distance": 4}),
+    Case("gqa_shaw_unbatched", GQA, 462,
+         {"x": ("normal", (6, 5)), "mask": ("mask", (6, 6), 0.8, ())},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3, "d_out": 4,
+          "qkv_bias": True, "scale": 0.4, "relative_positions": "shaw",
+          "relative_max_distance": 2}),
+    Case("gqa_shaw_granite_input_norm", GQA, 463,
+         {"x": ("normal", (2, 5, 6)), "query_seq_lengths": _ints([5, 4])},
+         {"d_in": 6, "num_heads": 2, "num_kv_heads": 2, "head_dim": 3, "out_bias": True,
+          "causal": False, "attention_chunk_size": 2, "relative_positions": "shaw",
+          "relative_max_distance": 3, "input_norm": "layer", "input_norm_eps": 1e-3}),
+]
+
 # Gemma 4's full-attention layers (issues 41-42): no value projection (k_eq_v: the values are
 # the key projection's heads, RMS-normalised without weight, v_norm), QK norms with weight,
 # scale 1, proportional RoPE with a quarter of the pairs turning; and a sliding layer's options.

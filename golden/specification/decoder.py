@@ -142,7 +142,10 @@ def relative_bias(table, buckets, *, moveaxis):
 # Transformer-XL's relative positional attention (Dai et al. 2019, section 3.3), as NVIDIA's
 # FastConformer encoders use it (Hugging Face's ParakeetEncoderAttention): a content bias u and a
 # position bias v per head, and the keys of each distance projected from a sinusoidal table.
-RELATIVE_POSITIONS = ("transformer_xl",)
+# Shaw et al. (2018)'s relative key embeddings, as IBM's Granite Speech Conformer has them: one
+# learned table E (2M + 1, Dh) shared by every head, the score of query i and key j gaining
+# scale · q_i · E[M + clip(p_i − j, −M, M)] (relative_max_distance M).
+RELATIVE_POSITIONS = ("transformer_xl", "shaw")
 SINUSOID_BASE = 10000.0
 
 

@@ -341,9 +341,13 @@ def _grouped_query_shapes(c):
         shapes["sinks"] = (h,)
     if c["relative_attention_num_buckets"] is not None:
         shapes["relative_attention_bias"] = (c["relative_attention_num_buckets"], h)
-    if c["relative_positions"] is not None:
+    _shaw(c)
+    if c["relative_positions"] == "transformer_xl":
         _transformer_xl(c)
         shapes.update(W_pos=(c["d_in"], h * dh), bias_u=(h, dh), bias_v=(h, dh))
+    if c["relative_positions"] == "shaw":
+        shapes["relative_key_table"] = (2 * c["relative_max_distance"] + 1, dh)
+    shapes.update(_input_norm_shapes(c))
     return shapes
 
 
@@ -427,6 +431,44 @@ def _transformer_xl(c) -> None:
         if c[other] is not None:
             raise ValueError(f"{other} should be None with relative_positions (one position "
                              f"bias), got {c[other]!r}")
+
+
+def _shaw(c) -> None:
+    """Shaw's relative positions: relative_max_distance M (the table's rows: distances −M … M)
+    given with them and only with them, and they are the one position bias."""
+    far, shaw = c["relative_max_distance"], c["relative_positions"] == "shaw"
+    if shaw and far is None:
+        raise ValueError("relative_max_distance should be given with relative_positions='shaw' "
+                         "(the table's rows: distances −M … M), got None")
+    if not shaw and far is not None:
+        raise ValueError(f"relative_max_distance should be None unless relative_positions is "
+                         f"'shaw', got {far!r}")
+    for other in ("alibi", "relative_attention_num_buckets") if shaw else ():
+        if c[other] is not None:
+            raise ValueError(f"{other} should be None with relative_positions (one position "
+                             f"bias), got {c[other]!r}")
+
+
+# The norm of the module's input before its projections (Granite Speech's pre_norm inside its
+# attention): kind -> an example family. "layer": LayerNorm over d_in with weight and bias.
+INPUT_NORMS = {"layer": "Granite Speech's Conformer attention: LayerNorm(d_in), weight and bias"}
+
+
+def _input_norm(name, kind) -> None:
+    if kind is not None and kind not in INPUT_NORMS:
+        raise ValueError(f"{name} should be None or one of {', '.join(map(repr, INPUT_NORMS))}, "
+                         f"got {kind!r}")
+
+
+def _input_norm_shapes(c) -> dict:
+    """input_norm_weight and input_norm_bias (d_in,) with input_norm; input_norm_eps left at its
+    default without."""
+    if c["input_norm"] is None:
+        if c["input_norm_eps"] != 1e-5:
+            raise ValueError(f"input_norm_eps should be 1e-05 (its default) unless input_norm "
+                             f"is set, got {c['input_norm_eps']!r}")
+        return {}
+    return {"input_norm_weight": (c["d_in"],), "input_norm_bias": (c["d_in"],)}
 
 
 def latent_rope(c):
@@ -604,11 +646,13 @@ _VARIANTS = [
              Arg("relative_attention_buckets", _bucket_rule, "t5"),
              Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False),
              Arg("k_eq_v", _flag, False),
-             Arg("relative_positions", _relative_positions, None)),
+             Arg("relative_positions", _relative_positions, None),
+             Arg("relative_max_distance", _positive_or_none, None),
+             Arg("input_norm", _input_norm, None), Arg("input_norm_eps", _epsilon, 1e-5)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",
-                     "bias_v"),
+                     "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",

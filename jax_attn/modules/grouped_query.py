@@ -45,7 +45,10 @@ class GroupedQueryAttention(_Variant):
     Options: as torch_attn.GroupedQueryAttention's (docs/modules.md), ``clip_qkv`` c included
     (MPT, OLMo: q, k and v clamped to [−c, c] after their projections), and
     ``relative_positions="transformer_xl"`` (Transformer-XL's relative positional attention:
-    bias_u, bias_v (N, Dh), W_pos (d_in, N·Dh); ``_relative``).
+    bias_u, bias_v (N, Dh), W_pos (d_in, N·Dh); ``_relative``) or ``"shaw"`` with
+    ``relative_max_distance`` M (Shaw's relative key embeddings: relative_key_table (2M + 1,
+    Dh) shared by the heads; ``_shaw``), ``input_norm="layer"`` (LayerNorm of x before the
+    projections, input_norm_weight and input_norm_bias (d_in,), ε = ``input_norm_eps``).
 
     With ``cache`` (from ``init_cache``, a pytree), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there (a scatter, in place when the
@@ -68,8 +71,9 @@ class GroupedQueryAttention(_Variant):
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
-                 clip_qkv=None, v_norm=False, k_eq_v=False,
-                 relative_positions=None, *, rngs, precision=DEFAULT_PRECISION):
+                 clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
+                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5, *, rngs,
+                 precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
@@ -85,7 +89,9 @@ class GroupedQueryAttention(_Variant):
                         relative_attention_max_distance=relative_attention_max_distance,
                         relative_attention_buckets=relative_attention_buckets,
                         clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
-                        relative_positions=relative_positions)
+                        relative_positions=relative_positions,
+                        relative_max_distance=relative_max_distance,
+                        input_norm=input_norm, input_norm_eps=input_norm_eps)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
@@ -110,8 +116,8 @@ class GroupedQueryAttention(_Variant):
                         else _linear(d_in, kv_width, qkv_bias, rngs, precision))
         self.W_gate = _linear(d_in, width, qkv_bias, rngs, precision) if output_gate else None
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
-        self.W_pos = (_linear(d_in, width, False, rngs, precision) if relative_positions
-                      else None)
+        self.W_pos = (_linear(d_in, width, False, rngs, precision)
+                      if relative_positions == "transformer_xl" else None)
         shapes = VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
@@ -121,6 +127,12 @@ class GroupedQueryAttention(_Variant):
                          if n in shapes else None
                          for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
                                    "bias_u", "bias_v"))
+        self.relative_key_table = (nnx.Param(jnp.zeros(shapes["relative_key_table"]))
+                                   if "relative_key_table" in shapes else None)  # Shaw's
+        self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in), w = 1, b = 0
+        self.input_norm_weight, self.input_norm_bias = (
+            nnx.Param(jnp.full(shapes[n], 1.0 if n.endswith("weight") else 0.0))
+            if n in shapes else None for n in ("input_norm_weight", "input_norm_bias"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -170,6 +182,8 @@ class GroupedQueryAttention(_Variant):
                              temperature=self.query_temperature is not None)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
+        if self.input_norm_weight is not None:  # Granite Speech's pre_norm
+            x = self._input_norm(x)
         q, k = (self._clip(p(x)) for p in (self.W_query, self.W_key))
         v = k if self.W_value is None else self._clip(self.W_value(x))  # k_eq_v: K's projection
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
@@ -201,6 +215,8 @@ class GroupedQueryAttention(_Variant):
         relative = {}
         if self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
             q, relative = self._relative(q, k.shape[-2])
+        if self.relative_key_table is not None:  # Shaw's: the position term, per block
+            relative = self._shaw(q)
         o = scaled_dot_product_attention(
             q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]), **relative,
             is_causal=self.causal, scale=self.scale, softcap=self.softcap,
@@ -278,6 +294,27 @@ class GroupedQueryAttention(_Variant):
         u = self.bias_u.get_value().astype(q.dtype)[:, None, :]
         return q + u, {"distance_query": qv * scale,
                        "distance_keys": jnp.swapaxes(e, 0, 1)}  # (N, 2S + 1, Dh)
+
+    def _input_norm(self, x):
+        """LayerNorm of x (..., L, d_in) over d_in, times input_norm_weight plus input_norm_bias,
+        in at least float32 and rounded once to x's dtype."""
+        compute = jnp.promote_types(x.dtype, jnp.float32)
+        y = qk_normalize(x.astype(compute), "layer",
+                         self.input_norm_weight.get_value().astype(compute), self.input_norm_eps,
+                         mean=lambda a: a.mean(-1, keepdims=True), rsqrt=jax.lax.rsqrt)
+        return (y + self.input_norm_bias.get_value().astype(compute)).astype(x.dtype)
+
+    def _shaw(self, q):
+        """Shaw's relative positions, as torch_attn's: the core's ``distance_query`` scale · q
+        (..., N, L, Dh) and ``distance_keys`` the relative_key_table E (2M + 1, Dh) reversed,
+        one for every head (N, 2M + 1, Dh), both in at least float32: the core adds (scale ·
+        q_i)·E[M + clip(p_i − j, −M, M)] (row M + clip(j − p_i) of E reversed), query i at p_i
+        = offset + i and key j in token order, per block in "blockwise": no (L, Lk) bias."""
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        table = self.relative_key_table.get_value().astype(compute)[::-1]  # key − query order
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        return {"distance_query": q.astype(compute) * scale,
+                "distance_keys": jnp.broadcast_to(table, (self.num_heads,) + table.shape)}
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +

@@ -63,7 +63,14 @@ class GroupedQueryAttention(nn.Module):
     encoders have it: Parakeet, Canary; learned bias_u and bias_v (N, Dh) and W_pos (d_in,
     N·Dh), scores scale · ((q_i + u)·k_j + (q_i + v)·r(j − p)), r(d) the head's slice of W_pos
     applied to the sinusoidal encoding of the distance query − key = −d,
-    golden.specification.decoder.sinusoid_table; q after RoPE, the QK norm and the temperature).
+    golden.specification.decoder.sinusoid_table; q after RoPE, the QK norm and the temperature);
+    ``relative_positions="shaw"`` with ``relative_max_distance`` M (Shaw et al.'s relative key
+    embeddings, as IBM's Granite Speech Conformer has them: one learned relative_key_table E
+    (2M + 1, Dh) shared by the heads, the scores gain scale · q_i·E[M + clip(p − j, −M, M)],
+    query at p, key j; Granite's blocks of C frames are ``attention_chunk_size`` C with
+    ``causal=False``); ``input_norm="layer"`` (Granite Speech's pre_norm inside its attention:
+    LayerNorm of x over d_in, input_norm_weight and input_norm_bias (d_in,), ε =
+    ``input_norm_eps``, before every projection).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -87,8 +94,8 @@ class GroupedQueryAttention(nn.Module):
                  partial_rotary_factor=1.0, rope_precision="exact", alibi=None,
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
-                 clip_qkv=None, v_norm=False, k_eq_v=False,
-                 relative_positions=None):
+                 clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
+                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -106,7 +113,9 @@ class GroupedQueryAttention(nn.Module):
                               relative_attention_max_distance=relative_attention_max_distance,
                               relative_attention_buckets=relative_attention_buckets,
                               clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
-                              relative_positions=relative_positions)
+                              relative_positions=relative_positions,
+                              relative_max_distance=relative_max_distance,
+                              input_norm=input_norm, input_norm_eps=input_norm_eps)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
@@ -127,7 +136,8 @@ class GroupedQueryAttention(nn.Module):
             d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.W_gate = nn.Linear(d_in, width, bias=qkv_bias) if output_gate else None
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
-        self.W_pos = nn.Linear(d_in, width, bias=False) if relative_positions else None
+        self.W_pos = (nn.Linear(d_in, width, bias=False)
+                      if relative_positions == "transformer_xl" else None)
         shapes = variants.VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
@@ -137,6 +147,12 @@ class GroupedQueryAttention(nn.Module):
                          if n in shapes else None
                          for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
                                    "bias_u", "bias_v"))
+        self.relative_key_table = (nn.Parameter(torch.zeros(shapes["relative_key_table"]))
+                                   if "relative_key_table" in shapes else None)  # Shaw's
+        self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in), w = 1, b = 0
+        self.input_norm_weight, self.input_norm_bias = (
+            nn.Parameter(torch.full(shapes[n], 1.0 if n.endswith("weight") else 0.0))
+            if n in shapes else None for n in ("input_norm_weight", "input_norm_bias"))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -164,6 +180,8 @@ class GroupedQueryAttention(nn.Module):
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
                        cache.key.shape[2], x.shape[-2])
+        if self.input_norm_weight is not None:  # Granite Speech's pre_norm
+            x = self._input_norm(x)
         q, k = (self._clip(p(x)) for p in (self.W_query, self.W_key))
         v = k if self.W_value is None else self._clip(self.W_value(x))  # k_eq_v: K's projection
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
@@ -200,6 +218,8 @@ class GroupedQueryAttention(nn.Module):
         bias = self._position_bias(q, k.shape[-2], offset)
         if self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
             q, bias = self._relative(q, k.shape[-2], offset)
+        if self.relative_key_table is not None:  # Shaw's: the position term as the core's bias
+            bias = self._shaw(q, k.shape[-2], offset)
         o = scaled_dot_product_attention(
             q, k, v, head_mask, bias, is_causal=self.causal, scale=self.scale,
             softcap=self.softcap,
@@ -281,6 +301,32 @@ class GroupedQueryAttention(nn.Module):
         index = distance_index(2 * span + 1, torch.arange(keys, device=q.device), pos)
         index = index.unsqueeze(-3).expand(products.shape[:-1] + (keys,))  # (..., N, L, Lk)
         return q + self.bias_u.to(q.dtype)[:, None, :], products.gather(-1, index)
+
+    def _input_norm(self, x):
+        """LayerNorm of x (..., L, d_in) over d_in, times input_norm_weight plus input_norm_bias,
+        in at least float32 and rounded once to x's dtype."""
+        compute = torch.float32 if x.dtype in LOW_PRECISION else x.dtype
+        y = qk_normalize(x.to(compute), "layer", self.input_norm_weight.to(compute),
+                         self.input_norm_eps, mean=lambda a: a.mean(-1, keepdim=True),
+                         rsqrt=torch.rsqrt)
+        return (y + self.input_norm_bias.to(compute)).to(x.dtype)
+
+    def _shaw(self, q, keys, offset):
+        """Shaw's relative positions: the core's bias (..., N, L, Lk) scale · q_i·E[M +
+        clip(p − j, −M, M)] for query i at p = offset + i and key j in token order, E the
+        relative_key_table (2M + 1, Dh) shared by every head (row M + t: query − key = t); the
+        products (..., N, L, 2M + 1) in at least float32, gathered at each key's distance
+        (the table reversed: row M + clip(j − p) of E[::-1] is E's at p − j)."""
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        table = self.relative_key_table.to(compute).flip(0)  # (2M + 1, Dh): key − query order
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        products = (q.to(compute) @ table.T) * scale  # (..., N, L, 2M + 1)
+        pos = torch.arange(q.shape[-2], device=q.device)[:, None]  # (L, 1)
+        if offset is not None:
+            pos = pos + offset[:, None, None]  # (B, L, 1)
+        index = distance_index(table.shape[0], torch.arange(keys, device=q.device), pos)
+        index = index.unsqueeze(-3).expand(products.shape[:-1] + (keys,))  # (..., N, L, Lk)
+        return products.gather(-1, index)
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +
