@@ -2,7 +2,12 @@
 before the softmax. ALiBi's linear distance penalty (no parameter), T5's learned table read at
 the bucket of each distance, with the table's gradient, and Transformer-XL's relative positional
 term, a product of each query with a projected sinusoidal table of distances, with the
-gradients of its query, its biases u and v and its projection.
+gradients of its query, its biases u and v and its projection; the USM Conformer's (Gemma 3n's
+and Gemma 4's audio encoders), each query scaled per dimension by softplus(per_dim_scale) and its
+product with a projected timing signal of distances, with the gradients of its query, the scale
+and the projection. The relative positions' terms (Transformer-XL's, the Conformer's) are part
+of the raw scores R, inside the soft cap (golden.reference.core's ``position_term``); ALiBi's and
+T5's biases are added after it.
 
 Shape legend: N heads, L sequence length (query i and key j both in token order), num_buckets
 the rows of T5's table (num_buckets, N), Dh head width, d the model width (d_in), S = L − 1
@@ -13,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.specification.decoder import SINUSOID_BASE, alibi_slopes, relative_position_bucket
+from golden.specification.decoder import (SINUSOID_BASE, TIMING_MAX_TIMESCALE, alibi_slopes,
+                                          relative_position_bucket)
 from golden.reference.arithmetic import einsum, number, number_type, real
 
 
@@ -100,3 +106,62 @@ def transformer_xl_backward(saved, p, g_query, g_bias):
     per_head = lambda g: g.reshape((-1,) + g.shape[-3:]).sum(axis=(0, 2))  # noqa: E731 (N, Dh)
     return g_query + g_qv, {"bias_u": per_head(g_query), "bias_v": per_head(g_qv),
                             "W_pos": g_w}
+
+
+# The USM Conformer's relative position logits (Gemma 3n's and Gemma 4's audio encoders; Hugging
+# Face's Gemma3nAudioAttention, Gemma4AudioAttention): with q the query heads the core would see,
+# w = per_dim_scale (Dh,), s the scale (default Dh^−1/2), κ the key scale (Gemma 4's
+# ln(1 + e)/ln 2, else 1) and E_h(t) head h's slice of timing(t) W_pos (timing: timing_term),
+#     q̃ = q ⊙ s · softplus(w) / ln 2,      R_ij = κ q̃_i·k_j + q̃_i·E(i − j)
+# the first by the core (query q̃, scale κ), the second its position term, inside the cap.
+
+
+def timing_term(width, span):
+    """The reference's own timing signal (2·span + 1, width): row span + d is timing(−d),
+    timing(t) = (sin tι_0 … sin tι_{n−1}, cos tι_0 … cos tι_{n−1}), n = width/2, ι_k =
+    exp(−k·ln(10⁴) / max(n − 1, 1)); golden.specification.decoder.timing_table is the
+    twins'."""
+    n = width // 2
+    step = np.log(number(TIMING_MAX_TIMESCALE)) / number(max(n - 1, 1))
+    inv = np.exp(-real(np.arange(n)) * step)  # (n,)
+    angles = -real(np.arange(-span, span + 1))[:, None] * inv  # (2S + 1, n): t·ι, t = −d
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
+
+
+def _softplus(w):
+    """(softplus(w) = ln(1 + e^w), its derivative σ(w) = 1 / (1 + e^−w))."""
+    one = number(1)
+    return np.log(one + np.exp(w)), one / (one + np.exp(-w))
+
+
+def conformer_timing_term(q, p, scale):
+    """(q̃, the position term (..., N, L, L), saved) for the query heads q (..., N, L, Dh) and
+    the parameters p (W_pos (d, N·Dh), per_dim_scale (Dh,)): q̃ = q ⊙ scale · softplus(w) / ln 2
+    and the term q̃_i·e[S + j − i], e = split(timing W_pos) (N, 2S + 1, Dh), S = L − 1."""
+    heads, length = q.shape[-3], q.shape[-2]
+    soft, slope = _softplus(p["per_dim_scale"])
+    factor = scale * soft / np.log(number(2))  # (Dh,)
+    qt = q * factor
+    pe = timing_term(p["W_pos"].shape[0], length - 1)  # (2S + 1, d)
+    e = einsum("ti,io->to", pe, p["W_pos"])  # (2S + 1, N·Dh)
+    e = np.swapaxes(e.reshape(e.shape[0], heads, -1), 0, 1)  # (N, 2S + 1, Dh)
+    index = length - 1 + np.arange(length)[None, :] - np.arange(length)[:, None]  # S + j − i
+    gathered = e[:, index]  # (N, L, L, Dh)
+    term = einsum("...nid,nijd->...nij", qt, gathered)
+    return qt, term, (q, qt, factor, scale * slope / np.log(number(2)), gathered, index, pe)
+
+
+def conformer_timing_backward(saved, g_query, g_term):
+    """(dL/dq, {per_dim_scale, W_pos: gradient}) of conformer_timing_term from the gradients of
+    its q̃ (..., N, L, Dh) and of its term (..., N, L, L): each table row's gradient summed over
+    the query–key pairs at its distance, in index order."""
+    q, qt, factor, d_factor, gathered, index, pe = saved
+    g_qt = g_query + einsum("...nij,nijd->...nid", g_term, gathered)
+    flat_g = g_term.reshape((-1,) + g_term.shape[-3:])  # (B, N, L, L)
+    flat_qt = qt.reshape((-1,) + qt.shape[-3:])  # (B, N, L, Dh)
+    g_gathered = einsum("bnij,bnid->ijnd", flat_g, flat_qt)  # (L, L, N, Dh)
+    g_e = real(np.zeros((pe.shape[0],) + g_gathered.shape[2:]))  # (2S + 1, N, Dh)
+    np.add.at(g_e, index, g_gathered)
+    g_w = einsum("ti,to->io", pe, g_e.reshape(g_e.shape[0], -1))  # (d, N·Dh)
+    g_scale = (g_qt * q).reshape((-1, q.shape[-1])).sum(axis=0) * d_factor  # (Dh,)
+    return g_qt * factor, {"per_dim_scale": g_scale, "W_pos": g_w}
