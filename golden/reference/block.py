@@ -105,8 +105,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         scale = number(1) / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
         if "per_dim_scale" in p:  # the USM Conformer's: the core's scale is the key scale κ
             q, core["position_term"], conformer = conformer_timing_term(q, p, scale)
-            core["scale"], relative = number(1) if key_scale is None else number(key_scale), (
-                "conformer_timing", conformer)
+            core["scale"] = 1.0 if key_scale is None else key_scale  # sdpa_forward's number
+            relative = ("conformer_timing", conformer)
         else:
             q, core["position_term"], relative = transformer_xl_term(q, p, scale)
             relative = ("transformer_xl", relative)
