@@ -376,10 +376,11 @@ class GroupedQueryAttention(Module):
         self.gate_proj = Linear(d_in, num_heads * dh, qkv_bias) if output_gate else None
         self.rope_settings = rope_settings(rope_theta, rope_parameters, partial_rotary_factor)
         self.heads, self.kv_heads = num_heads, num_kv_heads
-        window = None if sliding_window is None else (  # W keys, the query's own included
-            sliding_window - 1, 0 if causal else sliding_window - 1)
         if isinstance(sliding_window, (tuple, list)):  # (left, right): the window as it is
             window = tuple(sliding_window)
+        else:
+            window = None if sliding_window is None else (  # W keys, the query's own included
+                sliding_window - 1, 0 if causal else sliding_window - 1)
         self.attend = dict(is_causal=causal, scale=scale, softcap=softcap,
                            local_window_size=window, attention_chunk_size=attention_chunk_size)
         self.sinks = np.zeros(num_heads) if sinks else None
@@ -431,8 +432,9 @@ class GroupedQueryAttention(Module):
             bias = np.moveaxis(self.relative_attention_bias[buckets], -1, 0).astype(q.dtype)
         term, attend = None, self.attend
         if self.per_dim_scale is not None:  # Conformer: q̃ · κk + q̃ · W_pos timing(i − j)
-            q = q * (self.relative_scale * np.log1p(np.exp(self.per_dim_scale)) / np.log(2.0)
-                     ).astype(q.dtype)
+            scale = self.attend["scale"]  # the core's default when None, on q̃
+            scale = self.core.default_scale(q.shape[-1]) if scale is None else scale
+            q = q * (scale * np.log1p(np.exp(self.per_dim_scale)) / np.log(2.0)).astype(q.dtype)
             term = self.conformer(q)
             attend = dict(self.attend, scale=self.key_scale)
         elif self.pos_proj is not None:  # Transformer-XL: q + u · k, q + v · W_pos R(i − j)
