@@ -123,17 +123,19 @@ def test_the_term_is_inside_the_cap():
 @pytest.mark.parametrize("framework", sorted(TWINS))
 def test_twins_match_the_reference(framework, dtype):
     # Right-padded rows, grouped heads, a (left, right) window, a biting cap, κ: the real rows
-    # and padding rows (the output bias, zero here), to the table's tolerance per dtype.
+    # and padding rows (the output bias, zero here), to the table's relative error norm per
+    # dtype (elementwise, a float32 output near zero after out_proj's sum errs past atol).
     twin, (rng, seed) = TWINS[framework], fresh_rng()
-    params = _params(rng, CONFIG)
-    x, lengths = rng.standard_normal((B, L, D)), np.array([L, 5])
-    expected, _, _ = _reference(CONFIG, x, params, lengths)
+    params = {n: a.astype(dtype) for n, a in _params(rng, CONFIG).items()}  # as given
+    x, lengths = rng.standard_normal((B, L, D)).astype(dtype), np.array([L, 5])
+    expected, _, _ = _reference(CONFIG, x, params, lengths)  # float64 of the same values
     with twin.float64(dtype == "float64"):
-        module = twin.build(GQA, CONFIG, {n: a.astype(dtype) for n, a in params.items()})
+        module = twin.build(GQA, CONFIG, params)
         out = twin.numpy(module(twin.array(x, dtype), query_seq_lengths=twin.array(
             lengths.astype(np.int32))))
-    t = TOLERANCES[(dtype, "value")]
-    np.testing.assert_allclose(out, expected, rtol=t.rtol, atol=t.atol, err_msg=f"seed {seed}")
+    t = TOLERANCES[(dtype, "value")]  # its relative error norm
+    error = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+    assert error <= t.rel_norm, f"seed {seed}: {error:.2e}"
 
 
 @pytest.mark.parametrize("framework", sorted(TWINS))
