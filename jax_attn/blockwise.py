@@ -71,8 +71,9 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     int scalars or None; sink the head's sink logit (a scalar) or None; distance_bias
     (2S + 1,) or None, the bias of each key − query distance, gathered block by block (ALiBi's
     and T5's biases in O(L) memory); distance_query (Lq, Dr) and distance_keys (2S + 1, Dr) or
-    None, the bias distance_query[i] · distance_keys[S + j − p_i] (Transformer-XL's), each
-    block's from the Bq + Bk − 1 distances it spans (``_band``). Returns (the output (Lq, Dv)
+    None, the term distance_query[i] · distance_keys[S + j − p_i] of R, inside the cap (the
+    relative positions': Transformer-XL's, the USM Conformer's), each block's from the Bq + Bk
+    − 1 distances it spans (``_band``). Returns (the output (Lq, Dv)
     in q's dtype, None): the weights are never formed."""
     return _flash(fitted(static, q.shape[0], k.shape[0]), q, k, v, mask, bias, dropout_mask,
                   rng, offset, q_lengths, kv_lengths, sink, distance_bias, distance_query,
@@ -155,8 +156,9 @@ class Head(NamedTuple):
     distance_bias: jax.Array | None = None  # (2S + 1,): the bias at key − query distance d is
     # entry S + clip(d, −S, S), gathered per block (golden.specification.positions.distance_terms)
     distance_query: jax.Array | None = None  # (Lq', Dr), padded with 0, and
-    distance_keys: jax.Array | None = None  # (2S + 1, Dr): the bias distance_query[i] ·
-    # distance_keys[S + clip(j − p_i, −S, S)], each block's from its band of distances (_band)
+    distance_keys: jax.Array | None = None  # (2S + 1, Dr): the term distance_query[i] ·
+    # distance_keys[S + clip(j − p_i, −S, S)] of R (inside the cap), each block's from its band
+    # of distances (_band)
 
     @classmethod
     def make(cls, st, q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths,
@@ -325,18 +327,19 @@ def _distances(st, i, j, h):
 
 
 def _block_bias(st, h, i, j, bias_ij):
-    """The block's bias (Bq|1, Bk|1) or (Bq, Bk): ``bias`` sliced, plus the distance bias
-    gathered at its distances and the distance product (``_band``); None when none is
-    given."""
+    """The block's (bias, position term): the bias (Bq|1, Bk|1) or (Bq, Bk), ``bias`` sliced
+    plus the distance bias gathered at its distances, added after the cap; the distance
+    product (``_band``) (Bq, Bk), part of R (inside the cap); each None when not given."""
     terms = [t for t in (bias_ij,) if t is not None]
     if h.distance_bias is not None:
         terms.append(h.distance_bias[_distances(st, i, j, h)])  # (Bq, Bk)
+    term = None
     if h.distance_query is not None:
         rows, keys, columns = _band(st, h, i, j)
         products = jnp.einsum("qd,td->qt", _rows(h.distance_query, i, st.block_q), keys,
                               precision=st.precision)  # (Bq, Bq + Bk − 1)
-        terms.append(jnp.take_along_axis(products, columns, axis=1))  # (Bq, Bk)
-    return reduce(jnp.add, terms) if terms else None
+        term = jnp.take_along_axis(products, columns, axis=1)  # (Bq, Bk)
+    return (reduce(jnp.add, terms) if terms else None), term
 
 
 def _band(st, h, i, j):
@@ -353,7 +356,8 @@ def _band(st, h, i, j):
 
 
 def _band_grads(st, h, i, j, ds, dquery, dkeys):
-    """The distance product's gradients from the block's dS (Bq, Bk): the band's dP (Bq,
+    """The distance product's gradients from the block's dR (Bq, Bk) (the product is part of
+    R, inside the cap; dR = dS without one), named ds below: the band's dP (Bq,
     Bq + Bk − 1) (dS at each entry's column), then dquery's rows of block i += dP · keys and
     dkeys at the band's rows += dPᵀ · query (clipped distances summed into their end)."""
     rows, keys, columns = _band(st, h, i, j)
@@ -383,10 +387,14 @@ def _cols(x, j, size):
     return lax.dynamic_slice_in_dim(x, j * size, size, axis=1)
 
 
-def _scores(st, q_i, k_j, bias_ij):
-    """Softcapped, biased scores of a block (Bq, Bk) in the compute dtype (q_i pre-scaled)."""
+def _scores(st, q_i, k_j, biases):
+    """Softcapped, biased scores of a block (Bq, Bk) in the compute dtype (q_i pre-scaled);
+    ``biases`` _block_bias's (bias, position term), the term part of R."""
+    bias_ij, term = biases
     s = jnp.einsum("qd,kd->qk", q_i, k_j, precision=st.precision,
                    preferred_element_type=q_i.dtype)  # R / c
+    if term is not None:  # the relative positions' term, inside the cap
+        s = s + term / (st.softcap or 1.0)
     if st.softcap is not None:  # after scaling, before bias and masks
         s = st.softcap * jnp.tanh(s)
     return s if bias_ij is None else s + bias_ij
@@ -532,8 +540,9 @@ def backward(st, h, out, stats, d_out):
         def step(i, c, masked):
             dq_t, dbias, (ddistance, dquery, dkeys), dk_j, dv_j = c  # (Dk, Lq'), ..., (Bk, Dk)
             q_i, do_i = _rows(h.q, i, st.block_q), _rows(d_out, i, st.block_q)
-            bias_ij = _block_bias(st, h, i, j, _rows(bias_j, i, st.block_q))
-            s_t, capped_t = _scores_t(st, q_i, k_j, None if bias_ij is None else bias_ij.T)
+            bias_ij, term = _block_bias(st, h, i, j, _rows(bias_j, i, st.block_q))
+            s_t, capped_t = _scores_t(st, q_i, k_j, None if bias_ij is None else bias_ij.T,
+                                      None if term is None else term.T)
             p_t = jnp.exp(s_t - _rows(m, i, st.block_q)) * _rows(inv, i, st.block_q)  # (Bk, Bq)
             if masked:
                 p_t = jnp.where(_allowed(st, h, i, j, _rows(mask_j, i, st.block_q)).T, p_t, 0.0)
@@ -552,8 +561,8 @@ def backward(st, h, out, stats, d_out):
             dq_t = lax.dynamic_update_slice_in_dim(dq_t, dq_i, i * st.block_q, axis=1)
             if ddistance is not None:  # dS summed into each distance's entry
                 ddistance = ddistance.at[_distances(st, i, j, h).T].add(ds_t)
-            if dquery is not None:
-                dquery, dkeys = _band_grads(st, h, i, j, ds_t.T, dquery, dkeys)
+            if dquery is not None:  # the product is part of R: its gradient is dR
+                dquery, dkeys = _band_grads(st, h, i, j, dr_t.T, dquery, dkeys)
             return (dq_t, _add_bias_grad(st, dbias, ds_t.T, i, j), (ddistance, dquery, dkeys),
                     dk_j, dv_j)
 
@@ -593,10 +602,12 @@ def sink_grad(st, sink, out, stats, d_out):
     return -jnp.sum(p_sink * delta)
 
 
-def _scores_t(st, q_i, k_j, bias_t):
+def _scores_t(st, q_i, k_j, bias_t, term_t=None):
     """The block's scores transposed (Bk, Bq), as _scores, and tanh(R / c) transposed."""
     s_t = jnp.einsum("kd,qd->kq", k_j, q_i, precision=st.precision,
                      preferred_element_type=q_i.dtype)  # R / c
+    if term_t is not None:  # the relative positions' term, inside the cap
+        s_t = s_t + term_t / (st.softcap or 1.0)
     capped = None
     if st.softcap is not None:
         capped = jnp.tanh(s_t)

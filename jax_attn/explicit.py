@@ -26,8 +26,8 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     (Lq, Lk); offset, q_lengths, kv_lengths scalars or None; sink the head's sink logit (a
     scalar) or None; distance_bias (2S + 1,) or None, the bias of each key − query distance
     (formed here as an (Lq, Lk) bias); distance_query (Lq, Dr) and distance_keys (2S + 1, Dr)
-    or None, the bias distance_query[i] · distance_keys[S + j − p_i] (the (Lq, 2S + 1) products
-    formed, each key's gathered); ``static`` a blockwise.Static (its blocks unused). rng
+    or None, the term distance_query[i] · distance_keys[S + j − p_i] of R, inside the cap
+    (the (Lq, 2S + 1) products formed, each key's gathered); ``static`` a blockwise.Static (its blocks unused). rng
     is unused: a drawn dropout mask comes in as ``dropout_mask``.
     Where the causal bound, the window or the chunks leave each block of query rows a narrower
     range of keys (fixed at trace time: no ``offset``), the rows are taken in tiles of 128 to
@@ -236,20 +236,20 @@ def _attend_tile(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_length
     scores = static.scale * jnp.einsum("qd,kd->qk", *_widened(wide, q, k),
                                        precision=static.precision,
                                        preferred_element_type=compute)  # (Lq, Lk)
+    key = key0 + jnp.arange(k.shape[0])[None, :]  # (1, Lk)
+    pos = row0 + jnp.arange(q.shape[0])[:, None] + (0 if offset is None else offset)  # (Lq, 1)
+    if distance_query is not None:  # the products with every distance, each key's gathered:
+        products = jnp.einsum("qd,td->qt", distance_query.astype(compute),  # part of R,
+                              distance_keys.astype(compute),  # inside the cap
+                              precision=static.precision)  # (Lq, 2S + 1)
+        index = jnp.broadcast_to(distance_index(products.shape[-1], key, pos), scores.shape)
+        scores = scores + jnp.take_along_axis(products, index, axis=-1)
     if static.softcap is not None:  # after scaling, before bias and masks
         scores = static.softcap * jnp.tanh(scores / static.softcap)
     if bias is not None:
         scores = scores + bias.astype(compute)
-    key = key0 + jnp.arange(k.shape[0])[None, :]  # (1, Lk)
-    pos = row0 + jnp.arange(q.shape[0])[:, None] + (0 if offset is None else offset)  # (Lq, 1)
     if distance_bias is not None:
         scores = scores + distance_terms(distance_bias.astype(compute), key, pos)
-    if distance_query is not None:  # the products with every distance, each key's gathered
-        products = jnp.einsum("qd,td->qt", distance_query.astype(compute),
-                              distance_keys.astype(compute),
-                              precision=static.precision)  # (Lq, 2S + 1)
-        index = jnp.broadcast_to(distance_index(products.shape[-1], key, pos), scores.shape)
-        scores = scores + jnp.take_along_axis(products, index, axis=-1)
     allowed = _allowed(scores.shape, mask, offset, q_lengths, kv_lengths,
                        is_causal=static.is_causal, window=static.window,
                        chunk=static.chunk_size, row0=row0, key0=key0)

@@ -72,12 +72,15 @@ def scaled_dot_product_attention(
     nearest end); traced and differentiable. "explicit" forms its (Lq, Lk) terms; "blockwise"
     gathers each block's, so a long sequence's bias costs O(L) memory, not O(Lq·Lk). The
     twins' modules build it (jax_attn.modules.GroupedQueryAttention's alibi and T5 buckets).
-    distance_query, distance_keys: a bias that is each query row's product with a table of
-    vectors over key − query distances (Transformer-XL's position term, (q_i + v)·W_pos R(i − j)
-    times the scale: jax_attn.modules.GroupedQueryAttention's relative_positions), added as
-    ``bias`` is: distance_query (H, Lq, Dr) or (B, H, Lq, Dr), distance_keys (H, 2S + 1, Dr) or
-    (B, H, 2S + 1, Dr) ((Lq, Dr) and (2S + 1, Dr) for (Lq, Dk) inputs), both or neither, any
-    float dtypes; the bias of query row i and key j is distance_query[i] · distance_keys[S +
+    distance_query, distance_keys: a term of the raw scores that is each query row's product
+    with a table of vectors over key − query distances (the relative positions' term:
+    Transformer-XL's (q_i + v)·W_pos R(i − j) times the scale, the USM Conformer's q̃_i·E(i − j):
+    jax_attn.modules.GroupedQueryAttention's relative_positions), added to scale · Q Kᵀ before
+    the soft cap (c · tanh((scale · Q Kᵀ + T) / c), as Gemma 3n's and Gemma 4's audio encoders
+    cap the sum; ``bias`` and distance_bias come after it): distance_query (H, Lq, Dr) or
+    (B, H, Lq, Dr), distance_keys (H, 2S + 1, Dr) or (B, H, 2S + 1, Dr) ((Lq, Dr) and
+    (2S + 1, Dr) for (Lq, Dk) inputs), both or neither, any float dtypes; the term of query
+    row i and key j is distance_query[i] · distance_keys[S +
     clip(j − p_i, −S, S)], p_i = i + query_offset; traced and differentiable. "explicit" forms
     the (Lq, 2S + 1) products and gathers each key's; "blockwise" forms each block's products
     with the Bq + Bk − 1 distances it spans and never an (Lq, Lk) or (Lq, 2S + 1) array, so the

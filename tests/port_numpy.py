@@ -3,7 +3,8 @@
 
 Written from the README's definitions, not from ``golden.reference`` nor either framework:
 
-    scores   s = cap(scale · Q Kᵀ) + bias,  cap(s) = c·tanh(s/c) with softcap c (none if None)
+    scores   s = cap(scale · Q Kᵀ + T) + bias,  cap(s) = c·tanh(s/c) with softcap c (none if
+             None), T a module's relative position term (Transformer-XL's, the Conformer's)
     allowed  mask (True = may attend) ∧ causal (key j ≤ query position p = i + query_offset)
              ∧ window (p − left ≤ j ≤ p + right) ∧ chunk (j // C = p // C)
              ∧ j < key_value_seq_lengths[b] ∧ i < query_seq_lengths[b]
@@ -71,11 +72,14 @@ class Attention:
     def sdpa(self, query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
              softcap=None, local_window_size=None, attention_chunk_size=None, query_offset=None,
              query_seq_lengths=None, key_value_seq_lengths=None, sinks=None, dropout_rate=0.0,
-             dropout_mask=None, return_weights=False):
+             dropout_mask=None, return_weights=False, position_term=None):
         """query (..., H, Lq, Dk), key (..., Hkv, Lk, Dk), value (..., Hkv, Lk, Dv) ->
-        output (..., H, Lq, Dv) [, weights (..., H, Lq, Lk)]; (Lq, Dk) inputs work too."""
+        output (..., H, Lq, Dv) [, weights (..., H, Lq, Lk)]; (Lq, Dk) inputs work too.
+        ``position_term`` (..., H, Lq, Lk): added before the cap."""
         scale = self.default_scale(query.shape[-1]) if scale is None else float(scale)
         scores = _grouped(query, np.swapaxes(key, -1, -2)) * scale  # (..., H, Lq, Lk)
+        if position_term is not None:
+            scores = scores + position_term
         if softcap is not None:
             scores = softcap * np.tanh(scores / softcap)  # after scaling, before bias and masks
         if bias is not None:
@@ -347,13 +351,16 @@ class GroupedQueryAttention(Module):
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, relative_positions=None, k_eq_v=False,
-                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5, *,
-                 core=None):
+                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
+                 key_scale=None, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
+        projected = relative_positions in ("transformer_xl", "conformer_timing")
+        self.pos_proj = Linear(d_in, num_heads * dh, False) if projected else None
         xl = relative_positions == "transformer_xl"
-        self.pos_proj = Linear(d_in, num_heads * dh, False) if xl else None
         self.bias_u, self.bias_v = (np.zeros((num_heads, dh)) if xl else None for _ in "uv")
+        self.per_dim_scale = np.zeros(dh) if relative_positions == "conformer_timing" else None
+        self.key_scale = 1.0 if key_scale is None else key_scale
         self.relative_key_table = (np.zeros((2 * relative_max_distance + 1, dh))
                                    if relative_positions == "shaw" else None)
         self.input_norm_weight, self.input_norm_bias = (
@@ -376,8 +383,11 @@ class GroupedQueryAttention(Module):
         self.gate_proj = Linear(d_in, num_heads * dh, qkv_bias) if output_gate else None
         self.rope_settings = rope_settings(rope_theta, rope_parameters, partial_rotary_factor)
         self.heads, self.kv_heads = num_heads, num_kv_heads
-        window = None if sliding_window is None else (  # W keys, the query's own included
-            sliding_window - 1, 0 if causal else sliding_window - 1)
+        if isinstance(sliding_window, (tuple, list)):  # (left, right): the window as it is
+            window = tuple(sliding_window)
+        else:
+            window = None if sliding_window is None else (  # W keys, the query's own included
+                sliding_window - 1, 0 if causal else sliding_window - 1)
         self.attend = dict(is_causal=causal, scale=scale, softcap=softcap,
                            local_window_size=window, attention_chunk_size=attention_chunk_size)
         self.sinks = np.zeros(num_heads) if sinks else None
@@ -432,12 +442,19 @@ class GroupedQueryAttention(Module):
             buckets = relative_position_bucket(np.arange(length) - np.arange(length)[:, None],
                                                *self.buckets)  # (L, L)
             bias = np.moveaxis(self.relative_attention_bias[buckets], -1, 0).astype(q.dtype)
-        if self.pos_proj is not None:  # Transformer-XL: q + u · k, q + v · W_pos R(i − j)
-            bias = self.transformer_xl(q + self.bias_v[:, None, :].astype(q.dtype))
+        term, attend = None, self.attend
+        if self.per_dim_scale is not None:  # Conformer: q̃ · κk + q̃ · W_pos timing(i − j)
+            scale = self.attend["scale"]  # the core's default when None, on q̃
+            scale = self.core.default_scale(q.shape[-1]) if scale is None else scale
+            q = q * (scale * np.log1p(np.exp(self.per_dim_scale)) / np.log(2.0)).astype(q.dtype)
+            term = self.conformer(q)
+            attend = dict(self.attend, scale=self.key_scale)
+        elif self.pos_proj is not None:  # Transformer-XL: q + u · k, q + v · W_pos R(i − j)
+            term = self.transformer_xl(q + self.bias_v[:, None, :].astype(q.dtype))
             q = q + self.bias_u[:, None, :].astype(q.dtype)
         if self.relative_key_table is not None:  # Shaw: q_i · E[M + clip(i − j, −M, M)]
-            bias = self.shaw(q)
-        o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **self.attend,
+            term = self.shaw(q)
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **attend, position_term=term,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
                               sinks=None if self.sinks is None else self.sinks.astype(q.dtype),
@@ -467,6 +484,18 @@ class GroupedQueryAttention(Module):
         rows = self.relative_key_table[t + span].astype(q.dtype)  # (L, L, Dh)
         return (self.relative_scale * np.einsum("...nid,ijd->...nij", q, rows)).astype(q.dtype)
 
+    def conformer(self, qt):
+        """q̃_i·E_ij (..., N, L, L), E_ij head n's slice of W_pos timing(i − j), timing(t) =
+        (sin tι_0 … sin tι_{n−1}, cos tι_0 … cos tι_{n−1}), ι_k = e^(−k ln(10⁴)/max(n − 1, 1)),
+        n = d_in / 2: every pair's own row."""
+        length, width = qt.shape[-2], self.pos_proj.weight.shape[1]
+        n = width // 2
+        t = np.arange(length)[:, None] - np.arange(length)  # (L, L): query i − key j
+        angles = t[..., None] * np.exp(-np.arange(n) * np.log(1e4) / max(n - 1, 1))
+        table = np.concatenate([np.sin(angles), np.cos(angles)], -1)  # (L, L, d_in)
+        keys = _split(self.pos_proj(table.astype(qt.dtype)), qt.shape[-3])  # (L, N, L, Dh)
+        return np.einsum("...nid,injd->...nij", qt, keys).astype(qt.dtype)
+
     def norm(self, t, weight):
         """The QK norm over t's last axis: (t − mean) / √(mean((t − mean)²) + ε) for LayerNorm,
         t / √(mean(t²) + ε) otherwise; times the weight (1 + weight for Gemma's)."""
@@ -482,7 +511,8 @@ class GroupedQueryAttention(Module):
         table = super().mapping()
         table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
                                            "bias_u", "bias_v", "relative_key_table",
-                                           "input_norm_weight", "input_norm_bias")
+                                           "input_norm_weight", "input_norm_bias",
+                                           "per_dim_scale")
                       if getattr(self, n) is not None})
         return table
 

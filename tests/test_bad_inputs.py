@@ -341,7 +341,7 @@ for id, variant, config, message in [
      "softcap should be a positive number or None, got -1.0"),
     ("gqa-window-one-side", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, sliding_window=(2,)),
-     "sliding_window should be a positive int, got (2,)"),
+     "sliding_window should be a positive int or a pair (left, right) of ints >= 0, got (2,)"),
     ("gqa-qk_norm-unknown", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, qk_norm="rmsnorm"),
      "qk_norm should be None or one of 'rms', 'rms_one_plus', 'rms_across_heads', 'layer', "

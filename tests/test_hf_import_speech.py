@@ -26,14 +26,18 @@ Shape legend: B batch, T feature frames, F mel bins, L encoder frames (T / 2), D
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
+import math
+import types
 
 import numpy as np
 import pytest
 import torch
 
 import golden.convert
-from golden.specification.decoder import sinusoid_table
+from golden.specification.decoder import sinusoid_table, timing_table
 from tests.helpers import TWINS, fresh_rng
 
 transformers = pytest.importorskip("transformers")
@@ -73,7 +77,6 @@ GRANITE_FAMILIES = {
         dict(hidden_size=D, num_attention_heads=GN, head_dim=GDH, context_size=GC,
              max_position_embeddings=GM, attention_dropout=0.0)),
 }
-FAMILIES = {**XL_FAMILIES, **GRANITE_FAMILIES}
 
 
 def _model(mt, rng):
@@ -242,12 +245,6 @@ def test_a_speech_checkpoint_is_refused_by_attn_parity_hf_with_why(tmp_path):
         read_config(tmp_path)
 
 
-@pytest.mark.parametrize("mt", ["gemma3n_audio", "gemma4_audio"])
-def test_the_speech_encoders_not_expressed_yet_are_refused_with_why(mt):
-    with pytest.raises(ValueError, match=rf"model_type '{mt}' is not supported: its attention"):
-        golden.convert.from_hf({"model_type": mt}, {})
-
-
 # ---- Granite Speech: Shaw's relative positions in blocks -------------------------------------
 
 def _granite(mt, rng):
@@ -382,4 +379,242 @@ def test_the_checkpoint_verifier_refuses_granite_speech_by_name(tmp_path):
         {"model_type": "granite_speech5_encoder", "hidden_size": D, "num_attention_heads": GN}))
     with pytest.raises(CheckpointError, match="'granite_speech5_encoder': attn-parity hf does "
                                               "not check speech encoders yet"):
+        read_config(tmp_path)
+
+
+# ---- Gemma 3n's and Gemma 4's audio attention (relative_positions="conformer_timing") ---------
+#
+# Against transformers' own modules (Gemma3nAudioConformerAttention's attn and post;
+# Gemma4AudioAttention, given the mask and position table its model makes), T = 17 frames: blocks
+# of W = 4 (five, the last partial), P = 3 (Gemma 3n: context left 4) or 4 (Gemma 4: left 5)
+# keys back, Gemma 3n with F = 2 ahead or none; row 1 padded to 10 frames.
+# HF's float32 steps: Gemma 3n's timing signal, its q_scale buffer (Dh^−1/2 / softplus(0) as a
+# float32 tensor) and its softmax (dtype=torch.float32), measured against ours at float64 up to
+# 1.6e-7 over 40 seeds (FLOAT32_LEVEL); Gemma 4 runs the whole attention in float32 (q, k, v
+# .float(): a float64 model fails in its own key product, float32 keys against float64 queries),
+# so its float32 module against our float64 one: up to 7.1e-7 over 40 seeds, held to
+# GEMMA4_FLOAT32. With those steps in float64 (the table ours, q_scale exact, .float() and the
+# softmax's dtype left out: float64_steps), both agree to EXACT.
+
+CT_T, CT_D, CT_N, CT_LENGTHS = 17, 12, 3, np.array([17, 10])
+GEMMA4_FLOAT32 = 4e-6  # HF's Gemma 4 audio attention is float32 throughout: 7.1e-7 seen
+CONFORMER = {
+    "gemma3n_audio": ("Gemma3nAudioConfig", "Gemma3nAudioConformerAttention",
+                      dict(hidden_size=CT_D, conf_num_attention_heads=CT_N,
+                           conf_attention_chunk_size=4, conf_attention_context_left=4,
+                           conf_attention_context_right=2)),
+    "gemma4_audio": ("Gemma4AudioConfig", "Gemma4AudioAttention",
+                     dict(hidden_size=CT_D, num_attention_heads=CT_N, attention_chunk_size=4,
+                          attention_context_left=5, attention_context_right=0)),
+}
+# every model_type tested here (docs/hf.md's table reads it)
+FAMILIES = {**XL_FAMILIES, **GRANITE_FAMILIES, **CONFORMER}
+CT_REAL = np.arange(CT_T)[None, :] < CT_LENGTHS[:, None]  # (B, T)
+
+
+@contextlib.contextmanager
+def float64_steps():
+    """HF's float32 casts left out for float64 tensors: softmax's dtype= and Tensor.float()."""
+    softmax, to_float = torch.nn.functional.softmax, torch.Tensor.float
+    torch.nn.functional.softmax = lambda x, dim=None, dtype=None, **kw: softmax(x, dim=dim, **kw)
+    torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else to_float(t, *a,
+                                                                                       **k)
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax, torch.Tensor.float = softmax, to_float
+
+
+def _conformer(mt, rng, **change):
+    """HF's module (float64, parameters N(0, 0.5²)) and its config."""
+    config_class, module_class, kw = CONFORMER[mt]
+    config = getattr(transformers, config_class)(**dict(kw, **change))
+    module = getattr(importlib.import_module(f"transformers.models.{mt[:-6]}.modeling_{mt[:-6]}"),
+                     module_class)
+    hf = (module(config) if mt == "gemma3n_audio" else module(config, 0)).double().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    return config, hf
+
+
+def _gemma4_inputs(config, exact):
+    """Gemma4AudioModel's blocked mask (B, 1, U, W, C) of the padded rows and its position
+    table (C//2 + 1, D), as its forward makes them (ours, float64, when ``exact``)."""
+    from transformers.models.gemma4 import modeling_gemma4 as m4
+    left, right = config.attention_context_left, config.attention_context_right
+    q, k = torch.arange(CT_T)[:, None], torch.arange(CT_T)[None, :]
+    allowed = (m4.sliding_window_mask_function((left - 1, right))(0, 0, q, k)[None]
+               & torch.from_numpy(CT_REAL)[:, None, :])  # (B, T, T), keys padded
+    mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(
+        ~allowed, torch.finfo(torch.float64).min)[:, None]
+    blocked = m4.Gemma4AudioModel._convert_4d_mask_to_blocked_5d(
+        types.SimpleNamespace(config=config), mask)
+    if exact:
+        back = left - 1
+        return blocked, torch.from_numpy(np.array(timing_table(CT_D, back)[:back + 1]))
+    table = m4.Gemma4AudioRelPositionalEncoding(config)(torch.zeros(1, CT_T, CT_D))
+    return blocked, table
+
+
+def _hf_call(mt, config, hf, x, exact):
+    """HF's output (B, T, D) of the attention on x (a tensor) with the right-padded rows."""
+    if mt == "gemma3n_audio":
+        context = contextlib.nullcontext()
+        if exact:
+            emb = hf.attn.relative_position_embedding
+            hf.attn.q_scale.fill_((CT_D // CT_N) ** -0.5 / math.log(2))
+            span = max(emb.max_backward, emb.max_forward)
+            rows = np.array(timing_table(CT_D, span))[span - emb.max_backward:
+                                                      span + emb.max_forward + 1]
+            emb._get_timing_signal_1d_pos = lambda pos, dtype: torch.from_numpy(rows)[None]
+            context = float64_steps()
+        with context:
+            heads = hf.attn(x, torch.from_numpy(~CT_REAL))  # (B, T, N, Dh)
+            return hf.post(heads.reshape(B, CT_T, -1))
+    blocked, table = _gemma4_inputs(config, exact)
+    if exact:
+        with float64_steps():
+            return hf(x, table, blocked)[0]
+    hf32 = copy.deepcopy(hf).float()
+    return hf32(x.float(), table.float(), blocked.float())[0].double()
+
+
+def _ours_ct(twin, config, sd, x, change=None, params_change=None):
+    variant, ours, params = golden.convert.from_hf(config.to_dict(), sd)
+    ours, params = dict(ours, **(change or {})), dict(params, **(params_change or {}))
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        out = module(twin.array(x), query_seq_lengths=twin.array(CT_LENGTHS.astype(np.int32)))
+        return module, out
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["hf-as-is", "float64-steps"])
+@pytest.mark.parametrize("twin", sorted(TWINS))
+@pytest.mark.parametrize("mt, change", [("gemma3n_audio", {}),
+                                        ("gemma3n_audio", dict(conf_attention_context_right=0)),
+                                        ("gemma4_audio", {})])
+def test_gemma_audio_attention_equals_hfs(mt, change, twin, exact):
+    rng, seed = fresh_rng()
+    config, hf = _conformer(mt, rng, **change)
+    x = rng.standard_normal((B, CT_T, CT_D))
+    with torch.no_grad():
+        y = _hf_call(mt, config, hf, torch.from_numpy(x), exact).numpy()
+    t = TWINS[twin]
+    out = t.numpy(_ours_ct(t, config, state_dict(hf), x)[1])
+    bound = EXACT if exact else FLOAT32_LEVEL if mt == "gemma3n_audio" else GEMMA4_FLOAT32
+    assert rel(out[CT_REAL], y[CT_REAL]) < bound, (mt, change, seed)
+
+
+@pytest.mark.parametrize("mt", sorted(CONFORMER))
+def test_gemma_audio_input_gradient_equals_hfs(mt):
+    """dL/dx of Σ out ⊙ dO over the real frames, HF's module with its float32 steps in
+    float64 against the torch twin's, to EXACT."""
+    rng, seed = fresh_rng()
+    config, hf = _conformer(mt, rng)
+    x = rng.standard_normal((B, CT_T, CT_D))
+    d_out = rng.standard_normal(x.shape) * CT_REAL[..., None]
+    xt = torch.from_numpy(x.copy()).requires_grad_()
+    (_hf_call(mt, config, hf, xt, True) * torch.from_numpy(d_out)).sum().backward()
+    twin = TWINS["torch"]
+    variant, ours, params = golden.convert.from_hf(config.to_dict(), state_dict(hf))
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        ours_x = torch.from_numpy(x.copy()).requires_grad_()
+        out = module(ours_x, query_seq_lengths=torch.from_numpy(CT_LENGTHS))
+        (out * torch.from_numpy(d_out)).sum().backward()
+    assert rel(ours_x.grad.numpy(), xt.grad.numpy()) < EXACT, (mt, seed)
+
+
+@pytest.mark.parametrize("mt, undo", [
+    (mt, undo) for mt in sorted(CONFORMER)
+    for undo in ("no relative term", "no per_dim_scale", "cap outside", "no key scale")
+    if not (undo == "no key scale" and mt == "gemma3n_audio")])  # Gemma 3n has no key scale
+def test_gemma_audio_setting_undone_moves_far(mt, undo):
+    """Each part undone (W_pos zero: no relative term; per_dim_scale zero: softplus(0)/ln 2 =
+    1; the term added after the cap, not inside; Gemma 4's key scale left out) moves the
+    torch twin far from HF's (float64 steps), each by more than 1e3 · EXACT."""
+    rng, seed = fresh_rng()
+    config, hf = _conformer(mt, rng, **({"conf_attention_logit_cap": 1.0}
+                                        if mt == "gemma3n_audio" else
+                                        {"attention_logit_cap": 1.0}))  # a cap that bites
+    x = rng.standard_normal((B, CT_T, CT_D))
+    with torch.no_grad():
+        y = _hf_call(mt, config, hf, torch.from_numpy(x), True).numpy()
+    sd, twin = state_dict(hf), TWINS["torch"]
+    change, params = {}, {}
+    if undo == "no relative term":
+        params = {"W_pos": np.zeros((CT_D, CT_D))}
+    elif undo == "no per_dim_scale":
+        params = {"per_dim_scale": np.zeros(CT_D // CT_N)}
+    elif undo == "no key scale":
+        change = {"key_scale": None}
+    module, out = _ours_ct(twin, config, sd, x)
+    assert rel(out.detach().numpy()[CT_REAL], y[CT_REAL]) < EXACT, (mt, seed)
+    if undo == "cap outside":  # the term as a bias after the cap
+        with twin.float64():
+            module._inside_cap = lambda q, k, term, scale: term
+            far = module(torch.from_numpy(x), query_seq_lengths=torch.from_numpy(CT_LENGTHS))
+    else:
+        far = _ours_ct(twin, config, sd, x, change, params)[1]
+    assert rel(far.detach().numpy()[CT_REAL], y[CT_REAL]) > 1e3 * EXACT, (mt, undo, seed)
+
+
+@pytest.mark.parametrize("mt", sorted(CONFORMER))
+def test_gemma_audio_round_trip_gives_back_the_attention_arrays(mt):
+    """Gemma 3n's norms (the Conformer block's) and Gemma 4's infinite clip bounds are not
+    ours: every other array comes back exactly."""
+    config, hf = _conformer(mt, np.random.default_rng(0))
+    sd = state_dict(hf)
+    variant, ours, params = golden.convert.from_hf(config.to_dict(), sd)
+    assert ours["relative_positions"] == "conformer_timing"
+    assert set(params) == {"W_query", "W_key", "W_value", "W_out", "W_pos", "per_dim_scale"}
+    back = golden.convert.to_hf(variant, ours, params)
+    left = {n for n in sd if n not in back}
+    assert left == ({"pre_attn_norm.weight", "post_norm.weight"} if mt == "gemma3n_audio" else
+                    {f"{m}.{b}" for m in ("q_proj", "k_proj", "v_proj", "post")
+                     for b in ("input_min", "input_max", "output_min", "output_max")})
+    for name, a in back.items():
+        np.testing.assert_array_equal(a, sd[name])
+
+
+def test_gemma3n_audio_window_from_its_context():
+    config, hf = _conformer("gemma3n_audio", np.random.default_rng(0))
+    base, sd = config.to_dict(), state_dict(hf)
+    _, ours, _ = golden.convert.from_hf(base, sd)
+    assert (ours["causal"], ours["sliding_window"], ours["softcap"]) == (False, (3, 2), 50.0)
+    _, ours, _ = golden.convert.from_hf(dict(base, conf_attention_context_right=0), sd)
+    assert (ours["causal"], ours["sliding_window"]) == (True, 4)
+    assert "key_scale" not in ours
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(attention_context_right=1), r"attention_context_right should be 0"),
+    (dict(attention_chunk_size=8), r"attention_context_right should be 0 and .* got "
+                                   r"attention_chunk_size = 8, attention_context_left = 5"),
+])
+def test_gemma4_audio_settings_its_table_misreads_are_refused(change, match):
+    config = transformers.Gemma4AudioConfig(**dict(CONFORMER["gemma4_audio"][2], **change))
+    with pytest.raises(ValueError, match=r"model_type 'gemma4_audio': " + match):
+        golden.convert.from_hf(config.to_dict(), {})
+
+
+def test_gemma4_audio_finite_clip_bounds_are_refused():
+    config, hf = _conformer("gemma4_audio", np.random.default_rng(0))
+    sd = state_dict(hf)
+    sd["k_proj.output_max"] = np.array(3.0)
+    with pytest.raises(ValueError, match=r"model_type 'gemma4_audio': k_proj.output_max should "
+                                         r"be infinite \(a clip bound of Gemma4ClippableLinear"):
+        golden.convert.from_hf(config.to_dict(), sd)
+
+
+@pytest.mark.parametrize("mt", sorted(CONFORMER))
+def test_the_checkpoint_verifier_refuses_gemma_audio_by_name(tmp_path, mt):
+    import json
+
+    from golden.verifier.checkpoint import CheckpointError
+    from golden.verifier.layout import read_config
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": mt}))
+    with pytest.raises(CheckpointError, match=rf"'{mt}': attn-parity hf does not check Gemma's "
+                                              r"audio encoders yet"):
         read_config(tmp_path)

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import jax_attn
+from golden import reference
 from golden.specification.decoder import sinusoid_table
 from golden.specification.positions import distance_index
 from tests.helpers import JAX, TWINS, fresh_rng, long_blockwise_against_torch
@@ -205,8 +206,9 @@ def test_a_long_sequence_runs_blockwise_and_equals_torch():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(relative_positions="t5"),
-     r"relative_positions should be None or one of 'transformer_xl', 'shaw', got 't5'"),
+    (dict(relative_positions="rotary"),
+     r"relative_positions should be None or one of 'transformer_xl', 'shaw', 'conformer_timing', "
+     r"got 'rotary'"),
     (dict(relative_positions=XL, d_in=5),
      r"d_in should be even with relative_positions \(the sinusoidal table's sin and cos "
      r"pairs\), got 5"),
@@ -242,9 +244,11 @@ def _materialised(query, keys, offset, lk):
 
 @pytest.mark.parametrize("implementation", ["explicit", "blockwise"])
 @pytest.mark.parametrize("span", [3, CLQ + CLK])  # 3: most distances take an end of the table
-def test_distance_product_equals_the_bias_it_stands_for(implementation, span):
-    # Output and every gradient equal explicit's with the (B, H, Lq, Lk) bias, float64; the
-    # query's and the table's gradients those of the bias pushed through its definition.
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_distance_product_equals_the_term_it_stands_for(implementation, span, softcap):
+    # Output and every gradient equal the float64 reference core's with the (B, H, Lq, Lk)
+    # term as its position_term (part of R: inside the cap); the query's and the table's
+    # gradients those of the term pushed through its definition.
     rng, seed = fresh_rng()
     arrays = {n: rng.standard_normal(s) for n, s in (
         ("query", (CB, CH, CLQ, CD)), ("key", (CB, CHKV, CLK, CD)),
@@ -252,10 +256,10 @@ def test_distance_product_equals_the_bias_it_stands_for(implementation, span):
         ("distance_keys", (CH, 2 * span + 1, CDR)))}
     offset = np.array([0, 5], "int32")
     settings = dict(query_offset=offset, key_value_seq_lengths=np.array([CLK, 6], "int32"),
-                    is_causal=True, local_window_size=(6, None), softcap=3.0)
+                    is_causal=True, local_window_size=(6, None), softcap=softcap)
     kw = {"block_sizes": (2, 3)} if implementation == "blockwise" else {}
     d_out = rng.standard_normal((CB, CH, CLQ, 6))
-    bias = _materialised(arrays["distance_query"], arrays["distance_keys"], offset, CLK)
+    term = _materialised(arrays["distance_query"], arrays["distance_keys"], offset, CLK)
     with JAX.float64():
         def loss(names, fn, **given):
             def f(*xs):
@@ -265,17 +269,17 @@ def test_distance_product_equals_the_bias_it_stands_for(implementation, span):
         names = list(arrays)
         value, grads = loss(names, partial(jax_attn.scaled_dot_product_attention,
                                            implementation=implementation, **kw), **arrays)
-        plain = ["query", "key", "value", "bias"]
-        ref, ref_grads = loss(plain, partial(jax_attn.scaled_dot_product_attention,
-                                             implementation="explicit"), **arrays, bias=bias)
-        value, ref = float(value), float(ref)
+        value = float(value)
         grads = {n: np.asarray(g) for n, g in zip(names, grads)}
-        ref_grads = {n: np.asarray(g) for n, g in zip(plain, ref_grads)}
+    plain = {n: arrays[n] for n in ("query", "key", "value")}
+    out, weights, saved = reference.sdpa_forward(**plain, position_term=term, **settings)
+    ref = float(np.sum(out * d_out))
+    ref_grads = reference.sdpa_backward(saved, d_out, np.zeros_like(weights))
     assert abs(value - ref) <= 1e-12 * abs(ref), f"seed {seed}"
     for n in ("query", "key", "value"):
         np.testing.assert_allclose(grads[n], ref_grads[n], rtol=0, atol=1e-12,
                                    err_msg=f"{n}, seed {seed}")
-    g_bias, index = ref_grads["bias"], np.zeros((CB, CLQ, CLK), int)
+    g_bias, index = ref_grads["position_term"], np.zeros((CB, CLQ, CLK), int)
     for b, i, j in np.ndindex(index.shape):
         index[b, i, j] = span + min(max(j - (i + offset[b]), -span), span)
     keys = arrays["distance_keys"]

@@ -15,7 +15,8 @@ The rooms, each importing only those above it:
     storage        what a fixture stores: values rounded once, gradients zero by structure
     rotary         RoPE: every rope_type's frequencies, angles, the turn of pairs
     position_bias  ALiBi's and T5's score biases, the bucket table's gradient, Transformer-XL's
-                   relative positional term and Shaw's relative key term, with their gradients
+                   relative positional term, Shaw's relative key term and the USM Conformer's
+                   relative position terms, with their gradients
     block          projections, heads split and merged, the Stage contract, the generic block
                    (output gate, clip_qkv) forward and backward
     stages         the decoder's stages on q and k: RoPE, the QK norms, the query temperature
@@ -46,8 +47,9 @@ from golden.reference.modules import (_causal, _grouped_query, _grouped_query_ba
                                       _multi_head, _multi_head_backward, _sdpa, _self,
                                       _self_backward,
                                       _simple, _simple_backward, _wrapper, _wrapper_backward)
-from golden.reference.position_bias import (alibi_term, bucket_sums, relative_term,
-                                            shaw_backward, shaw_term, sinusoid_term,
+from golden.reference.position_bias import (alibi_term, bucket_sums, conformer_timing_backward,
+                                            conformer_timing_term, relative_term, shaw_backward,
+                                            shaw_term, sinusoid_term, timing_term,
                                             transformer_xl_backward, transformer_xl_term)
 from golden.reference.rotary import rope_angles, rope_cos_sin, rope_frequencies, rotate, turn
 from golden.reference.stages import (qk_norm_stage, rope_stage, temperature_factors,
@@ -69,14 +71,15 @@ VARIANTS = {
 
 __all__ = [
     "VARIANTS", "ZERO_GRADS", "Stage", "alibi_term", "allowed_positions", "blas_products",
-    "block_backward", "block_forward", "bucket_sums", "einsum", "exact_arithmetic",
+    "block_backward", "block_forward", "bucket_sums", "conformer_timing_backward",
+    "conformer_timing_term", "einsum", "exact_arithmetic",
     "latent_mscale", "latent_rope_stage", "linear", "linear_backward", "masked_softmax",
     "merge_heads", "number", "number_type", "per_batch", "qk_norm_stage", "real",
     "relative_term", "repeat_kv", "rope_angles", "rope_cos_sin", "rope_frequencies",
     "rope_stage", "rotate", "round_to_bits", "rounded_products", "scaled_dot_product_attention",
     "sdpa_backward", "sdpa_forward", "sdpa_term_sizes", "shaw_backward", "shaw_term",
     "sink_logits", "sinusoid_term", "split_heads", "stored", "sum_groups", "temperature_factors",
-    "temperature_stage",
+    "temperature_stage", "timing_term",
     "transformer_xl_backward", "transformer_xl_term", "turn", "unbroadcast",
     "zero_elements", "zero_grads",
 ]

@@ -10,8 +10,9 @@ either), D head width (Dv of the value), d_* feature widths.
     y = merge(O) W_out + b_out   (or merge(O) when there is no output projection)
 A Stage is the contract of the steps between the projections and the core
 (golden.reference.stages holds them); the output gate, clip_qkv (MPT, OLMo), the gradient of
-T5's bias table and Transformer-XL's relative positional term (after the stages: its query
-q + u to the core, its position term as the core's bias) ride in the block itself.
+T5's bias table and the relative positions' terms (after the stages: Transformer-XL's query
+q + u, the Conformer's q̃, to the core, the position term as the core's position_term, inside
+its cap) ride in the block itself.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 from golden.reference.arithmetic import einsum, number, real
 from golden.reference.core import sdpa_backward, sdpa_forward
 from golden.reference.norms import normalize, normalize_backward
-from golden.reference.position_bias import (bucket_sums, shaw_backward, shaw_term,
+from golden.reference.position_bias import (bucket_sums, conformer_timing_backward,
+                                            conformer_timing_term, shaw_backward, shaw_term,
                                             transformer_xl_backward, transformer_xl_term)
 
 
@@ -66,12 +68,14 @@ class Stage(NamedTuple):
 
 
 def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
-                  clip=None, v_norm=None, **core):
+                  clip=None, v_norm=None, key_scale=None, **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate), sinks, and W_pos, bias_u
     and bias_v (Transformer-XL's relative positions: golden.reference.transformer_xl_term,
-    after the stages), or relative_key_table (Shaw's: golden.reference.shaw_term, after the
-    stages). Key and value
+    after the stages), W_pos and per_dim_scale (the USM Conformer's,
+    golden.reference.conformer_timing_term, after the stages: the core's query q̃ and its
+    scale ``key_scale`` κ, default 1) or relative_key_table (Shaw's: golden.reference.shaw_term,
+    after the stages), each relative term inside the core's cap. Key and value
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
     ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
@@ -97,15 +101,21 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         q, k, s = stage.forward(q, k)
         staged.append(s)
     relative = None
-    if "W_pos" in p:  # Transformer-XL: the core takes q + u, and the position term as its bias
+    if "W_pos" in p:  # the core takes q + u (q̃), and the position term inside its cap
         scale = core.get("scale")
         scale = number(1) / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
-        q, core["bias"], relative = transformer_xl_term(q, p, scale)
+        if "per_dim_scale" in p:  # the USM Conformer's: the core's scale is the key scale κ
+            q, core["position_term"], conformer = conformer_timing_term(q, p, scale)
+            core["scale"] = 1.0 if key_scale is None else key_scale  # sdpa_forward's number
+            relative = ("conformer_timing", conformer)
+        else:
+            q, core["position_term"], relative = transformer_xl_term(q, p, scale)
+            relative = ("transformer_xl", relative)
     shaw = None
-    if "relative_key_table" in p:  # Shaw's: the core's bias scale · q_i·E[M + clip(i − j)]
+    if "relative_key_table" in p:  # Shaw's: the position term scale · q_i·E[M + clip(i − j)]
         scale = core.get("scale")
         scale = number(1) / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
-        core["bias"], shaw = shaw_term(q, p["relative_key_table"], scale)
+        core["position_term"], shaw = shaw_term(q, p["relative_key_table"], scale)
     head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
     if "sinks" in p:
         core["sinks"] = p["sinks"]
@@ -142,13 +152,18 @@ def block_backward(saved, d_y, d_weights):
     if saved.get("buckets") is not None:  # T5: the bias's gradient summed into its buckets
         grads["relative_attention_bias"] = bucket_sums(g["bias"], saved["buckets"],
                                                        p["relative_attention_bias"].shape)
-    if saved.get("relative") is not None:  # Transformer-XL's term, after the stages
-        g["query"], g_params = transformer_xl_backward(saved["relative"], p, g["query"],
-                                                       g["bias"])
+    if saved.get("relative") is not None:  # the relative positions' term, after the stages
+        kind, relative = saved["relative"]
+        if kind == "conformer_timing":
+            g["query"], g_params = conformer_timing_backward(relative, g["query"],
+                                                             g["position_term"])
+        else:
+            g["query"], g_params = transformer_xl_backward(relative, p, g["query"],
+                                                           g["position_term"])
         grads.update(g_params)
-    if saved.get("shaw") is not None:  # Shaw's term, after the stages
+    if saved.get("shaw") is not None:  # Shaw's term, after the stages, inside the cap
         g_q, grads["relative_key_table"] = shaw_backward(saved["shaw"], p["relative_key_table"],
-                                                         g["bias"])
+                                                         g["position_term"])
         g["query"] = g["query"] + g_q
     for stage, s in zip(reversed(saved["stages"]), reversed(saved["staged"])):
         g["query"], g["key"], g_params = stage.backward(s, g["query"], g["key"])

@@ -10,11 +10,16 @@ Lk key length, Dk key width, Dv value width, G = H / Hkv query heads per key-val
 
 Forward, with P the masked softmax and K the dropout mask:
     K', V' = K, V with each kv head repeated G times     query head h reads kv head h // G
-    R = scale · Q K'ᵀ                                     (..., H, Lq, Lk)
+    R = scale · Q K'ᵀ + T                                 (..., H, Lq, Lk)
     S = c · tanh(R / c) + bias                            (softcap c; S = R + bias without)
     P = exp(S − max S) · allowed / Σ_row                  (a row with nothing allowed: zeros)
     A = P · K / (1 − p)                                   the weights returned and applied
     O = A V'                                              (..., H, Lq, Dv)
+T is sdpa_forward's ``position_term``, the relative positions' terms (Transformer-XL's, the USM
+Conformer's: golden.reference.position_bias), part of R and so inside the cap, as Gemma 3n's and
+Gemma 4's audio encoders cap the sum of their content and position logits; ``bias`` (ALiBi's,
+T5's, the caller's) is added after the cap. No fixture combined a relative position term with a
+soft cap before this rule was written.
 Key j sits at position j, query i at i + query_offset. Query i may attend key j when the mask
 allows it, j ≤ position (is_causal), position − left ≤ j ≤ position + right (the window),
 j // C = position // C (attention_chunk_size C: Llama 4's chunks of C tokens),
@@ -133,9 +138,11 @@ def scaled_dot_product_attention(
 def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
                  softcap=None, local_window_size=None, attention_chunk_size=None,
                  query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None,
-                 sinks=None, dropout_rate=0.0, dropout_mask=None):
+                 sinks=None, dropout_rate=0.0, dropout_mask=None, position_term=None):
     """Forward pass; also returns what the backward pass needs. The sink logits are added
-    after the scale and the soft-cap (never capped) and no mask or bias touches them."""
+    after the scale and the soft-cap (never capped) and no mask or bias touches them.
+    ``position_term`` T (broadcastable to (..., H, Lq, Lk)) is added to R before the cap;
+    sdpa_backward returns its gradient dL/dR as "position_term"."""
     lengths = dict(query_offset=query_offset, query_seq_lengths=query_seq_lengths,
                    key_value_seq_lengths=key_value_seq_lengths)
     shape = check_attention_args(*map(_checkable, (query, key, value)), mask,
@@ -150,6 +157,8 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
         k, v = repeat_kv(k, q.shape[-3]), repeat_kv(v, q.shape[-3])  # (..., H, Lk, D)
     scale = 1 / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
     scores = scale * einsum("...qd,...kd->...qk", q, k)
+    if position_term is not None:  # the relative positions' term: part of R, inside the cap
+        scores = scores + real(position_term)
     capped_arg = None if softcap is None else scores / number(softcap)  # R / c
     capped = None if softcap is None else np.tanh(capped_arg)         # tanh(R / c)
     if capped is not None:
@@ -170,6 +179,7 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
                  capped_arg=capped_arg, probs=probs,
                  keep_scaled=keep_scaled, weights=weights, p_sink=p_sink,
                  bias_shape=None if bias is None else np.shape(bias),
+                 term_shape=None if position_term is None else np.shape(position_term),
                  sinks_shape=None if sinks is None else np.shape(sinks))
     return out, weights, saved
 
@@ -213,6 +223,8 @@ def sdpa_backward(saved, d_output, d_weights):
         grads["value"] = sum_groups(grads["value"], saved["kv_heads"])
     if saved["bias_shape"] is not None:
         grads["bias"] = unbroadcast(g_scores, saved["bias_shape"])
+    if saved.get("term_shape") is not None:  # part of R: the gradient through the cap
+        grads["position_term"] = unbroadcast(g_raw, saved["term_shape"])
     if p_sink is not None:  # dL/ds = −p_sink Σ_j g_j P_j per row, summed over rows and batch
         g_sink = -(p_sink * (g_probs * probs).sum(axis=-1, keepdims=True))  # (..., H, Lq, 1)
         grads["sinks"] = _sum_to_sinks(g_sink, saved["sinks_shape"])

@@ -114,7 +114,8 @@ def _grouped_query(config, inputs, params):
     (golden.specification.variants.QK_NORMS says which norm runs before RoPE and which after); sinks
     and the output gate when the parameters hold them; ALiBi's or T5's bias (alibi_term,
     relative_term, the table's gradient by bucket_sums), or Transformer-XL's relative positions
-    (W_pos, bias_u, bias_v: transformer_xl_term, in block_forward) or Shaw's
+    (W_pos, bias_u, bias_v: transformer_xl_term, in block_forward), the USM Conformer's (W_pos,
+    per_dim_scale, key_scale: conformer_timing_term, in block_forward) or Shaw's
     (relative_key_table: shaw_term, in block_forward); the input norm (input_norm: LayerNorm
     of x before every projection, _input_norm); the padding past
     query_seq_lengths neither querying nor attended."""
@@ -161,7 +162,8 @@ def _grouped_query(config, inputs, params):
         query_seq_lengths=lengths, key_value_seq_lengths=lengths,
         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
         dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"],
-        v_norm=number(c["qk_norm_eps"]) if c.get("v_norm") else None, **core)
+        v_norm=number(c["qk_norm_eps"]) if c.get("v_norm") else None,
+        key_scale=c.get("key_scale"), **core)
     saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
     saved["input_norm"] = normed
     return y, weights, saved

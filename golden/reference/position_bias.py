@@ -4,7 +4,12 @@ the bucket of each distance, with the table's gradient, and Transformer-XL's rel
 term, a product of each query with a projected sinusoidal table of distances, with the
 gradients of its query, its biases u and v and its projection; Shaw's relative key term, each
 query's product with a learned table of clipped distances, with the gradients of its query
-and its table.
+and its table; the USM Conformer's (Gemma 3n's and Gemma 4's audio encoders), each query scaled
+per dimension by softplus(per_dim_scale) and its product with a projected timing signal of
+distances, with the gradients of its query, the scale and the projection. The relative
+positions' terms (Transformer-XL's, Shaw's, the Conformer's) are part of the raw scores R,
+inside the soft cap (golden.reference.core's ``position_term``); ALiBi's and T5's biases are
+added after it.
 
 Shape legend: N heads, L sequence length (query i and key j both in token order), num_buckets
 the rows of T5's table (num_buckets, N), Dh head width, d the model width (d_in), S = L − 1
@@ -16,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.specification.decoder import SINUSOID_BASE, alibi_slopes, relative_position_bucket
+from golden.specification.decoder import (SINUSOID_BASE, TIMING_MAX_TIMESCALE, alibi_slopes,
+                                          relative_position_bucket)
 from golden.reference.arithmetic import einsum, number, number_type, real
 
 
@@ -109,11 +115,12 @@ def transformer_xl_backward(saved, p, g_query, g_bias):
 # Shaw et al. 2018 (Hugging Face's GraniteSpeechConformerAttention): with q the query heads the
 # core sees and E (2M + 1, Dh) one learned table shared by every head, the scores are
 #     s_ij = scale · q_i·k_j + scale · q_i·E[M + clip(i − j, −M, M)]
-# the first by the core, the second a bias (N, L, L) beside it (row M + t: query − key = t).
+# the first by the core, the second its position term (N, L, L), inside the cap (row M + t:
+# query − key = t).
 
 
 def shaw_term(q, table, scale):
-    """(the bias (..., N, L, L), saved) for the query heads q (..., N, L, Dh) and the table
+    """(the position term (..., N, L, L), saved) for the query heads q (..., N, L, Dh) and the table
     (2M + 1, Dh): scale · q_i·E[M + clip(i − j, −M, M)]."""
     span, length = (table.shape[0] - 1) // 2, q.shape[-2]
     index = span + np.clip(np.arange(length)[:, None] - np.arange(length)[None, :],
@@ -123,7 +130,7 @@ def shaw_term(q, table, scale):
 
 
 def shaw_backward(saved, table, g_bias):
-    """(dL/dq (..., N, L, Dh), dL/dE (2M + 1, Dh)) of shaw_term from the gradient of its bias
+    """(dL/dq (..., N, L, Dh), dL/dE (2M + 1, Dh)) of shaw_term from the gradient of its term
     (..., N, L, L): each table row's gradient summed over the heads and the query–key pairs at
     its clipped distance, in index order."""
     q, gathered, index, scale = saved
@@ -134,3 +141,62 @@ def shaw_backward(saved, table, g_bias):
     g_table = real(np.zeros(table.shape))
     np.add.at(g_table, index, g_gathered)
     return g_q, g_table
+
+
+# The USM Conformer's relative position logits (Gemma 3n's and Gemma 4's audio encoders; Hugging
+# Face's Gemma3nAudioAttention, Gemma4AudioAttention): with q the query heads the core would see,
+# w = per_dim_scale (Dh,), s the scale (default Dh^−1/2), κ the key scale (Gemma 4's
+# ln(1 + e)/ln 2, else 1) and E_h(t) head h's slice of timing(t) W_pos (timing: timing_term),
+#     q̃ = q ⊙ s · softplus(w) / ln 2,      R_ij = κ q̃_i·k_j + q̃_i·E(i − j)
+# the first by the core (query q̃, scale κ), the second its position term, inside the cap.
+
+
+def timing_term(width, span):
+    """The reference's own timing signal (2·span + 1, width): row span + d is timing(−d),
+    timing(t) = (sin tι_0 … sin tι_{n−1}, cos tι_0 … cos tι_{n−1}), n = width/2, ι_k =
+    exp(−k·ln(10⁴) / max(n − 1, 1)); golden.specification.decoder.timing_table is the
+    twins'."""
+    n = width // 2
+    step = np.log(number(TIMING_MAX_TIMESCALE)) / number(max(n - 1, 1))
+    inv = np.exp(-real(np.arange(n)) * step)  # (n,)
+    angles = -real(np.arange(-span, span + 1))[:, None] * inv  # (2S + 1, n): t·ι, t = −d
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
+
+
+def _softplus(w):
+    """(softplus(w) = ln(1 + e^w), its derivative σ(w) = 1 / (1 + e^−w))."""
+    one = number(1)
+    return np.log(one + np.exp(w)), one / (one + np.exp(-w))
+
+
+def conformer_timing_term(q, p, scale):
+    """(q̃, the position term (..., N, L, L), saved) for the query heads q (..., N, L, Dh) and
+    the parameters p (W_pos (d, N·Dh), per_dim_scale (Dh,)): q̃ = q ⊙ scale · softplus(w) / ln 2
+    and the term q̃_i·e[S + j − i], e = split(timing W_pos) (N, 2S + 1, Dh), S = L − 1."""
+    heads, length = q.shape[-3], q.shape[-2]
+    soft, slope = _softplus(p["per_dim_scale"])
+    factor = scale * soft / np.log(number(2))  # (Dh,)
+    qt = q * factor
+    pe = timing_term(p["W_pos"].shape[0], length - 1)  # (2S + 1, d)
+    e = einsum("ti,io->to", pe, p["W_pos"])  # (2S + 1, N·Dh)
+    e = np.swapaxes(e.reshape(e.shape[0], heads, -1), 0, 1)  # (N, 2S + 1, Dh)
+    index = length - 1 + np.arange(length)[None, :] - np.arange(length)[:, None]  # S + j − i
+    gathered = e[:, index]  # (N, L, L, Dh)
+    term = einsum("...nid,nijd->...nij", qt, gathered)
+    return qt, term, (q, qt, factor, scale * slope / np.log(number(2)), gathered, index, pe)
+
+
+def conformer_timing_backward(saved, g_query, g_term):
+    """(dL/dq, {per_dim_scale, W_pos: gradient}) of conformer_timing_term from the gradients of
+    its q̃ (..., N, L, Dh) and of its term (..., N, L, L): each table row's gradient summed over
+    the query–key pairs at its distance, in index order."""
+    q, qt, factor, d_factor, gathered, index, pe = saved
+    g_qt = g_query + einsum("...nij,nijd->...nid", g_term, gathered)
+    flat_g = g_term.reshape((-1,) + g_term.shape[-3:])  # (B, N, L, L)
+    flat_qt = qt.reshape((-1,) + qt.shape[-3:])  # (B, N, L, Dh)
+    g_gathered = einsum("bnij,bnid->ijnd", flat_g, flat_qt)  # (L, L, N, Dh)
+    g_e = real(np.zeros((pe.shape[0],) + g_gathered.shape[2:]))  # (2S + 1, N, Dh)
+    np.add.at(g_e, index, g_gathered)
+    g_w = einsum("ti,to->io", pe, g_e.reshape(g_e.shape[0], -1))  # (d, N·Dh)
+    g_scale = (g_qt * q).reshape((-1, q.shape[-1])).sum(axis=0) * d_factor  # (Dh,)
+    return g_qt * factor, {"per_dim_scale": g_scale, "W_pos": g_w}

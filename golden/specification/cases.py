@@ -23,6 +23,8 @@ per query head, (H,), or () for unbatched (Lq, Dk) inputs.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from golden.specification.validate import DTYPES
@@ -477,6 +479,29 @@ CASES += [
          {"d_in": 6, "num_heads": 2, "num_kv_heads": 2, "head_dim": 3, "out_bias": True,
           "causal": False, "attention_chunk_size": 2, "relative_positions": "shaw",
           "relative_max_distance": 3, "input_norm": "layer", "input_norm_eps": 1e-3}),
+    # Shaw's term inside a soft cap that bites (every relative term is part of the raw scores)
+    Case("gqa_shaw_softcap", GQA, 464,
+         {"x": ("normal", (2, 7, 6))},
+         {"d_in": 6, "num_heads": 2, "num_kv_heads": 1, "head_dim": 4, "softcap": 1.0,
+          "relative_positions": "shaw", "relative_max_distance": 2}),
+]
+
+# The USM Conformer's relative positions (issue 41, Gemma 3n's and Gemma 4's audio encoders):
+# per_dim_scale and W_pos over the timing signal, the term inside the soft cap. Right-padded rows
+# 11 long, bidirectional with 3 keys back and 2 ahead (Gemma 3n's context left 4, right 2), a
+# cap that bites; and unbatched with grouped heads, causal 5 keys, Gemma 4's key scale
+# ln(1 + e)/ln 2 and its cap 50.
+CASES += [
+    Case("gqa_conformer_timing_padding", GQA, 471,
+         {"x": ("normal", (2, 11, 6)), "query_seq_lengths": _ints([11, 7])},
+         {"d_in": 6, "num_heads": 3, "num_kv_heads": 3, "head_dim": 4, "d_out": 6,
+          "causal": False, "sliding_window": [3, 2], "softcap": 2.0,
+          "relative_positions": "conformer_timing"}),
+    Case("gqa_conformer_timing_unbatched", GQA, 472,
+         {"x": ("normal", (9, 8))},
+         {"d_in": 8, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3, "d_out": 5,
+          "sliding_window": 5, "softcap": 50.0, "relative_positions": "conformer_timing",
+          "key_scale": math.log(1 + math.e) / math.log(2)}),
 ]
 
 # Gemma 4's full-attention layers (issues 41-42): no value projection (k_eq_v: the values are

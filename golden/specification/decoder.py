@@ -45,8 +45,14 @@ def weight_broadcast(kind, weight):
 
 def sliding_window(w, causal):
     """The core's (left, right) window for Hugging Face's ``sliding_window`` W: W keys including
-    the query itself (kv_idx > q_idx − W), on both sides when not causal; None for None."""
-    return None if w is None else (w - 1, 0 if causal else w - 1)
+    the query itself (kv_idx > q_idx − W), on both sides when not causal; None for None. A pair
+    (left, right) (not causal: a Conformer's left context and lookahead, Gemma 3n's audio
+    encoder) is the core's window as it is: keys p − left … p + right."""
+    if w is None:
+        return None
+    if isinstance(w, (tuple, list)):
+        return (int(w[0]), int(w[1]))
+    return (w - 1, 0 if causal else w - 1)
 
 
 # ALiBi (Press et al.), as Hugging Face's BLOOM, MPT and Falcon define the per-head slopes.
@@ -145,7 +151,9 @@ def relative_bias(table, buckets, *, moveaxis):
 # Shaw et al. (2018)'s relative key embeddings, as IBM's Granite Speech Conformer has them: one
 # learned table E (2M + 1, Dh) shared by every head, the score of query i and key j gaining
 # scale · q_i · E[M + clip(p_i − j, −M, M)] (relative_max_distance M).
-RELATIVE_POSITIONS = ("transformer_xl", "shaw")
+# "conformer_timing": the relative position logits of Google's USM Conformer as Gemma 3n's and
+# Gemma 4's audio encoders have them (timing_table), named for the table they read.
+RELATIVE_POSITIONS = ("transformer_xl", "shaw", "conformer_timing")
 SINUSOID_BASE = 10000.0
 
 
@@ -161,5 +169,30 @@ def sinusoid_table(width, span):
     omega = SINUSOID_BASE ** -(np.arange(0, width, 2, dtype=np.float64) / width)  # (width/2,)
     angles = t * omega  # (2S + 1, width/2)
     table = np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(2 * span + 1, width)
+    table.flags.writeable = False
+    return table
+
+
+# Gemma 3n's and Gemma 4's audio attention (Google's USM Conformer, lingvo's "timing signal"):
+# the keys of each query − key distance t projected from timing(t) = (sin tι_0, …, sin tι_{n−1},
+# cos tι_0, …, cos tι_{n−1}), n = width / 2, ι_k = exp(−k · ln(10⁴) / max(n − 1, 1)): other
+# frequencies than Transformer-XL's, and the sines and cosines in two halves, not in pairs.
+TIMING_MAX_TIMESCALE = 1.0e4
+
+
+@lru_cache(maxsize=32)
+def timing_table(width, span):
+    """The timing signal of the key − query distances d = −span … span, (2·span + 1, width)
+    float64, read-only: row span + d is timing(−d), the encoding of the query − key distance
+    t = −d, timing(t) = (sin tι, cos tι) (two halves), ι_k = exp(−k·ln(10⁴) / max(width/2 − 1,
+    1)), width even. Hugging Face's Gemma 3n (Gemma3nAudioRelativePositionEmbedding) and Gemma 4
+    (Gemma4AudioRelPositionalEncoding) form it in float32 for t = P … −F (Gemma 4: t = C//2 … 0)
+    and read row t = p − j for query p and key j through their rel_shift."""
+    n = width // 2
+    t = -np.arange(-span, span + 1, dtype=np.float64)[:, None]  # (2S + 1, 1): query − key
+    inv = np.exp(np.arange(n, dtype=np.float64) * -(math.log(TIMING_MAX_TIMESCALE) /
+                                                     max(n - 1, 1)))  # (width/2,)
+    angles = t * inv  # (2S + 1, width/2)
+    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
     table.flags.writeable = False
     return table

@@ -342,11 +342,14 @@ def _grouped_query_shapes(c):
     if c["relative_attention_num_buckets"] is not None:
         shapes["relative_attention_bias"] = (c["relative_attention_num_buckets"], h)
     _shaw(c)
-    if c["relative_positions"] == "transformer_xl":
+    if c["relative_positions"] in ("transformer_xl", "conformer_timing"):  # a projected table
         _transformer_xl(c)
-        shapes.update(W_pos=(c["d_in"], h * dh), bias_u=(h, dh), bias_v=(h, dh))
+        shapes["W_pos"] = (c["d_in"], h * dh)
+        if c["relative_positions"] == "transformer_xl":
+            shapes.update(bias_u=(h, dh), bias_v=(h, dh))
     if c["relative_positions"] == "shaw":
         shapes["relative_key_table"] = (2 * c["relative_max_distance"] + 1, dh)
+    _conformer_timing(c, shapes, dh)
     shapes.update(_input_norm_shapes(c))
     return shapes
 
@@ -469,6 +472,33 @@ def _input_norm_shapes(c) -> dict:
                              f"is set, got {c['input_norm_eps']!r}")
         return {}
     return {"input_norm_weight": (c["d_in"],), "input_norm_bias": (c["d_in"],)}
+def _conformer_timing(c, shapes, dh) -> None:
+    """The USM Conformer's relative positions (Gemma 3n's and Gemma 4's audio attention): a
+    learned per_dim_scale (Dh,) on the queries; ``key_scale`` (Gemma 4's constant on the keys)
+    only with them; a (left, right) ``sliding_window`` (its left context and lookahead) not
+    causal."""
+    kind, w = c["relative_positions"], c["sliding_window"]
+    if kind == "conformer_timing":
+        shapes["per_dim_scale"] = (dh,)
+    elif c["key_scale"] is not None:
+        raise ValueError(f"key_scale should be None unless relative_positions is "
+                         f"'conformer_timing', got {c['key_scale']!r} with relative_positions "
+                         f"= {kind!r}")
+    if isinstance(w, (tuple, list)) and c["causal"]:
+        raise ValueError(f"sliding_window should be an int when causal (a pair (left, right) "
+                         f"is a bidirectional window), got {tuple(w)!r}")
+
+
+def _sliding_window(name, w) -> None:
+    """None, a positive int (Hugging Face's W keys, the query's own included), or a pair (left,
+    right) of ints ≥ 0: keys p − left … p + right."""
+    if isinstance(w, (tuple, list)):
+        if len(w) != 2 or any(not isinstance(n, int) or isinstance(n, bool) or n < 0
+                              for n in w):
+            raise ValueError(f"{name} should be a positive int or a pair (left, right) of "
+                             f"ints >= 0, got {w!r}")
+        return
+    _positive_or_none(name, w)
 
 
 def latent_rope(c):
@@ -631,7 +661,7 @@ _VARIANTS = [
              Arg("qkv_bias", _flag, False), Arg("out_bias", _flag, False),
              Arg("causal", _flag, True), Arg("scale", _scale, None),
              Arg("softcap", check_positive_or_none, None),
-             Arg("sliding_window", _positive_or_none, None),
+             Arg("sliding_window", _sliding_window, None),
              Arg("rope_theta", check_positive_or_none, None),
              Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0),
              Arg("qk_norm", _qk_norm, None), Arg("qk_norm_eps", _epsilon, 1e-6),
@@ -648,11 +678,13 @@ _VARIANTS = [
              Arg("k_eq_v", _flag, False),
              Arg("relative_positions", _relative_positions, None),
              Arg("relative_max_distance", _positive_or_none, None),
-             Arg("input_norm", _input_norm, None), Arg("input_norm_eps", _epsilon, 1e-5)),
+             Arg("input_norm", _input_norm, None), Arg("input_norm_eps", _epsilon, 1e-5),
+             Arg("key_scale", check_positive_or_none, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",
-                     "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias"),
+                     "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias",
+                     "per_dim_scale"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",

@@ -7,6 +7,8 @@ its own.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,8 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import (
-    alibi_slopes, bucket_table, qk_normalize, sinusoid_table, temperature, weight_broadcast,
+    alibi_slopes, bucket_table, qk_normalize, sinusoid_table, temperature, timing_table,
+    weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
 from golden.specification.positions import ROPE_BLOCK, KVCache, check_fits
@@ -45,10 +48,13 @@ class GroupedQueryAttention(_Variant):
     Options: as torch_attn.GroupedQueryAttention's (docs/modules.md), ``clip_qkv`` c included
     (MPT, OLMo: q, k and v clamped to [−c, c] after their projections), and
     ``relative_positions="transformer_xl"`` (Transformer-XL's relative positional attention:
-    bias_u, bias_v (N, Dh), W_pos (d_in, N·Dh); ``_relative``) or ``"shaw"`` with
+    bias_u, bias_v (N, Dh), W_pos (d_in, N·Dh); ``_relative``), ``"shaw"`` with
     ``relative_max_distance`` M (Shaw's relative key embeddings: relative_key_table (2M + 1,
-    Dh) shared by the heads; ``_shaw``), ``input_norm="layer"`` (LayerNorm of x before the
-    projections, input_norm_weight and input_norm_bias (d_in,), ε = ``input_norm_eps``).
+    Dh) shared by the heads; ``_shaw``) or ``"conformer_timing"`` (the USM Conformer's, Gemma
+    3n's and Gemma 4's audio attention: per_dim_scale (Dh,), W_pos, ``key_scale``;
+    ``_conformer``), each term inside the soft cap (the core's distance_query and
+    distance_keys); ``input_norm="layer"`` (LayerNorm of x before the projections,
+    input_norm_weight and input_norm_bias (d_in,), ε = ``input_norm_eps``).
 
     With ``cache`` (from ``init_cache``, a pytree), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there (a scatter, in place when the
@@ -72,8 +78,8 @@ class GroupedQueryAttention(_Variant):
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
-                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5, *, rngs,
-                 precision=DEFAULT_PRECISION):
+                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
+                 key_scale=None, *, rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
@@ -91,7 +97,8 @@ class GroupedQueryAttention(_Variant):
                         clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
                         relative_positions=relative_positions,
                         relative_max_distance=relative_max_distance,
-                        input_norm=input_norm, input_norm_eps=input_norm_eps)
+                        input_norm=input_norm, input_norm_eps=input_norm_eps,
+                        key_scale=key_scale)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
@@ -102,7 +109,7 @@ class GroupedQueryAttention(_Variant):
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         self.attention_chunk_size = attention_chunk_size
-        self.alibi = alibi
+        self.alibi, self.relative_positions, self.key_scale = alibi, relative_positions, key_scale
         self.alibi_slopes = None if alibi is None else tuple(
             alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,): static, hashable
         self.query_temperature = (None if query_temperature is None else tuple(
@@ -117,16 +124,17 @@ class GroupedQueryAttention(_Variant):
         self.W_gate = _linear(d_in, width, qkv_bias, rngs, precision) if output_gate else None
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
         self.W_pos = (_linear(d_in, width, False, rngs, precision)
-                      if relative_positions == "transformer_xl" else None)
+                      if relative_positions in ("transformer_xl", "conformer_timing") else None)
         shapes = VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
                         relative_attention_buckets)
         (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
-         self.bias_v) = (nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
-                         if n in shapes else None
-                         for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
-                                   "bias_u", "bias_v"))
+         self.bias_v, self.per_dim_scale) = (
+            nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
+            if n in shapes else None
+            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u", "bias_v",
+                      "per_dim_scale"))
         self.relative_key_table = (nnx.Param(jnp.zeros(shapes["relative_key_table"]))
                                    if "relative_key_table" in shapes else None)  # Shaw's
         self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in), w = 1, b = 0
@@ -212,14 +220,17 @@ class GroupedQueryAttention(_Variant):
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
-        relative = {}
-        if self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
+        relative, scale = {}, self.scale
+        if self.relative_positions == "conformer_timing":  # the core takes q̃, scale κ
+            q, relative = self._conformer(q, k.shape[-2])
+            scale = 1.0 if self.key_scale is None else self.key_scale
+        elif self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
             q, relative = self._relative(q, k.shape[-2])
         if self.relative_key_table is not None:  # Shaw's: the position term, per block
             relative = self._shaw(q)
         o = scaled_dot_product_attention(
             q, k, v, head_mask, distance_bias=self._position_bias(q, k.shape[-2]), **relative,
-            is_causal=self.causal, scale=self.scale, softcap=self.softcap,
+            is_causal=self.causal, scale=scale, softcap=self.softcap,
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
@@ -315,6 +326,27 @@ class GroupedQueryAttention(_Variant):
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         return {"distance_query": q.astype(compute) * scale,
                 "distance_keys": jnp.broadcast_to(table, (self.num_heads,) + table.shape)}
+
+    def _conformer(self, q, keys):
+        """The USM Conformer's relative positions (Gemma 3n's and Gemma 4's audio attention), as
+        torch_attn's: the core's query q̃ = q ⊙ scale · softplus(per_dim_scale) / ln 2 (in q's
+        dtype), its ``distance_query`` q̃ and ``distance_keys`` e = split(timing W_pos) (N,
+        2S + 1, Dh) over the distances −S … S, S = Lk − 1, timing the signal of
+        golden.specification.decoder.timing_table in the parameters' dtype, both in at least
+        float32: the core adds q̃_i·e[S + j − p_i] to its raw scores (inside the cap), query i
+        at p_i = offset + i and key j in token order, per block in "blockwise" (O(L)
+        memory)."""
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        span = keys - 1
+        table = jnp.asarray(timing_table(self.d_in, span),
+                            self.W_pos.kernel.get_value().dtype)  # (2S + 1, d_in)
+        e = self.W_pos(table).astype(compute).reshape(2 * span + 1, self.num_heads, -1)
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        factor = jax.nn.softplus(self.per_dim_scale.get_value().astype(compute)) * (
+            scale / math.log(2.0))  # (Dh,)
+        q = (q.astype(compute) * factor).astype(q.dtype)
+        return q, {"distance_query": q.astype(compute),
+                   "distance_keys": jnp.swapaxes(e, 0, 1)}  # (N, 2S + 1, Dh)
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +

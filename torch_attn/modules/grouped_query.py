@@ -9,13 +9,15 @@ M the cache's max_length).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from golden.specification import variants
 from golden.specification.decoder import (
     alibi_bias, alibi_slopes, bucket_table, qk_normalize, relative_bias, sinusoid_table,
-    sliding_window, temperature, weight_broadcast,
+    sliding_window, temperature, timing_table, weight_broadcast,
 )
 from golden.specification.positions import KVCache, check_fits, distance_index
 from golden.specification.validate import (
@@ -23,7 +25,7 @@ from golden.specification.validate import (
     rope_axis_count,
     rope_settings,
 )
-from torch_attn.explicit import LOW_PRECISION
+from torch_attn.explicit import LOW_PRECISION, grouped_matmul
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.modules.base import _config, _dropout_rate
 from torch_attn.rotary import rotary_embedding
@@ -70,7 +72,15 @@ class GroupedQueryAttention(nn.Module):
     query at p, key j; Granite's blocks of C frames are ``attention_chunk_size`` C with
     ``causal=False``); ``input_norm="layer"`` (Granite Speech's pre_norm inside its attention:
     LayerNorm of x over d_in, input_norm_weight and input_norm_bias (d_in,), ε =
-    ``input_norm_eps``, before every projection).
+    ``input_norm_eps``, before every projection);
+    ``relative_positions="conformer_timing"`` (the USM Conformer's, as Gemma 3n's and Gemma 4's
+    audio encoders have it: learned per_dim_scale w (Dh,) and W_pos (d_in, N·Dh), q̃ = q ⊙ scale ·
+    softplus(w)/ln 2, scores κ q̃_i·k_j + q̃_i·E(p − j), E(t) the head's slice of W_pos applied to
+    the timing signal of the query − key distance t, golden.specification.decoder.timing_table;
+    ``key_scale`` κ, Gemma 4's ln(1 + e)/ln 2, default 1; with ``causal=False`` a
+    ``sliding_window`` pair (left, right) is its context: keys p − left … p + right). Either
+    relative term (these two, Transformer-XL's, Shaw's) is part of the raw scores, inside the
+    ``softcap`` (``_inside_cap``).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
@@ -95,7 +105,8 @@ class GroupedQueryAttention(nn.Module):
                  alibi_bias_max=8, relative_attention_num_buckets=None,
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
-                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5):
+                 relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
+                 key_scale=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -115,7 +126,8 @@ class GroupedQueryAttention(nn.Module):
                               clip_qkv=clip_qkv, v_norm=v_norm, k_eq_v=k_eq_v,
                               relative_positions=relative_positions,
                               relative_max_distance=relative_max_distance,
-                              input_norm=input_norm, input_norm_eps=input_norm_eps)
+                              input_norm=input_norm, input_norm_eps=input_norm_eps,
+                              key_scale=key_scale)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
@@ -126,7 +138,7 @@ class GroupedQueryAttention(nn.Module):
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         self.attention_chunk_size, self.query_temperature = attention_chunk_size, query_temperature
-        self.alibi = alibi
+        self.alibi, self.relative_positions, self.key_scale = alibi, relative_positions, key_scale
         self.alibi_slopes = None if alibi is None else tuple(
             alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,), float64 values
         width = num_heads * self.head_dim
@@ -137,16 +149,17 @@ class GroupedQueryAttention(nn.Module):
         self.W_gate = nn.Linear(d_in, width, bias=qkv_bias) if output_gate else None
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
         self.W_pos = (nn.Linear(d_in, width, bias=False)
-                      if relative_positions == "transformer_xl" else None)
+                      if relative_positions in ("transformer_xl", "conformer_timing") else None)
         shapes = variants.VARIANTS[self.variant].shapes(self.config)
         start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
                         relative_attention_buckets)
         (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
-         self.bias_v) = (nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
-                         if n in shapes else None
-                         for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
-                                   "bias_u", "bias_v"))
+         self.bias_v, self.per_dim_scale) = (
+            nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
+            if n in shapes else None
+            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u", "bias_v",
+                      "per_dim_scale"))
         self.relative_key_table = (nn.Parameter(torch.zeros(shapes["relative_key_table"]))
                                    if "relative_key_table" in shapes else None)  # Shaw's
         self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in), w = 1, b = 0
@@ -215,13 +228,18 @@ class GroupedQueryAttention(nn.Module):
         extra = {n: a for n, a in (("sinks", self.sinks),
                                    ("attention_chunk_size", self.attention_chunk_size))
                  if a is not None}
-        bias = self._position_bias(q, k.shape[-2], offset)
-        if self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
-            q, bias = self._relative(q, k.shape[-2], offset)
-        if self.relative_key_table is not None:  # Shaw's: the position term as the core's bias
-            bias = self._shaw(q, k.shape[-2], offset)
+        bias, scale = self._position_bias(q, k.shape[-2], offset), self.scale
+        if self.relative_positions == "conformer_timing":  # the core takes q̃, scale κ
+            q, term = self._conformer(q, k.shape[-2], offset)
+            scale = 1.0 if self.key_scale is None else self.key_scale
+            bias = self._inside_cap(q, k, term, scale)
+        elif self.W_pos is not None:  # Transformer-XL: the core takes q + u, the position term
+            q, term = self._relative(q, k.shape[-2], offset)
+            bias = self._inside_cap(q, k, term, self.scale)
+        if self.relative_key_table is not None:  # Shaw's: the position term, inside the cap
+            bias = self._inside_cap(q, k, self._shaw(q, k.shape[-2], offset), self.scale)
         o = scaled_dot_product_attention(
-            q, k, v, head_mask, bias, is_causal=self.causal, scale=self.scale,
+            q, k, v, head_mask, bias, is_causal=self.causal, scale=scale,
             softcap=self.softcap,
             local_window_size=sliding_window(self.sliding_window, self.causal),
             query_offset=offset, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
@@ -295,12 +313,53 @@ class GroupedQueryAttention(nn.Module):
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         qv = q.to(compute) + self.bias_v.to(compute)[:, None, :]  # (..., N, L, Dh)
         products = (qv @ e.transpose(-1, -2)) * scale  # (..., N, L, 2S + 1)
-        pos = torch.arange(q.shape[-2], device=q.device)[:, None]  # (L, 1)
+        return q + self.bias_u.to(q.dtype)[:, None, :], self._at_distances(products, keys,
+                                                                              offset)
+
+    def _conformer(self, q, keys, offset):
+        """The USM Conformer's relative positions (Gemma 3n's and Gemma 4's audio attention):
+        (the core's query q̃ = q ⊙ scale · softplus(per_dim_scale) / ln 2, its position term
+        (..., N, L, Lk) q̃_i·e[S + j − p]) for query i at p = offset + i and key j in token
+        order, e = split(timing W_pos) (N, 2S + 1, Dh) over the distances −S … S, S = Lk − 1,
+        timing the signal of golden.specification.decoder.timing_table in the parameters'
+        dtype; q̃ in q's dtype, the product in at least float32."""
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        span = keys - 1
+        table = torch.tensor(timing_table(self.d_in, span), device=q.device,
+                             dtype=self.W_pos.weight.dtype)  # (2S + 1, d_in)
+        e = self.W_pos(table).to(compute).unflatten(-1, (self.num_heads, self.head_dim))
+        e = e.transpose(0, 1)  # (2S + 1, N, Dh) -> (N, 2S + 1, Dh)
+        scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+        factor = torch.nn.functional.softplus(self.per_dim_scale.to(compute)) * (
+            scale / math.log(2.0))  # (Dh,)
+        q = (q.to(compute) * factor).to(q.dtype)
+        products = q.to(compute) @ e.transpose(-1, -2)  # (..., N, L, 2S + 1)
+        return q, self._at_distances(products, keys, offset)
+
+    def _at_distances(self, products, keys, offset):
+        """Each key's entry of ``products`` (..., N, L, 2S + 1), S = Lk − 1: (..., N, L, Lk),
+        query i at p = offset + i and key j read at S + j − p."""
+        pos = torch.arange(products.shape[-2], device=products.device)[:, None]  # (L, 1)
         if offset is not None:
             pos = pos + offset[:, None, None]  # (B, L, 1)
-        index = distance_index(2 * span + 1, torch.arange(keys, device=q.device), pos)
+        index = distance_index(products.shape[-1], torch.arange(keys, device=products.device),
+                               pos)
         index = index.unsqueeze(-3).expand(products.shape[:-1] + (keys,))  # (..., N, L, Lk)
-        return q + self.bias_u.to(q.dtype)[:, None, :], products.gather(-1, index)
+        return products.gather(-1, index)
+
+    def _inside_cap(self, q, k, term, scale):
+        """The core's bias that puts the relative positions' ``term`` (..., N, L, Lk) inside
+        its soft cap c: cap(A + T) − cap(A), A = scale · q kᵀ as the core forms it, so that the
+        core's cap(A) + bias is cap(A + T) (rounding apart: the core forms A again). Without a
+        cap, the term itself. torch's core has no term before its cap (JAX's distance_query
+        and distance_keys are one): the module forms the (L, Lk) scores once more instead."""
+        if self.softcap is None:
+            return term
+        compute = term.dtype
+        scale = self.head_dim ** -0.5 if scale is None else scale
+        a = scale * grouped_matmul(q.to(compute), k.to(compute).transpose(-2, -1))
+        c = self.softcap
+        return c * torch.tanh((a + term) / c) - c * torch.tanh(a / c)
 
     def _input_norm(self, x):
         """LayerNorm of x (..., L, d_in) over d_in, times input_norm_weight plus input_norm_bias,
