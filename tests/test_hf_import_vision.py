@@ -533,7 +533,8 @@ def test_a_gemma4_shaped_checkpoint_is_checked_tower_by_tower(tmp_path):
     report = hf_check.run(tmp_path, frameworks=["torch", "jax"], log=lambda row: None)
     audio_notes = [n for n in report["checkpoint"]["notes"] if n.startswith("audio_config")]
     assert len(audio_notes) == 1 and audio_notes[0].startswith(
-        "audio_config (gemma4_audio): not checked: its attention")
+        "audio_config (gemma4_audio): not checked: attn-parity hf does not check Gemma's audio "
+        "encoders yet")
     assert {r["fixture"] for r in report["rows"]} == {
         "layer 0 (sliding_attention)", "layer 1 (full_attention)",
         "vision layer 0 (attention)", "vision layer 1 (attention)"}
