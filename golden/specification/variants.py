@@ -796,6 +796,18 @@ def projections(module) -> dict:
     return out
 
 
+# The value of a vector parameter that changes nothing, where it is not 0: a norm's weight (QK
+# norms' 1, or 0 for the "rms_one_plus" norms, which multiply by 1 + w; the input norm's 1).
+def vector_starts(variant, config) -> dict:
+    """{name: (shape, its start value)} of every vector parameter of the variant (its
+    ``vectors``) that the configuration has, each at the value that changes nothing: what a
+    twin's module holds when built."""
+    shapes = VARIANTS[variant].shapes(config)
+    norm = 0.0 if config.get("qk_norm") == "rms_one_plus" else 1.0
+    starts = {"q_norm": norm, "k_norm": norm, "input_norm_weight": 1.0}
+    return {n: (shapes[n], starts.get(n, 0.0)) for n in VARIANTS[variant].vectors if n in shapes}
+
+
 def _vectors(module) -> dict:
     """{name: the module's array} for the variant's ``vectors`` the module holds (not None)."""
     held = ((n, getattr(module, n, None)) for n in VARIANTS[module.variant].vectors)

@@ -125,22 +125,12 @@ class GroupedQueryAttention(_Variant):
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
         self.W_pos = (_linear(d_in, width, False, rngs, precision)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
-        shapes = VARIANTS[self.variant].shapes(self.config)
-        start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
                         relative_attention_buckets)
-        (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
-         self.bias_v, self.per_dim_scale) = (
-            nnx.Param(jnp.full(shapes[n], start if n.endswith("norm") else 0.0))
-            if n in shapes else None
-            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u", "bias_v",
-                      "per_dim_scale"))
-        self.relative_key_table = (nnx.Param(jnp.zeros(shapes["relative_key_table"]))
-                                   if "relative_key_table" in shapes else None)  # Shaw's
-        self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in), w = 1, b = 0
-        self.input_norm_weight, self.input_norm_bias = (
-            nnx.Param(jnp.full(shapes[n], 1.0 if n.endswith("weight") else 0.0))
-            if n in shapes else None for n in ("input_norm_weight", "input_norm_bias"))
+        self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in)
+        starts = variants.vector_starts(self.variant, self.config)  # each at its no-op value
+        for n in VARIANTS[self.variant].vectors:  # None where the config has none
+            setattr(self, n, nnx.Param(jnp.full(*starts[n])) if n in starts else None)
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -296,15 +286,19 @@ class GroupedQueryAttention(_Variant):
         at least float32: the core adds (scale · (q_i + v))·e[S + j − p_i], query i at p_i =
         offset + i and key j in token order, per block in "blockwise" (O(L) memory)."""
         compute = jnp.promote_types(q.dtype, jnp.float32)
-        span = keys - 1
-        table = jnp.asarray(sinusoid_table(self.d_in, span),
-                            self.W_pos.kernel.get_value().dtype)  # (2S + 1, d_in)
-        e = self.W_pos(table).astype(compute).reshape(2 * span + 1, self.num_heads, -1)
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         qv = q.astype(compute) + self.bias_v.get_value().astype(compute)[:, None, :]
         u = self.bias_u.get_value().astype(q.dtype)[:, None, :]
         return q + u, {"distance_query": qv * scale,
-                       "distance_keys": jnp.swapaxes(e, 0, 1)}  # (N, 2S + 1, Dh)
+                       "distance_keys": self._projected(sinusoid_table, keys, compute)}
+
+    def _projected(self, table, keys, compute):
+        """e = split(T W_pos) (N, 2S + 1, Dh) in ``compute`` over the distances −S … S, S = Lk −
+        1: T (2S + 1, d_in) the ``table`` (golden.specification.decoder's sinusoid_table or
+        timing_table) in the parameters' dtype."""
+        t = jnp.asarray(table(self.d_in, keys - 1), self.W_pos.kernel.get_value().dtype)
+        e = self.W_pos(t).astype(compute).reshape(2 * keys - 1, self.num_heads, -1)
+        return jnp.swapaxes(e, 0, 1)  # (2S + 1, N, Dh) -> (N, 2S + 1, Dh)
 
     def _input_norm(self, x):
         """LayerNorm of x (..., L, d_in) over d_in, times input_norm_weight plus input_norm_bias,
@@ -337,16 +331,12 @@ class GroupedQueryAttention(_Variant):
         at p_i = offset + i and key j in token order, per block in "blockwise" (O(L)
         memory)."""
         compute = jnp.promote_types(q.dtype, jnp.float32)
-        span = keys - 1
-        table = jnp.asarray(timing_table(self.d_in, span),
-                            self.W_pos.kernel.get_value().dtype)  # (2S + 1, d_in)
-        e = self.W_pos(table).astype(compute).reshape(2 * span + 1, self.num_heads, -1)
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         factor = jax.nn.softplus(self.per_dim_scale.get_value().astype(compute)) * (
             scale / math.log(2.0))  # (Dh,)
         q = (q.astype(compute) * factor).astype(q.dtype)
         return q, {"distance_query": q.astype(compute),
-                   "distance_keys": jnp.swapaxes(e, 0, 1)}  # (N, 2S + 1, Dh)
+                   "distance_keys": self._projected(timing_table, keys, compute)}
 
     def _temperature(self, q, offset, positions):
         """q times the query temperature at each token's position (``positions``, or index +

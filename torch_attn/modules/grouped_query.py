@@ -150,22 +150,12 @@ class GroupedQueryAttention(nn.Module):
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
         self.W_pos = (nn.Linear(d_in, width, bias=False)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
-        shapes = variants.VARIANTS[self.variant].shapes(self.config)
-        start = 0.0 if qk_norm == "rms_one_plus" else 1.0  # the weight that changes nothing
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
                         relative_attention_buckets)
-        (self.q_norm, self.k_norm, self.sinks, self.relative_attention_bias, self.bias_u,
-         self.bias_v, self.per_dim_scale) = (
-            nn.Parameter(torch.full(shapes[n], start if n.endswith("norm") else 0.0))
-            if n in shapes else None
-            for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u", "bias_v",
-                      "per_dim_scale"))
-        self.relative_key_table = (nn.Parameter(torch.zeros(shapes["relative_key_table"]))
-                                   if "relative_key_table" in shapes else None)  # Shaw's
-        self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in), w = 1, b = 0
-        self.input_norm_weight, self.input_norm_bias = (
-            nn.Parameter(torch.full(shapes[n], 1.0 if n.endswith("weight") else 0.0))
-            if n in shapes else None for n in ("input_norm_weight", "input_norm_bias"))
+        self.input_norm_eps = input_norm_eps  # Granite's pre_norm: LayerNorm(d_in)
+        starts = variants.vector_starts(self.variant, self.config)  # each at its no-op value
+        for n in variants.VARIANTS[self.variant].vectors:  # None where the config has none
+            setattr(self, n, nn.Parameter(torch.full(*starts[n])) if n in starts else None)
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
@@ -305,16 +295,20 @@ class GroupedQueryAttention(nn.Module):
         the bias in at least float32. As Hugging Face's rel_shift, without its (2L − 1)-wide
         padding: the (..., L, 2S + 1) products gathered at each key's distance."""
         compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
-        span = keys - 1
-        table = torch.tensor(sinusoid_table(self.d_in, span), device=q.device,
-                                dtype=self.W_pos.weight.dtype)  # (2S + 1, d_in)
-        e = self.W_pos(table).to(compute).unflatten(-1, (self.num_heads, self.head_dim))
-        e = e.transpose(0, 1)  # (2S + 1, N, Dh) -> (N, 2S + 1, Dh)
+        e = self._projected(sinusoid_table, keys, compute, q.device)  # (N, 2S + 1, Dh)
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         qv = q.to(compute) + self.bias_v.to(compute)[:, None, :]  # (..., N, L, Dh)
         products = (qv @ e.transpose(-1, -2)) * scale  # (..., N, L, 2S + 1)
         return q + self.bias_u.to(q.dtype)[:, None, :], self._at_distances(products, keys,
                                                                               offset)
+
+    def _projected(self, table, keys, compute, device):
+        """e = split(T W_pos) (N, 2S + 1, Dh) in ``compute`` over the distances −S … S, S = Lk −
+        1: T (2S + 1, d_in) the ``table`` (golden.specification.decoder's sinusoid_table or
+        timing_table) in the parameters' dtype."""
+        t = torch.tensor(table(self.d_in, keys - 1), device=device, dtype=self.W_pos.weight.dtype)
+        e = self.W_pos(t).to(compute).unflatten(-1, (self.num_heads, self.head_dim))
+        return e.transpose(0, 1)  # (2S + 1, N, Dh) -> (N, 2S + 1, Dh)
 
     def _conformer(self, q, keys, offset):
         """The USM Conformer's relative positions (Gemma 3n's and Gemma 4's audio attention):
@@ -324,11 +318,7 @@ class GroupedQueryAttention(nn.Module):
         timing the signal of golden.specification.decoder.timing_table in the parameters'
         dtype; q̃ in q's dtype, the product in at least float32."""
         compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
-        span = keys - 1
-        table = torch.tensor(timing_table(self.d_in, span), device=q.device,
-                             dtype=self.W_pos.weight.dtype)  # (2S + 1, d_in)
-        e = self.W_pos(table).to(compute).unflatten(-1, (self.num_heads, self.head_dim))
-        e = e.transpose(0, 1)  # (2S + 1, N, Dh) -> (N, 2S + 1, Dh)
+        e = self._projected(timing_table, keys, compute, q.device)  # (N, 2S + 1, Dh)
         scale = self.head_dim ** -0.5 if self.scale is None else self.scale
         factor = torch.nn.functional.softplus(self.per_dim_scale.to(compute)) * (
             scale / math.log(2.0))  # (Dh,)
