@@ -347,3 +347,14 @@ def long_blockwise_against_torch(config, length=1100, variant="grouped_query_att
         out = jax_twin.numpy(jax_twin.build(variant, config, params)(jax_twin.array(x)))
     return out, expected, ran, seed
 
+
+
+def decoded(twin, module, x, prefill):
+    """The module's output on x (B, L, d) decoded with its cache: the first ``prefill`` tokens
+    at once, then one token at a time (B, L, d_out), as NumPy; the cache sized L + 2."""
+    cache = module.init_cache(x.shape[0], x.shape[1] + 2)
+    steps = []
+    for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, x.shape[1])]:
+        out, cache = module(twin.array(x[:, start:stop]), cache=cache)
+        steps.append(twin.numpy(out))
+    return np.concatenate(steps, axis=1)

@@ -133,10 +133,16 @@ def build_model(family, rng):
     make = (transformers.AutoModel.from_config if family.model is None else
             getattr(transformers, family.model))
     model = make(config).double().eval()
+    draw_parameters(model, rng)
+    return config, model
+
+
+def draw_parameters(model, rng):
+    """Every parameter of the torch ``model`` drawn N(0, 0.5²) in place (norm weights, biases
+    and sinks included)."""
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
-    return config, model
 
 
 def attention_of(family, model, i):

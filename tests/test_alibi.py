@@ -32,6 +32,8 @@ from transformers.models.bloom import modeling_bloom  # noqa: E402
 from transformers.models.falcon import modeling_falcon  # noqa: E402
 from transformers.models.mpt import modeling_mpt  # noqa: E402
 
+from tests.hf_harness import draw_parameters  # noqa: E402
+
 B, L, N, DH = 3, 7, 6, 4
 D = N * DH  # 24: HF's families have Dh = D / N
 GQA = "grouped_query_attention"
@@ -88,9 +90,7 @@ def test_slopes_by_hand():
 # ---- the modules against HF's attention classes ------------------------------------------------
 
 def _randomize(module, rng):
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(module, rng)
 
 
 def _causal_additive(batch=B):

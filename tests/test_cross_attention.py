@@ -179,6 +179,8 @@ from transformers.models.bart import modeling_bart  # noqa: E402
 from transformers.models.t5 import modeling_t5  # noqa: E402
 from transformers.models.whisper import modeling_whisper  # noqa: E402
 
+from tests.hf_harness import draw_parameters  # noqa: E402
+
 D, H, HF_LQ, HF_LC, T5_DH = 12, 3, 5, 7, 5  # Dh = 4 (T5: d_kv = 5); B = 2; every size distinct
 BART_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "out_proj"}
 
@@ -236,9 +238,7 @@ def _hf_run(family, rng):
     Σ A ⊙ dA on a padded context (lengths [7, 4]), with the reference's fixture on the same."""
     family = FAMILIES[family]
     hf = family.hf().double().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(hf, rng)
     x, context = rng.standard_normal((2, HF_LQ, D)), rng.standard_normal((2, HF_LC, D))
     lengths = np.array([HF_LC, 4], np.int32)
     cot = random_cotangents(rng, (2, HF_LQ, D), (2, H, HF_LQ, HF_LC))
@@ -343,9 +343,7 @@ def test_siglip_pooling_head_attention(twin):
     config = transformers.SiglipVisionConfig(hidden_size=D, num_attention_heads=H,
                                              intermediate_size=2 * D)
     head = modeling_siglip.SiglipMultiheadAttentionPoolingHead(config).double().eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(head, rng)
     attention = head.attention
     tokens = rng.standard_normal((2, HF_LC, D))
     lengths = np.array([HF_LC, 3], np.int32)

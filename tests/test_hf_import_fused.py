@@ -45,6 +45,7 @@ from tests.hf_harness import (  # noqa: E402
     assert_each_undone_moves_the_output,
     attention_of,
     captured,
+    draw_parameters,
     rel,
     state_dict,
 )
@@ -131,9 +132,7 @@ def build_model(family, rng):
     config = getattr(transformers, family.config)(**{**base, **family.kw})
     config._attn_implementation = family.attention
     model = transformers.AutoModel.from_config(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(model, rng)
     return config, (model.float() if family in FLOAT32_MODELS.values() else model)
 
 

@@ -31,7 +31,7 @@ from golden.specification.decoder import relative_position_bucket
 from tests.helpers import TWINS, fresh_rng
 
 transformers = pytest.importorskip("transformers")
-from tests.hf_harness import EXACT, rel, state_dict  # noqa: E402
+from tests.hf_harness import EXACT, draw_parameters, rel, state_dict  # noqa: E402
 
 B, T, F, D, N, M = 2, 20, 8, 12, 3, 3
 LENGTHS = np.array([T, 13])  # feature frames per row: row 1 padded
@@ -50,9 +50,7 @@ def _model(rng, **change):
     config_class, model_class, kw = FAMILIES["phi4_multimodal_audio"]
     config = getattr(transformers, config_class)(**dict(kw, **change))
     model = getattr(transformers, model_class)(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(model, rng)
     return config, model
 
 

@@ -41,7 +41,8 @@ from golden.specification.decoder import sinusoid_table, timing_table
 from tests.helpers import TWINS, fresh_rng
 
 transformers = pytest.importorskip("transformers")
-from tests.hf_harness import EXACT, FLOAT32_LEVEL, rel, state_dict  # noqa: E402
+from tests.hf_harness import (EXACT, FLOAT32_LEVEL, draw_parameters, rel,  # noqa: E402
+                              state_dict)
 
 B, T, F, D, N = 2, 20, 8, 12, 3
 LENGTHS = np.array([T, 13])  # feature frames per row: row 1 padded
@@ -85,9 +86,7 @@ def _model(mt, rng):
     config = getattr(transformers, config_class)(**kw)
     config._attn_implementation = "sdpa"
     model = getattr(transformers, model_class)(config).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(model, rng)
     return config, model
 
 
@@ -258,9 +257,7 @@ def _granite(mt, rng):
     five = mt == "granite_speech5_encoder"
     cls = getattr(module, module_class)
     hf = (cls(config, layer_idx=0) if five else cls(config)).double().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(hf, rng)
     seq = torch.arange(GC)
     dists = torch.clamp(seq[:, None] - seq[None, :], -GC, GC) + GM  # the encoder's
 
@@ -432,9 +429,7 @@ def _conformer(mt, rng, **change):
     module = getattr(importlib.import_module(f"transformers.models.{mt[:-6]}.modeling_{mt[:-6]}"),
                      module_class)
     hf = (module(config) if mt == "gemma3n_audio" else module(config, 0)).double().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(hf, rng)
     return config, hf
 
 

@@ -29,7 +29,7 @@ from tests.test_axial_rope import AXIAL, THETA, _grid_positions, _layout_positio
 
 transformers = pytest.importorskip("transformers")
 from transformers import vision_utils  # noqa: E402
-from tests.hf_harness import FLOAT32_LEVEL, rel, state_dict  # noqa: E402
+from tests.hf_harness import FLOAT32_LEVEL, draw_parameters, rel, state_dict  # noqa: E402
 
 PATCH, MERGE = 2, 2
 GRIDS = np.array([[1, 4, 6], [1, 2, 4]])  # two images (t, h, w), of 24 and 8 patches
@@ -86,9 +86,7 @@ QWEN_TOWERS = {
 
 def _random_model(model, rng):
     model = model.double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
+    draw_parameters(model, rng)
     return model
 
 

@@ -26,7 +26,7 @@ import jax_attn
 from golden import reference
 from golden.harness.check import compare_all
 from golden.specification.implementations import record
-from tests.helpers import (JAX, TWINS, fresh_rng, long_blockwise_against_torch,
+from tests.helpers import (JAX, TWINS, decoded, fresh_rng, long_blockwise_against_torch,
                            random_cotangents, reference_fixture)
 
 GQA = "grouped_query_attention"
@@ -136,12 +136,8 @@ def test_decoding_equals_the_full_forward(framework):
         module = twin.build(GQA, config, _params(rng, config))
         module.eval()
         full = twin.numpy(module(twin.array(x)))
-        out, cache = module(twin.array(x[:, :3]), cache=module.init_cache(B, L + 2))
-        steps = [twin.numpy(out)]
-        for i in range(3, L):
-            out, cache = module(twin.array(x[:, i:i + 1]), cache=cache)
-            steps.append(twin.numpy(out))
-    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= EXACT, f"seed {seed}"
+        steps = decoded(twin, module, x, 3)
+    assert np.abs(steps - full).max() <= EXACT, f"seed {seed}"
 
 
 # ---- JAX: the table reversed as distance_keys, per block ---------------------------------------

@@ -31,7 +31,7 @@ import jax_attn
 from golden import reference
 from golden.specification.decoder import sinusoid_table
 from golden.specification.positions import distance_index
-from tests.helpers import JAX, TWINS, fresh_rng, long_blockwise_against_torch
+from tests.helpers import JAX, TWINS, decoded, fresh_rng, long_blockwise_against_torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -167,12 +167,8 @@ def test_decoding_equals_the_full_forward(framework):
         module = twin.build(GQA, config, params)
         module.eval()
         full = twin.numpy(module(twin.array(x)))
-        out, cache = module(twin.array(x[:, :4]), cache=module.init_cache(B, L + 2))
-        steps = [twin.numpy(out)]
-        for i in range(4, L):
-            out, cache = module(twin.array(x[:, i:i + 1]), cache=cache)
-            steps.append(twin.numpy(out))
-    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= EXACT, f"seed {seed}"
+        steps = decoded(twin, module, x, 4)
+    assert np.abs(steps - full).max() <= EXACT, f"seed {seed}"
 
 
 @pytest.mark.parametrize("framework", list(TWINS))
