@@ -14,8 +14,12 @@ Shape legend: B batch, L sequence length (Lq queries, Lk keys), N heads, d_* fea
 
 Why one room of about 700 lines: it is one table (the ten variants, each a ``Variant`` beside the
 shape and input functions it names) and the few functions every reader of the table shares;
-split, a variant's description would sit in two places. The next mixers (docs/architecture.md,
-"Where the next token mixers go") get descriptions of their own beside it, not in it.
+split, a variant's description would sit in two places. Grouped-query attention's position
+terms, which grow with each family of relative positions, are checked and shaped in
+golden.specification.position_terms (its ``Arg`` checks and ``position_shapes``), the checks of
+one value every variant shares in golden.specification.settings. The next mixers
+(docs/architecture.md, "Where the next token mixers go") get descriptions of their own beside
+it, not in it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,17 @@ from typing import Callable
 
 import numpy as np
 
-from golden.specification.decoder import ALIBI_KINDS, BUCKET_RULES, RELATIVE_POSITIONS
+from golden.specification.position_terms import (
+    check_alibi,
+    check_alibi_bias_max,
+    check_bucket_rule,
+    check_input_norm,
+    check_relative_positions,
+    check_sliding_window,
+    input_norm_shapes,
+    position_shapes,
+)
+from golden.specification.settings import epsilon, positive, positive_or_none
 from golden.specification.validate import (
     FLOAT_DTYPES,
     check_attention_args,
@@ -49,16 +63,6 @@ from golden.specification.validate import (
 )
 
 REQUIRED = object()  # the default of an argument that has none
-
-
-def _positive(name, n) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise ValueError(f"{name} should be a positive int, got {n!r}")
-
-
-def _positive_or_none(name, n) -> None:
-    if n is not None:
-        _positive(name, n)
 
 
 # one validator per kind of argument, shared with the core (golden.specification.validate)
@@ -252,37 +256,6 @@ def _qk_norm(name, kind) -> None:
                          f"got {kind!r}")
 
 
-def _epsilon(name, eps) -> None:
-    """A finite number > 0 (None is not one)."""
-    try:
-        check_positive_or_none(name, float("nan") if eps is None else eps)
-    except ValueError:
-        raise ValueError(f"{name} should be a positive number, got {eps!r}") from None
-
-
-def _alibi(name, kind) -> None:
-    if kind is not None and kind not in ALIBI_KINDS:
-        raise ValueError(f"{name} should be None or one of {', '.join(map(repr, ALIBI_KINDS))}, "
-                         f"got {kind!r}")
-
-
-def _relative_positions(name, kind) -> None:
-    if kind is not None and kind not in RELATIVE_POSITIONS:
-        raise ValueError(f"{name} should be None or one of "
-                         f"{', '.join(map(repr, RELATIVE_POSITIONS))}, got {kind!r}")
-
-
-def _bucket_rule(name, rule) -> None:
-    if rule not in BUCKET_RULES:
-        raise ValueError(f"{name} should be one of {', '.join(map(repr, BUCKET_RULES))}, got "
-                         f"{rule!r}")
-
-
-def _alibi_bias_max(name, x) -> None:
-    """A finite number > 0 (MPT's alibi_bias_max)."""
-    _epsilon(name, x)
-
-
 TEMPERATURE_FIELDS = ("beta", "floor_scale", "shift")
 
 
@@ -297,7 +270,7 @@ def _temperature(name, t) -> None:
     if t["beta"] is None:
         raise ValueError(f"{name}['beta'] should be a finite number, got None")
     check_scale(f"{name}['beta']", t["beta"])
-    _positive(f"{name}['floor_scale']", t["floor_scale"])
+    positive(f"{name}['floor_scale']", t["floor_scale"])
     if t["shift"] not in (0, 1) or isinstance(t["shift"], bool):
         raise ValueError(f"{name}['shift'] should be 0 or 1, got {t['shift']!r}")
 
@@ -312,10 +285,6 @@ def _grouped_query_shapes(c):
     if c["rope_theta"] is not None and dh % 2:
         raise ValueError(f"head_dim should be even with rotary embeddings (rope_theta), "
                          f"got {dh}")
-    if c["alibi"] != "mpt" and c["alibi_bias_max"] != 8:
-        raise ValueError(f"alibi_bias_max should be 8 (its default) unless alibi is 'mpt', got "
-                         f"{c['alibi_bias_max']!r} with alibi = {c['alibi']!r}")
-    _relative_buckets(c)
     rope = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                          c["rope_precision"])
     if rope is not None:
@@ -339,18 +308,8 @@ def _grouped_query_shapes(c):
         shapes["k_norm"] = QK_NORMS[c["qk_norm"]][0](hkv, dh)
     if c["sinks"]:
         shapes["sinks"] = (h,)
-    if c["relative_attention_num_buckets"] is not None:
-        shapes["relative_attention_bias"] = (c["relative_attention_num_buckets"], h)
-    _shaw(c)
-    if c["relative_positions"] in ("transformer_xl", "conformer_timing"):  # a projected table
-        _transformer_xl(c)
-        shapes["W_pos"] = (c["d_in"], h * dh)
-        if c["relative_positions"] == "transformer_xl":
-            shapes.update(bias_u=(h, dh), bias_v=(h, dh))
-    if c["relative_positions"] == "shaw":
-        shapes["relative_key_table"] = (2 * c["relative_max_distance"] + 1, dh)
-    _conformer_timing(c, shapes, dh)
-    shapes.update(_input_norm_shapes(c))
+    shapes.update(position_shapes(c, h, dh))
+    shapes.update(input_norm_shapes(c))
     return shapes
 
 
@@ -387,118 +346,6 @@ def _multi_head_cross_shapes(c):
 def _key_bias(name, b) -> None:
     if b is not None:
         _flag(name, b)
-
-
-def _relative_buckets(c) -> None:
-    """Relative buckets: T5's (max_exact = (num_buckets, halved when bidirectional) // 2 exact
-    buckets, at least 1, and max_distance beyond them) or the clipped distances (num_buckets
-    2·max_distance, or max_distance when symmetric); max_distance and the rule left at their
-    defaults without them."""
-    nb, far = c["relative_attention_num_buckets"], c["relative_attention_max_distance"]
-    rule = c["relative_attention_buckets"]
-    if nb is None:
-        if far != 128:
-            raise ValueError(f"relative_attention_max_distance should be 128 (its default) "
-                             f"unless relative_attention_num_buckets is set, got {far!r}")
-        if rule != "t5":
-            raise ValueError(f"relative_attention_buckets should be 't5' (its default) unless "
-                             f"relative_attention_num_buckets is set, got {rule!r}")
-        return
-    if c["alibi"] is not None:
-        raise ValueError(f"alibi should be None with relative_attention_num_buckets (one "
-                         f"position bias), got {c['alibi']!r}")
-    if rule != "t5":
-        rows = 2 * far if rule == "clipped" else far
-        if nb != rows:
-            raise ValueError(f"relative_attention_num_buckets should be {rows} with "
-                             f"relative_attention_buckets={rule!r} (relative_attention_max_"
-                             f"distance {far}: one bucket per clipped distance), got {nb}")
-        return
-    least = 2 if c["causal"] else 4
-    if nb < least:
-        raise ValueError(f"relative_attention_num_buckets should be at least {least} "
-                         f"({'causal' if c['causal'] else 'bidirectional'}), got {nb}")
-    max_exact = (nb if c["causal"] else nb // 2) // 2
-    if far <= max_exact:
-        raise ValueError(f"relative_attention_max_distance should exceed the {max_exact} exact "
-                         f"buckets, got {far}")
-
-
-def _transformer_xl(c) -> None:
-    """Transformer-XL's relative positions: the sinusoidal table is d_in wide (its sin and cos
-    in pairs: d_in even), and it is the one position bias."""
-    if c["d_in"] % 2:
-        raise ValueError(f"d_in should be even with relative_positions (the sinusoidal table's "
-                         f"sin and cos pairs), got {c['d_in']}")
-    for other in ("alibi", "relative_attention_num_buckets"):
-        if c[other] is not None:
-            raise ValueError(f"{other} should be None with relative_positions (one position "
-                             f"bias), got {c[other]!r}")
-
-
-def _shaw(c) -> None:
-    """Shaw's relative positions: relative_max_distance M (the table's rows: distances −M … M)
-    given with them and only with them, and they are the one position bias."""
-    far, shaw = c["relative_max_distance"], c["relative_positions"] == "shaw"
-    if shaw and far is None:
-        raise ValueError("relative_max_distance should be given with relative_positions='shaw' "
-                         "(the table's rows: distances −M … M), got None")
-    if not shaw and far is not None:
-        raise ValueError(f"relative_max_distance should be None unless relative_positions is "
-                         f"'shaw', got {far!r}")
-    for other in ("alibi", "relative_attention_num_buckets") if shaw else ():
-        if c[other] is not None:
-            raise ValueError(f"{other} should be None with relative_positions (one position "
-                             f"bias), got {c[other]!r}")
-
-
-# The norm of the module's input before its projections (Granite Speech's pre_norm inside its
-# attention): kind -> an example family. "layer": LayerNorm over d_in with weight and bias.
-INPUT_NORMS = {"layer": "Granite Speech's Conformer attention: LayerNorm(d_in), weight and bias"}
-
-
-def _input_norm(name, kind) -> None:
-    if kind is not None and kind not in INPUT_NORMS:
-        raise ValueError(f"{name} should be None or one of {', '.join(map(repr, INPUT_NORMS))}, "
-                         f"got {kind!r}")
-
-
-def _input_norm_shapes(c) -> dict:
-    """input_norm_weight and input_norm_bias (d_in,) with input_norm; input_norm_eps left at its
-    default without."""
-    if c["input_norm"] is None:
-        if c["input_norm_eps"] != 1e-5:
-            raise ValueError(f"input_norm_eps should be 1e-05 (its default) unless input_norm "
-                             f"is set, got {c['input_norm_eps']!r}")
-        return {}
-    return {"input_norm_weight": (c["d_in"],), "input_norm_bias": (c["d_in"],)}
-def _conformer_timing(c, shapes, dh) -> None:
-    """The USM Conformer's relative positions (Gemma 3n's and Gemma 4's audio attention): a
-    learned per_dim_scale (Dh,) on the queries; ``key_scale`` (Gemma 4's constant on the keys)
-    only with them; a (left, right) ``sliding_window`` (its left context and lookahead) not
-    causal."""
-    kind, w = c["relative_positions"], c["sliding_window"]
-    if kind == "conformer_timing":
-        shapes["per_dim_scale"] = (dh,)
-    elif c["key_scale"] is not None:
-        raise ValueError(f"key_scale should be None unless relative_positions is "
-                         f"'conformer_timing', got {c['key_scale']!r} with relative_positions "
-                         f"= {kind!r}")
-    if isinstance(w, (tuple, list)) and c["causal"]:
-        raise ValueError(f"sliding_window should be an int when causal (a pair (left, right) "
-                         f"is a bidirectional window), got {tuple(w)!r}")
-
-
-def _sliding_window(name, w) -> None:
-    """None, a positive int (Hugging Face's W keys, the query's own included), or a pair (left,
-    right) of ints ≥ 0: keys p − left … p + right."""
-    if isinstance(w, (tuple, list)):
-        if len(w) != 2 or any(not isinstance(n, int) or isinstance(n, bool) or n < 0
-                              for n in w):
-            raise ValueError(f"{name} should be a positive int or a pair (left, right) of "
-                             f"ints >= 0, got {w!r}")
-        return
-    _positive_or_none(name, w)
 
 
 def latent_rope(c):
@@ -623,24 +470,24 @@ _VARIANTS = [
     Variant("simple_self_attention", "SimpleSelfAttention", (),
             shapes=lambda c: {}, check_inputs=_self_inputs, inputs=(Input("x", None),)),
     Variant("self_attention", "SelfAttention",
-            (Arg("d_in", _positive), Arg("d_k", _positive), Arg("d_v", _positive_or_none, None),
+            (Arg("d_in", positive), Arg("d_k", positive), Arg("d_v", positive_or_none, None),
              Arg("qkv_bias", _flag, False)),
             shapes=_one_head_shapes, check_inputs=_self_inputs, layers=QKV_LAYERS,
             sample=dict(d_in=5, d_k=4, d_v=6, qkv_bias=True)),
     Variant("causal_self_attention", "CausalSelfAttention",
-            (Arg("d_in", _positive), Arg("d_k", _positive), Arg("d_v", _positive_or_none, None),
+            (Arg("d_in", positive), Arg("d_k", positive), Arg("d_v", positive_or_none, None),
              Arg("dropout", _rate, 0.0), Arg("qkv_bias", _flag, False)),
             shapes=_one_head_shapes, check_inputs=_self_inputs, dropout=True, layers=QKV_LAYERS,
             sample=dict(d_in=5, d_k=3, d_v=4, dropout=0.3)),
     Variant("cross_attention", "CrossAttention",
-            (Arg("d_q_in", _positive), Arg("d_kv_in", _positive), Arg("d_k", _positive),
-             Arg("d_v", _positive_or_none, None), Arg("qkv_bias", _flag, False)),
+            (Arg("d_q_in", positive), Arg("d_kv_in", positive), Arg("d_k", positive),
+             Arg("d_v", positive_or_none, None), Arg("qkv_bias", _flag, False)),
             shapes=_cross_shapes, check_inputs=_cross_inputs,
             inputs=(Input("x_q", "d_q_in"), Input("x_kv", "d_kv_in", "key"),
                     Input("x_v", "d_kv_in", "key", optional=True)),
             layers=QKV_LAYERS, sample=dict(d_q_in=5, d_kv_in=3, d_k=4, d_v=6, qkv_bias=True)),
     Variant("multi_head_attention_wrapper", "MultiHeadAttentionWrapper",
-            (Arg("d_in", _positive), Arg("d_head", _positive), Arg("num_heads", _positive),
+            (Arg("d_in", positive), Arg("d_head", positive), Arg("num_heads", positive),
              Arg("causal", _flag, False), Arg("dropout", _rate, 0.0),
              Arg("qkv_bias", _flag, False), Arg("out_proj", _flag, False)),
             shapes=_wrapper_shapes, check_inputs=_self_inputs, dropout=True,
@@ -649,36 +496,36 @@ _VARIANTS = [
             sample=dict(d_in=5, d_head=2, num_heads=3, causal=True, dropout=0.1, qkv_bias=True,
                         out_proj=True)),
     Variant("multi_head_attention", "MultiHeadAttention",
-            (Arg("d_in", _positive), Arg("d_out", _positive), Arg("num_heads", _positive),
+            (Arg("d_in", positive), Arg("d_out", positive), Arg("num_heads", positive),
              Arg("causal", _flag, False), Arg("dropout", _rate, 0.0),
              Arg("qkv_bias", _flag, False), Arg("out_bias", _flag, True)),
             shapes=_multi_head_shapes, check_inputs=_self_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj"},
             sample=dict(d_in=5, d_out=12, num_heads=3, causal=True, dropout=0.2, qkv_bias=True)),
     Variant("grouped_query_attention", "GroupedQueryAttention",
-            (Arg("d_in", _positive), Arg("num_heads", _positive), Arg("num_kv_heads", _positive),
-             Arg("head_dim", _positive_or_none, None), Arg("d_out", _positive_or_none, None),
+            (Arg("d_in", positive), Arg("num_heads", positive), Arg("num_kv_heads", positive),
+             Arg("head_dim", positive_or_none, None), Arg("d_out", positive_or_none, None),
              Arg("qkv_bias", _flag, False), Arg("out_bias", _flag, False),
              Arg("causal", _flag, True), Arg("scale", _scale, None),
              Arg("softcap", check_positive_or_none, None),
-             Arg("sliding_window", _sliding_window, None),
+             Arg("sliding_window", check_sliding_window, None),
              Arg("rope_theta", check_positive_or_none, None),
              Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0),
-             Arg("qk_norm", _qk_norm, None), Arg("qk_norm_eps", _epsilon, 1e-6),
-             Arg("sinks", _flag, False), Arg("attention_chunk_size", _positive_or_none, None),
+             Arg("qk_norm", _qk_norm, None), Arg("qk_norm_eps", epsilon, 1e-6),
+             Arg("sinks", _flag, False), Arg("attention_chunk_size", positive_or_none, None),
              Arg("query_temperature", _temperature, None), Arg("output_gate", _flag, False),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("partial_rotary_factor", _rotary_fraction, 1.0),
-             Arg("rope_precision", _rope_precision, "exact"), Arg("alibi", _alibi, None),
-             Arg("alibi_bias_max", _alibi_bias_max, 8),
-             Arg("relative_attention_num_buckets", _positive_or_none, None),
-             Arg("relative_attention_max_distance", _positive, 128),
-             Arg("relative_attention_buckets", _bucket_rule, "t5"),
+             Arg("rope_precision", _rope_precision, "exact"), Arg("alibi", check_alibi, None),
+             Arg("alibi_bias_max", check_alibi_bias_max, 8),
+             Arg("relative_attention_num_buckets", positive_or_none, None),
+             Arg("relative_attention_max_distance", positive, 128),
+             Arg("relative_attention_buckets", check_bucket_rule, "t5"),
              Arg("clip_qkv", check_positive_or_none, None), Arg("v_norm", _flag, False),
              Arg("k_eq_v", _flag, False),
-             Arg("relative_positions", _relative_positions, None),
-             Arg("relative_max_distance", _positive_or_none, None),
-             Arg("input_norm", _input_norm, None), Arg("input_norm_eps", _epsilon, 1e-5),
+             Arg("relative_positions", check_relative_positions, None),
+             Arg("relative_max_distance", positive_or_none, None),
+             Arg("input_norm", check_input_norm, None), Arg("input_norm_eps", epsilon, 1e-5),
              Arg("key_scale", check_positive_or_none, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
@@ -688,9 +535,9 @@ _VARIANTS = [
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",
-            (Arg("d_in", _positive), Arg("d_context", _positive), Arg("num_heads", _positive),
-             Arg("num_kv_heads", _positive_or_none, None),
-             Arg("head_dim", _positive_or_none, None), Arg("d_out", _positive_or_none, None),
+            (Arg("d_in", positive), Arg("d_context", positive), Arg("num_heads", positive),
+             Arg("num_kv_heads", positive_or_none, None),
+             Arg("head_dim", positive_or_none, None), Arg("d_out", positive_or_none, None),
              Arg("qkv_bias", _flag, False), Arg("key_bias", _key_bias, None),
              Arg("out_bias", _flag, False), Arg("scale", _scale, None)),
             shapes=_multi_head_cross_shapes, check_inputs=_context_inputs,
@@ -699,11 +546,11 @@ _VARIANTS = [
             sample=dict(d_in=5, d_context=3, num_heads=4, num_kv_heads=2, head_dim=6, d_out=7,
                         qkv_bias=True, key_bias=False, out_bias=True, scale=0.3)),
     Variant("multi_head_latent_attention", "MultiHeadLatentAttention",
-            (Arg("d_in", _positive), Arg("num_heads", _positive), Arg("kv_lora_rank", _positive),
-             Arg("qk_nope_head_dim", _positive), Arg("qk_rope_head_dim", _positive),
-             Arg("v_head_dim", _positive), Arg("q_lora_rank", _positive_or_none, None),
-             Arg("d_out", _positive_or_none, None), Arg("attention_bias", _flag, False),
-             Arg("rms_norm_eps", _epsilon, 1e-6),
+            (Arg("d_in", positive), Arg("num_heads", positive), Arg("kv_lora_rank", positive),
+             Arg("qk_nope_head_dim", positive), Arg("qk_rope_head_dim", positive),
+             Arg("v_head_dim", positive), Arg("q_lora_rank", positive_or_none, None),
+             Arg("d_out", positive_or_none, None), Arg("attention_bias", _flag, False),
+             Arg("rms_norm_eps", epsilon, 1e-6),
              Arg("rope_theta", check_positive_or_none, None),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("rope_interleaved", _flag, True), Arg("causal", _flag, True),
