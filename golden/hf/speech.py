@@ -61,12 +61,6 @@ from golden.specification.mapping import _numpy
 
 NAMES = {**LLAMA_NAMES, "pos": "relative_k_proj"}
 VECTORS = ("bias_u", "bias_v")
-# attn-parity hf runs a layer on drawn hidden states alone; these layers also take the
-# encoder's table of relative position embeddings.
-UNVERIFIED = ("attn-parity hf does not check speech encoders yet: their attention also takes "
-              "the encoder's relative position embeddings (position_embeddings, a sinusoidal "
-              "table of 2L − 1 distances); convert a layer with golden.convert.from_hf and "
-              "compare it given those")
 
 
 def _settings(mt):
@@ -98,8 +92,7 @@ def _from_neutral(params, ours) -> dict:
 
 def _encoder(mt) -> Family:
     return Family(GQA, _settings(mt), _to_neutral(mt), _from_neutral,
-                  stacks=(Stack("layers", "self_attn", label="encoder"),),
-                  unverified=UNVERIFIED)
+                  stacks=(Stack("layers", "self_attn", label="encoder"),))
 
 
 PHI4_TABLE = "relative_attention_bias_layer.bias_values.weight"

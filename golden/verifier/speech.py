@@ -1,0 +1,130 @@
+"""Speech encoders in the checkpoint verifier: how each is drawn and how HF's model is given its
+input, in one table (``ENCODERS``), read by golden.verifier.exercise (the length, the mask our
+module takes, the notes) and golden.verifier.model (HF's one-layer encoder's inputs).
+
+HF's speech encoder subsamples its input features (convolutions of stride s, a factor of 4 or
+8 in time) and builds its length-dependent inputs to the attention (the relative position
+table, its masks) from the subsampled length, while the verifier's hook replaces the
+attention's input with the fixture's x of L frames. The features are drawn so that the
+subsampled length is exactly L: the fewest feature frames T that the model's own length rule
+(its ``_get_subsampling_output_length``, the convolutions' arithmetic) takes to L; the hook then
+checks that the attention's input has x's shape. So every table and mask is the one HF's model
+makes for L frames, by its own code, with nothing of it rebuilt here (recomputing the kwargs
+from x in the hook would need each family's own modules called by hand, the very code under
+test); what the model makes from the features' values is replaced with x.
+
+A family's entry: ``needs(c, max_length) -> (length, notes)``, the frames its settings need
+and the report's notes on them; ``mask(c, length) -> (L, L) bool | None``, the mask the model
+puts on its attention, given to our module alike (None: none); ``inputs(model, b, length,
+dtype) -> {name: tensor}``, the one-layer model's inputs for b rows of L frames (zeros: the
+attention's input is replaced); ``owns``: config fields that are the model's mask, not a
+setting of ours (golden.verifier.exercise does not read them as a window or chunk).
+
+- parakeet_encoder (the encoder of parakeet_ctc, _rnnt, _tdt, canary, cohere_asr): no mask
+  without padding; the position table of 2L − 1 distances the encoder's own.
+- nemotron_asr_streaming_encoder: its chunked_limited mask (``chunked_limited``: chunks of
+  lookahead + 1 frames, ⌊(sliding_window − 1) / chunk⌋ chunks back; lookahead the config's
+  default_num_lookahead_tokens, given to the model as num_lookahead_tokens): at least the
+  frames of back + 2 chunks and one more, so that a query sees neither a chunk ahead nor one
+  too far back.
+
+Shape legend: B batch, T feature frames, F mel bins, L encoder frames (the attention's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Encoder:
+    needs: Callable
+    mask: Callable
+    inputs: Callable
+    owns: tuple = ()
+
+
+def feature_frames(model, length) -> int:
+    """The fewest feature frames T that the model's subsampling takes to ``length`` frames (its
+    own ``_get_subsampling_output_length``); ValueError when none does."""
+    import torch
+
+    factor = int(getattr(model.config, "subsampling_factor", 1) or 1)
+    candidates = torch.arange(1, (length + 2) * factor + 8)
+    out = model._get_subsampling_output_length(candidates)
+    hit = (out == length).nonzero()
+    if len(hit) == 0:
+        raise ValueError(f"length should be reached by {type(model).__name__}'s subsampling "
+                         f"(factor {factor}), got {length}")
+    return int(candidates[hit[0, 0]])
+
+
+def _features(model, b, length, dtype):
+    """(B, T, F) zero features subsampled to L frames."""
+    import torch
+    t = feature_frames(model, length)
+    return torch.zeros((b, t, model.config.num_mel_bins), dtype=dtype)
+
+
+def _xl_needs(c, max_length):
+    return 0, ["Transformer-XL relative positions: exercised (HF's encoder given features "
+               "subsampled to the frames drawn: its own position table of 2L − 1 distances)"]
+
+
+def _parakeet_inputs(model, b, length, dtype):
+    return {"input_features": _features(model, b, length, dtype)}
+
+
+def chunked_limited(length, left, right) -> np.ndarray:
+    """(L, L) bool, True = may attend: Nemotron's chunked_limited mask (HF's
+    chunked_limited_mask_function): chunks of right + 1 frames, a query sees its own chunk and
+    the ⌊left / (right + 1)⌋ before it (all before it when left < 0)."""
+    chunk = right + 1
+    back = left // chunk if left >= 0 else 10_000
+    index = np.arange(length) // chunk
+    diff = index[:, None] - index[None, :]
+    return (diff >= 0) & (diff <= back)
+
+
+def _nemotron_context(c):
+    """(left, right): the left context sliding_window − 1, the lookahead (the config's
+    default_num_lookahead_tokens), as the model resolves them."""
+    return int(c["sliding_window"]) - 1, int(c["default_num_lookahead_tokens"])
+
+
+def _nemotron_needs(c, max_length):
+    left, right = _nemotron_context(c)
+    chunk = right + 1
+    back = left // chunk
+    need = (back + 2) * chunk + 1
+    reached = "exercised" if need <= max_length else "partly exercised"
+    return min(need, max_length), _xl_needs(c, max_length)[1] + [
+        f"chunked_limited mask (chunks of {chunk} frames, {back} back; sliding_window "
+        f"{c['sliding_window']}, lookahead {right}): {reached} (on {min(need, max_length)} "
+        f"frames or more: the model's mask, ours given the same)"]
+
+
+def _nemotron_mask(c, length):
+    return chunked_limited(length, *_nemotron_context(c))
+
+
+def _nemotron_inputs(model, b, length, dtype):
+    return {"input_features": _features(model, b, length, dtype),
+            "num_lookahead_tokens": int(model.config.default_num_lookahead_tokens)}
+
+
+ENCODERS = {
+    "parakeet_encoder": Encoder(_xl_needs, lambda c, length: None, _parakeet_inputs),
+    "nemotron_asr_streaming_encoder": Encoder(_nemotron_needs, _nemotron_mask, _nemotron_inputs,
+                                              owns=("sliding_window",)),
+}
+
+
+def encoder(config) -> Encoder | None:
+    """The entry of a speech encoder's config (a dict, or HF's config object), None for a
+    model that is not one."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    return ENCODERS.get(get("model_type"))
