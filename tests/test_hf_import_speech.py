@@ -354,18 +354,6 @@ def test_granite_settings_hf_does_not_build_are_refused(mt, change, match):
         golden.convert.from_hf(dict(config.to_dict(), **change), state_dict(hf))
 
 
-def test_the_checkpoint_verifier_refuses_granite_speech_by_name(tmp_path):
-    import json
-
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "granite_speech5_encoder", "hidden_size": D, "num_attention_heads": GN}))
-    with pytest.raises(CheckpointError, match="'granite_speech5_encoder': attn-parity hf does "
-                                              "not check speech encoders yet"):
-        read_config(tmp_path)
-
-
 # ---- Gemma 3n's and Gemma 4's audio attention (relative_positions="conformer_timing") ---------
 #
 # Against transformers' own modules (Gemma3nAudioConformerAttention's attn and post;

@@ -11,6 +11,7 @@ Shape legend: B batch, T feature frames, L encoder frames (the attention's).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import numpy as np
 import pytest
@@ -28,6 +29,15 @@ XL = dict(hidden_size=12, num_attention_heads=3, num_hidden_layers=2, intermedia
           attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, attention_bias=True)
 # Nemotron's chunked_limited mask: chunks of lookahead + 1 = 3 frames, (7 − 1) // 3 = 2 back.
 NEMOTRON = dict(XL, sliding_window=7, default_num_lookahead_tokens=2)
+# Granite Speech: blocks of C = 3 frames (M = 5), drawn on 8 frames: two whole and one of 2.
+GRANITE = dict(hidden_dim=12, num_heads=3, dim_head=4, context_size=3, max_pos_emb=5,
+               num_layers=2, input_dim=6, output_dim=5, feedforward_mult=2, conv_kernel_size=3,
+               dropout=0.0)
+GRANITE5 = dict(hidden_size=12, num_attention_heads=3, num_key_value_heads=3, head_dim=4,
+                context_size=3, max_position_embeddings=5, num_hidden_layers=2,
+                intermediate_size=16, num_mel_bins=4, vocab_size=7, conv_kernel_size=3,
+                subsample_layers=[0])
+BLOCKS = "blocks of context_size 3: exercised (on 8 frames: 2 whole blocks and a partial one of 2)"
 # name: (the model's class, its config class, its config (a composite's encoder_config), the
 # encoder's model_type, the notes its report must have, each a prefix)
 CHECKPOINTS = {
@@ -41,12 +51,30 @@ CHECKPOINTS = {
         ["Transformer-XL relative positions: exercised",
          "chunked_limited mask (chunks of 3 frames, 2 back; sliding_window 7, lookahead 2): "
          "exercised (on 13 frames"]),
+    "granite_speech_encoder": ("granite_speech.GraniteSpeechCTCEncoder",
+                               "GraniteSpeechEncoderConfig", GRANITE, "granite_speech_encoder",
+                               [BLOCKS]),
+    "granite_speech_plus_encoder": (
+        "granite_speech_plus.GraniteSpeechPlusCTCEncoder", "GraniteSpeechPlusEncoderConfig",
+        GRANITE, "granite_speech_plus_encoder", [BLOCKS]),
+    "granite_speech5_ctc": ("GraniteSpeech5ForCTC", "GraniteSpeech5CTCConfig",
+                            {"encoder_config": GRANITE5, "vocab_size": 7},
+                            "granite_speech5_encoder", [BLOCKS]),
 }
+
+
+def _class(name):
+    """A transformers class: "Name" at its top, or "module.Name" in its modeling file."""
+    if "." not in name:
+        return getattr(transformers, name)
+    module, cls = name.split(".")
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                   cls)
 
 
 def _checkpoint(name, directory, seed=0):
     model_class, config_class, kw = CHECKPOINTS[name][:3]
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kw))
+    model = _class(model_class)(getattr(transformers, config_class)(**kw))
     rng = np.random.default_rng(seed)
     with torch.no_grad():  # weights N(0, 1/fan_in), as trained checkpoints' are scaled
         for p in model.parameters():
@@ -67,7 +95,8 @@ def _failed(report):
 
 def _layers(name):
     kw = CHECKPOINTS[name][2]
-    n = kw.get("encoder_config", kw)["num_hidden_layers"]
+    kw = kw.get("encoder_config", kw)
+    n = kw.get("num_hidden_layers", kw.get("num_layers"))
     return {f"encoder layer {i} (attention)" for i in range(n)}
 
 
@@ -78,9 +107,11 @@ def test_every_speech_layer_passes(name, tmp_path):
     assert report["checkpoint"]["model_type"] == CHECKPOINTS[name][3]
     assert {r["fixture"] for r in rows} == layers
     assert report["summary"]["ok"], [r for r in rows if r["status"] != "pass"]
-    hf_rows = {r["fixture"] for r in rows if r["implementation"] == "hf"
+    mt = CHECKPOINTS[name][3]  # HF's rows at float64 too where its attention has no float32 step
+    dtypes = ("float32", "float64") if hf.FAMILIES[mt].hf_float64 else ("float32",)
+    hf_rows = {(r["fixture"], r["dtype"]) for r in rows if r["implementation"] == "hf"
                and r["status"] == "pass"}
-    assert hf_rows == layers
+    assert hf_rows == {(n, d) for n in layers for d in dtypes}
     for note in CHECKPOINTS[name][4]:
         assert any(n.startswith(note) for n in report["checkpoint"]["exercised"]), note
         assert all(any(n.startswith(note) for n in r["exercised"]) for r in rows), note
@@ -109,6 +140,24 @@ def test_nemotron_without_the_models_mask_fails_on_hfs_row(tmp_path, monkeypatch
     monkeypatch.setitem(speech.ENCODERS, name, dataclasses.replace(
         speech.ENCODERS[name], mask=lambda c, length: None))
     assert _failed(_run(directory)) == {(n, "hf") for n in _layers(name)}
+
+
+@pytest.mark.parametrize("mt", ["granite_speech_encoder", "granite_speech5_encoder"])
+def test_granite_without_its_blocks_fails_on_hfs_row(mt, tmp_path, monkeypatch):
+    """A conversion that drops Granite's blocks (attention over all 8 frames, not within blocks
+    of 3): HF's rows fail, at float32 and float64, the twins still agree with the reference."""
+    name = mt if mt != "granite_speech5_encoder" else "granite_speech5_ctc"
+    directory = _checkpoint(name, tmp_path)
+    family = hf.FAMILIES[mt]
+
+    def unblocked(c, layer_idx, sd):
+        return dict(family.settings(c, layer_idx, sd), attention_chunk_size=None)
+
+    monkeypatch.setitem(hf.FAMILIES, mt, dataclasses.replace(family, settings=unblocked))
+    report = _run(directory)
+    assert _failed(report) == {(n, "hf") for n in _layers(name)}
+    assert {r["dtype"] for r in report["rows"] if r["status"] == "fail"} == {"float32",
+                                                                           "float64"}
 
 
 @pytest.mark.parametrize("length, left, right", [(13, 6, 2), (20, 70, 13), (9, 0, 0),

@@ -152,11 +152,9 @@ FAMILIES: dict[str, Family] = {
 # its dropout is on the module's output (the caller's). granite_speech5_encoder: the norm
 # outside the module (the layer's norm_self_att, the caller's); q_proj, k_proj, v_proj (no
 # bias), o_proj (bias); its attention_dropout ours; the encoder's padding mask (B, L) of keys
-# our query_seq_lengths or mask (padded frames' outputs are not HF's to compare).
-SHAW_UNVERIFIED = ("attn-parity hf does not check speech encoders yet: Granite Speech's "
-                   "attention also takes the encoder's table of clamped distances "
-                   "(attention_dists); convert a layer with golden.convert.from_hf and compare "
-                   "it given those")
+# our query_seq_lengths or mask (padded frames' outputs are not HF's to compare). No float32
+# step in HF's attention (its table, LayerNorm and sdpa in the model's dtype): the verifier's
+# HF rows run at float64 too.
 GRANITE_NAMES = {"query": "to_q", "out": "to_out"}
 GRANITE5_NAMES = LLAMA_NAMES
 
@@ -232,12 +230,14 @@ def _granite5_from_neutral(params, ours) -> dict:
 
 FAMILIES.update({
     **{mt: Family(GQA, _granite_settings(mt), _granite_to_neutral(mt), _granite_from_neutral,
-                  stacks=(Stack("layers", "attn", label="encoder"),),
-                  unverified=SHAW_UNVERIFIED)
-       for mt in ("granite_speech_encoder", "granite_speech_plus_encoder")},
+                  stacks=(Stack("layers", "attn", label="encoder"),), hf_float64=True,
+                  model_class=model)
+       for mt, model in (("granite_speech_encoder", "granite_speech.GraniteSpeechCTCEncoder"),
+                         ("granite_speech_plus_encoder",
+                          "granite_speech_plus.GraniteSpeechPlusCTCEncoder"))},
     "granite_speech5_encoder": Family(
         GQA, _granite5_settings, _granite5_to_neutral, _granite5_from_neutral,
-        stacks=(Stack("layers", "self_attn", label="encoder"),), unverified=SHAW_UNVERIFIED),
+        stacks=(Stack("layers", "self_attn", label="encoder"),), hf_float64=True),
 })
 
 # ---- the USM Conformer's attention: Gemma 3n's and Gemma 4's audio encoders -------------------

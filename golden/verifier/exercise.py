@@ -124,8 +124,7 @@ def plan(config, max_length=MAX_LENGTH) -> Plan:
                          f"{'exercised' if distance + 2 <= max_length else 'partly exercised'}"
                          f" (on {reach} tokens or more)", lambda c, i: True))
     if speech is not None:  # golden.verifier.speech: the encoder's own needs
-        need, notes = speech.needs(config, max_length)
-        length = max(length, need)
+        length, notes = speech.needs(config, length, max_length)
         settings += [("speech", note, lambda c, i: True) for note in notes]
     return Plan(c, length, settings)
 

@@ -13,8 +13,8 @@ makes for L frames, by its own code, with nothing of it rebuilt here (recomputin
 from x in the hook would need each family's own modules called by hand, the very code under
 test); what the model makes from the features' values is replaced with x.
 
-A family's entry: ``needs(c, max_length) -> (length, notes)``, the frames its settings need
-and the report's notes on them; ``mask(c, length) -> (L, L) bool | None``, the mask the model
+A family's entry: ``needs(c, least, max_length) -> (length, notes)``, the frames its settings
+need (at least ``least``, the length other settings need) and the report's notes on them; ``mask(c, length) -> (L, L) bool | None``, the mask the model
 puts on its attention, given to our module alike (None: none); ``inputs(model, b, length,
 dtype) -> {name: tensor}``, the one-layer model's inputs for b rows of L frames (zeros: the
 attention's input is replaced); ``owns``: config fields that are the model's mask, not a
@@ -27,6 +27,10 @@ setting of ours (golden.verifier.exercise does not read them as a window or chun
   default_num_lookahead_tokens, given to the model as num_lookahead_tokens): at least the
   frames of back + 2 chunks and one more, so that a query sees neither a chunk ahead nor one
   too far back.
+- granite_speech_encoder, granite_speech_plus_encoder, granite_speech5_encoder: no
+  subsampling before the first layer (a one-layer model's: Granite Speech 5's subsampling
+  blocks halve the frames after their attention), so L frames of the input width; blocks of
+  context_size C: more than C frames and not a multiple of C (whole blocks and a partial one).
 
 Shape legend: B batch, T feature frames, F mel bins, L encoder frames (the attention's).
 """
@@ -69,8 +73,8 @@ def _features(model, b, length, dtype):
     return torch.zeros((b, t, model.config.num_mel_bins), dtype=dtype)
 
 
-def _xl_needs(c, max_length):
-    return 0, ["Transformer-XL relative positions: exercised (HF's encoder given features "
+def _xl_needs(c, least, max_length):
+    return least, ["Transformer-XL relative positions: exercised (HF's encoder given features "
                "subsampled to the frames drawn: its own position table of 2L − 1 distances)"]
 
 
@@ -95,13 +99,13 @@ def _nemotron_context(c):
     return int(c["sliding_window"]) - 1, int(c["default_num_lookahead_tokens"])
 
 
-def _nemotron_needs(c, max_length):
+def _nemotron_needs(c, least, max_length):
     left, right = _nemotron_context(c)
     chunk = right + 1
     back = left // chunk
-    need = (back + 2) * chunk + 1
+    need = max(least, (back + 2) * chunk + 1)
     reached = "exercised" if need <= max_length else "partly exercised"
-    return min(need, max_length), _xl_needs(c, max_length)[1] + [
+    return min(need, max_length), _xl_needs(c, least, max_length)[1] + [
         f"chunked_limited mask (chunks of {chunk} frames, {back} back; sliding_window "
         f"{c['sliding_window']}, lookahead {right}): {reached} (on {min(need, max_length)} "
         f"frames or more: the model's mask, ours given the same)"]
@@ -116,10 +120,37 @@ def _nemotron_inputs(model, b, length, dtype):
             "num_lookahead_tokens": int(model.config.default_num_lookahead_tokens)}
 
 
+def _granite_needs(c, least, max_length):
+    """More frames than one block of context_size C and not a multiple of C: whole blocks and
+    a partial last one (which HF right-pads and masks)."""
+    block = int(c["context_size"])
+    need = max(least, block + 1)
+    need += need % block == 0
+    if need > max_length:
+        return least, [f"blocks of context_size {block}: not exercised (more than one block "
+                       f"needs {block + 1} frames, over --max-length {max_length})"]
+    whole, part = divmod(need, block)
+    return need, [f"blocks of context_size {block}: exercised (on {need} frames: {whole} whole "
+                  f"block{'s' if whole > 1 else ''} and a partial one of {part})"]
+
+
+def _unsubsampled(name):
+    """The inputs of an encoder that keeps its frames (Granite Speech's: its input_linear
+    alone before the layers): L frames of its input width."""
+    def inputs(model, b, length, dtype):
+        import torch
+        return {name: torch.zeros((b, length, model.input_linear.in_features), dtype=dtype)}
+    return inputs
+
+
 ENCODERS = {
     "parakeet_encoder": Encoder(_xl_needs, lambda c, length: None, _parakeet_inputs),
     "nemotron_asr_streaming_encoder": Encoder(_nemotron_needs, _nemotron_mask, _nemotron_inputs,
                                               owns=("sliding_window",)),
+    **{mt: Encoder(_granite_needs, lambda c, length: None, _unsubsampled("hidden_states"))
+       for mt in ("granite_speech_encoder", "granite_speech_plus_encoder")},
+    "granite_speech5_encoder": Encoder(_granite_needs, lambda c, length: None,
+                                       _unsubsampled("input_features")),
 }
 
 
