@@ -578,15 +578,3 @@ def test_gemma4_audio_finite_clip_bounds_are_refused():
     with pytest.raises(ValueError, match=r"model_type 'gemma4_audio': k_proj.output_max should "
                                          r"be infinite \(a clip bound of Gemma4ClippableLinear"):
         golden.convert.from_hf(config.to_dict(), sd)
-
-
-@pytest.mark.parametrize("mt", sorted(CONFORMER))
-def test_the_checkpoint_verifier_refuses_gemma_audio_by_name(tmp_path, mt):
-    import json
-
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": mt}))
-    with pytest.raises(CheckpointError, match=rf"'{mt}': attn-parity hf does not check Gemma's "
-                                              r"audio encoders yet"):
-        read_config(tmp_path)

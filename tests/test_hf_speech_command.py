@@ -37,6 +37,15 @@ GRANITE5 = dict(hidden_size=12, num_attention_heads=3, num_key_value_heads=3, he
                 context_size=3, max_position_embeddings=5, num_hidden_layers=2,
                 intermediate_size=16, num_mel_bins=4, vocab_size=7, conv_kernel_size=3,
                 subsample_layers=[0])
+# The USM Conformer: blocks of W = 4 queries, P = 3 keys back (Gemma 4: its mask one fewer), F
+# ahead (Gemma 3n: 2), drawn on W + P + F + 1 frames.
+GEMMA3N = dict(hidden_size=12, conf_num_attention_heads=3, conf_num_hidden_layers=2,
+               conf_attention_chunk_size=4, conf_attention_context_left=4,
+               conf_attention_context_right=2, input_feat_size=8, sscp_conv_channel_size=[4, 2],
+               conf_conv_kernel_size=3)
+GEMMA4 = dict(hidden_size=12, num_attention_heads=3, num_hidden_layers=2,
+              attention_chunk_size=4, attention_context_left=4, attention_context_right=0,
+              subsampling_conv_channels=[8, 2], output_proj_dims=6, conv_kernel_size=3)
 BLOCKS = "blocks of context_size 3: exercised (on 8 frames: 2 whole blocks and a partial one of 2)"
 # name: (the model's class, its config class, its config (a composite's encoder_config), the
 # encoder's model_type, the notes its report must have, each a prefix)
@@ -60,6 +69,12 @@ CHECKPOINTS = {
     "granite_speech5_ctc": ("GraniteSpeech5ForCTC", "GraniteSpeech5CTCConfig",
                             {"encoder_config": GRANITE5, "vocab_size": 7},
                             "granite_speech5_encoder", [BLOCKS]),
+    "gemma3n_audio": ("Gemma3nAudioEncoder", "Gemma3nAudioConfig", GEMMA3N, "gemma3n_audio",
+                      ["local attention in blocks of 4 (3 frames back, 2 ahead of a block): "
+                       "exercised (on 10 frames"]),
+    "gemma4_audio": ("gemma4.Gemma4AudioModel", "Gemma4AudioConfig", GEMMA4, "gemma4_audio",
+                     ["local attention in blocks of 4 (3 frames back, 0 ahead of a block): "
+                      "exercised (on 8 frames"]),
 }
 
 
@@ -96,7 +111,8 @@ def _failed(report):
 def _layers(name):
     kw = CHECKPOINTS[name][2]
     kw = kw.get("encoder_config", kw)
-    n = kw.get("num_hidden_layers", kw.get("num_layers"))
+    n = next(kw[k] for k in ("num_hidden_layers", "num_layers", "conf_num_hidden_layers")
+             if k in kw)
     return {f"encoder layer {i} (attention)" for i in range(n)}
 
 
@@ -158,6 +174,22 @@ def test_granite_without_its_blocks_fails_on_hfs_row(mt, tmp_path, monkeypatch):
     assert _failed(report) == {(n, "hf") for n in _layers(name)}
     assert {r["dtype"] for r in report["rows"] if r["status"] == "fail"} == {"float32",
                                                                            "float64"}
+
+
+@pytest.mark.parametrize("mt", ["gemma3n_audio", "gemma4_audio"])
+def test_a_gemma_audio_window_one_wider_fails_on_hfs_row(mt, tmp_path, monkeypatch):
+    """One more key in the window than HF's model allows (Gemma 3n: one more ahead; Gemma 4:
+    the block's P keys back rather than its mask's P − 1): HF's rows fail, the twins agree."""
+    directory = _checkpoint(mt, tmp_path)
+    family = hf.FAMILIES[mt]
+
+    def wider(c, layer_idx, sd):
+        ours = family.settings(c, layer_idx, sd)
+        w = ours["sliding_window"]
+        return dict(ours, sliding_window=(w[0], w[1] + 1) if isinstance(w, tuple) else w + 1)
+
+    monkeypatch.setitem(hf.FAMILIES, mt, dataclasses.replace(family, settings=wider))
+    assert _failed(_run(directory)) == {(n, "hf") for n in _layers(mt)}
 
 
 @pytest.mark.parametrize("length, left, right", [(13, 6, 2), (20, 70, 13), (9, 0, 0),

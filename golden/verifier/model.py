@@ -214,7 +214,8 @@ class Models:
             raise _Stop
 
         read_from = attn if stack.output is None else attn.get_submodule(stack.output)
-        handles = [attn.register_forward_pre_hook(feed, with_kwargs=True),
+        feed_at = attn if stack.input is None else attn.get_submodule(stack.input)
+        handles = [feed_at.register_forward_pre_hook(feed, with_kwargs=True),
                    read_from.register_forward_hook(read, with_kwargs=True)]
         try:
             with torch.no_grad(), quiet():

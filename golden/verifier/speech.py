@@ -31,6 +31,12 @@ setting of ours (golden.verifier.exercise does not read them as a window or chun
   subsampling before the first layer (a one-layer model's: Granite Speech 5's subsampling
   blocks halve the frames after their attention), so L frames of the input width; blocks of
   context_size C: more than C frames and not a multiple of C (whole blocks and a partial one).
+- gemma3n_audio, gemma4_audio (the USM Conformer): a local window of P keys back and F ahead
+  computed in blocks of W queries: more than W + P + F frames. Their subsampling has no length
+  method: its two convolutions' arithmetic in time is written here (``_gemma3n_frames``,
+  ``_gemma4_frames``), and the hook's shape check holds it to the model's. Gemma 3n's
+  audio_mel_mask all False (no frame padded); Gemma 4's model makes its blocked 5-D mask
+  (B, 1, U, W, C) of the window itself, which our module's window (golden.hf.speech) is.
 
 Shape legend: B batch, T feature frames, F mel bins, L encoder frames (the attention's).
 """
@@ -51,26 +57,28 @@ class Encoder:
     owns: tuple = ()
 
 
-def feature_frames(model, length) -> int:
-    """The fewest feature frames T that the model's subsampling takes to ``length`` frames (its
-    own ``_get_subsampling_output_length``); ValueError when none does."""
+def feature_frames(model, length, rule=None) -> int:
+    """The fewest feature frames T that the model's subsampling takes to ``length`` frames:
+    ``rule(model, T (n,) int64 tensor) -> frames (n,)``, by default the model's own
+    ``_get_subsampling_output_length``; ValueError when no T up to 16 (L + 2) does."""
     import torch
 
-    factor = int(getattr(model.config, "subsampling_factor", 1) or 1)
-    candidates = torch.arange(1, (length + 2) * factor + 8)
-    out = model._get_subsampling_output_length(candidates)
+    candidates = torch.arange(1, 16 * (length + 2))
+    out = (rule(model, candidates) if rule is not None
+           else model._get_subsampling_output_length(candidates))
     hit = (out == length).nonzero()
     if len(hit) == 0:
-        raise ValueError(f"length should be reached by {type(model).__name__}'s subsampling "
-                         f"(factor {factor}), got {length}")
+        raise ValueError(f"length should be reached by {type(model).__name__}'s subsampling, "
+                         f"got {length}")
     return int(candidates[hit[0, 0]])
 
 
-def _features(model, b, length, dtype):
-    """(B, T, F) zero features subsampled to L frames."""
+def _features(model, b, length, dtype, rule=None, width=None):
+    """(B, T, F) zero features subsampled to L frames (F the config's num_mel_bins, or
+    ``width``)."""
     import torch
-    t = feature_frames(model, length)
-    return torch.zeros((b, t, model.config.num_mel_bins), dtype=dtype)
+    t = feature_frames(model, length, rule)
+    return torch.zeros((b, t, width or model.config.num_mel_bins), dtype=dtype)
 
 
 def _xl_needs(c, least, max_length):
@@ -143,6 +151,55 @@ def _unsubsampled(name):
     return inputs
 
 
+# ---- the USM Conformer: Gemma 3n's and Gemma 4's audio encoders ------------------------------
+
+def _usm(c, gemma3n):
+    """(W, P, F) of the USM Conformer: blocks of W queries, P keys back, F ahead, as HF's
+    attention has them (Gemma 4's mask then takes one fewer back: golden.hf.speech)."""
+    prefix = "conf_" if gemma3n else ""
+    w, left = c[f"{prefix}attention_chunk_size"], c[f"{prefix}attention_context_left"]
+    return int(w), max(0, int(left) - 1), int(c[f"{prefix}attention_context_right"])
+
+
+def _usm_needs(gemma3n):
+    def needs(c, least, max_length):
+        w, back, ahead = _usm(c, gemma3n)
+        need = max(least, w + back + ahead + 1)
+        what = f"local attention in blocks of {w} ({back} frames back, {ahead} ahead of a block)"
+        if need > max_length:
+            return least, [f"{what}: not exercised ({need} frames are over --max-length "
+                           f"{max_length})"]
+        return need, [f"{what}: exercised (on {need} frames: more than a block and its "
+                      f"context, W + P + F = {w + back + ahead})"]
+    return needs
+
+
+def _gemma3n_frames(model, t):
+    """Gemma 3n's two convolutions in time: kernel k, stride s, padded k − 1 after."""
+    for (k, _), (s, _) in zip(model.config.sscp_conv_kernel_size,
+                              model.config.sscp_conv_stride_size):
+        t = (t + (k - 1) - k) // s + 1
+    return t
+
+
+def _gemma3n_inputs(model, b, length, dtype):
+    import torch
+    mel = _features(model, b, length, dtype, _gemma3n_frames, model.config.input_feat_size)
+    return {"audio_mel": mel, "audio_mel_mask": torch.zeros(mel.shape[:2], dtype=torch.bool)}
+
+
+def _gemma4_frames(model, t):
+    """Gemma 4's two convolutions in time: kernel 3, stride 2, padding 1."""
+    for _ in range(2):
+        t = (t + 2 - 3) // 2 + 1
+    return t
+
+
+def _gemma4_inputs(model, b, length, dtype):
+    width = 4 * (model.config.subsampling_conv_channels[0] // 4)  # to c₀ // 4 after both
+    return {"input_features": _features(model, b, length, dtype, _gemma4_frames, width)}
+
+
 ENCODERS = {
     "parakeet_encoder": Encoder(_xl_needs, lambda c, length: None, _parakeet_inputs),
     "nemotron_asr_streaming_encoder": Encoder(_nemotron_needs, _nemotron_mask, _nemotron_inputs,
@@ -151,6 +208,9 @@ ENCODERS = {
        for mt in ("granite_speech_encoder", "granite_speech_plus_encoder")},
     "granite_speech5_encoder": Encoder(_granite_needs, lambda c, length: None,
                                        _unsubsampled("input_features")),
+    "gemma3n_audio": Encoder(_usm_needs(True), lambda c, length: None, _gemma3n_inputs),
+    "gemma4_audio": Encoder(_usm_needs(False), lambda c, length: None, _gemma4_inputs,
+                            owns=("attention_chunk_size",)),
 }
 
 
