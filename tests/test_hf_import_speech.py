@@ -6,7 +6,7 @@ Cohere ASR) and a tiny Nemotron ASR streaming encoder (its chunked_limited mask 
 own), each on two rows of audio features padded to one length (HF's attention mask), each
 layer's attention input, mask and output captured from the model's own forward; both twins on
 the real rows; the input gradient against HF's; each layer without its relative positions far
-from HF's; a round trip to_hf(from_hf(...)) exact; the verifier refusing the encoders by name.
+from HF's; a round trip to_hf(from_hf(...)) exact; the verifier reading a composite's encoder.
 
 Level: FLOAT32_LEVEL (1e-6 relative to the largest output), HF's position table being float32
 (its entries off by up to 2⁻²⁴ (2 + 3|t|) ≈ 1.7e-6 at distance t, |t| ≤ L − 1 = 9 here:
@@ -216,32 +216,16 @@ def test_settings_hf_does_not_build_are_refused():
         golden.convert.from_hf(config, {})
 
 
-def test_the_checkpoint_verifier_refuses_a_speech_encoder_by_name(tmp_path):
-    """attn-parity hf draws hidden states alone: a speech encoder's checkpoint is refused with
-    the reason, not run without its position embeddings."""
+def test_the_checkpoint_verifier_reads_a_speech_checkpoints_encoder(tmp_path):
+    """attn-parity hf checks the encoders (tests/test_hf_speech_command.py): a Parakeet CTC
+    config is read as its encoder_config, the tower it converts."""
     import json
 
-    from golden.verifier.checkpoint import CheckpointError
     from golden.verifier.layout import read_config
+    encoder = {"model_type": "parakeet_encoder", "hidden_size": D, "num_attention_heads": N}
     (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "parakeet_encoder", "hidden_size": D, "num_attention_heads": N}))
-    with pytest.raises(CheckpointError, match="'parakeet_encoder': attn-parity hf does not check "
-                                              "speech encoders"):
-        read_config(tmp_path)
-
-
-def test_a_speech_checkpoint_is_refused_by_attn_parity_hf_with_why(tmp_path):
-    """attn-parity hf draws no relative position table: a Parakeet CTC checkpoint (its
-    encoder_config the tower) is refused with the reason, not run without it."""
-    import json
-
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "parakeet_ctc", "encoder_config": {"model_type": "parakeet_encoder"}}))
-    with pytest.raises(CheckpointError, match="'parakeet_encoder': attn-parity hf does not "
-                                              "check speech encoders yet"):
-        read_config(tmp_path)
+        {"model_type": "parakeet_ctc", "encoder_config": encoder}))
+    assert read_config(tmp_path) == encoder
 
 
 # ---- Granite Speech: Shaw's relative positions in blocks -------------------------------------
@@ -365,18 +349,6 @@ def test_granite_settings_hf_does_not_build_are_refused(mt, change, match):
     config, hf, _ = _granite(mt, np.random.default_rng(0))
     with pytest.raises(ValueError, match=match):
         golden.convert.from_hf(dict(config.to_dict(), **change), state_dict(hf))
-
-
-def test_the_checkpoint_verifier_refuses_granite_speech_by_name(tmp_path):
-    import json
-
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "granite_speech5_encoder", "hidden_size": D, "num_attention_heads": GN}))
-    with pytest.raises(CheckpointError, match="'granite_speech5_encoder': attn-parity hf does "
-                                              "not check speech encoders yet"):
-        read_config(tmp_path)
 
 
 # ---- Gemma 3n's and Gemma 4's audio attention (relative_positions="conformer_timing") ---------
@@ -601,15 +573,3 @@ def test_gemma4_audio_finite_clip_bounds_are_refused():
     with pytest.raises(ValueError, match=r"model_type 'gemma4_audio': k_proj.output_max should "
                                          r"be infinite \(a clip bound of Gemma4ClippableLinear"):
         golden.convert.from_hf(config.to_dict(), sd)
-
-
-@pytest.mark.parametrize("mt", sorted(CONFORMER))
-def test_the_checkpoint_verifier_refuses_gemma_audio_by_name(tmp_path, mt):
-    import json
-
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": mt}))
-    with pytest.raises(CheckpointError, match=rf"'{mt}': attn-parity hf does not check Gemma's "
-                                              r"audio encoders yet"):
-        read_config(tmp_path)

@@ -513,9 +513,10 @@ def test_dinov3_is_refused_with_why():
 
 def test_a_gemma4_shaped_checkpoint_is_checked_tower_by_tower(tmp_path):
     """Gemma 4 (text tower: a sliding layer and a full one with K = V, wider heads, proportional
-    RoPE; vision tower: axial blocks, QK and V norms), made with save_pretrained: attn-parity hf
-    checks all four layers, every row passing; its audio tower (a tiny one here) is named in the
-    report's notes as not checked, with why."""
+    RoPE; vision tower: axial blocks, QK and V norms; audio tower: the USM Conformer's local
+    window, golden.verifier.speech), made with save_pretrained: attn-parity hf checks all five
+    layers, every row passing, the audio layer's window noted as exercised; the same model
+    without an audio tower (audio_config null) checks the other four."""
     from golden.verifier import check as hf_check
     from tests.test_hf_import import FAMILIES as DECODERS
     from tests.hf_harness import BASE
@@ -524,18 +525,24 @@ def test_a_gemma4_shaped_checkpoint_is_checked_tower_by_tower(tmp_path):
                   intermediate_size=32, num_hidden_layers=2, patch_size=PATCH,
                   pooling_kernel_size=1, position_embedding_size=8, rope_parameters=dict(AXIAL))
     audio = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                 subsampling_conv_channels=(4, 4), output_proj_dims=16)
+                 subsampling_conv_channels=(4, 4), output_proj_dims=16,
+                 attention_chunk_size=4, attention_context_left=5)
+    towers = {"layer 0 (sliding_attention)", "layer 1 (full_attention)",
+              "vision layer 0 (attention)", "vision layer 1 (attention)"}
+    without = transformers.Gemma4Config(text_config=text, vision_config=vision)
+    transformers.Gemma4ForConditionalGeneration(without).save_pretrained(tmp_path / "without")
+    report = hf_check.run(tmp_path / "without", frameworks=["torch"], log=lambda row: None)
+    assert {r["fixture"] for r in report["rows"]} == towers
+    _assert_every_row_passes(report)
     config = transformers.Gemma4Config(text_config=text, vision_config=vision,
                                        audio_config=audio)
     transformers.Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path)
     report = hf_check.run(tmp_path, frameworks=["torch", "jax"], log=lambda row: None)
-    audio_notes = [n for n in report["checkpoint"]["notes"] if n.startswith("audio_config")]
-    assert len(audio_notes) == 1 and audio_notes[0].startswith(
-        "audio_config (gemma4_audio): not checked: attn-parity hf does not check Gemma's audio "
-        "encoders yet")
-    assert {r["fixture"] for r in report["rows"]} == {
-        "layer 0 (sliding_attention)", "layer 1 (full_attention)",
-        "vision layer 0 (attention)", "vision layer 1 (attention)"}
+    assert not [n for n in report["checkpoint"]["notes"] if n.startswith("audio_config")]
+    assert {r["fixture"] for r in report["rows"]} == towers | {"encoder layer 0 (attention)"}
+    assert any(n.startswith("local attention in blocks of 4 (4 frames back, 0 ahead of a "
+                            "block): exercised")
+               for n in report["checkpoint"]["exercised"])
     _assert_every_row_passes(report)
     assert sum(r["implementation"] == "hf" and r["status"] == "pass"
-               for r in report["rows"]) == 4
+               for r in report["rows"]) == 5

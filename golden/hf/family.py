@@ -46,7 +46,9 @@ class Stack:
     stack are converted with (T5's position bias table); ``label`` begins the rows' names;
     ``renames``: (the file's, the module's) key prefixes where transformers saves the module's
     arrays under older names (ViT), and ``in_model`` (stack, module) where the module sits in
-    transformers' model when not where the file's keys say."""
+    transformers' model when not where the file's keys say; ``input``: the submodule whose
+    input is the attention's when not the module's own (Gemma 3n's ``attn``, after its
+    Conformer block's norm)."""
 
     stack: str
     module: str
@@ -57,6 +59,7 @@ class Stack:
     within: str = ""
     renames: tuple = ()
     in_model: tuple | None = None
+    input: str | None = None
 
     def rename(self, key):
         """The module's name of a state-dict key of the file."""

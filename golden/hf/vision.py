@@ -194,6 +194,10 @@ COMPOSITES: dict[str, dict[str, str]] = {
     **{mt: {"text_config": "", "vision_config": "visual."}
        for mt in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
                   "glm4v", "glm4v_moe")},
-    # Gemma 4: its audio tower (audio_config) is not read (its attention is not converted)
-    "gemma4": {"text_config": "language_model.", "vision_config": "vision_tower."},
+    # Gemma 4: its audio tower (audio_config, gemma4_audio) too, where the model has one
+    "gemma4": {"text_config": "language_model.", "vision_config": "vision_tower.",
+               "audio_config": "audio_tower."},
 }
+# Towers a composite's config may leave out (null): Gemma 4's audio encoder (only some Gemma 4
+# models have one).
+OPTIONAL_TOWERS: dict[str, tuple[str, ...]] = {"gemma4": ("audio_config",)}

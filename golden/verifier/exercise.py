@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from golden.hf import FAMILIES
+from golden.verifier.speech import encoder
 from golden.verifier.towers import tower
 
 BASE_LENGTH = 8   # the drawn inputs' length when no setting needs more
@@ -98,8 +99,11 @@ class Plan:
 def plan(config, max_length=MAX_LENGTH) -> Plan:
     """What a stack's config needs to be exercised (see the module's docstring)."""
     c, length, settings = dict(config), BASE_LENGTH, []
+    speech = encoder(config)
     for name, past, acts_on, on in LENGTHS:
         value = config.get(name)
+        if speech is not None and name in speech.owns:  # the model's mask, not ours
+            continue
         if not (isinstance(value, int) and not isinstance(value, bool) and value > 0 and on(c)):
             continue
         if value + past <= max_length:
@@ -119,6 +123,9 @@ def plan(config, max_length=MAX_LENGTH) -> Plan:
                          f"relative buckets (max_distance {distance}): "
                          f"{'exercised' if distance + 2 <= max_length else 'partly exercised'}"
                          f" (on {reach} tokens or more)", lambda c, i: True))
+    if speech is not None:  # golden.verifier.speech: the encoder's own needs
+        length, notes = speech.needs(config, length, max_length)
+        settings += [("speech", note, lambda c, i: True) for note in notes]
     return Plan(c, length, settings)
 
 
@@ -134,7 +141,9 @@ def exercises(layer, stack_plan, length) -> list[Exercise]:
                      f"HF's module runs)")
     if _axes(layer) == 2:
         return [_vision_exercise(layer, c, notes)]
-    first = Exercise(c, length, notes=notes)
+    speech = encoder(c)
+    first = Exercise(c, length, notes=notes,
+                     mask=None if speech is None else speech.mask(c, length))
     if _axes(layer) == 3:
         first.positions = image_positions(length)
         notes.append("multimodal RoPE: exercised (an image of 2 × 2 tokens at 2–5, its height "

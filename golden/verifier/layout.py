@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from golden.hf import COMPOSITES, FAMILIES, REFUSED, Stack, _layer_type
+from golden.hf.vision import OPTIONAL_TOWERS
 from golden.verifier.checkpoint import CheckpointError
 
 __all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "MODELS", "OWN_INDEX", "Stack",
@@ -50,6 +51,8 @@ def read_config(directory) -> dict:
         raise CheckpointError(f"{path}: should be a transformers config with a model_type")
     if config["model_type"] in COMPOSITES:
         for sub in COMPOSITES[config["model_type"]]:
+            if config.get(sub) is None and sub in OPTIONAL_TOWERS.get(config["model_type"], ()):
+                continue  # a tower this model does not have
             if not isinstance(config.get(sub), dict):
                 raise CheckpointError(f"{path}: model_type {config['model_type']!r} is a "
                                       f"composite model: its {sub} should be a dict (the "
@@ -88,6 +91,7 @@ def stacks(config) -> list:
         return [(config, stack) for stack in LAYOUTS[config["model_type"]]]
     return [(config[sub], replace(stack, within=within))
             for sub, within in COMPOSITES[config["model_type"]].items()
+            if config.get(sub) is not None  # an optional tower left out (OPTIONAL_TOWERS)
             for stack in LAYOUTS[config[sub]["model_type"]]]
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from golden.verifier.checkpoint import CheckpointError
 from golden.verifier.layout import COUNTS, FLOAT64, MODELS, OWN_INDEX, Stack
+from golden.verifier.speech import encoder
 from golden.verifier.towers import tower
 
 VOCAB = 8  # the one-layer model's: its tokens are all 0
@@ -193,10 +194,15 @@ class Models:
                               for k in own}, strict=True)
         fed = torch.from_numpy(np.asarray(inputs["x"])).to(dtype)
         seen = {}
+        speech = encoder(model.config) is not None
 
         def feed(mod, args, kwargs):  # a Qwen-VL tower's attention takes (L, D): x's one row
             given = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             x = fed[0] if given.dim() == fed.dim() - 1 else fed
+            if speech and given.shape != x.shape:  # its tables and masks are for its length
+                raise RuntimeError(f"the one-layer encoder's attention input should have x's "
+                                   f"shape {tuple(x.shape)} (golden.verifier.speech), got "
+                                   f"{tuple(given.shape)}")
             if "hidden_states" in kwargs:
                 return args, dict(kwargs, hidden_states=x)
             return (x,) + tuple(args[1:]), kwargs
@@ -208,7 +214,8 @@ class Models:
             raise _Stop
 
         read_from = attn if stack.output is None else attn.get_submodule(stack.output)
-        handles = [attn.register_forward_pre_hook(feed, with_kwargs=True),
+        feed_at = attn if stack.input is None else attn.get_submodule(stack.input)
+        handles = [feed_at.register_forward_pre_hook(feed, with_kwargs=True),
                    read_from.register_forward_hook(read, with_kwargs=True)]
         try:
             with torch.no_grad(), quiet():
@@ -274,13 +281,17 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
     """The one-layer model's inputs, zeros (the attention's input is replaced): token ids of
     x's length, an image or features of the config's size (SigLIP 2: x's L patches, one row
     of them; a vision tower with axial RoPE: the one image of the positions, as
-    golden.verifier.towers gives it); a decoder's positions as its
+    golden.verifier.towers gives it; a speech encoder: features its subsampling takes to x's
+    L frames, as golden.verifier.speech gives them); a decoder's positions as its
     position_ids; an encoder-decoder's decoder tokens and, for a decoder's attention, in place
     of its encoder's output the drawn context (or zeros)."""
     import torch
 
     c = model.config
     b, length = inputs["x"].shape[:2]
+    speech = encoder(c)
+    if speech is not None:  # features subsampled to L frames (golden.verifier.speech)
+        return speech.inputs(model, b, length, dtype)
     vision = tower(c)
     if vision is not None and "positions" in inputs:  # one image (golden.verifier.towers)
         return vision.inputs(c, b, length, np.asarray(inputs["positions"]), dtype)

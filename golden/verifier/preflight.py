@@ -9,8 +9,9 @@ does not load it either: DeepSeek-V3's multi-token-prediction layer). Every prob
 listed in one ``CheckpointError`` (file, key, expected and actual), before any tensor's data
 is read: a header claiming a huge tensor the config does not imply is refused unread.
 
-``check_values``: NaN or infinite values in a layer's arrays are refused with the key and the
-counts, before the layer is computed.
+``check_values``: NaN or infinite values in the arrays a layer's conversion reads are refused
+with the key and the counts, before the layer is computed (the module's other arrays go to HF's
+own module as they are: Gemma 4's clip bounds are infinite as HF initialises them).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Layer:
     keys: dict
     variant: str = ""
     settings: dict = field(default_factory=dict)
+    converted: frozenset = frozenset()  # the module's keys the conversion reads
 
 
 @dataclass
@@ -159,7 +161,8 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
     if len(problems) > before:
         return None
     return Layer(c, stack, i, name, {k: v for k, v in keys.items()
-                                     if k in shapes or entries[v].is_float}, variant, ours)
+                                     if k in shapes or entries[v].is_float}, variant, ours,
+                 frozenset(k for k in keys if k in shapes or k in scales))
 
 
 def _check_scale(entry, keys, entries, block, problems):
@@ -213,8 +216,8 @@ def layer_state(checkpoint, layer, config) -> dict:
 
 
 def check_values(checkpoint, layers, config) -> dict:
-    """Each layer's arrays read once, NaN and infinities counted; CheckpointError naming every
-    array that has any. Returns {"arrays", "bytes", "seconds"}."""
+    """Each layer's arrays read once, NaN and infinities counted in those its conversion reads;
+    CheckpointError naming every array that has any. Returns {"arrays", "bytes", "seconds"}."""
     start, problems, seen = time.perf_counter(), [], {}
     for layer in layers:
         for key, array in layer_state(checkpoint, layer, config).items():
@@ -222,6 +225,8 @@ def check_values(checkpoint, layers, config) -> dict:
             if full in seen:
                 continue
             seen[full] = checkpoint.entries[full].nbytes
+            if key not in layer.converted:  # HF's own module's, given as they are
+                continue
             nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
             if nan or inf:
                 problems.append(f"{checkpoint.entries[full].path.name}: {full}: {nan} NaN and "
