@@ -4,8 +4,8 @@ its attention layers converted by ``golden.convert.from_hf`` (our ``relative_att
 transformers' own float64 model: each layer's input captured from the encoder's forward on two
 rows of features, one padded; both twins; the input gradient; the layer without its position
 bias far from HF's; a round trip to_hf(from_hf(...)) exact; the bucket rules against HF's
-Phi4MultimodalAudioRelativeAttentionBias index by index; the verifier refusing the encoder by
-name.
+Phi4MultimodalAudioRelativeAttentionBias index by index (attn-parity hf on its checkpoints:
+tests/test_hf_speech_command.py).
 
 HF's encoder hands each layer ``hs_mask + bias`` with ``hs_mask`` boolean (tested below): an
 allowed key gets +1 and a padded one +0, not −∞. On the unpadded row that is a constant per row,
@@ -209,15 +209,3 @@ def test_a_layer_without_the_encoders_table_is_refused_with_why():
                                          r"has no 'relative_attention_bias_layer\.bias_values\."
                                          r"weight': the encoder holds one table"):
         golden.convert.from_hf(config.to_dict(), state_dict(model.encoders[0].self_attn))
-
-
-def test_the_checkpoint_verifier_refuses_the_encoder_by_name(tmp_path):
-    import json
-
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    (tmp_path / "config.json").write_text(json.dumps(dict(SMALL, model_type=
-                                                          "phi4_multimodal_audio")))
-    with pytest.raises(CheckpointError, match="'phi4_multimodal_audio': attn-parity hf does not "
-                                              "check Phi-4-multimodal's audio encoder yet"):
-        read_config(tmp_path)

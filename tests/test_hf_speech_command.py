@@ -46,6 +46,12 @@ GEMMA3N = dict(hidden_size=12, conf_num_attention_heads=3, conf_num_hidden_layer
 GEMMA4 = dict(hidden_size=12, num_attention_heads=3, num_hidden_layers=2,
               attention_chunk_size=4, attention_context_left=4, attention_context_right=0,
               subsampling_conv_channels=[8, 2], output_proj_dims=6, conv_kernel_size=3)
+# Phi-4-multimodal's audio encoder: a bias per distance clipped at ±3, on 8 frames.
+PHI4 = dict(hidden_size=12, intermediate_size=16, num_blocks=2, num_attention_heads=3,
+            ext_pw_out_channel=12, depthwise_separable_out_channel=12, nemo_conv_channels=4,
+            input_size=8, time_reduction=2, kernel_size=3, bias_max_distance=3,
+            dropout_rate=0.0)
+PHI4_NOTE = "relative position biases (clipped at ±3): exercised (on 8 frames"
 BLOCKS = "blocks of context_size 3: exercised (on 8 frames: 2 whole blocks and a partial one of 2)"
 # name: (the model's class, its config class, its config (a composite's encoder_config), the
 # encoder's model_type, the notes its report must have, each a prefix)
@@ -75,6 +81,12 @@ CHECKPOINTS = {
     "gemma4_audio": ("gemma4.Gemma4AudioModel", "Gemma4AudioConfig", GEMMA4, "gemma4_audio",
                      ["local attention in blocks of 4 (3 frames back, 0 ahead of a block): "
                       "exercised (on 8 frames"]),
+    "phi4_multimodal_audio": ("Phi4MultimodalAudioModel", "Phi4MultimodalAudioConfig", PHI4,
+                              "phi4_multimodal_audio", [PHI4_NOTE]),
+    "phi4_multimodal_audio_chunked": (
+        "Phi4MultimodalAudioModel", "Phi4MultimodalAudioConfig",
+        dict(PHI4, chunk_size=3, left_chunk=1), "phi4_multimodal_audio",
+        [PHI4_NOTE, "streaming chunks (chunk_size 3, left_chunk 1): not exercised"]),
 }
 
 
@@ -111,8 +123,8 @@ def _failed(report):
 def _layers(name):
     kw = CHECKPOINTS[name][2]
     kw = kw.get("encoder_config", kw)
-    n = next(kw[k] for k in ("num_hidden_layers", "num_layers", "conf_num_hidden_layers")
-             if k in kw)
+    n = next(kw[k] for k in ("num_hidden_layers", "num_layers", "conf_num_hidden_layers",
+                             "num_blocks") if k in kw)
     return {f"encoder layer {i} (attention)" for i in range(n)}
 
 
@@ -190,6 +202,26 @@ def test_a_gemma_audio_window_one_wider_fails_on_hfs_row(mt, tmp_path, monkeypat
 
     monkeypatch.setitem(hf.FAMILIES, mt, dataclasses.replace(family, settings=wider))
     assert _failed(_run(directory)) == {(n, "hf") for n in _layers(mt)}
+
+
+def test_phi4_with_its_table_reversed_fails_on_hfs_row(tmp_path, monkeypatch):
+    """The encoder's table of position biases read upside down (the bias of distance d taken
+    from −d's row): HF's rows fail at float32 and float64, the twins agree with the
+    reference. So the table beside the stack reaches both sides, and the distances bite."""
+    name = "phi4_multimodal_audio"
+    directory = _checkpoint(name, tmp_path)
+    family = hf.FAMILIES[name]
+
+    def reversed_table(sd, ours):
+        params = family.to_neutral(sd, ours)
+        return dict(params, relative_attention_bias=params["relative_attention_bias"][::-1])
+
+    monkeypatch.setitem(hf.FAMILIES, name, dataclasses.replace(family,
+                                                              to_neutral=reversed_table))
+    report = _run(directory)
+    assert _failed(report) == {(n, "hf") for n in _layers(name)}
+    assert {r["dtype"] for r in report["rows"] if r["status"] == "fail"} == {"float32",
+                                                                           "float64"}
 
 
 @pytest.mark.parametrize("length, left, right", [(13, 6, 2), (20, 70, 13), (9, 0, 0),

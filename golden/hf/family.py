@@ -48,7 +48,10 @@ class Stack:
     arrays under older names (ViT), and ``in_model`` (stack, module) where the module sits in
     transformers' model when not where the file's keys say; ``input``: the submodule whose
     input is the attention's when not the module's own (Gemma 3n's ``attn``, after its
-    Conformer block's norm)."""
+    Conformer block's norm); ``beside``: arrays of the model beside the stack (keys at the
+    stack's own prefix, e.g. "encoder." before "encoders.N."), each layer converted with them
+    under the same names and HF's one-layer model given them (Phi-4's audio encoder's table of
+    position biases)."""
 
     stack: str
     module: str
@@ -60,6 +63,7 @@ class Stack:
     renames: tuple = ()
     in_model: tuple | None = None
     input: str | None = None
+    beside: tuple = ()
 
     def rename(self, key):
         """The module's name of a state-dict key of the file."""

@@ -131,11 +131,9 @@ def _phi4_from_neutral(params, ours):
 FAMILIES: dict[str, Family] = {
     **{mt: _encoder(mt) for mt in ("parakeet_encoder", "nemotron_asr_streaming_encoder")},
     PHI4: Family(GQA, _phi4_settings, _phi4_to_neutral, _phi4_from_neutral,
-                 stacks=(Stack("encoders", "self_attn", label="encoder"),),
-                 unverified=("attn-parity hf does not check Phi-4-multimodal's audio encoder "
-                             "yet: its layers take the encoder's table of position biases "
-                             f"({PHI4_TABLE}); convert a layer with golden.convert.from_hf, "
-                             "that table put into its state dict")),
+                 stacks=(Stack("encoders", "self_attn", label="encoder",
+                               beside=(PHI4_TABLE,)),), hf_float64=True,
+                 model_class="Phi4MultimodalAudioModel"),
 }
 
 

@@ -110,7 +110,7 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 def layer_only(config, layer_idx):
     """The config as layer ``layer_idx`` sees it: its entries of layer_types and
     no_rope_layers, whether it is one of Qwen2.5-VL's full layers, its per_layer_config (Gemma
-    4); no DeepStack outputs."""
+    4); no DeepStack outputs; a speech encoder's own changes (golden.verifier.speech)."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers"):
         if isinstance(c.get(key), list):
@@ -119,6 +119,9 @@ def layer_only(config, layer_idx):
         c["fullatt_block_indexes"] = [0] if layer_idx in c["fullatt_block_indexes"] else []
     if isinstance(c.get("deepstack_visual_indexes"), list):  # Qwen3-VL's, past the one layer
         c["deepstack_visual_indexes"] = []
+    speech = encoder(c)
+    if speech is not None and speech.one_layer is not None:  # golden.verifier.speech
+        c = speech.one_layer(c)
     if isinstance(c.get("per_layer_config"), dict):  # Gemma 4's overrides, as layer 0's
         layer = c["per_layer_config"].get(str(layer_idx), c["per_layer_config"].get(layer_idx))
         c["per_layer_config"] = {} if layer is None else {"0": layer}
@@ -192,6 +195,9 @@ class Models:
                                   f"{', '.join(missing)}")
         attn.load_state_dict({k: torch.from_numpy(np.asarray(state_dict[k])).to(dtype)
                               for k in own}, strict=True)
+        with torch.no_grad():  # the model's arrays beside the stack (Phi-4's position table)
+            for name in stack.beside:
+                model.get_parameter(name).copy_(torch.from_numpy(np.asarray(state_dict[name])))
         fed = torch.from_numpy(np.asarray(inputs["x"])).to(dtype)
         seen = {}
         speech = encoder(model.config) is not None

@@ -132,6 +132,10 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
     if stack.shared and stack.shared not in keys and 0 in by_layer \
             and stack.shared in by_layer[0]:
         keys[stack.shared] = by_layer[0][stack.shared]  # T5's table, layer 0's
+    base = prefix[:prefix.rindex(f"{stack.within}{stack.stack}.{i}.")]
+    for name in stack.beside:  # the model's arrays beside the stack (Phi-4's position table)
+        if base + name in entries:
+            keys[name] = base + name
     name = layer_name(c, stack, i)
     try:
         variant, ours, shapes = expected_state(c, {k: entries[v] for k, v in keys.items()},

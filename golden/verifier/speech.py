@@ -18,7 +18,9 @@ need (at least ``least``, the length other settings need) and the report's notes
 puts on its attention, given to our module alike (None: none); ``inputs(model, b, length,
 dtype) -> {name: tensor}``, the one-layer model's inputs for b rows of L frames (zeros: the
 attention's input is replaced); ``owns``: config fields that are the model's mask, not a
-setting of ours (golden.verifier.exercise does not read them as a window or chunk).
+setting of ours (golden.verifier.exercise does not read them as a window or chunk);
+``one_layer(c) -> c``: the config HF's one-layer model is built with, where it is not the
+layer's own (golden.verifier.model.layer_only).
 
 - parakeet_encoder (the encoder of parakeet_ctc, _rnnt, _tdt, canary, cohere_asr): no mask
   without padding; the position table of 2L − 1 distances the encoder's own.
@@ -37,6 +39,12 @@ setting of ours (golden.verifier.exercise does not read them as a window or chun
   ``_gemma4_frames``), and the hook's shape check holds it to the model's. Gemma 3n's
   audio_mel_mask all False (no frame padded); Gemma 4's model makes its blocked 5-D mask
   (B, 1, U, W, C) of the window itself, which our module's window (golden.hf.speech) is.
+- phi4_multimodal_audio: its subsampling (stride-2 convolutions, time_reduction in all) takes
+  T = L · time_reduction frames to L; its table of position biases the encoder's (Stack.
+  beside), loaded into the one-layer model. Its streaming chunks (chunk_size > 0) are the
+  model's mask, which its encoder adds to the scores as +1 (allowed) / +0 (blocked) instead of
+  blocking (golden.hf.speech): the one-layer model is built with chunk_size −1 (no chunks), the
+  caller's mask being ours, and the report says the chunks are not exercised.
 
 Shape legend: B batch, T feature frames, F mel bins, L encoder frames (the attention's).
 """
@@ -55,6 +63,7 @@ class Encoder:
     mask: Callable
     inputs: Callable
     owns: tuple = ()
+    one_layer: Callable | None = None
 
 
 def feature_frames(model, length, rule=None) -> int:
@@ -200,6 +209,33 @@ def _gemma4_inputs(model, b, length, dtype):
     return {"input_features": _features(model, b, length, dtype, _gemma4_frames, width)}
 
 
+# ---- Phi-4-multimodal's audio encoder -----------------------------------------------------------
+
+def _phi4_needs(c, least, max_length):
+    notes = [f"relative position biases (clipped at ±{c['bias_max_distance']}): "
+             f"{'exercised' if least > c['bias_max_distance'] else 'partly exercised'} (on "
+             f"{least} frames: the encoder's own table, loaded into HF's model)"]
+    if int(c.get("chunk_size", -1)) > 0:
+        notes.append(f"streaming chunks (chunk_size {c['chunk_size']}, left_chunk "
+                     f"{c.get('left_chunk')}): not exercised (the model's mask, which HF's "
+                     f"encoder adds to the scores as +1 / +0 instead of blocking: HF's "
+                     f"one-layer model is built without chunks)")
+    return least, notes
+
+
+def _phi4_frames(model, t):
+    """Phi-4's subsampling in time: stride-2 convolutions (kernel 3, padding 1), ⌈T / 2⌉
+    each, time_reduction in all."""
+    for _ in range(int(model.config.time_reduction).bit_length() - 1):
+        t = (t + 1) // 2
+    return t
+
+
+def _phi4_inputs(model, b, length, dtype):
+    return {"hidden_states": _features(model, b, length, dtype, _phi4_frames,
+                                       model.config.input_size), "mask": None}
+
+
 ENCODERS = {
     "parakeet_encoder": Encoder(_xl_needs, lambda c, length: None, _parakeet_inputs),
     "nemotron_asr_streaming_encoder": Encoder(_nemotron_needs, _nemotron_mask, _nemotron_inputs,
@@ -211,6 +247,9 @@ ENCODERS = {
     "gemma3n_audio": Encoder(_usm_needs(True), lambda c, length: None, _gemma3n_inputs),
     "gemma4_audio": Encoder(_usm_needs(False), lambda c, length: None, _gemma4_inputs,
                             owns=("attention_chunk_size",)),
+    "phi4_multimodal_audio": Encoder(_phi4_needs, lambda c, length: None, _phi4_inputs,
+                                     owns=("chunk_size",),
+                                     one_layer=lambda c: dict(c, chunk_size=-1)),
 }
 
 
