@@ -247,3 +247,26 @@ def test_the_features_drawn_are_subsampled_to_the_frames_drawn(name, factor):
             out = [model.subsampling(torch.zeros(1, n, config.num_mel_bins)).shape[1]
                    for n in (t - 1, t) if n > 0]
         assert out[-1] == length and (t == 1 or out[0] < length), (length, t, out)
+
+
+def test_a_granite_speech_checkpoint_is_checked_tower_by_tower(tmp_path):
+    """Granite Speech (a granite text tower, its Conformer encoder, a Q-Former projector) made
+    with save_pretrained: its text layer and both encoder layers are checked, every row
+    passing, and the projector is named in the notes as not checked."""
+    from tests.hf_harness import BASE
+    config = transformers.GraniteSpeechConfig(
+        text_config=dict(BASE, model_type="granite", num_hidden_layers=1),
+        encoder_config=GRANITE, downsample_rate=2, window_size=4,
+        projector_config=dict(hidden_size=12, encoder_hidden_size=12, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=8,
+                              cross_attention_frequency=1))
+    transformers.GraniteSpeechForConditionalGeneration(config).save_pretrained(tmp_path)
+    report = _run(tmp_path)
+    assert {r["fixture"] for r in report["rows"]} == {"layer 0 (attention)",
+                                                      *_layers("granite_speech_encoder")}
+    assert report["summary"]["ok"], [r for r in report["rows"] if r["status"] == "fail"]
+    assert {r["fixture"] for r in report["rows"]
+            if r["implementation"] == "hf" and r["status"] == "pass"} == {
+        "layer 0 (attention)", *_layers("granite_speech_encoder")}
+    assert report["checkpoint"]["notes"] == [
+        "projector_config (blip_2_qformer): not checked: its attention is not converted"]

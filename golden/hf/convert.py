@@ -34,7 +34,8 @@ FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
                                               vision.FAMILIES, speech.FAMILIES)
 # Composite model_types (not converted themselves: from_hf takes a tower's own config): their
 # towers' sub-configs and key prefixes, {model_type: {sub-config: key prefix}}.
-COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES}
+COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES,
+                                          **speech.COMPOSITES}
 # model_types refused by name: {model_type: why}.
 REFUSED: dict[str, str] = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED}
 

@@ -354,3 +354,12 @@ FAMILIES["gemma4_audio"] = Family(
 # Speech encoders whose relative positions are not expressed yet, each with why (from_hf names
 # the reason): none left.
 REFUSED: dict[str, str] = {}
+
+# Speech-language checkpoints, tower by tower ({model_type: {sub-config: key prefix}}, as
+# golden.hf.vision.COMPOSITES): Granite Speech's text tower (a granite decoder, its
+# layers.N.self_attn under any prefix: "language_model.model." as save_pretrained writes it)
+# and its encoder (encoder.layers.N.attn); its projector (a Q-Former) is not read, and
+# attn-parity hf's notes say so.
+COMPOSITES: dict[str, dict[str, str]] = {
+    mt: {"text_config": "", "encoder_config": "encoder."}
+    for mt in ("granite_speech", "granite_speech_plus")}

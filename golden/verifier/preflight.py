@@ -79,8 +79,11 @@ def account(config, checkpoint) -> Accounting:
             notes.append(f"{said}no layers in this checkpoint ({config['architectures'][0]}"
                          f" is an encoder alone)")
             continue
-        if not by_layer:
-            continue  # no layer of this stack at all: said below if no stack has any
+        if not by_layer:  # no layer of this stack at all: said below if no stack has any
+            if want and len(stacks(config)) > 1:
+                notes.append(f"{said}no layers found (no '...{stack.within}{stack.stack}.N."
+                             f"{stack.module}.*'): not checked")
+            continue
         expected += len(want)
         field_name, count = layer_count(c, stack) or ("layers found", len(want))
         missing = [i for i in want if i not in by_layer]
