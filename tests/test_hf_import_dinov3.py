@@ -3,7 +3,8 @@
 (HF's DINOv3ViTRopePositionEmbedding and apply_rotary_pos_emb) and its attention layers in a
 whole model, on a non-square image (H ≠ W) with a class token and registers, both twins given
 golden.hf.vision.dinov3_positions; the input gradient; each setting undone (the RoPE, its
-scale, its negative half) far from HF's; the round trip to_hf(from_hf(...)).
+scale, its negative half) far from HF's; the round trip to_hf(from_hf(...)); attn-parity hf
+on a DINOv3 checkpoint, and its HF row failing a conversion without the scale.
 
 Level: FLOAT32_LEVEL (1e-6 relative): HF forms the patch centres in float32 and its inv_freq
 in float32 (a float64 model keeps those float32 values), so its angles are float32's; the
@@ -16,6 +17,7 @@ L = P + H·W tokens, D width, Dh head width.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -257,14 +259,51 @@ def test_without_q_and_v_biases():
     assert rel(out, seen[0]["y"]) < FLOAT32_LEVEL, seed
 
 
-def test_the_checkpoint_verifier_refuses_dinov3_by_name(tmp_path):
-    """attn-parity hf does not check dinov3_vit yet: a checkpoint of it is refused with why."""
-    from golden.verifier.checkpoint import CheckpointError
-    from golden.verifier.layout import read_config
-    _config().save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="'dinov3_vit': attn-parity hf does not check "
-                                              "DINOv3's ViT yet"):
-        read_config(tmp_path)
+def _checkpoint(directory):
+    """A tiny DINOv3 (the sizes above, two layers, an image of ROWS × COLS patches), written by
+    save_pretrained in float32."""
+    config = _config()
+    _random_model(config, np.random.default_rng(0)).float().save_pretrained(directory)
+    return directory
+
+
+def _run(directory):
+    from golden.verifier import check as hf_check
+    return hf_check.run(directory, frameworks=["torch", "jax"], log=lambda row: None)
+
+
+def test_a_dinov3_checkpoint_is_checked(tmp_path):
+    """attn-parity hf on a DINOv3 checkpoint: one image of the config's image_size (3 × 5
+    patches, its class token and registers), every row of both layers passing, HF's among
+    them."""
+    report = _run(_checkpoint(tmp_path))
+    assert {r["fixture"] for r in report["rows"]} == {
+        "vision layer 0 (attention)", "vision layer 1 (attention)"}
+    bad = [(r["fixture"], r["implementation"], r["dtype"], r["reason"]) for r in report["rows"]
+           if r["status"] not in ("pass", "not supported")]
+    assert not bad, bad
+    assert sum(r["implementation"] == "hf" and r["status"] == "pass"
+               for r in report["rows"]) == 2
+    assert all(any("one image of 3 × 5 patches" in n for n in r["exercised"])
+               for r in report["rows"])
+
+
+def test_a_conversion_without_the_scale_fails_on_hfs_row(tmp_path, monkeypatch):
+    """axial_scale dropped from the conversion: the twins agree with the reference (both use
+    the converted settings), HF's own module does not, in both layers."""
+    from golden import hf
+    family = hf.FAMILIES["dinov3_vit"]
+
+    def unscaled(c, layer_idx, sd):
+        ours = family.settings(c, layer_idx, sd)
+        rope = {n: v for n, v in ours["rope_parameters"].items() if n != "axial_scale"}
+        return dict(ours, rope_parameters=rope)
+
+    monkeypatch.setitem(hf.FAMILIES, "dinov3_vit", dataclasses.replace(family, settings=unscaled))
+    report = _run(_checkpoint(tmp_path))
+    failed = {(r["fixture"], r["implementation"]) for r in report["rows"]
+              if r["status"] == "fail"}
+    assert failed == {("vision layer 0 (attention)", "hf"), ("vision layer 1 (attention)", "hf")}
 
 
 # The model_types tested here (tests/test_hf_import.py's census and docs/hf.md's table read it).

@@ -261,10 +261,7 @@ FAMILIES: dict[str, Family] = {
     DINOV3: Family(GQA, _dinov3, _dinov3_to_neutral, _dinov3_from_neutral,
                    {"key_bias": ((False, None), "our q, k and v biases are all or none; DINOv3's "
                                  "k_proj has none, held as zeros")},
-                   stacks=(Stack("layer", "attention", label="vision"),), position_axes=2,
-                   unverified="attn-parity hf does not check DINOv3's ViT yet (its RoPE's scale "
-                              "is the image's: the verifier would draw one image of config's "
-                              "image_size)"),
+                   stacks=(Stack("layer", "attention", label="vision"),), position_axes=2),
 }
 
 # Towers we do not convert, with why: from_hf names the reason.
