@@ -42,7 +42,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     ``precision="exact"``: the angles are exact to a few roundings at any position: cos and sin
     come from float64 tables (golden.specification.positions.rope_tables, constants of the compiled
     program) for positions below ``max_position`` (static; default L, or the largest explicit
-    position + 1 when they are not traced); every position must be below it (one past the
+    |position| + 1 when they are not traced); every |position| must be below it (a negative
+    position turns the other way: cos(−t), sin(−t)) (one past the
     tables' whole blocks of golden.specification.positions.ROPE_BLOCK gives NaN: a loud error,
     never another angle). The rotation runs in at least float32 and is rounded once to x's dtype.
     ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and sin
@@ -61,7 +62,9 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     (golden.specification.positions.rope_axes). Positions of one axis (or none) are every
     axis's: the 1-D RoPE. Axial RoPE (``rope_type="axial"``, vision towers) likewise takes
     (A, B, L), A = ``axial_axes`` (the patch's row and column): its sections, frequencies and
-    pairing are golden.specification.positions' rope_axes, axial_exponents and rope_blocks.
+    pairing are golden.specification.positions' rope_axes, axial_exponents and rope_blocks;
+    ``axial_scale`` multiplies each axis's frequencies (axial_multipliers; DINOv3's 2π/H and
+    2π/W, its positions 2i + 1 − H: golden.hf.vision.dinov3_positions).
     """
     settings = check_rotary(x, theta, rope_parameters, partial_rotary_factor, precision,
                             positions)
@@ -81,7 +84,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
             if isinstance(positions, jax.core.Tracer):
                 raise ValueError("max_position should be given with traced positions (under "
                                  "jit: the tables' static size), got None")
-            max_position = int(np.max(np.asarray(positions))) + 1
+            max_position = int(np.max(np.abs(np.asarray(positions)))) + 1
         positions = jnp.asarray(positions, dtype=jnp.int32)
         if positions.ndim - multi == 2 and x.ndim == 4:
             positions = positions[..., None, :]  # ([3,] B, L) -> ([3,] B, 1, L): against (B, H, L)
@@ -98,9 +101,9 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     compute = jnp.promote_types(x.dtype, jnp.float32)
 
     # The tables hold whole blocks of ROPE_BLOCK positions: past them JAX's indexing would
-    # clamp, silently another angle, so such a position's cos and sin are NaN. (A negative one
-    # reads from the end in both twins, as Python's indexing does.)
-    held = positions < -(-max_position // ROPE_BLOCK) * ROPE_BLOCK
+    # clamp, silently another angle, so such a position's cos and sin are NaN. (A negative
+    # position p reads |p|'s rows, its sin negated: rope_cos_sin.)
+    held = abs(positions) < -(-max_position // ROPE_BLOCK) * ROPE_BLOCK
 
     def table_cos_sin(seq_len=None):
         tables = [jnp.asarray(t, dtype=compute)

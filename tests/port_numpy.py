@@ -633,8 +633,9 @@ def rope(x, settings, interleaved, positions, multi=False):
     come last: the first h the height, the next w the width, the last t the temporal axis;
     interleaved, pair k the height's when k is even and k < 2h, the width's when k is odd and
     k < 2w, else the temporal's (ERNIE 4.5 VL). Axial (rope_type "axial"): A equal sections of
-    pairs, section a the axis a's, each axis's block of features turned alone with axial_pairs
-    "blocks"."""
+    pairs, section a the axis a's (its frequencies times axial_scale[a], in rope_frequencies),
+    each axis's block of features turned alone with axial_pairs "blocks". Negative positions
+    (DINOv3's patch centres) turn the other way: p · f_k as it stands."""
     dh, s = x.shape[-1], dict(settings)
     rd = dh if s["rope_type"] == "proportional" else int(dh * s["partial_rotary_factor"])
     f, m = rope_frequencies(settings, rd, int(positions.max()) + 1)

@@ -15,6 +15,7 @@ Shape legend: B batch, H heads, L patches, Dh head width, rd rotated features.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -173,6 +174,9 @@ def test_sections_frequencies_and_blocks():
     ({"axial_pairs": "rows"}, "axial_pairs"),
     ({"mrope_section": [2, 1, 1]}, "mrope_section"),
     ({"axial_axes": 3}, "multiple of"),
+    ({"axial_scale": [1.0]}, r"axial_scale'\] should have axial_axes = 2 numbers"),
+    ({"axial_scale": [1.0, 0.0]}, r"axial_scale'\] should be None or a list of positive"),
+    ({"axial_scale": 2.0}, r"axial_scale'\] should be None or a list of positive"),
 ])
 def test_bad_settings_name_the_field(framework, change, message):
     rotary, array = ((torch_rotary, torch.from_numpy) if framework == "torch" else
@@ -180,3 +184,44 @@ def test_bad_settings_name_the_field(framework, change, message):
     with pytest.raises(ValueError, match=message):
         rotary(array(np.zeros((1, 2, 4, 16))), theta=None,
                rope_parameters={**AXIAL, **change})
+
+
+# ---- negative positions (DINOv3's patch centres 2i + 1 − H) ---------------------------------------
+
+@pytest.mark.parametrize("rope, interleaved", [({"rope_type": "default", "rope_theta": 1e4}, False),
+                                               ({**AXIAL, "axial_scale": [0.5, 3.0]}, True)])
+def test_negative_positions_equal_the_reference(rope, interleaved):
+    """Positions below zero, some past ROPE_BLOCK in magnitude (the tables' second block),
+    against the reference's angles p · f (float64, 1e-12), both twins (JAX also under jit with
+    a static max_position); and the hand-derived inverse: turned by p then by −p, x again."""
+    rng, seed = fresh_rng()
+    settings = rope_settings(None, rope)
+    axes = 2 if rope["rope_type"] == "axial" else None
+    length = 7
+    positions = rng.integers(-600, 600, size=((axes,) if axes else ()) + (2, length))
+    positions[..., 0, 0] = -1
+    x = rng.standard_normal((2, 3, length, 16))
+    at = positions[:, :, None] if axes else positions[:, None]  # against (B, H, L, Dh)
+    cos, sin = reference_rotary.rope_cos_sin(settings, 16, at, multi=bool(axes))
+    expected = reference_rotary.turn(x, cos, sin, interleaved, rope_blocks(settings))
+    kw = dict(theta=None, rope_parameters=rope, interleaved=interleaved)
+    mine = torch_rotary(torch.from_numpy(x), positions=torch.from_numpy(positions), **kw)
+    back = torch_rotary(mine, positions=torch.from_numpy(-positions), **kw).numpy()
+    with TWINS["jax"].float64():
+        theirs = np.asarray(jax_rotary(jnp.asarray(x), positions=jnp.asarray(positions), **kw))
+        jitted = np.asarray(jax.jit(lambda p: jax_rotary(jnp.asarray(x), positions=p,
+                                                         max_position=600, **kw))(
+            jnp.asarray(positions)))
+    for name, turned in (("torch", mine.numpy()), ("jax", theirs), ("jax jit", jitted)):
+        assert rel(turned, expected) < EXACT, (name, seed)
+    assert rel(back, x) < EXACT, seed
+    assert rel(expected, x) > 0.1, seed  # they did turn
+
+
+def test_a_scale_with_hf_precision_is_refused():
+    """HF's float32 arithmetic of a scaled axial RoPE (DINOv3's) is not reproduced: "hf" is
+    refused by name rather than given another float32 recipe."""
+    with pytest.raises(ValueError, match="rope_precision should be 'exact' with "
+                                         r"rope_parameters\['axial_scale'\]"):
+        torch_rotary(torch.zeros((1, 2, 4, 16)), theta=None, precision="hf",
+                     rope_parameters={**AXIAL, "axial_scale": [1.0, 2.0]})

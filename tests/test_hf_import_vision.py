@@ -505,12 +505,6 @@ def test_a_composite_without_its_towers_config_is_refused_by_name(tmp_path):
         read_config(tmp_path)
 
 
-def test_dinov3_is_refused_with_why():
-    with pytest.raises(ValueError, match=r"model_type 'dinov3_vit' is not supported: DINOv3's "
-                                         r"RoPE turns each patch by its centre's continuous"):
-        golden.convert.from_hf({"model_type": "dinov3_vit"}, {})
-
-
 def test_a_gemma4_shaped_checkpoint_is_checked_tower_by_tower(tmp_path):
     """Gemma 4 (text tower: a sliding layer and a full one with K = V, wider heads, proportional
     RoPE; vision tower: axial blocks, QK and V norms; audio tower: the USM Conformer's local

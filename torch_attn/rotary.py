@@ -39,8 +39,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
 
     ``precision="exact"``: the angles are exact to a few roundings at any position: cos and sin
     come from float64 tables (golden.specification.positions.rope_tables) for positions below
-    ``max_position`` (default L, or the largest explicit position + 1); every position must be
-    below it. The rotation runs in at least float32 and is rounded once to x's dtype.
+    ``max_position`` (default L, or the largest explicit |position| + 1); every |position| must
+    be below it (a negative position turns the other way: cos(−t), sin(−t)). The rotation runs in at least float32 and is rounded once to x's dtype.
     ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and
     sin in float32, cast to x's dtype and applied in it), to match a port of it.
 
@@ -52,7 +52,9 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     (golden.specification.positions.rope_axes). Positions of one axis (or none) are every
     axis's: the 1-D RoPE. Axial RoPE (``rope_type="axial"``, vision towers) likewise takes
     (A, B, L), A = ``axial_axes`` (the patch's row and column): its sections, frequencies and
-    pairing are golden.specification.positions' rope_axes, axial_exponents and rope_blocks.
+    pairing are golden.specification.positions' rope_axes, axial_exponents and rope_blocks;
+    ``axial_scale`` multiplies each axis's frequencies (axial_multipliers; DINOv3's 2π/H and
+    2π/W, its positions 2i + 1 − H: golden.hf.vision.dinov3_positions).
     """
     settings = check_rotary(x, theta, rope_parameters, partial_rotary_factor, precision,
                             positions)
@@ -72,7 +74,7 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
         if positions.dim() - multi == 2 and x.dim() == 4:
             positions = positions.unsqueeze(-2)  # ([3,] B, L) -> ([3,] B, 1, L): against (B, H, L)
         if max_position is None:
-            max_position = int(positions.max()) + 1
+            max_position = int(positions.abs().max()) + 1  # |p|: a negative p turns back
     seq_len = int(positions.max()) + 1 if call_dependent(settings) else None  # a host read
     if dict(settings)["precision"] == "hf":
         cos, sin = _hf_cos_sin(settings, rd, positions, seq_len, x.device)

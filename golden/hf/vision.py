@@ -14,6 +14,21 @@ attention, scale Dh^−1/2, one ``FAMILIES`` entry per tower:
                           q and k (weight w), of v (no weight), scale 1; "shared" frequencies,
                           each axis rotate-half in its own half of the head ("blocks"); rows
                           its pixel_position_ids (x, y): (column, row)
+  DINOv3's ViT            ``q_proj`` … ``o_proj``, biases on q, v and o (its key_bias False:
+                          our b_key zeros, which to_hf leaves out and refuses non-zero); "shared"
+                          frequencies, rotate-half over the head, each axis's scaled
+                          (axial_scale 2π/H, 2π/W); rows ``dinov3_positions``: the class token
+                          and registers first at (0, 0), then each patch's centre as the integers
+                          (2i + 1 − H, 2j + 1 − W)
+
+DINOv3's angles: HF turns patch (i, j) of an H × W grid by 2π · c · f_m, c = 2(i + 0.5)/H − 1 =
+(2i + 1 − H)/H (columns alike), f_m = θ^(−4m/Dh): our integer position 2i + 1 − H (odd or even,
+negative in the top half) times f_m · 2π/H. H and W are the image's (HF takes them from
+pixel_values' shape), so the scale is the converted config's: from_hf reads them from its
+image_size and patch_size; for an image of another size convert a config whose image_size is
+that image's. Training's coordinate augmentation (pos_embed_shift, jitter, rescale) is off in
+eval, as here. Its prefix tokens (class, ``num_register_tokens`` registers) are not turned: at
+(0, 0) every angle is 0, cos 1 and sin 0 exactly.
 
 The call takes the tower's own order: x (B, L, D) with one image per batch row (or images
 packed in a row under a block-diagonal ``mask``, Hugging Face's ``cu_seqlens``), positions
@@ -31,11 +46,14 @@ Shape legend: D (= d_in) the tower's width, N heads, Dh head width.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _dropout,
+from golden.hf.family import (GQA, LLAMA_NAMES, ROLES, Family, Stack, _bias_flags, _dropout,
                               _linears_to_neutral, _neutral_to_linears, _read)
 from golden.hf.fused import _fused_family
+from golden.specification.mapping import _numpy
 
 QWEN_SEPARATE = {"query": "q", "key": "k", "value": "v", "out": "proj"}
 
@@ -152,6 +170,69 @@ def _gemma4_vision_family() -> Family:
                   position_axes=2)
 
 
+DINOV3 = "dinov3_vit"
+
+
+def dinov3_positions(h, w, prefix) -> np.ndarray:
+    """(2, prefix + h·w) int64: the positions of DINOv3's tokens for an image of h × w patches,
+    in the model's order: its ``prefix`` = 1 + num_register_tokens tokens (class token, then
+    registers) at (0, 0), then the patches row-major, patch (i, j) at (2i + 1 − h, 2j + 1 − w),
+    its centre's coordinates times h and w. Give the module (2, B, L), this broadcast over B,
+    with the rope_parameters from_hf makes for h × w (axial_scale 2π/h, 2π/w)."""
+    rows, cols = np.meshgrid(2 * np.arange(h) + 1 - h, 2 * np.arange(w) + 1 - w, indexing="ij")
+    patches = np.stack([rows.reshape(-1), cols.reshape(-1)])  # (2, h·w)
+    return np.concatenate([np.zeros((2, prefix), np.int64), patches], axis=1).astype(np.int64)
+
+
+def _pair(c, name, mt) -> tuple:
+    """A config field given as an int or a pair (height, width), as a pair of ints ≥ 1."""
+    value = c.get(name)
+    pair = (value, value) if isinstance(value, int) else tuple(value or ())
+    if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                 for v in pair):
+        raise ValueError(f"model_type {mt!r}: {name} should be an int ≥ 1 or a pair of them "
+                         f"(height, width), got {value!r}")
+    return pair
+
+
+def _dinov3(c, layer_idx, sd):
+    """DINOv3's settings: D / N heads, bidirectional, axial RoPE scaled by 2π/H and 2π/W (H × W
+    the patches of config's image_size), q and v biases both or neither, no k bias."""
+    mt = DINOV3
+    (ih, iw), (ph, pw) = _pair(c, "image_size", mt), _pair(c, "patch_size", mt)
+    h, w = ih // ph, iw // pw
+    if h < 1 or w < 1:
+        raise ValueError(f"model_type {mt!r}: image_size {(ih, iw)} should hold at least one "
+                         f"patch {(ph, pw)} a side, got {h} × {w} patches")
+    ours = _sizes(c, mt, "hidden_size", "num_attention_heads")
+    ours["rope_parameters"] = _axial_rope(c, mt, axial_scale=[2 * math.pi / h, 2 * math.pi / w])
+    has = {role: f"{LLAMA_NAMES[role]}.bias" in sd for role in ROLES}
+    if has["key"]:
+        raise ValueError(f"model_type {mt!r}: k_proj should have no bias (key_bias = False), got "
+                         f"k_proj.bias")
+    if has["query"] != has["value"]:
+        raise ValueError(f"model_type {mt!r}: q_proj and v_proj should both have a bias or "
+                         f"neither, got q_proj: {has['query']}, v_proj: {has['value']}")
+    ours.update(qkv_bias=has["query"], out_bias=has["out"])
+    return _dropout(c, ours)
+
+
+def _dinov3_to_neutral(sd, ours):
+    params = _linears_to_neutral(sd, LLAMA_NAMES, DINOV3)
+    if ours["qkv_bias"]:  # its k_proj has none: zeros (k + 0 = k exactly)
+        params["b_key"] = np.zeros(params["W_key"].shape[1], params["W_key"].dtype)
+    return params
+
+
+def _dinov3_from_neutral(params, ours):
+    """The state dict without b_key: refused unless zeros (under RoPE a key bias changes the
+    scores, and DINOv3's k_proj has no bias to hold it)."""
+    if "b_key" in params and np.any(_numpy(params["b_key"]) != 0):
+        raise ValueError(f"model_type {DINOV3!r}: b_key should be zeros (k_proj has no bias; "
+                         f"under RoPE a key bias changes the scores), got a non-zero b_key")
+    return _neutral_to_linears({n: a for n, a in params.items() if n != "b_key"}, LLAMA_NAMES)
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2_vl_vision": _qwen_fused(
         "qwen2_vl_vision", "qwen2_vl.Qwen2VisionTransformerPretrainedModel", width="embed_dim"),
@@ -177,15 +258,14 @@ FAMILIES: dict[str, Family] = {
                                      (Stack("model.layers", "self_attn", label="vision"),),
                                      model_class="Llama4VisionModel"),
     "gemma4_vision": _gemma4_vision_family(),
+    DINOV3: Family(GQA, _dinov3, _dinov3_to_neutral, _dinov3_from_neutral,
+                   {"key_bias": ((False, None), "our q, k and v biases are all or none; DINOv3's "
+                                 "k_proj has none, held as zeros")},
+                   stacks=(Stack("layer", "attention", label="vision"),), position_axes=2),
 }
 
 # Towers we do not convert, with why: from_hf names the reason.
-REFUSED = {
-    "dinov3_vit": "DINOv3's RoPE turns each patch by its centre's continuous coordinates in "
-                  "[−1, 1] (2π · ((i + 0.5) / H · 2 − 1) · f, per image size), not by integer "
-                  "positions, and leaves its class and register tokens unturned; our rotary "
-                  "embeddings take integer positions",
-}
+REFUSED: dict[str, str] = {}
 
 # Vision-language checkpoints, tower by tower: {model_type: {sub-config: key prefix}} (the
 # text tower's layers.N.self_attn under any prefix: "model." as save_pretrained writes it,

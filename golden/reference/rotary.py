@@ -49,7 +49,8 @@ def rope_frequencies(settings, rd, seq_len=None):
         proportional  rd = Dh (the whole head): f_i / s for i < ⌊p · Dh / 2⌋ (p the rotary
                   fraction), 0 beyond
         axial     A sections of n = rd/2A pairs (one per position axis): section a's pair m
-                  θ^(−2(A·m + o_a)/rd), o_a = 0 ("shared"), or a ("split": Pixtral)
+                  θ^(−2(A·m + o_a)/rd), o_a = 0 ("shared"), or a ("split": Pixtral), times
+                  axial_scale[a] when given (DINOv3: 2π/H, 2π/W)
     with s the factor, L0 original_max_position_embeddings, seq the call's largest position
     + 1. Float64, or exact inside exact_arithmetic()."""
     s = dict(settings)
@@ -84,6 +85,8 @@ def rope_frequencies(settings, rd, seq_len=None):
         if s["axial_frequencies"] == "split":  # the 1-D frequencies dealt to the axes in turn
             k = k + np.arange(rd // 2) // n
         f = _power(theta, -(2 * k / number(rd)))
+        if s["axial_scale"] is not None:  # section a's frequencies times axial_scale[a]
+            f = f * real(np.asarray(s["axial_scale"], np.float64))[np.arange(rd // 2) // n]
     return f, m
 
 

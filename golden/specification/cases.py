@@ -442,6 +442,20 @@ CASES += [
           "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}),
 ]
 
+# DINOv3's axial RoPE (issue 41): its patch centres (2i + 1 − H)/H, (2j + 1 − W)/W as integer
+# positions 2i + 1 − H and 2j + 1 − W (negative ones too) with the frequencies scaled by 2π/H
+# and 2π/W (axial_scale); the class token and a register first, at (0, 0): an image of 2 × 3
+# patches in two rows, with biases (golden.hf.vision.dinov3_positions builds such positions).
+_DINOV3_POSITIONS = _ints([[[0, 0, -1, -1, -1, 1, 1, 1]] * 2, [[0, 0, -2, 0, 2, -2, 0, 2]] * 2])
+CASES += [
+    Case("gqa_axial_dinov3_scale_negative", GQA, 481,
+         {"x": ("normal", (2, 8, 6)), "positions": _DINOV3_POSITIONS},
+         {"d_in": 6, "num_heads": 2, "num_kv_heads": 2, "head_dim": 12, "d_out": 6,
+          "qkv_bias": True, "out_bias": True, "causal": False,
+          "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0,
+                              "axial_scale": [math.pi, 2 * math.pi / 3]}}),
+]
+
 # Transformer-XL's relative positions (issue 41, the speech encoders: Parakeet, Canary): bias_u,
 # bias_v and W_pos; Parakeet's layout (q/k/v/o biases, bidirectional) on right-padded rows, and
 # unbatched with grouped heads, causal, a mask and a scale.

@@ -110,9 +110,20 @@ def rope_frequencies(settings, rd, seq_len=None) -> tuple:
         m = _longrope_factor(s)
     elif kind == "proportional":  # rd = Dh; the pairs past ⌊p·Dh/2⌋ do not turn
         f = np.where(np.arange(rd // 2) < proportional_pairs(s, rd), f, 0.0) / s_
-    elif kind == "axial":  # section a's pair m: θ^(−2(A·m + o_a)/rd)
-        f = theta ** -(2 * axial_exponents(s, rd) / rd)
+    elif kind == "axial":  # section a's pair m: θ^(−2(A·m + o_a)/rd) · axial_scale[a]
+        f = theta ** -(2 * axial_exponents(s, rd) / rd) * axial_multipliers(s, rd)
     return f, m
+
+
+def axial_multipliers(s, rd):
+    """(rd/2,) float64: axial_scale[a] for each pair of section a (rope_axes), the scale of its
+    axis's frequencies; ones without axial_scale. DINOv3: 2π/H on the rows' pairs, 2π/W on the
+    columns' (its angle 2π · c · f at the patch centre c = (2i + 1 − H)/H, our integer
+    position 2i + 1 − H times f · 2π/H)."""
+    scale = s.get("axial_scale")
+    if scale is None:
+        return np.ones(rd // 2)
+    return np.asarray(scale, dtype=np.float64)[rope_axes(s, rd)]
 
 
 def axial_exponents(s, rd):
@@ -265,12 +276,17 @@ def _select(condition, a, b):
 
 def rope_cos_sin(tables, positions):
     """cos and sin (..., L, Dh/2) of position · f_i from ``rope_tables`` (already arrays of the
-    caller's framework and dtype), by angle addition over the rows a = position // ROPE_BLOCK
-    and b = position % ROPE_BLOCK. ``positions``: an integer array of the same framework. Only
-    indexing, ``*``, ``+`` and ``−``: the same code for torch, JAX and NumPy."""
-    hi, lo = positions // ROPE_BLOCK, positions % ROPE_BLOCK
+    caller's framework and dtype), by angle addition over the rows a = |position| // ROPE_BLOCK
+    and b = |position| % ROPE_BLOCK; a negative position's sin negated (cos(−t) = cos t,
+    sin(−t) = −sin t: exact). ``positions``: an integer array of the same framework, |p| below
+    the tables' reach. Only indexing, ``abs``, ``*``, ``+`` and ``−``: the same code for torch,
+    JAX and NumPy."""
+    magnitude = abs(positions)
+    hi, lo = magnitude // ROPE_BLOCK, magnitude % ROPE_BLOCK
     cos_hi, sin_hi, cos_lo, sin_lo = tables[0][hi], tables[1][hi], tables[2][lo], tables[3][lo]
-    return cos_hi * cos_lo - sin_hi * sin_lo, sin_hi * cos_lo + cos_hi * sin_lo
+    sin = sin_hi * cos_lo + cos_hi * sin_lo
+    negative = (positions < 0)[..., None]  # (..., L, 1): sin − 2 sin = −sin exactly
+    return cos_hi * cos_lo - sin_hi * sin_lo, sin - 2 * sin * negative
 
 
 def rope_axes(settings, rd):

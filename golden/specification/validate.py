@@ -319,10 +319,12 @@ ROPE_TYPES = {
                  {"factor": None, "attention_factor": None}),
     # Gemma 4's full layers, LFM3: over the whole head, the first ⌊p·Dh/2⌋ pairs turning.
     "proportional": ((), {"factor": 1.0}),
-    # Vision towers (Qwen-VL, Pixtral, Llama 4, Gemma 4): positions (A, ..., L), one row per
-    # axis (the patch's row and column); the rd/2 pairs in A sections, section a turned by axis
-    # a (golden.specification.positions.rope_frequencies, rope_axes, rope_blocks).
-    "axial": ((), {"axial_axes": 2, "axial_frequencies": "shared", "axial_pairs": "half"}),
+    # Vision towers (Qwen-VL, Pixtral, Llama 4, Gemma 4, DINOv3): positions (A, ..., L), one
+    # row per axis (the patch's row and column); the rd/2 pairs in A sections, section a turned
+    # by axis a (golden.specification.positions.rope_frequencies, rope_axes, rope_blocks), its
+    # frequencies times axial_scale[a] (None: 1 on every axis; DINOv3: 2π/H and 2π/W).
+    "axial": ((), {"axial_axes": 2, "axial_frequencies": "shared", "axial_pairs": "half",
+                   "axial_scale": None}),
 }
 ROPE_PRECISIONS = ("exact", "hf")
 # Multimodal RoPE (Qwen2-VL's and Qwen3-VL's rope_parameters, any rope_type): positions of shape
@@ -364,6 +366,11 @@ def _rope_field(name, value) -> None:
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 2):
             raise ValueError(f"{where} should be an int ≥ 2 (the position axes, 2 for a "
                              f"patch's row and column), got {value!r}")
+    elif name == "axial_scale":
+        if value is not None and not (isinstance(value, (list, tuple)) and value and all(
+                _real_number(v) and math.isfinite(v) and v > 0 for v in value)):
+            raise ValueError(f"{where} should be None or a list of positive numbers (one "
+                             f"multiplier of the frequencies per position axis), got {value!r}")
     elif name in AXIAL_CHOICES:
         if value not in AXIAL_CHOICES[name]:
             raise ValueError(f"{where} should be one of {', '.join(AXIAL_CHOICES[name])}, got "
@@ -423,6 +430,8 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
                          "RoPE's sections are its axial_axes equal ones, got mrope_section "
                          f"{list(fields['mrope_section'])} with rope_type 'axial'")
     _check_mrope_layout(fields)
+    if kind == "axial":
+        _check_axial_scale(fields, rope_precision)
     if kind == "llama3" and not fields["high_freq_factor"] > fields["low_freq_factor"]:
         raise ValueError(f"rope_parameters['high_freq_factor'] should be greater than "
                          f"low_freq_factor = {fields['low_freq_factor']}, got "
@@ -435,6 +444,22 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
     return (("rope_type", kind), ("rope_theta", float(theta)),
             ("partial_rotary_factor", float(fraction)), ("precision", rope_precision),
             *fields.items())
+
+
+def _check_axial_scale(fields, rope_precision) -> None:
+    """axial_scale: one multiplier per axis; not with precision "hf" (HF's float32 arithmetic
+    of a scaled axial RoPE, DINOv3's patch-centre coordinates, is not reproduced)."""
+    scale = fields["axial_scale"]
+    if scale is None:
+        return
+    if len(scale) != fields["axial_axes"]:
+        raise ValueError(f"rope_parameters['axial_scale'] should have axial_axes = "
+                         f"{fields['axial_axes']} numbers (one per position axis), got "
+                         f"{len(scale)}: {list(scale)}")
+    if rope_precision == "hf":
+        raise ValueError(f"rope_precision should be 'exact' with rope_parameters['axial_scale'] "
+                         f"(Hugging Face's float32 arithmetic of a scaled axial RoPE, DINOv3's "
+                         f"patch-centre coordinates, is not reproduced), got {rope_precision!r}")
 
 
 def _check_mrope_layout(fields) -> None:

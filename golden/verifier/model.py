@@ -30,7 +30,9 @@ VOCAB = 8  # the one-layer model's: its tokens are all 0
 LAYER_COUNTS = tuple(dict.fromkeys(field for fields in COUNTS.values() for field in fields))
 # Config fields of the checkpoint that the one-layer model must not take: quantisation (the
 # weights it gets are already dequantised, in float).
-DROPPED = ("quantization_config",)
+# A backbone's stage selection (DINOv3's) names the checkpoint's stages: the one-layer model
+# derives its own.
+DROPPED = ("quantization_config", "out_features", "out_indices", "stage_names")
 
 
 def available() -> bool:

@@ -19,6 +19,9 @@ attention's input is replaced), positions (2, B, L) as the exercise drew them.
 - Gemma 4: 2 × 4 patches as its pixel_position_ids (x, y) = (column, row).
 - Llama 4: its fixed grid (image_size / patch_size a side) as (column + 1, row + 1), its class
   token, last, at (0, 0); the model takes the image.
+- DINOv3: the config's image_size (H × W patches, the size its RoPE's scale was converted
+  for), its class token and registers first at (0, 0), then each patch at (2i + 1 − H,
+  2j + 1 − W) (golden.hf.vision.dinov3_positions); the model takes the image.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from golden.hf.vision import dinov3_positions
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,34 @@ def _llama4_inputs(c, b, length, positions, dtype):
                                         dtype=dtype)}
 
 
+def _sides(value) -> tuple[int, int]:
+    """An int or a pair (height, width) of a config, as a pair."""
+    return (int(value), int(value)) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def _dinov3_image(c) -> tuple[int, int, int, int]:
+    """(H, W, height, width): the patches and pixels of the config's image_size."""
+    get = c.get if isinstance(c, dict) else lambda k: getattr(c, k)
+    (ih, iw), (ph, pw) = _sides(get("image_size")), _sides(get("patch_size"))
+    return ih // ph, iw // pw, ih, iw
+
+
+def _dinov3_draw(c):
+    h, w, _, _ = _dinov3_image(c)
+    return Image(h, w, dinov3_positions(h, w, 1 + int(c.get("num_register_tokens") or 0)))
+
+
+def _dinov3_inputs(c, b, length, positions, dtype):
+    import torch
+    _, _, ih, iw = _dinov3_image(c)
+    return {"pixel_values": torch.zeros((b, c.num_channels, ih, iw), dtype=dtype)}
+
+
 QWEN = Tower(_qwen_draw, _qwen_inputs)
 TOWERS = {"pixtral": Tower(_pixtral_draw, _pixtral_inputs),
           "gemma4_vision": Tower(_gemma4_draw, _gemma4_inputs),
-          "llama4_vision_model": Tower(_llama4_draw, _llama4_inputs)}
+          "llama4_vision_model": Tower(_llama4_draw, _llama4_inputs),
+          "dinov3_vit": Tower(_dinov3_draw, _dinov3_inputs)}
 
 
 def tower(config) -> Tower | None:

@@ -148,7 +148,7 @@ class GroupedQueryAttention(_Variant):
             self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask)
         if max_position is None and positions is not None and not isinstance(
                 positions, jax.core.Tracer):  # the positions' own reach, read on the host
-            max_position = int(np.max(np.asarray(positions))) + 1
+            max_position = int(np.max(np.abs(np.asarray(positions)))) + 1
         if max_position is not None:  # whole blocks of the tables: one program per block count
             max_position = -(-int(max_position) // ROPE_BLOCK) * ROPE_BLOCK
         return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,

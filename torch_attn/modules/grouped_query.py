@@ -202,7 +202,7 @@ class GroupedQueryAttention(nn.Module):
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             if positions is not None:  # positions past the call's tokens (video): a host read
-                bound = max(bound, int(positions.max()) + 1)
+                bound = max(bound, int(positions.abs().max()) + 1)
             bound = max(bound, max_position or 0)
             q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
                                      positions=positions, max_position=bound,
