@@ -40,7 +40,8 @@ def rotary_embedding(x, *, theta, interleaved=False, offset=None, max_position=N
     ``precision="exact"``: the angles are exact to a few roundings at any position: cos and sin
     come from float64 tables (golden.specification.positions.rope_tables) for positions below
     ``max_position`` (default L, or the largest explicit |position| + 1); every |position| must
-    be below it (a negative position turns the other way: cos(−t), sin(−t)). The rotation runs in at least float32 and is rounded once to x's dtype.
+    be below it (a negative position turns the other way: cos(−t), sin(−t)). The rotation runs
+    in at least float32 and is rounded once to x's dtype.
     ``precision="hf"``: Hugging Face's float32 arithmetic on purpose (inv_freq, angles, cos and
     sin in float32, cast to x's dtype and applied in it), to match a port of it.
 
