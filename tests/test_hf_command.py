@@ -5,8 +5,8 @@ reports; a wrong conversion caught by HF's row; unreadable and unsupported check
 with exit status 2.
 
 By default six decoder families (a sliding/full mix, local/global θ with QK norms, sinks with
-sliding layers, fused layouts, an MoE with NoPE full layers) and four encoder or encoder-decoder ones (BERT, ViT, Whisper,
-T5: every stack and kind, T5's shared position bias table, the cross-attention's context);
+sliding layers, fused layouts, an MoE with NoPE full layers) and four encoder or
+encoder-decoder ones (BERT, ViT, Whisper, T5: every stack and kind, T5's shared position bias table, the cross-attention's context);
 The whole matrix (ATTN_PARITY_MATRIX=1) runs every family of tests/test_hf_import*.py, and
 CLIP's and SigLIP's composite checkpoints (both towers).
 """
