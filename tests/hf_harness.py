@@ -36,7 +36,8 @@ class Family:
     # attention's, when not attention_of's (BERT: output.dense, before its residual LayerNorm)
     inputs: Callable | None = None  # (config, rng) -> the model's inputs (NumPy arrays) when
     # not input_ids alone (pixel_values, input_features, decoder_input_ids)
-    model: str | None = None  # the transformers class, where AutoModel does not take the config
+    model: str | Callable | None = None  # the transformers class (or config -> model), where
+    # AutoModel does not take the config
 
 
 BASE = dict(hidden_size=D, num_attention_heads=N, num_key_value_heads=NKV, head_dim=DH,
@@ -131,7 +132,7 @@ def build_model(family, rng):
     config._attn_implementation = family.attention
     config._experts_implementation = "eager"  # the grouped kernels take no float64
     make = (transformers.AutoModel.from_config if family.model is None else
-            getattr(transformers, family.model))
+            family.model if callable(family.model) else getattr(transformers, family.model))
     model = make(config).double().eval()
     draw_parameters(model, rng)
     return config, model

@@ -49,6 +49,99 @@ from tests.hf_harness import (  # noqa: E402
 
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
         "original_max_position_embeddings": 4, "beta_fast": 8.0, "beta_slow": 1.0}
+MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8)
+SLIDING_FULL = dict(num_hidden_layers=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"])
+# longrope past original_max_position_embeddings (4 < L)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 100.0, "original_max_position_embeddings": 4,
+            "long_factor": [3.0, 5.0, 7.0]}
+PER_TYPE_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                 "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+
+
+def _csm_backbone(config):
+    """Sesame CSM's backbone (CsmBackboneModel) taking text tokens (B, L): its own embedding
+    sums a frame's codebook tokens (B, L, K); the attention layers are what is tested."""
+    model = transformers.CsmBackboneModel(config)
+    model.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    return model
+
+
+# Issue 42's decoders: each attention a supported one's after mapping config fields; every
+# window shorter than L, MoE configs as small as HF builds them.
+DECODERS_42 = {
+    "qwen2_moe": Family("Qwen2MoeConfig", dict(
+        num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        shared_expert_intermediate_size=8, **MOE), layers=(0, 1)),
+    "qwen3_moe": Family("Qwen3MoeConfig", dict(num_hidden_layers=1, use_sliding_window=True,
+                                               sliding_window=4, attention_bias=True, **MOE),
+                        float32="Qwen3MoeRMSNorm"),
+    "phimoe": Family("PhimoeConfig", dict(
+        num_hidden_layers=1, sliding_window=5, attention_bias=True, num_local_experts=2,
+        num_experts_per_tok=2, rope_parameters=dict(
+            LONGROPE, short_factor=[1.0, 1.5, 2.0], short_mscale=1.3, long_mscale=1.3))),
+    "internlm3": Family("InternLM3Config", dict(num_hidden_layers=1, attention_bias=True,
+                                                mlp_bias=True)),
+    "iquestcoder": Family("IQuestCoderConfig", dict(num_hidden_layers=1,
+                                                    rope_parameters=YARN)),
+    "arcee": Family("ArceeConfig", dict(num_hidden_layers=1, attention_bias=True,
+                                        rope_parameters=YARN)),
+    "jais2": Family("Jais2Config", dict(num_hidden_layers=1, attention_bias=True)),
+    "solar_open": Family("SolarOpenConfig", dict(
+        num_hidden_layers=1, attention_bias=True, n_routed_experts=2, n_shared_experts=1,
+        num_experts_per_tok=1, moe_intermediate_size=8)),
+    "csm": Family("CsmConfig", dict(num_hidden_layers=1), model=_csm_backbone),
+    "dots1": Family("Dots1Config", dict(**SLIDING_FULL, n_routed_experts=2, n_shared_experts=1,
+                                        num_experts_per_tok=1, moe_intermediate_size=8),
+                    layers=(0, 1), float32="Dots1RMSNorm"),
+    "flex_olmo": Family("FlexOlmoConfig", dict(num_hidden_layers=1, attention_bias=True,
+                                               pad_token_id=0, num_experts=2,
+                                               num_experts_per_tok=1),
+                        float32="FlexOlmoRMSNorm"),
+    "exaone_moe": Family("ExaoneMoeConfig", dict(**SLIDING_FULL, **MOE,
+                                                 mlp_layer_types=["dense", "sparse"]),
+                         layers=(0, 1), float32="ExaoneMoeRMSNorm"),
+    "kolibri1": Family("Kolibri1Config", dict(**SLIDING_FULL, **MOE,
+                                              shared_expert_intermediate_size=8),
+                       layers=(0, 1), float32="Kolibri1RMSNorm"),
+    "hyperclovax": Family("HyperCLOVAXConfig", dict(num_hidden_layers=1, attention_multiplier=0.3,
+                                                    attention_bias=True)),
+    "granitemoeshared": Family("GraniteMoeSharedConfig", dict(
+        num_hidden_layers=1, attention_multiplier=0.3, num_local_experts=2,
+        num_experts_per_tok=1, shared_intermediate_size=8)),
+    "gemma": Family("GemmaConfig", dict(num_hidden_layers=1, head_dim=8, attention_bias=True)),
+    "vaultgemma": Family("VaultGemmaConfig", dict(**SLIDING_FULL, query_pre_attn_scalar=10,
+                                                  attn_logit_softcapping=3.0),
+                         layers=(0, 1), float32="eager softmax", attention="eager"),
+    "ministral": Family("MinistralConfig", dict(**SLIDING_FULL), layers=(0, 1)),
+    # Ministral 3: the temperature's floor ⌊p / 4⌋ reaches 2 within L
+    "ministral3": Family("Ministral3Config", dict(
+        num_hidden_layers=1, sliding_window=5, rope_parameters=dict(
+            YARN, llama_4_scaling_beta=0.4, max_position_embeddings=64)),
+        float32="the temperature"),
+    "cwm": Family("CwmConfig", dict(num_hidden_layers=2, sliding_window=4,
+                                    layer_types=["full_attention", "sliding_attention"]),
+                  layers=(0, 1)),
+    "seed_oss": Family("SeedOssConfig", dict(num_hidden_layers=1, attention_bias=True,
+                                             attention_out_bias=False)),
+    "mellum": Family("MellumConfig", dict(**SLIDING_FULL, **MOE, rope_parameters=PER_TYPE_ROPE),
+                     layers=(0, 1), float32="MellumRMSNorm"),
+    "apertus": Family("ApertusConfig", dict(num_hidden_layers=1, attention_bias=True),
+                      float32="ApertusRMSNorm"),
+    # Helium's o_proj is (D, D): N·Dh = D
+    "helium": Family("HeliumConfig", dict(num_hidden_layers=1, head_dim=4, attention_bias=True)),
+    "nemotron": Family("NemotronConfig", dict(
+        num_hidden_layers=1, head_dim=8, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "partial_rotary_factor": 0.5})),
+    "olmo3": Family("Olmo3Config", dict(**SLIDING_FULL, rope_parameters=PER_TYPE_ROPE),
+                    layers=(0, 1), float32="Olmo3RMSNorm"),
+    **{mt: Family(config, dict(num_hidden_layers=1, head_dim=8, attention_bias=True, pad_token_id=0,
+                               rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                                                "partial_rotary_factor": 0.5}))
+       for mt, config in (("glm", "GlmConfig"), ("glm4", "Glm4Config"))},
+}
+
 FAMILIES = {
     "llama": Family("LlamaConfig", dict(num_hidden_layers=1, attention_bias=True,
                                         rope_parameters={
@@ -124,6 +217,7 @@ FAMILIES = {
     # The text towers of Qwen2-VL and Qwen3-VL, text only here (every axis the token's index,
     # the 1-D RoPE: tests/test_mrope.py gives them images' positions).
     **TEXT_TOWERS,
+    **DECODERS_42,
 }
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).
@@ -164,7 +258,68 @@ DISTINCT = {
     "ernie4_5_vl_moe_text": [(0, {"rope_interleaved": False})],
     "deepseek_v3": [(0, {"rope_interleaved": False}),
                     (0, {"rope_parameters": {"rope_theta": 500.0}})],
+    # Issue 42's decoders
+    "qwen2_moe": [(0, {"sliding_window": None}), (0, {"qkv_bias": False})],
+    "qwen3_moe": [(0, {"sliding_window": None}), (0, {"qk_norm": None})],
+    # PhiMoE: HF's short factors at every length (the config's long ones would turn pairs
+    # past original_max_position_embeddings otherwise), its mscale, its window
+    "phimoe": [(0, {"rope_parameters": dict(LONGROPE, short_factor=[1.0, 1.5, 2.0],
+                                            attention_factor=1.3)}),
+               (0, {"rope_parameters": dict(LONGROPE, short_factor=[1.0, 1.5, 2.0],
+                                            long_factor=[1.0, 1.5, 2.0], attention_factor=1.0)}),
+               (0, {"sliding_window": None})],
+    "internlm3": [(0, {"qkv_bias": False}), (0, {"rope_parameters": {"rope_theta": 500.0}})],
+    "iquestcoder": [(0, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}})],
+    "arcee": [(0, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}})],
+    "jais2": [(0, {"qkv_bias": False})],
+    "solar_open": [(0, {"qkv_bias": False})],
+    "csm": [(0, {"rope_parameters": {"rope_theta": 100.0}})],
+    "dots1": [(0, {"sliding_window": None}), (0, {"qk_norm": None})],
+    "flex_olmo": [(0, {"qk_norm": None})],
+    **{mt: [(1, {"rope_parameters": {"rope_theta": 10000.0}}), (0, {"sliding_window": None}),
+            (0, {"qk_norm": None})] for mt in ("exaone_moe", "kolibri1")},
+    "hyperclovax": [(0, {"scale": None})],
+    "granitemoeshared": [(0, {"scale": None})],
+    "gemma": [(0, {"rope_parameters": {"rope_theta": 500.0}})],
+    "vaultgemma": [(0, {"softcap": None}), (0, {"scale": None}), (0, {"sliding_window": None})],
+    "ministral": [(0, {"sliding_window": None})],
+    "ministral3": [(0, {"query_temperature": None}), (0, {"sliding_window": None})],
+    "cwm": [(1, {"sliding_window": None})],
+    "seed_oss": [(0, {"qkv_bias": False})],
+    **{mt: [(0, {"sliding_window": None}), (0, {"qk_norm": None}),
+            (1, {"rope_parameters": {"rope_theta": 100.0}})] for mt in ("mellum", "olmo3")},
+    "apertus": [(0, {"qk_norm": None})],
+    "helium": [(0, {"rope_interleaved": False})],
+    "nemotron": [(0, {"partial_rotary_factor": 1.0})],
+    **{mt: [(0, {"rope_interleaved": False}), (0, {"partial_rotary_factor": 1.0})]
+       for mt in ("glm", "glm4")},
 }
+
+
+# Config fields HF's attention never reads (the experts' and the MLP's sizes): not behaviours
+# of the attention, so not a reason to run a family's checks in the quick suite.
+OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "num_local_experts", "n_routed_experts",
+                     "n_shared_experts", "shared_intermediate_size", "mlp_layer_types",
+                     "mlp_bias", "intermediate_size_mlp", "moe_num_experts", "moe_k",
+                     "first_k_dense_replace", "pad_token_id"}
+
+
+def _fields(family) -> set:
+    """The behaviours a family's tiny config sets: each field HF's attention reads, with its
+    kind of value (tests/helpers.py ``kind``)."""
+    return {("field", k, kind(v)) for k, v in family.kw.items() if k not in OUTSIDE_ATTENTION}
+
+
+# Issue 42's decoders mostly repeat the settings of the families before them and of each
+# other: their forward and setting-undone checks run in the quick suite for a covering few
+# (each config field they set that HF's attention reads, with its kind, and each setting undone,
+# at least once; tests/helpers.py ``sweep``), for all of them in the whole matrix (issue 39:
+# the quick suite's time). The round trip (no model run) checks every family in both.
+PER_FAMILY = [pytest.param(n, id=n) for n in FAMILIES if n not in DECODERS_42] + sweep(
+    [pytest.param(n, id=n) for n in DECODERS_42],
+    [_fields(DECODERS_42[n]) | {("undone", k) for _, change in DISTINCT[n] for k in change}
+     for n in DECODERS_42])
 
 
 def test_every_supported_family_is_tested():
@@ -175,7 +330,7 @@ def test_every_supported_family_is_tested():
     assert tested == set(SUPPORTED)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", PER_FAMILY)
 def test_layers_equal_the_models_own_attention(name, twin):
     family = FAMILIES[name]
     rng, seed = fresh_rng()
@@ -241,7 +396,30 @@ def test_unsupported_family_and_settings_are_named():
         golden.convert.from_hf(config, sd, layer_idx=1)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+def test_issue_42_settings_we_do_not_express_are_named():
+    """Gemma's use_bidirectional_attention (HF's Gemma is then bidirectional without a padding
+    mask and causal with one), Ministral 3 without its temperature's fields, PhiMoE's
+    mscales switching with the length: each refused by name, before any array is read."""
+    def config(name, **kw):
+        family = FAMILIES[name]
+        return getattr(transformers, family.config)(**{**BASE, **family.kw, **kw}).to_dict()
+
+    with pytest.raises(ValueError, match=r"model_type 'gemma': use_bidirectional_attention = "
+                                         r"True is not supported \(HF's Gemma then attends"):
+        golden.convert.from_hf(config("gemma", use_bidirectional_attention=True), {})
+    rope = {k: v for k, v in FAMILIES["ministral3"].kw["rope_parameters"].items()
+            if k != "llama_4_scaling_beta"}
+    with pytest.raises(ValueError, match=r"model_type 'ministral3': rope_parameters should give "
+                                         r"llama_4_scaling_beta"):
+        golden.convert.from_hf(dict(config("ministral3"), rope_parameters=rope), {})
+    rope = dict(FAMILIES["phimoe"].kw["rope_parameters"], long_mscale=2.0)
+    with pytest.raises(ValueError, match=r"model_type 'phimoe': rope_parameters with rope_type "
+                                         r"'longrope', short_mscale 1.3 and long_mscale 2.0 is "
+                                         r"not supported"):
+        golden.convert.from_hf(dict(config("phimoe"), rope_parameters=rope), {})
+
+
+@pytest.mark.parametrize("name", PER_FAMILY)
 def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(name):
     """Undoing one of the family's settings (a window, a norm, the sinks, the RoPE scaling...)
     changes the layer's output by more than 10³ times the bound we hold HF's output to, so the
@@ -268,7 +446,7 @@ def _bound(family, twin, ours, precision):
 
 
 FAMILY_SWEEP = sweep([pytest.param(n, id=n) for n in FAMILIES],
-                     [{("field", k, kind(v)) for k, v in f.kw.items()} for f in FAMILIES.values()])
+                     [_fields(f) for f in FAMILIES.values()])
 
 
 # Decoding through our cache (and below, left padding and the input gradient), for a covering
@@ -306,6 +484,7 @@ NOT_LEFT_PADDED = {
     # HF's eager Gemma 2 gives NaN on the padding's query rows (every key masked, scores
     # soft-capped), and the next layer's every row reads them (NaN · 0 = NaN): layer 0 only.
     "gemma2": {1},
+    "vaultgemma": {1},  # Gemma 2's attention: the same NaN
     # Llama 4's chunks start after the padding in HF (masking_utils shifts them by each row's
     # padding); ours count in token order: not the same function with left padding.
     "llama4_text": {0},

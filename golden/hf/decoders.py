@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import (GQA, LLAMA_NAMES, Family, _bias_flags, _decoder_settings, _heads,
-                              _layer_type, _linears_to_neutral, _neutral_to_linears, _read)
+from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _decoder_settings,
+                              _heads, _layer_type, _linears_to_neutral, _neutral_to_linears,
+                              _read)
 
 
 def _qk_norm_entries(sd, mt, q="q_norm.weight", k="k_norm.weight") -> dict:
@@ -391,6 +392,87 @@ def _gemma4_text() -> Family:
     return Family(GQA, settings, to_neutral, from_neutral)
 
 
+def _plain_no_window(c, layer_idx, ours):
+    """Llama's attention where HF's model makes a causal mask whatever the config's
+    sliding_window says (none of these reads it)."""
+    _no_window(ours)
+
+
+def _qwen3_no_window(c, layer_idx, ours):
+    _qwen3(c, layer_idx, ours)
+    _no_window(ours)
+
+
+def _olmo2_no_window(c, layer_idx, ours):
+    _olmo2(c, layer_idx, ours)
+    _no_window(ours)
+
+
+def _granite_no_window(c, layer_idx, ours):
+    _granite(c, layer_idx, ours)
+    _no_window(ours)
+
+
+def _rope_on_sliding_layers(c, layer_idx, ours):
+    """EXAONE 4's attention (EXAONE-MoE, Kolibri): per-head RMSNorm of q and k; with a
+    sliding_window, RoPE on the sliding layers only (the full layers NoPE), without one,
+    RoPE on every layer."""
+    _qwen3(c, layer_idx, ours)
+    if c.get("sliding_window") is not None and _layer_type(c, layer_idx) != "sliding_attention":
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+
+
+def _ministral3(c, layer_idx, ours):
+    """Ministral 3: Llama 4's query temperature 1 + β·ln(1 + ⌊p / F⌋) on every layer, without
+    Llama 4's shift (β rope_parameters' llama_4_scaling_beta, F its
+    original_max_position_embeddings, p the token's position); the two fields HF's rotary
+    embedding does not read (and its legacy "type") dropped from our RoPE."""
+    mt = "ministral3"
+    given = c.get("rope_parameters") or {}
+    rope = ours.get("rope_parameters", {})
+    for name in ("type", "max_position_embeddings", "llama_4_scaling_beta"):
+        rope.pop(name, None)
+    beta, floor = given.get("llama_4_scaling_beta"), given.get("original_max_position_embeddings")
+    if beta is None or floor is None:
+        raise ValueError(f"model_type {mt!r}: rope_parameters should give llama_4_scaling_beta "
+                         f"and original_max_position_embeddings (HF's attention scales the "
+                         f"queries by 1 + β·ln(1 + ⌊p / F⌋) with them), got {beta!r} and "
+                         f"{floor!r}")
+    ours["query_temperature"] = {"beta": float(beta), "floor_scale": int(floor), "shift": 0}
+
+
+def _phimoe(c, layer_idx, ours):
+    """PhiMoE: Llama's attention; its rotary embedding (HF 5.x) computes the frequencies with
+    no sequence length, so always longrope's short_factor, and multiplies cos and sin by
+    short_mscale up to original_max_position_embeddings, long_mscale past it: ours the
+    short factors at every length and the one mscale as attention_factor (unequal ones
+    refused)."""
+    rope = ours.get("rope_parameters", {})
+    short, long = rope.pop("short_mscale", None), rope.pop("long_mscale", None)
+    if rope.get("rope_type", "default") == "default":
+        return
+    if rope["rope_type"] != "longrope" or short is None or short != long:
+        raise ValueError(f"model_type 'phimoe': rope_parameters with rope_type "
+                         f"{rope['rope_type']!r}, short_mscale {short!r} and long_mscale "
+                         f"{long!r} is not supported (we take 'default', or 'longrope' with "
+                         f"equal mscales: HF switches them with the sequence length)")
+    rope.update(long_factor=list(rope["short_factor"]), attention_factor=float(short))
+
+
+def _partial_interleaved(c, layer_idx, ours):
+    """GLM and GLM-4: the first partial_rotary_factor of each head turned (0.5 by HF's
+    config), on interleaved pairs (2i, 2i + 1); HF's attention has no window."""
+    _no_window(ours)
+    ours["rope_interleaved"] = True
+
+
+def _interleaved_no_window(c, layer_idx, ours):
+    """Helium: interleaved pairs (2i, 2i + 1) over the whole head; no window."""
+    _no_window(ours)
+    ours["rope_interleaved"] = True
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -452,4 +534,37 @@ FAMILIES: dict[str, Family] = {
     **{mt: _text_tower(mt, _qwen3_5(mt), norms=QK_NORMS, to_extra=_gate_split,
                        from_extra=_gate_join)
        for mt in ("qwen3_5_text", "qwen3_5_moe_text")},
+    # Issue 42's decoders whose attention is a supported one's, after mapping config fields.
+    # Llama's attention; HF's model makes a window where the config says (all layers, or the
+    # sliding ones of layer_types), a causal mask in the others (window dropped).
+    **{mt: _llama_like(mt) for mt in ("qwen2_moe", "ministral", "cwm")},
+    **{mt: _llama_like(mt, _plain_no_window)
+       for mt in ("internlm3", "iquestcoder", "arcee", "jais2", "solar_open", "seed_oss",
+                  "nemotron")},  # nemotron: partial rotary (rotate-half within the slice)
+    # Sesame CSM's backbone (its depth decoder, under depth_decoder.model.layers, has a config
+    # of its own, csm_depth_decoder_model: not read)
+    "csm": _llama_like("csm", _plain_no_window,
+                       stacks=(Stack("layers", "self_attn", within="backbone_model."),),
+                       unverified="attn-parity hf does not check CSM checkpoints yet: its "
+                                  "one-layer model would be CsmForConditionalGeneration, "
+                                  "with the Mimi codec and the depth decoder, and no test "
+                                  "has run it"),
+    "phimoe": _llama_like("phimoe", _phimoe),
+    "ministral3": _llama_like("ministral3", _ministral3),
+    "gemma": _llama_like("gemma", _plain_no_window, unsupported={
+        "use_bidirectional_attention": ((None, False), "HF's Gemma then attends both ways "
+                                        "only where no padding mask is made (sdpa's is_causal "
+                                        "off), causally where one is: not one function")}),
+    "vaultgemma": _llama_like("vaultgemma", _gemma),
+    **{mt: _llama_like(mt, _granite_no_window) for mt in ("hyperclovax", "granitemoeshared")},
+    # Qwen3's per-head RMSNorm of q and k (Mellum: RoPE per layer type)
+    **{mt: _llama_like(mt, _qwen3, norms=QK_NORMS) for mt in ("qwen3_moe", "dots1", "mellum")},
+    "apertus": _llama_like("apertus", _qwen3_no_window, norms=QK_NORMS),
+    **{mt: _llama_like(mt, _rope_on_sliding_layers, norms=QK_NORMS)
+       for mt in ("exaone_moe", "kolibri1")},
+    # OLMo 2's RMSNorm of the whole q and k (OLMo 3: sliding layers, RoPE per layer type)
+    "flex_olmo": _llama_like("flex_olmo", _olmo2_no_window, norms=QK_NORMS),
+    "olmo3": _llama_like("olmo3", _olmo2, norms=QK_NORMS),
+    "helium": _llama_like("helium", _interleaved_no_window),
+    **{mt: _llama_like(mt, _partial_interleaved) for mt in ("glm", "glm4")},
 }

@@ -110,11 +110,12 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 
 
 def layer_only(config, layer_idx):
-    """The config as layer ``layer_idx`` sees it: its entries of layer_types and
-    no_rope_layers, whether it is one of Qwen2.5-VL's full layers, its per_layer_config (Gemma
-    4); no DeepStack outputs; a speech encoder's own changes (golden.verifier.speech)."""
+    """The config as layer ``layer_idx`` sees it: its entries of layer_types, no_rope_layers
+    and mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse), whether it is one of
+    Qwen2.5-VL's full layers, its per_layer_config (Gemma 4); no DeepStack outputs; a speech
+    encoder's own changes (golden.verifier.speech)."""
     c = dict(config)
-    for key in ("layer_types", "no_rope_layers"):
+    for key in ("layer_types", "no_rope_layers", "mlp_layer_types"):
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
     if isinstance(c.get("fullatt_block_indexes"), list):  # Qwen2.5-VL's full (not windowed)
