@@ -395,6 +395,13 @@ for id, variant, config, message in [
      "rope_parameters['mscale_all_dim'] should be a number or None, got 'big'"),
 ]:
     twin_case(f"new-{id}", lambda t, v=variant, c=config: make(t, v, **c), ValueError, E(message))
+twin_case("new-gqa-local_window_size-renamed",  # the argument of before sliding_window
+          lambda t: make(t, "grouped_query_attention", d_in=6, num_heads=2, num_kv_heads=1,
+                         local_window_size=3), ValueError,
+          E("local_window_size is not an argument of GroupedQueryAttention any more, got "
+            "local_window_size=3: pass sliding_window=W, Hugging Face's meaning (W keys "
+            "including the query: local_window_size=w with causal=True is sliding_window="
+            "w + 1;"))
 twin_case("new-self-unknown-keyword", lambda t: make(t, "self_attention", d_in=5, d_k=4, bogus=1),
           TypeError, E("got an unexpected keyword argument 'bogus'"))
 case("jax-new-rngs-none", lambda: jax_attn.SelfAttention(5, 4, rngs=None), TypeError,

@@ -55,6 +55,20 @@ def sliding_window(w, causal):
     return (w - 1, 0 if causal else w - 1)
 
 
+def refuse_renamed(given) -> None:
+    """GroupedQueryAttention's arguments of before the ``sliding_window`` change, each refused
+    with its replacement (a ValueError, not Python's bare ``unexpected keyword argument``):
+    ``local_window_size`` was the core's window (w keys each side, cut by causal), which is
+    Hugging Face's W = w + 1 keys including the query."""
+    if "local_window_size" in given:
+        w = given["local_window_size"]
+        raise ValueError(f"local_window_size is not an argument of GroupedQueryAttention any "
+                         f"more, got local_window_size={w!r}: pass sliding_window=W, Hugging "
+                         f"Face's meaning (W keys including the query: local_window_size=w "
+                         f"with causal=True is sliding_window=w + 1; without causal, a pair "
+                         f"sliding_window=(left, right) is the core's window as it is)")
+
+
 # ALiBi (Press et al.), as Hugging Face's BLOOM, MPT and Falcon define the per-head slopes.
 ALIBI_KINDS = ("bloom", "mpt", "falcon")
 

@@ -16,8 +16,8 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import (
-    alibi_slopes, bucket_table, qk_normalize, sinusoid_table, temperature, timing_table,
-    weight_broadcast,
+    alibi_slopes, bucket_table, qk_normalize, refuse_renamed, sinusoid_table, temperature,
+    timing_table, weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
 from golden.specification.positions import ROPE_BLOCK, KVCache, check_fits
@@ -68,6 +68,10 @@ class GroupedQueryAttention(_Variant):
     """
 
     variant = "grouped_query_attention"
+
+    def __new__(cls, *args, **kwargs):
+        refuse_renamed(kwargs)  # an argument of before sliding_window: its replacement named
+        return super().__new__(cls)
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,

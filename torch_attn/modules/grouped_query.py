@@ -16,8 +16,8 @@ from torch import nn
 
 from golden.specification import variants
 from golden.specification.decoder import (
-    alibi_bias, alibi_slopes, bucket_table, qk_normalize, relative_bias, sinusoid_table,
-    sliding_window, temperature, timing_table, weight_broadcast,
+    alibi_bias, alibi_slopes, bucket_table, qk_normalize, refuse_renamed, relative_bias,
+    sinusoid_table, sliding_window, temperature, timing_table, weight_broadcast,
 )
 from golden.specification.positions import KVCache, check_fits, distance_index
 from golden.specification.validate import (
@@ -95,6 +95,10 @@ class GroupedQueryAttention(nn.Module):
     """
 
     variant = "grouped_query_attention"
+
+    def __new__(cls, *args, **kwargs):
+        refuse_renamed(kwargs)  # an argument of before sliding_window: its replacement named
+        return super().__new__(cls)
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
