@@ -15,8 +15,8 @@ Forward, with P the masked softmax and K the dropout mask:
     P = exp(S − max S) · allowed / Σ_row                  (a row with nothing allowed: zeros)
     A = P · K / (1 − p)                                   the weights returned and applied
     O = A V'                                              (..., H, Lq, Dv)
-T is sdpa_forward's ``position_term``, the relative positions' terms (Transformer-XL's, the USM
-Conformer's: golden.reference.position_bias), part of R and so inside the cap, as Gemma 3n's and
+T is sdpa_forward's ``position_term``, the relative positions' terms (Transformer-XL's, Shaw's,
+the USM Conformer's: golden.reference.position_bias), part of R and so inside the cap, as Gemma 3n's and
 Gemma 4's audio encoders cap the sum of their content and position logits; ``bias`` (ALiBi's,
 T5's, the caller's) is added after the cap. No fixture combined a relative position term with a
 soft cap before this rule was written.
