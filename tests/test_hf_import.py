@@ -140,6 +140,21 @@ DECODERS_42 = {
                                rope_parameters={"rope_type": "default", "rope_theta": 100.0,
                                                 "partial_rotary_factor": 0.5}))
        for mt, config in (("glm", "GlmConfig"), ("glm4", "Glm4Config"))},
+    # Cohere 2: interleaved RoPE on the sliding layer, NoPE on the full one (head width D / N)
+    "cohere2": Family("Cohere2Config", dict(**SLIDING_FULL, attention_bias=True),
+                      layers=(0, 1), float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    # Cohere 2 MoE: a dense prefix layer, full but turned (prefix_dense_sliding_window_pattern
+    # 1), a sliding layer and a NoPE full one
+    "cohere2_moe": Family("Cohere2MoeConfig", dict(
+        num_hidden_layers=3, sliding_window=4, num_experts=2, num_experts_per_tok=1,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"]), layers=(0, 1, 2),
+        float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    "ernie4_5": Family("Ernie4_5Config", dict(num_hidden_layers=1, use_bias=True),
+                       float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    "ernie4_5_moe": Family("Ernie4_5_MoeConfig", dict(
+        num_hidden_layers=1, moe_num_experts=2, moe_k=1, moe_intermediate_size=8,
+        moe_layer_start_index=0), float32="apply_rotary_pos_emb (q and k turned in float32)"),
 }
 
 FAMILIES = {
@@ -293,6 +308,13 @@ DISTINCT = {
     "nemotron": [(0, {"partial_rotary_factor": 1.0})],
     **{mt: [(0, {"rope_interleaved": False}), (0, {"partial_rotary_factor": 1.0})]
        for mt in ("glm", "glm4")},
+    "cohere2": [(0, {"rope_interleaved": False}), (0, {"sliding_window": None}),
+                (1, {"rope_parameters": {"rope_theta": 100.0}})],
+    "cohere2_moe": [(0, {"rope_parameters": None, "rope_interleaved": None}),
+                    (1, {"sliding_window": None}),
+                    (2, {"rope_parameters": {"rope_theta": 100.0}})],
+    "ernie4_5": [(0, {"rope_interleaved": False}), (0, {"qkv_bias": False})],
+    "ernie4_5_moe": [(0, {"rope_interleaved": False})],
 }
 
 

@@ -473,6 +473,33 @@ def _interleaved_no_window(c, layer_idx, ours):
     ours["rope_interleaved"] = True
 
 
+def _cohere2(c, layer_idx, ours):
+    """Cohere 2 (and Cohere 2 MoE): Cohere's interleaved RoPE on the sliding layers only, the
+    full layers NoPE (no layer turned at all without a sliding_window: HF's attention turns q
+    and k only where it has a window), except Cohere 2 MoE's dense prefix layers with
+    prefix_dense_sliding_window_pattern 1, which HF turns (its ``force_rope``); no QK norm."""
+    mlp = c.get("mlp_layer_types")
+    forced = (mlp is not None and mlp[layer_idx] == "dense"
+              and c.get("prefix_dense_sliding_window_pattern", 1) == 1)
+    if "sliding_window" in ours or forced:
+        ours["rope_interleaved"] = True
+    else:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+
+
+def _ernie4_5(mt):
+    """ERNIE 4.5 (and its MoE): interleaved pairs (2i, 2i + 1) over the whole head (HF's
+    attention has no slice for a partial_rotary_factor), no window, an attention dropout of 0
+    whatever the config says."""
+
+    def extra(c, layer_idx, ours):
+        _no_window(ours, fixed_dropout=True)
+        ours["rope_interleaved"] = True
+        _whole_head(mt, ours)
+    return extra
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -567,4 +594,6 @@ FAMILIES: dict[str, Family] = {
     "olmo3": _llama_like("olmo3", _olmo2, norms=QK_NORMS),
     "helium": _llama_like("helium", _interleaved_no_window),
     **{mt: _llama_like(mt, _partial_interleaved) for mt in ("glm", "glm4")},
+    **{mt: _llama_like(mt, _cohere2) for mt in ("cohere2", "cohere2_moe")},
+    **{mt: _llama_like(mt, _ernie4_5(mt)) for mt in ("ernie4_5", "ernie4_5_moe")},
 }
