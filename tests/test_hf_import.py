@@ -155,6 +155,15 @@ DECODERS_42 = {
     "ernie4_5_moe": Family("Ernie4_5_MoeConfig", dict(
         num_hidden_layers=1, moe_num_experts=2, moe_k=1, moe_intermediate_size=8,
         moe_layer_start_index=0), float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    # GLM-4.5: partial rotary 0.5 by the config's default, rotate-half pairs, per-head norms
+    "glm4_moe": Family("Glm4MoeConfig", dict(
+        num_hidden_layers=1, head_dim=8, attention_bias=True, use_qk_norm=True,
+        n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        first_k_dense_replace=0), float32="Glm4MoeRMSNorm"),
+    # MiniMax-M2: norms across heads, the legacy rotary_dim (4 of Dh 8 features turned)
+    "minimax_m2": Family("MiniMaxM2Config", dict(
+        num_hidden_layers=1, head_dim=8, rotary_dim=4, num_local_experts=2,
+        num_experts_per_tok=1), float32="MiniMaxM2RMSNorm"),
 }
 
 FAMILIES = {
@@ -315,6 +324,9 @@ DISTINCT = {
                     (2, {"rope_parameters": {"rope_theta": 100.0}})],
     "ernie4_5": [(0, {"rope_interleaved": False}), (0, {"qkv_bias": False})],
     "ernie4_5_moe": [(0, {"rope_interleaved": False})],
+    "glm4_moe": [(0, {"partial_rotary_factor": 1.0}), (0, {"qk_norm": None}),
+                 (0, {"rope_interleaved": True})],
+    "minimax_m2": [(0, {"partial_rotary_factor": 1.0}), (0, {"qk_norm": None})],
 }
 
 
@@ -599,3 +611,18 @@ def test_a_config_json_of_before_transformers_5_converts_alike(name):
     settings = [rope_settings(None, golden.convert.from_hf(c, sd, layer_idx=family.layers[0])[1]
                               ["rope_parameters"]) for c in (old, new)]
     assert settings[0] == settings[1] and dict(settings[0])["rope_type"] != "default", name
+
+
+def test_minimax_m2_legacy_rotary_dim_converts_as_hfs_config_reads_it():
+    """A MiniMax-M2 config.json of before transformers 5 (θ at the top, the partial rotary as
+    ``rotary_dim`` features, no rope_parameters) gives the RoPE of transformers 5's form."""
+    family = FAMILIES["minimax_m2"]
+    rng, _ = fresh_rng()
+    config, model = build_model(family, rng)
+    new = config.to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old["rope_theta"] = new["rope_parameters"]["rope_theta"]
+    sd = state_dict(attention_of(family, model, 0))
+    rope = [golden.convert.from_hf(c, sd)[1]["rope_parameters"] for c in (old, new)]
+    assert rope[0]["partial_rotary_factor"] == rope[1]["partial_rotary_factor"] == 0.5
+    assert rope[0]["rope_theta"] == rope[1]["rope_theta"]

@@ -500,6 +500,27 @@ def _ernie4_5(mt):
     return extra
 
 
+def _glm4_moe(c, layer_idx, ours):
+    """GLM-4.5 (glm4_moe): Llama's rotate-half pairs on the first partial_rotary_factor of each
+    head (0.5 by HF's config), per-head RMSNorm of q and k with use_qk_norm, q/k/v bias with
+    attention_bias (o_proj none); HF's attention has no window."""
+    _no_window(ours)
+    if c.get("use_qk_norm"):
+        _qwen3(c, layer_idx, ours)
+
+
+def _minimax_m2(c, layer_idx, ours):
+    """MiniMax-M2: OLMo 2's RMSNorm of the whole q and k (across heads), no window; a
+    config.json of before transformers 5 gives its partial rotary as ``rotary_dim`` (features
+    turned per head), read as HF's config reads it, partial_rotary_factor rotary_dim / Dh."""
+    _olmo2_no_window(c, layer_idx, ours)
+    if c.get("rotary_dim") is not None:
+        if "rope_parameters" not in ours:
+            ours["rope_parameters"] = {"rope_theta": ours.pop("rope_theta")}
+        ours["rope_parameters"].setdefault("partial_rotary_factor",
+                                           c["rotary_dim"] / ours["head_dim"])
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -596,4 +617,6 @@ FAMILIES: dict[str, Family] = {
     **{mt: _llama_like(mt, _partial_interleaved) for mt in ("glm", "glm4")},
     **{mt: _llama_like(mt, _cohere2) for mt in ("cohere2", "cohere2_moe")},
     **{mt: _llama_like(mt, _ernie4_5(mt)) for mt in ("ernie4_5", "ernie4_5_moe")},
+    "glm4_moe": _llama_like("glm4_moe", _glm4_moe, norms=QK_NORMS),
+    "minimax_m2": _llama_like("minimax_m2", _minimax_m2, norms=QK_NORMS),
 }
