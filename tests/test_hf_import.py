@@ -164,6 +164,10 @@ DECODERS_42 = {
     "minimax_m2": Family("MiniMaxM2Config", dict(
         num_hidden_layers=1, head_dim=8, rotary_dim=4, num_local_experts=2,
         num_experts_per_tok=1), float32="MiniMaxM2RMSNorm"),
+    # Molmo 2's text tower: norms across heads ("olmo"), yarn on layer 0 only
+    "molmo2_text": Family("Molmo2TextConfig", dict(
+        num_hidden_layers=2, attention_bias=True, qk_norm_type="olmo", rope_scaling_layers=[0],
+        rope_parameters=YARN), layers=(0, 1), float32="Molmo2RMSNorm"),
 }
 
 FAMILIES = {
@@ -327,6 +331,8 @@ DISTINCT = {
     "glm4_moe": [(0, {"partial_rotary_factor": 1.0}), (0, {"qk_norm": None}),
                  (0, {"rope_interleaved": True})],
     "minimax_m2": [(0, {"partial_rotary_factor": 1.0}), (0, {"qk_norm": None})],
+    "molmo2_text": [(0, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+                    (1, {"rope_parameters": YARN}), (0, {"qk_norm": None})],
 }
 
 

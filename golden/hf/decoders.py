@@ -521,6 +521,20 @@ def _minimax_m2(c, layer_idx, ours):
                                            c["rotary_dim"] / ours["head_dim"])
 
 
+def _molmo2_text(c, layer_idx, ours):
+    """Molmo 2's text tower: OLMo 2's attention, its q and k RMSNorm per head (qk_norm_type
+    "qwen3", HF's default) or across heads ("olmo"), q/k/v bias with attention_bias (o_proj
+    none); rope_parameters' scaling only on the rope_scaling_layers (all when the config lists
+    none), the others HF's default RoPE of the same θ; the whole head turned; no window."""
+    _no_window(ours)
+    (_olmo2 if c.get("qk_norm_type", "qwen3") == "olmo" else _qwen3)(c, layer_idx, ours)
+    _whole_head("molmo2_text", ours)
+    scaled = c.get("rope_scaling_layers")
+    if scaled is not None and layer_idx not in scaled:
+        ours["rope_parameters"] = {"rope_type": "default",
+                                   "rope_theta": ours["rope_parameters"]["rope_theta"]}
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -619,4 +633,6 @@ FAMILIES: dict[str, Family] = {
     **{mt: _llama_like(mt, _ernie4_5(mt)) for mt in ("ernie4_5", "ernie4_5_moe")},
     "glm4_moe": _llama_like("glm4_moe", _glm4_moe, norms=QK_NORMS),
     "minimax_m2": _llama_like("minimax_m2", _minimax_m2, norms=QK_NORMS),
+    # Molmo 2's text tower (the composite molmo2's text_config; 1-D RoPE)
+    "molmo2_text": _llama_like("molmo2_text", _molmo2_text, norms=QK_NORMS),
 }
