@@ -168,6 +168,18 @@ DECODERS_42 = {
     "molmo2_text": Family("Molmo2TextConfig", dict(
         num_hidden_layers=2, attention_bias=True, qk_norm_type="olmo", rope_scaling_layers=[0],
         rope_parameters=YARN), layers=(0, 1), float32="Molmo2RMSNorm"),
+    "granitemoe": Family("GraniteMoeConfig", dict(
+        num_hidden_layers=1, attention_multiplier=0.3, attention_bias=True, num_local_experts=2,
+        num_experts_per_tok=1)),
+    # Granite SWA: sinks, a sliding layer of its own θ and a NoPE full layer (θ 0); HF's
+    # model has eager attention only (its softmax and sink scale float32)
+    **{mt: Family(config, dict(
+        num_hidden_layers=2, sliding_window=4, attention_multiplier=0.3, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[100.0, 0],
+        **moe), layers=(0, 1), float32="eager softmax and sink scale", attention="eager")
+       for mt, config, moe in (("granite_swa", "GraniteSWAConfig", {}),
+                               ("granitemoe_swa", "GraniteMoeSWAConfig",
+                                dict(num_local_experts=2, num_experts_per_tok=1)))},
 }
 
 FAMILIES = {
@@ -333,6 +345,11 @@ DISTINCT = {
     "minimax_m2": [(0, {"partial_rotary_factor": 1.0}), (0, {"qk_norm": None})],
     "molmo2_text": [(0, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
                     (1, {"rope_parameters": YARN}), (0, {"qk_norm": None})],
+    "granitemoe": [(0, {"scale": None})],
+    **{mt: [(0, {"sinks": False}), (0, {"scale": None}), (0, {"sliding_window": None}),
+            (0, {"rope_parameters": {"rope_theta": 10000.0}}),
+            (1, {"rope_parameters": {"rope_theta": 100.0}})]
+       for mt in ("granite_swa", "granitemoe_swa")},
 }
 
 
@@ -525,6 +542,9 @@ NOT_LEFT_PADDED = {
     # soft-capped), and the next layer's every row reads them (NaN · 0 = NaN): layer 0 only.
     "gemma2": {1},
     "vaultgemma": {1},  # Gemma 2's attention: the same NaN
+    # Granite SWA's eager attention gives NaN on the padding's rows (every key masked: its
+    # softmax of -inf), and the next layer's every row reads them: layer 0 only.
+    **{mt: {1} for mt in ("granite_swa", "granitemoe_swa")},
     # Llama 4's chunks start after the padding in HF (masking_utils shifts them by each row's
     # padding); ours count in token order: not the same function with left padding.
     "llama4_text": {0},

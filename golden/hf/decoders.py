@@ -535,6 +535,26 @@ def _molmo2_text(c, layer_idx, ours):
                                    "rope_theta": ours["rope_parameters"]["rope_theta"]}
 
 
+def _granite_swa(c, layer_idx, ours):
+    """Granite SWA (and Granite MoE SWA): Granite's scale (attention_multiplier), a sink per
+    head (HF scales the output by σ(lse − s_h), which is GPT-OSS's extra logit s_h in the
+    softmax's denominator), the window of layer_types' sliding layers, and RoPE of θ
+    layer_rope_theta[layer] with rope_parameters' other fields (θ 0: a NoPE layer)."""
+    _granite(c, layer_idx, ours)
+    ours["sinks"] = True
+    thetas = c.get("layer_rope_theta")
+    if thetas is None:
+        return
+    if not thetas[layer_idx]:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+    elif "rope_parameters" in ours:
+        ours["rope_parameters"] = dict(ours["rope_parameters"],
+                                       rope_theta=float(thetas[layer_idx]))
+    else:
+        ours["rope_theta"] = float(thetas[layer_idx])
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -618,7 +638,8 @@ FAMILIES: dict[str, Family] = {
                                         "only where no padding mask is made (sdpa's is_causal "
                                         "off), causally where one is: not one function")}),
     "vaultgemma": _llama_like("vaultgemma", _gemma),
-    **{mt: _llama_like(mt, _granite_no_window) for mt in ("hyperclovax", "granitemoeshared")},
+    **{mt: _llama_like(mt, _granite_no_window)
+       for mt in ("hyperclovax", "granitemoeshared", "granitemoe")},
     # Qwen3's per-head RMSNorm of q and k (Mellum: RoPE per layer type)
     **{mt: _llama_like(mt, _qwen3, norms=QK_NORMS) for mt in ("qwen3_moe", "dots1", "mellum")},
     "apertus": _llama_like("apertus", _qwen3_no_window, norms=QK_NORMS),
@@ -635,4 +656,6 @@ FAMILIES: dict[str, Family] = {
     "minimax_m2": _llama_like("minimax_m2", _minimax_m2, norms=QK_NORMS),
     # Molmo 2's text tower (the composite molmo2's text_config; 1-D RoPE)
     "molmo2_text": _llama_like("molmo2_text", _molmo2_text, norms=QK_NORMS),
+    **{mt: _llama_like(mt, _granite_swa, to_extra=_sinks_in, from_extra=_sinks_out)
+       for mt in ("granite_swa", "granitemoe_swa")},
 }
