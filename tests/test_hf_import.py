@@ -180,6 +180,11 @@ DECODERS_42 = {
        for mt, config, moe in (("granite_swa", "GraniteSWAConfig", {}),
                                ("granitemoe_swa", "GraniteMoeSWAConfig",
                                 dict(num_local_experts=2, num_experts_per_tok=1)))},
+    # Flint: sinks, RoPE on the sliding layer only; HF's model has eager attention only (its
+    # scores and softmax float32)
+    "flint": Family("FlintConfig", dict(**SLIDING_FULL, **MOE, attention_bias=True,
+                                        mlp_only_layers=[0]), layers=(0, 1),
+                    float32="FlintRMSNorm, eager scores and softmax", attention="eager"),
 }
 
 FAMILIES = {
@@ -350,6 +355,8 @@ DISTINCT = {
             (0, {"rope_parameters": {"rope_theta": 10000.0}}),
             (1, {"rope_parameters": {"rope_theta": 100.0}})]
        for mt in ("granite_swa", "granitemoe_swa")},
+    "flint": [(0, {"sinks": False}), (0, {"qk_norm": None}), (0, {"sliding_window": None}),
+              (1, {"rope_parameters": {"rope_theta": 10000.0}})],
 }
 
 
@@ -359,7 +366,7 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "shared_expert_intermediate_size", "num_local_experts", "n_routed_experts",
                      "n_shared_experts", "shared_intermediate_size", "mlp_layer_types",
                      "mlp_bias", "intermediate_size_mlp", "moe_num_experts", "moe_k",
-                     "first_k_dense_replace", "pad_token_id"}
+                     "first_k_dense_replace", "pad_token_id", "mlp_only_layers"}
 
 
 def _fields(family) -> set:

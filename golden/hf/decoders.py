@@ -555,6 +555,17 @@ def _granite_swa(c, layer_idx, ours):
         ours["rope_theta"] = float(thetas[layer_idx])
 
 
+def _flint(c, layer_idx, ours):
+    """Flint: Qwen3's per-head RMSNorm of q and k, a sink per head (GPT-OSS's extra logit),
+    and RoPE on the sliding layers only, the full layers NoPE (no layer turned without a
+    sliding_window: HF turns q and k only where its layer has a window)."""
+    _qwen3(c, layer_idx, ours)
+    ours["sinks"] = True
+    if "sliding_window" not in ours:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -658,4 +669,6 @@ FAMILIES: dict[str, Family] = {
     "molmo2_text": _llama_like("molmo2_text", _molmo2_text, norms=QK_NORMS),
     **{mt: _llama_like(mt, _granite_swa, to_extra=_sinks_in, from_extra=_sinks_out)
        for mt in ("granite_swa", "granitemoe_swa")},
+    "flint": _llama_like("flint", _flint, norms=QK_NORMS, to_extra=_sinks_in,
+                         from_extra=_sinks_out),
 }
