@@ -185,6 +185,8 @@ DECODERS_42 = {
     "flint": Family("FlintConfig", dict(**SLIDING_FULL, **MOE, attention_bias=True,
                                         mlp_only_layers=[0]), layers=(0, 1),
                     float32="FlintRMSNorm, eager scores and softmax", attention="eager"),
+    "exaone4": Family("Exaone4Config", dict(**SLIDING_FULL), layers=(0, 1),
+                      float32="Exaone4RMSNorm"),
 }
 
 FAMILIES = {
@@ -322,7 +324,7 @@ DISTINCT = {
     "dots1": [(0, {"sliding_window": None}), (0, {"qk_norm": None})],
     "flex_olmo": [(0, {"qk_norm": None})],
     **{mt: [(1, {"rope_parameters": {"rope_theta": 10000.0}}), (0, {"sliding_window": None}),
-            (0, {"qk_norm": None})] for mt in ("exaone_moe", "kolibri1")},
+            (0, {"qk_norm": None})] for mt in ("exaone_moe", "kolibri1", "exaone4")},
     "hyperclovax": [(0, {"scale": None})],
     "granitemoeshared": [(0, {"scale": None})],
     "gemma": [(0, {"rope_parameters": {"rope_theta": 500.0}})],
@@ -659,3 +661,19 @@ def test_minimax_m2_legacy_rotary_dim_converts_as_hfs_config_reads_it():
     rope = [golden.convert.from_hf(c, sd)[1]["rope_parameters"] for c in (old, new)]
     assert rope[0]["partial_rotary_factor"] == rope[1]["partial_rotary_factor"] == 0.5
     assert rope[0]["rope_theta"] == rope[1]["rope_theta"]
+
+
+def test_exaone4_5s_text_tower_converts_as_exaone4():
+    """EXAONE 4.5's composite config: HF reads its text_config (model_type exaone4_5_text in
+    a config.json) as exaone4, so from_hf converts its text tower as EXAONE 4's; the composite
+    itself is refused by name."""
+    family = FAMILIES["exaone4"]
+    rng, _ = fresh_rng()
+    config, model = build_model(family, rng)
+    text = dict(config.to_dict(), model_type="exaone4_5_text")
+    composite = transformers.Exaone4_5_Config(text_config=text).to_dict()
+    sd = state_dict(attention_of(family, model, 1))
+    assert (golden.convert.from_hf(composite["text_config"], sd, layer_idx=1)[1]
+            == golden.convert.from_hf(config, sd, layer_idx=1)[1])
+    with pytest.raises(ValueError, match=r"model_type 'exaone4_5' is not supported"):
+        golden.convert.from_hf(composite, sd)

@@ -654,8 +654,9 @@ FAMILIES: dict[str, Family] = {
     # Qwen3's per-head RMSNorm of q and k (Mellum: RoPE per layer type)
     **{mt: _llama_like(mt, _qwen3, norms=QK_NORMS) for mt in ("qwen3_moe", "dots1", "mellum")},
     "apertus": _llama_like("apertus", _qwen3_no_window, norms=QK_NORMS),
+    # EXAONE 4 (also EXAONE 4.5's text tower: HF's config reads its text_config as exaone4)
     **{mt: _llama_like(mt, _rope_on_sliding_layers, norms=QK_NORMS)
-       for mt in ("exaone_moe", "kolibri1")},
+       for mt in ("exaone_moe", "kolibri1", "exaone4")},
     # OLMo 2's RMSNorm of the whole q and k (OLMo 3: sliding layers, RoPE per layer type)
     "flex_olmo": _llama_like("flex_olmo", _olmo2_no_window, norms=QK_NORMS),
     "olmo3": _llama_like("olmo3", _olmo2, norms=QK_NORMS),
