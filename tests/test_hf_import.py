@@ -187,6 +187,9 @@ DECODERS_42 = {
                     float32="FlintRMSNorm, eager scores and softmax", attention="eager"),
     "exaone4": Family("Exaone4Config", dict(**SLIDING_FULL), layers=(0, 1),
                       float32="Exaone4RMSNorm"),
+    # NanoChat: RoPE turning the other way, a weightless norm after it
+    "nanochat": Family("NanoChatConfig", dict(num_hidden_layers=1, attention_bias=True),
+                       float32="NanoChatRMSNorm"),
 }
 
 FAMILIES = {
@@ -357,6 +360,7 @@ DISTINCT = {
             (0, {"rope_parameters": {"rope_theta": 10000.0}}),
             (1, {"rope_parameters": {"rope_theta": 100.0}})]
        for mt in ("granite_swa", "granitemoe_swa")},
+    "nanochat": [(0, {"qk_norm": None})],
     "flint": [(0, {"sinks": False}), (0, {"qk_norm": None}), (0, {"sliding_window": None}),
               (1, {"rope_parameters": {"rope_theta": 10000.0}})],
 }

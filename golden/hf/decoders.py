@@ -566,6 +566,50 @@ def _flint(c, layer_idx, ours):
         ours.pop("rope_theta", None)
 
 
+def _nanochat(c, layer_idx, ours):
+    """NanoChat: Qwen3's projections, a weightless RMS norm of q and k per head ("l2") after
+    RoPE (the norm is blind to RoPE's rotation, so before it is the same), no window; its
+    RoPE turns the other way (``_halves_swapped``)."""
+    _no_window(ours)
+    ours.update(qk_norm="l2", qk_norm_eps=float(c["rms_norm_eps"]))
+    _whole_head("nanochat", ours)
+
+
+def _swap_halves(a, dh, axis):
+    """``a`` with the two halves of each head's Dh features swapped along ``axis`` (N·Dh long),
+    a copy; its own inverse."""
+    a = np.moveaxis(np.asarray(a), axis, 0)
+    n = a.shape[0] // dh
+    out = a.reshape(n, 2, dh // 2, *a.shape[1:])[:, ::-1].reshape(a.shape)
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+
+
+def _halves_swapped_in(sd, ours, params):
+    return _halves_swapped(params, ours)
+
+
+def _halves_swapped_out(params, ours, sd):
+    return _halves_swapped(params, ours, sd)
+
+
+def _halves_swapped(params, ours, sd=None):
+    """NanoChat's rotate_half is (x2, −x1), Llama's negated: its RoPE turns each pair (x1, x2)
+    of a head's halves by −θ, which is Llama's +θ on the pair swapped, (x2, x1). Scores are
+    unchanged when q and k both have their halves swapped, and the weightless norm is blind to
+    the order: ours are HF's q_proj and k_proj with each head's halves swapped (both ways)."""
+    dh = ours["head_dim"]
+    if sd is not None:  # to_hf: the state dict's (out, in) weights and biases
+        for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"):
+            if name in sd:
+                sd[name] = _swap_halves(sd[name], dh, 0)
+        return sd
+    for role in ("query", "key"):
+        params[f"W_{role}"] = _swap_halves(params[f"W_{role}"], dh, 1)  # (D, N·Dh)
+        if f"b_{role}" in params:
+            params[f"b_{role}"] = _swap_halves(params[f"b_{role}"], dh, 0)
+    return params
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -672,4 +716,6 @@ FAMILIES: dict[str, Family] = {
        for mt in ("granite_swa", "granitemoe_swa")},
     "flint": _llama_like("flint", _flint, norms=QK_NORMS, to_extra=_sinks_in,
                          from_extra=_sinks_out),
+    "nanochat": _llama_like("nanochat", _nanochat, to_extra=_halves_swapped_in,
+                            from_extra=_halves_swapped_out),
 }
