@@ -610,6 +610,17 @@ def _halves_swapped(params, ours, sd=None):
     return params
 
 
+def _privacy_filter(c, layer_idx, ours):
+    """OpenAI's privacy filter (a token classifier): GPT-OSS's attention (a sink per head,
+    yarn, q/k/v/o biases) made bidirectional, every layer within HF's bidirectional window
+    |i − j| ≤ W (keys p − W … p + W), on interleaved pairs (2i, 2i + 1); HF scales q and k by
+    Dh^(-1/4) each, our scale Dh^(-1/2) the two together."""
+    ours.update(causal=False, sinks=True, rope_interleaved=True)
+    window = c.get("sliding_window")
+    if window is not None:
+        ours["sliding_window"] = (int(window), int(window))
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -711,11 +722,19 @@ FAMILIES: dict[str, Family] = {
     "glm4_moe": _llama_like("glm4_moe", _glm4_moe, norms=QK_NORMS),
     "minimax_m2": _llama_like("minimax_m2", _minimax_m2, norms=QK_NORMS),
     # Molmo 2's text tower (the composite molmo2's text_config; 1-D RoPE)
-    "molmo2_text": _llama_like("molmo2_text", _molmo2_text, norms=QK_NORMS),
+    "molmo2_text": _llama_like("molmo2_text", _molmo2_text, norms=QK_NORMS,
+                               unverified="attn-parity hf does not check Molmo 2 checkpoints "
+                                          "yet: they keep q, k and v fused in att_proj and "
+                                          "o_proj as attn_out (HF splits and renames them "
+                                          "when loading), a layout it does not read"),
     **{mt: _llama_like(mt, _granite_swa, to_extra=_sinks_in, from_extra=_sinks_out)
        for mt in ("granite_swa", "granitemoe_swa")},
+    # Flint's checkpoints name its sinks softmax_offset (HF renames them when loading)
     "flint": _llama_like("flint", _flint, norms=QK_NORMS, to_extra=_sinks_in,
-                         from_extra=_sinks_out),
+                         from_extra=_sinks_out, stacks=(Stack(
+                             "layers", "self_attn", renames=(("softmax_offset", "sinks"),)),)),
     "nanochat": _llama_like("nanochat", _nanochat, to_extra=_halves_swapped_in,
                             from_extra=_halves_swapped_out),
+    "openai_privacy_filter": _llama_like("openai_privacy_filter", _privacy_filter,
+                                         to_extra=_sinks_in, from_extra=_sinks_out),
 }
