@@ -382,7 +382,8 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "shared_expert_intermediate_size", "num_local_experts", "n_routed_experts",
                      "n_shared_experts", "shared_intermediate_size", "mlp_layer_types",
                      "mlp_bias", "intermediate_size_mlp", "moe_num_experts", "moe_k",
-                     "first_k_dense_replace", "pad_token_id", "mlp_only_layers", "eos_token_id"}
+                     "first_k_dense_replace", "pad_token_id", "mlp_only_layers", "eos_token_id",
+                     "moe_layer_start_index"}
 
 
 def _fields(family) -> set:
