@@ -473,6 +473,154 @@ def _interleaved_no_window(c, layer_idx, ours):
     ours["rope_interleaved"] = True
 
 
+def _cohere2(c, layer_idx, ours):
+    """Cohere 2 (and Cohere 2 MoE): Cohere's interleaved RoPE on the sliding layers only, the
+    full layers NoPE (no layer turned at all without a sliding_window: HF's attention turns q
+    and k only where it has a window), except Cohere 2 MoE's dense prefix layers with
+    prefix_dense_sliding_window_pattern 1, which HF turns (its ``force_rope``); no QK norm."""
+    mlp = c.get("mlp_layer_types")
+    forced = (mlp is not None and mlp[layer_idx] == "dense"
+              and c.get("prefix_dense_sliding_window_pattern", 1) == 1)
+    if "sliding_window" in ours or forced:
+        ours["rope_interleaved"] = True
+    else:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+
+
+def _ernie4_5(mt):
+    """ERNIE 4.5 (and its MoE): interleaved pairs (2i, 2i + 1) over the whole head (HF's
+    attention has no slice for a partial_rotary_factor), no window, an attention dropout of 0
+    whatever the config says."""
+
+    def extra(c, layer_idx, ours):
+        _no_window(ours, fixed_dropout=True)
+        ours["rope_interleaved"] = True
+        _whole_head(mt, ours)
+    return extra
+
+
+def _glm4_moe(c, layer_idx, ours):
+    """GLM-4.5 (glm4_moe): Llama's rotate-half pairs on the first partial_rotary_factor of each
+    head (0.5 by HF's config), per-head RMSNorm of q and k with use_qk_norm, q/k/v bias with
+    attention_bias (o_proj none); HF's attention has no window."""
+    _no_window(ours)
+    if c.get("use_qk_norm"):
+        _qwen3(c, layer_idx, ours)
+
+
+def _minimax_m2(c, layer_idx, ours):
+    """MiniMax-M2: OLMo 2's RMSNorm of the whole q and k (across heads), no window; a
+    config.json of before transformers 5 gives its partial rotary as ``rotary_dim`` (features
+    turned per head), read as HF's config reads it, partial_rotary_factor rotary_dim / Dh."""
+    _olmo2_no_window(c, layer_idx, ours)
+    if c.get("rotary_dim") is not None:
+        if "rope_parameters" not in ours:
+            ours["rope_parameters"] = {"rope_theta": ours.pop("rope_theta")}
+        ours["rope_parameters"].setdefault("partial_rotary_factor",
+                                           c["rotary_dim"] / ours["head_dim"])
+
+
+def _molmo2_text(c, layer_idx, ours):
+    """Molmo 2's text tower: OLMo 2's attention, its q and k RMSNorm per head (qk_norm_type
+    "qwen3", HF's default) or across heads ("olmo"), q/k/v bias with attention_bias (o_proj
+    none); rope_parameters' scaling only on the rope_scaling_layers (all when the config lists
+    none), the others HF's default RoPE of the same θ; the whole head turned; no window."""
+    _no_window(ours)
+    (_olmo2 if c.get("qk_norm_type", "qwen3") == "olmo" else _qwen3)(c, layer_idx, ours)
+    _whole_head("molmo2_text", ours)
+    scaled = c.get("rope_scaling_layers")
+    if scaled is not None and layer_idx not in scaled:
+        ours["rope_parameters"] = {"rope_type": "default",
+                                   "rope_theta": ours["rope_parameters"]["rope_theta"]}
+
+
+def _granite_swa(c, layer_idx, ours):
+    """Granite SWA (and Granite MoE SWA): Granite's scale (attention_multiplier), a sink per
+    head (HF scales the output by σ(lse − s_h), which is GPT-OSS's extra logit s_h in the
+    softmax's denominator), the window of layer_types' sliding layers, and RoPE of θ
+    layer_rope_theta[layer] with rope_parameters' other fields (θ 0: a NoPE layer)."""
+    _granite(c, layer_idx, ours)
+    ours["sinks"] = True
+    thetas = c.get("layer_rope_theta")
+    if thetas is None:
+        return
+    if not thetas[layer_idx]:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+    elif "rope_parameters" in ours:
+        ours["rope_parameters"] = dict(ours["rope_parameters"],
+                                       rope_theta=float(thetas[layer_idx]))
+    else:
+        ours["rope_theta"] = float(thetas[layer_idx])
+
+
+def _flint(c, layer_idx, ours):
+    """Flint: Qwen3's per-head RMSNorm of q and k, a sink per head (GPT-OSS's extra logit),
+    and RoPE on the sliding layers only, the full layers NoPE (no layer turned without a
+    sliding_window: HF turns q and k only where its layer has a window)."""
+    _qwen3(c, layer_idx, ours)
+    ours["sinks"] = True
+    if "sliding_window" not in ours:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+
+
+def _nanochat(c, layer_idx, ours):
+    """NanoChat: Qwen3's projections, a weightless RMS norm of q and k per head ("l2") after
+    RoPE (the norm is blind to RoPE's rotation, so before it is the same), no window; its
+    RoPE turns the other way (``_halves_swapped``)."""
+    _no_window(ours)
+    ours.update(qk_norm="l2", qk_norm_eps=float(c["rms_norm_eps"]))
+    _whole_head("nanochat", ours)
+
+
+def _swap_halves(a, dh, axis):
+    """``a`` with the two halves of each head's Dh features swapped along ``axis`` (N·Dh long),
+    a copy; its own inverse."""
+    a = np.moveaxis(np.asarray(a), axis, 0)
+    n = a.shape[0] // dh
+    out = a.reshape(n, 2, dh // 2, *a.shape[1:])[:, ::-1].reshape(a.shape)
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+
+
+def _halves_swapped_in(sd, ours, params):
+    return _halves_swapped(params, ours)
+
+
+def _halves_swapped_out(params, ours, sd):
+    return _halves_swapped(params, ours, sd)
+
+
+def _halves_swapped(params, ours, sd=None):
+    """NanoChat's rotate_half is (x2, −x1), Llama's negated: its RoPE turns each pair (x1, x2)
+    of a head's halves by −θ, which is Llama's +θ on the pair swapped, (x2, x1). Scores are
+    unchanged when q and k both have their halves swapped, and the weightless norm is blind to
+    the order: ours are HF's q_proj and k_proj with each head's halves swapped (both ways)."""
+    dh = ours["head_dim"]
+    if sd is not None:  # to_hf: the state dict's (out, in) weights and biases
+        for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"):
+            if name in sd:
+                sd[name] = _swap_halves(sd[name], dh, 0)
+        return sd
+    for role in ("query", "key"):
+        params[f"W_{role}"] = _swap_halves(params[f"W_{role}"], dh, 1)  # (D, N·Dh)
+        if f"b_{role}" in params:
+            params[f"b_{role}"] = _swap_halves(params[f"b_{role}"], dh, 0)
+    return params
+
+
+def _privacy_filter(c, layer_idx, ours):
+    """OpenAI's privacy filter (a token classifier): GPT-OSS's attention (a sink per head,
+    yarn, q/k/v/o biases) made bidirectional, every layer within HF's bidirectional window
+    |i − j| ≤ W (keys p − W … p + W), on interleaved pairs (2i, 2i + 1); HF scales q and k by
+    Dh^(-1/4) each, our scale Dh^(-1/2) the two together."""
+    ours.update(causal=False, sinks=True, rope_interleaved=True)
+    window = c.get("sliding_window")
+    if window is not None:
+        ours["sliding_window"] = (int(window), int(window))
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
@@ -556,15 +704,37 @@ FAMILIES: dict[str, Family] = {
                                         "only where no padding mask is made (sdpa's is_causal "
                                         "off), causally where one is: not one function")}),
     "vaultgemma": _llama_like("vaultgemma", _gemma),
-    **{mt: _llama_like(mt, _granite_no_window) for mt in ("hyperclovax", "granitemoeshared")},
+    **{mt: _llama_like(mt, _granite_no_window)
+       for mt in ("hyperclovax", "granitemoeshared", "granitemoe")},
     # Qwen3's per-head RMSNorm of q and k (Mellum: RoPE per layer type)
     **{mt: _llama_like(mt, _qwen3, norms=QK_NORMS) for mt in ("qwen3_moe", "dots1", "mellum")},
     "apertus": _llama_like("apertus", _qwen3_no_window, norms=QK_NORMS),
+    # EXAONE 4 (also EXAONE 4.5's text tower: HF's config reads its text_config as exaone4)
     **{mt: _llama_like(mt, _rope_on_sliding_layers, norms=QK_NORMS)
-       for mt in ("exaone_moe", "kolibri1")},
+       for mt in ("exaone_moe", "kolibri1", "exaone4")},
     # OLMo 2's RMSNorm of the whole q and k (OLMo 3: sliding layers, RoPE per layer type)
     "flex_olmo": _llama_like("flex_olmo", _olmo2_no_window, norms=QK_NORMS),
     "olmo3": _llama_like("olmo3", _olmo2, norms=QK_NORMS),
     "helium": _llama_like("helium", _interleaved_no_window),
     **{mt: _llama_like(mt, _partial_interleaved) for mt in ("glm", "glm4")},
+    **{mt: _llama_like(mt, _cohere2) for mt in ("cohere2", "cohere2_moe")},
+    **{mt: _llama_like(mt, _ernie4_5(mt)) for mt in ("ernie4_5", "ernie4_5_moe")},
+    "glm4_moe": _llama_like("glm4_moe", _glm4_moe, norms=QK_NORMS),
+    "minimax_m2": _llama_like("minimax_m2", _minimax_m2, norms=QK_NORMS),
+    # Molmo 2's text tower (the composite molmo2's text_config; 1-D RoPE)
+    "molmo2_text": _llama_like("molmo2_text", _molmo2_text, norms=QK_NORMS,
+                               unverified="attn-parity hf does not check Molmo 2 checkpoints "
+                                          "yet: they keep q, k and v fused in att_proj and "
+                                          "o_proj as attn_out (HF splits and renames them "
+                                          "when loading), a layout it does not read"),
+    **{mt: _llama_like(mt, _granite_swa, to_extra=_sinks_in, from_extra=_sinks_out)
+       for mt in ("granite_swa", "granitemoe_swa")},
+    # Flint's checkpoints name its sinks softmax_offset (HF renames them when loading)
+    "flint": _llama_like("flint", _flint, norms=QK_NORMS, to_extra=_sinks_in,
+                         from_extra=_sinks_out, stacks=(Stack(
+                             "layers", "self_attn", renames=(("softmax_offset", "sinks"),)),)),
+    "nanochat": _llama_like("nanochat", _nanochat, to_extra=_halves_swapped_in,
+                            from_extra=_halves_swapped_out),
+    "openai_privacy_filter": _llama_like("openai_privacy_filter", _privacy_filter,
+                                         to_extra=_sinks_in, from_extra=_sinks_out),
 }

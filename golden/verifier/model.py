@@ -110,14 +110,17 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 
 
 def layer_only(config, layer_idx):
-    """The config as layer ``layer_idx`` sees it: its entries of layer_types, no_rope_layers
-    and mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse), whether it is one of
-    Qwen2.5-VL's full layers, its per_layer_config (Gemma 4); no DeepStack outputs; a speech
-    encoder's own changes (golden.verifier.speech)."""
+    """The config as layer ``layer_idx`` sees it: its entries of layer_types, no_rope_layers,
+    mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse) and layer_rope_theta (Granite SWA),
+    whether it is one of Qwen2.5-VL's full layers or Molmo 2's rope_scaling_layers, its
+    per_layer_config (Gemma 4); no DeepStack outputs; a speech encoder's own changes
+    (golden.verifier.speech)."""
     c = dict(config)
-    for key in ("layer_types", "no_rope_layers", "mlp_layer_types"):
+    for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta"):
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
+    if isinstance(c.get("rope_scaling_layers"), list):  # Molmo 2's scaled RoPE
+        c["rope_scaling_layers"] = [0] if layer_idx in c["rope_scaling_layers"] else []
     if isinstance(c.get("fullatt_block_indexes"), list):  # Qwen2.5-VL's full (not windowed)
         c["fullatt_block_indexes"] = [0] if layer_idx in c["fullatt_block_indexes"] else []
     if isinstance(c.get("deepstack_visual_indexes"), list):  # Qwen3-VL's, past the one layer
