@@ -358,3 +358,23 @@ def decoded(twin, module, x, prefill):
         out, cache = module(twin.array(x[:, start:stop]), cache=cache)
         steps.append(twin.numpy(out))
     return np.concatenate(steps, axis=1)
+
+
+def assert_central_differences(loss, groups, grads, what=""):
+    """Each float array of ``groups`` (dicts of arrays, perturbed in place and restored):
+    ``grads[name]`` against the central differences (loss(+h) − loss(−h)) / 2h, h = 1e-6, to
+    rtol 1e-6, atol 1e-7; ``what`` begins the failure message."""
+    h = 1e-6
+    for group in groups:
+        for name in [n for n, a in group.items() if a.dtype.kind == "f"]:
+            numeric = np.zeros_like(group[name])
+            for idx in np.ndindex(group[name].shape):
+                orig = group[name][idx]
+                group[name][idx] = orig + h
+                plus = loss()
+                group[name][idx] = orig - h
+                minus = loss()
+                group[name][idx] = orig
+                numeric[idx] = (plus - minus) / (2 * h)
+            np.testing.assert_allclose(grads[name], numeric, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{what} {name}")

@@ -146,6 +146,23 @@ def draw_parameters(model, rng):
             p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)) * 0.5))
 
 
+def assert_gives_back(sd, back):
+    """to_hf's state dict ``back`` holds exactly ``sd``'s keys, each array equal and a copy."""
+    assert set(back) == set(sd)
+    for name, a in sd.items():
+        np.testing.assert_array_equal(back[name], a)
+        assert not np.shares_memory(back[name], a)
+
+
+def called_with(call, x):
+    """(args, kwargs) of HF's attention as its model called it (``call``), x in place of its
+    input (``hidden_states``, by keyword or first)."""
+    args, kwargs = call
+    if "hidden_states" in kwargs:
+        return args, dict(kwargs, hidden_states=x)
+    return (x,) + tuple(args[1:]), kwargs
+
+
 def attention_of(family, model, i):
     """Layer i's attention module (the family's attention_of, else model.layers[i].self_attn)."""
     if family.attention_of is not None:

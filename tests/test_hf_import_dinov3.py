@@ -30,7 +30,7 @@ from tests.helpers import TWINS, fresh_rng
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.dinov3_vit import modeling_dinov3_vit as hf_dinov3  # noqa: E402
-from tests.hf_harness import FLOAT32_LEVEL, rel, state_dict  # noqa: E402
+from tests.hf_harness import FLOAT32_LEVEL, called_with, rel, state_dict  # noqa: E402
 
 PATCH = 2
 ROWS, COLS = 3, 5    # the image's patches, H ≠ W
@@ -185,12 +185,8 @@ def test_input_gradient_equals_hfs():
     rng, seed = fresh_rng()
     config, model, seen = _model_and_calls(rng)
     s = seen[0]
-    args, kwargs = s["call"]
     x = torch.from_numpy(s["x"].copy()).requires_grad_()
-    if "hidden_states" in kwargs:
-        kwargs = dict(kwargs, hidden_states=x)
-    else:
-        args = (x,) + tuple(args[1:])
+    args, kwargs = called_with(s["call"], x)
     d_out = rng.standard_normal(s["y"].shape)
     (model.model.layer[0].attention(*args, **kwargs)[0] * torch.from_numpy(d_out)).sum().backward()
     variant, ours, params = golden.convert.from_hf(config.to_dict(),

@@ -29,7 +29,8 @@ from tests.test_axial_rope import AXIAL, THETA, _grid_positions, _layout_positio
 
 transformers = pytest.importorskip("transformers")
 from transformers import vision_utils  # noqa: E402
-from tests.hf_harness import FLOAT32_LEVEL, draw_parameters, rel, state_dict  # noqa: E402
+from tests.hf_harness import (FLOAT32_LEVEL, called_with, draw_parameters, rel,  # noqa: E402
+                              state_dict)
 
 PATCH, MERGE = 2, 2
 GRIDS = np.array([[1, 4, 6], [1, 2, 4]])  # two images (t, h, w), of 24 and 8 patches
@@ -297,12 +298,8 @@ def test_tower_input_gradient_equals_hfs(mt, make):
     rng, seed = fresh_rng()
     config, attentions, seen, positions = make(rng)
     s = seen[0]
-    args, kwargs = s["call"]
     x = torch.from_numpy(s["x"].copy()).requires_grad_()
-    if "hidden_states" in kwargs:
-        kwargs = dict(kwargs, hidden_states=x)
-    else:
-        args = (x,) + tuple(args[1:])
+    args, kwargs = called_with(s["call"], x)
     d_out = rng.standard_normal(s["y"].shape)
     if "valid" in s:  # padding rows: their outputs are padding (their positions differ)
         d_out = d_out * s["valid"][..., None]

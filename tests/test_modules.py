@@ -23,6 +23,7 @@ from golden.specification.variants import MODULES
 from tests.helpers import (
     DROPOUT_MODULES,
     DTYPES,
+    assert_central_differences,
     by_name,
     fresh_rng,
     kind,
@@ -56,20 +57,8 @@ def test_reference_module_gradients_match_finite_differences(case):
     inputs = {n: a.astype(np.float64) if a.dtype.kind == "f" else a for n, a in f.inputs.items()}
     params = {n: a.astype(np.float64) for n, a in f.params.items()}
     cot = {n: a.astype(np.float64) for n, a in f.cotangents.items()}
-    h = 1e-6
-    for group in (inputs, params):
-        for name in [n for n, a in group.items() if a.dtype.kind == "f"]:
-            numeric = np.zeros_like(group[name])
-            for idx in np.ndindex(group[name].shape):
-                orig = group[name][idx]
-                group[name][idx] = orig + h
-                plus = _loss(case, inputs, params, cot)
-                group[name][idx] = orig - h
-                minus = _loss(case, inputs, params, cot)
-                group[name][idx] = orig
-                numeric[idx] = (plus - minus) / (2 * h)
-            np.testing.assert_allclose(f.grads[name], numeric, rtol=1e-6, atol=1e-7,
-                                       err_msg=f"{case.name} {name}")
+    assert_central_differences(lambda: _loss(case, inputs, params, cot), (inputs, params),
+                               f.grads, case.name)
 
 
 # ---- framework against framework --------------------------------------------------------------

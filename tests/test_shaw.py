@@ -26,8 +26,8 @@ import jax_attn
 from golden import reference
 from golden.harness.check import compare_all
 from golden.specification.implementations import record
-from tests.helpers import (JAX, TWINS, decoded, fresh_rng, long_blockwise_against_torch,
-                           random_cotangents, reference_fixture)
+from tests.helpers import (JAX, TWINS, assert_central_differences, decoded, fresh_rng,
+                           long_blockwise_against_torch, random_cotangents, reference_fixture)
 
 GQA = "grouped_query_attention"
 EXACT = 1e-12
@@ -74,20 +74,7 @@ def test_reference_gradients_match_finite_differences():
         y, w, _ = forward(config, inputs, params)
         return np.sum(y * cot["output"]) + np.sum(w * cot["weights"])
 
-    h = 1e-6
-    for group in (inputs, params):
-        for name in [n for n, a in group.items() if a.dtype.kind == "f"]:
-            numeric = np.zeros_like(group[name])
-            for idx in np.ndindex(group[name].shape):
-                orig = group[name][idx]
-                group[name][idx] = orig + h
-                plus = loss()
-                group[name][idx] = orig - h
-                minus = loss()
-                group[name][idx] = orig
-                numeric[idx] = (plus - minus) / (2 * h)
-            np.testing.assert_allclose(grads[name], numeric, rtol=1e-6, atol=1e-7,
-                                       err_msg=f"{name}, seed {seed}")
+    assert_central_differences(loss, (inputs, params), grads, f"seed {seed}:")
     # rows past the farthest distance a block holds (|t| ≥ C) see no pair: zero by structure
     assert np.all(grads["relative_key_table"][[0, 2 * M]] == 0)
     assert np.all(grads["relative_key_table"][M - C + 1:M + C] != 0)
