@@ -51,6 +51,9 @@ def _core_inputs(rng, dtype="float32"):
     return q, k, v, mask, bias
 
 
+GQA = "grouped_query_attention"
+
+
 def _module_call(module, inputs):
     """(output, weights) of a module on JAX arrays."""
     args, kwargs = variants.get(module.variant).call_args(inputs)
@@ -308,6 +311,52 @@ def test_nnx_grad_through_module_matches_reference(variant):
     assert has_params(variant) == bool(params)
     bad = {what: c for what, c in compare_all(fixture, result, "float64").items() if not c.ok}
     assert not bad, f"nnx.grad vs reference, seed {seed}: {bad}"
+
+
+# The relative positions and buckets of the speech encoders (issue 41), each with the setting
+# that makes it bite (blocks, a two-sided window under a soft cap, clipped distances past M):
+# under a caller's nnx.jit of nnx.grad, float64, against the reference's analytic gradients.
+RELATIVE = {
+    "transformer_xl": dict(causal=False, relative_positions="transformer_xl"),
+    "shaw_blocks": dict(causal=False, attention_chunk_size=3, relative_positions="shaw",
+                        relative_max_distance=2),
+    "conformer_timing": dict(causal=False, sliding_window=(3, 1), softcap=2.0,
+                             relative_positions="conformer_timing", key_scale=1.5),
+    "clipped_buckets": dict(causal=False, relative_attention_num_buckets=4,
+                            relative_attention_max_distance=2,
+                            relative_attention_buckets="clipped"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELATIVE))
+def test_relative_positions_under_nnx_jit_and_grad_match_the_reference(name):
+    rng, seed = fresh_rng()
+    config = dict(d_in=6, num_heads=2, num_kv_heads=1, head_dim=4, qkv_bias=True,
+                  **RELATIVE[name])
+    x = rng.standard_normal((2, 9, 6))
+    with jax.enable_x64(True):
+        made = JAX.cast(JAX.make(GQA, config, seed), "float64")
+        params = {n: rng.standard_normal(np.shape(a)) * 0.5 for n, a in JAX.export(made).items()}
+        module = JAX.build(GQA, config, params)
+        module.eval()
+        out, weights, _ = reference.VARIANTS[GQA][0](dict(config), {"x": x}, params)
+        cot = random_cotangents(rng, out.shape, weights.shape)
+        fixture = reference_fixture(GQA, config, {"x": x}, params, cot, "float64")
+        d = JAX.arrays(cot)
+
+        def loss(model, x):
+            out, weights = model(x, return_weights=True)
+            return jnp.sum(out * d["output"]) + jnp.sum(weights * d["weights"])
+
+        g_model, g_x = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(module, jnp.asarray(x))
+        graphdef, _, rest = nnx.split(module, nnx.Param, ...)
+        as_module = nnx.merge(graphdef, g_model, rest)  # gradients in the module's places
+        out, weights = nnx.jit(lambda m, x: m(x, return_weights=True))(module, jnp.asarray(x))
+    result = {"output": JAX.numpy(out), "weights": JAX.numpy(weights),
+              "grads": {"x": JAX.numpy(g_x), **JAX.export(as_module)}}
+    assert set(result["grads"]) == set(fixture.grads), "a gradient is missing"
+    bad = {what: c for what, c in compare_all(fixture, result, "float64").items() if not c.ok}
+    assert not bad, f"{name} under nnx.jit and nnx.grad vs reference, seed {seed}: {bad}"
 
 
 # ---- devices, transfers, precision ------------------------------------------------------------
