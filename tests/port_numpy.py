@@ -352,7 +352,7 @@ class GroupedQueryAttention(Module):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, relative_positions=None, k_eq_v=False,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, *, core=None):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         projected = relative_positions in ("transformer_xl", "conformer_timing")
@@ -377,10 +377,17 @@ class GroupedQueryAttention(Module):
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
         self.clip, self.v_norm = clip_qkv, v_norm
         shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
+                  "rms_after_rope": lambda n: (dh,),
                   "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh)}
         self.q_norm, self.k_norm = (np.zeros(shapes[qk_norm](n)) if qk_norm in shapes else None
                                     for n in (num_heads, num_kv_heads))
-        self.gate_proj = Linear(d_in, num_heads * dh, qkv_bias) if output_gate else None
+        gate = "sigmoid" if output_gate is True else output_gate  # False: none
+        self.gate_softplus = bool(gate) and gate.startswith("softplus")
+        self.gate_per_head = bool(gate) and gate.endswith("per_head")
+        self.gate_proj = (Linear(d_in, num_heads if self.gate_per_head else num_heads * dh,
+                                 qkv_bias) if gate else None)
+        self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
+        self.output_norm_weight = np.ones(num_heads * dh) if output_norm == "rms" else None
         self.rope_settings = rope_settings(rope_theta, rope_parameters, partial_rotary_factor)
         self.heads, self.kv_heads = num_heads, num_kv_heads
         if isinstance(sliding_window, (tuple, list)):  # (left, right): the window as it is
@@ -426,8 +433,8 @@ class GroupedQueryAttention(Module):
         if self.rope_settings is not None:
             q, k = (rope(t, self.rope_settings, self.rope_interleaved, positions,
                          multi=positions.ndim == x.ndim + 1) for t in (q, k))
-        if self.qk_norm == "l2":  # Llama 4: after RoPE, no weight
-            q, k = self.norm(q, None), self.norm(k, None)
+        if self.qk_norm in ("l2", "rms_after_rope"):  # Llama 4, HunYuan: after RoPE
+            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         if self.temperature is not None:  # 1 + β ln(1 + ⌊(p + shift) / F⌋) at position p
             t = self.temperature
             steps = (positions + t["shift"]) // t["floor_scale"]
@@ -460,9 +467,19 @@ class GroupedQueryAttention(Module):
                               sinks=None if self.sinks is None else self.sinks.astype(q.dtype),
                               dropout_rate=self.rate(dropout_mask),
                               dropout_mask=self.keep(dropout_mask), return_weights=True)
+        if self.output_norm == "rms_per_head":  # Muse Spark: each head / its RMS, no weight
+            o = o / np.sqrt((o * o).mean(-1, keepdims=True) + self.output_norm_eps).astype(o.dtype)
         merged = _merge(o)
-        if self.gate_proj is not None:  # Qwen3-Next: times σ(x W_gate + b_gate)
-            merged = merged / (1 + np.exp(-self.gate_proj(x)))
+        if self.output_norm == "rms":  # BitNet: over all heads' features, times a weight
+            merged = merged / np.sqrt((merged * merged).mean(-1, keepdims=True)
+                                      + self.output_norm_eps).astype(merged.dtype)
+            merged = merged * self.output_norm_weight.astype(merged.dtype)
+        if self.gate_proj is not None:  # Qwen3-Next: times σ(x W_gate + b_gate); Laguna softplus
+            z = self.gate_proj(x)
+            a = np.logaddexp(z, 0).astype(z.dtype) if self.gate_softplus else 1 / (1 + np.exp(-z))
+            if self.gate_per_head:  # one value per head: (..., L, N) -> each head's Dh features
+                a = np.repeat(a, merged.shape[-1] // self.heads, axis=-1)
+            merged = merged * a
         y = self.out_proj(merged)
         return (y, w) if return_weights else y
 
@@ -512,7 +529,7 @@ class GroupedQueryAttention(Module):
         table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
                                            "bias_u", "bias_v", "relative_key_table",
                                            "input_norm_weight", "input_norm_bias",
-                                           "per_dim_scale")
+                                           "per_dim_scale", "output_norm_weight")
                       if getattr(self, n) is not None})
         return table
 

@@ -345,7 +345,7 @@ for id, variant, config, message in [
     ("gqa-qk_norm-unknown", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, qk_norm="rmsnorm"),
      "qk_norm should be None or one of 'rms', 'rms_one_plus', 'rms_across_heads', 'layer', "
-     "'l2', got 'rmsnorm'"),
+     "'l2', 'rms_after_rope', got 'rmsnorm'"),
     ("gqa-qk_norm_eps-zero", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, qk_norm="rms", qk_norm_eps=0.0),
      "qk_norm_eps should be a positive number, got 0.0"),
@@ -366,7 +366,8 @@ for id, variant, config, message in [
      "sinks should be True or False, got 'yes'"),
     ("gqa-output_gate-none", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, output_gate=None),
-     "output_gate should be True or False, got None"),
+     "output_gate should be False, True (= 'sigmoid') or one of 'sigmoid', 'sigmoid_per_head', "
+     "'softplus', 'softplus_per_head', got None"),
     ("gqa-chunk-zero", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, attention_chunk_size=0),
      "attention_chunk_size should be a positive int, got 0"),

@@ -26,7 +26,8 @@ from golden.reference.core import sdpa_backward, sdpa_forward
 from golden.reference.norms import normalize, normalize_backward
 from golden.reference.position_bias import (bucket_sums, conformer_timing_backward,
                                             conformer_timing_term, shaw_backward, shaw_term,
-                                            transformer_xl_backward, transformer_xl_term)
+                                            softplus, transformer_xl_backward,
+                                            transformer_xl_term)
 
 
 def linear(x, w, b=None):
@@ -68,7 +69,7 @@ class Stage(NamedTuple):
 
 
 def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
-                  clip=None, v_norm=None, key_scale=None, **core):
+                  clip=None, v_norm=None, key_scale=None, gate=None, output_norm=None, **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate), sinks, and W_pos, bias_u
     and bias_v (Transformer-XL's relative positions: golden.reference.transformer_xl_term,
@@ -80,7 +81,12 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
     without W_value (k_eq_v, Gemma 4's full layers) the values are the key projection's heads,
-    before the stages;
+    before the stages; ``output_norm`` (kind, ε) (golden.specification.outputs): the heads'
+    output RMS-normalised per head ("rms_per_head", no weight) or over all heads' features
+    ("rms", times p["output_norm_weight"]) before the gate; ``gate`` (activation, per_head) of
+    golden.specification.outputs.gate_kind: the output times act(x_q W_gate + b_gate), one value
+    per feature or per head (broadcast over its Dv), default ("sigmoid", False) when p has
+    W_gate;
     ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
     p = {n: real(a) for n, a in p.items()}
@@ -120,17 +126,52 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     if "sinks" in p:
         core["sinks"] = p["sinks"]
     out, weights, attn = sdpa_forward(q, k, v, head_mask, **core)
+    out, normed = _output_norm(out, p, output_norm)
     merged = merge_heads(out)  # (..., Lq, N·Dv)
-    gate = None
-    if "W_gate" in p:  # merged ⊙ σ(x_q W_gate + b_gate), σ(z) = 1 / (1 + e^−z)
-        e = np.exp(-linear(x_q, p["W_gate"], p.get("b_gate")))
-        gate = (merged, e, number(1) / (number(1) + e))
-        merged = merged * gate[2]
+    if output_norm is not None and output_norm[0] == "rms":  # over all heads' features
+        merged, normed = normalize("rms", merged, p["output_norm_weight"], output_norm[1])
+    gated = None
+    if "W_gate" in p:  # merged ⊙ act(x_q W_gate + b_gate)
+        merged, gated = _gate(merged, linear(x_q, p["W_gate"], p.get("b_gate")),
+                              gate or ("sigmoid", False), num_heads)
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
-                 merged=merged, gate=gate, attn=attn, inside=inside, v_normed=v_normed,
-                 relative=relative, shaw=shaw)
+                 merged=merged, gate=gated, attn=attn, inside=inside, v_normed=v_normed,
+                 relative=relative, shaw=shaw, output_norm=(output_norm, normed))
     return y, weights, saved
+
+
+def _output_norm(out, p, output_norm):
+    """(out, saved) with out (..., N, Lq, Dv) RMS-normalised per head when ``output_norm`` is
+    ("rms_per_head", ε); as it is (saved None) otherwise."""
+    if output_norm is None or output_norm[0] != "rms_per_head":
+        return out, None
+    return normalize("rms", out, None, output_norm[1])
+
+
+def _gate(merged, z, kind, num_heads):
+    """(merged ⊙ a, saved) with a = act(z), z (..., Lq, N·Dv) or (..., Lq, N) per head (each
+    value broadcast over its head's Dv): σ(z) = 1 / (1 + e^−z), dσ/dz = e^−z σ² (no
+    cancellation), or softplus(z) = ln(1 + e^z), its slope σ(z)."""
+    activation, per_head = kind
+    if activation == "sigmoid":
+        e = np.exp(-z)
+        a = number(1) / (number(1) + e)
+        slope = e * a * a
+    else:
+        a, slope = softplus(z)
+    wide = (lambda t: np.repeat(t, merged.shape[-1] // num_heads, axis=-1)) if per_head else (
+        lambda t: t)  # (..., Lq, N) -> (..., Lq, N·Dv): head n's value on its Dv features
+    return merged * wide(a), (merged, wide(a), slope, per_head, num_heads)
+
+
+def _gate_backward(saved, g):
+    """(dL/dz, dL/d(ungated merged)) of ``_gate``: per head, dL/da summed over the head's Dv."""
+    ungated, a, slope, per_head, num_heads = saved
+    g_a = g * ungated  # (..., Lq, N·Dv)
+    if per_head:
+        g_a = g_a.reshape(g_a.shape[:-1] + (num_heads, -1)).sum(axis=-1)  # (..., Lq, N)
+    return g_a * slope, g * a
 
 
 def block_backward(saved, d_y, d_weights):
@@ -141,10 +182,16 @@ def block_backward(saved, d_y, d_weights):
         g_merged = linear_backward(saved["merged"], p["W_out"], g_merged, grads,
                                    ("W_out", "b_out" if "b_out" in p else None))
     g_gate = None
-    if saved["gate"] is not None:  # dσ/dz = e^−z σ², no cancellation
-        ungated, e, sigma = saved["gate"]
-        g_gate, g_merged = g_merged * ungated * e * sigma * sigma, g_merged * sigma
-    g = sdpa_backward(saved["attn"], split_heads(g_merged, saved["heads"]["query"]), d_weights)
+    if saved["gate"] is not None:
+        g_gate, g_merged = _gate_backward(saved["gate"], g_merged)
+    kind, normed = saved.get("output_norm") or (None, None)
+    if kind is not None and kind[0] == "rms":  # over all heads' features, with its weight
+        g_merged, g_w = normalize_backward("rms", normed, g_merged)
+        grads["output_norm_weight"] = g_w.reshape(-1, g_w.shape[-1]).sum(axis=0)
+    g_out = split_heads(g_merged, saved["heads"]["query"])
+    if kind is not None and kind[0] == "rms_per_head":
+        g_out = normalize_backward("rms", normed, g_out)[0]
+    g = sdpa_backward(saved["attn"], g_out, d_weights)
     if "sinks" in p:
         grads["sinks"] = g["sinks"]
     if saved.get("v_normed") is not None:  # the value norm's transpose (no weight)

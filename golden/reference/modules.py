@@ -16,6 +16,7 @@ import numpy as np
 
 from golden.specification import variants
 from golden.specification.decoder import sliding_window
+from golden.specification.outputs import gate_kind
 from golden.reference.arithmetic import number, real
 from golden.reference.block import block_backward, block_forward
 from golden.reference.core import sdpa_backward, sdpa_forward
@@ -125,7 +126,7 @@ def _grouped_query(config, inputs, params):
     norm = None if kind is None else qk_norm_stage(
         kind, *(None if params.get(n) is None else real(params[n])
                 for n in ("q_norm", "k_norm")), number(c["qk_norm_eps"]))
-    stages = [norm] if norm is not None and kind != "l2" else []
+    stages = [norm] if norm is not None and kind not in variants.AFTER_ROPE else []
     settings = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                              c["rope_precision"])
     positions = inputs.get("positions")  # (B, L) or (L,): each token's, default its index;
@@ -138,7 +139,7 @@ def _grouped_query(config, inputs, params):
         cos, sin = rope_cos_sin(settings, dh, positions, multi)  # (..., L, rd/2)
         stages.append(rope_stage(cos[heads_axis], sin[heads_axis], c["rope_interleaved"],
                                  rope_blocks(settings)))
-    if kind == "l2":  # Llama 4: after RoPE
+    if kind in variants.AFTER_ROPE:  # Llama 4's, HunYuan's: after RoPE
         stages.append(norm)
     if c.get("query_temperature") is not None:
         t = c["query_temperature"]
@@ -163,7 +164,10 @@ def _grouped_query(config, inputs, params):
         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
         dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"],
         v_norm=number(c["qk_norm_eps"]) if c.get("v_norm") else None,
-        key_scale=c.get("key_scale"), **core)
+        key_scale=c.get("key_scale"), gate=gate_kind(c["output_gate"]),
+        output_norm=None if c["output_norm"] is None else (c["output_norm"],
+                                                           number(c["output_norm_eps"])),
+        **core)
     saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
     saved["input_norm"] = normed
     return y, weights, saved

@@ -163,7 +163,7 @@ def timing_term(width, span):
     return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
 
 
-def _softplus(w):
+def softplus(w):
     """(softplus(w) = ln(1 + e^w), its derivative σ(w) = 1 / (1 + e^−w))."""
     one = number(1)
     return np.log(one + np.exp(w)), one / (one + np.exp(-w))
@@ -174,7 +174,7 @@ def conformer_timing_term(q, p, scale):
     the parameters p (W_pos (d, N·Dh), per_dim_scale (Dh,)): q̃ = q ⊙ scale · softplus(w) / ln 2
     and the term q̃_i·e[S + j − i], e = split(timing W_pos) (N, 2S + 1, Dh), S = L − 1."""
     heads, length = q.shape[-3], q.shape[-2]
-    soft, slope = _softplus(p["per_dim_scale"])
+    soft, slope = softplus(p["per_dim_scale"])
     factor = scale * soft / np.log(number(2))  # (Dh,)
     qt = q * factor
     pe = timing_term(p["W_pos"].shape[0], length - 1)  # (2S + 1, d)

@@ -325,6 +325,38 @@ CASES += [
           "query_temperature": {"beta": 0.2, "floor_scale": 4, "shift": 0}}),
 ]
 
+# The output stage and a QK norm after RoPE (issue 42): gates per head and softplus gates
+# (Step-3.7-Flash, Laguna), the output norm before out_proj (BitNet's over all heads, Muse
+# Spark's per head), HunYuan's weighted RMS norm of q and k after RoPE.
+CASES += [
+    Case("gqa_softplus_head_gate_laguna", GQA, 820,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 5])},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "output_gate": "softplus_per_head", "qk_norm": "rms", "sliding_window": 3,
+          "rope_theta": 500.0}),
+    Case("gqa_softplus_gate_unbatched", GQA, 821, {"x": ("normal", (7, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 1, "head_dim": 3, "d_out": 6,
+          "qkv_bias": True, "output_gate": "softplus"}),
+    Case("gqa_sigmoid_head_gate_step3p7", GQA, 822,
+         {"x": ("normal", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.85, ())},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 3,
+          "qkv_bias": True, "output_gate": "sigmoid_per_head", "qk_norm": "rms", "scale": 0.3,
+          "rope_theta": 100.0}),
+    Case("gqa_output_norm_bitnet", GQA, 823, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 3, "num_kv_heads": 1, "head_dim": 4, "d_out": 6,
+          "output_norm": "rms", "output_norm_eps": 1e-5, "rope_theta": 1000.0}),
+    Case("gqa_head_norm_gate_muse_spark", GQA, 824,
+         {"x": ("normal", (2, 7, 5)), "dropout_mask": ("keep", (2, 4, 7, 7), 0.25)},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "output_norm": "rms_per_head", "output_gate": True, "dropout": 0.25,
+          "rope_theta": 10000.0}),
+    Case("gqa_qk_norm_after_rope_hunyuan", GQA, 825,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([6, 7])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 3,
+          "qkv_bias": True, "qk_norm": "rms_after_rope", "qk_norm_eps": 1e-5,
+          "rope_theta": 300.0}),
+]
+
 # RoPE of 2025–26 models (issue 23): Hugging Face's rope_parameters (llama3 bands, YaRN with
 # DeepSeek's mscale ratio and truncate off, LongRoPE past a small original max, linear, dynamic
 # NTK), the rotary fraction (partial rotary, rotate-half and GLM's interleaved), and all of

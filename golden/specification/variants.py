@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from golden.specification.outputs import check_output_gate, check_output_norm, output_shapes
 from golden.specification.position_terms import (
     check_alibi,
     check_alibi_bias_max,
@@ -247,7 +248,11 @@ QK_NORMS = {
     "layer": (lambda heads, dh: (heads, dh),
               "Cohere, StableLM: LayerNorm per head, no bias, weights (N, Dh)"),
     "l2": (lambda heads, dh: None, "Llama 4: RMS normalisation without weight, after RoPE"),
+    "rms_after_rope": (lambda heads, dh: (dh,),
+                       "HunYuan v1: RMSNorm per head after RoPE, one weight (Dh,)"),
 }
+# The QK norms that run after RoPE (the others before it).
+AFTER_ROPE = ("l2", "rms_after_rope")
 
 
 def _qk_norm(name, kind) -> None:
@@ -292,12 +297,9 @@ def _grouped_query_shapes(c):
     d_out = c["d_in"] if c["d_out"] is None else c["d_out"]
     shapes = {"W_query": (c["d_in"], h * dh), "W_key": (c["d_in"], hkv * dh),
               "W_value": (c["d_in"], hkv * dh), "W_out": (h * dh, d_out)}
-    if c["output_gate"]:
-        shapes["W_gate"] = (c["d_in"], h * dh)
     if c["qkv_bias"]:
         shapes.update({"b_query": (h * dh,), "b_key": (hkv * dh,), "b_value": (hkv * dh,)})
-        if c["output_gate"]:
-            shapes["b_gate"] = (h * dh,)
+    shapes.update(output_shapes(c, h, dh))  # the output gate's and the output norm's
     if c["k_eq_v"]:  # Gemma 4's full layers: no value projection, V is the key's
         shapes.pop("W_value")
         shapes.pop("b_value", None)
@@ -513,7 +515,8 @@ _VARIANTS = [
              Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0),
              Arg("qk_norm", _qk_norm, None), Arg("qk_norm_eps", epsilon, 1e-6),
              Arg("sinks", _flag, False), Arg("attention_chunk_size", positive_or_none, None),
-             Arg("query_temperature", _temperature, None), Arg("output_gate", _flag, False),
+             Arg("query_temperature", _temperature, None),
+             Arg("output_gate", check_output_gate, False),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("partial_rotary_factor", _rotary_fraction, 1.0),
              Arg("rope_precision", _rope_precision, "exact"), Arg("alibi", check_alibi, None),
@@ -526,12 +529,13 @@ _VARIANTS = [
              Arg("relative_positions", check_relative_positions, None),
              Arg("relative_max_distance", positive_or_none, None),
              Arg("input_norm", check_input_norm, None), Arg("input_norm_eps", epsilon, 1e-5),
-             Arg("key_scale", check_positive_or_none, None)),
+             Arg("key_scale", check_positive_or_none, None),
+             Arg("output_norm", check_output_norm, None), Arg("output_norm_eps", epsilon, 1e-6)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",
                      "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias",
-                     "per_dim_scale"),
+                     "per_dim_scale", "output_norm_weight"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",
@@ -651,7 +655,8 @@ def vector_starts(variant, config) -> dict:
     twin's module holds when built."""
     shapes = VARIANTS[variant].shapes(config)
     norm = 0.0 if config.get("qk_norm") == "rms_one_plus" else 1.0
-    starts = {"q_norm": norm, "k_norm": norm, "input_norm_weight": 1.0}
+    starts = {"q_norm": norm, "k_norm": norm, "input_norm_weight": 1.0,
+              "output_norm_weight": 1.0}
     return {n: (shapes[n], starts.get(n, 0.0)) for n in VARIANTS[variant].vectors if n in shapes}
 
 

@@ -69,16 +69,17 @@ class _Variant(nnx.Module):
         return self.dropout_rngs() if self._rate() > 0 and dropout_mask is None else None
 
 
-def _merge_heads(out_proj, o, gate=None):
+def _merge_heads(out_proj, o, output=None):
     """out_proj of the heads' outputs o (B, N, L, Dh) side by side, (B, L, N·Dh) -> (B, L, d_out),
-    times ``gate`` (B, L, N·Dh) first when given. With the heads split over a mesh axis
+    through ``output`` (B, L, N·Dh) -> (B, L, N·Dh) first when given (GroupedQueryAttention's
+    output norm and gate). With the heads split over a mesh axis
     (jax_attn.sharding: out_proj row-parallel) the product sums over devices, and explicit mesh
     axes ask where its result lies: as o's batch and length, the features whole on every device
     (the all-reduce Megatron's layout implies)."""
     merged = jnp.swapaxes(o, -2, -3)  # (B, L, N, Dh)
     merged = merged.reshape(merged.shape[:-2] + (-1,))  # (B, L, N·Dh)
-    if gate is not None:
-        merged = merged * gate
+    if output is not None:
+        merged = output(merged)
     spec = explicit_spec(merged)
     out = None if spec is None else jax.typeof(merged).sharding.update(
         spec=jax.sharding.PartitionSpec(*spec[:-1], None))  # on merged's (abstract) mesh

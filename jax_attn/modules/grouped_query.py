@@ -20,6 +20,7 @@ from golden.specification.decoder import (
     timing_table, weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
+from golden.specification.outputs import gate_kind, gated_output, normalized_output
 from golden.specification.positions import ROPE_BLOCK, KVCache, check_fits
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
@@ -83,7 +84,7 @@ class GroupedQueryAttention(_Variant):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, *, rngs, precision=DEFAULT_PRECISION):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, *, rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
@@ -102,7 +103,8 @@ class GroupedQueryAttention(_Variant):
                         relative_positions=relative_positions,
                         relative_max_distance=relative_max_distance,
                         input_norm=input_norm, input_norm_eps=input_norm_eps,
-                        key_scale=key_scale)
+                        key_scale=key_scale, output_norm=output_norm,
+                        output_norm_eps=output_norm_eps)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
@@ -125,7 +127,10 @@ class GroupedQueryAttention(_Variant):
         self.W_key = _linear(d_in, kv_width, qkv_bias, rngs, precision)
         self.W_value = (None if k_eq_v  # k_eq_v (Gemma 4): V is K's projection
                         else _linear(d_in, kv_width, qkv_bias, rngs, precision))
-        self.W_gate = _linear(d_in, width, qkv_bias, rngs, precision) if output_gate else None
+        self.gate = gate_kind(output_gate)  # (activation, per head) or None: static
+        self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
+        self.W_gate = None if self.gate is None else _linear(
+            d_in, num_heads if self.gate[1] else width, qkv_bias, rngs, precision)
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
         self.W_pos = (_linear(d_in, width, False, rngs, precision)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
@@ -206,8 +211,8 @@ class GroupedQueryAttention(_Variant):
             q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
                                      positions=positions, max_position=bound,
                                      **rope_arguments(self.rotary)) for t in (q, k))
-        if self.qk_norm == "l2":  # Llama 4: after RoPE
-            q, k = self._norm(q, None), self._norm(k, None)
+        if self.qk_norm in variants.AFTER_ROPE:  # Llama 4's, HunYuan's: after RoPE
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if self.query_temperature is not None:
             q = self._temperature(q, offset, positions)
         if cache is not None:
@@ -230,10 +235,27 @@ class GroupedQueryAttention(_Variant):
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
             return_weights=return_weights, precision=self.precision, **self._extra())
         o, w = o if return_weights else (o, None)
-        gate = None if self.W_gate is None else jax.nn.sigmoid(self.W_gate(x))  # (B, L, N·Dh)
-        y = _merge_heads(self.out_proj, o, gate)  # (B, L, d_out)
+        y = _merge_heads(self.out_proj, o, lambda m: self._output(m, x))  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
+
+    def _output(self, merged, x):
+        """The heads' output merged (B, L, N·Dh) through the output norm (in at least float32,
+        rounded once) and the gate (golden.specification.outputs): σ in merged's dtype, softplus
+        in at least float32 (as Hugging Face's Laguna)."""
+        compute = jnp.promote_types(merged.dtype, jnp.float32)
+        if self.output_norm is not None:
+            w = (None if self.output_norm_weight is None
+                 else self.output_norm_weight.get_value().astype(compute))
+            merged = normalized_output(merged.astype(compute), self.output_norm, w,
+                                       self.output_norm_eps, self.num_heads,
+                                       mean=lambda a: a.mean(-1, keepdims=True),
+                                       rsqrt=jax.lax.rsqrt).astype(merged.dtype)
+        if self.W_gate is None:
+            return merged
+        return gated_output(merged, self.W_gate(x), self.gate, self.num_heads,
+                            sigmoid=jax.nn.sigmoid, softplus=lambda z: jax.nn.softplus(
+                                z.astype(compute)).astype(z.dtype))
 
     def _clip(self, y):
         """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""

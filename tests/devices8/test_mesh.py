@@ -263,6 +263,10 @@ MODULE_CASES = {
                         qk_norm="layer", output_gate=True, rope_theta=100.0, sinks=True,
                         attention_chunk_size=3,
                         query_temperature={"beta": 0.5, "floor_scale": 2, "shift": 1})),
+    "grouped_query_attention-outputs": (  # issue 42's: a gate per head, a norm over the heads
+        "float64", dict(d_in=6, num_heads=8, num_kv_heads=4, head_dim=2, d_out=5, qkv_bias=True,
+                        output_gate="softplus_per_head", output_norm="rms",
+                        qk_norm="rms_after_rope", rope_theta=100.0)),
 }
 HEAD_PARALLEL = {"multi_head_attention", "grouped_query_attention"}
 
@@ -364,10 +368,15 @@ def test_module_sharded_equals_one_device(kind, case):
     split = name in HEAD_PARALLEL
     assert (specs.get(("W_query", "kernel")) == P(None, "model")) == split
     # The forward's one collective: the row-parallel output projection's all-reduce of
-    # (B / 2, L, d_out) over "model"; modules without heads to split have none.
+    # (B / 2, L, d_out) over "model"; modules without heads to split have none. An output norm
+    # over all heads (BitNet's) adds one more: the all-reduce of each token's sum of squares
+    # (B / 2, L), its heads on several devices.
     local_out = f"[{B // DATA},{','.join(map(str, out.shape[1:]))}]"
+    statistics = f"[{B // DATA},{out.shape[1]}]" if config.get("output_norm") == "rms" else None
     found = _collectives(text)
-    assert all(op == "all-reduce" and local_out in shape for op, shape in found), found
+    assert all(op == "all-reduce" and (local_out in shape or statistics and shape.endswith(
+        statistics + "{1,0}")) for op, shape in found), found
+    assert sum(local_out in shape for _, shape in found) == split, found
     assert bool(found) == split, f"{case} on {mesh}: {found}, seed {seed}"
 
 

@@ -19,6 +19,7 @@ from golden.specification.decoder import (
     alibi_bias, alibi_slopes, bucket_table, qk_normalize, refuse_renamed, relative_bias,
     sinusoid_table, sliding_window, temperature, timing_table, weight_broadcast,
 )
+from golden.specification.outputs import gate_kind, gated_output, normalized_output
 from golden.specification.positions import KVCache, check_fits, distance_index
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
@@ -110,7 +111,7 @@ class GroupedQueryAttention(nn.Module):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -131,7 +132,8 @@ class GroupedQueryAttention(nn.Module):
                               relative_positions=relative_positions,
                               relative_max_distance=relative_max_distance,
                               input_norm=input_norm, input_norm_eps=input_norm_eps,
-                              key_scale=key_scale)
+                              key_scale=key_scale, output_norm=output_norm,
+                              output_norm_eps=output_norm_eps)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
@@ -150,7 +152,10 @@ class GroupedQueryAttention(nn.Module):
         self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.W_value = None if k_eq_v else nn.Linear(  # k_eq_v (Gemma 4): V is K's projection
             d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.W_gate = nn.Linear(d_in, width, bias=qkv_bias) if output_gate else None
+        self.gate = gate_kind(output_gate)  # (activation, per head) or None
+        self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
+        self.W_gate = None if self.gate is None else nn.Linear(
+            d_in, num_heads if self.gate[1] else width, bias=qkv_bias)
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
         self.W_pos = (nn.Linear(d_in, width, bias=False)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
@@ -211,8 +216,8 @@ class GroupedQueryAttention(nn.Module):
             q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
                                      positions=positions, max_position=bound,
                                      **rope_arguments(self.rotary)) for t in (q, k))
-        if self.qk_norm == "l2":  # Llama 4: after RoPE
-            q, k = self._norm(q, None), self._norm(k, None)
+        if self.qk_norm in variants.AFTER_ROPE:  # Llama 4's, HunYuan's: after RoPE
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if self.query_temperature is not None:
             q = self._temperature(q, offset, positions)
         if cache is not None:
@@ -240,12 +245,27 @@ class GroupedQueryAttention(nn.Module):
             dropout_rate=rate, dropout_mask=dropout_mask, return_weights=return_weights,
             **extra)
         o, w = o if return_weights else (o, None)
-        merged = o.transpose(-2, -3).flatten(-2)  # (B, L, N·Dh)
-        if self.W_gate is not None:
-            merged = merged * torch.sigmoid(self.W_gate(x))
-        y = self.out_proj(merged)  # (B, L, d_out)
+        y = self.out_proj(self._output(o.transpose(-2, -3).flatten(-2), x))  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
+
+    def _output(self, merged, x):
+        """The heads' output merged (B, L, N·Dh) through the output norm (in at least float32,
+        rounded once) and the gate (golden.specification.outputs): σ in merged's dtype, softplus
+        in at least float32 (as Hugging Face's Laguna), stable as max(z, 0) + log(1 + e^−|z|)."""
+        compute = torch.float32 if merged.dtype in LOW_PRECISION else merged.dtype
+        if self.output_norm is not None:
+            w = None if self.output_norm_weight is None else self.output_norm_weight.to(compute)
+            merged = normalized_output(merged.to(compute), self.output_norm, w,
+                                       self.output_norm_eps, self.num_heads,
+                                       mean=lambda a: a.mean(-1, keepdim=True),
+                                       rsqrt=torch.rsqrt).to(merged.dtype)
+        if self.W_gate is None:
+            return merged
+        return gated_output(merged, self.W_gate(x), self.gate, self.num_heads,
+                            sigmoid=torch.sigmoid, softplus=lambda z: (
+                                z.to(compute).clamp(min=0) + torch.log1p(
+                                    torch.exp(-z.to(compute).abs()))).to(z.dtype))
 
     def _clip(self, y):
         """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
