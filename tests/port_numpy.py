@@ -352,7 +352,8 @@ class GroupedQueryAttention(Module):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, relative_positions=None, k_eq_v=False,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, output_norm=None, output_norm_eps=1e-6, *, core=None):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None, *,
+                 core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         projected = relative_positions in ("transformer_xl", "conformer_timing")
@@ -375,6 +376,9 @@ class GroupedQueryAttention(Module):
         self.relative_attention_bias = (None if relative_attention_num_buckets is None else
                                         np.zeros((relative_attention_num_buckets, num_heads)))
         self.qk_norm, self.eps, self.temperature = qk_norm, qk_norm_eps, query_temperature
+        learned = query_temperature is not None and query_temperature.get("kind") == "learned"
+        self.temperature_scale, self.temperature_bias = (
+            (np.zeros(num_heads), np.ones(num_heads)) if learned else (None, None))
         self.clip, self.v_norm = clip_qkv, v_norm
         shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
                   "rms_after_rope": lambda n: (dh,),
@@ -385,7 +389,8 @@ class GroupedQueryAttention(Module):
         self.gate_softplus = bool(gate) and gate.startswith("softplus")
         self.gate_per_head = bool(gate) and gate.endswith("per_head")
         self.gate_proj = (Linear(d_in, num_heads if self.gate_per_head else num_heads * dh,
-                                 qkv_bias) if gate else None)
+                                 qkv_bias if gate_bias is None else gate_bias)
+                          if gate else None)
         self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
         self.output_norm_weight = np.ones(num_heads * dh) if output_norm == "rms" else None
         self.rope_settings = rope_settings(rope_theta, rope_parameters, partial_rotary_factor)
@@ -435,10 +440,8 @@ class GroupedQueryAttention(Module):
                          multi=positions.ndim == x.ndim + 1) for t in (q, k))
         if self.qk_norm in ("l2", "rms_after_rope"):  # Llama 4, HunYuan: after RoPE
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
-        if self.temperature is not None:  # 1 + β ln(1 + ⌊(p + shift) / F⌋) at position p
-            t = self.temperature
-            steps = (positions + t["shift"]) // t["floor_scale"]
-            q = q * (1 + t["beta"] * np.log1p(steps)).astype(x.dtype)[..., None]
+        if self.temperature is not None:
+            q = q * self.temperature_factors(positions).astype(x.dtype)
         bias = None
         if self.slopes is not None:  # ALiBi: m_h · (j − i), key j and query i in token order
             length = x.shape[-2]
@@ -513,6 +516,23 @@ class GroupedQueryAttention(Module):
         keys = _split(self.pos_proj(table.astype(qt.dtype)), qt.shape[-3])  # (L, N, L, Dh)
         return np.einsum("...nid,injd->...nij", qt, keys).astype(qt.dtype)
 
+    def temperature_factors(self, positions):
+        """The query temperature at each position p, (..., 1 or N, L, 1): Llama 4's 1 + β ln(1 +
+        ⌊(p + shift) / F⌋), Beam's (1 + (p + 1)/n)^α, Inkling's 1 + α ln(max((p + 1)/n, 1)),
+        Mistral Large 4's s_h ln(p + 1) + b_h."""
+        t = self.temperature
+        kind = t.get("kind", "llama4")
+        if kind == "llama4":
+            f = 1 + t["beta"] * np.log1p((positions + t["shift"]) // t["floor_scale"])
+        elif kind == "power":
+            f = (1 + (positions + 1) / t["length"]) ** t["alpha"]
+        elif kind == "log":
+            f = 1 + t["alpha"] * np.log(np.maximum((positions + 1) / t["length"], 1))
+        else:  # positions (..., 1, L): the heads' axis is the 1
+            f = (self.temperature_scale[:, None] * np.log(positions + 1.0)
+                 + self.temperature_bias[:, None])
+        return f[..., None]
+
     def norm(self, t, weight):
         """The QK norm over t's last axis: (t − mean) / √(mean((t − mean)²) + ε) for LayerNorm,
         t / √(mean(t²) + ε) otherwise; times the weight (1 + weight for Gemma's)."""
@@ -529,7 +549,8 @@ class GroupedQueryAttention(Module):
         table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
                                            "bias_u", "bias_v", "relative_key_table",
                                            "input_norm_weight", "input_norm_bias",
-                                           "per_dim_scale", "output_norm_weight")
+                                           "per_dim_scale", "output_norm_weight",
+                                           "temperature_scale", "temperature_bias")
                       if getattr(self, n) is not None})
         return table
 

@@ -351,8 +351,8 @@ for id, variant, config, message in [
      "qk_norm_eps should be a positive number, got 0.0"),
     ("gqa-temperature-fields", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, query_temperature={"beta": 0.1}),
-     "query_temperature should be None or a dict with keys beta, floor_scale, shift, "
-     "got ['beta']"),
+     "query_temperature of kind 'llama4' should have the keys beta, floor_scale, shift, got "
+     "beta"),
     ("gqa-temperature-floor-float", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1,
           query_temperature={"beta": 0.1, "floor_scale": 8192.0, "shift": 1}),

@@ -73,6 +73,15 @@ DECODE_CONFIGS = {
     "alibi_falcon_mqa_softcap_scale": dict(CONFIG, num_kv_heads=1, rope_theta=None,
                                            alibi="falcon", softcap=2.0, scale=0.7),
     "alibi_bloom_sinks_rope_gate": dict(CONFIG, alibi="bloom", sinks=True, output_gate=True),
+    # issue 42's: the temperature's other kinds at the cache's positions, the output stage
+    "temperature_power_nope_head_gate_norm": dict(
+        CONFIG, rope_theta=None, query_temperature={"kind": "power", "alpha": 0.5, "length": 2},
+        output_gate="softplus_per_head", gate_bias=False, output_norm="rms"),
+    "temperature_learned_norm_after_rope": dict(
+        CONFIG, query_temperature={"kind": "learned"}, qk_norm="rms_after_rope",
+        output_norm="rms_per_head", output_gate="sigmoid_per_head"),
+    "temperature_log_window": dict(
+        CONFIG, query_temperature={"kind": "log", "alpha": 0.6, "length": 3}, sliding_window=4),
     "alibi_mpt_clip_qkv": dict(CONFIG, rope_theta=None, alibi="mpt", clip_qkv=0.5),
     # and T5's buckets of j − p, past max_distance too (9 tokens)
     "t5_buckets": dict(CONFIG, rope_theta=None, scale=1.0, relative_attention_num_buckets=8,

@@ -24,7 +24,8 @@ from golden.reference.norms import normalize, normalize_backward
 from golden.reference.position_bias import alibi_term, relative_term
 from golden.reference.rotary import rope_cos_sin
 from golden.specification.positions import rope_blocks
-from golden.reference.stages import (qk_norm_stage, rope_stage, temperature_factors,
+from golden.reference.stages import (learned_temperature_stage, qk_norm_stage, rope_stage,
+                                      temperature_factors,
                                       temperature_stage)
 from golden.specification.validate import rope_settings
 
@@ -141,9 +142,12 @@ def _grouped_query(config, inputs, params):
                                  rope_blocks(settings)))
     if kind in variants.AFTER_ROPE:  # Llama 4's, HunYuan's: after RoPE
         stages.append(norm)
-    if c.get("query_temperature") is not None:
-        t = c["query_temperature"]
-        factors = temperature_factors(positions, t["beta"], t["floor_scale"], t["shift"])
+    t = c.get("query_temperature")
+    if t is not None and t.get("kind") == "learned":  # per head, from its parameters
+        stages.append(learned_temperature_stage(positions, real(params["temperature_scale"]),
+                                                real(params["temperature_bias"])))
+    elif t is not None:
+        factors = temperature_factors(positions, t)
         stages.append(temperature_stage(factors[heads_axis][..., None]))  # (L, 1), (B, 1, L, 1)
     lengths = inputs.get("query_seq_lengths")
     train = "dropout_mask" in inputs

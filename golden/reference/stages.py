@@ -60,11 +60,34 @@ def qk_norm_stage(kind, q_weight, k_weight, eps) -> Stage:
     return Stage(forward, backward)
 
 
-def temperature_factors(positions, beta, floor_scale, shift):
-    """Llama 4's query temperature at integer ``positions``: 1 + β·ln(1 + ⌊(p + shift) / F⌋)
-    (Llama 4: shift 1; Ministral 3: shift 0)."""
-    steps = (np.asarray(positions) + int(shift)) // int(floor_scale)
-    return number(1) + number(beta) * np.log(real((1 + steps).astype(np.float64)))
+def temperature_factors(positions, t):
+    """The query temperature ``t`` (golden.specification.temperature, a fixed kind) at integer
+    ``positions``: Llama 4's 1 + β·ln(1 + ⌊(p + s)/F⌋), the power (1 + (p + 1)/n)^α or the log
+    1 + α·ln(max((p + 1)/n, 1))."""
+    p = np.asarray(positions)
+    kind = t.get("kind", "llama4")
+    if kind == "llama4":
+        steps = (p + int(t["shift"])) // int(t["floor_scale"])
+        return number(1) + number(t["beta"]) * np.log(real((1 + steps).astype(np.float64)))
+    ratio = real((p + 1).astype(np.float64)) / number(t["length"])  # (p + 1)/n
+    if kind == "power":
+        return np.exp(number(t["alpha"]) * np.log(number(1) + ratio))
+    return number(1) + number(t["alpha"]) * np.log(np.maximum(ratio, number(1)))
+
+
+def learned_temperature_stage(positions, scale, bias) -> Stage:
+    """Mistral Large 4's temperature: q (..., N, L, Dh) times s_h·ln(p + 1) + b_h, ``scale`` s
+    and ``bias`` b (N,); their gradients Σ g_q·q·ln(p + 1) and Σ g_q·q over every other axis."""
+    logs = np.log(real((np.asarray(positions) + 1).astype(np.float64)))[..., None, :, None]
+    factors = scale[:, None, None] * logs + bias[:, None, None]  # (..., N, L, 1)
+
+    def backward(q, g_q, g_k):
+        g = (g_q * q).sum(axis=-1, keepdims=True)  # (..., N, L, 1)
+        axes = tuple(range(g.ndim - 3)) + (-2, -1)  # all but the heads'
+        g_bias, g_scale = g.sum(axis=axes), (g * logs).sum(axis=axes)
+        return g_q * factors, g_k, {"temperature_scale": g_scale, "temperature_bias": g_bias}
+
+    return Stage(lambda q, k: (q * factors, k, q), backward)
 
 
 def temperature_stage(factors) -> Stage:

@@ -355,6 +355,23 @@ CASES += [
          {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 3,
           "qkv_bias": True, "qk_norm": "rms_after_rope", "qk_norm_eps": 1e-5,
           "rope_theta": 300.0}),
+    # the query temperature's kinds: Beam's power law on a NoPE layer with its gate's own bias,
+    # Inkling's log past n, Mistral Large 4's learned per head (n small: every kind bites)
+    Case("gqa_temperature_power_beam", GQA, 826,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 4])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3, "d_out": 6,
+          "query_temperature": {"kind": "power", "alpha": 0.7, "length": 3},
+          "output_gate": True, "gate_bias": True, "qk_norm": "rms"}),
+    Case("gqa_temperature_log_inkling", GQA, 827,
+         {"x": ("normal", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.85, ()),
+          "positions": _ints([[0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6]])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 1, "head_dim": 4, "d_out": 3,
+          "query_temperature": {"kind": "log", "alpha": 0.8, "length": 2},
+          "rope_theta": 100.0}),
+    Case("gqa_temperature_learned_mistral_large4", GQA, 828, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "query_temperature": {"kind": "learned"}, "sliding_window": 4,
+          "rope_theta": 1000.0, "rope_interleaved": True}),
 ]
 
 # RoPE of 2025–26 models (issue 23): Hugging Face's rope_parameters (llama3 bands, YaRN with

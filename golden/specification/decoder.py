@@ -1,10 +1,11 @@
-"""What both twins' GroupedQueryAttention do besides RoPE, written once: the QK norms, the query
-temperature, ALiBi's bias (its slopes in NumPy float64), T5's buckets and Transformer-XL's
+"""What both twins' GroupedQueryAttention do besides RoPE, written once: the QK norms, ALiBi's
+bias (its slopes in NumPy float64), T5's buckets and Transformer-XL's
 sinusoidal table of distances (NumPy float64). Only arithmetic operators, indexing and the
 framework functions the caller passes (``mean``, ``rsqrt``, ``log1p``): the same code runs on
 torch tensors and JAX arrays. The float64 reference states the same maths on its own
-(golden.reference.qk_norm_stage, temperature_factors, alibi_term, sinusoid_term: it shares only
-the slopes and the buckets); golden.specification.variants.QK_NORMS lists the kinds.
+(golden.reference.qk_norm_stage, alibi_term, sinusoid_term: it shares only the slopes and the
+buckets); golden.specification.variants.QK_NORMS lists the kinds. The query temperature's kinds
+are golden.specification.temperature's, the output stage golden.specification.outputs'.
 
 Shape legend: N heads, L tokens, Dh head width.
 """
@@ -28,13 +29,6 @@ def qk_normalize(x, kind, weight, eps, *, mean, rsqrt):
     if kind == "l2":
         return unit
     return unit * (1 + weight) if kind == "rms_one_plus" else unit * weight
-
-
-def temperature(positions, beta, floor_scale, shift, *, log1p):
-    """Llama 4's query temperature 1 + β·ln(1 + ⌊(p + shift) / F⌋) at integer ``positions``
-    (shift 1 for Llama 4, 0 for Ministral 3); ``log1p`` of the floor, already in the compute
-    dtype, is the caller's."""
-    return 1 + beta * log1p((positions + shift) // floor_scale)
 
 
 def weight_broadcast(kind, weight):

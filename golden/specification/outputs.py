@@ -8,6 +8,8 @@ output gate and the norm of the heads' output, both between the core and out_pro
     "sigmoid_per_head"   σ per head, W_gate (d_in, N), broadcast over Dh: Step-3.5/3.7-Flash
     "softplus"           softplus per feature: Laguna's gating = "per-element"
     "softplus_per_head"  softplus per head: Laguna's gating = "per-head"
+``gate_bias`` (default: as qkv_bias): whether the gate has its bias b_gate (Beam's per-head bias
+is b_gate with each head's value on its Dh features).
 ``output_norm`` (ε = output_norm_eps):
     "rms"                RMSNorm over all heads' features N·Dh, weight output_norm_weight (N·Dh,):
                          BitNet's
@@ -50,18 +52,26 @@ def check_output_norm(name, kind) -> None:
                          f"got {kind!r}")
 
 
+def gate_has_bias(c) -> bool:
+    return c["qkv_bias"] if c["gate_bias"] is None else c["gate_bias"]
+
+
 def output_shapes(c, h, dh) -> dict:
-    """W_gate (and b_gate with qkv_bias) and output_norm, as the configuration has them;
-    output_norm_eps left at its default without an output norm."""
+    """W_gate (and b_gate with gate_bias, default qkv_bias) and output_norm_weight, as the
+    configuration has them; output_norm_eps and gate_bias left at their defaults without an
+    output norm or a gate."""
     if c["output_norm"] is None and c["output_norm_eps"] != 1e-6:
         raise ValueError(f"output_norm_eps should be 1e-06 (its default) unless output_norm is "
                          f"set, got {c['output_norm_eps']!r}")
     shapes = {}
     gate = gate_kind(c["output_gate"])
+    if gate is None and c["gate_bias"] is not None:
+        raise ValueError(f"gate_bias should be None (its default) unless output_gate is set, "
+                         f"got {c['gate_bias']!r}")
     if gate is not None:
         width = h if gate[1] else h * dh
         shapes["W_gate"] = (c["d_in"], width)
-        if c["qkv_bias"]:
+        if gate_has_bias(c):
             shapes["b_gate"] = (width,)
     if c["output_norm"] == "rms":
         shapes["output_norm_weight"] = (h * dh,)

@@ -43,6 +43,8 @@ from golden.specification.position_terms import (
     position_shapes,
 )
 from golden.specification.settings import epsilon, positive, positive_or_none
+from golden.specification.temperature import (TEMPERATURE_FIELDS, check_temperature,
+                                              temperature_shapes)
 from golden.specification.validate import (
     FLOAT_DTYPES,
     check_attention_args,
@@ -261,25 +263,6 @@ def _qk_norm(name, kind) -> None:
                          f"got {kind!r}")
 
 
-TEMPERATURE_FIELDS = ("beta", "floor_scale", "shift")
-
-
-def _temperature(name, t) -> None:
-    """None or {"beta": a finite number, "floor_scale": an int > 0, "shift": 0 or 1}."""
-    if t is None:
-        return
-    if not isinstance(t, dict) or set(t) != set(TEMPERATURE_FIELDS):
-        got = sorted(t) if isinstance(t, dict) else type(t).__name__
-        raise ValueError(f"{name} should be None or a dict with keys "
-                         f"{', '.join(TEMPERATURE_FIELDS)}, got {got}")
-    if t["beta"] is None:
-        raise ValueError(f"{name}['beta'] should be a finite number, got None")
-    check_scale(f"{name}['beta']", t["beta"])
-    positive(f"{name}['floor_scale']", t["floor_scale"])
-    if t["shift"] not in (0, 1) or isinstance(t["shift"], bool):
-        raise ValueError(f"{name}['shift'] should be 0 or 1, got {t['shift']!r}")
-
-
 def _grouped_query_shapes(c):
     h, hkv, dh = c["num_heads"], c["num_kv_heads"], head_dim(c)
     if h % hkv:
@@ -300,6 +283,7 @@ def _grouped_query_shapes(c):
     if c["qkv_bias"]:
         shapes.update({"b_query": (h * dh,), "b_key": (hkv * dh,), "b_value": (hkv * dh,)})
     shapes.update(output_shapes(c, h, dh))  # the output gate's and the output norm's
+    shapes.update(temperature_shapes(c))  # the learned query temperature's
     if c["k_eq_v"]:  # Gemma 4's full layers: no value projection, V is the key's
         shapes.pop("W_value")
         shapes.pop("b_value", None)
@@ -345,7 +329,7 @@ def _multi_head_cross_shapes(c):
     return shapes
 
 
-def _key_bias(name, b) -> None:
+def _flag_or_none(name, b) -> None:
     if b is not None:
         _flag(name, b)
 
@@ -515,7 +499,7 @@ _VARIANTS = [
              Arg("rope_interleaved", _flag, False), Arg("dropout", _rate, 0.0),
              Arg("qk_norm", _qk_norm, None), Arg("qk_norm_eps", epsilon, 1e-6),
              Arg("sinks", _flag, False), Arg("attention_chunk_size", positive_or_none, None),
-             Arg("query_temperature", _temperature, None),
+             Arg("query_temperature", check_temperature, None),
              Arg("output_gate", check_output_gate, False),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("partial_rotary_factor", _rotary_fraction, 1.0),
@@ -530,19 +514,21 @@ _VARIANTS = [
              Arg("relative_max_distance", positive_or_none, None),
              Arg("input_norm", check_input_norm, None), Arg("input_norm_eps", epsilon, 1e-5),
              Arg("key_scale", check_positive_or_none, None),
-             Arg("output_norm", check_output_norm, None), Arg("output_norm_eps", epsilon, 1e-6)),
+             Arg("output_norm", check_output_norm, None), Arg("output_norm_eps", epsilon, 1e-6),
+             Arg("gate_bias", _flag_or_none, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",
                      "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias",
-                     "per_dim_scale", "output_norm_weight"),
+                     "per_dim_scale", "output_norm_weight", "temperature_scale",
+                     "temperature_bias"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",
             (Arg("d_in", positive), Arg("d_context", positive), Arg("num_heads", positive),
              Arg("num_kv_heads", positive_or_none, None),
              Arg("head_dim", positive_or_none, None), Arg("d_out", positive_or_none, None),
-             Arg("qkv_bias", _flag, False), Arg("key_bias", _key_bias, None),
+             Arg("qkv_bias", _flag, False), Arg("key_bias", _flag_or_none, None),
              Arg("out_bias", _flag, False), Arg("scale", _scale, None)),
             shapes=_multi_head_cross_shapes, check_inputs=_context_inputs,
             inputs=(Input("x", "d_in"), Input("context", "d_context", "key")),
@@ -656,7 +642,7 @@ def vector_starts(variant, config) -> dict:
     shapes = VARIANTS[variant].shapes(config)
     norm = 0.0 if config.get("qk_norm") == "rms_one_plus" else 1.0
     starts = {"q_norm": norm, "k_norm": norm, "input_norm_weight": 1.0,
-              "output_norm_weight": 1.0}
+              "output_norm_weight": 1.0, "temperature_bias": 1.0}  # factor 0·ln(p + 1) + 1
     return {n: (shapes[n], starts.get(n, 0.0)) for n in VARIANTS[variant].vectors if n in shapes}
 
 

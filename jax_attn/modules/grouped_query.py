@@ -16,12 +16,14 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import (
-    alibi_slopes, bucket_table, qk_normalize, refuse_renamed, sinusoid_table, temperature,
+    alibi_slopes, bucket_table, qk_normalize, refuse_renamed, sinusoid_table,
     timing_table, weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
-from golden.specification.outputs import gate_kind, gated_output, normalized_output
+from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
+                                          normalized_output)
 from golden.specification.positions import ROPE_BLOCK, KVCache, check_fits
+from golden.specification.temperature import learned_temperature, temperature
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
     rope_axis_count,
@@ -84,7 +86,8 @@ class GroupedQueryAttention(_Variant):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, output_norm=None, output_norm_eps=1e-6, *, rngs, precision=DEFAULT_PRECISION):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None, *,
+                 rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
@@ -104,7 +107,7 @@ class GroupedQueryAttention(_Variant):
                         relative_max_distance=relative_max_distance,
                         input_norm=input_norm, input_norm_eps=input_norm_eps,
                         key_scale=key_scale, output_norm=output_norm,
-                        output_norm_eps=output_norm_eps)
+                        output_norm_eps=output_norm_eps, gate_bias=gate_bias)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
@@ -119,7 +122,7 @@ class GroupedQueryAttention(_Variant):
         self.alibi_slopes = None if alibi is None else tuple(
             alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,): static, hashable
         self.query_temperature = (None if query_temperature is None else tuple(
-            query_temperature[n] for n in variants.TEMPERATURE_FIELDS))  # static: hashable
+            sorted(query_temperature.items())))  # static: hashable
         self.precision = precision
         self._init_dropout(dropout, rngs)
         width, kv_width = num_heads * self.head_dim, num_kv_heads * self.head_dim
@@ -130,7 +133,8 @@ class GroupedQueryAttention(_Variant):
         self.gate = gate_kind(output_gate)  # (activation, per head) or None: static
         self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
         self.W_gate = None if self.gate is None else _linear(
-            d_in, num_heads if self.gate[1] else width, qkv_bias, rngs, precision)
+            d_in, num_heads if self.gate[1] else width, gate_has_bias(self.config), rngs,
+            precision)
         self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
         self.W_pos = (_linear(d_in, width, False, rngs, precision)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
@@ -365,15 +369,21 @@ class GroupedQueryAttention(_Variant):
                    "distance_keys": self._projected(timing_table, keys, compute)}
 
     def _temperature(self, q, offset, positions):
-        """q times the query temperature at each token's position (``positions``, or index +
-        offset)."""
+        """q times the query temperature (golden.specification.temperature) at each token's
+        position (``positions``, or index + offset), in at least float32, rounded once."""
         compute = jnp.promote_types(q.dtype, jnp.float32)
         if positions is None:
             positions = jnp.arange(q.shape[-2])  # (L,)
             if offset is not None:
                 positions = positions + offset[:, None]  # (B, L)
-        factors = temperature(positions, *self.query_temperature,
-                              log1p=lambda n: jnp.log1p(n.astype(compute)))
+        t = dict(self.query_temperature)
+        functions = dict(real=lambda n: n.astype(compute), log1p=jnp.log1p)
+        if t.get("kind") == "learned":  # (N, L) or (B, N, L)
+            factors = learned_temperature(
+                positions, self.temperature_scale.get_value().astype(compute),
+                self.temperature_bias.get_value().astype(compute), **functions)
+            return (q.astype(compute) * factors[..., None]).astype(q.dtype)
+        factors = temperature(positions, t, exp=jnp.exp, **functions)
         factors = factors[..., None] if factors.ndim == 1 else factors[:, None, :, None]
         return (q.astype(compute) * factors).astype(q.dtype)  # (L, 1) or (B, 1, L, 1)
 

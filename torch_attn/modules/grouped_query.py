@@ -17,10 +17,12 @@ from torch import nn
 from golden.specification import variants
 from golden.specification.decoder import (
     alibi_bias, alibi_slopes, bucket_table, qk_normalize, refuse_renamed, relative_bias,
-    sinusoid_table, sliding_window, temperature, timing_table, weight_broadcast,
+    sinusoid_table, sliding_window, timing_table, weight_broadcast,
 )
-from golden.specification.outputs import gate_kind, gated_output, normalized_output
+from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
+                                          normalized_output)
 from golden.specification.positions import KVCache, check_fits, distance_index
+from golden.specification.temperature import learned_temperature, temperature
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
     rope_axis_count,
@@ -111,7 +113,7 @@ class GroupedQueryAttention(nn.Module):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, output_norm=None, output_norm_eps=1e-6):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -133,7 +135,7 @@ class GroupedQueryAttention(nn.Module):
                               relative_max_distance=relative_max_distance,
                               input_norm=input_norm, input_norm_eps=input_norm_eps,
                               key_scale=key_scale, output_norm=output_norm,
-                              output_norm_eps=output_norm_eps)
+                              output_norm_eps=output_norm_eps, gate_bias=gate_bias)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
@@ -155,7 +157,7 @@ class GroupedQueryAttention(nn.Module):
         self.gate = gate_kind(output_gate)  # (activation, per head) or None
         self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
         self.W_gate = None if self.gate is None else nn.Linear(
-            d_in, num_heads if self.gate[1] else width, bias=qkv_bias)
+            d_in, num_heads if self.gate[1] else width, bias=gate_has_bias(self.config))
         self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
         self.W_pos = (nn.Linear(d_in, width, bias=False)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
@@ -402,17 +404,20 @@ class GroupedQueryAttention(nn.Module):
         return products.gather(-1, index)
 
     def _temperature(self, q, offset, positions):
-        """q times the query temperature at each token's position (``positions``, or index +
-        offset)."""
+        """q times the query temperature (golden.specification.temperature) at each token's
+        position (``positions``, or index + offset), in at least float32, rounded once."""
         compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
         if positions is None:
             positions = torch.arange(q.shape[-2], device=q.device)  # (L,)
             if offset is not None:
                 positions = positions + offset[:, None]  # (B, L)
-        positions = positions.to(q.device)
-        t = self.query_temperature
-        factors = temperature(positions, t["beta"], t["floor_scale"], t["shift"],
-                              log1p=lambda n: torch.log1p(n.to(compute)))
+        positions, t = positions.to(q.device), self.query_temperature
+        functions = dict(real=lambda n: n.to(compute), log1p=torch.log1p)
+        if t.get("kind") == "learned":  # (N, L) or (B, N, L)
+            factors = learned_temperature(positions, self.temperature_scale.to(compute),
+                                          self.temperature_bias.to(compute), **functions)
+            return (q.to(compute) * factors[..., None]).to(q.dtype)
+        factors = temperature(positions, t, exp=torch.exp, **functions)
         factors = factors[..., None] if factors.dim() == 1 else factors[:, None, :, None]
         return (q.to(compute) * factors).to(q.dtype)  # (L, 1) or (B, 1, L, 1)
 
