@@ -352,8 +352,8 @@ class GroupedQueryAttention(Module):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, relative_positions=None, k_eq_v=False,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None, *,
-                 core=None):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
+                 v_head_dim=None, value_scale=None, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         projected = relative_positions in ("transformer_xl", "conformer_timing")
@@ -388,11 +388,13 @@ class GroupedQueryAttention(Module):
         gate = "sigmoid" if output_gate is True else output_gate  # False: none
         self.gate_softplus = bool(gate) and gate.startswith("softplus")
         self.gate_per_head = bool(gate) and gate.endswith("per_head")
-        self.gate_proj = (Linear(d_in, num_heads if self.gate_per_head else num_heads * dh,
+        dv = dh if v_head_dim is None else v_head_dim  # the values' head width
+        self.value_scale = value_scale
+        self.gate_proj = (Linear(d_in, num_heads if self.gate_per_head else num_heads * dv,
                                  qkv_bias if gate_bias is None else gate_bias)
                           if gate else None)
         self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
-        self.output_norm_weight = np.ones(num_heads * dh) if output_norm == "rms" else None
+        self.output_norm_weight = np.ones(num_heads * dv) if output_norm == "rms" else None
         self.rope_settings = rope_settings(rope_theta, rope_parameters, partial_rotary_factor)
         self.heads, self.kv_heads = num_heads, num_kv_heads
         if isinstance(sliding_window, (tuple, list)):  # (left, right): the window as it is
@@ -405,10 +407,11 @@ class GroupedQueryAttention(Module):
         self.sinks = np.zeros(num_heads) if sinks else None
         self.rope_theta, self.rope_interleaved, self.dropout = rope_theta, rope_interleaved, dropout
         self.q_proj = Linear(d_in, num_heads * dh, qkv_bias)
-        self.k_proj, self.v_proj = (Linear(d_in, num_kv_heads * dh, qkv_bias) for _ in "kv")
+        self.k_proj = Linear(d_in, num_kv_heads * dh, qkv_bias)
+        self.v_proj = Linear(d_in, num_kv_heads * dv, qkv_bias)
         if k_eq_v:  # Gemma 4's full layers: the values are the key projection's
             self.v_proj = None
-        self.out_proj = Linear(num_heads * dh, d_in if d_out is None else d_out, out_bias)
+        self.out_proj = Linear(num_heads * dv, d_in if d_out is None else d_out, out_bias)
 
     def __call__(self, x, mask=None, *, query_seq_lengths=None, positions=None,
                  dropout_mask=None, return_weights=False):
@@ -431,6 +434,8 @@ class GroupedQueryAttention(Module):
         q = _split(q, self.heads)                   # (..., N, L, Dh)
         k = _split(k, self.kv_heads)                # (..., Nkv, L, Dh)
         v = _split(v, self.kv_heads)
+        if self.value_scale is not None:  # MiMo-V2-Flash: the values times a constant
+            v = v * self.value_scale
         if self.v_norm:  # Gemma 4: v / √(mean(v²) + ε) per head, no weight
             v = v / np.sqrt((v * v).mean(-1, keepdims=True) + self.eps).astype(v.dtype)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):

@@ -349,6 +349,13 @@ for id, variant, config, message in [
     ("gqa-qk_norm_eps-zero", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, qk_norm="rms", qk_norm_eps=0.0),
      "qk_norm_eps should be a positive number, got 0.0"),
+    ("gqa-v_head_dim-k_eq_v", "grouped_query_attention",
+     dict(d_in=8, num_heads=2, num_kv_heads=1, head_dim=4, v_head_dim=6, k_eq_v=True),
+     "v_head_dim should be None or head_dim = 4 with k_eq_v (the values are the keys' "
+     "projection), got 6"),
+    ("gqa-value_scale-zero", "grouped_query_attention",
+     dict(d_in=8, num_heads=2, num_kv_heads=1, value_scale=0.0),
+     "value_scale should be None or a finite number other than 0, got 0.0"),
     ("gqa-temperature-fields", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, query_temperature={"beta": 0.1}),
      "query_temperature of kind 'llama4' should have the keys beta, floor_scale, shift, got "
@@ -654,8 +661,8 @@ twin_case("load-cache-dict", lambda t: t.lib.load_cache({"key": np.ones((2, 2, 8
 twin_case("load-cache-key-rank", lambda t: t.lib.load_cache(np_cache(key=(2, 8, 4))),
           ValueError, E("cache.key shape should be (B, Hkv, M, Dh), got (2, 8, 4)"))
 twin_case("load-cache-value-shape",
-          lambda t: t.lib.load_cache(np_cache(value=(2, 2, 8, 3))), ValueError,
-          E("cache.value shape should be (B, Hkv, M, Dh) = (2, 2, 8, 4), got (2, 2, 8, 3)"))
+          lambda t: t.lib.load_cache(np_cache(value=(2, 2, 7, 4))), ValueError,
+          E("cache.value shape should be (B, Hkv, M, Dv) = (2, 2, 8, ?), got (2, 2, 7, 4)"))
 twin_case("load-cache-key-int", lambda t: t.lib.load_cache(np_cache(dtype="int32")), ValueError,
           E(f"cache.key dtype should be one of {FLOATS}, got int32"))
 twin_case("load-cache-lengths-float",

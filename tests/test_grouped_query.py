@@ -80,6 +80,8 @@ DECODE_CONFIGS = {
     "temperature_learned_norm_after_rope": dict(
         CONFIG, query_temperature={"kind": "learned"}, qk_norm="rms_after_rope",
         output_norm="rms_per_head", output_gate="sigmoid_per_head"),
+    "value_width_scale_sinks": dict(CONFIG, v_head_dim=5, value_scale=0.5, sinks=True,
+                                    sliding_window=3, output_gate=True),
     "temperature_log_window": dict(
         CONFIG, query_temperature={"kind": "log", "alpha": 0.6, "length": 3}, sliding_window=4),
     "alibi_mpt_clip_qkv": dict(CONFIG, rope_theta=None, alibi="mpt", clip_qkv=0.5),
@@ -183,14 +185,16 @@ def test_full_forward_of_right_padded_rows_equals_the_unpadded_rows(twin):
     np.testing.assert_allclose(padded[1, 4:], np.broadcast_to(b_out, (3, 3)), rtol=0, atol=EXACT)
 
 
+@pytest.mark.parametrize("config", [CONFIG, dict(CONFIG, v_head_dim=5, value_scale=0.5)],
+                         ids=["plain", "value_width"])  # MiMo-V2-Flash's: values 5 wide
 @pytest.mark.parametrize("start", list(TWINS))
-def test_a_cache_filled_in_one_framework_continues_in_the_other(start):
+def test_a_cache_filled_in_one_framework_continues_in_the_other(start, config):
     rng, seed = fresh_rng()
     first, second = TWINS[start], other(TWINS[start])
-    params = _params(CONFIG, rng)
+    params = _params(config, rng)
     x = rng.standard_normal((2, 9, D_IN))
     with first.float64(), second.float64():
-        a, b = _built(first, CONFIG, params), _built(second, CONFIG, params)
+        a, b = _built(first, config, params), _built(second, config, params)
         full = _call(first, a, x)
         head, cache = _decode(first, a, x[:, :6], prompt=[3, 5], max_length=12)
         moved = second.lib.load_cache(first.lib.export_cache(cache))

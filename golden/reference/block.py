@@ -69,7 +69,8 @@ class Stage(NamedTuple):
 
 
 def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
-                  clip=None, v_norm=None, key_scale=None, gate=None, output_norm=None, **core):
+                  clip=None, v_norm=None, key_scale=None, gate=None, output_norm=None,
+                  value_scale=None, **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate), sinks, and W_pos, bias_u
     and bias_v (Transformer-XL's relative positions: golden.reference.transformer_xl_term,
@@ -81,7 +82,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
     ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
     without W_value (k_eq_v, Gemma 4's full layers) the values are the key projection's heads,
-    before the stages; ``output_norm`` (kind, ε) (golden.specification.outputs): the heads'
+    before the stages; ``value_scale`` s (MiMo-V2-Flash): the values times s after the clip,
+    before the value norm; ``output_norm`` (kind, ε) (golden.specification.outputs): the heads'
     output RMS-normalised per head ("rms_per_head", no weight) or over all heads' features
     ("rms", times p["output_norm_weight"]) before the gate; ``gate`` (activation, per_head) of
     golden.specification.outputs.gate_kind: the output times act(x_q W_gate + b_gate), one value
@@ -99,6 +101,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         c = number(clip)
         inside = [((a >= -c) & (a <= c)).astype(bool) for a in (q, k, v)]
         q, k, v = (np.where(i, a, np.where(a > c, c, -c)) for i, a in zip(inside, (q, k, v)))
+    if value_scale is not None:
+        v = v * number(value_scale)
     v_normed = None
     if v_norm is not None:
         v, v_normed = normalize("l2", v, None, v_norm)
@@ -137,7 +141,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
                  merged=merged, gate=gated, attn=attn, inside=inside, v_normed=v_normed,
-                 relative=relative, shaw=shaw, output_norm=(output_norm, normed))
+                 relative=relative, shaw=shaw, output_norm=(output_norm, normed),
+                 value_scale=value_scale)
     return y, weights, saved
 
 
@@ -196,6 +201,8 @@ def block_backward(saved, d_y, d_weights):
         grads["sinks"] = g["sinks"]
     if saved.get("v_normed") is not None:  # the value norm's transpose (no weight)
         g["value"] = normalize_backward("l2", saved["v_normed"], g["value"])[0]
+    if saved.get("value_scale") is not None:
+        g["value"] = g["value"] * number(saved["value_scale"])
     if saved.get("buckets") is not None:  # T5: the bias's gradient summed into its buckets
         grads["relative_attention_bias"] = bucket_sums(g["bias"], saved["buckets"],
                                                        p["relative_attention_bias"].shape)

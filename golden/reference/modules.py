@@ -169,6 +169,7 @@ def _grouped_query(config, inputs, params):
         dropout_mask=inputs.get("dropout_mask"), clip=c["clip_qkv"],
         v_norm=number(c["qk_norm_eps"]) if c.get("v_norm") else None,
         key_scale=c.get("key_scale"), gate=gate_kind(c["output_gate"]),
+        value_scale=c.get("value_scale"),
         output_norm=None if c["output_norm"] is None else (c["output_norm"],
                                                            number(c["output_norm_eps"])),
         **core)

@@ -368,6 +368,13 @@ CASES += [
          {"d_in": 5, "num_heads": 4, "num_kv_heads": 1, "head_dim": 4, "d_out": 3,
           "query_temperature": {"kind": "log", "alpha": 0.8, "length": 2},
           "rope_theta": 100.0}),
+    # MiMo-V2-Flash's sliding layers: values 5 wide on keys 4 wide, a value scale, sinks
+    Case("gqa_value_width_mimo_v2_flash", GQA, 829,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 5])},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 4, "v_head_dim": 5,
+          "d_out": 3, "value_scale": 0.707, "sinks": True, "sliding_window": 3,
+          "qkv_bias": True, "rope_theta": 1000.0, "output_gate": "sigmoid_per_head",
+          "output_norm": "rms"}),
     Case("gqa_temperature_learned_mistral_large4", GQA, 828, {"x": ("normal", (2, 7, 5))},
          {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
           "query_temperature": {"kind": "learned"}, "sliding_window": 4,

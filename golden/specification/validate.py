@@ -691,14 +691,15 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
 
 def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_lengths=None, *,
                          heads, rate=0.0, cache=None, kv_heads=None, head_dim=None,
-                         positions=None, axes=None, temperature=False):
+                         positions=None, axes=None, temperature=False, value_dim=None):
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
     array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,), or with
     ``axes`` A (the module's RoPE is multimodal or axial: validate.rope_axis_count) also (A, B,
     L) or (A, L), one row per axis, but not with a query ``temperature`` (which axis's position
     would scale it?). Without a cache the keys are x's L tokens; with one (a
     golden.specification.positions.KVCache, see check_cache) they are its max_length positions
-    M, and x must be batched like it. Returns the weights' shape (B, H, L, L or M)."""
+    M, and x must be batched like it (its values ``value_dim`` wide, default head_dim). Returns
+    the weights' shape (B, H, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
     if query_seq_lengths is not None:
         _expect_integers("query_seq_lengths", query_seq_lengths, lead, "B" if lead else None)
@@ -720,7 +721,7 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
                              f"axis's position scales the query; give (B, L)")
     lk = x.shape[-2]
     if cache is not None:
-        lk = check_cache(cache, x, kv_heads, head_dim)
+        lk = check_cache(cache, x, kv_heads, head_dim, value_dim)
     return check_module_masks(lead, x.shape[-2], lk, mask, dropout_mask, heads, rate)
 
 
@@ -732,9 +733,10 @@ def cache_shape(batch_size, max_length, kv_heads, head_dim) -> tuple:
     return (batch_size, kv_heads, max_length, head_dim)
 
 
-def check_cache(cache, x, kv_heads, head_dim) -> int:
-    """A KV cache for x (B, L, d_in): key and value (B, Hkv, M, Dh) in x's dtype, lengths (B,)
-    integers, L ≤ M. Returns M. Only shapes and dtypes are read (never the lengths' values)."""
+def check_cache(cache, x, kv_heads, head_dim, value_dim=None) -> int:
+    """A KV cache for x (B, L, d_in): key (B, Hkv, M, Dh) and value (B, Hkv, M, Dv) (Dv =
+    ``value_dim``, default Dh) in x's dtype, lengths (B,) integers, L ≤ M. Returns M. Only
+    shapes and dtypes are read (never the lengths' values)."""
     _expect_cache(cache)
     if len(x.shape) != 3:
         raise ValueError(f"x shape should be (B, L, d_in) with a cache, got {_fmt(tuple(x.shape))}")
@@ -742,8 +744,9 @@ def check_cache(cache, x, kv_heads, head_dim) -> int:
     _expect_shape("cache.key", tuple(cache.key.shape), ("B", "Hkv", "M", "Dh"),
                   (b, kv_heads, None, head_dim))
     m = cache.key.shape[2]
-    _expect_shape("cache.value", tuple(cache.value.shape), ("B", "Hkv", "M", "Dh"),
-                  (b, kv_heads, m, head_dim))
+    dv = head_dim if value_dim is None else value_dim
+    _expect_shape("cache.value", tuple(cache.value.shape),
+                  ("B", "Hkv", "M", "Dh" if dv == head_dim else "Dv"), (b, kv_heads, m, dv))
     return _cache_takes(cache, ("key", "value"), x, m)
 
 
@@ -806,13 +809,14 @@ def _expect_cache(cache) -> None:
 
 
 def check_kv_cache(cache) -> None:
-    """A KV cache on its own (export_cache, load_cache): key and value (B, Hkv, M, Dh) of one
-    float dtype, lengths (B,) integers."""
+    """A KV cache on its own (export_cache, load_cache): key (B, Hkv, M, Dh) and value (B, Hkv,
+    M, Dv) (Dv = Dh but for a module's v_head_dim) of one float dtype, lengths (B,) integers."""
     _expect_cache(cache)
     shape = tuple(cache.key.shape)
     if len(shape) != 4:
         raise ValueError(f"cache.key shape should be (B, Hkv, M, Dh), got {_fmt(shape)}")
-    _expect_shape("cache.value", tuple(cache.value.shape), ("B", "Hkv", "M", "Dh"), shape)
+    _expect_shape("cache.value", tuple(cache.value.shape), ("B", "Hkv", "M", "Dv"),
+                  shape[:3] + (None,))
     _expect_float("cache.key", cache.key)
     _expect_float("cache.value", cache.value, like=dtype_name(cache.key.dtype),
                   whose="cache.key's")

@@ -240,6 +240,11 @@ def head_dim(c) -> int:
     return c["d_in"] // c["num_heads"] if c["head_dim"] is None else c["head_dim"]
 
 
+def value_dim(c) -> int:
+    """GroupedQueryAttention's value head width Dv: v_head_dim, which defaults to Dh."""
+    return head_dim(c) if c.get("v_head_dim") is None else c["v_head_dim"]
+
+
 # The QK norms in use (golden.reference.qk_norm_stage): kind -> (the weight's shape for
 # ``heads`` heads of width Dh, or None for no weight; an example family).
 QK_NORMS = {
@@ -278,11 +283,15 @@ def _grouped_query_shapes(c):
     if rope is not None:
         rotary_dims(dh, rope)
     d_out = c["d_in"] if c["d_out"] is None else c["d_out"]
+    dv = value_dim(c)
+    if c["k_eq_v"] and dv != dh:
+        raise ValueError(f"v_head_dim should be None or head_dim = {dh} with k_eq_v (the values "
+                         f"are the keys' projection), got {c['v_head_dim']}")
     shapes = {"W_query": (c["d_in"], h * dh), "W_key": (c["d_in"], hkv * dh),
-              "W_value": (c["d_in"], hkv * dh), "W_out": (h * dh, d_out)}
+              "W_value": (c["d_in"], hkv * dv), "W_out": (h * dv, d_out)}
     if c["qkv_bias"]:
-        shapes.update({"b_query": (h * dh,), "b_key": (hkv * dh,), "b_value": (hkv * dh,)})
-    shapes.update(output_shapes(c, h, dh))  # the output gate's and the output norm's
+        shapes.update({"b_query": (h * dh,), "b_key": (hkv * dh,), "b_value": (hkv * dv,)})
+    shapes.update(output_shapes(c, h, dv))  # the output gate's and the output norm's: values
     shapes.update(temperature_shapes(c))  # the learned query temperature's
     if c["k_eq_v"]:  # Gemma 4's full layers: no value projection, V is the key's
         shapes.pop("W_value")
@@ -327,6 +336,14 @@ def _multi_head_cross_shapes(c):
     if c["out_bias"]:
         shapes["b_out"] = (s["d_out"],)
     return shapes
+
+
+def _value_scale(name, s) -> None:
+    """None or a finite number other than 0 (the values times it)."""
+    if s is not None:
+        check_scale(name, s)
+        if s == 0:
+            raise ValueError(f"{name} should be None or a finite number other than 0, got {s!r}")
 
 
 def _flag_or_none(name, b) -> None:
@@ -515,7 +532,8 @@ _VARIANTS = [
              Arg("input_norm", check_input_norm, None), Arg("input_norm_eps", epsilon, 1e-5),
              Arg("key_scale", check_positive_or_none, None),
              Arg("output_norm", check_output_norm, None), Arg("output_norm_eps", epsilon, 1e-6),
-             Arg("gate_bias", _flag_or_none, None)),
+             Arg("gate_bias", _flag_or_none, None), Arg("v_head_dim", positive_or_none, None),
+             Arg("value_scale", _value_scale, None)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",

@@ -86,7 +86,8 @@ class GroupedQueryAttention(_Variant):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None, *,
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
+                 v_head_dim=None, value_scale=None, *,
                  rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -107,12 +108,14 @@ class GroupedQueryAttention(_Variant):
                         relative_max_distance=relative_max_distance,
                         input_norm=input_norm, input_norm_eps=input_norm_eps,
                         key_scale=key_scale, output_norm=output_norm,
-                        output_norm_eps=output_norm_eps, gate_bias=gate_bias)
+                        output_norm_eps=output_norm_eps, gate_bias=gate_bias,
+                        v_head_dim=v_head_dim, value_scale=value_scale)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
         self.head_dim = variants.head_dim(self.config)
+        self.v_head_dim, self.value_scale = variants.value_dim(self.config), value_scale
         self.causal, self.scale, self.softcap = causal, scale, softcap
         self.local_window_size = core_window(sliding_window, causal)
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
@@ -129,13 +132,16 @@ class GroupedQueryAttention(_Variant):
         self.W_query = _linear(d_in, width, qkv_bias, rngs, precision)
         self.W_key = _linear(d_in, kv_width, qkv_bias, rngs, precision)
         self.W_value = (None if k_eq_v  # k_eq_v (Gemma 4): V is K's projection
-                        else _linear(d_in, kv_width, qkv_bias, rngs, precision))
+                        else _linear(d_in, num_kv_heads * self.v_head_dim, qkv_bias, rngs,
+                                     precision))
+        values = num_heads * self.v_head_dim  # N·Dv: the heads' output
         self.gate = gate_kind(output_gate)  # (activation, per head) or None: static
         self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
         self.W_gate = None if self.gate is None else _linear(
-            d_in, num_heads if self.gate[1] else width, gate_has_bias(self.config), rngs,
+            d_in, num_heads if self.gate[1] else values, gate_has_bias(self.config), rngs,
             precision)
-        self.out_proj = _linear(width, d_in if d_out is None else d_out, out_bias, rngs, precision)
+        self.out_proj = _linear(values, d_in if d_out is None else d_out, out_bias, rngs,
+                                precision)
         self.W_pos = (_linear(d_in, width, False, rngs, precision)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
@@ -150,7 +156,8 @@ class GroupedQueryAttention(_Variant):
         parameters'), lengths zeros (B,) int32."""
         shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.kernel.get_value().dtype if dtype is None else dtype
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+        return KVCache(jnp.zeros(shape, dtype),
+                       jnp.zeros(shape[:-1] + (self.v_head_dim,), dtype),
                        jnp.zeros((batch_size,), jnp.int32))
 
     def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
@@ -174,7 +181,8 @@ class GroupedQueryAttention(_Variant):
         lengths."""
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=self._rate(), cache=cache,
-                             kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+                             kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             value_dim=self.v_head_dim)
         new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
         if any(isinstance(a, jax.core.Tracer) for a in (cache.lengths, new)):
             raise ValueError("strict=True reads the cache's lengths on the host, but they are "
@@ -189,6 +197,7 @@ class GroupedQueryAttention(_Variant):
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             value_dim=self.v_head_dim,
                              positions=positions, axes=rope_axis_count(self.rotary),
                              temperature=self.query_temperature is not None)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
@@ -202,6 +211,8 @@ class GroupedQueryAttention(_Variant):
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
         v = self._split(v, self.num_kv_heads)
+        if self.value_scale is not None:  # MiMo-V2-Flash: the values times a constant
+            v = v * self.value_scale
         if self.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
             v = self._norm(v, None, kind="l2")
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
@@ -266,8 +277,8 @@ class GroupedQueryAttention(_Variant):
         return y if self.clip_qkv is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
-        """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
-        y = y.reshape(y.shape[:-1] + (heads, self.head_dim))  # (B, L, heads, Dh)
+        """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike)."""
+        y = y.reshape(y.shape[:-1] + (heads, -1))  # (B, L, heads, Dh)
         return jnp.swapaxes(y, -2, -3)
 
     def _extra(self) -> dict:

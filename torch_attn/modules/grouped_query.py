@@ -113,7 +113,8 @@ class GroupedQueryAttention(nn.Module):
                  relative_attention_max_distance=128, relative_attention_buckets="t5",
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
-                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None):
+                 key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
+                 v_head_dim=None, value_scale=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -135,12 +136,14 @@ class GroupedQueryAttention(nn.Module):
                               relative_max_distance=relative_max_distance,
                               input_norm=input_norm, input_norm_eps=input_norm_eps,
                               key_scale=key_scale, output_norm=output_norm,
-                              output_norm_eps=output_norm_eps, gate_bias=gate_bias)
+                              output_norm_eps=output_norm_eps, gate_bias=gate_bias,
+                              v_head_dim=v_head_dim, value_scale=value_scale)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
         self.head_dim = variants.head_dim(self.config)
+        self.v_head_dim, self.value_scale = variants.value_dim(self.config), value_scale
         self.causal, self.scale, self.softcap = causal, scale, softcap
         self.sliding_window, self.dropout = sliding_window, dropout
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
@@ -153,12 +156,13 @@ class GroupedQueryAttention(nn.Module):
         self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.W_value = None if k_eq_v else nn.Linear(  # k_eq_v (Gemma 4): V is K's projection
-            d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
+            d_in, num_kv_heads * self.v_head_dim, bias=qkv_bias)
+        values = num_heads * self.v_head_dim  # N·Dv: the heads' output
         self.gate = gate_kind(output_gate)  # (activation, per head) or None
         self.output_norm, self.output_norm_eps = output_norm, output_norm_eps
         self.W_gate = None if self.gate is None else nn.Linear(
-            d_in, num_heads if self.gate[1] else width, bias=gate_has_bias(self.config))
-        self.out_proj = nn.Linear(width, d_in if d_out is None else d_out, bias=out_bias)
+            d_in, num_heads if self.gate[1] else values, bias=gate_has_bias(self.config))
+        self.out_proj = nn.Linear(values, d_in if d_out is None else d_out, bias=out_bias)
         self.W_pos = (nn.Linear(d_in, width, bias=False)
                       if relative_positions in ("transformer_xl", "conformer_timing") else None)
         self.buckets = (relative_attention_num_buckets, relative_attention_max_distance,
@@ -175,7 +179,7 @@ class GroupedQueryAttention(nn.Module):
         dtype = self.W_query.weight.dtype if dtype is None else dtype
         device = self.W_query.weight.device
         return KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                       torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape[:-1] + (self.v_head_dim,), dtype=dtype, device=device),
                        torch.zeros(batch_size, dtype=torch.int32, device=device))
 
     def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
@@ -184,6 +188,7 @@ class GroupedQueryAttention(nn.Module):
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             value_dim=self.v_head_dim,
                              positions=positions, axes=rope_axis_count(self.rotary),
                              temperature=self.query_temperature is not None)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
@@ -203,6 +208,8 @@ class GroupedQueryAttention(nn.Module):
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
         v = self._split(v, self.num_kv_heads)
+        if self.value_scale is not None:  # MiMo-V2-Flash: the values times a constant
+            v = v * self.value_scale
         if self.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
             v = self._norm(v, None, kind="l2")
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
@@ -274,8 +281,8 @@ class GroupedQueryAttention(nn.Module):
         return y if self.clip_qkv is None else y.clamp(-self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
-        """(B, L, heads·Dh) -> (B, heads, L, Dh)."""
-        return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
+        """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike)."""
+        return y.unflatten(-1, (heads, -1)).transpose(-2, -3)
 
     def _norm(self, t, weight, kind=None):
         """The QK norm of t (or ``kind``, "l2" for the value norm), computed in at least float32
