@@ -353,7 +353,7 @@ class GroupedQueryAttention(Module):
                  clip_qkv=None, v_norm=False, relative_positions=None, k_eq_v=False,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
-                 v_head_dim=None, value_scale=None, *, core=None):
+                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         projected = relative_positions in ("transformer_xl", "conformer_timing")
@@ -379,7 +379,7 @@ class GroupedQueryAttention(Module):
         learned = query_temperature is not None and query_temperature.get("kind") == "learned"
         self.temperature_scale, self.temperature_bias = (
             (np.zeros(num_heads), np.ones(num_heads)) if learned else (None, None))
-        self.clip, self.v_norm = clip_qkv, v_norm
+        self.clip, self.v_norm, self.clip_after_norm = clip_qkv, v_norm, clip_qkv_after_norm
         shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
                   "rms_after_rope": lambda n: (dh,),
                   "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh)}
@@ -427,10 +427,14 @@ class GroupedQueryAttention(Module):
             x = x * self.input_norm_weight.astype(x.dtype) + self.input_norm_bias.astype(x.dtype)
         q, k = self.q_proj(x), self.k_proj(x)
         v = k if self.v_proj is None else self.v_proj(x)
-        if self.clip is not None:  # MPT's and OLMo's clip_qkv
-            q, k, v = (np.clip(t, -self.clip, self.clip) for t in (q, k, v))
+        if self.clip is not None:  # MPT's and OLMo's clip_qkv (OLMoE's: q and k after the norm)
+            v = np.clip(v, -self.clip, self.clip)
+            if not self.clip_after_norm:
+                q, k = (np.clip(t, -self.clip, self.clip) for t in (q, k))
         if self.qk_norm == "rms_across_heads":  # OLMo 2: over all heads, before the split
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
+            if self.clip_after_norm:
+                q, k = (np.clip(t, -self.clip, self.clip) for t in (q, k))
         q = _split(q, self.heads)                   # (..., N, L, Dh)
         k = _split(k, self.kv_heads)                # (..., Nkv, L, Dh)
         v = _split(v, self.kv_heads)
@@ -440,6 +444,8 @@ class GroupedQueryAttention(Module):
             v = v / np.sqrt((v * v).mean(-1, keepdims=True) + self.eps).astype(v.dtype)
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
+            if self.clip_after_norm:
+                q, k = (np.clip(t, -self.clip, self.clip) for t in (q, k))
         if self.rope_settings is not None:
             q, k = (rope(t, self.rope_settings, self.rope_interleaved, positions,
                          multi=positions.ndim == x.ndim + 1) for t in (q, k))

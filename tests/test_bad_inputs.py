@@ -353,6 +353,11 @@ for id, variant, config, message in [
      dict(d_in=8, num_heads=2, num_kv_heads=1, head_dim=4, v_head_dim=6, k_eq_v=True),
      "v_head_dim should be None or head_dim = 4 with k_eq_v (the values are the keys' "
      "projection), got 6"),
+    ("gqa-clip_after_norm-no-norm", "grouped_query_attention",
+     dict(d_in=8, num_heads=2, num_kv_heads=1, clip_qkv=2.0, clip_qkv_after_norm=True),
+     "clip_qkv_after_norm should be False unless clip_qkv is set and qk_norm is one before "
+     "RoPE (OLMoE: its q and k clamped after their norm), got True with clip_qkv = 2.0, "
+     "qk_norm = None"),
     ("gqa-value_scale-zero", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, value_scale=0.0),
      "value_scale should be None or a finite number other than 0, got 0.0"),

@@ -70,7 +70,7 @@ class Stage(NamedTuple):
 
 def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
                   clip=None, v_norm=None, key_scale=None, gate=None, output_norm=None,
-                  value_scale=None, **core):
+                  value_scale=None, clip_roles=("query", "key", "value"), **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate), sinks, and W_pos, bias_u
     and bias_v (Transformer-XL's relative positions: golden.reference.transformer_xl_term,
@@ -79,7 +79,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     scale ``key_scale`` κ, default 1) or relative_key_table (Shaw's: golden.reference.shaw_term,
     after the stages), each relative term inside the core's cap. Key and value
     have ``kv_heads`` heads (default num_heads); ``stages`` (Stage) run in order on q and k;
-    ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection to [−c, c] before the stages;
+    ``clip`` c (MPT's and OLMo's clip_qkv) clamps each projection of ``clip_roles`` to [−c, c]
+    before the stages (OLMoE's q and k: a clamp_stage after their norm);
     ``v_norm`` ε (Gemma 4): each value head v / √(mean(v²) + ε), no weight, after the clip;
     without W_value (k_eq_v, Gemma 4's full layers) the values are the key projection's heads,
     before the stages; ``value_scale`` s (MiMo-V2-Flash): the values times s after the clip,
@@ -98,9 +99,7 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
                for x, n in ((x_q, "query"), (x_k, "key"), value_from))
     inside = None
     if clip is not None:  # the derivative is 1 inside [−c, c] (ends included, as torch's), else 0
-        c = number(clip)
-        inside = [((a >= -c) & (a <= c)).astype(bool) for a in (q, k, v)]
-        q, k, v = (np.where(i, a, np.where(a > c, c, -c)) for i, a in zip(inside, (q, k, v)))
+        (q, k, v), inside = clamp((q, k, v), clip, clip_roles)
     if value_scale is not None:
         v = v * number(value_scale)
     v_normed = None
@@ -144,6 +143,15 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
                  relative=relative, shaw=shaw, output_norm=(output_norm, normed),
                  value_scale=value_scale)
     return y, weights, saved
+
+
+def clamp(arrays, clip, roles=("query", "key", "value")):
+    """(arrays clamped to [−c, c] where their role is in ``roles``, the masks where each is
+    inside: its derivative 1 there (ends included, as torch's), 0 outside)."""
+    c = number(clip)
+    inside = [((a >= -c) & (a <= c)).astype(bool) if role in roles else np.ones(a.shape, bool)
+              for a, role in zip(arrays, ("query", "key", "value"))]
+    return [np.where(i, a, np.where(a > c, c, -c)) for i, a in zip(inside, arrays)], inside
 
 
 def _output_norm(out, p, output_norm):

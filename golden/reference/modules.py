@@ -24,7 +24,8 @@ from golden.reference.norms import normalize, normalize_backward
 from golden.reference.position_bias import alibi_term, relative_term
 from golden.reference.rotary import rope_cos_sin
 from golden.specification.positions import rope_blocks
-from golden.reference.stages import (learned_temperature_stage, qk_norm_stage, rope_stage,
+from golden.reference.stages import (clamp_stage, learned_temperature_stage, qk_norm_stage,
+                                      rope_stage,
                                       temperature_factors,
                                       temperature_stage)
 from golden.specification.validate import rope_settings
@@ -128,6 +129,8 @@ def _grouped_query(config, inputs, params):
         kind, *(None if params.get(n) is None else real(params[n])
                 for n in ("q_norm", "k_norm")), number(c["qk_norm_eps"]))
     stages = [norm] if norm is not None and kind not in variants.AFTER_ROPE else []
+    if c["clip_qkv_after_norm"]:  # OLMoE: q and k clamped after their norm, v at projection
+        stages.append(clamp_stage(c["clip_qkv"]))
     settings = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                              c["rope_precision"])
     positions = inputs.get("positions")  # (B, L) or (L,): each token's, default its index;
@@ -170,6 +173,7 @@ def _grouped_query(config, inputs, params):
         v_norm=number(c["qk_norm_eps"]) if c.get("v_norm") else None,
         key_scale=c.get("key_scale"), gate=gate_kind(c["output_gate"]),
         value_scale=c.get("value_scale"),
+        clip_roles=("value",) if c["clip_qkv_after_norm"] else ("query", "key", "value"),
         output_norm=None if c["output_norm"] is None else (c["output_norm"],
                                                            number(c["output_norm_eps"])),
         **core)

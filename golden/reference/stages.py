@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from golden.reference.arithmetic import number, real
-from golden.reference.block import Stage, merge_heads, split_heads
+from golden.reference.block import Stage, clamp, merge_heads, split_heads
 from golden.reference.core import unbroadcast
 from golden.reference.norms import normalize, normalize_backward
 from golden.reference.rotary import turn
@@ -58,6 +58,16 @@ def qk_norm_stage(kind, q_weight, k_weight, eps) -> Stage:
         return out[0], out[1], grads
 
     return Stage(forward, backward)
+
+
+def clamp_stage(clip) -> Stage:
+    """q and k clamped to [−c, c] (OLMoE's clip_qkv after the QK norm); the gradient passes
+    where they were inside."""
+    def forward(q, k):
+        (q, k), inside = clamp((q, k), clip, ("query", "key"))
+        return q, k, inside
+    return Stage(forward, lambda inside, g_q, g_k: (np.where(inside[0], g_q, number(0)),
+                                                   np.where(inside[1], g_k, number(0)), {}))
 
 
 def temperature_factors(positions, t):

@@ -375,6 +375,11 @@ CASES += [
           "d_out": 3, "value_scale": 0.707, "sinks": True, "sliding_window": 3,
           "qkv_bias": True, "rope_theta": 1000.0, "output_gate": "sigmoid_per_head",
           "output_norm": "rms"}),
+    # OLMoE: q and k clamped after their norm over all heads (the clamp bites on both sides)
+    Case("gqa_clip_after_norm_olmoe", GQA, 830, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 4, "num_kv_heads": 2, "head_dim": 4, "d_out": 6,
+          "qk_norm": "rms_across_heads", "clip_qkv": 1.1, "clip_qkv_after_norm": True,
+          "rope_theta": 10000.0}),
     Case("gqa_temperature_learned_mistral_large4", GQA, 828, {"x": ("normal", (2, 7, 5))},
          {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
           "query_temperature": {"kind": "learned"}, "sliding_window": 4,

@@ -283,6 +283,12 @@ def _grouped_query_shapes(c):
     if rope is not None:
         rotary_dims(dh, rope)
     d_out = c["d_in"] if c["d_out"] is None else c["d_out"]
+    if c["clip_qkv_after_norm"] and (c["clip_qkv"] is None or c["qk_norm"] is None
+                                     or c["qk_norm"] in AFTER_ROPE):
+        raise ValueError(f"clip_qkv_after_norm should be False unless clip_qkv is set and "
+                         f"qk_norm is one before RoPE (OLMoE: its q and k clamped after their "
+                         f"norm), got True with clip_qkv = {c['clip_qkv']!r}, qk_norm = "
+                         f"{c['qk_norm']!r}")
     dv = value_dim(c)
     if c["k_eq_v"] and dv != dh:
         raise ValueError(f"v_head_dim should be None or head_dim = {dh} with k_eq_v (the values "
@@ -533,7 +539,8 @@ _VARIANTS = [
              Arg("key_scale", check_positive_or_none, None),
              Arg("output_norm", check_output_norm, None), Arg("output_norm_eps", epsilon, 1e-6),
              Arg("gate_bias", _flag_or_none, None), Arg("v_head_dim", positive_or_none, None),
-             Arg("value_scale", _value_scale, None)),
+             Arg("value_scale", _value_scale, None),
+             Arg("clip_qkv_after_norm", _flag, False)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",

@@ -114,7 +114,7 @@ class GroupedQueryAttention(nn.Module):
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
-                 v_head_dim=None, value_scale=None):
+                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -137,8 +137,10 @@ class GroupedQueryAttention(nn.Module):
                               input_norm=input_norm, input_norm_eps=input_norm_eps,
                               key_scale=key_scale, output_norm=output_norm,
                               output_norm_eps=output_norm_eps, gate_bias=gate_bias,
-                              v_head_dim=v_head_dim, value_scale=value_scale)
+                              v_head_dim=v_head_dim, value_scale=value_scale,
+                              clip_qkv_after_norm=clip_qkv_after_norm)
         self.clip_qkv, self.v_norm = clip_qkv, v_norm
+        self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
         self.d_in, self.num_heads, self.num_kv_heads = d_in, num_heads, num_kv_heads
@@ -201,10 +203,12 @@ class GroupedQueryAttention(nn.Module):
                        cache.key.shape[2], x.shape[-2])
         if self.input_norm_weight is not None:  # Granite Speech's pre_norm
             x = self._input_norm(x)
-        q, k = (self._clip(p(x)) for p in (self.W_query, self.W_key))
-        v = k if self.W_value is None else self._clip(self.W_value(x))  # k_eq_v: K's projection
+        q, k = (p(x) for p in (self.W_query, self.W_key))
+        v = self._clip(k if self.W_value is None else self.W_value(x))  # k_eq_v: K's projection
+        if not self.clip_after_norm:
+            q, k = self._clip(q), self._clip(k)
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
-            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+            q, k = self._normed(q, k)
         q = self._split(q, self.num_heads)                     # (B, N, L, Dh)
         k = self._split(k, self.num_kv_heads)                  # (B, Nkv, L, Dh)
         v = self._split(v, self.num_kv_heads)
@@ -213,7 +217,7 @@ class GroupedQueryAttention(nn.Module):
         if self.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
             v = self._norm(v, None, kind="l2")
         if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
-            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+            q, k = self._normed(q, k)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
@@ -275,6 +279,11 @@ class GroupedQueryAttention(nn.Module):
                             sigmoid=torch.sigmoid, softplus=lambda z: (
                                 z.to(compute).clamp(min=0) + torch.log1p(
                                     torch.exp(-z.to(compute).abs()))).to(z.dtype))
+
+    def _normed(self, q, k):
+        """q and k through their QK norm before RoPE, then clamped with clip_qkv_after_norm."""
+        q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        return (self._clip(q), self._clip(k)) if self.clip_after_norm else (q, k)
 
     def _clip(self, y):
         """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
