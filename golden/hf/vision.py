@@ -284,7 +284,8 @@ COMPOSITES: dict[str, dict[str, str]] = {
     # "vision_tower.encoder.layers.N" as save_pretrained writes it; Pixtral's
     # "vision_tower.transformer.layers.N"). A vision tower of a kind we do not convert (FastVLM's
     # and Perception LM's timm models) is not read, and attn-parity hf's notes say so
-    # (golden.verifier.layout.unread_towers)
+    # (golden.verifier.layout.unread_towers). PaliGemma's text tower is refused at its layers:
+    # its config makes its Gemma bidirectional (use_bidirectional_attention, which gemma refuses)
     **{mt: {"text_config": "language_model.", "vision_config": "vision_tower."}
        for mt in ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava",
                   "mistral3", "aya_vision", "paligemma", "fast_vlm", "perception_lm",
