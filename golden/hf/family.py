@@ -40,7 +40,8 @@ class HFConfig(dict):
 class Stack:
     """One stack of attention modules in a checkpoint's keys, e.g. "model.layers.3.self_attn.
     q_proj.weight" is ``Stack("layers", "self_attn")``'s layer 3 (any prefix before the stack,
-    ``within`` required just before it: a composite model's "text_model."). ``kind``:
+    ``within`` required before it, whole segments, not necessarily next to it: a composite
+    model's tower, "text_model.", "language_model."). ``kind``:
     from_hf's (None for a family with one kind); ``output``: the submodule whose output is the
     attention's when not the module's own; ``shared``: layer 0's array the later layers of the
     stack are converted with (T5's position bias table); ``label`` begins the rows' names;
@@ -80,9 +81,18 @@ class Stack:
         return key
 
     def pattern(self, layer=r"\d+"):
-        """A key's match: group 1 the module's prefix (with its dot), group 2 the layer."""
-        return re.compile(rf"^(.*?(?:^|\.){re.escape(self.within + self.stack)}\.({layer})\."
+        """A key's match: group 1 the module's prefix (with its dot), group 2 the layer;
+        ``within`` anywhere in the prefix before the stack, whole segments ("language_model."
+        in "language_model.model.layers.3." and in "model.language_model.layers.3.")."""
+        within = rf"{re.escape(self.within)}(?:.*\.)?" if self.within else ""
+        return re.compile(rf"^(.*?(?:^|\.){within}{re.escape(self.stack)}\.({layer})\."
                           rf"{re.escape(self.module)}\.)")
+
+    def form(self) -> str:
+        """The keys' form, as messages show it: "...layers.N.self_attn.*",
+        "...language_model.[...]layers.N.self_attn.*"."""
+        within = f"{self.within}[...]" if self.within else ""
+        return f"...{within}{self.stack}.N.{self.module}.*"
 
 
 # A decoder's one stack, "model.layers.N.self_attn" (Llama's and most decoders' since): the

@@ -277,6 +277,31 @@ COMPOSITES: dict[str, dict[str, str]] = {
     # Gemma 4: its audio tower (audio_config, gemma4_audio) too, where the model has one
     "gemma4": {"text_config": "language_model.", "vision_config": "vision_tower.",
                "audio_config": "audio_tower."},
+    # LLaVA and its kin (issue 42; their vision_config any AutoConfig): the text tower under
+    # "language_model." (save_pretrained's "language_model.model.layers.N", transformers 5's
+    # "model.language_model.layers.N"), the vision tower under "vision_tower." (CLIP's and
+    # SigLIP's "vision_tower.vision_model.encoder.layers.N" as released checkpoints have it,
+    # "vision_tower.encoder.layers.N" as save_pretrained writes it; Pixtral's
+    # "vision_tower.transformer.layers.N"). A vision tower of a kind we do not convert (FastVLM's
+    # and Perception LM's timm models) is not read, and attn-parity hf's notes say so
+    # (golden.verifier.layout.unread_towers). PaliGemma's text tower is refused at its layers:
+    # its config makes its Gemma bidirectional (use_bidirectional_attention, which gemma refuses)
+    **{mt: {"text_config": "language_model.", "vision_config": "vision_tower."}
+       for mt in ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava",
+                  "mistral3", "aya_vision", "paligemma", "fast_vlm", "perception_lm",
+                  "cohere2_vision")},
+    "lighton_ocr": {"text_config": "language_model.", "vision_config": "vision_encoder."},
+    # DeepSeek-VL's SigLIP tower at "model.vision_model.encoder.layers.N"
+    "deepseek_vl": {"text_config": "language_model.", "vision_config": "vision_model."},
+    # The text tower alone, its vision tower's config a class of its own that we do not convert
+    # (noted): under "language_model.": InternVL, GOT-OCR 2, Janus (and its VQ-VAE), Ovis 2,
+    # VideoLLaMA 3, Qianfan-OCR, Kimi K2.5 (a DeepSeek-V3 text tower), EXAONE 4.5; at
+    # "model.text_model.layers.N": Idefics 2 / 3 and SmolVLM (Idefics 2's perceiver resampler,
+    # "connector.perceiver_resampler.layers.N.self_attn", is not read)
+    **{mt: {"text_config": "language_model."}
+       for mt in ("internvl", "got_ocr2", "janus", "ovis2", "video_llama_3", "qianfan_ocr",
+                  "kimi_k25", "exaone4_5")},
+    **{mt: {"text_config": "text_model."} for mt in ("idefics2", "idefics3", "smolvlm")},
 }
 # Towers a composite's config may leave out (null): Gemma 4's audio encoder (only some Gemma 4
 # models have one).

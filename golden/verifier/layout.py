@@ -57,7 +57,10 @@ def read_config(directory) -> dict:
                 raise CheckpointError(f"{path}: model_type {config['model_type']!r} is a "
                                       f"composite model: its {sub} should be a dict (the "
                                       f"tower's config), got {config.get(sub)!r}")
-            _supported(config[sub])
+            if sub == "text_config" or _unconverted(config[sub]) is None:
+                _supported(config[sub], config["model_type"])
+            # else: a tower of a kind we do not convert (LLaVA's with another vision
+            # encoder): not read, and unread_towers says so
         return config
     for sub in ("text_config", "decoder", "encoder_config"):  # composites: the tower they convert
         if config["model_type"] not in FAMILIES and isinstance(config.get(sub), dict):
@@ -66,7 +69,22 @@ def read_config(directory) -> dict:
     return config
 
 
-def _supported(config):
+def _unconverted(tower) -> str | None:
+    """Why a tower's config is not converted (its model_type unknown, refused, or its
+    family's checkpoints not read yet), None when it is."""
+    mt = tower.get("model_type")
+    entry = FAMILIES.get(mt)
+    if entry is not None:
+        return entry.unverified or None
+    return REFUSED.get(mt, "its attention is not converted")
+
+
+def _supported(config, composite=None):
+    if composite is not None and config.get("model_type") not in FAMILIES:
+        raise CheckpointError(f"model_type {composite!r}: its text tower's model_type "
+                              f"{config.get('model_type')!r} is not supported "
+                              f"({_unconverted(config)}); supported: "
+                              f"{', '.join(sorted(FAMILIES))}")
     if config.get("model_type") not in FAMILIES:
         raise CheckpointError(f"model_type {config.get('model_type')!r} is not supported; "
                               f"supported: {', '.join(sorted(FAMILIES))}")
@@ -92,25 +110,26 @@ def stacks(config) -> list:
     return [(config[sub], replace(stack, within=within))
             for sub, within in COMPOSITES[config["model_type"]].items()
             if config.get(sub) is not None  # an optional tower left out (OPTIONAL_TOWERS)
+            and _unconverted(config[sub]) is None  # not converted: unread_towers' note
             for stack in LAYOUTS[config[sub]["model_type"]]]
 
 
 def unread_towers(config) -> list[str]:
     """The report's notes on a composite model's towers that are not read (Gemma 4's audio
-    encoder): each sub-config with a model_type that COMPOSITES does not list, with why."""
+    encoder, InternVL's vision tower, Idefics 2's perceiver): each sub-config that COMPOSITES
+    does not list or whose model_type is not converted, with why."""
     read = COMPOSITES.get(config["model_type"])
     if read is None:
         return []
     notes = []
     for sub, tower in config.items():
-        if sub in read or not isinstance(tower, dict) or "model_type" not in tower:
+        if not isinstance(tower, dict) or "model_type" not in tower:
             continue
-        mt = tower["model_type"]
-        entry = FAMILIES.get(mt)
-        why = (entry.unverified if entry is not None and entry.unverified else
-               REFUSED[mt] if mt in REFUSED else
-               "its attention is not converted")
-        notes.append(f"{sub} ({mt}): not checked: {why}")
+        why = _unconverted(tower)
+        if sub not in read and why is None:
+            why = "its attention is not converted"  # a converted kind, not where it sits
+        if why is not None:
+            notes.append(f"{sub} ({tower['model_type']}): not checked: {why}")
     return notes
 
 

@@ -81,16 +81,15 @@ def account(config, checkpoint) -> Accounting:
             continue
         if not by_layer:  # no layer of this stack at all: said below if no stack has any
             if want and len(stacks(config)) > 1:
-                notes.append(f"{said}no layers found (no '...{stack.within}{stack.stack}.N."
-                             f"{stack.module}.*'): not checked")
+                notes.append(f"{said}no layers found (no '{stack.form()}'): not checked")
             continue
         expected += len(want)
         field_name, count = layer_count(c, stack) or ("layers found", len(want))
         missing = [i for i in want if i not in by_layer]
         if missing:
             problems.append(f"{said}{field_name} = {count} implies layers 0 to {count - 1}, "
-                            f"the checkpoint has no '...{stack.within}{stack.stack}.N."
-                            f"{stack.module}.*' for layer(s) {_ranges(missing)}")
+                            f"the checkpoint has no '{stack.form()}' for layer(s) "
+                            f"{_ranges(missing)}")
         extra = sorted(set(by_layer) - set(want))
         if extra:
             notes.append(f"{said}layer(s) {_ranges(extra)}: beyond {field_name} = {count} "
@@ -101,8 +100,7 @@ def account(config, checkpoint) -> Accounting:
                 if layer is not None:
                     layers.append(layer)
     if not found_any:
-        forms = " or ".join(f"'...{s.within}{s.stack}.N.{s.module}.*'"
-                            for _, s in stacks(config))
+        forms = " or ".join(f"'{s.form()}'" for _, s in stacks(config))
         raise CheckpointError(f"no attention layer found: no key of the form {forms} "
                               f"(model_type {config['model_type']!r})")
     if problems:
@@ -116,13 +114,21 @@ def account(config, checkpoint) -> Accounting:
 
 def _keys_by_layer(stack, entries) -> dict:
     """{layer index: {the module's key: the checkpoint's key}} of the stack; the prefix of a
-    layer's keys under "" (ViT's file names its arrays otherwise than its module)."""
+    layer's keys under "" (ViT's file names its arrays otherwise than its module). Two modules
+    of one layer index (a vision tower's encoder.layers.N.self_attn under a text tower's
+    layers.N.self_attn) are refused, never read one as the other."""
     pattern = stack.pattern()
     layers = {}
     for key in entries:
         m = pattern.match(key)
         if m:
             found = layers.setdefault(int(m.group(2)), {"": m.group(1)})
+            if found[""] != m.group(1):
+                raise CheckpointError(
+                    f"{stack.label + ' ' if stack.label else ''}layer {m.group(2)}: two modules "
+                    f"match '{stack.form()}': {found['']!r} and {m.group(1)!r}; which is the "
+                    f"layer is ambiguous (a composite model's towers each need their key "
+                    f"prefix: golden.hf.COMPOSITES)")
             found[stack.rename(key[len(m.group(1)):])] = key
     return dict(sorted(layers.items()))
 
@@ -135,7 +141,7 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
     if stack.shared and stack.shared not in keys and 0 in by_layer \
             and stack.shared in by_layer[0]:
         keys[stack.shared] = by_layer[0][stack.shared]  # T5's table, layer 0's
-    base = prefix[:prefix.rindex(f"{stack.within}{stack.stack}.{i}.")]
+    base = prefix[:prefix.rindex(f"{stack.stack}.{i}.")]
     for name in stack.beside:  # the model's arrays beside the stack (Phi-4's position table)
         if base + name in entries:
             keys[name] = base + name
