@@ -70,6 +70,30 @@ def _csm_backbone(config):
 # Issue 42's decoders: each attention a supported one's after mapping config fields; every
 # window shorter than L, MoE configs as small as HF builds them.
 DECODERS_42 = {
+    # the small options: HunYuan's norm after RoPE (θ by a fixed NTK alpha), BitNet's norm before
+    # o_proj (N·Dh = D), OLMoE's clamp after the norm (0.5: it bites), MiMo-V2-Flash's values
+    # 4 wide on keys 6 wide, scaled, its sliding layers' doubled KV heads and sinks
+    "hunyuan_v1_dense": Family("HunYuanDenseV1Config", dict(
+        num_hidden_layers=1, attention_bias=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                         "rope_theta": 100.0}),
+        float32="HunYuanDenseV1RMSNorm"),
+    "hunyuan_v1_moe": Family("HunYuanMoEV1Config", dict(num_hidden_layers=1, num_experts=2),
+                             float32="HunYuanMoEV1RMSNorm"),
+    "bitnet": Family("BitNetConfig", dict(num_hidden_layers=1, head_dim=4, attention_bias=True),
+                     float32="BitNetRMSNorm"),
+    "olmoe": Family("OlmoeConfig", dict(num_hidden_layers=1, head_dim=4, clip_qkv=0.5,
+                                        num_experts=2, num_experts_per_tok=1),
+                    float32="OlmoeRMSNorm"),
+    "mimo_v2_flash": Family("MiMoV2FlashConfig", dict(
+        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4, v_head_dim=4, attention_value_scale=0.707, attention_bias=True,
+        n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0,
+                                            "partial_rotary_factor": 0.334},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0,
+                                               "partial_rotary_factor": 0.334}}),
+        layers=(0, 1), attention="eager", float32="eager softmax"),
     "qwen2_moe": Family("Qwen2MoeConfig", dict(
         num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=1,
         shared_expert_intermediate_size=8, **MOE), layers=(0, 1)),
@@ -278,6 +302,13 @@ FAMILIES = {
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).
 DISTINCT = {
+    "hunyuan_v1_dense": [(0, {"qk_norm": "rms"}),
+                         (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}})],
+    "hunyuan_v1_moe": [(0, {"qk_norm": "rms"})],
+    "bitnet": [(0, {"output_norm": None, "output_norm_eps": 1e-6})],
+    "olmoe": [(0, {"clip_qkv_after_norm": False})],
+    "mimo_v2_flash": [(0, {"value_scale": None}), (0, {"sinks": False}),
+                      (0, {"sliding_window": None})],
     "llama": [(0, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}})],
     "mistral": [(0, {"sliding_window": None})],
     "mixtral": [(0, {"sliding_window": None})],

@@ -13,6 +13,8 @@ Shape legend: D (= d_in) the model's width, N query heads, Dh head width.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _decoder_settings,
@@ -639,6 +641,79 @@ def _text_tower(mt, extra, **family) -> Family:
     return _llama_like(mt, extra, position_axes=3, **family)
 
 
+# ---- issue 42's small options ---------------------------------------------------------------
+
+def _hunyuan(c, layer_idx, ours):
+    """HunYuan v1 (dense and MoE): RMSNorm of each head's q and k (query_layernorm,
+    key_layernorm) after RoPE."""
+    ours.update(qk_norm="rms_after_rope", qk_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _ntk_alpha(family) -> Family:
+    """``family`` with HunYuan's fixed NTK alpha read as what it is: rope_type "dynamic" with an
+    ``alpha`` is plain RoPE at θ · α^(Dh/(Dh − 2)) (HF's compute_ntk_alpha_rope_parameters,
+    whatever the length)."""
+    def settings(c, layer_idx, sd):
+        rope = c.get("rope_parameters") or {}
+        if rope.get("rope_type") == "dynamic" and rope.get("alpha"):
+            dh = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+            theta = float(rope["rope_theta"]) * float(rope["alpha"]) ** (dh / (dh - 2))
+            c = {**c, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+        return family.settings(c, layer_idx, sd)
+    return replace(family, settings=settings)
+
+
+def _bitnet(c, layer_idx, ours):
+    """BitNet: attn_sub_norm, RMSNorm over the heads' N·Dh output features, before o_proj."""
+    width = ours["num_heads"] * ours["head_dim"]
+    if width != c["hidden_size"]:
+        raise ValueError(f"model_type 'bitnet': num_attention_heads · head_dim = {width} should "
+                         f"be hidden_size = {c['hidden_size']} (attn_sub_norm is "
+                         f"hidden_size wide)")
+    ours.update(output_norm="rms", output_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _sub_norm_in(sd, ours, params):
+    params["output_norm_weight"] = _read(sd, "attn_sub_norm.weight", "bitnet")
+    return params
+
+
+def _sub_norm_out(params, ours, sd):
+    sd["attn_sub_norm.weight"] = np.array(params["output_norm_weight"])
+    return sd
+
+
+def _layer_sinks_in(sd, ours, params):
+    """The sinks of a layer that has them (MiMo-V2-Flash's sliding layers)."""
+    if ours.get("sinks"):
+        params["sinks"] = _read(sd, "sinks", "mimo_v2_flash")
+    return params
+
+
+def _layer_sinks_out(params, ours, sd):
+    if "sinks" in params:
+        sd["sinks"] = np.array(params["sinks"])
+    return sd
+
+
+def _olmoe(c, layer_idx, ours):
+    """OLMoE: OLMo 2's norm over all heads' q and k, then clip_qkv on q and k (v at its
+    projection)."""
+    _olmo2(c, layer_idx, ours)
+    if c.get("clip_qkv") is not None:
+        ours.update(clip_qkv=float(c["clip_qkv"]), clip_qkv_after_norm=True)
+
+
+def _mimo_v2_flash(c, layer_idx, ours):
+    """MiMo-V2-Flash: values v_head_dim wide, times attention_value_scale; its sliding layers
+    twice the KV heads and sinks; o_proj without bias."""
+    ours.update(v_head_dim=int(c["v_head_dim"]))
+    if c.get("attention_value_scale") is not None:
+        ours["value_scale"] = float(c["attention_value_scale"])
+    if _layer_type(c, layer_idx) == "sliding_attention":
+        ours.update(num_kv_heads=2 * ours["num_kv_heads"], sinks=True)
+
+
 FAMILIES: dict[str, Family] = {
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
@@ -682,6 +757,15 @@ FAMILIES: dict[str, Family] = {
     **{mt: _text_tower(mt, _qwen3_5(mt), norms=QK_NORMS, to_extra=_gate_split,
                        from_extra=_gate_join)
        for mt in ("qwen3_5_text", "qwen3_5_moe_text")},
+    # Issue 42's small options: HunYuan's QK norm after RoPE (and its NTK-alpha θ), BitNet's
+    # norm before o_proj, OLMoE's clamp after the norm, MiMo-V2-Flash's value width and scale
+    **{mt: _ntk_alpha(_llama_like(mt, _hunyuan, norms=("query_layernorm.weight",
+                                                        "key_layernorm.weight")))
+       for mt in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
+    "bitnet": _llama_like("bitnet", _bitnet, to_extra=_sub_norm_in, from_extra=_sub_norm_out),
+    "olmoe": _llama_like("olmoe", _olmoe, norms=("q_norm.weight", "k_norm.weight")),
+    "mimo_v2_flash": _llama_like("mimo_v2_flash", _mimo_v2_flash, to_extra=_layer_sinks_in,
+                                 from_extra=_layer_sinks_out),
     # Issue 42's decoders whose attention is a supported one's, after mapping config fields.
     # Llama's attention; HF's model makes a window where the config says (all layers, or the
     # sliding ones of layer_types), a causal mask in the others (window dropped).
