@@ -493,11 +493,11 @@ def test_settings_a_towers_hf_code_does_not_take_are_refused_by_name(name, chang
 
 
 def test_hunyuan_vl_is_refused_with_why():
-    """HunYuan-VL's text tower: its QK RMSNorm after RoPE and its XD-RoPE (each half of a pair
-    on its own axis) are not ours to express; named, not converted."""
+    """HunYuan-VL's text tower: its XD-RoPE (each half of a pair on its own axis) is not ours
+    to express; named, not converted."""
     with pytest.raises(ValueError, match=r"model_type 'hunyuan_vl_text' is not supported: "
-                                         r"HunYuan-VL's attention normalises q and k .* after "
-                                         r"RoPE.*XD-RoPE"):
+                                         r"HunYuan-VL's XD-RoPE gives the two features of a "
+                                         r"rotated pair the positions of different axes"):
         golden.convert.from_hf({"model_type": "hunyuan_vl_text"}, {})
 
 

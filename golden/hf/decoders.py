@@ -625,10 +625,10 @@ def _privacy_filter(c, layer_idx, ours):
 
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
-    "hunyuan_vl_text": "HunYuan-VL's attention normalises q and k (RMSNorm with a weight) after "
-                       "RoPE, where ours do before; and its XD-RoPE gives the two features of a "
-                       "rotated pair the positions of different axes (its sections split the "
-                       "duplicated frequency vector over 3 or 4 axes), not one axis per pair",
+    "hunyuan_vl_text": "HunYuan-VL's XD-RoPE gives the two features of a rotated pair the "
+                       "positions of different axes (its sections split the duplicated "
+                       "frequency vector over 3 or 4 axes), not one axis per pair (its QK norm "
+                       "after RoPE is qk_norm='rms_after_rope', as HunYuan v1's)",
 }
 
 
