@@ -125,7 +125,9 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         scale = core.get("scale")
         scale = number(1) / np.sqrt(number(q.shape[-1])) if scale is None else number(scale)
         core["position_term"], shaw = shaw_term(q, p["relative_key_table"], scale)
-    head_mask = None if mask is None else np.asarray(mask)[..., None, :, :]  # (..., 1, Lq, Lk)
+    head_mask = None if mask is None else np.asarray(mask)  # (..., [1 or N,] Lq, Lk)
+    if head_mask is not None and head_mask.ndim < np.ndim(x_q) + 1:
+        head_mask = head_mask[..., None, :, :]  # (..., 1, Lq, Lk)
     if "sinks" in p:
         core["sinks"] = p["sinks"]
     out, weights, attn = sdpa_forward(q, k, v, head_mask, **core)

@@ -669,7 +669,8 @@ def check_same_context(same: bool) -> None:
 
 
 def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0):
-    """A module's mask against (B, Lq, Lk); its dropout mask against its weights (B, [N,] Lq, Lk).
+    """A module's mask against (B, Lq, Lk), or with a head axis against (B, N, Lq, Lk) for a
+    multi-head module (``heads`` N); its dropout mask against its weights (B, [N,] Lq, Lk).
 
     ``lead`` is the batch shape (empty when unbatched), ``heads`` N for multi-head modules and
     ``rate`` the dropout rate in force (0 in eval mode). Returns the weights' shape.
@@ -677,7 +678,10 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
     batch = ("B",) * len(lead)
     head = () if heads is None else (heads,)
     weights = tuple(lead) + head + (lq, lk)
-    if mask is not None:
+    if mask is not None and heads is not None and len(mask.shape) == len(lead) + 3:
+        # a head axis, 1 or N (Hugging Face's 4-D boolean masks (B, 1, Lq, Lk))
+        _expect_broadcastable("mask", mask, batch + ("N", "Lq", "Lk"), weights, "bool")
+    elif mask is not None:
         _expect_broadcastable("mask", mask, batch + ("Lq", "Lk"), tuple(lead) + (lq, lk), "bool")
     if dropout_mask is None:
         return weights

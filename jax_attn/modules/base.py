@@ -84,3 +84,12 @@ def _merge_heads(out_proj, o, output=None):
     out = None if spec is None else jax.typeof(merged).sharding.update(
         spec=jax.sharding.PartitionSpec(*spec[:-1], None))  # on merged's (abstract) mesh
     return out_proj(merged, out_sharding=out)
+
+
+def _head_mask(mask, x):
+    """The core's mask (B, 1 or N, Lq, Lk) of a module's mask for x (B, Lq, d): (B, Lq, Lk)
+    gains the head axis; a mask with one, (B, 1 or N, Lq, Lk) (Hugging Face's 4-D boolean
+    masks), is used as it is. None stays None."""
+    if mask is None:
+        return None
+    return mask if mask.ndim == x.ndim + 1 else mask[..., None, :, :]

@@ -15,7 +15,7 @@ from golden.specification import variants
 from golden.specification.positions import ContextCache, context_fingerprint
 from golden.specification.validate import check_context, check_context_inputs, check_same_context
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
-from jax_attn.modules.base import _linear, _merge_heads, _Variant, compiled_call
+from jax_attn.modules.base import _head_mask, _linear, _merge_heads, _Variant, compiled_call
 
 
 class MultiHeadCrossAttention(_Variant):
@@ -95,7 +95,7 @@ class MultiHeadCrossAttention(_Variant):
         else:
             k, v, lengths = cache.key, cache.value, cache.lengths
         q = self._split(self.W_query(x))                       # (B, N, Lq, Dh)
-        head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, Lq, Lc)
+        head_mask = _head_mask(mask, x)  # (B, 1 or N, Lq, Lc)
         o = scaled_dot_product_attention(q, k, v, head_mask, scale=self.scale,
                                          key_value_seq_lengths=lengths,
                                          return_weights=return_weights, precision=self.precision)

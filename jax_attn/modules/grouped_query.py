@@ -31,7 +31,7 @@ from golden.specification.validate import (
 )
 from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
-from jax_attn.modules.base import _linear, _merge_heads, _Variant
+from jax_attn.modules.base import _head_mask, _linear, _merge_heads, _Variant
 from jax_attn.rotary import rotary_embedding
 
 
@@ -237,7 +237,7 @@ class GroupedQueryAttention(_Variant):
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
-        head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
+        head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         relative, scale = {}, self.scale
         if self.relative_positions == "conformer_timing":  # the core takes q̃, scale κ
             q, relative = self._conformer(q, k.shape[-2])

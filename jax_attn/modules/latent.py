@@ -17,7 +17,7 @@ from golden.specification.validate import (
     cache_shape, check_flags, check_latent_inputs, rope_arguments,
 )
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
-from jax_attn.modules.base import _linear, _merge_heads, _Variant
+from jax_attn.modules.base import _head_mask, _linear, _merge_heads, _Variant
 from jax_attn.modules.grouped_query import _append, _cache_positions
 from jax_attn.rotary import rotary_embedding
 
@@ -113,7 +113,7 @@ class MultiHeadLatentAttention(_Variant):
             held = _append(held, latent, k_pe, q_lengths)
             latent, k_pe = held.key, held.value                  # (B, 1, M, r), (B, 1, M, Dr)
             cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
-        head_mask = None if mask is None else mask[..., None, :, :]  # (B, 1, L, Lk)
+        head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         attend = self._absorbed if absorb else self._expanded
         o = attend(q[..., :self.nope], q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights)                   # (B, N, L, Dv)

@@ -17,3 +17,12 @@ def _config(variant, **given) -> dict:
 
 def _dropout_rate(module) -> float:
     return module.dropout if module.training else 0.0
+
+
+def _head_mask(mask, x):
+    """The core's mask (B, 1 or N, Lq, Lk) of a module's mask for x (B, Lq, d): (B, Lq, Lk)
+    gains the head axis; a mask with one, (B, 1 or N, Lq, Lk) (Hugging Face's 4-D boolean
+    masks), is used as it is. None stays None."""
+    if mask is None:
+        return None
+    return mask if mask.dim() == x.dim() + 1 else mask.unsqueeze(-3)

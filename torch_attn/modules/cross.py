@@ -15,7 +15,7 @@ from golden.specification.positions import ContextCache, context_fingerprint
 from golden.specification.validate import check_context, check_context_inputs, check_same_context
 from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
-from torch_attn.modules.base import _config
+from torch_attn.modules.base import _config, _head_mask
 
 
 class MultiHeadCrossAttention(nn.Module):
@@ -76,7 +76,7 @@ class MultiHeadCrossAttention(nn.Module):
                 check_same_context(torch.equal(_fingerprint(context), cache.fingerprint))
             k, v, lengths = cache.key, cache.value, cache.lengths
         q = self._split(self.W_query(x))                       # (B, N, Lq, Dh)
-        head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, Lq, Lc)
+        head_mask = _head_mask(mask, x)  # (B, 1 or N, Lq, Lc)
         o = scaled_dot_product_attention(q, k, v, head_mask, scale=self.scale,
                                          key_value_seq_lengths=lengths,
                                          return_weights=return_weights)

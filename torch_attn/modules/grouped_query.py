@@ -30,7 +30,7 @@ from golden.specification.validate import (
 )
 from torch_attn.explicit import LOW_PRECISION, grouped_matmul
 from torch_attn.functional import scaled_dot_product_attention
-from torch_attn.modules.base import _config, _dropout_rate
+from torch_attn.modules.base import _config, _dropout_rate, _head_mask
 from torch_attn.rotary import rotary_embedding
 
 
@@ -236,7 +236,7 @@ class GroupedQueryAttention(nn.Module):
         if cache is not None:
             cache = _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
-        head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, L, Lk)
+        head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         extra = {n: a for n, a in (("sinks", self.sinks),
                                    ("attention_chunk_size", self.attention_chunk_size))
                  if a is not None}

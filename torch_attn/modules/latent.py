@@ -18,7 +18,7 @@ from golden.specification.validate import (
 )
 from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
-from torch_attn.modules.base import _config
+from torch_attn.modules.base import _config, _head_mask
 from torch_attn.modules.grouped_query import _append, _cache_positions
 from torch_attn.rotary import rotary_embedding
 
@@ -126,7 +126,7 @@ class MultiHeadLatentAttention(nn.Module):
             held = _append(held, latent, k_pe, q_lengths)
             latent, k_pe = held.key, held.value                  # (B, 1, M, r), (B, 1, M, Dr)
             cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
-        head_mask = None if mask is None else mask.unsqueeze(-3)  # (B, 1, L, Lk)
+        head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         attend = self._absorbed if absorb else self._expanded
         o = attend(q[..., :self.nope], q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights)                   # (B, N, L, Dv)
