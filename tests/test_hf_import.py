@@ -197,6 +197,27 @@ DECODERS_42 = {
         pad_token_id=0, eos_token_id=1, rope_parameters=dict(YARN, truncate=False)),
         float32="eager softmax", attention="eager", model="OpenAIPrivacyFilterModel"),
 }
+# Issue 42's σ-gated decoders: σ(x W_g) from a separate gate_proj, our output gate.
+GATED_42 = {
+    # AFMoE: a sliding layer with RoPE, a NoPE full one, per-head QK norms; biases on q, k, v
+    # and o, none on gate_proj (b_gate zeros)
+    "afmoe": Family("AfmoeConfig", dict(
+        num_hidden_layers=2, global_attn_every_n_layers=2, sliding_window=4,
+        attention_bias=True, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        num_shared_experts=1, num_dense_layers=1), layers=(0, 1), float32="AfmoeRMSNorm"),
+    # HRM-Text: one layer a stack, one cycle each (L_module's layer runs twice a forward:
+    # its last call captured), biases on every projection, gate_proj's included
+    "hrm_text": Family("HrmTextConfig", dict(
+        num_hidden_layers=1, H_cycles=1, L_cycles=1, attention_bias=True),
+        attention_of=lambda model, i: model.L_module.layers[i].self_attn),
+    # Muse Glimmer's text tower: a sliding layer, a NoPE full one (layer_rope_theta 0), its
+    # weightless QK norm and query factor
+    "muse_glimmer_text": Family("MuseGlimmerTextConfig", dict(
+        num_hidden_layers=2, sliding_window=4, attention_bias=True, qk_scale_factor=2.5,
+        layer_rope_theta=[100.0, 0], rope_parameters={"rope_type": "default",
+                                                      "rope_theta": 100.0}),
+        layers=(0, 1), float32="MuseGlimmerRMSNorm", model="MuseGlimmerTextModel"),
+}
 # Issue 42's latent attentions (golden/hf/latent.py): DeepSeek-V3's sizes (every one distinct
 # but Dr = head_dim), HF's float32 RMSNorm of the latent.
 MLA_SIZES = dict(num_key_value_heads=N, head_dim=4, q_lora_rank=8, kv_lora_rank=6,
@@ -310,6 +331,7 @@ FAMILIES = {
     # the 1-D RoPE: tests/test_mrope.py gives them images' positions).
     **TEXT_TOWERS,
     **DECODERS_42,
+    **GATED_42,
     **LATENT_42,
 }
 
@@ -351,6 +373,13 @@ DISTINCT = {
     "ernie4_5_vl_moe_text": [(0, {"rope_interleaved": False})],
     "deepseek_v3": [(0, {"rope_interleaved": False}),
                     (0, {"rope_parameters": {"rope_theta": 500.0}})],
+    # Issue 42's σ-gated decoders
+    "afmoe": [(0, {"output_gate": False}), (0, {"sliding_window": None}), (0, {"qk_norm": None}),
+              (1, {"rope_parameters": {"rope_theta": 10000.0}})],
+    "hrm_text": [(0, {"output_gate": False})],
+    "muse_glimmer_text": [(0, {"output_gate": False}), (0, {"scale": None}),
+                          (0, {"sliding_window": None}), (0, {"qk_norm": None}),
+                          (1, {"rope_parameters": {"rope_theta": 100.0}})],
     # Issue 42's latent attentions
     **{mt: [(0, {"rope_interleaved": False}), (0, {"rope_parameters": {"rope_theta": 500.0}})]
        for mt in ("deepseek_v2", "youtu")},
@@ -427,7 +456,8 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "mlp_bias", "intermediate_size_mlp", "moe_num_experts", "moe_k",
                      "first_k_dense_replace", "pad_token_id", "mlp_only_layers", "eos_token_id",
                      "moe_layer_start_index", "moe_topk", "zero_expert_num",
-                     "expert_ffn_hidden_size", "ffn_hidden_size", "n_group", "topk_group"}
+                     "expert_ffn_hidden_size", "ffn_hidden_size", "n_group", "topk_group",
+                     "num_shared_experts", "num_dense_layers"}
 
 
 def _fields(family) -> set:
@@ -441,7 +471,7 @@ def _fields(family) -> set:
 # (each config field they set that HF's attention reads, with its kind, and each setting undone,
 # at least once; tests/helpers.py ``sweep``), for all of them in the whole matrix (issue 39:
 # the quick suite's time). The round trip (no model run) checks every family in both.
-ISSUE_42 = {**DECODERS_42, **LATENT_42}
+ISSUE_42 = {**DECODERS_42, **GATED_42, **LATENT_42}
 PER_FAMILY = [pytest.param(n, id=n) for n in FAMILIES if n not in ISSUE_42] + sweep(
     [pytest.param(n, id=n) for n in ISSUE_42],
     [_fields(ISSUE_42[n]) | {("undone", k) for _, change in DISTINCT[n] for k in change}
