@@ -202,13 +202,13 @@ GATED_42 = {
     # AFMoE: a sliding layer with RoPE, a NoPE full one, per-head QK norms; biases on q, k, v
     # and o, none on gate_proj (b_gate zeros)
     "afmoe": Family("AfmoeConfig", dict(
-        num_hidden_layers=2, global_attn_every_n_layers=2, sliding_window=4,
+        num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention",
+                                                            "full_attention"],
         attention_bias=True, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
         num_shared_experts=1, num_dense_layers=1), layers=(0, 1), float32="AfmoeRMSNorm"),
-    # HRM-Text: one layer a stack, one cycle each (L_module's layer runs twice a forward:
-    # its last call captured), biases on every projection, gate_proj's included
-    "hrm_text": Family("HrmTextConfig", dict(
-        num_hidden_layers=1, H_cycles=1, L_cycles=1, attention_bias=True),
+    # HRM-Text: one layer a stack, run in HF's cycles (its last call captured), biases on every
+    # projection, gate_proj's included
+    "hrm_text": Family("HrmTextConfig", dict(num_hidden_layers=1, attention_bias=True),
         attention_of=lambda model, i: model.L_module.layers[i].self_attn),
     # Muse Glimmer's text tower: a sliding layer, a NoPE full one (layer_rope_theta 0), its
     # weightless QK norm and query factor
@@ -238,10 +238,8 @@ LATENT_42 = {
         num_hidden_layers=1, **{k: v for k, v in MLA_SIZES.items() if k != "head_dim"},
         rope_interleave=False, n_routed_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=8), float32="Glm4MoeLiteRMSNorm"),
-    "youtu": Family("YoutuConfig", dict(
-        num_hidden_layers=1, **MLA_SIZES, attention_bias=True,
-        rope_parameters={"rope_type": "linear", "rope_theta": 100.0, "factor": 2.0}),
-        float32="YoutuRMSNorm"),
+    "youtu": Family("YoutuConfig", dict(num_hidden_layers=1, **MLA_SIZES, attention_bias=True),
+                    float32="YoutuRMSNorm"),
     "axk1": Family("AXK1Config", dict(
         num_hidden_layers=1, **MLA_SIZES, rope_interleave=False, n_routed_experts=2,
         num_experts_per_tok=1, moe_intermediate_size=8, n_group=1, topk_group=1),
