@@ -4,9 +4,9 @@ twins against the float64 reference and by the checkpoint's own HF attention mod
 reports; a wrong conversion caught by HF's row; unreadable and unsupported checkpoints named
 with exit status 2.
 
-By default seven decoder families (a sliding/full mix, local/global θ with QK norms, sinks with
+By default eight decoder families (a sliding/full mix, local/global θ with QK norms, sinks with
 sliding layers, fused layouts, an MoE with NoPE full layers, an MoE with sinks and a θ per
-layer, eager attention only) and four encoder or
+layer, eager attention only, a σ output gate from its own gate_proj) and four encoder or
 encoder-decoder ones (BERT, ViT, Whisper, T5: every stack and kind, T5's shared position bias table, the cross-attention's context);
 The whole matrix (ATTN_PARITY_MATRIX=1) runs every family of tests/test_hf_import*.py, and
 CLIP's and SigLIP's composite checkpoints (both towers).
@@ -36,7 +36,7 @@ from tests.test_hf_import import FAMILIES as DECODERS  # noqa: E402
 
 FAMILIES = {**DECODERS, **fused.FAMILIES}
 QUICK = ("qwen2", "gemma3_text", "gpt_oss", "gpt_neox", "bloom", "exaone_moe",
-         "granitemoe_swa")
+         "granitemoe_swa", "muse_glimmer_text")
 # (a family the verifier does not check yet, Family.unverified, is refused by it by name)
 NAMES = [n for n in FAMILIES if not hf.FAMILIES[n].unverified] if WHOLE else list(QUICK)
 # The encoders' checkpoints, saved from a model with a head where one is usual (its keys then

@@ -1,5 +1,5 @@
 """golden.convert.from_hf and to_hf (issue 25) for the families with a fused q/k/v projection
-(Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, GPT-2's Conv1D) and StableLM's per-head LayerNorms, on
+(Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, DBRX, GPT-2's Conv1D) and StableLM's per-head LayerNorms, on
 tiny float64 models built as in tests/test_hf_import.py (tests/hf_harness.py): each attention
 layer's input and output captured from the model's own forward, our twins built from the
 converted state dict must give that output; the round trip is exact and unaliased; each
@@ -88,6 +88,15 @@ FAMILIES = {
                                     attn_config={"clip_qkv": 1.5, "softmax_scale": 0.3}),
                   attention_of=lambda model, i: model.blocks[i].attn, attention="eager",
                   float32="MptAttention's softmax (eager only)"),
+    # DBRX: grouped KV heads in its fused Wqkv, clip_qkv below the projections' reach; HF's
+    # attention requires attn_config's rope_theta and reads none of it (the rotary embedding
+    # takes rope_parameters')
+    "dbrx": Family("DbrxConfig", dict(
+        n_layers=1, d_model=D, hidden_size=D, n_heads=4,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 0.9, "rope_theta": 5e5},
+        ffn_config={"ffn_hidden_size": 8, "moe_num_experts": 2, "moe_top_k": 1},
+        rope_parameters={"rope_type": "default", "rope_theta": 300.0}),
+        attention_of=lambda model, i: model.blocks[i].norm_attn_norm.attn),
     "gpt2": Family("GPT2Config", dict(n_layer=2, hidden_size=D,
                                       scale_attn_by_inverse_layer_idx=True),
                    layers=(0, 1), attention_of=_h("attn")),
@@ -122,6 +131,7 @@ DISTINCT = {
     "bloom": [(0, {"alibi": None})],
     "mpt": [(0, {"clip_qkv": None}), (0, {"alibi": None}), (0, {"scale": None})],
     "gpt2": [(1, {"scale": None})],
+    "dbrx": [(0, {"clip_qkv": None}), (0, {"rope_parameters": {"rope_theta": 10000.0}})],
 }
 
 

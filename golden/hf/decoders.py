@@ -623,6 +623,68 @@ def _privacy_filter(c, layer_idx, ours):
         ours["sliding_window"] = (int(window), int(window))
 
 
+def _afmoe(c, layer_idx, ours):
+    """AFMoE: Qwen3's per-head RMSNorm of q and k, RoPE on the sliding layers only (the full
+    layers NoPE, whatever sliding_window says), the output gated per feature by σ(x W_g) from
+    ``gate_proj`` (``_gate_proj``)."""
+    _qwen3(c, layer_idx, ours)
+    ours["output_gate"] = True
+    if _layer_type(c, layer_idx) != "sliding_attention":
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+
+
+def _hrm_text(c, layer_idx, ours):
+    """HRM-Text: Llama's attention with as many KV heads as heads, the output gated per feature
+    by σ(x W_g + b_g) from ``gate_proj`` (its bias with attention_bias, as q's, k's and v's);
+    no window. Its prefix-LM (bidirectional instruction tokens, from the model's
+    token_type_ids) is a mask of the caller's, not of the module: without token_type_ids HF's
+    mask is causal, which is what converts."""
+    _no_window(ours)
+    ours.update(num_kv_heads=ours["num_heads"], output_gate=True)
+
+
+def _muse_glimmer_text(c, layer_idx, ours):
+    """Muse Glimmer's text tower: a weightless RMS norm of q and k per head ("l2"; HF's before
+    RoPE, the same after), q then times qk_scale_factor (ours: the scale Dh^(−1/2) times it),
+    sliding layers by layer_types, RoPE where layer_rope_theta[layer] is not 0 (HF's model
+    turns those layers with rope_parameters' θ, whatever the entry's value; 0 a NoPE layer),
+    the output gated per feature by σ(x W_g) from ``gate_proj``."""
+    ours.update(qk_norm="l2", qk_norm_eps=float(c["rms_norm_eps"]), output_gate=True,
+                scale=ours["head_dim"] ** -0.5 * float(c.get("qk_scale_factor", 3.87)))
+    thetas = c.get("layer_rope_theta")
+    if thetas is not None and not thetas[layer_idx]:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+
+
+def _gate_proj(mt, bias=False):
+    """(to_extra, from_extra) of a ``gate_proj`` (nn.Linear D -> N·Dh) beside q, k, v, o: W_gate
+    (D, N·Dh) its weight transposed, b_gate its bias (``bias``: HRM-Text's, with
+    attention_bias); where q, k and v have biases and gate_proj none (AFMoE, Muse Glimmer),
+    b_gate zeros, σ(x W_g + 0), which to_hf leaves out (and refuses non-zero)."""
+
+    def to_extra(sd, ours, params):
+        params["W_gate"] = np.ascontiguousarray(_read(sd, "gate_proj.weight", mt).T)
+        if bias and "gate_proj.bias" in sd:
+            params["b_gate"] = _read(sd, "gate_proj.bias", mt)
+        elif ours.get("qkv_bias"):
+            params["b_gate"] = np.zeros(params["W_gate"].shape[1], params["W_gate"].dtype)
+        return params
+
+    def from_extra(params, ours, sd):
+        sd["gate_proj.weight"] = np.ascontiguousarray(np.asarray(params["W_gate"]).T)
+        if "b_gate" in params:
+            b = np.asarray(params["b_gate"])
+            if bias:
+                sd["gate_proj.bias"] = np.array(b)
+            elif np.any(b != 0):
+                raise ValueError(f"model_type {mt!r}: b_gate should be zeros (its gate_proj has "
+                                 f"no bias), got a non-zero vector")
+        return sd
+    return dict(to_extra=to_extra, from_extra=from_extra)
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
     "hunyuan_vl_text": "HunYuan-VL's XD-RoPE gives the two features of a rotated pair the "
@@ -821,4 +883,17 @@ FAMILIES: dict[str, Family] = {
                             from_extra=_halves_swapped_out),
     "openai_privacy_filter": _llama_like("openai_privacy_filter", _privacy_filter,
                                          to_extra=_sinks_in, from_extra=_sinks_out),
+    # σ(x W_g) output gates from a separate gate_proj (Qwen3-Next's output_gate, its own array)
+    "afmoe": _llama_like("afmoe", _afmoe, norms=QK_NORMS, **_gate_proj("afmoe")),
+    # HRM-Text: two stacks, L_module's and H_module's layers, each run several cycles a forward
+    "hrm_text": _llama_like("hrm_text", _hrm_text, **_gate_proj("hrm_text", bias=True),
+                            stacks=(Stack("layers", "self_attn", within="L_module."),
+                                    Stack("layers", "self_attn", within="H_module.")),
+                            unverified="attn-parity hf does not check HRM-Text checkpoints yet: "
+                                       "its config's num_hidden_layers counts the attention "
+                                       "calls of the recurrent cycles (num_layers_per_stack · "
+                                       "H_cycles · (L_cycles + 1)), not the stacks' layers"),
+    # Muse Glimmer's text tower (the text_config of muse_glimmer)
+    "muse_glimmer_text": _llama_like("muse_glimmer_text", _muse_glimmer_text,
+                                     **_gate_proj("muse_glimmer_text")),
 }

@@ -4,9 +4,9 @@ fused and output projections, and what the checkpoint verifier needs (its stacks
 modules in the checkpoint's keys where not a decoder's ``layers.N.self_attn``; GPT-2's own
 index).
 
-Phi-3, GPT-NeoX, Falcon, BLOOM, MPT and GPT-2 keep q, k and v in one projection; two layouts
-cover them all, as rows of the fused (out, D) weight:
-  "thirds":  [q (N·Dh); k (Nkv·Dh); v (Nkv·Dh)]                       Phi-3, MPT, GPT-2
+Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, DBRX and GPT-2 keep q, k and v in one projection; two
+layouts cover them all, as rows of the fused (out, D) weight:
+  "thirds":  [q (N·Dh); k (Nkv·Dh); v (Nkv·Dh)]                       Phi-3, MPT, DBRX, GPT-2
   "grouped": per key-value group g, [q_{g·G} … q_{g·G+G−1}, k_g, v_g], G = N / Nkv heads each
              (view (Nkv, G + 2, Dh)): Falcon's new_decoder_architecture; multi-query is Nkv = 1
              (view (N + 2, Dh)); BLOOM, GPT-NeoX and Falcon's multi-head are Nkv = N
@@ -149,6 +149,18 @@ def _mpt(c, layer_idx):
     return _dropout(a, ours, "attn_pdrop")
 
 
+def _dbrx(c, layer_idx):
+    """DBRX: head width D / N, attn_config's kv_n_heads and clip_qkv (the fused projection's
+    output clamped to [−c, c] before q, k and v are split, ours before RoPE as HF's), Llama's
+    RoPE from the top-level rope_parameters (HF's rotary embedding reads them, not
+    attn_config's rope_theta), attn_config's attn_pdrop as dropout."""
+    a = dict(c.get("attn_config") or {})
+    ours = {**_heads(c, c["n_heads"], "dbrx", a.get("kv_n_heads", 1)), **_rope(c, None, "dbrx")}
+    if a.get("clip_qkv") is not None:
+        ours["clip_qkv"] = float(a["clip_qkv"])
+    return _dropout(a, ours, "attn_pdrop")
+
+
 def _gpt2(c, layer_idx):
     ours = _heads(c, c["n_head"], "gpt2")
     scale = ours["head_dim"] ** -0.5 if c.get("scale_attn_weights", True) else 1.0
@@ -169,6 +181,9 @@ FAMILIES: dict[str, Family] = {
                            stacks=(Stack("h", "self_attention", output="dense"),)),
     "mpt": _fused_family("mpt", _mpt, "thirds", "Wqkv", "out_proj",
                          stacks=(Stack("blocks", "attn"),)),
+    # DBRX's attention sits in its block's norm_attn_norm
+    "dbrx": _fused_family("dbrx", _dbrx, "thirds", "Wqkv", "out_proj",
+                          stacks=(Stack("blocks", "norm_attn_norm.attn"),)),
     # GPT2Attention's scaling is divided by layer_idx + 1 (scale_attn_by_inverse_layer_idx): it
     # reads its index in the whole model beyond layer_types (own_index)
     "gpt2": _fused_family("gpt2", _gpt2, "thirds", "c_attn", "c_proj", conv1d=True,

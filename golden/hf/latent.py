@@ -1,16 +1,23 @@
-"""Multi-head latent attention: DeepSeek-V3 (Kimi K2's checkpoints are this model_type), one
-entry of ``FAMILIES``. Keys and values come from a low-rank latent (``kv_a_proj_with_mqa``,
-its RMSNorm, ``kv_b_proj``), queries from ``q_proj`` or, with a ``q_lora_rank``, from
-``q_a_proj``, its RMSNorm and ``q_b_proj``; our MultiHeadLatentAttention holds the same
-arrays, transposed to (in, out). The checkpoint keeps it at ``layers.N.self_attn``, the Family's
-default ``stacks``.
+"""Multi-head latent attention: DeepSeek-V3 (Kimi K2's checkpoints are this model_type) and the
+model types whose attention is its own after mapping config fields, one entry of ``FAMILIES``
+each. Keys and values come from a low-rank latent (``kv_a_proj_with_mqa``, its RMSNorm,
+``kv_b_proj``), queries from ``q_proj`` or, with a ``q_lora_rank``, from ``q_a_proj``, its
+RMSNorm and ``q_b_proj``; our MultiHeadLatentAttention holds the same arrays, transposed to
+(in, out). What differs between the entries is the pairing of RoPE's features (interleaved
+(2i, 2i + 1) or rotate-half (i, i + Dr/2)) and LongCat-Flash's two scalings, folded. The
+checkpoint keeps the attention at ``layers.N.self_attn`` (the Family's default ``stacks``),
+LongCat-Flash's two per layer at ``layers.N.self_attn.0`` and ``.1``.
+
+Shape legend: D (= d_in) the model's width, N heads, r kv_lora_rank, r_q q_lora_rank, Dr
+qk_rope_head_dim.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import Family, _read, _rope
+from golden.hf.family import Family, Stack, _read, _rope
+from golden.specification import variants
 from golden.specification.mapping import _numpy
 
 MLA = "multi_head_latent_attention"
@@ -19,22 +26,60 @@ MLA_NAMES = {"W_query": "q_proj", "W_q_a": "q_a_proj", "W_q_b": "q_b_proj",
 MLA_NORMS = {"q_a_norm": "q_a_layernorm.weight", "kv_a_norm": "kv_a_layernorm.weight"}
 
 
-def _deepseek_settings(c, layer_idx, sd):
-    mt = "deepseek_v3"
-    n = c["num_attention_heads"]
-    if (c.get("num_key_value_heads") or n) != n:
-        raise ValueError(f"model_type {mt!r}: num_key_value_heads should equal "
-                         f"num_attention_heads = {n} (latent attention expands one latent to "
-                         f"every head), got {c['num_key_value_heads']}")
-    rope = _rope(c, None, mt)
-    ours = dict(d_in=c["hidden_size"], num_heads=n, kv_lora_rank=c["kv_lora_rank"],
-                qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
-                v_head_dim=c["v_head_dim"], q_lora_rank=c.get("q_lora_rank"),
-                attention_bias=bool(c.get("attention_bias", False)),
-                # DeepseekV3Attention builds its two norms with RMSNorm's default eps, 1e-6,
-                # whatever config.rms_norm_eps says: what HF computes is what we convert
-                rms_norm_eps=1e-6, rope_interleaved=bool(c.get("rope_interleave", True)),
-                **rope)
+def _latent_settings(mt, interleaved=None):
+    """The settings function of a DeepSeek-V3-like model_type ``mt``: its pairs interleaved as
+    the config's ``rope_interleave`` says (default True), or always (True) or never (False)
+    whatever it says, as ``interleaved`` fixes them (HF's attention of that family reads no
+    field)."""
+
+    def settings(c, layer_idx, sd):
+        n = c["num_attention_heads"]
+        if (c.get("num_key_value_heads") or n) != n:
+            raise ValueError(f"model_type {mt!r}: num_key_value_heads should equal "
+                             f"num_attention_heads = {n} (latent attention expands one latent "
+                             f"to every head), got {c['num_key_value_heads']}")
+        rope_dim = c["qk_rope_head_dim"]
+        if c.get("head_dim") is not None and c["head_dim"] != rope_dim:
+            raise ValueError(f"model_type {mt!r}: head_dim should equal qk_rope_head_dim = "
+                             f"{rope_dim} (HF's rotary embedding makes head_dim angles, its "
+                             f"attention turns qk_rope_head_dim features), got {c['head_dim']}")
+        pairs = bool(c.get("rope_interleave", True)) if interleaved is None else interleaved
+        return dict(d_in=c["hidden_size"], num_heads=n, kv_lora_rank=c["kv_lora_rank"],
+                    qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=rope_dim,
+                    v_head_dim=c["v_head_dim"], q_lora_rank=c.get("q_lora_rank"),
+                    attention_bias=bool(c.get("attention_bias", False)),
+                    # DeepseekV3Attention (and those built on it) makes its two norms with
+                    # RMSNorm's default eps, 1e-6, whatever config.rms_norm_eps says: what HF
+                    # computes is what we convert
+                    rms_norm_eps=1e-6, rope_interleaved=pairs, **_rope(c, None, mt))
+    return settings
+
+
+_deepseek_settings = _latent_settings("deepseek_v3")
+
+
+def _longcat_scales(c) -> tuple:
+    """LongCat-Flash's (s_q, s_kv) = (√(D / r_q), √(D / r)), HF's mla_scale_q_lora and
+    mla_scale_kv_lora, the same floats."""
+    return ((c["hidden_size"] / c["q_lora_rank"]) ** 0.5,
+            (c["hidden_size"] / c["kv_lora_rank"]) ** 0.5)
+
+
+def _longcat_settings(c, layer_idx, sd):
+    """LongCat-Flash: DeepSeek-V3's attention, always a q LoRA and interleaved pairs, its query
+    (both parts) times s_q: every score times s_q, so ours is HF's scaling (yarn mscale
+    included) times s_q. Its normalised latent times s_kv is folded into kv_a_norm's weight
+    (``_longcat_to_neutral``)."""
+    mt = "longcat_flash"
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    if c.get("qk_head_dim") is not None and c["qk_head_dim"] != qk:
+        raise ValueError(f"model_type {mt!r}: qk_head_dim should be qk_nope_head_dim + "
+                         f"qk_rope_head_dim = {qk} (HF's q_b_proj makes that many features a "
+                         f"head, its attention views them as qk_head_dim), got "
+                         f"{c['qk_head_dim']}")
+    ours = _latent_settings(mt, interleaved=True)(c, layer_idx, sd)
+    scaling = variants.latent_scale(variants.get(MLA).config(ours))
+    ours["scale"] = scaling * _longcat_scales(c)[0]
     return ours
 
 
@@ -64,6 +109,43 @@ def _deepseek_from_neutral(params, ours):
     return sd
 
 
+def _longcat_to_neutral(sd, ours):
+    params = _deepseek_to_neutral(sd, ours)
+    params["kv_a_norm"] = params["kv_a_norm"] * _longcat_kv_scale(ours)
+    return params
+
+
+def _longcat_from_neutral(params, ours):
+    sd = _deepseek_from_neutral(params, ours)
+    sd["kv_a_layernorm.weight"] = sd["kv_a_layernorm.weight"] / _longcat_kv_scale(ours)
+    return sd
+
+
+def _longcat_kv_scale(ours) -> float:
+    """s_kv = √(D / r) from our settings (d_in, kv_lora_rank), HF's mla_scale_kv_lora: HF
+    multiplies the normalised latent w ⊙ n(c) by it, which is n(c) times the weight w·s_kv
+    (one rounding each way: to_hf's w·s_kv / s_kv is w to the last bit or next to it)."""
+    return (ours["d_in"] / ours["kv_lora_rank"]) ** 0.5
+
+
+def _mla(settings, to_neutral=_deepseek_to_neutral, from_neutral=_deepseek_from_neutral,
+         **family) -> Family:
+    return Family(MLA, settings, to_neutral, from_neutral, **family)
+
+
 FAMILIES: dict[str, Family] = {
-    "deepseek_v3": Family(MLA, _deepseek_settings, _deepseek_to_neutral, _deepseek_from_neutral),
+    "deepseek_v3": _mla(_deepseek_settings),
+    # Issue 42's latent attentions. DeepSeek-V2: complex RoPE, its pairs (2i, 2i + 1), in
+    # float32; MiniCPM3: Llama's rotate-half pairs (i, i + Dr/2); both whatever the config says.
+    "deepseek_v2": _mla(_latent_settings("deepseek_v2", interleaved=True)),
+    "minicpm3": _mla(_latent_settings("minicpm3", interleaved=False)),
+    # DeepseekV3Attention itself (A.X-K1's always with a q LoRA): rope_interleave read
+    **{mt: _mla(_latent_settings(mt)) for mt in ("glm4_moe_lite", "youtu", "axk1")},
+    "longcat_flash": _mla(_longcat_settings, _longcat_to_neutral, _longcat_from_neutral,
+                          stacks=(Stack("layers", "self_attn.0"),
+                                  Stack("layers", "self_attn.1")),
+                          unverified="attn-parity hf does not check LongCat-Flash checkpoints "
+                                     "yet: its config's num_hidden_layers is 2 · num_layers (two "
+                                     "attentions a layer), and the verifier's one-layer config "
+                                     "sets both to 1, which leaves LongcatFlashModel no layer"),
 }

@@ -145,7 +145,7 @@ def _one_layer_config(config):
     c.update(pad_token_id=pad if isinstance(pad, int) and 0 < pad < VOCAB else None,
              bos_token_id=None, eos_token_id=None,
              max_window_layers=0 if c.get("max_window_layers") else None)
-    c = {k: v for k, v in c.items() if v is not None or k in ("pad_token_id",)}
+    c = {k: v for k, v in c.items() if v is not None or k in KEPT_NONE}
     model_type = c.pop("model_type")
     names = getattr(transformers.CONFIG_MAPPING[model_type], "attribute_map", {})
     layers = len(c["layer_types"]) if isinstance(c.get("layer_types"), list) else 1
@@ -154,6 +154,11 @@ def _one_layer_config(config):
             c[names.get(count, count)] = layers  # GPT-2's n_layer, ... (1, or layer_only's)
     c[names.get("vocab_size", "vocab_size")] = VOCAB
     return transformers.AutoConfig.for_model(model_type, **c)
+
+
+# Config fields whose None is a setting, not "the default": kept in the one-layer config (a
+# latent attention's q_lora_rank None is a plain q_proj, the class default a q LoRA).
+KEPT_NONE = ("pad_token_id", "q_lora_rank")
 
 
 class _Stop(Exception):
