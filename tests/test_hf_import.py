@@ -462,10 +462,18 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "mamba_expand", "mamba_dt_rank"}
 
 
+# A hybrid's fields that say which layers are attention: each family's reading of them is
+# checked against HF's own config (its layer_types) for every hybrid in the quick suite
+# (test_hybrids_layer_kinds_are_hfs), so not a reason to run a model.
+LAYER_KINDS = {"attn_layer_period", "attn_layer_offset", "attn_layer_indices",
+               "layers_block_type", "block_types", "layer_types"}
+
+
 def _fields(family) -> set:
     """The behaviours a family's tiny config sets: each field HF's attention reads, with its
-    kind of value (tests/helpers.py ``kind``)."""
-    return {("field", k, kind(v)) for k, v in family.kw.items() if k not in OUTSIDE_ATTENTION}
+    kind of value (tests/helpers.py ``kind``); a hybrid's without its LAYER_KINDS."""
+    skip = OUTSIDE_ATTENTION | (LAYER_KINDS if family in HYBRIDS_42.values() else set())
+    return {("field", k, kind(v)) for k, v in family.kw.items() if k not in skip}
 
 
 # Issue 42's decoders mostly repeat the settings of the families before them and of each
@@ -564,6 +572,21 @@ HYBRID_OTHERS = {"jamba": (0, "linear_attention"), "bamba": (0, "linear_attentio
                  "granitemoehybrid": (0, "linear_attention"),
                  "nemotron_h": (0, "linear_attention"), "zamba": (1, "linear_attention"),
                  "zamba2": (0, "linear_attention"), "recurrent_gemma": (0, "recurrent")}
+
+
+@pytest.mark.parametrize("name", list(HYBRIDS_42))
+def test_hybrids_layer_kinds_are_hfs(name):
+    """Which layers are softmax attention, as golden.hf.hybrids reads each family's own
+    fields, equals HF's config's own layer_types (its kinds of layer), and the tiny model's
+    tested layers are those."""
+    from golden.hf.hybrids import ATTENTION, layer_kinds
+
+    family = FAMILIES[name]
+    config = getattr(transformers, family.config)(**{**BASE, **family.kw})
+    ours = [i for i, k in enumerate(layer_kinds(config.to_dict())) if k in ATTENTION]
+    hfs = [i for i, k in enumerate(config.layer_types)
+           if k in ("full_attention", "sliding_attention", "hybrid")]
+    assert ours == hfs == list(family.layers), (ours, hfs, config.layer_types)
 
 
 @pytest.mark.parametrize("name", list(HYBRID_OTHERS))
@@ -672,8 +695,14 @@ def _bound(family, twin, ours, precision):
     return EXACT if exact else FLOAT32_LEVEL
 
 
+# Hybrid fields whose whole effect is made by the conversion (our scale, RoPE on or off, the
+# adapters folded into the projections): the forward test above checks each in the quick
+# suite; decoding, padding and the gradient then take paths other families' take there.
+CONVERSION_ONLY = {"key_multiplier", "position_embedding_type", "use_shared_attention_adapter",
+                   "adapter_rank", "num_mem_blocks"}
 FAMILY_SWEEP = sweep([pytest.param(n, id=n) for n in FAMILIES],
-                     [_fields(f) for f in FAMILIES.values()])
+                     [{f for f in _fields(family) if f[1] not in CONVERSION_ONLY}
+                      for family in FAMILIES.values()])
 
 
 # Decoding through our cache (and below, left padding and the input gradient), for a covering
