@@ -6,7 +6,8 @@ with exit status 2.
 
 By default eight decoder families (a sliding/full mix, local/global θ with QK norms, sinks with
 sliding layers, fused layouts, an MoE with NoPE full layers, an MoE with sinks and a θ per
-layer, eager attention only, a σ output gate from its own gate_proj) and four encoder or
+layer, eager attention only, a hybrid whose Mamba layers are named and not checked) and four
+encoder or
 encoder-decoder ones (BERT, ViT, Whisper, T5: every stack and kind, T5's shared position bias table, the cross-attention's context);
 The whole matrix (ATTN_PARITY_MATRIX=1) runs every family of tests/test_hf_import*.py, and
 CLIP's and SigLIP's composite checkpoints (both towers).
@@ -33,10 +34,11 @@ pytest.importorskip("safetensors")
 from tests import test_hf_import_encoders as encoders  # noqa: E402
 from tests import test_hf_import_fused as fused  # noqa: E402
 from tests.test_hf_import import FAMILIES as DECODERS  # noqa: E402
+from tests.test_hf_import import HYBRID_OTHERS, HYBRIDS_42  # noqa: E402
 
 FAMILIES = {**DECODERS, **fused.FAMILIES}
 QUICK = ("qwen2", "gemma3_text", "gpt_oss", "gpt_neox", "bloom", "exaone_moe",
-         "granitemoe_swa", "muse_glimmer_text")
+         "granitemoe_swa", "nemotron_h")
 # (a family the verifier does not check yet, Family.unverified, is refused by it by name)
 NAMES = [n for n in FAMILIES if not hf.FAMILIES[n].unverified] if WHOLE else list(QUICK)
 # The encoders' checkpoints, saved from a model with a head where one is usual (its keys then
@@ -145,11 +147,17 @@ def test_every_layer_passes(name, tmp_path, capsys):
     hf_rows = [r for r in rows if r["implementation"] == "hf"]
     assert [r["status"] for r in hf_rows if r["dtype"] == "float32"] == ["pass"] * layers
     assert "passed, 0 failed" in capsys.readouterr().out
+    others = HYBRID_OTHERS.get(name)
+    if others is not None:  # a hybrid's first layer, not attention: named, not checked
+        assert f"layer(s) 0 ({others[1]}): not softmax attention, not checked" in \
+            report["checkpoint"]["notes"], report["checkpoint"]["notes"]
 
 
 def config_layers(name):
     """The softmax attention layers of the family's tiny config (not Qwen3-Next's
-    linear_attention)."""
+    linear_attention; a hybrid's, its test's layers: tests/test_hf_import.py HYBRIDS_42)."""
+    if name in HYBRIDS_42:
+        return list(HYBRIDS_42[name].layers)
     kw = FAMILIES[name].kw
     count = kw.get("num_hidden_layers", kw.get("n_layer", kw.get("n_layers", 1)))
     types = kw.get("layer_types") or ["full_attention"] * count

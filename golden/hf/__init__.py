@@ -29,6 +29,8 @@ The rooms of the importer, each importing only those above it (NumPy only):
     latent     multi-head latent attention (DeepSeek-V3)
     vision     vision towers with axial 2-D RoPE (Qwen-VL and kin, Pixtral, Llama 4, Gemma 4);
                its ``COMPOSITES``, the vision-language models' towers
+    hybrids    the softmax attention layers of hybrid (Mamba, RG-LRU) models: Falcon-H1,
+               Jamba, Bamba, Granite 4, Nemotron-H, Zamba, Zamba 2, RecurrentGemma
     speech     speech encoders with Transformer-XL's relative positions (Parakeet's
                FastConformer: Parakeet, Canary, Cohere ASR, Nemotron ASR streaming)
     convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, ``REFUSED``, the lookup, ``from_hf``, ``to_hf``,

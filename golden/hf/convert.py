@@ -1,5 +1,5 @@
 """The conversion: ``FAMILIES`` (every kind's table: golden.hf.decoders, fused, encoders,
-latent, vision, speech), the family lookup (a model_type's entry, an encoder-decoder's
+latent, vision, speech, hybrids), the family lookup (a model_type's entry, an encoder-decoder's
 ``kind``), and the API: ``from_hf``, ``to_hf``, ``expected_state`` (golden.hf's docstring says
 what each takes).
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from golden.specification import variants
-from golden.hf import decoders, encoders, fused, latent, speech, vision
+from golden.hf import decoders, encoders, fused, hybrids, latent, speech, vision
 from golden.hf.family import Family, HFConfig, Kinds, _as_dict
 from golden.specification.mapping import _numpy
 
@@ -31,7 +31,8 @@ def _tables(*tables) -> dict:
 # model_type -> Family, or Kinds for a model_type with several attentions (an encoder-decoder)
 FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
                                               encoders.FAMILIES, latent.FAMILIES,
-                                              vision.FAMILIES, speech.FAMILIES)
+                                              vision.FAMILIES, speech.FAMILIES,
+                                              hybrids.FAMILIES)
 # Composite model_types (not converted themselves: from_hf takes a tower's own config): their
 # towers' sub-configs and key prefixes, {model_type: {sub-config: key prefix}}.
 COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES,
@@ -72,8 +73,10 @@ def _kind_of_variant(entry, mt, variant, kind) -> Family:
 # ---- the API ------------------------------------------------------------------------------------
 
 def _resolve(config, state_dict, layer_idx, kind, rope_precision):
-    """(model_type, Family, our configuration) of a layer, checked: the settings come from the
-    config and from which keys the state dict has (its arrays are not read)."""
+    """(model_type, Family, our configuration, the state dict) of a layer, checked: the
+    settings come from the config and from which keys the state dict has (its arrays are not
+    read, except by a family's ``call_site``, which gives the state dict as the layer computes
+    with it: Zamba 2's adapters folded)."""
     c = _as_dict(config)
     mt = c.get("model_type")
     family = _kind(_family(mt), mt, kind)
@@ -86,6 +89,8 @@ def _resolve(config, state_dict, layer_idx, kind, rope_precision):
         if c.get(name) not in accepted:
             raise ValueError(f"model_type {mt!r}: {name} = {c.get(name)!r} is not supported "
                              f"({why})")
+    if family.call_site is not None:  # the arrays as this layer computes with them
+        state_dict = family.call_site(c, layer_idx, state_dict)
     ours = family.settings(c, layer_idx, state_dict)
     takes = {a.name for a in variants.VARIANTS[family.variant].args}
     if rope_precision != "exact" and ("rope_parameters" in ours or "rope_theta" in ours):
@@ -98,7 +103,7 @@ def _resolve(config, state_dict, layer_idx, kind, rope_precision):
         variants.VARIANTS[family.variant].config(ours)
     except (ValueError, TypeError) as e:
         raise ValueError(f"model_type {mt!r}: {e}") from None
-    return mt, family, ours
+    return mt, family, ours, state_dict
 
 
 def expected_state(config, state_dict, *, layer_idx=0, kind=None) -> tuple[str, dict, dict]:
@@ -107,7 +112,7 @@ def expected_state(config, state_dict, *, layer_idx=0, kind=None) -> tuple[str, 
     which keys ``state_dict`` has (its values are not read: anything will do). Checking a
     checkpoint's headers against these before reading its arrays finds a missing key or a
     wrong shape without reading a byte of data."""
-    mt, family, ours = _resolve(config, state_dict, layer_idx, kind, "exact")
+    mt, family, ours, _ = _resolve(config, state_dict, layer_idx, kind, "exact")
     spec = variants.VARIANTS[family.variant]
     full = spec.config(ours)
     key = (mt, kind, repr(sorted(full.items())))
@@ -126,7 +131,8 @@ def from_hf(config, state_dict, *, layer_idx=0, kind=None, rope_precision="exact
     ("encoder", "decoder" or "cross", see ``Kinds``); None for the families with one attention.
     ``rope_precision="hf"`` asks for HF's float32 RoPE angles (to compare with HF itself;
     "exact": float64 angles rounded once)."""
-    mt, family, ours = _resolve(config, state_dict, layer_idx, kind, rope_precision)
+    mt, family, ours, state_dict = _resolve(config, state_dict, layer_idx, kind,
+                                            rope_precision)
     params = family.to_neutral(state_dict, ours)
     shapes = variants.VARIANTS[family.variant].shapes(variants.VARIANTS[family.variant]
                                                       .config(ours))

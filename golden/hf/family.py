@@ -126,7 +126,10 @@ class Family:
     tower ((3, B, L) position_ids: the verifier draws an image's span), 2 for a vision tower
     with axial RoPE (the verifier draws one image), 1 for a 1-D RoPE; ``unverified``: why the
     verifier does not check this family yet (it refuses a checkpoint of it with this reason),
-    None when it does."""
+    None when it does; ``call_site(c, layer_idx, sd) -> sd``: the module's state dict as layer
+    ``layer_idx`` computes with it, where one module serves several layers differently (Zamba
+    2's shared block, each call site's adapters folded into its projections); None: ``sd``
+    itself."""
 
     variant: str
     settings: Callable
@@ -139,6 +142,7 @@ class Family:
     own_index: bool = False
     position_axes: int = 1
     unverified: str | None = None
+    call_site: Callable | None = None
 
 
 class Kinds(dict):

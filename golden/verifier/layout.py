@@ -18,11 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from golden.hf import COMPOSITES, FAMILIES, REFUSED, Stack, _layer_type
+from golden.hf.hybrids import layer_kinds
 from golden.hf.vision import OPTIONAL_TOWERS
 from golden.verifier.checkpoint import CheckpointError
 
 __all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "MODELS", "OWN_INDEX", "Stack",
            "attention_layers", "expected_layers", "is_attention", "layer_count", "layer_name",
+           "other_layers",
            "read_config", "stacks", "unread_towers"]
 
 # {model_type: (Stack, ...)}: where each family's attention modules sit in a checkpoint's keys
@@ -39,10 +41,26 @@ MODELS = {mt: entry.model_class for mt, entry in FAMILIES.items() if entry.model
 OWN_INDEX = tuple(mt for mt, entry in FAMILIES.items() if entry.own_index)
 
 
+# transformers writes a float JSON has no literal for as {"__float__": "Infinity"} (Mamba-2's
+# time_step_limit (0.0, inf)) and reads it back so.
+SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_floats(obj):
+    """``obj`` with transformers' {"__float__": name} objects read as the floats they name."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[obj["__float__"]]
+        return {k: _special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_special_floats(v) for v in obj]
+    return obj
+
+
 def read_config(directory) -> dict:
     path = Path(directory) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = _special_floats(json.loads(path.read_text()))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     except ValueError as e:
@@ -163,9 +181,34 @@ def layer_count(config, stack) -> tuple[str, int] | None:
 
 def is_attention(layer_type) -> bool:
     """Whether a ``layer_types`` entry is a softmax attention layer ("full_attention",
-    "sliding_attention", "chunked_attention"; not Qwen3-Next's "linear_attention")."""
-    return (isinstance(layer_type, str) and layer_type.endswith("attention")
+    "sliding_attention", "chunked_attention", a hybrid model's "hybrid" layer with attention
+    beside its Mamba; not Qwen3-Next's or a hybrid's Mamba "linear_attention", nor
+    RecurrentGemma's "recurrent", Nemotron-H's "mlp" or "moe")."""
+    return (isinstance(layer_type, str) and (layer_type.endswith("attention")
+                                             or layer_type == "hybrid")
             and not layer_type.startswith("linear"))
+
+
+def _types(config, stack) -> list:
+    """Each layer's kind as the config says: a hybrid model's from its own fields
+    (golden.hf.hybrids.layer_kinds), else ``layer_types`` (a decoder's); [] when it says
+    none."""
+    if stack.kind not in (None, "decoder"):
+        return []
+    kinds = layer_kinds(config) if stack.kind is None else None
+    types = kinds if kinds is not None else config.get("layer_types")
+    return types if isinstance(types, list) else []
+
+
+def other_layers(config, stack) -> dict:
+    """{kind: [layer index, ...]} of the stack's layers the config says are not softmax
+    attention (Qwen3-Next's linear_attention, a hybrid's Mamba, RG-LRU, MLP or MoE layers):
+    the report names them, unchecked."""
+    others = {}
+    for i, kind in enumerate(_types(config, stack)):
+        if not is_attention(kind):
+            others.setdefault(str(kind), []).append(i)
+    return others
 
 
 def expected_layers(config, stack) -> list[int] | None:
@@ -175,15 +218,16 @@ def expected_layers(config, stack) -> list[int] | None:
     count = layer_count(config, stack)
     if count is None:
         return None
-    types = config.get("layer_types") if stack.kind in (None, "decoder") else None
-    types = types if isinstance(types, list) else []
+    types = _types(config, stack)
     return [i for i in range(count[1]) if i >= len(types) or is_attention(types[i])]
 
 
 def layer_name(config, stack, layer_idx) -> str:
     """The rows' name of a layer: "layer 3 (sliding_attention)", "decoder layer 1 (cross)",
     "vision layer 0 (attention)"."""
-    kind = stack.kind or _layer_type(config, layer_idx) or "attention"
+    types = _types(config, stack) if layer_kinds(config) is not None else []
+    kind = stack.kind or (types[layer_idx] if layer_idx < len(types) else
+                          _layer_type(config, layer_idx)) or "attention"
     return f"{stack.label + ' ' if stack.label else ''}layer {layer_idx} ({kind})"
 
 

@@ -116,9 +116,11 @@ def layer_only(config, layer_idx):
     per_layer_config (Gemma 4); no DeepStack outputs; a speech encoder's own changes
     (golden.verifier.speech)."""
     c = dict(config)
-    for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta"):
+    for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
+                "layers_block_type"):  # Nemotron-H's, Zamba's kinds
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
+    c.update(_hybrid_one_layer(c))
     if isinstance(c.get("rope_scaling_layers"), list):  # Molmo 2's scaled RoPE
         c["rope_scaling_layers"] = [0] if layer_idx in c["rope_scaling_layers"] else []
     if isinstance(c.get("fullatt_block_indexes"), list):  # Qwen2.5-VL's full (not windowed)
@@ -134,6 +136,24 @@ def layer_only(config, layer_idx):
         if c.get("layer_types") == ["sliding_attention"]:  # HF makes a last layer full: a
             c["layer_types"] = ["sliding_attention", "full_attention"]  # second, never run
     return c
+
+
+def _hybrid_one_layer(c) -> dict:
+    """The fields that make a hybrid model's one layer an attention layer where its config
+    derives the kinds from the layer's index (golden.hf.hybrids): Jamba's period and offset,
+    Bamba's attn_layer_indices, RecurrentGemma's block_types; Nemotron-H's one attention
+    mixer (a legacy hybrid_override_pattern dropped)."""
+    mt = c.get("model_type")
+    if mt == "jamba":
+        return dict(attn_layer_period=1, attn_layer_offset=0)
+    if mt == "bamba":
+        return dict(attn_layer_indices=[0])
+    if mt == "recurrent_gemma":
+        return dict(block_types=["attention"])
+    if mt == "nemotron_h":
+        c.pop("hybrid_override_pattern", None)
+        return dict(layers_block_type=["full_attention"])
+    return {}
 
 
 def _one_layer_config(config):

@@ -24,7 +24,7 @@ import numpy as np
 
 from golden.hf import expected_state
 from golden.verifier.checkpoint import REFUSED, SCALES, CheckpointError, expand_scale, scale_keys
-from golden.verifier.layout import (expected_layers, layer_count, layer_name, stacks,
+from golden.verifier.layout import (expected_layers, layer_count, layer_name, other_layers, stacks,
                                     unread_towers)
 
 SHOWN = 12  # problems listed in the error; the rest counted
@@ -68,10 +68,12 @@ def account(config, checkpoint) -> Accounting:
         by_layer = _keys_by_layer(stack, entries)
         found_any = found_any or bool(by_layer)
         want = expected_layers(c, stack)
+        others = other_layers(c, stack)
+        skipped = {i for where in others.values() for i in where}
         label = " ".join(dict.fromkeys(x for x in (stack.label, stack.kind) if x))
         said = f"{label}: " if label else ""
         if want is None:
-            want = list(by_layer)
+            want = [i for i in by_layer if i not in skipped]
             notes.append(f"{said}the config gives no layer count; the {len(want)} layers "
                          f"found are checked")
         if not by_layer and want and _encoder_only(config) and stack.kind in ("decoder",
@@ -90,7 +92,10 @@ def account(config, checkpoint) -> Accounting:
             problems.append(f"{said}{field_name} = {count} implies layers 0 to {count - 1}, "
                             f"the checkpoint has no '{stack.form()}' for layer(s) "
                             f"{_ranges(missing)}")
-        extra = sorted(set(by_layer) - set(want))
+        for kind, where in others.items():  # a hybrid's Mamba layers, ...: named, not checked
+            notes.append(f"{said}layer(s) {_ranges(where)} ({kind}): not softmax attention, "
+                         f"not checked")
+        extra = sorted(set(by_layer) - set(want) - skipped)
         if extra:
             notes.append(f"{said}layer(s) {_ranges(extra)}: beyond {field_name} = {count} "
                          f"(transformers does not load them); not checked")
