@@ -258,6 +258,24 @@ class CrossAttention(Module):
         return self.core.sdpa(q, k, v, mask, return_weights=return_weights)
 
 
+def _temperature_factors(module, positions):
+    """The module's query temperature at each position p, (..., 1 or N, L, 1): Llama 4's 1 +
+    β ln(1 + ⌊(p + shift) / F⌋), Beam's (1 + (p + 1)/n)^α, Inkling's 1 + α ln(max((p + 1)/n,
+    1)), Mistral Large 4's s_h ln(p + 1) + b_h."""
+    t = module.temperature
+    kind = t.get("kind", "llama4")
+    if kind == "llama4":
+        f = 1 + t["beta"] * np.log1p((positions + t["shift"]) // t["floor_scale"])
+    elif kind == "power":
+        f = (1 + (positions + 1) / t["length"]) ** t["alpha"]
+    elif kind == "log":
+        f = 1 + t["alpha"] * np.log(np.maximum((positions + 1) / t["length"], 1))
+    else:  # positions (..., 1, L): the heads' axis is the 1
+        f = (module.temperature_scale[:, None] * np.log(positions + 1.0)
+             + module.temperature_bias[:, None])
+    return f[..., None]
+
+
 def _split(y, heads):
     """(..., L, heads·Dh) -> (..., heads, L, Dh)."""
     return np.swapaxes(y.reshape(y.shape[:-1] + (heads, -1)), -2, -3)
@@ -528,21 +546,7 @@ class GroupedQueryAttention(Module):
         return np.einsum("...nid,injd->...nij", qt, keys).astype(qt.dtype)
 
     def temperature_factors(self, positions):
-        """The query temperature at each position p, (..., 1 or N, L, 1): Llama 4's 1 + β ln(1 +
-        ⌊(p + shift) / F⌋), Beam's (1 + (p + 1)/n)^α, Inkling's 1 + α ln(max((p + 1)/n, 1)),
-        Mistral Large 4's s_h ln(p + 1) + b_h."""
-        t = self.temperature
-        kind = t.get("kind", "llama4")
-        if kind == "llama4":
-            f = 1 + t["beta"] * np.log1p((positions + t["shift"]) // t["floor_scale"])
-        elif kind == "power":
-            f = (1 + (positions + 1) / t["length"]) ** t["alpha"]
-        elif kind == "log":
-            f = 1 + t["alpha"] * np.log(np.maximum((positions + 1) / t["length"], 1))
-        else:  # positions (..., 1, L): the heads' axis is the 1
-            f = (self.temperature_scale[:, None] * np.log(positions + 1.0)
-                 + self.temperature_bias[:, None])
-        return f[..., None]
+        return _temperature_factors(self, positions)
 
     def norm(self, t, weight):
         """The QK norm over t's last axis: (t − mean) / √(mean((t − mean)²) + ε) for LayerNorm,
@@ -607,9 +611,13 @@ class MultiHeadLatentAttention(Module):
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None, *, core=None):
+                 causal=True, scale=None, query_temperature=None, *, core=None):
         super().__init__(core)
         dk, bias = qk_nope_head_dim + qk_rope_head_dim, attention_bias
+        self.temperature = query_temperature
+        learned = query_temperature is not None and query_temperature.get("kind") == "learned"
+        self.temperature_scale, self.temperature_bias = (
+            (np.zeros(num_heads), np.ones(num_heads)) if learned else (None, None))
         self.heads, self.rank, self.nope, self.eps = (num_heads, kv_lora_rank, qk_nope_head_dim,
                                                       rms_norm_eps)
         self.causal, self.interleaved = causal, rope_interleaved
@@ -649,6 +657,8 @@ class MultiHeadLatentAttention(Module):
         q = np.concatenate([q[..., :self.nope], rope(q[..., self.nope:], self.rope_settings,
                                                      self.interleaved, positions)], axis=-1)
         q = q * np.asarray(self.mscale, q.dtype)
+        if self.temperature is not None:  # Mistral Small 4's (Llama 4's, shift 0)
+            q = q * _temperature_factors(self, positions).astype(q.dtype)
         k = np.concatenate([k_nope, np.broadcast_to(k_pe, k_nope.shape[:-1] + k_pe.shape[-1:])],
                            axis=-1)
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), is_causal=self.causal, scale=self.scale,
@@ -664,8 +674,8 @@ class MultiHeadLatentAttention(Module):
 
     def mapping(self) -> dict:
         table = super().mapping()
-        table.update({n: (n, "") for n in ("q_a_norm", "kv_a_norm") if getattr(self, n)
-                      is not None})
+        table.update({n: (n, "") for n in ("q_a_norm", "kv_a_norm", "temperature_scale",
+                                           "temperature_bias") if getattr(self, n) is not None})
         return table
 
 

@@ -34,6 +34,9 @@ CONFIGS = {
     "yarn_mscale_all_dim": dict(CONFIG, rope_theta=None, rope_parameters={
         "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
         "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # issue 42: the query temperature at the cache's positions (Mistral Small 4's, learned)
+    "temperature": dict(CONFIG, query_temperature={"beta": 0.6, "floor_scale": 2, "shift": 0}),
+    "temperature_learned": dict(CONFIG, q_lora_rank=None, query_temperature={"kind": "learned"}),
 }
 # float64: decoding and the full forward differ only in summation order (GroupedQueryAttention's
 # decode tests use the same bound); plain and absorbed in the order of their products.

@@ -17,7 +17,8 @@ from golden.reference.block import Stage, block_backward, block_forward, linear,
 from golden.reference.core import unbroadcast
 from golden.reference.rotary import rope_cos_sin, turn
 from golden.reference.norms import normalize, normalize_backward
-from golden.reference.stages import temperature_stage
+from golden.reference.stages import (learned_temperature_stage, temperature_factors,
+                                      temperature_stage)
 
 
 def latent_rope_stage(k_pe, cos, sin, interleaved, nope) -> Stage:
@@ -97,6 +98,12 @@ def _latent(config, inputs, params):
     mscale = latent_mscale(c)  # the scale Dk^−1/2 · m², as q · m² at the core's default scale
     if mscale is not None:
         stages.append(temperature_stage(mscale))
+    t = c["query_temperature"]  # Mistral Small 4's (Llama 4's, shift 0), after RoPE
+    if t is not None and t.get("kind") == "learned":
+        stages.append(learned_temperature_stage(positions, p["temperature_scale"],
+                                                p["temperature_bias"]))
+    elif t is not None:
+        stages.append(temperature_stage(temperature_factors(positions, t)[heads_axis][..., None]))
     w_k, w_v = _split_kv_b(p["W_kv_b"], heads, nope)
     block = {"W_query": p.get("W_q_b", p.get("W_query")), "W_key": w_k, "W_value": w_v,
              "W_out": p["W_out"], **({"b_out": p["b_out"]} if "b_out" in p else {})}
@@ -113,6 +120,7 @@ def _latent_backward(saved, d_y, d_weights):
     p, x, heads = saved["p"], saved["x"], saved["heads"]
     g = block_backward(saved["block"], d_y, d_weights)
     grads = {"W_out": g["W_out"], "W_kv_b": _join_kv_b(g["W_key"], g["W_value"], heads)}
+    grads.update({n: g[n] for n in ("temperature_scale", "temperature_bias") if n in g})
     if "b_out" in g:
         grads["b_out"] = g["b_out"]
     g_c, g_w = normalize_backward("rms", saved["kv_norm"], g["x_key"] + g["x_value"])

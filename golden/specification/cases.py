@@ -697,6 +697,17 @@ CASES += [
           "positions": _ints([[0, 1, 2, 3, 4, 5, 6], [5, 6, 7, 8, 0, 0, 0]])},
          {"d_in": 5, "num_heads": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 6,
           "qk_rope_head_dim": 2, "v_head_dim": 1, "attention_bias": True, "rope_theta": 50.0}),
+    # Mistral Small 4's query temperature (Llama 4's, shift 0) after RoPE on latent attention;
+    # Mistral Large 4's learned one per head (issue 42)
+    Case("mla_temperature_mistral4", MLA, 705,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 5])},
+         {"d_in": 5, "num_heads": 3, "kv_lora_rank": 6, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 4, "v_head_dim": 3, "q_lora_rank": 4, "rope_theta": 100.0,
+          "query_temperature": {"beta": 0.6, "floor_scale": 2, "shift": 0}}),
+    Case("mla_temperature_learned", MLA, 706, {"x": ("normal", (2, 7, 5))},
+         {"d_in": 5, "num_heads": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 3,
+          "qk_rope_head_dim": 2, "v_head_dim": 4, "rope_theta": 300.0,
+          "rope_interleaved": False, "query_temperature": {"kind": "learned"}}),
 ]
 
 # Key width = value width (issue 26). Every core fixture above has Dv ≠ Dk, which fast kernels

@@ -412,6 +412,7 @@ def _latent_shapes(c):
         shapes.update({"b_kv_a": (r + rope,), "b_out": (s["d_out"],)})
         if c["q_lora_rank"] is not None:
             shapes["b_q_a"] = (c["q_lora_rank"],)
+    shapes.update(temperature_shapes(c))  # the learned query temperature's
     return shapes
 
 
@@ -569,11 +570,11 @@ _VARIANTS = [
              Arg("rope_theta", check_positive_or_none, None),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("rope_interleaved", _flag, True), Arg("causal", _flag, True),
-             Arg("scale", _scale, None)),
+             Arg("scale", _scale, None), Arg("query_temperature", check_temperature, None)),
             shapes=_latent_shapes, check_inputs=_latent_inputs,
             layers={"query": "W_query", "q_a": "W_q_a", "q_b": "W_q_b", "kv_a": "W_kv_a",
                     "kv_b": "W_kv_b", "out": "out_proj"},
-            vectors=("q_a_norm", "kv_a_norm"),
+            vectors=("q_a_norm", "kv_a_norm", "temperature_scale", "temperature_bias"),
             sample=dict(d_in=5, num_heads=3, kv_lora_rank=7, qk_nope_head_dim=2,
                         qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=9, d_out=8,
                         attention_bias=True, rope_theta=100.0)),

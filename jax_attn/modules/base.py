@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from golden.specification import variants
+from golden.specification.temperature import learned_temperature, temperature
 from golden.specification.variants import VARIANTS
 from jax_attn.sharding import explicit_spec
 
@@ -93,3 +94,25 @@ def _head_mask(mask, x):
     if mask is None:
         return None
     return mask if mask.ndim == x.ndim + 1 else mask[..., None, :, :]
+
+
+def _query_temperature(module, q, offset, positions):
+    """q (B, N, L, Dh) times the module's query temperature (its ``query_temperature``, a
+    hashable tuple of items, golden.specification.temperature; the learned kind's
+    ``temperature_scale`` and ``temperature_bias``) at each token's position (``positions``, or
+    index + offset), in at least float32, rounded once."""
+    compute = jnp.promote_types(q.dtype, jnp.float32)
+    if positions is None:
+        positions = jnp.arange(q.shape[-2])  # (L,)
+        if offset is not None:
+            positions = positions + offset[:, None]  # (B, L)
+    t = dict(module.query_temperature)
+    functions = dict(real=lambda n: n.astype(compute), log1p=jnp.log1p)
+    if t.get("kind") == "learned":  # (N, L) or (B, N, L)
+        factors = learned_temperature(
+            positions, module.temperature_scale.get_value().astype(compute),
+            module.temperature_bias.get_value().astype(compute), **functions)
+        return (q.astype(compute) * factors[..., None]).astype(q.dtype)
+    factors = temperature(positions, t, exp=jnp.exp, **functions)
+    factors = factors[..., None] if factors.ndim == 1 else factors[:, None, :, None]
+    return (q.astype(compute) * factors).astype(q.dtype)  # (L, 1) or (B, 1, L, 1)

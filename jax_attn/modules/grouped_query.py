@@ -23,7 +23,6 @@ from golden.specification.decoder import sliding_window as core_window
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
 from golden.specification.positions import ROPE_BLOCK, KVCache, check_fits
-from golden.specification.temperature import learned_temperature, temperature
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
     rope_axis_count,
@@ -31,7 +30,8 @@ from golden.specification.validate import (
 )
 from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
-from jax_attn.modules.base import _head_mask, _linear, _merge_heads, _Variant
+from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
+                                   _Variant)
 from jax_attn.rotary import rotary_embedding
 
 
@@ -389,23 +389,8 @@ class GroupedQueryAttention(_Variant):
                    "distance_keys": self._projected(timing_table, keys, compute)}
 
     def _temperature(self, q, offset, positions):
-        """q times the query temperature (golden.specification.temperature) at each token's
-        position (``positions``, or index + offset), in at least float32, rounded once."""
-        compute = jnp.promote_types(q.dtype, jnp.float32)
-        if positions is None:
-            positions = jnp.arange(q.shape[-2])  # (L,)
-            if offset is not None:
-                positions = positions + offset[:, None]  # (B, L)
-        t = dict(self.query_temperature)
-        functions = dict(real=lambda n: n.astype(compute), log1p=jnp.log1p)
-        if t.get("kind") == "learned":  # (N, L) or (B, N, L)
-            factors = learned_temperature(
-                positions, self.temperature_scale.get_value().astype(compute),
-                self.temperature_bias.get_value().astype(compute), **functions)
-            return (q.astype(compute) * factors[..., None]).astype(q.dtype)
-        factors = temperature(positions, t, exp=jnp.exp, **functions)
-        factors = factors[..., None] if factors.ndim == 1 else factors[:, None, :, None]
-        return (q.astype(compute) * factors).astype(q.dtype)  # (L, 1) or (B, 1, L, 1)
+        """q times the query temperature at each token's position (_query_temperature)."""
+        return _query_temperature(self, q, offset, positions)
 
 
 def _cache_positions(cache, length, query_seq_lengths):

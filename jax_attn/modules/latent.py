@@ -17,7 +17,8 @@ from golden.specification.validate import (
     cache_shape, check_flags, check_latent_inputs, rope_arguments,
 )
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
-from jax_attn.modules.base import _head_mask, _linear, _merge_heads, _Variant
+from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
+                                   _Variant)
 from jax_attn.modules.grouped_query import _append, _cache_positions
 from jax_attn.rotary import rotary_embedding
 
@@ -40,13 +41,15 @@ class MultiHeadLatentAttention(_Variant):
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None, *, rngs, precision=DEFAULT_PRECISION):
+                 causal=True, scale=None, query_temperature=None, *, rngs,
+                 precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
                         qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
                         v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, d_out=d_out,
                         attention_bias=attention_bias, rms_norm_eps=rms_norm_eps,
                         rope_theta=rope_theta, rope_parameters=rope_parameters,
-                        rope_interleaved=rope_interleaved, causal=causal, scale=scale)
+                        rope_interleaved=rope_interleaved, causal=causal, scale=scale,
+                        query_temperature=query_temperature)
         sizes = variants.latent_sizes(self.config)
         self.rotary = variants.latent_rope(self.config)  # hashable (static)
         self.scale = variants.latent_scale(self.config)
@@ -66,6 +69,11 @@ class MultiHeadLatentAttention(_Variant):
         self.W_kv_b = _linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False,
                               rngs, precision)
         self.out_proj = _linear(num_heads * v_head_dim, sizes["d_out"], bias, rngs, precision)
+        self.query_temperature = (None if query_temperature is None else tuple(
+            sorted(query_temperature.items())))  # Mistral Small 4's, after RoPE; static
+        starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
+        for n in ("temperature_scale", "temperature_bias"):
+            setattr(self, n, nnx.Param(jnp.full(*starts[n])) if n in starts else None)
 
     def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
         """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
@@ -108,6 +116,10 @@ class MultiHeadLatentAttention(_Variant):
                                        positions=positions, max_position=bound,
                                        **rope_arguments(self.rotary))
                       for t in (q[..., self.nope:], k_pe))
+        q_nope = q[..., :self.nope]
+        if self.query_temperature is not None:  # both parts of q, at the tokens' positions
+            q_nope, q_pe = (_query_temperature(self, t, offset, positions)
+                            for t in (q_nope, q_pe))
         latent = latent[..., None, :, :]                         # (B, 1, L, r)
         if cache is not None:
             held = _append(held, latent, k_pe, q_lengths)
@@ -115,7 +127,7 @@ class MultiHeadLatentAttention(_Variant):
             cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         attend = self._absorbed if absorb else self._expanded
-        o = attend(q[..., :self.nope], q_pe, latent, k_pe, head_mask, offset, q_lengths,
+        o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights)                   # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o)                       # (B, L, d_out)

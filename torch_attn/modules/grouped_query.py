@@ -22,7 +22,6 @@ from golden.specification.decoder import (
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
 from golden.specification.positions import KVCache, check_fits, distance_index
-from golden.specification.temperature import learned_temperature, temperature
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
     rope_axis_count,
@@ -30,7 +29,7 @@ from golden.specification.validate import (
 )
 from torch_attn.explicit import LOW_PRECISION, grouped_matmul
 from torch_attn.functional import scaled_dot_product_attention
-from torch_attn.modules.base import _config, _dropout_rate, _head_mask
+from torch_attn.modules.base import _config, _dropout_rate, _head_mask, _query_temperature
 from torch_attn.rotary import rotary_embedding
 
 
@@ -420,22 +419,8 @@ class GroupedQueryAttention(nn.Module):
         return products.gather(-1, index)
 
     def _temperature(self, q, offset, positions):
-        """q times the query temperature (golden.specification.temperature) at each token's
-        position (``positions``, or index + offset), in at least float32, rounded once."""
-        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
-        if positions is None:
-            positions = torch.arange(q.shape[-2], device=q.device)  # (L,)
-            if offset is not None:
-                positions = positions + offset[:, None]  # (B, L)
-        positions, t = positions.to(q.device), self.query_temperature
-        functions = dict(real=lambda n: n.to(compute), log1p=torch.log1p)
-        if t.get("kind") == "learned":  # (N, L) or (B, N, L)
-            factors = learned_temperature(positions, self.temperature_scale.to(compute),
-                                          self.temperature_bias.to(compute), **functions)
-            return (q.to(compute) * factors[..., None]).to(q.dtype)
-        factors = temperature(positions, t, exp=torch.exp, **functions)
-        factors = factors[..., None] if factors.dim() == 1 else factors[:, None, :, None]
-        return (q.to(compute) * factors).to(q.dtype)  # (L, 1) or (B, 1, L, 1)
+        """q times the query temperature at each token's position (_query_temperature)."""
+        return _query_temperature(self, q, offset, positions)
 
 
 def _cache_positions(cache, length, query_seq_lengths):

@@ -18,7 +18,7 @@ from golden.specification.validate import (
 )
 from torch_attn.explicit import LOW_PRECISION
 from torch_attn.functional import scaled_dot_product_attention
-from torch_attn.modules.base import _config, _head_mask
+from torch_attn.modules.base import _config, _head_mask, _query_temperature
 from torch_attn.modules.grouped_query import _append, _cache_positions
 from torch_attn.rotary import rotary_embedding
 
@@ -56,7 +56,7 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None):
+                 causal=True, scale=None, query_temperature=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
@@ -64,7 +64,7 @@ class MultiHeadLatentAttention(nn.Module):
                               q_lora_rank=q_lora_rank, d_out=d_out, attention_bias=attention_bias,
                               rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
                               rope_parameters=rope_parameters, rope_interleaved=rope_interleaved,
-                              causal=causal, scale=scale)
+                              causal=causal, scale=scale, query_temperature=query_temperature)
         sizes = variants.latent_sizes(self.config)
         self.rotary = variants.latent_rope(self.config)
         self.scale = variants.latent_scale(self.config)
@@ -83,6 +83,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.W_kv_b = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
                                 bias=False)
         self.out_proj = nn.Linear(num_heads * v_head_dim, sizes["d_out"], bias=bias)
+        self.query_temperature = query_temperature  # Mistral Small 4's, after RoPE
+        starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
+        for n in ("temperature_scale", "temperature_bias"):
+            setattr(self, n, nn.Parameter(torch.full(*starts[n])) if n in starts else None)
 
     def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
         """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
@@ -121,6 +125,10 @@ class MultiHeadLatentAttention(nn.Module):
                                        positions=positions, max_position=bound,
                                        **rope_arguments(self.rotary))
                       for t in (q[..., self.nope:], k_pe))
+        q_nope = q[..., :self.nope]
+        if self.query_temperature is not None:  # both parts of q, at the tokens' positions
+            q_nope, q_pe = (_query_temperature(self, t, offset, positions)
+                            for t in (q_nope, q_pe))
         latent = latent.unsqueeze(-3)                            # (B, 1, L, r)
         if cache is not None:
             held = _append(held, latent, k_pe, q_lengths)
@@ -128,7 +136,7 @@ class MultiHeadLatentAttention(nn.Module):
             cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         attend = self._absorbed if absorb else self._expanded
-        o = attend(q[..., :self.nope], q_pe, latent, k_pe, head_mask, offset, q_lengths,
+        o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights)                   # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
         y = self.out_proj(o.transpose(-2, -3).flatten(-2))       # (B, L, N·Dv) -> (B, L, d_out)
