@@ -264,6 +264,15 @@ LATENT_42 = {
         moe_intermediate_size=8), float32="Glm4MoeLiteRMSNorm"),
     "youtu": Family("YoutuConfig", dict(num_hidden_layers=1, **MLA_SIZES, attention_bias=True),
                     float32="YoutuRMSNorm"),
+    # Mistral Small 4: its query temperature past F = 4 positions (β 0.5), yarn's mscale (Dn 4:
+    # HF's rotary fraction Dr / (Dn + Dr) times Dn + Dr must give Dr back in floating point)
+    "mistral4": Family("Mistral4Config", dict(
+        num_hidden_layers=1, **{k: v for k, v in MLA_SIZES.items() if k != "head_dim"
+                                and k != "qk_nope_head_dim"}, qk_nope_head_dim=4, head_dim=8,
+        n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        first_k_dense_replace=1, rope_parameters=dict(
+            YARN, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5)),
+        float32="Mistral4RMSNorm"),
     "axk1": Family("AXK1Config", dict(
         num_hidden_layers=1, **MLA_SIZES, rope_interleave=False, n_routed_experts=2,
         num_experts_per_tok=1, moe_intermediate_size=8, n_group=1, topk_group=1),
@@ -477,6 +486,7 @@ DISTINCT = {
     **{mt: [(0, {"rope_interleaved": False}), (0, {"rope_parameters": {"rope_theta": 500.0}})]
        for mt in ("deepseek_v2", "youtu")},
     **{mt: [(0, {"rope_interleaved": True})] for mt in ("minicpm3", "glm4_moe_lite", "axk1")},
+    "mistral4": [(0, {"query_temperature": None})],
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs
     "longcat_flash": [(0, {"scale": None}), (1, {"rope_interleaved": False})],
     # Issue 42's decoders

@@ -58,6 +58,32 @@ def _latent_settings(mt, interleaved=None):
 _deepseek_settings = _latent_settings("deepseek_v3")
 
 
+def _mistral4_settings(c, layer_idx, sd):
+    """Mistral Small 4 (mistral4): DeepSeek-V3's attention (rope_interleave read) with Llama 4's
+    query temperature 1 + β·ln(1 + ⌊p / F⌋) after RoPE (β rope_parameters'
+    llama_4_scaling_beta, F its original_max_position_embeddings, no shift); HF's head_dim is
+    Dn + Dr and its rotary fraction Dr / head_dim, which turn Dr features, as ours."""
+    mt = "mistral4"
+    rope = dict(c.get("rope_parameters") or {})
+    beta, floor = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if beta is None or floor is None:
+        raise ValueError(f"model_type {mt!r}: rope_parameters should give llama_4_scaling_beta "
+                         f"and original_max_position_embeddings (HF's attention scales the "
+                         f"queries by 1 + β·ln(1 + ⌊p / F⌋) with them), got {beta!r} and "
+                         f"{floor!r}")
+    dh = c.get("head_dim") or c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    fraction = rope.pop("partial_rotary_factor", None)
+    if int(dh * (1.0 if fraction is None else fraction)) != c["qk_rope_head_dim"]:
+        raise ValueError(f"model_type {mt!r}: head_dim · rope_parameters['partial_rotary_factor'] "
+                         f"should be qk_rope_head_dim = {c['qk_rope_head_dim']} (HF's rotary "
+                         f"embedding makes that many angles), got {dh} · {fraction!r}")
+    for name in ("type", "max_position_embeddings", "llama_4_scaling_beta"):
+        rope.pop(name, None)
+    ours = _latent_settings(mt)({**c, "head_dim": None, "rope_parameters": rope}, layer_idx, sd)
+    ours["query_temperature"] = {"beta": float(beta), "floor_scale": int(floor), "shift": 0}
+    return ours
+
+
 def _longcat_scales(c) -> tuple:
     """LongCat-Flash's (s_q, s_kv) = (√(D / r_q), √(D / r)), HF's mla_scale_q_lora and
     mla_scale_kv_lora, the same floats."""
@@ -141,6 +167,8 @@ FAMILIES: dict[str, Family] = {
     "minicpm3": _mla(_latent_settings("minicpm3", interleaved=False)),
     # DeepseekV3Attention itself (A.X-K1's always with a q LoRA): rope_interleave read
     **{mt: _mla(_latent_settings(mt)) for mt in ("glm4_moe_lite", "youtu", "axk1")},
+    # Mistral Small 4: with Llama 4's query temperature
+    "mistral4": _mla(_mistral4_settings),
     "longcat_flash": _mla(_longcat_settings, _longcat_to_neutral, _longcat_from_neutral,
                           stacks=(Stack("layers", "self_attn.0"),
                                   Stack("layers", "self_attn.1")),
