@@ -198,6 +198,46 @@ DECODERS_42 = {
         float32="eager softmax", attention="eager", model="OpenAIPrivacyFilterModel"),
 }
 
+# Issue 42's text encoders with RoPE (golden/hf/encoders.py ROPE_ENCODERS), swept with the
+# decoders: bidirectional (not decoded) but for ModernBERT's decoder; every window shorter than
+# L, local and global θ apart; BASE's num_key_value_heads and head_dim left in the configs that
+# do not read them (HF's GTE, Nomic and Jina attention read head_dim, not the KV heads;
+# ModernBERT neither).
+LOCAL_GLOBAL = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _attn(model, i):
+    return model.layers[i].attn
+
+
+ENCODERS_42 = {
+    # ModernBERT: fused Wqkv, D / N heads (4), layer 0 sliding |i − j| ≤ 2 (local_attention 4)
+    "modernbert": Family("ModernBertConfig", dict(
+        num_hidden_layers=2, head_dim=None, layer_types=["sliding_attention", "full_attention"],
+        local_attention=4, rope_parameters=LOCAL_GLOBAL, attention_bias=True, cls_token_id=1,
+        sep_token_id=2, **TOKENS), layers=(0, 1), attention_of=_attn,
+        float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    # ModernBERT's decoder: causal, layer 1 sliding with 3 keys (local_attention 6)
+    "modernbert-decoder": Family("ModernBertDecoderConfig", dict(
+        num_hidden_layers=2, head_dim=None, layer_types=["full_attention", "sliding_attention"],
+        local_attention=6, rope_parameters=LOCAL_GLOBAL, attention_bias=True, cls_token_id=1,
+        sep_token_id=2, **TOKENS), layers=(0, 1), attention_of=_attn,
+        float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    "eurobert": Family("EuroBertConfig", dict(num_hidden_layers=1, attention_bias=True,
+                                              **TOKENS)),
+    # UltraBERT: layer 0 sliding |i − j| ≤ 2, its own θ
+    "ultrabert": Family("UltrabertConfig", dict(
+        num_hidden_layers=2, sliding_window=2, layer_types=["sliding_attention",
+                                                            "full_attention"],
+        rope_parameters=LOCAL_GLOBAL, attention_bias=True, **TOKENS), layers=(0, 1)),
+    "gte": Family("GteConfig", dict(num_hidden_layers=1, **TOKENS)),
+    "nomic_bert": Family("NomicBertConfig", dict(num_hidden_layers=1, **TOKENS)),
+    "jina_embeddings_v3": Family("JinaEmbeddingsV3Config", dict(num_hidden_layers=1,
+                                                                **TOKENS)),
+}
+
 FAMILIES = {
     "llama": Family("LlamaConfig", dict(num_hidden_layers=1, attention_bias=True,
                                         rope_parameters={
@@ -274,6 +314,7 @@ FAMILIES = {
     # the 1-D RoPE: tests/test_mrope.py gives them images' positions).
     **TEXT_TOWERS,
     **DECODERS_42,
+    **ENCODERS_42,
 }
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).
@@ -371,6 +412,16 @@ DISTINCT = {
     "openai_privacy_filter": [(0, {"causal": True, "sliding_window": 3}),
                               (0, {"sliding_window": None}),
                               (0, {"sinks": False}), (0, {"rope_interleaved": False})],
+    # ModernBERT: its window undone, the global θ on the local layer, causal; its decoder's too
+    "modernbert": [(0, {"sliding_window": None}), (1, {"causal": True}),
+                   (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
+    "modernbert-decoder": [(1, {"sliding_window": None}), (0, {"causal": False}),
+                           (1, {"rope_parameters": {"rope_type": "default",
+                                                    "rope_theta": 1000.0}})],
+    "ultrabert": [(0, {"sliding_window": None}), (1, {"causal": True}),
+                  (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
+    **{mt: [(0, {"causal": True})] for mt in ("eurobert", "gte", "nomic_bert",
+                                              "jina_embeddings_v3")},
     "flint": [(0, {"sinks": False}), (0, {"qk_norm": None}), (0, {"sliding_window": None}),
               (1, {"rope_parameters": {"rope_theta": 10000.0}})],
 }
@@ -383,7 +434,7 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "n_shared_experts", "shared_intermediate_size", "mlp_layer_types",
                      "mlp_bias", "intermediate_size_mlp", "moe_num_experts", "moe_k",
                      "first_k_dense_replace", "pad_token_id", "mlp_only_layers", "eos_token_id",
-                     "moe_layer_start_index"}
+                     "moe_layer_start_index", "bos_token_id", "cls_token_id", "sep_token_id"}
 
 
 def _fields(family) -> set:
@@ -397,10 +448,11 @@ def _fields(family) -> set:
 # (each config field they set that HF's attention reads, with its kind, and each setting undone,
 # at least once; tests/helpers.py ``sweep``), for all of them in the whole matrix (issue 39:
 # the quick suite's time). The round trip (no model run) checks every family in both.
-PER_FAMILY = [pytest.param(n, id=n) for n in FAMILIES if n not in DECODERS_42] + sweep(
-    [pytest.param(n, id=n) for n in DECODERS_42],
-    [_fields(DECODERS_42[n]) | {("undone", k) for _, change in DISTINCT[n] for k in change}
-     for n in DECODERS_42])
+BATCH_42 = {**DECODERS_42, **ENCODERS_42}
+PER_FAMILY = [pytest.param(n, id=n) for n in FAMILIES if n not in BATCH_42] + sweep(
+    [pytest.param(n, id=n) for n in BATCH_42],
+    [_fields(BATCH_42[n]) | {("undone", k) for _, change in DISTINCT[n] for k in change}
+     for n in BATCH_42])
 
 
 def test_every_supported_family_is_tested():
@@ -535,7 +587,9 @@ FAMILY_SWEEP = sweep([pytest.param(n, id=n) for n in FAMILIES],
 # at least once; tests/helpers.py ``sweep``), for every family in the whole matrix; each
 # family's conversion is checked by the test above in both.
 # Families that do not decode, each with why: left out of the decoding test.
-NOT_DECODED = {"openai_privacy_filter": "bidirectional (a token classifier): nothing to decode"}
+NOT_DECODED = {"openai_privacy_filter": "bidirectional (a token classifier): nothing to decode",
+               **{mt: "a bidirectional encoder: nothing to decode" for mt in ENCODERS_42
+                  if mt != "modernbert-decoder"}}
 
 
 @pytest.mark.parametrize("name", [p for p in FAMILY_SWEEP if p.id not in NOT_DECODED])

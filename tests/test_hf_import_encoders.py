@@ -110,6 +110,29 @@ SEQ2SEQ = dict(hidden_size=30, num_attention_heads=5, decoder_attention_heads=3,
                encoder_layers=2, decoder_layers=2, encoder_ffn_dim=8, decoder_ffn_dim=8,
                pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3)
 CROSS_AND_SELF = (("encoder", 0), ("encoder", 1), ("decoder", 1), ("cross", 0), ("cross", 1))
+def _layer(model, i):
+    """DINOv2's and RADIO's layer i attention (encoder.layer.N.attention)."""
+    return model.encoder.layer[i].attention
+
+
+# Issue 42's towers: CLIP's (MetaCLIP 2) and ViT's attention (DINOv2, with registers, RADIO);
+# Dh = 6 from BASE's head_dim where HF reads it (N·Dh ≠ D), o_proj's bias always.
+ENCODERS_42 = {
+    "metaclip_2_text_model": Family("MetaClip2TextConfig", TOWER, layers=(0, 1),
+                                    attention_of=_tower, inputs=_ids(),
+                                    model="MetaClip2TextModel"),
+    "metaclip_2_vision_model": Family("MetaClip2VisionConfig", VISION, layers=(0, 1),
+                                      attention_of=_tower, inputs=_pixels,
+                                      model="MetaClip2VisionModel"),
+    "dinov2": Family("Dinov2Config", dict(VISION, qkv_bias=False), layers=(0, 1),
+                     attention_of=_layer, inputs=_pixels),
+    "dinov2_with_registers": Family("Dinov2WithRegistersConfig", dict(
+        VISION, num_register_tokens=2), layers=(0, 1), attention_of=_layer, inputs=_pixels),
+    "radio": Family("RadioConfig", dict(VISION, max_img_size=IMAGE, num_cls_tokens=2,
+                                        num_registers=1), layers=(0, 1), attention_of=_layer,
+                    inputs=_pixels),
+}
+
 FAMILIES = {
     "bert": Family("BertConfig", dict(TOWER, attention_probs_dropout_prob=0.1), layers=(0, 1),
                    attention_of=_bert_attention, inputs=_ids(),
@@ -138,6 +161,7 @@ FAMILIES = {
                                model="Aimv2TextModel"),
     "aimv2_vision_model": Family("Aimv2VisionConfig", VISION, layers=(0, 1),
                                  attention_of=_aimv2_attention, inputs=_pixels),
+    **ENCODERS_42,
     "whisper": Family("WhisperConfig", dict(SEQ2SEQ, num_key_value_heads=5, num_mel_bins=4,
                                             max_source_positions=LC, max_target_positions=16),
                       layers=CROSS_AND_SELF, attention_of=_stacks, inputs=_whisper_inputs),
@@ -163,6 +187,9 @@ DISTINCT = {
     "siglip2_vision_model": [(1, {"causal": True})],
     "aimv2_text_model": [(0, {"causal": True}), (1, {"qkv_bias": False, "out_bias": False})],
     "aimv2_vision_model": [(1, {"causal": True})],
+    "metaclip_2_text_model": [(0, {"causal": False})],
+    **{mt: [(1, {"causal": True})] for mt in ("metaclip_2_vision_model", "dinov2",
+                                              "dinov2_with_registers", "radio")},
     "whisper": [(("encoder", 0), {"causal": True}), (("decoder", 1), {"causal": False}),
                 (("cross", 0), {"qkv_bias": False, "key_bias": None, "out_bias": False})],
     "bart": [(("encoder", 1), {"causal": True}), (("decoder", 1), {"causal": False}),
