@@ -292,6 +292,15 @@ def _separate_rope(mt, names, settings, stacks=None, **family) -> Family:
                   lambda params, ours: _neutral_to_linears(params, names), **family)
 
 
+def _fused_on_file(what, mt) -> str:
+    """Why ``attn-parity hf`` does not check the family's checkpoints yet (Family.unverified):
+    they keep q, k and v fused, ``what`` the file's names, which transformers splits into
+    q_proj, k_proj, v_proj and renames when loading (its conversion_mapping)."""
+    return (f"attn-parity hf does not check {mt} checkpoints yet: they keep q, k and v fused "
+            f"({what}; transformers splits and renames them when loading), a layout it does "
+            f"not read")
+
+
 MODERNBERT_DECODER_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "Wo"}
 ROPE_ENCODERS: dict[str, Family] = {
     # ModernBERT: Wqkv in thirds [q; k; v], Wo; D / N heads; bidirectional, its sliding layers
@@ -325,20 +334,23 @@ ROPE_ENCODERS: dict[str, Family] = {
     # loaded): its attention is the base weights'; a task's adapter, W + s·B·A, folds exactly
     # into q, k, v, o before conversion, and is not read here
     **{mt: _separate_rope(mt, LLAMA_NAMES, _rope_encoder(
-        mt, theta=theta, grouped=False, dropout="attention_probs_dropout_prob"))
-       for mt, theta in (("gte", 160_000.0), ("nomic_bert", 1000.0),
-                         ("jina_embeddings_v3", 20_000.0))},
+        mt, theta=theta, grouped=False, dropout="attention_probs_dropout_prob"),
+        unverified=_fused_on_file(what, mt))
+       for mt, theta, what in (("gte", 160_000.0, "qkv_proj and o_proj"),
+                               ("nomic_bert", 1000.0, "attn.Wqkv and attn.out_proj"),
+                               ("jina_embeddings_v3", 20_000.0,
+                                "mixer.Wqkv and mixer.out_proj"))},
 }
 
 
-def _dinov2(mt, renames=()) -> Family:
+def _dinov2(mt, renames=(), **family) -> Family:
     """DINOv2's (and RADIO's) ViT attention at encoder.layer.N.attention: q_proj ... o_proj,
     q, k and v biases with qkv_bias, o_proj's always; ``renames``: the checkpoints' 4.x
-    names of the same arrays."""
+    names of the same arrays; ``family``: the Family's other fields."""
     return _self_family(mt, LLAMA_NAMES, width="hidden_size", heads="num_attention_heads",
                         dropout="attention_probs_dropout_prob", head_dim=_head_dim,
-                        stacks=(Stack("encoder.layer", "attention", label="vision",
-                                      renames=renames),), hf_float64=True)
+                        stacks=(Stack("encoder.layer", "attention", renames=renames),),
+                        hf_float64=True, **family)
 
 
 DINOV2_RENAMES = (("attention.query.", "q_proj."), ("attention.key.", "k_proj."),
@@ -375,7 +387,8 @@ FAMILIES: dict[str, Family | Kinds] = {
            ("metaclip_2_vision_model", False, "vision", "MetaClip2VisionModel"))},
     # DINOv2 (with registers: the same attention, the registers are tokens) and RADIO
     **{mt: _dinov2(mt, DINOV2_RENAMES) for mt in ("dinov2", "dinov2_with_registers")},
-    "radio": _dinov2("radio"),
+    "radio": _dinov2("radio", unverified=_fused_on_file("blocks.N.attn.qkv and attn.proj",
+                                                        "radio")),
     **ROPE_ENCODERS,
     "whisper": _encoder_decoder("whisper", OUT_PROJ_NAMES, zero_key_bias=True),
     "bart": _encoder_decoder("bart", OUT_PROJ_NAMES),
