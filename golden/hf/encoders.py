@@ -1,7 +1,9 @@
 """Encoders, encoder-decoders and vision towers: BERT, RoBERTa, ViT, CLIP's and SigLIP's
-text and vision models (``_self_family`` entries of ``FAMILIES``), and Whisper, BART and T5
-(``Kinds`` entries: the encoder's and the decoder's ``_self_family``, the cross-attention's
-``_cross_family``).
+text and vision models (and MetaCLIP 2's, AIMv2's), DINOv2 and RADIO (``_self_family``
+entries of ``FAMILIES``), and Whisper, BART and T5 (``Kinds`` entries: the encoder's and the
+decoder's ``_self_family``, the cross-attention's ``_cross_family``); the text encoders with
+RoPE (``ROPE_ENCODERS``: ModernBERT and its decoder, EuroBERT, UltraBERT, GTE, Nomic BERT,
+Jina embeddings v3), whose bidirectional windows are pairs (HF's |i − j| ≤ r).
 
 Which arrays and which output. BERT and RoBERTa: the state dict of ``layer.attention``
 (``self.query``, ``self.key``, ``self.value``, ``output.dense``); its ``output.LayerNorm.*``
