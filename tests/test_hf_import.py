@@ -232,7 +232,10 @@ ENCODERS_42 = {
         num_hidden_layers=2, sliding_window=2, layer_types=["sliding_attention",
                                                             "full_attention"],
         rope_parameters=LOCAL_GLOBAL, attention_bias=True, **TOKENS), layers=(0, 1)),
-    "gte": Family("GteConfig", dict(num_hidden_layers=1, **TOKENS)),
+    # GTE with dynamic NTK past its 4 positions (HF's θ grows with the call's length)
+    "gte": Family("GteConfig", dict(num_hidden_layers=1, max_position_embeddings=4, **TOKENS,
+                                    rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                     "rope_theta": 100.0})),
     "nomic_bert": Family("NomicBertConfig", dict(num_hidden_layers=1, **TOKENS)),
     "jina_embeddings_v3": Family("JinaEmbeddingsV3Config", dict(num_hidden_layers=1,
                                                                 **TOKENS)),
@@ -420,8 +423,9 @@ DISTINCT = {
                                                     "rope_theta": 1000.0}})],
     "ultrabert": [(0, {"sliding_window": None}), (1, {"causal": True}),
                   (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
-    **{mt: [(0, {"causal": True})] for mt in ("eurobert", "gte", "nomic_bert",
-                                              "jina_embeddings_v3")},
+    **{mt: [(0, {"causal": True})] for mt in ("eurobert", "nomic_bert", "jina_embeddings_v3")},
+    "gte": [(0, {"causal": True}),
+            (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}})],
     "flint": [(0, {"sinks": False}), (0, {"qk_norm": None}), (0, {"sliding_window": None}),
               (1, {"rope_parameters": {"rope_theta": 10000.0}})],
 }
@@ -750,3 +754,35 @@ def test_exaone4_5s_text_tower_converts_as_exaone4():
             == golden.convert.from_hf(config, sd, layer_idx=1)[1])
     with pytest.raises(ValueError, match=r"model_type 'exaone4_5' is not supported"):
         golden.convert.from_hf(composite, sd)
+
+
+def test_issue_42_encoders_configs_of_before_transformers_5_and_bad_windows():
+    """ModernBERT's config.json of before transformers 5 (global_rope_theta, local_rope_theta,
+    no rope_parameters) converts as HF's config class reads it (each layer type its θ), a GTE
+    one without any θ with HF's default (160000, never NoPE); a ModernBERT local_attention that
+    is not an int ≥ 2 and an UltraBERT config without rope_parameters are refused by name."""
+    rng, _ = fresh_rng()
+    config, model = build_model(FAMILIES["modernbert"], rng)
+    old = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    old.update(global_rope_theta=1000.0, local_rope_theta=100.0)
+    hf_reads = transformers.ModernBertConfig(**old).to_dict()
+    for i in (0, 1):
+        sd = state_dict(attention_of(FAMILIES["modernbert"], model, i))
+        ours = golden.convert.from_hf(old, sd, layer_idx=i)[1]
+        assert ours == golden.convert.from_hf(hf_reads, sd, layer_idx=i)[1]
+        assert ours == golden.convert.from_hf(config, sd, layer_idx=i)[1]
+        assert ours["rope_parameters"]["rope_theta"] == (100.0, 1000.0)[i]
+    with pytest.raises(ValueError, match=r"model_type 'modernbert': local_attention should be "
+                                         r"an int ≥ 2 \(the sliding layers' total window\), "
+                                         r"got None"):
+        golden.convert.from_hf(dict(config.to_dict(), local_attention=None), sd, layer_idx=0)
+    config, model = build_model(FAMILIES["gte"], rng)
+    sd = state_dict(attention_of(FAMILIES["gte"], model, 0))
+    bare = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    assert golden.convert.from_hf(bare, sd)[1]["rope_theta"] == 160_000.0
+    assert transformers.GteConfig(**bare).rope_parameters["rope_theta"] == 160_000.0
+    config, model = build_model(FAMILIES["ultrabert"], rng)
+    bare = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    with pytest.raises(ValueError, match=r"model_type 'ultrabert': the config has no "
+                                         r"rope_parameters"):
+        golden.convert.from_hf(bare, state_dict(attention_of(FAMILIES["ultrabert"], model, 0)))
