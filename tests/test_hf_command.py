@@ -6,8 +6,8 @@ with exit status 2.
 
 By default eight decoder families (a sliding/full mix, local/global θ with QK norms, sinks with
 sliding layers, fused layouts, an MoE with NoPE full layers, an MoE with sinks and a θ per
-layer, eager attention only, a hybrid whose Mamba layers are named and not checked) and four
-encoder or
+layer, eager attention only, a hybrid whose Mamba layers are named and not checked),
+ModernBERT (a bidirectional window, fused Wqkv, local and global θ) and four encoder or
 encoder-decoder ones (BERT, ViT, Whisper, T5: every stack and kind, T5's shared position bias table, the cross-attention's context);
 The whole matrix (ATTN_PARITY_MATRIX=1) runs every family of tests/test_hf_import*.py, and
 CLIP's and SigLIP's composite checkpoints (both towers).
@@ -33,12 +33,13 @@ pytest.importorskip("safetensors")
 
 from tests import test_hf_import_encoders as encoders  # noqa: E402
 from tests import test_hf_import_fused as fused  # noqa: E402
+from tests.test_hf_import import ENCODERS_42  # noqa: E402
 from tests.test_hf_import import FAMILIES as DECODERS  # noqa: E402
 from tests.test_hf_import import HYBRID_OTHERS, HYBRIDS_42  # noqa: E402
 
 FAMILIES = {**DECODERS, **fused.FAMILIES}
 QUICK = ("qwen2", "gemma3_text", "gpt_oss", "gpt_neox", "bloom", "exaone_moe",
-         "granitemoe_swa", "nemotron_h")
+         "granitemoe_swa", "nemotron_h", "modernbert")
 # (a family the verifier does not check yet, Family.unverified, is refused by it by name)
 NAMES = [n for n in FAMILIES if not hf.FAMILIES[n].unverified] if WHOLE else list(QUICK)
 # The encoders' checkpoints, saved from a model with a head where one is usual (its keys then
@@ -52,10 +53,15 @@ ENCODER_MODELS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
                   "siglip2_text_model": "Siglip2TextModel",
                   "siglip2_vision_model": "Siglip2VisionModel",
                   "aimv2_text_model": "Aimv2TextModel", "aimv2_vision_model": "Aimv2VisionModel",
+                  "metaclip_2_text_model": "MetaClip2TextModel",
+                  "metaclip_2_vision_model": "MetaClip2VisionModel",
+                  "dinov2": "Dinov2ForImageClassification",
+                  "dinov2_with_registers": "Dinov2WithRegistersForImageClassification",
                   "whisper": "WhisperForConditionalGeneration",
                   "bart": "BartForConditionalGeneration", "t5": "T5ForConditionalGeneration"}
 COMPOSITE = {"clip": ("CLIPConfig", "CLIPModel"), "siglip": ("SiglipConfig", "SiglipModel"),
-             "siglip2": ("Siglip2Config", "Siglip2Model"), "aimv2": ("Aimv2Config", "Aimv2Model")}
+             "siglip2": ("Siglip2Config", "Siglip2Model"), "aimv2": ("Aimv2Config", "Aimv2Model"),
+             "metaclip_2": ("MetaClip2Config", "MetaClip2Model")}
 ENCODER_NAMES = (list(ENCODER_MODELS) + list(COMPOSITE) if WHOLE
                  else ["bert", "vit", "whisper", "t5"])
 
@@ -70,7 +76,9 @@ def _checkpoint(name, directory, seed=0):
     if family.model is not None:  # a class AutoModel does not take the config of
         return _save(getattr(transformers, family.model)(config), directory, seed)
     make = (transformers.AutoModel if name in TEXT_TOWERS  # a text tower has no causal-LM head
-            else transformers.AutoModelForCausalLM)
+            # issue 42's bidirectional encoders: a masked-LM checkpoint, as published
+            else transformers.AutoModelForMaskedLM if name in ENCODERS_42 and (
+                name != "modernbert-decoder") else transformers.AutoModelForCausalLM)
     return _save(make.from_config(config), directory, seed)
 
 
@@ -112,7 +120,7 @@ def expected_layers(config) -> set:
         return ({f"encoder layer {i} (encoder)" for i in range(encoder)}
                 | {f"decoder layer {i} ({k})" for i in range(decoder) for k in ("decoder",
                                                                                  "cross")})
-    tower = mt.split("_")[1] + " " if mt.endswith("_model") else ""
+    tower = mt.rsplit("_", 2)[-2] + " " if mt.endswith("_model") else ""
     return {f"{tower}layer {i} (attention)" for i in range(config["num_hidden_layers"])}
 
 

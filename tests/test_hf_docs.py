@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _rows():
     """{model_type: test file} of the table's rows."""
     text = (ROOT / "docs" / "hf.md").read_text()
-    rows = re.findall(r"^\| `([a-z0-9_]+)` \|.*\| (test_hf_import\w*\.py) \|$", text, flags=re.M)
+    rows = re.findall(r"^\| `([a-z0-9_-]+)` \|.*\| (test_hf_import\w*\.py) \|$", text, flags=re.M)
     return rows
 
 

@@ -349,6 +349,49 @@ HYBRIDS_42 = {
         layers=(1,), attention_of=_module_at("temporal_block"), model="RecurrentGemmaModel"),
 }
 
+# Issue 42's text encoders with RoPE (golden/hf/encoders.py ROPE_ENCODERS), swept with the
+# decoders: bidirectional (not decoded) but for ModernBERT's decoder; every window shorter than
+# L, local and global θ apart; BASE's num_key_value_heads and head_dim left in the configs that
+# do not read them (HF's GTE, Nomic and Jina attention read head_dim, not the KV heads;
+# ModernBERT neither).
+LOCAL_GLOBAL = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _attn(model, i):
+    return model.layers[i].attn
+
+
+ENCODERS_42 = {
+    # ModernBERT: fused Wqkv, D / N heads (4), layer 0 sliding |i − j| ≤ 2 (local_attention 4)
+    "modernbert": Family("ModernBertConfig", dict(
+        num_hidden_layers=2, head_dim=None, layer_types=["sliding_attention", "full_attention"],
+        local_attention=4, rope_parameters=LOCAL_GLOBAL, attention_bias=True, cls_token_id=1,
+        sep_token_id=2, **TOKENS), layers=(0, 1), attention_of=_attn,
+        float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    # ModernBERT's decoder: causal, layer 1 sliding with 3 keys (local_attention 6)
+    "modernbert-decoder": Family("ModernBertDecoderConfig", dict(
+        num_hidden_layers=2, head_dim=None, layer_types=["full_attention", "sliding_attention"],
+        local_attention=6, rope_parameters=LOCAL_GLOBAL, attention_bias=True, cls_token_id=1,
+        sep_token_id=2, **TOKENS), layers=(0, 1), attention_of=_attn,
+        float32="apply_rotary_pos_emb (q and k turned in float32)"),
+    "eurobert": Family("EuroBertConfig", dict(num_hidden_layers=1, attention_bias=True,
+                                              **TOKENS)),
+    # UltraBERT: layer 0 sliding |i − j| ≤ 2, its own θ
+    "ultrabert": Family("UltrabertConfig", dict(
+        num_hidden_layers=2, sliding_window=2, layer_types=["sliding_attention",
+                                                            "full_attention"],
+        rope_parameters=LOCAL_GLOBAL, attention_bias=True, **TOKENS), layers=(0, 1)),
+    # GTE with dynamic NTK past its 4 positions (HF's θ grows with the call's length)
+    "gte": Family("GteConfig", dict(num_hidden_layers=1, max_position_embeddings=4, **TOKENS,
+                                    rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                     "rope_theta": 100.0})),
+    "nomic_bert": Family("NomicBertConfig", dict(num_hidden_layers=1, **TOKENS)),
+    "jina_embeddings_v3": Family("JinaEmbeddingsV3Config", dict(num_hidden_layers=1,
+                                                                **TOKENS)),
+}
+
 FAMILIES = {
     "llama": Family("LlamaConfig", dict(num_hidden_layers=1, attention_bias=True,
                                         rope_parameters={
@@ -428,6 +471,7 @@ FAMILIES = {
     **GATED_42,
     **LATENT_42,
     **HYBRIDS_42,
+    **ENCODERS_42,
 }
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).
@@ -546,6 +590,17 @@ DISTINCT = {
     "openai_privacy_filter": [(0, {"causal": True, "sliding_window": 3}),
                               (0, {"sliding_window": None}),
                               (0, {"sinks": False}), (0, {"rope_interleaved": False})],
+    # ModernBERT: its window undone, the global θ on the local layer, causal; its decoder's too
+    "modernbert": [(0, {"sliding_window": None}), (1, {"causal": True}),
+                   (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
+    "modernbert-decoder": [(1, {"sliding_window": None}), (0, {"causal": False}),
+                           (1, {"rope_parameters": {"rope_type": "default",
+                                                    "rope_theta": 1000.0}})],
+    "ultrabert": [(0, {"sliding_window": None}), (1, {"causal": True}),
+                  (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
+    **{mt: [(0, {"causal": True})] for mt in ("eurobert", "nomic_bert", "jina_embeddings_v3")},
+    "gte": [(0, {"causal": True}),
+            (0, {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}})],
     "flint": [(0, {"sinks": False}), (0, {"qk_norm": None}), (0, {"sliding_window": None}),
               (1, {"rope_parameters": {"rope_theta": 10000.0}})],
     # Issue 42's hybrids
@@ -572,7 +627,8 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "attention_out_multiplier", "lru_width", "conv1d_width", "n_groups",
                      "ssm_state_size", "conv_kernel", "chunk_size", "mamba_num_heads",
                      "mamba_head_dim", "n_mamba_heads", *MAMBA2, "mamba_d_ssm", "mamba_n_groups",
-                     "mamba_expand", "mamba_dt_rank"}
+                     "mamba_expand", "mamba_dt_rank", "bos_token_id", "cls_token_id",
+                     "sep_token_id"}
 
 
 # A hybrid's fields that say which layers are attention: each family's reading of them is
@@ -594,7 +650,7 @@ def _fields(family) -> set:
 # (each config field they set that HF's attention reads, with its kind, and each setting undone,
 # at least once; tests/helpers.py ``sweep``), for all of them in the whole matrix (issue 39:
 # the quick suite's time). The round trip (no model run) checks every family in both.
-SWEPT = {**DECODERS_42, **GATED_42, **LATENT_42, **HYBRIDS_42}
+SWEPT = {**DECODERS_42, **GATED_42, **LATENT_42, **HYBRIDS_42, **ENCODERS_42}
 PER_FAMILY = [pytest.param(n, id=n) for n in FAMILIES if n not in SWEPT] + sweep(
     [pytest.param(n, id=n) for n in SWEPT],
     [_fields(SWEPT[n]) | {("undone", k) for _, change in DISTINCT[n] for k in change}
@@ -832,7 +888,9 @@ FAMILY_SWEEP = sweep([pytest.param(n, id=n) for n in FAMILIES],
 # at least once; tests/helpers.py ``sweep``), for every family in the whole matrix; each
 # family's conversion is checked by the test above in both.
 # Families that do not decode, each with why: left out of the decoding test.
-NOT_DECODED = {"openai_privacy_filter": "bidirectional (a token classifier): nothing to decode"}
+NOT_DECODED = {"openai_privacy_filter": "bidirectional (a token classifier): nothing to decode",
+               **{mt: "a bidirectional encoder: nothing to decode" for mt in ENCODERS_42
+                  if mt != "modernbert-decoder"}}
 
 
 @pytest.mark.parametrize("name", [p for p in FAMILY_SWEEP if p.id not in NOT_DECODED])
@@ -1011,3 +1069,35 @@ def test_longcat_flash_folded_latent_scale_undone_moves_the_output():
             module = twin.build(variant, ours, dict(params, kv_a_norm=kv_a_norm))
             out = twin.numpy(module(twin.array(x)))
         assert (rel(out, expected) > 1e3 * FLOAT32_LEVEL) == far, (far, seed)
+
+
+def test_issue_42_encoders_configs_of_before_transformers_5_and_bad_windows():
+    """ModernBERT's config.json of before transformers 5 (global_rope_theta, local_rope_theta,
+    no rope_parameters) converts as HF's config class reads it (each layer type its θ), a GTE
+    one without any θ with HF's default (160000, never NoPE); a ModernBERT local_attention that
+    is not an int ≥ 2 and an UltraBERT config without rope_parameters are refused by name."""
+    rng, _ = fresh_rng()
+    config, model = build_model(FAMILIES["modernbert"], rng)
+    old = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    old.update(global_rope_theta=1000.0, local_rope_theta=100.0)
+    hf_reads = transformers.ModernBertConfig(**old).to_dict()
+    for i in (0, 1):
+        sd = state_dict(attention_of(FAMILIES["modernbert"], model, i))
+        ours = golden.convert.from_hf(old, sd, layer_idx=i)[1]
+        assert ours == golden.convert.from_hf(hf_reads, sd, layer_idx=i)[1]
+        assert ours == golden.convert.from_hf(config, sd, layer_idx=i)[1]
+        assert ours["rope_parameters"]["rope_theta"] == (100.0, 1000.0)[i]
+    with pytest.raises(ValueError, match=r"model_type 'modernbert': local_attention should be "
+                                         r"an int ≥ 2 \(the sliding layers' total window\), "
+                                         r"got None"):
+        golden.convert.from_hf(dict(config.to_dict(), local_attention=None), sd, layer_idx=0)
+    config, model = build_model(FAMILIES["gte"], rng)
+    sd = state_dict(attention_of(FAMILIES["gte"], model, 0))
+    bare = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    assert golden.convert.from_hf(bare, sd)[1]["rope_theta"] == 160_000.0
+    assert transformers.GteConfig(**bare).rope_parameters["rope_theta"] == 160_000.0
+    config, model = build_model(FAMILIES["ultrabert"], rng)
+    bare = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    with pytest.raises(ValueError, match=r"model_type 'ultrabert': the config has no "
+                                         r"rope_parameters"):
+        golden.convert.from_hf(bare, state_dict(attention_of(FAMILIES["ultrabert"], model, 0)))

@@ -25,7 +25,8 @@ The rooms of the importer, each importing only those above it (NumPy only):
     fused      one projection for q, k and v (Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, GPT-2): a
                table of ``_fused_family`` entries
     encoders   encoders, encoder-decoders (``Kinds``) and vision towers (BERT, ViT, CLIP,
-               SigLIP, Whisper, BART, T5); their ``COMPOSITES``, CLIP's and SigLIP's towers
+               SigLIP, DINOv2, Whisper, BART, T5), the RoPE text encoders (ModernBERT, GTE,
+               ...); their ``COMPOSITES``, CLIP's and SigLIP's towers
     latent     multi-head latent attention (DeepSeek-V3)
     vision     vision towers with axial 2-D RoPE (Qwen-VL and kin, Pixtral, Llama 4, Gemma 4);
                its ``COMPOSITES``, the vision-language models' towers

@@ -1,7 +1,9 @@
 """Encoders, encoder-decoders and vision towers: BERT, RoBERTa, ViT, CLIP's and SigLIP's
-text and vision models (``_self_family`` entries of ``FAMILIES``), and Whisper, BART and T5
-(``Kinds`` entries: the encoder's and the decoder's ``_self_family``, the cross-attention's
-``_cross_family``).
+text and vision models (and MetaCLIP 2's, AIMv2's), DINOv2 and RADIO (``_self_family``
+entries of ``FAMILIES``), and Whisper, BART and T5 (``Kinds`` entries: the encoder's and the
+decoder's ``_self_family``, the cross-attention's ``_cross_family``); the text encoders with
+RoPE (``ROPE_ENCODERS``: ModernBERT and its decoder, EuroBERT, UltraBERT, GTE, Nomic BERT,
+Jina embeddings v3), whose bidirectional windows are pairs (HF's |i − j| ≤ r).
 
 Which arrays and which output. BERT and RoBERTa: the state dict of ``layer.attention``
 (``self.query``, ``self.key``, ``self.value``, ``output.dense``); its ``output.LayerNorm.*``
@@ -44,7 +46,9 @@ from __future__ import annotations
 import numpy as np
 
 from golden.hf.family import (GQA, LLAMA_NAMES, ROLES, Family, Kinds, Stack, _bias_flags,
-                              _linears_to_neutral, _neutral_to_linears, _read)
+                              _dropout, _heads, _layer_type, _linears_to_neutral,
+                              _neutral_to_linears, _read, _rope, _sizes)
+from golden.hf.fused import _fused_family
 
 MHCA = "multi_head_cross_attention"
 KINDS = ("encoder", "decoder", "cross")
@@ -184,11 +188,15 @@ def _bert(mt) -> Family:
                         hf_float64=True)
 
 
+def _head_dim(c) -> int:
+    """HF's getattr(config, "head_dim", D / N) of ViT's descendants."""
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
 def _vit() -> Family:
     return _self_family("vit", LLAMA_NAMES, width="hidden_size", heads="num_attention_heads",
                         dropout="attention_probs_dropout_prob",
-                        head_dim=lambda c: c.get("head_dim") or (c["hidden_size"]
-                                                                 // c["num_attention_heads"]),
+                        head_dim=_head_dim,
                         # ViT's modules (5.x) are q_proj ... o_proj on layers.N.attention;
                         # save_pretrained writes (as every published checkpoint has) the 4.x
                         # names of the same arrays
@@ -208,6 +216,147 @@ def _tower(mt, causal, label, **family) -> Family:
                         causal=causal, dropout="attention_dropout",
                         stacks=(Stack("encoder.layers", "self_attn", label=label),),
                         hf_float64=True, **family)
+
+
+# ---- encoders with RoPE (issue 42) --------------------------------------------------------------
+
+MODERNBERT_THETA = {"full_attention": ("global_rope_theta", 160_000.0),
+                    "sliding_attention": ("local_rope_theta", 10_000.0)}
+
+
+def _with_rope_parameters(c, mt, theta) -> dict:
+    """The config with rope_parameters as transformers 5's config class fills them in where a
+    config.json of before it has none: ``theta`` HF's default θ (a float), or for ModernBERT
+    {layer type: (the old field, its default)}; a θ left out is HF's default, never NoPE."""
+    if c.get("rope_parameters") is not None:
+        return c
+    if isinstance(theta, dict):
+        if c.get("rope_scaling") is not None:
+            raise ValueError(f"model_type {mt!r}: rope_scaling = {c['rope_scaling']!r} without "
+                             f"rope_parameters is not supported (give rope_parameters, as "
+                             f"transformers 5 saves them)")
+        return dict(c, rope_parameters={kind: {"rope_type": "default",
+                                               "rope_theta": float(c.get(old, value))}
+                                        for kind, (old, value) in theta.items()})
+    if theta is None:
+        raise ValueError(f"model_type {mt!r}: the config has no rope_parameters (transformers "
+                         f"5 saves them)")
+    return dict(c, rope_theta=float(c.get("rope_theta", theta)))
+
+
+def _rope_encoder(mt, *, theta, window=None, causal=False, dropout="attention_dropout",
+                  head_dim_from_config=True, grouped=True):
+    """The settings of a text encoder with rotary positions: sizes (Dh the config's head_dim,
+    else D / N; D / N whatever it says where not ``head_dim_from_config``), the RoPE of the
+    layer's type (a per-type rope_parameters dict resolved: ModernBERT's and UltraBERT's
+    local and global θ), bidirectional unless ``causal``; ``window(c)`` the sliding window of
+    the config's "sliding_attention" layers (an int: causal, W keys up to the query's own; a
+    pair: HF's bidirectional |i − j| ≤ r, keys p − r … p + r); ``grouped``: HF's attention
+    reads num_key_value_heads (else one KV head per head, whatever a config says);
+    ``dropout`` the config field of the weights' dropout; ``theta``: HF's default θ where a
+    config.json of before transformers 5 has no rope_parameters (``_with_rope_parameters``)."""
+
+    def settings(c, layer_idx):
+        c = _with_rope_parameters(c, mt, theta)
+        layer_type = _layer_type(c, layer_idx)
+        sizes = _sizes(c) if head_dim_from_config else _heads(c, c["num_attention_heads"], mt)
+        if not grouped:
+            sizes["num_kv_heads"] = sizes["num_heads"]
+        ours = {**sizes, **_rope(c, layer_type, mt), "causal": causal}
+        if window is not None and layer_type == "sliding_attention":
+            ours["sliding_window"] = window(c)
+        return _dropout(c, ours, dropout)
+    return settings
+
+
+def _half_of_local_attention(c, mt) -> int:
+    """ModernBERT's window radius: local_attention (its total width W) // 2, as HF's
+    config.sliding_window."""
+    w = c.get("local_attention")
+    if not isinstance(w, int) or isinstance(w, bool) or w < 2:
+        raise ValueError(f"model_type {mt!r}: local_attention should be an int ≥ 2 (the "
+                         f"sliding layers' total window), got {w!r}")
+    return w // 2
+
+
+def _separate_rope(mt, names, settings, stacks=None, **family) -> Family:
+    """A RoPE encoder with one nn.Linear per role (``names``): ``settings(c, layer_idx)`` and
+    the bias flags of the state dict."""
+
+    def our_settings(c, layer_idx, sd):
+        ours = settings(c, layer_idx)
+        ours.update(_bias_flags(sd, names, mt))
+        return ours
+
+    if stacks is not None:
+        family["stacks"] = stacks
+    return Family(GQA, our_settings, lambda sd, ours: _linears_to_neutral(sd, names, mt),
+                  lambda params, ours: _neutral_to_linears(params, names), **family)
+
+
+def _fused_on_file(what, mt) -> str:
+    """Why ``attn-parity hf`` does not check the family's checkpoints yet (Family.unverified):
+    they keep q, k and v fused, ``what`` the file's names, which transformers splits into
+    q_proj, k_proj, v_proj and renames when loading (its conversion_mapping)."""
+    return (f"attn-parity hf does not check {mt} checkpoints yet: they keep q, k and v fused "
+            f"({what}; transformers splits and renames them when loading), a layout it does "
+            f"not read")
+
+
+MODERNBERT_DECODER_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "Wo"}
+ROPE_ENCODERS: dict[str, Family] = {
+    # ModernBERT: Wqkv in thirds [q; k; v], Wo; D / N heads; bidirectional, its sliding layers
+    # |i − j| ≤ local_attention // 2 (HF's create_bidirectional_sliding_window_mask on
+    # config.sliding_window = local_attention // 2), their own θ (local_rope_theta). Its out_drop
+    # (dropout of Wo's output, training only) is the caller's, as BLOOM's hidden_dropout
+    "modernbert": _fused_family(
+        "modernbert", _rope_encoder(
+            "modernbert", theta=MODERNBERT_THETA, head_dim_from_config=False,
+            window=lambda c: (_half_of_local_attention(c, "modernbert"),) * 2),
+        "thirds", "Wqkv", "Wo",
+        stacks=(Stack("layers", "attn"),)),
+    # ModernBERT's decoder: causal, q_proj, k_proj, v_proj and Wo; its sliding layers see
+    # local_attention // 2 keys (HF's causal sliding window of config.sliding_window keys)
+    "modernbert-decoder": _separate_rope(
+        "modernbert-decoder", MODERNBERT_DECODER_NAMES, _rope_encoder(
+            "modernbert-decoder", theta=MODERNBERT_THETA, causal=True,
+            head_dim_from_config=False,
+            window=lambda c: _half_of_local_attention(c, "modernbert-decoder")),
+        (Stack("layers", "attn"),)),
+    # EuroBERT: Llama's attention, bidirectional
+    "eurobert": _separate_rope("eurobert", LLAMA_NAMES,
+                               _rope_encoder("eurobert", theta=10_000.0)),
+    # UltraBERT: EuroBERT's with sliding layers |i − j| ≤ sliding_window (a radius) and a θ per
+    # layer type
+    "ultrabert": _separate_rope("ultrabert", LLAMA_NAMES, _rope_encoder(
+        "ultrabert", theta=None, window=lambda c: (int(c["sliding_window"]),) * 2)),
+    # GTE (the new implementation), Nomic BERT, Jina embeddings v3 (XLM-R with RoPE):
+    # q_proj ... o_proj (biases: GTE and Jina; none: Nomic), bidirectional, one KV head per
+    # head. Jina's task LoRA adapters are not in transformers' model (a checkpoint's are not
+    # loaded): its attention is the base weights'; a task's adapter, W + s·B·A, folds exactly
+    # into q, k, v, o before conversion, and is not read here
+    **{mt: _separate_rope(mt, LLAMA_NAMES, _rope_encoder(
+        mt, theta=theta, grouped=False, dropout="attention_probs_dropout_prob"),
+        unverified=_fused_on_file(what, mt))
+       for mt, theta, what in (("gte", 160_000.0, "qkv_proj and o_proj"),
+                               ("nomic_bert", 1000.0, "attn.Wqkv and attn.out_proj"),
+                               ("jina_embeddings_v3", 20_000.0,
+                                "mixer.Wqkv and mixer.out_proj"))},
+}
+
+
+def _dinov2(mt, renames=(), **family) -> Family:
+    """DINOv2's (and RADIO's) ViT attention at encoder.layer.N.attention: q_proj ... o_proj,
+    q, k and v biases with qkv_bias, o_proj's always; ``renames``: the checkpoints' 4.x
+    names of the same arrays; ``family``: the Family's other fields."""
+    return _self_family(mt, LLAMA_NAMES, width="hidden_size", heads="num_attention_heads",
+                        dropout="attention_probs_dropout_prob", head_dim=_head_dim,
+                        stacks=(Stack("encoder.layer", "attention", renames=renames),),
+                        hf_float64=True, **family)
+
+
+DINOV2_RENAMES = (("attention.query.", "q_proj."), ("attention.key.", "k_proj."),
+                  ("attention.value.", "v_proj."), ("output.dense.", "o_proj."))
 
 
 FAMILIES: dict[str, Family | Kinds] = {
@@ -233,6 +382,16 @@ FAMILIES: dict[str, Family | Kinds] = {
        for mt, causal, label, kw in (
            ("aimv2_vision_model", False, "vision", {}),
            ("aimv2_text_model", False, "text", {"model_class": "Aimv2TextModel"}))},
+    # MetaCLIP 2: CLIP's towers (AutoModel takes neither tower's config)
+    **{mt: _tower(mt, causal=causal, label=label, model_class=model)
+       for mt, causal, label, model in (
+           ("metaclip_2_text_model", True, "text", "MetaClip2TextModel"),
+           ("metaclip_2_vision_model", False, "vision", "MetaClip2VisionModel"))},
+    # DINOv2 (with registers: the same attention, the registers are tokens) and RADIO
+    **{mt: _dinov2(mt, DINOV2_RENAMES) for mt in ("dinov2", "dinov2_with_registers")},
+    "radio": _dinov2("radio", unverified=_fused_on_file("blocks.N.attn.qkv and attn.proj",
+                                                        "radio")),
+    **ROPE_ENCODERS,
     "whisper": _encoder_decoder("whisper", OUT_PROJ_NAMES, zero_key_bias=True),
     "bart": _encoder_decoder("bart", OUT_PROJ_NAMES),
     "t5": _t5(),
@@ -242,4 +401,4 @@ FAMILIES: dict[str, Family | Kinds] = {
 # towers' sub-configs and the towers' key prefixes, {model_type: {sub-config: key prefix}}.
 COMPOSITES: dict[str, dict[str, str]] = {
     mt: {"text_config": "text_model.", "vision_config": "vision_model."}
-    for mt in ("clip", "siglip", "siglip2", "aimv2")}
+    for mt in ("clip", "siglip", "siglip2", "aimv2", "metaclip_2")}

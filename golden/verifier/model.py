@@ -161,8 +161,11 @@ def _one_layer_config(config):
     import transformers
 
     c = {k: v for k, v in config.items() if k not in DROPPED}
-    pad = c.get("pad_token_id")  # RoBERTa's positions need it; the input's tokens are 0
-    c.update(pad_token_id=pad if isinstance(pad, int) and 0 < pad < VOCAB else None,
+    # RoBERTa's positions need it; the input's tokens are 0. One outside the one-layer model's
+    # vocabulary becomes VOCAB − 1, a token never drawn (ModernBERT's decoder takes no None)
+    pad = c.get("pad_token_id")
+    c.update(pad_token_id=(pad if 0 < pad < VOCAB else VOCAB - 1) if isinstance(pad, int)
+             else None,
              bos_token_id=None, eos_token_id=None,
              max_window_layers=0 if c.get("max_window_layers") else None)
     c = {k: v for k, v in c.items() if v is not None or k in KEPT_NONE}
