@@ -621,7 +621,7 @@ def check_context_inputs(x, context, d_in, d_context, mask=None, context_lengths
     lc = None if context is None else context.shape[-2]
     if cache is not None:
         lc = check_context_cache(cache, x, context, lc, kv_heads, head_dim)
-    return check_module_masks(lead, x.shape[-2], lc, mask, heads=heads)
+    return check_module_masks(lead, x.shape[-2], lc, mask, heads=heads, head_axis=True)
 
 
 def check_context(context, d_context, context_lengths=None, lead=None) -> tuple:
@@ -668,9 +668,11 @@ def check_same_context(same: bool) -> None:
                          "context=None to use the cached one")
 
 
-def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0):
-    """A module's mask against (B, Lq, Lk), or with a head axis against (B, N, Lq, Lk) for a
-    multi-head module (``heads`` N); its dropout mask against its weights (B, [N,] Lq, Lk).
+def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0.0,
+                       head_axis=False):
+    """A module's mask against (B, Lq, Lk), or with ``head_axis`` (the multi-head modules that
+    take one) also against (B, N, Lq, Lk) (``heads`` N); its dropout mask against its weights
+    (B, [N,] Lq, Lk).
 
     ``lead`` is the batch shape (empty when unbatched), ``heads`` N for multi-head modules and
     ``rate`` the dropout rate in force (0 in eval mode). Returns the weights' shape.
@@ -678,7 +680,7 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
     batch = ("B",) * len(lead)
     head = () if heads is None else (heads,)
     weights = tuple(lead) + head + (lq, lk)
-    if mask is not None and heads is not None and len(mask.shape) == len(lead) + 3:
+    if mask is not None and head_axis and len(mask.shape) == len(lead) + 3:
         # a head axis, 1 or N (Hugging Face's 4-D boolean masks (B, 1, Lq, Lk))
         _expect_broadcastable("mask", mask, batch + ("N", "Lq", "Lk"), weights, "bool")
     elif mask is not None:
@@ -726,7 +728,8 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
     lk = x.shape[-2]
     if cache is not None:
         lk = check_cache(cache, x, kv_heads, head_dim, value_dim)
-    return check_module_masks(lead, x.shape[-2], lk, mask, dropout_mask, heads, rate)
+    return check_module_masks(lead, x.shape[-2], lk, mask, dropout_mask, heads, rate,
+                              head_axis=True)
 
 
 def cache_shape(batch_size, max_length, kv_heads, head_dim) -> tuple:
@@ -764,7 +767,7 @@ def check_latent_inputs(x, d_in, mask=None, query_seq_lengths=None, *, heads, po
     check_decoder_inputs(x, d_in, None, None, query_seq_lengths, heads=heads,
                          positions=positions)
     lk = x.shape[-2] if cache is None else check_latent_cache(cache, x, kv_lora_rank, rope_dim)
-    return check_module_masks(lead, x.shape[-2], lk, mask, heads=heads)
+    return check_module_masks(lead, x.shape[-2], lk, mask, heads=heads, head_axis=True)
 
 
 LATENT_FIELDS = ("latent", "rope_key", "lengths")
