@@ -359,7 +359,8 @@ def _gemma4_layer(c, layer_idx):
 
 def kv_source(config, layer_idx):
     """The index of the layer whose keys and values layer ``layer_idx`` attends with, for
-    Gemma 4's and Gemma 3n's cross-layer KV sharing: the last ``num_kv_shared_layers`` layers
+    Gemma 4's cross-layer KV sharing (Gemma 3n's is the same; its text attention is not
+    converted here): the last ``num_kv_shared_layers`` layers
     (no k_proj, v_proj, k_norm, v_norm; our ``kv_shared=True``) reuse those of the last layer
     before them of their own ``layer_types`` entry (HF's kv_sharing_modes "store"); None for a
     layer that computes its own (every layer without num_kv_shared_layers). ``config`` a
