@@ -321,3 +321,28 @@ def test_a_bfloat16_checkpoint_is_read_exactly(tmp_path):
         if key in arrays.keys():
             np.testing.assert_array_equal(arrays.read(key), tensor.float().numpy(), err_msg=key)
     assert main(["hf", str(directory), "--framework", "torch"]) == 0
+
+
+def test_a_kv_sharing_checkpoint_names_its_reusing_layers(tmp_path):
+    # Gemma 4 with num_kv_shared_layers = 2 (tests/test_hf_import.py GEMMA4_SHARED): layers 2
+    # and 3 reuse layers 0's and 1's keys and values; they are checked by the twins against the
+    # reference as the attention with those layers' k and v weights and their own q and o, and
+    # the notes say HF's row is not run for them; the storing layers get HF's row as usual.
+    from tests.test_hf_import import GEMMA4_SHARED
+
+    config = transformers.Gemma4TextConfig(**{**BASE, **GEMMA4_SHARED.kw})
+    directory = _save(transformers.AutoModelForCausalLM.from_config(config),
+                      tmp_path / "gemma4_shared", 0)
+    report = hf_check.run(directory, log=lambda row: None)
+    notes = report["checkpoint"]["notes"]
+    for i, j, kind in ((2, 0, "sliding_attention"), (3, 1, "full_attention")):
+        assert any(n.startswith(f"layer {i} ({kind}) reuses layer {j} ({kind})'s keys and "
+                                f"values: HF's row not run") for n in notes), notes
+    rows = report["rows"]
+    hf_rows = {(r["fixture"], r["dtype"]): r["status"] for r in rows
+               if r["implementation"] == "hf"}
+    assert {f for f, d in hf_rows} == {"layer 0 (sliding_attention)", "layer 1 (full_attention)"}
+    assert all(s == "pass" for (f, d), s in hf_rows.items() if d == "float32")
+    reused = [r for r in rows if r["fixture"].startswith(("layer 2", "layer 3"))]
+    assert {r["implementation"] for r in reused} == {"torch", "jax"}
+    assert report["summary"]["ok"], [r for r in rows if r["status"] != "pass"]

@@ -1101,3 +1101,62 @@ def test_issue_42_encoders_configs_of_before_transformers_5_and_bad_windows():
     with pytest.raises(ValueError, match=r"model_type 'ultrabert': the config has no "
                                          r"rope_parameters"):
         golden.convert.from_hf(bare, state_dict(attention_of(FAMILIES["ultrabert"], model, 0)))
+
+
+# ---- Gemma 4's cross-layer KV sharing ---------------------------------------------------------
+
+# gemma4_text's tiny model on 4 layers, the last 2 reusing (num_kv_shared_layers = 2), layer
+# types mixed (HF's last layer is a full one): layer 2 (sliding) reuses layer 0's keys and
+# values, layer 3 (full) layer 1's.
+GEMMA4_SHARED = Family("Gemma4TextConfig", dict(
+    FAMILIES["gemma4_text"].kw, num_hidden_layers=4, num_kv_shared_layers=2,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    layers=(0, 1, 2, 3), float32="Gemma4RMSNorm")
+
+
+def test_kv_source_is_hugging_faces_kv_sharing_modes():
+    rng, _ = fresh_rng()
+    config, _ = build_model(GEMMA4_SHARED, rng)
+    modes, types = config.kv_sharing_modes, config.layer_types
+    sources = [golden.hf.kv_source(config.to_dict(), i) for i in range(4)]
+    assert sources == [None, None, 0, 1]
+    for i, j in enumerate(sources):
+        assert (j is not None) == (modes[i] == "reuse")
+        if j is not None:
+            assert modes[j] == "store" and types[j] == types[i]
+    plain, _ = build_model(FAMILIES["gemma4_text"], rng)  # no sharing: every layer its own
+    assert [golden.hf.kv_source(plain, i) for i in range(2)] == [None, None]
+    with pytest.raises(ValueError, match=r"layer_idx should be in \[0, 4\)"):
+        golden.hf.kv_source(config.to_dict(), 4)
+
+
+def test_reusing_layers_equal_the_models_own_attention(twin):
+    # Each reusing layer R, converted (kv_shared=True: q_proj, q_norm, o_proj only), called on
+    # its own captured input with the cache its storing layer S made from S's captured input,
+    # equals HF's reusing layer's output in the model's own forward, at HF's float32 floor (its
+    # RoPE angles and Gemma4RMSNorm), as gemma4_text's other rows.
+    rng, seed = fresh_rng()
+    config, model = build_model(GEMMA4_SHARED, rng)
+    seen = captured(GEMMA4_SHARED, model, (0, 1, 2, 3),
+                    rng.integers(0, BASE["vocab_size"], (B, L)))
+    for i in (2, 3):
+        j = golden.hf.kv_source(config, i)
+        store_result, reuse_result = (
+            golden.convert.from_hf(config.to_dict(), state_dict(attention_of(
+                GEMMA4_SHARED, model, k)), layer_idx=k) for k in (j, i))
+        assert reuse_result[1]["kv_shared"] and "v_norm" not in reuse_result[1]
+        assert sorted(reuse_result[2]) == ["W_out", "W_query", "q_norm"]
+        assert golden.convert.to_hf(*reuse_result).keys() == state_dict(
+            attention_of(GEMMA4_SHARED, model, i)).keys()
+        with twin.float64():
+            store, reuse = (twin.build(*r) for r in (store_result, reuse_result))
+            _, cache = store(twin.array(seen[j][0]), cache=store.init_cache(B, L))
+            out, _ = reuse(twin.array(seen[i][0]), cache=cache)
+        error = rel(twin.numpy(out), seen[i][1])
+        assert error <= FLOAT32_LEVEL, (i, error, seed)
+        # the storing layer's own input matters: its cache made from R's input instead (the
+        # design's "both read the same x", not HF's) moves the output far
+        with twin.float64():
+            _, wrong = store(twin.array(seen[i][0]), cache=store.init_cache(B, L))
+            far, _ = reuse(twin.array(seen[i][0]), cache=wrong)
+        assert rel(twin.numpy(far), seen[i][1]) > 1e3 * FLOAT32_LEVEL, (i, seed)

@@ -12,6 +12,10 @@ params)`` gives back the same arrays under the family's names (a round trip is e
 config ``from_hf`` returns remembers its ``model_type`` and ``kind`` (``HFConfig``), or pass
 ``model_type=``.
 
+``kv_source(config, layer_idx)``: for Gemma 4's cross-layer KV sharing (num_kv_shared_layers),
+the index of the layer whose cache a reusing layer (``kv_shared=True``) is called with; None
+for a layer that computes its own keys and values.
+
 A family, or a setting of one, that we do not express is a ValueError naming the
 ``model_type`` and the setting, never a module that computes something else. The families and
 what each maps: ``FAMILIES`` (docs/hf.md has the table, checked against the tests).
@@ -49,9 +53,10 @@ from ``FAMILIES`` and ``COMPOSITES``.
 from __future__ import annotations
 
 from golden.hf.convert import COMPOSITES, FAMILIES, REFUSED, expected_state, from_hf, to_hf
+from golden.hf.decoders import kv_source
 from golden.hf.encoders import MHCA, T5_TABLE
 from golden.hf.family import GQA, Family, HFConfig, Kinds, Stack, _layer_type
 from golden.hf.latent import MLA
 
 __all__ = ["COMPOSITES", "FAMILIES", "GQA", "MHCA", "MLA", "REFUSED", "T5_TABLE", "Family", "HFConfig",
-           "Kinds", "Stack", "expected_state", "from_hf", "to_hf"]
+           "Kinds", "Stack", "expected_state", "from_hf", "kv_source", "to_hf"]

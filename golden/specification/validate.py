@@ -697,15 +697,22 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
 
 def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_lengths=None, *,
                          heads, rate=0.0, cache=None, kv_heads=None, head_dim=None,
-                         positions=None, axes=None, temperature=False, value_dim=None):
+                         positions=None, axes=None, temperature=False, value_dim=None,
+                         kv_shared=False):
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
     array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,), or with
     ``axes`` A (the module's RoPE is multimodal or axial: validate.rope_axis_count) also (A, B,
     L) or (A, L), one row per axis, but not with a query ``temperature`` (which axis's position
     would scale it?). Without a cache the keys are x's L tokens; with one (a
     golden.specification.positions.KVCache, see check_cache) they are its max_length positions
-    M, and x must be batched like it (its values ``value_dim`` wide, default head_dim). Returns
+    M, and x must be batched like it (its values ``value_dim`` wide, default head_dim). A
+    ``kv_shared`` module (no keys of its own) must be given the storing layer's cache. Returns
     the weights' shape (B, H, L, L or M)."""
+    if kv_shared and cache is None:
+        raise ValueError("cache should be the storing layer's KVCache with kv_shared=True (as "
+                         "its call on the same tokens returned it; for a forward without "
+                         "decoding, its call with cache=store.init_cache(B, L)): the module has "
+                         "no key or value projection of its own, got None")
     lead = check_sequence("x", x, "d_in", d_in)
     if query_seq_lengths is not None:
         _expect_integers("query_seq_lengths", query_seq_lengths, lead, "B" if lead else None)

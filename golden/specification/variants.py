@@ -307,11 +307,26 @@ def _grouped_query_shapes(c):
     if c["qk_norm"] is not None and QK_NORMS[c["qk_norm"]][0](h, dh) is not None:
         shapes["q_norm"] = QK_NORMS[c["qk_norm"]][0](h, dh)
         shapes["k_norm"] = QK_NORMS[c["qk_norm"]][0](hkv, dh)
+    if c.get("kv_shared"):  # Gemma 4's, Gemma 3n's reusing layers: the storing layer's k and v
+        _check_kv_shared(c)
+        for name in ("W_key", "b_key", "W_value", "b_value", "k_norm"):
+            shapes.pop(name, None)
     if c["sinks"]:
         shapes["sinks"] = (h,)
     shapes.update(position_shapes(c, h, dh))
     shapes.update(input_norm_shapes(c))
     return shapes
+
+
+def _check_kv_shared(c) -> None:
+    """kv_shared (a layer that attends with another layer's cached keys and values): the
+    settings that shape keys and values (k_eq_v, v_norm, value_scale) are the storing layer's,
+    so the reusing layer refuses them rather than ignore them."""
+    for name, idle in (("k_eq_v", False), ("v_norm", False), ("value_scale", None)):
+        if c[name] != idle:
+            raise ValueError(f"{name} should be {idle!r} with kv_shared=True (the keys and values "
+                             f"are the storing layer's cache, made with its own {name}), got "
+                             f"{c[name]!r}")
 
 
 def cross_sizes(c) -> dict:
@@ -541,7 +556,7 @@ _VARIANTS = [
              Arg("output_norm", check_output_norm, None), Arg("output_norm_eps", epsilon, 1e-6),
              Arg("gate_bias", _flag_or_none, None), Arg("v_head_dim", positive_or_none, None),
              Arg("value_scale", _value_scale, None),
-             Arg("clip_qkv_after_norm", _flag, False)),
+             Arg("clip_qkv_after_norm", _flag, False), Arg("kv_shared", _flag, False)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",

@@ -44,7 +44,7 @@ from golden import reference
 from golden.specification import variants
 from golden.specification.fixture import Fixture
 from golden.specification.validate import rope_axis_count, rope_settings
-from golden.hf import GQA, from_hf
+from golden.hf import GQA, from_hf, kv_source
 from golden.verifier import exercise as hf_exercise
 from golden.verifier.checkpoint import Checkpoint, CheckpointError
 from golden.verifier.exercise import BASE_LENGTH, MAX_LENGTH
@@ -70,10 +70,13 @@ def _drawn(rng, shape):
     return rng.standard_normal(shape).astype(np.float32).astype(np.float64)
 
 
-def layer_fixture(config, layer, exercise, state_dict, rng) -> Fixture:
+def layer_fixture(config, layer, exercise, state_dict, rng, index=None) -> Fixture:
     """The layer's converted weights on drawn inputs (x (B, L, D), a cross-attention's
-    context (B, LC, D), the exercise's positions and mask), with the float64 reference's results."""
-    variant, ours, params = from_hf(config, state_dict, layer_idx=layer.index,
+    context (B, LC, D), the exercise's positions and mask), with the float64 reference's results;
+    converted as layer ``index`` (default the layer's own: a layer that reuses another's keys
+    and values is converted as that one, ``shared_source``)."""
+    variant, ours, params = from_hf(config, state_dict,
+                                    layer_idx=layer.index if index is None else index,
                                     kind=layer.stack.kind)
     spec = variants.VARIANTS[variant]
     full = spec.config(dict(ours))
@@ -142,6 +145,24 @@ def _judge_by_peer(row, output, fixture, peer):
     row["status"], row["reason"] = ("pass", None) if c.ok else ("fail", "output")
 
 
+def shared_source(layer, layers):
+    """The layer whose keys and values ``layer`` attends with (Gemma 4's num_kv_shared_layers,
+    golden.hf.kv_source), among ``layers`` (every one the checkpoint holds), or None. Such a
+    layer is checked as the ordinary attention it equals (kv_shared: tests/test_kv_sharing.py):
+    the source's key and value weights and its own query and output weights, by the reference
+    and the twins; HF's one-layer model cannot run it alone (the report's notes say so)."""
+    if not layer.config.get("num_kv_shared_layers") or "num_hidden_layers" not in layer.config:
+        return None
+    j = kv_source(layer.config, layer.index)
+    if j is None:
+        return None
+    found = [s for s in layers if s.stack is layer.stack and s.index == j]
+    if not found:
+        raise CheckpointError(f"{layer.name} reuses the keys and values of layer {j}, which the "
+                              f"checkpoint does not hold")
+    return found[0]
+
+
 def select(layers, indices=(), span=None, pattern=None) -> list:
     """The layers chosen by ``--layer`` (indices), ``--layers`` (a slice "A:B" of indices) and
     ``-k`` (a substring, or a glob with * ? [, of the layer's name)."""
@@ -166,6 +187,11 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
         raise CheckpointError(f"no layer selected: --layer, --layers and -k match none of the "
                               f"{len(found.layers)} layers")
     values = check_values(ckpt, chosen, config)
+    sources = {id(layer): shared_source(layer, found.layers) for layer in chosen}
+    found.notes.extend(f"{layer.name} reuses {sources[id(layer)].name}'s keys and values: HF's "
+                       f"row not run (checked as the attention with its key and value weights "
+                       f"and the layer's own query and output weights)"
+                       for layer in chosen if sources[id(layer)] is not None)
     from golden.verifier import model as hf_model
 
     with_hf = with_hf and hf_model.available()
@@ -183,9 +209,12 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
     report, models, rng = None, hf_model.Models() if with_hf else None, np.random.default_rng(seed)
     try:
         for layer, plan in _bar(plans, progress):
-            state_dict = layer_state(ckpt, layer, config)
-            part = _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights,
-                                outputs)
+            state_dict, source = layer_state(ckpt, layer, config), sources[id(layer)]
+            if source is not None:  # the source's k and v entries, the layer's own q and o
+                state_dict = {**layer_state(ckpt, source, config), **state_dict}
+            part = _check_layer(layer, plan, state_dict, twins,
+                                models if source is None else None, dtypes, rng, weights,
+                                outputs, index=None if source is None else source.index)
             for row in part["rows"]:
                 row["model_type"] = layer.config["model_type"]
                 log(row)
@@ -210,14 +239,16 @@ def _plans(chosen, max_length) -> list:
     return [(layer, hf_exercise.exercises(layer, plans[id(layer)], length)) for layer in chosen]
 
 
-def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, outputs):
-    """check.run's report of the layer's fixtures (one per exercise)."""
+def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, outputs,
+                 index=None):
+    """check.run's report of the layer's fixtures (one per exercise), converted as layer
+    ``index`` (layer_fixture)."""
     from golden.verifier import model as hf_model
 
     report = None
     for exercise in plan:
         try:
-            fixture = layer_fixture(exercise.config, layer, exercise, state_dict, rng)
+            fixture = layer_fixture(exercise.config, layer, exercise, state_dict, rng, index)
         except ValueError as e:
             raise CheckpointError(f"{layer.name}: {e}") from None
         part = (check.run([fixture], frameworks=twins, dtypes=dtypes, regeneration=False,

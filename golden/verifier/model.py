@@ -113,7 +113,8 @@ def layer_only(config, layer_idx):
     """The config as layer ``layer_idx`` sees it: its entries of layer_types, no_rope_layers,
     mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse) and layer_rope_theta (Granite SWA),
     whether it is one of Qwen2.5-VL's full layers or Molmo 2's rope_scaling_layers, its
-    per_layer_config (Gemma 4); no DeepStack outputs; a speech encoder's own changes
+    per_layer_config (Gemma 4), no num_kv_shared_layers (the one layer keeps its k and v); no
+    DeepStack outputs; a speech encoder's own changes
     (golden.verifier.speech)."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
@@ -130,6 +131,8 @@ def layer_only(config, layer_idx):
     speech = encoder(c)
     if speech is not None and speech.one_layer is not None:  # golden.verifier.speech
         c = speech.one_layer(c)
+    if c.get("num_kv_shared_layers"):  # Gemma 4's sharing: the one layer computes its own k, v
+        c["num_kv_shared_layers"] = 0
     if isinstance(c.get("per_layer_config"), dict):  # Gemma 4's overrides, as layer 0's
         layer = c["per_layer_config"].get(str(layer_idx), c["per_layer_config"].get(layer_idx))
         c["per_layer_config"] = {} if layer is None else {"0": layer}

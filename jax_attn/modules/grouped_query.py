@@ -68,6 +68,11 @@ class GroupedQueryAttention(_Variant):
     output rows are those of padding; query_seq_lengths are clipped to [0, L]. ``strict=True``
     raises ValueError instead (golden.specification.positions.check_fits), reading the lengths on
     the host: a device sync, and impossible on traced lengths (under jit it raises saying so).
+
+    ``kv_shared=True``: no keys or values of its own (no W_key, b_key, W_value, b_value,
+    k_norm); called with ``cache=`` the storing layer's cache as its call on the same tokens
+    returned it, read and never written, as torch_attn.GroupedQueryAttention's (its docstring);
+    without a cache, and in ``init_cache``, it raises ValueError.
     """
 
     variant = "grouped_query_attention"
@@ -87,7 +92,7 @@ class GroupedQueryAttention(_Variant):
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
-                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, *,
+                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False, *,
                  rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
@@ -110,8 +115,8 @@ class GroupedQueryAttention(_Variant):
                         key_scale=key_scale, output_norm=output_norm,
                         output_norm_eps=output_norm_eps, gate_bias=gate_bias,
                         v_head_dim=v_head_dim, value_scale=value_scale,
-                        clip_qkv_after_norm=clip_qkv_after_norm)
-        self.clip_qkv, self.v_norm = clip_qkv, v_norm
+                        clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared)
+        self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
         self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE; hashable (static)
@@ -132,8 +137,9 @@ class GroupedQueryAttention(_Variant):
         self._init_dropout(dropout, rngs)
         width, kv_width = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.W_query = _linear(d_in, width, qkv_bias, rngs, precision)
-        self.W_key = _linear(d_in, kv_width, qkv_bias, rngs, precision)
-        self.W_value = (None if k_eq_v  # k_eq_v (Gemma 4): V is K's projection
+        self.W_key = (None if kv_shared  # kv_shared: the storing layer's keys, from its cache
+                      else _linear(d_in, kv_width, qkv_bias, rngs, precision))
+        self.W_value = (None if k_eq_v or kv_shared  # k_eq_v (Gemma 4): V is K's projection
                         else _linear(d_in, num_kv_heads * self.v_head_dim, qkv_bias, rngs,
                                      precision))
         values = num_heads * self.v_head_dim  # N·Dv: the heads' output
@@ -155,7 +161,9 @@ class GroupedQueryAttention(_Variant):
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
-        parameters'), lengths zeros (B,) int32."""
+        parameters'), lengths zeros (B,) int32. A ``kv_shared`` module has no keys of its own to
+        cache: it raises ValueError (make the storing layer's)."""
+        _refuse_own_cache(self.kv_shared)
         shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.kernel.get_value().dtype if dtype is None else dtype
         return KVCache(jnp.zeros(shape, dtype),
@@ -166,7 +174,7 @@ class GroupedQueryAttention(_Variant):
                  dropout_mask=None, return_weights=False, strict=False, max_position=None):
         check_flags(strict=strict)
         check_positive_or_none("max_position", max_position)
-        if strict and cache is not None:
+        if strict and cache is not None and not self.kv_shared:  # kv_shared writes nothing
             self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask)
         if max_position is None and positions is not None and not isinstance(
                 positions, jax.core.Tracer):  # the positions' own reach, read on the host
@@ -201,13 +209,16 @@ class GroupedQueryAttention(_Variant):
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              value_dim=self.v_head_dim,
                              positions=positions, axes=rope_axis_count(self.rotary),
-                             temperature=self.query_temperature is not None)
+                             temperature=self.query_temperature is not None,
+                             kv_shared=self.kv_shared)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         if self.input_norm_weight is not None:  # Granite Speech's pre_norm
             x = self._input_norm(x)
-        q, k = (p(x) for p in (self.W_query, self.W_key))
-        v = self._clip(k if self.W_value is None else self.W_value(x))  # k_eq_v: K's projection
+        q = self.W_query(x)
+        k = None if self.kv_shared else self.W_key(x)  # kv_shared: k and v read from the cache
+        v = None if self.kv_shared else self._clip(  # k_eq_v: K's projection
+            k if self.W_value is None else self.W_value(x))
         if not self.clip_after_norm:
             q, k = self._clip(q), self._clip(k)
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
@@ -223,19 +234,20 @@ class GroupedQueryAttention(_Variant):
             q, k = self._normed(q, k)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
-            offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
+            positions_of = _shared_positions if self.kv_shared else _cache_positions
+            offset, q_lengths, kv_lengths = positions_of(cache, x.shape[1], query_seq_lengths)
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             bound = max(bound, max_position or 0)  # positions past the call's tokens (video)
-            q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
-                                     positions=positions, max_position=bound,
-                                     **rope_arguments(self.rotary)) for t in (q, k))
+            q, k = (None if t is None else rotary_embedding(
+                t, interleaved=self.rope_interleaved, offset=offset, positions=positions,
+                max_position=bound, **rope_arguments(self.rotary)) for t in (q, k))
         if self.qk_norm in variants.AFTER_ROPE:  # Llama 4's, HunYuan's: after RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if self.query_temperature is not None:
             q = self._temperature(q, offset, positions)
-        if cache is not None:
-            cache = _append(cache, k, v, q_lengths)
+        if cache is not None:  # kv_shared: the storing layer's cache read, not written
+            cache = cache if self.kv_shared else _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         relative, scale = {}, self.scale
@@ -282,11 +294,14 @@ class GroupedQueryAttention(_Variant):
         return (self._clip(q), self._clip(k)) if self.clip_after_norm else (q, k)
 
     def _clip(self, y):
-        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
-        return y if self.clip_qkv is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is; a
+        kv_shared module's absent keys stay None)."""
+        return y if self.clip_qkv is None or y is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
-        """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike)."""
+        """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike; None stays None)."""
+        if y is None:
+            return None
         y = y.reshape(y.shape[:-1] + (heads, -1))  # (B, L, heads, Dh)
         return jnp.swapaxes(y, -2, -3)
 
@@ -298,7 +313,9 @@ class GroupedQueryAttention(_Variant):
 
     def _norm(self, t, weight, kind=None):
         """The QK norm of t (or ``kind``, "l2" for the value norm), computed in at least float32
-        and rounded once to t's dtype."""
+        and rounded once to t's dtype (a kv_shared module's absent keys: None)."""
+        if t is None:
+            return None
         compute = jnp.promote_types(t.dtype, jnp.float32)
         w = None if weight is None else weight_broadcast(self.qk_norm,
                                                          weight.get_value().astype(compute))
@@ -402,6 +419,26 @@ def _cache_positions(cache, length, query_seq_lengths):
            else jnp.clip(query_seq_lengths.astype(held.dtype), 0, length))
     new = jnp.clip(new, 0, room - held)  # what does not fit is dropped
     return held, new, held + new
+
+
+def _shared_positions(cache, length, query_seq_lengths):
+    """(query offset, query lengths, key lengths) of a kv_shared call of ``length`` tokens on
+    the storing layer's ``cache`` as its call on the same tokens returned it, as torch_attn's:
+    row b's new[b] real tokens (query_seq_lengths clipped to [0, L], or L; at most lengths[b])
+    at lengths[b] − new[b] + i, every held key 0 … lengths[b] − 1 attended."""
+    held = cache.lengths
+    new = (jnp.full_like(held, length) if query_seq_lengths is None
+           else jnp.clip(query_seq_lengths.astype(held.dtype), 0, length))
+    new = jnp.minimum(new, held)
+    return held - new, new, held
+
+
+def _refuse_own_cache(kv_shared):
+    """init_cache of a kv_shared module: ValueError (it has no keys of its own)."""
+    if kv_shared:
+        raise ValueError("init_cache: a module with kv_shared=True has no keys or values of its "
+                         "own to cache; make the storing layer's (store.init_cache) and pass it, "
+                         "as the storing layer's call returned it, as cache=")
 
 
 def _append(cache, k, v, new) -> KVCache:

@@ -94,6 +94,17 @@ class GroupedQueryAttention(nn.Module):
     sync). Explicit ``positions`` may reach past the call's tokens (a video's multimodal
     positions): RoPE's tables then reach their largest + 1 (read on the host: a device sync), or
     ``max_position`` when larger.
+
+    ``kv_shared=True`` (Gemma 4's and Gemma 3n's last ``num_kv_shared_layers`` layers): no W_key,
+    b_key, W_value, b_value nor k_norm; the module attends with another, storing layer's keys and
+    values. It must be called with ``cache=`` the storing layer's cache as that layer's call on
+    the same tokens returned it (``_, kv = store(x, cache=kv)``; for a forward without
+    decoding, ``kv = store.init_cache(B, L)`` first), which it reads and never writes: its new
+    queries (query_seq_lengths clipped, or L) sit at lengths − new + i and see keys 0 …
+    lengths − 1; it returns (output, the same cache). Without a cache it raises ValueError, and
+    so does ``init_cache``. k_eq_v, v_norm and value_scale describe the storing layer and are
+    refused here; num_kv_heads, head_dim and v_head_dim are checked against the cache's shape.
+    ``strict`` checks nothing for it (it writes nothing).
     """
 
     variant = "grouped_query_attention"
@@ -113,7 +124,7 @@ class GroupedQueryAttention(nn.Module):
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
-                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False):
+                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -137,8 +148,8 @@ class GroupedQueryAttention(nn.Module):
                               key_scale=key_scale, output_norm=output_norm,
                               output_norm_eps=output_norm_eps, gate_bias=gate_bias,
                               v_head_dim=v_head_dim, value_scale=value_scale,
-                              clip_qkv_after_norm=clip_qkv_after_norm)
-        self.clip_qkv, self.v_norm = clip_qkv, v_norm
+                              clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared)
+        self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
         self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
                                     rope_precision)  # None without RoPE
@@ -155,8 +166,9 @@ class GroupedQueryAttention(nn.Module):
             alibi_slopes(num_heads, alibi, alibi_bias_max).tolist())  # (N,), float64 values
         width = num_heads * self.head_dim
         self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.W_value = None if k_eq_v else nn.Linear(  # k_eq_v (Gemma 4): V is K's projection
+        self.W_key = None if kv_shared else nn.Linear(  # kv_shared: the storing layer's keys
+            d_in, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.W_value = None if k_eq_v or kv_shared else nn.Linear(  # k_eq_v: V is K's projection
             d_in, num_kv_heads * self.v_head_dim, bias=qkv_bias)
         values = num_heads * self.v_head_dim  # N·Dv: the heads' output
         self.gate = gate_kind(output_gate)  # (activation, per head) or None
@@ -175,7 +187,9 @@ class GroupedQueryAttention(nn.Module):
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
-        parameters'), lengths zeros (B,) int32, on the parameters' device."""
+        parameters'), lengths zeros (B,) int32, on the parameters' device. A ``kv_shared`` module
+        has no keys of its own to cache: it raises ValueError (make the storing layer's)."""
+        _refuse_own_cache(self.kv_shared)
         shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.weight.dtype if dtype is None else dtype
         device = self.W_query.weight.device
@@ -191,19 +205,22 @@ class GroupedQueryAttention(nn.Module):
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              value_dim=self.v_head_dim,
                              positions=positions, axes=rope_axis_count(self.rotary),
-                             temperature=self.query_temperature is not None)
+                             temperature=self.query_temperature is not None,
+                             kv_shared=self.kv_shared)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         check_flags(strict=strict)
         check_positive_or_none("max_position", max_position)
-        if strict and cache is not None:  # reads the lengths: a device sync
+        if strict and cache is not None and not self.kv_shared:  # reads the lengths: a sync
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
             check_fits(cache.lengths.cpu().numpy(), torch.as_tensor(new).cpu().numpy(),
                        cache.key.shape[2], x.shape[-2])
         if self.input_norm_weight is not None:  # Granite Speech's pre_norm
             x = self._input_norm(x)
-        q, k = (p(x) for p in (self.W_query, self.W_key))
-        v = self._clip(k if self.W_value is None else self.W_value(x))  # k_eq_v: K's projection
+        q = self.W_query(x)
+        k = None if self.kv_shared else self.W_key(x)  # kv_shared: k and v read from the cache
+        v = None if self.kv_shared else self._clip(  # k_eq_v: K's projection
+            k if self.W_value is None else self.W_value(x))
         if not self.clip_after_norm:
             q, k = self._clip(q), self._clip(k)
         if self.qk_norm == "rms_across_heads":  # OLMo 2: before the head split
@@ -219,21 +236,22 @@ class GroupedQueryAttention(nn.Module):
             q, k = self._normed(q, k)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
-            offset, q_lengths, kv_lengths = _cache_positions(cache, x.shape[1], query_seq_lengths)
+            positions_of = _shared_positions if self.kv_shared else _cache_positions
+            offset, q_lengths, kv_lengths = positions_of(cache, x.shape[1], query_seq_lengths)
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             if positions is not None:  # positions past the call's tokens (video): a host read
                 bound = max(bound, int(positions.abs().max()) + 1)
             bound = max(bound, max_position or 0)
-            q, k = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
-                                     positions=positions, max_position=bound,
-                                     **rope_arguments(self.rotary)) for t in (q, k))
+            q, k = (None if t is None else rotary_embedding(
+                t, interleaved=self.rope_interleaved, offset=offset, positions=positions,
+                max_position=bound, **rope_arguments(self.rotary)) for t in (q, k))
         if self.qk_norm in variants.AFTER_ROPE:  # Llama 4's, HunYuan's: after RoPE
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if self.query_temperature is not None:
             q = self._temperature(q, offset, positions)
-        if cache is not None:
-            cache = _append(cache, k, v, q_lengths)
+        if cache is not None:  # kv_shared: the storing layer's cache read, not written
+            cache = cache if self.kv_shared else _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         extra = {n: a for n, a in (("sinks", self.sinks),
@@ -285,16 +303,19 @@ class GroupedQueryAttention(nn.Module):
         return (self._clip(q), self._clip(k)) if self.clip_after_norm else (q, k)
 
     def _clip(self, y):
-        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is)."""
-        return y if self.clip_qkv is None else y.clamp(-self.clip_qkv, self.clip_qkv)
+        """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is; a
+        kv_shared module's absent keys stay None)."""
+        return y if self.clip_qkv is None or y is None else y.clamp(-self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
-        """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike)."""
-        return y.unflatten(-1, (heads, -1)).transpose(-2, -3)
+        """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike; None stays None)."""
+        return None if y is None else y.unflatten(-1, (heads, -1)).transpose(-2, -3)
 
     def _norm(self, t, weight, kind=None):
         """The QK norm of t (or ``kind``, "l2" for the value norm), computed in at least float32
-        and rounded once to t's dtype."""
+        and rounded once to t's dtype (a kv_shared module's absent keys: None)."""
+        if t is None:
+            return None
         compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
         w = None if weight is None else weight_broadcast(self.qk_norm, weight.to(compute))
         return qk_normalize(t.to(compute), kind or self.qk_norm, w, self.qk_norm_eps,
@@ -433,6 +454,27 @@ def _cache_positions(cache, length, query_seq_lengths):
            else query_seq_lengths.to(held.device, held.dtype).clamp(0, length))
     new = torch.minimum(new, room - held)  # what does not fit is dropped
     return held, new, held + new
+
+
+def _shared_positions(cache, length, query_seq_lengths):
+    """(query offset, query lengths, key lengths) of a kv_shared call of ``length`` tokens on
+    the storing layer's ``cache`` as its call on the same tokens returned it: row b's new[b]
+    real tokens (query_seq_lengths clipped to [0, L], or L; at most lengths[b]) are its last
+    ones, at lengths[b] − new[b] + i, and every held key 0 … lengths[b] − 1 is attended. Tokens
+    the storing call dropped (a full cache) cannot be told apart here: call it strict."""
+    held = cache.lengths
+    new = (torch.full_like(held, length) if query_seq_lengths is None
+           else query_seq_lengths.to(held.device, held.dtype).clamp(0, length))
+    new = torch.minimum(new, held)
+    return held - new, new, held
+
+
+def _refuse_own_cache(kv_shared):
+    """init_cache of a kv_shared module: ValueError (it has no keys of its own)."""
+    if kv_shared:
+        raise ValueError("init_cache: a module with kv_shared=True has no keys or values of its "
+                         "own to cache; make the storing layer's (store.init_cache) and pass it, "
+                         "as the storing layer's call returned it, as cache=")
 
 
 def _append(cache, k, v, new) -> KVCache:
