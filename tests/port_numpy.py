@@ -611,10 +611,10 @@ class MultiHeadLatentAttention(Module):
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None, query_temperature=None, *, core=None):
+                 causal=True, scale=None, query_temperature=None, rope=True, *, core=None):
         super().__init__(core)
         dk, bias = qk_nope_head_dim + qk_rope_head_dim, attention_bias
-        self.temperature = query_temperature
+        self.temperature, self.use_rope = query_temperature, rope
         learned = query_temperature is not None and query_temperature.get("kind") == "learned"
         self.temperature_scale, self.temperature_bias = (
             (np.zeros(num_heads), np.ones(num_heads)) if learned else (None, None))
@@ -650,12 +650,14 @@ class MultiHeadLatentAttention(Module):
         q = _split(q, self.heads)                                   # (..., N, L, Dk)
         kv_a = self.kv_a_proj_with_mqa(x)
         c = self.rms(kv_a[..., :self.rank], self.kv_a_norm)          # (..., L, r)
-        k_pe = rope(kv_a[..., None, :, self.rank:], self.rope_settings, self.interleaved,
-                    positions)                                      # (..., 1, L, Dr)
+        k_pe = kv_a[..., None, :, self.rank:]                        # (..., 1, L, Dr)
+        if self.use_rope:
+            k_pe = rope(k_pe, self.rope_settings, self.interleaved, positions)
         kv = _split(self.kv_b_proj(c), self.heads)                  # (..., N, L, Dn + Dv)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        q = np.concatenate([q[..., :self.nope], rope(q[..., self.nope:], self.rope_settings,
-                                                     self.interleaved, positions)], axis=-1)
+        if self.use_rope:
+            q = np.concatenate([q[..., :self.nope], rope(q[..., self.nope:], self.rope_settings,
+                                                         self.interleaved, positions)], axis=-1)
         q = q * np.asarray(self.mscale, q.dtype)
         if self.temperature is not None:  # Mistral Small 4's (Llama 4's, shift 0)
             q = q * _temperature_factors(self, positions).astype(q.dtype)

@@ -358,6 +358,11 @@ for id, variant, config, message in [
      "clip_qkv_after_norm should be False unless clip_qkv is set and qk_norm is one before "
      "RoPE (OLMoE: its q and k clamped after their norm), got True with clip_qkv = 2.0, "
      "qk_norm = None"),
+    ("mla-rope-false-theta", "multi_head_latent_attention",
+     dict(d_in=5, num_heads=2, kv_lora_rank=3, qk_nope_head_dim=2, qk_rope_head_dim=2,
+          v_head_dim=2, rope=False, rope_theta=100.0),
+     "rope_theta and rope_parameters should be None with rope=False (no rotary embedding: Kimi "
+     "Linear's latent attention), got 100.0 and None"),
     ("gqa-value_scale-zero", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, value_scale=0.0),
      "value_scale should be None or a finite number other than 0, got 0.0"),

@@ -37,6 +37,7 @@ CONFIGS = {
     # issue 42: the query temperature at the cache's positions (Mistral Small 4's, learned)
     "temperature": dict(CONFIG, query_temperature={"beta": 0.6, "floor_scale": 2, "shift": 0}),
     "temperature_learned": dict(CONFIG, q_lora_rank=None, query_temperature={"kind": "learned"}),
+    "nope": dict(CONFIG, rope_theta=None, rope=False),  # Kimi Linear's
 }
 # float64: decoding and the full forward differ only in summation order (GroupedQueryAttention's
 # decode tests use the same bound); plain and absorbed in the order of their products.
@@ -96,7 +97,8 @@ def _held(config, params, x):
     latent = latent / np.sqrt((latent ** 2).mean(-1, keepdims=True) + c["rms_norm_eps"])
     cos, sin = reference.rope_cos_sin(variants.latent_rope(c), c["qk_rope_head_dim"],
                                       np.arange(x.shape[1]))
-    k_pe = reference.turn(kv_a[..., r:], cos, sin, c["rope_interleaved"])
+    k_pe = reference.turn(kv_a[..., r:], cos, sin, c["rope_interleaved"]) if c["rope"] else (
+        kv_a[..., r:])  # Kimi Linear's: not turned
     return latent * params["kv_a_norm"], k_pe
 
 

@@ -91,6 +91,8 @@ def _latent(config, inputs, params):
     positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
     heads_axis = (slice(None), None) if positions.ndim == 2 else ()  # (B, L) -> (B, 1, L)
     cos, sin = rope_cos_sin(variants.latent_rope(c), c["qk_rope_head_dim"], positions)
+    if not c["rope"]:  # Kimi Linear: no rotation, cos 1 and sin 0 (x·1 − y·0 is x exactly)
+        cos, sin = np.ones_like(cos), np.zeros_like(sin)
     k_pe = kv_a[..., None, :, r:]                       # (..., 1, L, rope)
     stage = latent_rope_stage(k_pe, cos[heads_axis], sin[heads_axis], c["rope_interleaved"],
                               nope)

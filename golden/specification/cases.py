@@ -704,6 +704,11 @@ CASES += [
          {"d_in": 5, "num_heads": 3, "kv_lora_rank": 6, "qk_nope_head_dim": 2,
           "qk_rope_head_dim": 4, "v_head_dim": 3, "q_lora_rank": 4, "rope_theta": 100.0,
           "query_temperature": {"beta": 0.6, "floor_scale": 2, "shift": 0}}),
+    # Kimi Linear's latent attention: no rotary embedding (its shared key part unturned)
+    Case("mla_nope_kimi_linear", MLA, 707,
+         {"x": ("normal", (2, 7, 5)), "mask": ("mask", (2, 7, 7), 0.85, ())},
+         {"d_in": 5, "num_heads": 3, "kv_lora_rank": 4, "qk_nope_head_dim": 3,
+          "qk_rope_head_dim": 2, "v_head_dim": 4, "q_lora_rank": 6, "rope": False}),
     Case("mla_temperature_learned", MLA, 706, {"x": ("normal", (2, 7, 5))},
          {"d_in": 5, "num_heads": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 3,
           "qk_rope_head_dim": 2, "v_head_dim": 4, "rope_theta": 300.0,

@@ -413,6 +413,10 @@ def latent_scale(c) -> float:
 
 
 def _latent_shapes(c):
+    if not c["rope"] and (c["rope_theta"] is not None or c["rope_parameters"] is not None):
+        raise ValueError(f"rope_theta and rope_parameters should be None with rope=False (no "
+                         f"rotary embedding: Kimi Linear's latent attention), got "
+                         f"{c['rope_theta']!r} and {c['rope_parameters']!r}")
     s, n = latent_sizes(c), c["num_heads"]
     nope, rope, dv, r = (c[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                          "kv_lora_rank"))
@@ -585,7 +589,8 @@ _VARIANTS = [
              Arg("rope_theta", check_positive_or_none, None),
              Arg("rope_parameters", _rope_parameters, None),
              Arg("rope_interleaved", _flag, True), Arg("causal", _flag, True),
-             Arg("scale", _scale, None), Arg("query_temperature", check_temperature, None)),
+             Arg("scale", _scale, None), Arg("query_temperature", check_temperature, None),
+             Arg("rope", _flag, True)),
             shapes=_latent_shapes, check_inputs=_latent_inputs,
             layers={"query": "W_query", "q_a": "W_q_a", "q_b": "W_q_b", "kv_a": "W_kv_a",
                     "kv_b": "W_kv_b", "out": "out_proj"},

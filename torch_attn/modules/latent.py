@@ -56,7 +56,7 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None, query_temperature=None):
+                 causal=True, scale=None, query_temperature=None, rope=True):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
@@ -64,7 +64,8 @@ class MultiHeadLatentAttention(nn.Module):
                               q_lora_rank=q_lora_rank, d_out=d_out, attention_bias=attention_bias,
                               rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
                               rope_parameters=rope_parameters, rope_interleaved=rope_interleaved,
-                              causal=causal, scale=scale, query_temperature=query_temperature)
+                              causal=causal, scale=scale, query_temperature=query_temperature,
+                              rope=rope)
         sizes = variants.latent_sizes(self.config)
         self.rotary = variants.latent_rope(self.config)
         self.scale = variants.latent_scale(self.config)
@@ -83,6 +84,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.W_kv_b = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
                                 bias=False)
         self.out_proj = nn.Linear(num_heads * v_head_dim, sizes["d_out"], bias=bias)
+        self.use_rope = rope  # False: q_pe and k_pe not turned (Kimi Linear)
         self.query_temperature = query_temperature  # Mistral Small 4's, after RoPE
         starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
         for n in ("temperature_scale", "temperature_bias"):
@@ -124,7 +126,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_pe, k_pe = (rotary_embedding(t, interleaved=self.rope_interleaved, offset=offset,
                                        positions=positions, max_position=bound,
                                        **rope_arguments(self.rotary))
-                      for t in (q[..., self.nope:], k_pe))
+                      for t in (q[..., self.nope:], k_pe)) if self.use_rope else (
+            q[..., self.nope:], k_pe)
         q_nope = q[..., :self.nope]
         if self.query_temperature is not None:  # both parts of q, at the tokens' positions
             q_nope, q_pe = (_query_temperature(self, t, offset, positions)
