@@ -322,8 +322,11 @@ def test_steady_repeats_fills_half_a_second_within_three_and_the_most():
 def test_ceiling_halves_a_product_predicted_too_slow(monkeypatch):
     # A product predicted (from one a quarter the size) to take more than CEILING_CALL_S is
     # measured at half the size, and so on down to 64; the row says the n measured.
+    # (The budget is set both ways, not left to the host: on a loaded machine a real 256³
+    # product can be predicted past the default budget, and the first assertion was a timing.)
     rng = np.random.default_rng(0)
-    assert ceiling("torch", 256, "float32", 3, rng)["n"] == 256  # 2·256³ flops: milliseconds
+    monkeypatch.setattr("golden.bench.attention.CEILING_CALL_S", float("inf"))
+    assert ceiling("torch", 256, "float32", 3, rng)["n"] == 256  # never predicted too slow
     monkeypatch.setattr("golden.bench.attention.CEILING_CALL_S", 0.0)  # where ceiling reads it
     row = ceiling("jax", 256, "float32", 3, rng)
     assert row["n"] == 64
