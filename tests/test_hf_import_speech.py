@@ -912,3 +912,46 @@ def test_glmasrs_key_bias_is_zeros_and_a_non_zero_one_refused():
     params["b_key"] = params["b_key"] + 1.0
     with pytest.raises(ValueError, match=r"model_type 'glmasr_encoder': b_key should be zeros"):
         golden.convert.to_hf(variant, ours, params)
+
+
+@pytest.mark.parametrize("name", ["kyutai_speech_to_text", "audioflamingo3_encoder",
+                                  "lasr_encoder"])
+def test_audio_padded_rows_equal_the_models_own_attention(name, twin):
+    """Padding given to HF's model as its own mask: Kyutai's decoder left-padded (row 1's first
+    3 tokens; position_ids counting the real tokens, as generate passes them), Audio Flamingo
+    3's and LASR's encoders right-padded (row 1's last frames: input_features_mask /
+    attention_mask); ours given the padding as a mask of keys (B, L, L) and the same positions:
+    the real rows agree (rope_precision="hf": EXACT through the torch twin)."""
+    rng, seed = fresh_rng()
+    config, model = _audio_model(name, rng)
+    family = AUDIO_42[name]
+    inputs = family.inputs(config, rng)
+    real = np.ones((B, SL), np.int64)
+    kw, positions = {}, None
+    if name == "kyutai_speech_to_text":
+        real[1, :3] = 0
+        positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
+        kw = dict(attention_mask=torch.from_numpy(real),
+                  position_ids=torch.from_numpy(positions))
+    elif name == "audioflamingo3_encoder":
+        real[1, 6:] = 0  # 12 of 18 features real: 6 frames
+        inputs["input_features_mask"] = np.repeat(real, 2, axis=1)
+    else:  # LASR: 39 features, row 1's first 27 real: ((27 − 3)//2 + 1 − 3)//2 + 1 = 6 frames
+        real[1, 6:] = 0
+        kw = dict(attention_mask=torch.from_numpy(
+            (np.arange(39)[None, :] < np.array([[39], [27]])).astype(np.int64)))
+    seen = captured(family, model, family.layers, inputs, **kw)
+    keys = np.broadcast_to(real.astype(bool)[:, None, :], (B, SL, SL))
+    rows = real.astype(bool)
+    for i in family.layers:
+        x, expected = seen[i]
+        variant, ours, params = golden.convert.from_hf(
+            config.to_dict(), state_dict(attention_of(family, model, i)), layer_idx=i,
+            rope_precision="hf" if name in ROPE_42 else "exact")
+        with twin.float64():
+            module = twin.build(variant, ours, params)
+            module.eval()
+            out = twin.numpy(module(twin.array(x), twin.array(keys.copy()), positions=(
+                None if positions is None else twin.array(positions.astype(np.int32)))))
+        bound = EXACT if twin.name == "torch" or name not in ROPE_42 else FLOAT32_LEVEL
+        assert rel(out[rows], expected[rows]) <= bound, (name, i, seed)
