@@ -299,6 +299,7 @@ def test_a_granite_speech_checkpoint_is_checked_tower_by_tower(tmp_path):
         "projector_config (blip_2_qformer): not checked: its attention is not converted"]
 
 
+@matrix
 def test_glmasr_with_its_whole_head_turned_fails_on_hfs_row(tmp_path, monkeypatch):
     """GLM-ASR converted with RoPE over the whole head (its partial_rotary_factor 0.5 dropped):
     HF's rows fail, the twins still agree with the reference."""
