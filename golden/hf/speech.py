@@ -21,6 +21,14 @@ USM Conformer) with ``relative_positions="conformer_timing"`` (each in its secti
   granite_speech5_encoder         Granite Speech 5's: the same term, separate q/k/v, the norm
                                   outside the module
   gemma3n_audio, gemma4_audio     the audio towers of Gemma 3n and Gemma 4 (their audio_config)
+  qwen2_audio_encoder,            the audio towers of Qwen2-Audio, Voxtral and Audio Flamingo 3
+  voxtral_encoder,                (their audio_config): Whisper's encoder attention
+  audioflamingo3_encoder
+  lasr_encoder, glmasr_encoder    LASR's (lasr_ctc's encoder_config) and GLM-ASR's audio
+                                  encoders: bidirectional attention with RoPE
+  moonshine, dia                  encoder-decoders (``Kinds``): encoder, decoder and cross
+  kyutai_speech_to_text           Kyutai's speech-to-text decoder (Moshi's attention)
+(the last eight: the section "issue 42" at the end); ``REFUSED``: Fun-ASR-Nano's encoder.
 
 The layer: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (biases as attention_bias says),
 ``relative_k_proj`` (no bias) our W_pos, ``bias_u`` and ``bias_v`` (N, Dh) ours; multi-head
@@ -478,10 +486,11 @@ def _moonshine_heads(c) -> int:
     counts = {f: (v if v is not None else counts[f.replace("key_value", "attention")])
               for f, v in counts.items()}
     if len(set(counts.values())) != 1:
+        got = ", ".join(f"{f} = {v}" for f, v in counts.items())
         raise ValueError(f"model_type {mt!r}: {', '.join(fields)} should be equal (HF's "
                          f"MoonshineAttention views q, k and v with the num_key_value_heads "
                          f"the last layer built leaves in its config: other counts fail or mix "
-                         f"the stacks' sizes), got {', '.join(f'{f} = {v}' for f, v in counts.items())}")
+                         f"the stacks' sizes), got {got}")
     return int(counts[fields[0]])
 
 
