@@ -236,12 +236,21 @@ def test_an_unknown_text_tower_leaves_the_composite_unsupported(tmp_path):
         read_config(tmp_path)
 
 
-def test_a_vision_tower_of_a_kind_not_converted_is_noted(tmp_path):
-    """LLaVA with a DINOv2 vision tower (a kind not converted): its text tower checked, the
-    vision tower named in the notes, none of its layers read."""
+def test_a_vision_tower_of_a_kind_not_converted_is_noted(tmp_path, monkeypatch):
+    """LLaVA with a DINOv2 vision tower: converted, its layers are checked under their own
+    names ("vision layer N", beside the text tower's "layer N"); taken out of the families
+    converted, its text tower is checked and the vision tower named in the notes, none of its
+    layers read."""
+    from golden.verifier import layout
     config = _config("llava")
     config.vision_config = transformers.Dinov2Config(**dict(VISION, image_size=28))
     transformers.LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
+    report = _run(tmp_path)
+    assert {r["fixture"].split(" (")[0] for r in report["rows"]} == {
+        "layer 0", "layer 1", "vision layer 0", "vision layer 1"}
+    assert all(r["status"] in ("pass", "not supported") for r in report["rows"]), report["rows"]
+    monkeypatch.setattr(layout, "FAMILIES", {k: v for k, v in layout.FAMILIES.items()
+                                             if k != "dinov2"})
     report = _run(tmp_path)
     assert {r["fixture"].split(" (")[0] for r in report["rows"]} == {"layer 0", "layer 1"}
     assert [n for n in report["checkpoint"]["notes"] if "not checked" in n] == [

@@ -20,6 +20,7 @@ import torch
 from golden import hf
 from golden.verifier import check as hf_check
 from golden.verifier import speech
+from tests.helpers import matrix
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -53,6 +54,16 @@ PHI4 = dict(hidden_size=12, intermediate_size=16, num_blocks=2, num_attention_he
             dropout_rate=0.0)
 PHI4_NOTE = "relative position biases (clipped at ±3): exercised (on 8 frames"
 BLOCKS = "blocks of context_size 3: exercised (on 8 frames: 2 whole blocks and a partial one of 2)"
+# Issue 42's audio towers: Whisper-like (Audio Flamingo 3's drawn on its max_source_positions
+# 6 frames), LASR's and GLM-ASR's with RoPE (GQA; GLM-ASR half of each head turned)
+WHISPER_LIKE = dict(num_hidden_layers=2, intermediate_size=16, num_mel_bins=4,
+                    max_source_positions=6, hidden_size=12, num_attention_heads=3)
+LASR = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+            num_hidden_layers=2, intermediate_size=8, num_mel_bins=4, subsampling_conv_channels=4,
+            subsampling_conv_kernel_size=3, conv_kernel_size=3, attention_bias=True)
+GLMASR = dict(hidden_size=24, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+              intermediate_size=8, num_mel_bins=4)
+ROPE_NOTE = "RoPE over the frames: exercised"
 # name: (the model's class, its config class, its config (a composite's encoder_config), the
 # encoder's model_type, the notes its report must have, each a prefix)
 CHECKPOINTS = {
@@ -87,7 +98,22 @@ CHECKPOINTS = {
         "Phi4MultimodalAudioModel", "Phi4MultimodalAudioConfig",
         dict(PHI4, chunk_size=3, left_chunk=1), "phi4_multimodal_audio",
         [PHI4_NOTE, "streaming chunks (chunk_size 3, left_chunk 1): not exercised"]),
+    "qwen2_audio_encoder": ("Qwen2AudioEncoder", "Qwen2AudioEncoderConfig", dict(
+        d_model=12, encoder_attention_heads=3, encoder_layers=2, encoder_ffn_dim=16,
+        num_mel_bins=4, max_source_positions=6), "qwen2_audio_encoder", []),
+    "voxtral_encoder": ("VoxtralEncoder", "VoxtralEncoderConfig", WHISPER_LIKE,
+                        "voxtral_encoder", []),
+    "audioflamingo3_encoder": ("AudioFlamingo3Encoder", "AudioFlamingo3EncoderConfig",
+                               WHISPER_LIKE, "audioflamingo3_encoder",
+                               ["its encoder's fixed length: drawn on max_source_positions = 6"]),
+    "lasr_ctc": ("LasrForCTC", "LasrCTCConfig", {"encoder_config": LASR}, "lasr_encoder",
+                 [ROPE_NOTE]),
+    "glmasr_encoder": ("GlmAsrEncoder", "GlmAsrEncoderConfig", GLMASR, "glmasr_encoder",
+                       [ROPE_NOTE]),
 }
+# issue 42's in the whole matrix but for a covering two (LASR's RoPE under a CTC config, Audio
+# Flamingo 3's fixed length)
+MATRIX_ONLY = ("qwen2_audio_encoder", "voxtral_encoder", "glmasr_encoder")
 
 
 def _class(name):
@@ -124,11 +150,12 @@ def _layers(name):
     kw = CHECKPOINTS[name][2]
     kw = kw.get("encoder_config", kw)
     n = next(kw[k] for k in ("num_hidden_layers", "num_layers", "conf_num_hidden_layers",
-                             "num_blocks") if k in kw)
+                             "num_blocks", "encoder_layers") if k in kw)
     return {f"encoder layer {i} (attention)" for i in range(n)}
 
 
-@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=(matrix,) if n in MATRIX_ONLY else ())
+                                  for n in sorted(CHECKPOINTS)])
 def test_every_speech_layer_passes(name, tmp_path):
     report = _run(_checkpoint(name, tmp_path))
     rows, layers = report["rows"], _layers(name)
@@ -270,3 +297,72 @@ def test_a_granite_speech_checkpoint_is_checked_tower_by_tower(tmp_path):
         "layer 0 (attention)", *_layers("granite_speech_encoder")}
     assert report["checkpoint"]["notes"] == [
         "projector_config (blip_2_qformer): not checked: its attention is not converted"]
+
+
+@matrix
+def test_glmasr_with_its_whole_head_turned_fails_on_hfs_row(tmp_path, monkeypatch):
+    """GLM-ASR converted with RoPE over the whole head (its partial_rotary_factor 0.5 dropped):
+    HF's rows fail, the twins still agree with the reference."""
+    mt = "glmasr_encoder"
+    directory = _checkpoint(mt, tmp_path)
+    family = hf.FAMILIES[mt]
+
+    def whole(c, layer_idx, sd):
+        ours = family.settings(c, layer_idx, sd)
+        rope = {k: v for k, v in ours["rope_parameters"].items() if k != "partial_rotary_factor"}
+        return dict(ours, rope_parameters=rope)
+
+    monkeypatch.setitem(hf.FAMILIES, mt, dataclasses.replace(family, settings=whole))
+    assert _failed(_run(directory)) == {(n, "hf") for n in _layers(mt)}
+
+
+# Issue 42's audio-language composites (golden.hf.speech.COMPOSITES): model_type -> (config
+# class, the towers' model_types, the notes' sub-configs); Qwen2-Audio in the quick suite.
+AUDIO_COMPOSITES = {
+    "qwen2_audio": ("Qwen2AudioConfig", "qwen2", dict(
+        d_model=12, encoder_attention_heads=3, encoder_layers=2, encoder_ffn_dim=16,
+        num_mel_bins=4, max_source_positions=6, model_type="qwen2_audio_encoder"), ()),
+    "voxtral": ("VoxtralConfig", "llama", dict(WHISPER_LIKE, model_type="voxtral_encoder"), ()),
+    "audioflamingo3": ("AudioFlamingo3Config", "qwen2",
+                       dict(WHISPER_LIKE, model_type="audioflamingo3_encoder"), ()),
+    "glmasr": ("GlmAsrConfig", "llama", dict(GLMASR, model_type="glmasr_encoder"), ()),
+    "fun_asr_nano": ("FunAsrNanoConfig", "qwen3", dict(
+        hidden_size=12, num_attention_heads=3, num_hidden_layers=2, intermediate_size=8,
+        num_mel_bins=2, num_stacked_frames=2, num_timestamp_prediction_layers=1,
+        fsmn_kernel_size=3, model_type="fun_asr_nano_encoder"),
+        ("adaptor_config", "audio_config")),
+}
+
+
+@pytest.mark.parametrize("mt", [pytest.param(m, marks=() if m == "qwen2_audio" else (matrix,))
+                                for m in AUDIO_COMPOSITES])
+def test_an_audio_language_checkpoint_is_checked_tower_by_tower(mt, tmp_path):
+    """Each audio-language composite made with save_pretrained: both text layers and, where
+    its kind is converted, both audio-tower layers checked, every row passing, HF's own
+    module's among them; a tower not converted (Fun-ASR-Nano's SAN-M encoder, its adaptor)
+    named in the notes and none of its layers read."""
+    from tests.hf_harness import BASE
+    config_class, text, audio, notes = AUDIO_COMPOSITES[mt]
+    kw = dict(text_config=dict(BASE, model_type=text, num_hidden_layers=2), audio_config=audio)
+    if mt == "fun_asr_nano":
+        kw["adaptor_config"] = dict(hidden_size=BASE["hidden_size"], num_attention_heads=2,
+                                    intermediate_size=BASE["hidden_size"] // 4,
+                                    num_hidden_layers=1, projector_hidden_size=8)
+    config = getattr(transformers, config_class)(**kw)
+    getattr(transformers, config_class.replace("Config", "ForConditionalGeneration"))(
+        config).save_pretrained(tmp_path)
+    report = _run(tmp_path)
+    names = {r["fixture"] for r in report["rows"]}
+    audio_layers = set() if notes else _layers_of(2)
+    assert {n.split(" (")[0] for n in names} == {"layer 0", "layer 1",
+                                                  *(n.split(" (")[0] for n in audio_layers)}
+    assert audio_layers <= names, names
+    assert report["summary"]["ok"], [r for r in report["rows"] if r["status"] == "fail"]
+    assert {r["fixture"] for r in report["rows"]
+            if r["implementation"] == "hf" and r["status"] == "pass"} == names
+    noted = [n for n in report["checkpoint"]["notes"] if ": not checked: " in n]
+    assert sorted(n.split(" (")[0] for n in noted) == sorted(notes), noted
+
+
+def _layers_of(n):
+    return {f"encoder layer {i} (attention)" for i in range(n)}

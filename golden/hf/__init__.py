@@ -37,7 +37,10 @@ The rooms of the importer, each importing only those above it (NumPy only):
     hybrids    the softmax attention layers of hybrid (Mamba, RG-LRU) models: Falcon-H1,
                Jamba, Bamba, Granite 4, Nemotron-H, Zamba, Zamba 2, RecurrentGemma
     speech     speech encoders with Transformer-XL's relative positions (Parakeet's
-               FastConformer: Parakeet, Canary, Cohere ASR, Nemotron ASR streaming)
+               FastConformer: Parakeet, Canary, Cohere ASR, Nemotron ASR streaming), Shaw's
+               (Granite Speech) and the USM Conformer's (Gemma 3n, Gemma 4); Whisper-like and
+               rotary audio towers, Moonshine, Dia, Kyutai STT; its ``COMPOSITES``, the
+               speech-language models' towers
     convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, ``REFUSED``, the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its

@@ -21,6 +21,14 @@ USM Conformer) with ``relative_positions="conformer_timing"`` (each in its secti
   granite_speech5_encoder         Granite Speech 5's: the same term, separate q/k/v, the norm
                                   outside the module
   gemma3n_audio, gemma4_audio     the audio towers of Gemma 3n and Gemma 4 (their audio_config)
+  qwen2_audio_encoder,            the audio towers of Qwen2-Audio, Voxtral and Audio Flamingo 3
+  voxtral_encoder,                (their audio_config): Whisper's encoder attention
+  audioflamingo3_encoder
+  lasr_encoder, glmasr_encoder    LASR's (lasr_ctc's encoder_config) and GLM-ASR's audio
+                                  encoders: bidirectional attention with RoPE
+  moonshine, dia                  encoder-decoders (``Kinds``): encoder, decoder and cross
+  kyutai_speech_to_text           Kyutai's speech-to-text decoder (Moshi's attention)
+(the last eight: the section "issue 42" at the end); ``REFUSED``: Fun-ASR-Nano's encoder.
 
 The layer: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (biases as attention_bias says),
 ``relative_k_proj`` (no bias) our W_pos, ``bias_u`` and ``bias_v`` (N, Dh) ours; multi-head
@@ -55,8 +63,9 @@ import math
 
 import numpy as np
 
-from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _dropout,
-                              _linears_to_neutral, _neutral_to_linears, _read, _sizes)
+from golden.hf.encoders import MHCA, OUT_PROJ_NAMES, _self_family
+from golden.hf.family import (GQA, LLAMA_NAMES, Family, Kinds, Stack, _bias_flags, _dropout,
+                              _linears_to_neutral, _neutral_to_linears, _read, _rope, _sizes)
 from golden.specification.mapping import _numpy
 
 NAMES = {**LLAMA_NAMES, "pos": "relative_k_proj"}
@@ -351,9 +360,15 @@ FAMILIES["gemma4_audio"] = Family(
     _conformer_from_neutral(GEMMA4_NAMES, "per_dim_scale"),
     stacks=(Stack("layers", "self_attn", label="encoder"),))
 
-# Speech encoders whose relative positions are not expressed yet, each with why (from_hf names
-# the reason): none left.
-REFUSED: dict[str, str] = {}
+# Speech encoders we do not convert, each with why (from_hf names the reason).
+REFUSED: dict[str, str] = {
+    "fun_asr_nano_encoder": "Fun-ASR-Nano's SAN-M attention adds an FSMN memory block to its "
+                            "output (a depthwise convolution over neighbouring frames of the "
+                            "padding-masked values, fsmn_kernel_size wide), which no option of "
+                            "ours computes; and its first layer's projections take the stacked "
+                            "features' width (num_mel_bins · num_stacked_frames) but give "
+                            "hidden_size back, an output of another width than the input",
+}
 
 # Speech-language checkpoints, tower by tower ({model_type: {sub-config: key prefix}}, as
 # golden.hf.vision.COMPOSITES): Granite Speech's text tower (a granite decoder, its
@@ -361,5 +376,202 @@ REFUSED: dict[str, str] = {}
 # and its encoder (encoder.layers.N.attn); its projector (a Q-Former) is not read, and
 # attn-parity hf's notes say so.
 COMPOSITES: dict[str, dict[str, str]] = {
-    mt: {"text_config": "", "encoder_config": "encoder."}
-    for mt in ("granite_speech", "granite_speech_plus")}
+    **{mt: {"text_config": "", "encoder_config": "encoder."}
+       for mt in ("granite_speech", "granite_speech_plus")},
+    # Issue 42's audio-language models: the text tower under "language_model." (a Llama or
+    # Mistral for Voxtral and GLM-ASR, a Qwen2 for Qwen2-Audio and Audio Flamingo 3, a Qwen3 for
+    # Fun-ASR-Nano), the audio tower under "audio_tower." (Fun-ASR-Nano's refused: REFUSED, so
+    # noted, not read; its adaptor layers not read either); their projectors are not attention
+    **{mt: {"text_config": "language_model.", "audio_config": "audio_tower."}
+       for mt in ("voxtral", "qwen2_audio", "audioflamingo3", "glmasr", "fun_asr_nano")},
+}
+
+
+# ---- issue 42: speech and audio models whose attention is a supported one's ----------------
+#
+# Whisper-like audio towers (qwen2_audio_encoder: Qwen2-Audio's; voxtral_encoder: Voxtral's;
+# audioflamingo3_encoder: Audio Flamingo 3's): Whisper's encoder self-attention (q_proj, k_proj
+# without bias, v_proj, out_proj; multi-head, Dh = D / N, bidirectional; HF's queries multiplied
+# by Dh^−1/2 before the product, ours the product scaled: one rounding apart, float64's), at
+# ``layers.N.self_attn``; their padding mask the caller's. No float32 step (sinusoids added
+# before the layers, sdpa): the verifier's HF rows at float64.
+#
+# Rotary speech encoders: lasr_encoder (LASR / MedASR's Conformer, LasrEncoderAttention:
+# Llama's attention made bidirectional, RoPE over the whole head, biases as attention_bias) and
+# glmasr_encoder (GLM-ASR's, GlmAsrAttention: q_proj, v_proj and o_proj with biases, k_proj
+# without (b_key zeros: k + 0 = k exactly, to_hf leaves it out and refuses a non-zero one, as
+# DINOv3's), rotate-half RoPE on the first partial_rotary_factor (0.5) of each head,
+# bidirectional, no padding mask in its encoder). HF's float32 step: RoPE's angles.
+#
+# Encoder-decoders (``Kinds``): moonshine (MoonshineAttention, GLM's: interleaved pairs (2i,
+# 2i + 1) on the first partial_rotary_factor (0.9) of each head, q/k/v biases as
+# attention_bias, o_proj none; the encoder bidirectional, the decoder causal, the decoder's
+# ``encoder_attn`` a cross-attention without RoPE; its pad_head_dim_to_multiple_of pads q, k and
+# v with zeros, which changes nothing, the scale being the unpadded Dh's); dia (Dia's text
+# encoder and audio decoder: DiaSelfAttention, Llama's projections without biases, RoPE over the
+# whole head, scale 1, GQA; DiaCrossAttention: GQA over the encoder's cross_hidden_size, scale
+# 1, no RoPE; the config's encoder_config and decoder_config give the sizes).
+#
+# kyutai_speech_to_text (Kyutai's STT decoder: MoshiAttention without flexible linears, its
+# q_proj.linear … o_proj.linear, no biases, Llama's RoPE, causal; HF's model makes a causal
+# mask whatever sliding_window says).
+
+MOSHI_NAMES = {r: f"{n}.linear" for r, n in LLAMA_NAMES.items()}
+
+
+def _whisper_like(mt, width="hidden_size", heads="num_attention_heads") -> Family:
+    """A Whisper-like audio tower's self-attention: golden.hf.encoders' Whisper encoder's
+    (``width``, ``heads`` the config fields to_dict() names)."""
+    return _self_family(mt, OUT_PROJ_NAMES, width=width, heads=heads,
+                        dropout="attention_dropout", zero_key_bias=True,
+                        stacks=(Stack("layers", "self_attn", label="encoder"),),
+                        hf_float64=True)
+
+
+def _no_key_bias(mt, names):
+    """to_neutral and from_neutral of an attention whose k has no bias where q and v have one
+    (under RoPE a key bias changes the scores: b_key zeros, a non-zero one refused by to_hf)."""
+
+    def to_neutral(sd, ours):
+        params = _linears_to_neutral(sd, names, mt)
+        if ours["qkv_bias"]:
+            params["b_key"] = np.zeros(params["W_key"].shape[1], params["W_key"].dtype)
+        return params
+
+    def from_neutral(params, ours):
+        if "b_key" in params and np.any(_numpy(params["b_key"]) != 0):
+            raise ValueError(f"model_type {mt!r}: b_key should be zeros (k_proj has no bias; "
+                             f"under RoPE a key bias changes the scores), got a non-zero b_key")
+        return _neutral_to_linears({n: a for n, a in params.items() if n != "b_key"}, names)
+    return to_neutral, from_neutral
+
+
+def _rotary_encoder(mt, *, key_bias=True, names=LLAMA_NAMES) -> Family:
+    """LASR's and GLM-ASR's encoders: Llama's projections, bidirectional, RoPE (GLM-ASR's on
+    its rotary slice, rotate-half), GQA as num_key_value_heads says."""
+
+    def settings(c, layer_idx, sd):
+        ours = {**_sizes(c), **_rope(c, None, mt), "causal": False}
+        if key_bias:
+            ours.update(_bias_flags(sd, names, mt))
+        else:
+            if f"{names['key']}.bias" in sd:
+                raise ValueError(f"model_type {mt!r}: {names['key']} should have no bias, got "
+                                 f"{names['key']}.bias")
+            has = {r: f"{names[r]}.bias" in sd for r in ("query", "value")}
+            if has["query"] != has["value"]:
+                raise ValueError(f"model_type {mt!r}: q_proj and v_proj should both have a bias "
+                                 f"or neither, got q_proj: {has['query']}, v_proj: "
+                                 f"{has['value']}")
+            ours.update(qkv_bias=has["query"], out_bias=f"{names['out']}.bias" in sd)
+        return _dropout(c, ours)
+
+    if key_bias:
+        to_neutral = lambda sd, ours: _linears_to_neutral(sd, names, mt)  # noqa: E731
+        from_neutral = lambda params, ours: _neutral_to_linears(params, names)  # noqa: E731
+    else:
+        to_neutral, from_neutral = _no_key_bias(mt, names)
+    return Family(GQA, settings, to_neutral, from_neutral,
+                  stacks=(Stack("layers", "self_attn", label="encoder"),))
+
+
+def _moonshine_heads(c) -> int:
+    """Moonshine's one head count: HF's MoonshineAttention views q, k and v with the config's
+    num_key_value_heads, which each layer built overwrites (the decoder's last): it computes
+    multi-head attention only when its four head counts are equal."""
+    mt = "moonshine"
+    fields = ("encoder_num_attention_heads", "encoder_num_key_value_heads",
+              "decoder_num_attention_heads", "decoder_num_key_value_heads")
+    counts = {f: c.get(f) for f in fields}
+    counts = {f: (v if v is not None else counts[f.replace("key_value", "attention")])
+              for f, v in counts.items()}
+    if len(set(counts.values())) != 1:
+        got = ", ".join(f"{f} = {v}" for f, v in counts.items())
+        raise ValueError(f"model_type {mt!r}: {', '.join(fields)} should be equal (HF's "
+                         f"MoonshineAttention views q, k and v with the num_key_value_heads "
+                         f"the last layer built leaves in its config: other counts fail or mix "
+                         f"the stacks' sizes), got {got}")
+    return int(counts[fields[0]])
+
+
+def _moonshine(kind):
+
+    def settings(c, layer_idx, sd):
+        n, d = _moonshine_heads(c), int(c["hidden_size"])
+        ours = dict(d_in=d, num_heads=n, head_dim=d // n, **_bias_flags(sd, LLAMA_NAMES,
+                                                                       "moonshine"))
+        if kind == "cross":
+            return dict(ours, d_context=d, num_kv_heads=n)
+        ours.update(num_kv_heads=n, causal=kind == "decoder", rope_interleaved=True,
+                    **_rope(c, None, "moonshine"))
+        return _dropout(c, ours)
+
+    return Family(MHCA if kind == "cross" else GQA, settings,
+                  lambda sd, ours: _linears_to_neutral(sd, LLAMA_NAMES, "moonshine"),
+                  lambda params, ours: _neutral_to_linears(params, LLAMA_NAMES))
+
+
+def _dia(kind):
+    """Dia's three attentions, their sizes from the config's encoder_config (the encoder's) or
+    decoder_config (the decoder's self- and cross-attention)."""
+    mt = "dia"
+
+    def settings(c, layer_idx, sd):
+        sub = c.get("encoder_config" if kind == "encoder" else "decoder_config")
+        if not isinstance(sub, dict):
+            raise ValueError(f"model_type {mt!r}: the config should have its encoder_config and "
+                             f"decoder_config (dicts: Dia's sizes), got {sub!r}")
+        if kind == "cross":
+            n, kv = int(sub["cross_num_attention_heads"]), int(sub["cross_num_key_value_heads"])
+            return dict(d_in=int(sub["hidden_size"]), d_context=int(sub["cross_hidden_size"]),
+                        num_heads=n, num_kv_heads=kv, head_dim=int(sub["cross_head_dim"]),
+                        scale=1.0, **_bias_flags(sd, LLAMA_NAMES, mt))
+        ours = {**_sizes(sub), **_rope(sub, None, mt), "causal": kind == "decoder",
+                "scale": 1.0, **_bias_flags(sd, LLAMA_NAMES, mt)}
+        return ours
+
+    return Family(MHCA if kind == "cross" else GQA, settings,
+                  lambda sd, ours: _linears_to_neutral(sd, LLAMA_NAMES, mt),
+                  lambda params, ours: _neutral_to_linears(params, LLAMA_NAMES))
+
+
+def _kyutai(c, layer_idx, sd):
+    mt = "kyutai_speech_to_text"
+    ours = {**_sizes(c), **_rope(c, None, mt), **_bias_flags(sd, MOSHI_NAMES, mt)}
+    return _dropout(c, ours)  # causal (our default); HF's model makes no window
+
+
+def _seq2seq_stacks(module, cross):
+    return (Stack("encoder.layers", module, "encoder", label="encoder"),
+            Stack("decoder.layers", module, "decoder", label="decoder"),
+            Stack("decoder.layers", cross, "cross", label="decoder"))
+
+
+_MOONSHINE = Kinds(encoder=_moonshine("encoder"), decoder=_moonshine("decoder"),
+                   cross=_moonshine("cross"), stacks=_seq2seq_stacks("self_attn", "encoder_attn"))
+_MOONSHINE.unverified = ("attn-parity hf does not check Moonshine checkpoints yet: its "
+                         "one-layer model takes raw audio (input_values) and its layer counts "
+                         "are encoder_num_hidden_layers and decoder_num_hidden_layers, which "
+                         "the verifier does not read")
+_DIA = Kinds(encoder=_dia("encoder"), decoder=_dia("decoder"), cross=_dia("cross"),
+             stacks=_seq2seq_stacks("self_attention", "cross_attention"))
+_DIA.unverified = ("attn-parity hf does not check Dia checkpoints yet: its sizes and layer "
+                   "counts are in encoder_config and decoder_config, which the verifier's "
+                   "one-layer model does not read")
+
+FAMILIES.update({
+    "qwen2_audio_encoder": _whisper_like("qwen2_audio_encoder", "d_model",
+                                         "encoder_attention_heads"),
+    **{mt: _whisper_like(mt) for mt in ("voxtral_encoder", "audioflamingo3_encoder")},
+    "lasr_encoder": _rotary_encoder("lasr_encoder"),
+    "glmasr_encoder": _rotary_encoder("glmasr_encoder", key_bias=False),
+    "moonshine": _MOONSHINE,
+    "dia": _DIA,
+    "kyutai_speech_to_text": Family(
+        GQA, _kyutai, lambda sd, ours: _linears_to_neutral(sd, MOSHI_NAMES,
+                                                           "kyutai_speech_to_text"),
+        lambda params, ours: _neutral_to_linears(params, MOSHI_NAMES),
+        unverified="attn-parity hf does not check Kyutai STT checkpoints yet: they hold the "
+                   "Mimi codec's transformer (codec_model.…layers.N.self_attn) beside the "
+                   "decoder's, which its one-layer model does not tell apart"),
+})

@@ -234,9 +234,14 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
 def _plans(chosen, max_length) -> list:
     """[(layer, its exercises)], every layer at the length the longest needs (layers of one
     configuration then share their compiled programs)."""
+    from golden.verifier.speech import encoder
     plans = {id(layer): hf_exercise.plan(layer.config, max_length) for layer in chosen}
     length = max(p.length for p in plans.values())
-    return [(layer, hf_exercise.exercises(layer, plans[id(layer)], length)) for layer in chosen]
+    fixed = {id(layer) for layer in chosen  # an encoder that takes one length only (its own)
+             if getattr(encoder(layer.config), "fixed_length", False)}
+    return [(layer, hf_exercise.exercises(layer, plans[id(layer)], plans[id(layer)].length
+                                          if id(layer) in fixed else length))
+            for layer in chosen]
 
 
 def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, outputs,

@@ -125,11 +125,18 @@ def stacks(config) -> list:
     its own sub-config and key prefix."""
     if config["model_type"] not in COMPOSITES:
         return [(config, stack) for stack in LAYOUTS[config["model_type"]]]
-    return [(config[sub], replace(stack, within=within))
+    return [(config[sub], replace(stack, within=within, label=stack.label or _tower_label(sub)))
             for sub, within in COMPOSITES[config["model_type"]].items()
             if config.get(sub) is not None  # an optional tower left out (OPTIONAL_TOWERS)
             and _unconverted(config[sub]) is None  # not converted: unread_towers' note
             for stack in LAYOUTS[config[sub]["model_type"]]]
+
+
+def _tower_label(sub) -> str:
+    """The rows' label of a composite's tower whose stack has none of its own: "" for the text
+    tower, else the sub-config's name ("vision_config": "vision"), so that two towers' layers
+    never share a row's name (a LLaVA's DINOv2 tower beside its text tower)."""
+    return "" if sub == "text_config" else sub.removesuffix("_config")
 
 
 def unread_towers(config) -> list[str]:

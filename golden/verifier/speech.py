@@ -20,7 +20,8 @@ dtype) -> {name: tensor}``, the one-layer model's inputs for b rows of L frames 
 attention's input is replaced); ``owns``: config fields that are the model's mask, not a
 setting of ours (golden.verifier.exercise does not read them as a window or chunk);
 ``one_layer(c) -> c``: the config HF's one-layer model is built with, where it is not the
-layer's own (golden.verifier.model.layer_only).
+layer's own (golden.verifier.model.layer_only); ``fixed_length``: the encoder takes the length
+its ``needs`` gives and no other (drawn at it whatever a composite's other towers need).
 
 - parakeet_encoder (the encoder of parakeet_ctc, _rnnt, _tdt, canary, cohere_asr): no mask
   without padding; the position table of 2L − 1 distances the encoder's own.
@@ -46,6 +47,15 @@ layer's own (golden.verifier.model.layer_only).
   blocking (golden.hf.speech): the one-layer model is built with chunk_size −1 (no chunks), the
   caller's mask being ours, and the report says the chunks are not exercised.
 
+- lasr_encoder (LASR / MedASR): two convolutions (its ``_get_subsampling_output_length``), its
+  RoPE's positions the encoder's own 0 … L − 1; glmasr_encoder (GLM-ASR): a Whisper-like front
+  end (⌊(T − 1) / 2⌋ + 1 frames, ``_whisper_frames``), features (B, F, T); no mask in either.
+- audioflamingo3_encoder: Whisper's front end and a position table of max_source_positions M
+  rows added to the frames: drawn on exactly M frames (2M features, all real:
+  input_features_mask ones). Qwen2-Audio's and Voxtral's towers are not here: their attention
+  takes nothing of the length (no mask, no positions), so the verifier's default (Whisper's: the
+  config's 2M features, the attention's input replaced) runs them at any L.
+
 Shape legend: B batch, T feature frames, F mel bins, L encoder frames (the attention's).
 """
 
@@ -64,6 +74,7 @@ class Encoder:
     inputs: Callable
     owns: tuple = ()
     one_layer: Callable | None = None
+    fixed_length: bool = False
 
 
 def feature_frames(model, length, rule=None) -> int:
@@ -236,6 +247,40 @@ def _phi4_inputs(model, b, length, dtype):
                                        model.config.input_size), "mask": None}
 
 
+# ---- issue 42's audio towers -------------------------------------------------------------------
+
+def _rope_needs(c, least, max_length):
+    return least, ["RoPE over the frames: exercised (HF's encoder given features subsampled to "
+                   "the frames drawn: its own positions 0 … L − 1)"]
+
+
+def _whisper_frames(model, t):
+    """A Whisper-like front end in time: conv1 (kernel 3, padding 1), conv2 (kernel 3, stride
+    2, padding 1): ⌊(T − 1) / 2⌋ + 1."""
+    return (t - 1) // 2 + 1
+
+
+def _glmasr_inputs(model, b, length, dtype):
+    import torch
+    t = feature_frames(model, length, _whisper_frames)
+    return {"input_features": torch.zeros((b, model.config.num_mel_bins, t), dtype=dtype)}
+
+
+def _fixed_needs(c, least, max_length):
+    """Audio Flamingo 3's encoder adds its position table of max_source_positions = M rows to
+    the frames: it takes exactly M frames (2M features)."""
+    m = int(c["max_source_positions"])
+    reach = "" if m <= max_length else f" (over --max-length {max_length}: its only length)"
+    return m, [f"its encoder's fixed length: drawn on max_source_positions = {m} frames{reach}"]
+
+
+def _audioflamingo3_inputs(model, b, length, dtype):
+    import torch
+    t = 2 * length
+    return {"input_features": torch.zeros((b, model.config.num_mel_bins, t), dtype=dtype),
+            "input_features_mask": torch.ones((b, t), dtype=torch.long)}
+
+
 ENCODERS = {
     "parakeet_encoder": Encoder(_xl_needs, lambda c, length: None, _parakeet_inputs),
     "nemotron_asr_streaming_encoder": Encoder(_nemotron_needs, _nemotron_mask, _nemotron_inputs,
@@ -250,6 +295,10 @@ ENCODERS = {
     "phi4_multimodal_audio": Encoder(_phi4_needs, lambda c, length: None, _phi4_inputs,
                                      owns=("chunk_size",),
                                      one_layer=lambda c: dict(c, chunk_size=-1)),
+    "lasr_encoder": Encoder(_rope_needs, lambda c, length: None, _parakeet_inputs),
+    "glmasr_encoder": Encoder(_rope_needs, lambda c, length: None, _glmasr_inputs),
+    "audioflamingo3_encoder": Encoder(_fixed_needs, lambda c, length: None,
+                                      _audioflamingo3_inputs, fixed_length=True),
 }
 
 
