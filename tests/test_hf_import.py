@@ -280,6 +280,16 @@ OPTIONS_42 = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": None}),
         layers=(0, 1), float32="BeamRMSNorm, the temperature"),
+    # LFM3: a short-convolution layer (not converted), a sliding layer, a full one with
+    # proportional RoPE on half of each head; a σ per head from g_proj
+    "lfm3": Family("Lfm3Config", dict(
+        num_hidden_layers=3, head_dim=8, sliding_window=4, attention_bias=True,
+        layer_types=["conv", "sliding_attention", "full_attention"], conv_L_cache=3,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 1000.0,
+                                            "partial_rotary_factor": 0.5}}),
+        layers=(1, 2), float32="Lfm3RMSNorm"),
 }
 # Issue 42's latent attentions (golden/hf/latent.py): DeepSeek-V3's sizes (every one distinct
 # but Dr = head_dim), HF's float32 RMSNorm of the latent.
@@ -524,6 +534,9 @@ DISTINCT = {
                         (0, {"output_gate": False}), (0, {"scale": None})],
     "beam": [(0, {"gate_bias": False}), (0, {"output_gate": False, "gate_bias": None}),
              (0, {"sliding_window": None}), (0, {"qk_norm": None})],
+    "lfm3": [(1, {"output_gate": False, "gate_bias": None}), (1, {"sliding_window": None}),
+             (1, {"qk_norm": None}),
+             (2, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
     # Issue 42's latent attentions
     **{mt: [(0, {"rope_interleaved": False}), (0, {"rope_parameters": {"rope_theta": 500.0}})]
        for mt in ("deepseek_v2", "youtu")},
@@ -613,7 +626,8 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "attention_out_multiplier", "lru_width", "conv1d_width", "n_groups",
                      "ssm_state_size", "conv_kernel", "chunk_size", "mamba_num_heads",
                      "mamba_head_dim", "n_mamba_heads", *MAMBA2, "mamba_d_ssm", "mamba_n_groups",
-                     "mamba_expand", "mamba_dt_rank", "share_expert_dim"}
+                     "mamba_expand", "mamba_dt_rank", "share_expert_dim",
+                     "conv_L_cache", "bos_token_id"}
 
 
 # A hybrid's fields that say which layers are attention: each family's reading of them is
@@ -1133,3 +1147,12 @@ def test_options_42_settings_we_do_not_express_are_named():
     with pytest.raises(ValueError, match=r"model_type 'step3p5': use_bidirectional_attention = "
                                          r"True is not supported"):
         golden.convert.from_hf(dict(step, use_bidirectional_attention=True), {})
+    lfm3 = getattr(transformers, FAMILIES["lfm3"].config)(**{**BASE, **FAMILIES["lfm3"].kw})
+    with pytest.raises(ValueError, match=r"model_type 'lfm3': layer 0 is a 'conv' layer \(a "
+                                         r"gated short convolution, not softmax attention\); "
+                                         r"only its attention layers convert \(1, 2\)"):
+        golden.convert.from_hf(lfm3, {}, layer_idx=0)
+    for name, why in (("chameleon", "a QK norm with a bias"),
+                      ("bailing_hybrid", "a gate latent attention has no option for")):
+        with pytest.raises(ValueError, match=rf"model_type '{name}' is not supported: .*{why}"):
+            golden.convert.from_hf({"model_type": name}, {})

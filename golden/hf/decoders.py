@@ -663,9 +663,12 @@ def _gate_proj(mt, bias=False, name="gate_proj"):
     head; ``name`` its state-dict name) beside q, k, v, o: W_gate its weight transposed, b_gate
     its bias (``bias``: HRM-Text's, with attention_bias); where q, k and v have biases and
     gate_proj none (AFMoE, Muse Glimmer), b_gate zeros, σ(x W_g + 0), which to_hf leaves out
-    (and refuses non-zero); none where the settings say gate_bias=False (Laguna's g_proj)."""
+    (and refuses non-zero); none where the settings say gate_bias=False (Laguna's g_proj).
+    A layer whose settings have no output gate (LFM3 without use_attention_gate) has none."""
 
     def to_extra(sd, ours, params):
+        if not ours.get("output_gate"):
+            return params
         params["W_gate"] = np.ascontiguousarray(_read(sd, f"{name}.weight", mt).T)
         if bias and f"{name}.bias" in sd:
             params["b_gate"] = _read(sd, f"{name}.bias", mt)
@@ -674,6 +677,8 @@ def _gate_proj(mt, bias=False, name="gate_proj"):
         return params
 
     def from_extra(params, ours, sd):
+        if "W_gate" not in params:
+            return sd
         sd[f"{name}.weight"] = np.ascontiguousarray(np.asarray(params["W_gate"]).T)
         if "b_gate" in params:
             b = np.asarray(params["b_gate"])
@@ -757,6 +762,24 @@ def _beam(c, layer_idx, ours):
         ours["query_temperature"] = {"kind": "power", "alpha": 0.1, "length": 2048}
 
 
+def _lfm3(c, layer_idx, ours):
+    """LFM3's attention layers (layer_types' full_attention and sliding_attention; its "conv"
+    layers, gated short convolutions, refused by kind): Qwen3's per-head RMSNorm of q and k
+    (ε norm_eps), RoPE per layer type (its full layers' proportional RoPE on half of each head
+    by its config's default), sliding layers, and with use_attention_gate one σ per head from
+    ``g_proj`` (D -> N, no bias)."""
+    mt = "lfm3"
+    kind = _layer_type(c, layer_idx)
+    if kind not in ("full_attention", "sliding_attention"):
+        attention = [i for i, k in enumerate(c["layer_types"]) if k.endswith("_attention")]
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a {kind!r} layer (a gated "
+                         f"short convolution, not softmax attention); only its attention "
+                         f"layers convert ({', '.join(map(str, attention)) or 'none'})")
+    ours.update(qk_norm="rms", qk_norm_eps=float(c.get("norm_eps", c.get("rms_norm_eps"))))
+    if c.get("use_attention_gate", True):
+        ours.update(output_gate="sigmoid_per_head", gate_bias=False)
+
+
 def _head_gate_bias():
     """(to_extra, from_extra) of Beam's gate: ``gate_proj`` (D -> N·Dh, no bias) and its
     ``gate_bias`` (N,) added to each head's Dh gate values: b_gate (N·Dh) the (N,) vector
@@ -785,6 +808,13 @@ def _head_gate_bias():
 
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
+    "chameleon": "Chameleon's q_norm and k_norm are LayerNorms of each head over its Dh with a "
+                 "weight and a bias per head ((N, Dh) each, HF's ChameleonLayerNorm): a QK norm "
+                 "with a bias, which no option of ours has",
+    "bailing_hybrid": "Ling 2.5's (bailing_hybrid) softmax layers are latent attention (MLA) "
+                      "with one σ gate per head on its output (g_proj, D -> N), a gate latent "
+                      "attention has no option for; its other layers are gated linear "
+                      "attention",
     "hunyuan_vl_text": "HunYuan-VL's XD-RoPE gives the two features of a rotated pair the "
                        "positions of different axes (its sections split the duplicated "
                        "frequency vector over 3 or 4 axes), not one axis per pair (its QK norm "
@@ -1013,4 +1043,8 @@ FAMILIES: dict[str, Family] = {
     "muse_spark_text": _llama_like("muse_spark_text", _muse_spark_text,
                                    **_gate_proj("muse_spark_text")),
     "beam": _llama_like("beam", _beam, norms=QK_NORMS, **_head_gate_bias()),
+    # LFM3's checkpoints name its g_proj gate_proj (HF renames it when loading)
+    "lfm3": _llama_like("lfm3", _lfm3, norms=QK_NORMS, **_gate_proj("lfm3", name="g_proj"),
+                        stacks=(Stack("layers", "self_attn",
+                                      renames=(("gate_proj", "g_proj"),)),)),
 }
