@@ -242,6 +242,55 @@ GATED_42 = {
                                                       "rope_theta": 100.0}),
         layers=(0, 1), float32="MuseGlimmerRMSNorm", model="MuseGlimmerTextModel"),
 }
+# Issue 42's decoders of this session's options: the output gates per head and by softplus,
+# the norm of each head's output, the power-law temperature and a gate bias per head.
+OPTIONS_42 = {
+    # Laguna: 6 query heads on its sliding layer, 4 on its full one (partial rotary 0.5, θ of
+    # its own), a softplus gate per feature from g_proj (no bias beside q/k/v/o biases)
+    "laguna": Family("LagunaConfig", dict(
+        num_hidden_layers=2, head_dim=8, sliding_window=4, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"], num_attention_heads_per_layer=[6, 4],
+        gating="per-element", **MOE, shared_expert_intermediate_size=8,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000.0,
+                                            "partial_rotary_factor": 0.5}}),
+        layers=(0, 1), float32="LagunaRMSNorm, the gate's softplus"),
+    # Step 3.5/3.7's text model: its sliding layer 6 heads, its full one 4 (partial rotary
+    # 0.5), (1 + w) norms, query_pre_attn_scalar, a σ per head from g_proj
+    "step3p5": Family("Step3p7TextConfig", dict(
+        num_hidden_layers=2, head_dim=8, sliding_window=4, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"], num_sliding_attention_heads=6,
+        query_pre_attn_scalar=10, rope_theta=[100.0, 1000.0], partial_rotary_factors=[1.0, 0.5],
+        n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        share_expert_dim=8), layers=(0, 1), float32="Step3p7RMSNorm",
+        model="Step3p7TextModel"),
+    # Muse Spark's text tower: Muse Glimmer's (a sliding layer, a NoPE full one), its output
+    # normed per head before the gate
+    "muse_spark_text": Family("MuseSparkTextConfig", dict(
+        num_hidden_layers=2, sliding_window=4, attention_bias=True, qk_scale_factor=2.5,
+        layer_rope_theta=[100.0, 0], rope_parameters={"rope_type": "default",
+                                                      "rope_theta": 100.0},
+        mlp_layer_types=["dense", "dense"]), layers=(0, 1), float32="MuseSparkRMSNorm",
+        model="MuseSparkTextModel"),
+    # Beam: a RoPE sliding layer, a NoPE full one with the power temperature (HF's in
+    # float32), gate_proj with a bias per head
+    "beam": Family("BeamConfig", dict(
+        num_hidden_layers=2, sliding_window=4, attention_bias=True, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=8, n_group=1, topk_group=1,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": None}),
+        layers=(0, 1), float32="BeamRMSNorm, the temperature"),
+    # LFM3: a short-convolution layer (not converted), a sliding layer, a full one with
+    # proportional RoPE on half of each head; a σ per head from g_proj
+    "lfm3": Family("Lfm3Config", dict(
+        num_hidden_layers=3, head_dim=8, sliding_window=4, attention_bias=True,
+        layer_types=["conv", "sliding_attention", "full_attention"], conv_L_cache=3,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 1000.0,
+                                            "partial_rotary_factor": 0.5}}),
+        layers=(1, 2), float32="Lfm3RMSNorm"),
+}
 # Issue 42's latent attentions (golden/hf/latent.py): DeepSeek-V3's sizes (every one distinct
 # but Dr = head_dim), HF's float32 RMSNorm of the latent.
 MLA_SIZES = dict(num_key_value_heads=N, head_dim=4, q_lora_rank=8, kv_lora_rank=6,
@@ -469,6 +518,7 @@ FAMILIES = {
     **TEXT_TOWERS,
     **DECODERS_42,
     **GATED_42,
+    **OPTIONS_42,
     **LATENT_42,
     **HYBRIDS_42,
     **ENCODERS_42,
@@ -526,6 +576,20 @@ DISTINCT = {
     "muse_glimmer_text": [(0, {"output_gate": False}), (0, {"scale": None}),
                           (0, {"sliding_window": None}), (0, {"qk_norm": None}),
                           (1, {"rope_parameters": {"rope_theta": 100.0}})],
+    # Issue 42's decoders of this session's options
+    "laguna": [(0, {"output_gate": "sigmoid"}), (0, {"output_gate": False, "gate_bias": None}),
+               (1, {"partial_rotary_factor": 1.0}), (0, {"sliding_window": None}),
+               (0, {"qk_norm": None})],
+    "step3p5": [(0, {"output_gate": "softplus_per_head"}),
+                (0, {"output_gate": False, "gate_bias": None}), (1, {"scale": None}),
+                (0, {"qk_norm": "rms"}), (0, {"sliding_window": None})],
+    "muse_spark_text": [(0, {"output_norm": None, "output_norm_eps": 1e-6}),
+                        (0, {"output_gate": False}), (0, {"scale": None})],
+    "beam": [(0, {"gate_bias": False}), (0, {"output_gate": False, "gate_bias": None}),
+             (0, {"sliding_window": None}), (0, {"qk_norm": None})],
+    "lfm3": [(1, {"output_gate": False, "gate_bias": None}), (1, {"sliding_window": None}),
+             (1, {"qk_norm": None}),
+             (2, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
     # Issue 42's latent attentions
     **{mt: [(0, {"rope_interleaved": False}), (0, {"rope_parameters": {"rope_theta": 500.0}})]
        for mt in ("deepseek_v2", "youtu")},
@@ -627,8 +691,8 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "attention_out_multiplier", "lru_width", "conv1d_width", "n_groups",
                      "ssm_state_size", "conv_kernel", "chunk_size", "mamba_num_heads",
                      "mamba_head_dim", "n_mamba_heads", *MAMBA2, "mamba_d_ssm", "mamba_n_groups",
-                     "mamba_expand", "mamba_dt_rank", "bos_token_id", "cls_token_id",
-                     "sep_token_id"}
+                     "mamba_expand", "mamba_dt_rank", "share_expert_dim",
+                     "conv_L_cache", "bos_token_id", "cls_token_id", "sep_token_id"}
 
 
 # A hybrid's fields that say which layers are attention: each family's reading of them is
@@ -650,7 +714,7 @@ def _fields(family) -> set:
 # (each config field they set that HF's attention reads, with its kind, and each setting undone,
 # at least once; tests/helpers.py ``sweep``), for all of them in the whole matrix (issue 39:
 # the quick suite's time). The round trip (no model run) checks every family in both.
-SWEPT = {**DECODERS_42, **GATED_42, **LATENT_42, **HYBRIDS_42, **ENCODERS_42}
+SWEPT = {**DECODERS_42, **GATED_42, **OPTIONS_42, **LATENT_42, **HYBRIDS_42, **ENCODERS_42}
 PER_FAMILY = [pytest.param(n, id=n) for n in FAMILIES if n not in SWEPT] + sweep(
     [pytest.param(n, id=n) for n in SWEPT],
     [_fields(SWEPT[n]) | {("undone", k) for _, change in DISTINCT[n] for k in change}
@@ -934,6 +998,10 @@ NOT_LEFT_PADDED = {
 }
 
 
+# Families whose HF query temperature reads position_ids (not the token index)
+TEMPERATURE_AT_POSITIONS = {"beam"}
+
+
 @pytest.mark.parametrize("name", FAMILY_SWEEP)
 def test_left_padded_batch_equals_the_models_own_attention(name, twin):
     # HF's model given attention_mask (0 on row 1's first 3 tokens) and position_ids counting
@@ -958,9 +1026,10 @@ def test_left_padded_batch_equals_the_models_own_attention(name, twin):
         with twin.float64():
             module = twin.build(variant, ours, params)
             module.eval()
-            # positions are RoPE's; a NoPE layer's query temperature (Llama 4) reads the token
-            # index in HF (cache_position), which is ours without positions
-            rope = "rope_parameters" in ours or "rope_theta" in ours
+            # positions are RoPE's; a NoPE layer's query temperature reads the token index in
+            # Llama 4 (cache_position), which is ours without positions, position_ids in Beam
+            rope = "rope_parameters" in ours or "rope_theta" in ours or (
+                name in TEMPERATURE_AT_POSITIONS and "query_temperature" in ours)
             out = twin.numpy(module(twin.array(x), twin.array(keys.copy()), positions=(
                 twin.array(positions.astype(np.int32)) if rope else None)))
         rows = real.astype(bool)
@@ -1160,3 +1229,88 @@ def test_reusing_layers_equal_the_models_own_attention(twin):
             _, wrong = store(twin.array(seen[i][0]), cache=store.init_cache(B, L))
             far, _ = reuse(twin.array(seen[i][0]), cache=wrong)
         assert rel(twin.numpy(far), seen[i][1]) > 1e3 * FLOAT32_LEVEL, (i, seed)
+
+
+def test_beam_temperature_at_far_positions_and_undone_moves_the_output():
+    """Beam's NoPE full layer scales q by (1 + (p + 1)/2048)^0.1, which is 1.0004 at most
+    within the tiny model's L tokens (too near 1 for the undone test above): at positions
+    5000 … 5000 + L − 1 (HF's position_ids, ours the same positions) it is 1.13, and the layer
+    agrees at the float32 level (HF's factor and q scaled in float32); without the temperature
+    it moves far beyond it."""
+    family = FAMILIES["beam"]
+    twin = TWINS["torch"]
+    rng, seed = fresh_rng()
+    config, model = build_model(family, rng)
+    positions = np.broadcast_to(5000 + np.arange(L), (B, L)).copy()
+    x, expected = captured(family, model, (1,), rng.integers(0, BASE["vocab_size"], (B, L)),
+                           position_ids=torch.from_numpy(positions))[1]
+    variant, ours, params = golden.convert.from_hf(config, state_dict(attention_of(family,
+                                                                                   model, 1)),
+                                                   layer_idx=1)
+    assert ours["query_temperature"]["kind"] == "power" and "rope_parameters" not in ours
+    for temperature, far in ((ours["query_temperature"], False), (None, True)):
+        settings = {k: v for k, v in dict(ours, query_temperature=temperature).items()
+                    if v is not None}
+        with twin.float64():
+            module = twin.build(variant, settings, params)
+            module.eval()
+            out = twin.numpy(module(twin.array(x), positions=twin.array(positions.astype(
+                np.int32))))
+        error = rel(out, expected)
+        assert (error > 1e3 * FLOAT32_LEVEL if far else error <= FLOAT32_LEVEL), (far, error,
+                                                                                  seed)
+
+
+def test_laguna_gate_per_head_equals_hfs():
+    """Laguna's gating True (its default, "per-head"): one softplus gate per head from g_proj
+    (D -> N), our output_gate "softplus_per_head", on both layers of the tiny model (its
+    table entry has gating "per-element")."""
+    family = FAMILIES["laguna"]
+    family = Family(family.config, dict(family.kw, gating=True), layers=family.layers,
+                    float32=family.float32)
+    twin = TWINS["torch"]
+    rng, seed = fresh_rng()
+    config, model = build_model(family, rng)
+    seen = captured(family, model, family.layers, rng.integers(0, BASE["vocab_size"], (B, L)))
+    for i in family.layers:
+        x, expected = seen[i]
+        sd = state_dict(attention_of(family, model, i))
+        variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=i)
+        assert ours["output_gate"] == "softplus_per_head"
+        assert params["W_gate"].shape == (BASE["hidden_size"], ours["num_heads"])
+        with twin.float64():
+            out = twin.numpy(twin.build(variant, ours, params)(twin.array(x)))
+        assert rel(out, expected) <= FLOAT32_LEVEL, (i, rel(out, expected), seed)
+
+
+def test_options_42_settings_we_do_not_express_are_named():
+    """Beam's gate bias is one value per head: to_hf refuses a b_gate that differs within a
+    head; Step 3.5's attention takes one σ per head only, and causal attention: a config
+    asking for a per-feature gate or bidirectional attention is refused by name."""
+    family = FAMILIES["beam"]
+    rng, _ = fresh_rng()
+    config, model = build_model(family, rng)
+    variant, ours, params = golden.convert.from_hf(config, state_dict(attention_of(family,
+                                                                                   model, 0)))
+    b = params["b_gate"].copy()
+    b[1] += 1.0  # head 0's second feature
+    with pytest.raises(ValueError, match=r"model_type 'beam': b_gate should be constant within "
+                                         r"each head"):
+        golden.convert.to_hf(variant, ours, dict(params, b_gate=b))
+    step = getattr(transformers, FAMILIES["step3p5"].config)(
+        **{**BASE, **FAMILIES["step3p5"].kw}).to_dict()
+    with pytest.raises(ValueError, match=r"model_type 'step3p5': gating = 'per-element' is not "
+                                         r"supported"):
+        golden.convert.from_hf(dict(step, gating="per-element"), {})
+    with pytest.raises(ValueError, match=r"model_type 'step3p5': use_bidirectional_attention = "
+                                         r"True is not supported"):
+        golden.convert.from_hf(dict(step, use_bidirectional_attention=True), {})
+    lfm3 = getattr(transformers, FAMILIES["lfm3"].config)(**{**BASE, **FAMILIES["lfm3"].kw})
+    with pytest.raises(ValueError, match=r"model_type 'lfm3': layer 0 is a 'conv' layer \(a "
+                                         r"gated short convolution, not softmax attention\); "
+                                         r"only its attention layers convert \(1, 2\)"):
+        golden.convert.from_hf(lfm3, {}, layer_idx=0)
+    for name, why in (("chameleon", "a QK norm with a bias"),
+                      ("bailing_hybrid", "a gate latent attention has no option for")):
+        with pytest.raises(ValueError, match=rf"model_type '{name}' is not supported: .*{why}"):
+            golden.convert.from_hf({"model_type": name}, {})

@@ -691,26 +691,32 @@ def _muse_glimmer_text(c, layer_idx, ours):
         ours.pop("rope_theta", None)
 
 
-def _gate_proj(mt, bias=False):
-    """(to_extra, from_extra) of a ``gate_proj`` (nn.Linear D -> N·Dh) beside q, k, v, o: W_gate
-    (D, N·Dh) its weight transposed, b_gate its bias (``bias``: HRM-Text's, with
-    attention_bias); where q, k and v have biases and gate_proj none (AFMoE, Muse Glimmer),
-    b_gate zeros, σ(x W_g + 0), which to_hf leaves out (and refuses non-zero)."""
+def _gate_proj(mt, bias=False, name="gate_proj"):
+    """(to_extra, from_extra) of a ``gate_proj`` (nn.Linear D -> N·Dh, or D -> N for a gate per
+    head; ``name`` its state-dict name) beside q, k, v, o: W_gate its weight transposed, b_gate
+    its bias (``bias``: HRM-Text's, with attention_bias); where q, k and v have biases and
+    gate_proj none (AFMoE, Muse Glimmer), b_gate zeros, σ(x W_g + 0), which to_hf leaves out
+    (and refuses non-zero); none where the settings say gate_bias=False (Laguna's g_proj).
+    A layer whose settings have no output gate (LFM3 without use_attention_gate) has none."""
 
     def to_extra(sd, ours, params):
-        params["W_gate"] = np.ascontiguousarray(_read(sd, "gate_proj.weight", mt).T)
-        if bias and "gate_proj.bias" in sd:
-            params["b_gate"] = _read(sd, "gate_proj.bias", mt)
-        elif ours.get("qkv_bias"):
+        if not ours.get("output_gate"):
+            return params
+        params["W_gate"] = np.ascontiguousarray(_read(sd, f"{name}.weight", mt).T)
+        if bias and f"{name}.bias" in sd:
+            params["b_gate"] = _read(sd, f"{name}.bias", mt)
+        elif ours.get("qkv_bias") and ours.get("gate_bias") is not False:
             params["b_gate"] = np.zeros(params["W_gate"].shape[1], params["W_gate"].dtype)
         return params
 
     def from_extra(params, ours, sd):
-        sd["gate_proj.weight"] = np.ascontiguousarray(np.asarray(params["W_gate"]).T)
+        if "W_gate" not in params:
+            return sd
+        sd[f"{name}.weight"] = np.ascontiguousarray(np.asarray(params["W_gate"]).T)
         if "b_gate" in params:
             b = np.asarray(params["b_gate"])
             if bias:
-                sd["gate_proj.bias"] = np.array(b)
+                sd[f"{name}.bias"] = np.array(b)
             elif np.any(b != 0):
                 raise ValueError(f"model_type {mt!r}: b_gate should be zeros (its gate_proj has "
                                  f"no bias), got a non-zero vector")
@@ -718,8 +724,130 @@ def _gate_proj(mt, bias=False):
     return dict(to_extra=to_extra, from_extra=from_extra)
 
 
+def _layer_heads(c, layer_idx, ours, mt):
+    """A layer's own query head count: Laguna's num_attention_heads_per_layer[layer], or the
+    overrides of a per_layer_config entry (Step 3.5/3.7's sliding layers: num_attention_heads,
+    and num_key_value_heads, head_dim where given; any other overridden field refused)."""
+    heads = c.get("num_attention_heads_per_layer")
+    if heads is not None:
+        ours["num_heads"] = int(heads[layer_idx])
+    table = c.get("per_layer_config") or {}
+    overrides = dict(table.get(str(layer_idx)) or table.get(layer_idx) or {})
+    names = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+             "head_dim": "head_dim"}
+    other = sorted(set(overrides) - set(names))
+    if other:
+        raise ValueError(f"model_type {mt!r}: per_layer_config[{layer_idx}] overrides "
+                         f"{', '.join(other)}, which is not supported (we read "
+                         f"{', '.join(names)})")
+    ours.update({ours_name: int(overrides[k]) for k, ours_name in names.items()
+                 if overrides.get(k) is not None})
+
+
+def _laguna(c, layer_idx, ours):
+    """Laguna (AFMoE's attention, RoPE on every layer): its own query head count per layer
+    (num_attention_heads_per_layer), per-head RMSNorm of q and k, RoPE per layer type (partial
+    on the full layers by its config's default), sliding layers by layer_types, the output
+    gated by softplus(x W_g) from ``g_proj`` (no bias), one value per head (gating True or
+    "per-head": W_g (D, N)) or per feature (anything else, as HF: W_g (D, N·Dh)); HF takes the
+    softplus in float32."""
+    mt = "laguna"
+    _layer_heads(c, layer_idx, ours, mt)
+    _qwen3(c, layer_idx, ours)
+    gating = c.get("gating", True)
+    per_head = gating is True or gating == "per-head"
+    ours.update(output_gate="softplus_per_head" if per_head else "softplus", gate_bias=False)
+
+
+def _step3p5(c, layer_idx, ours):
+    """Step 3.5/3.7-Flash's text model (model_type step3p5, the text_config of step3p7):
+    Laguna's attention with (1 + w) RMSNorms of q and k per head, the scale
+    query_pre_attn_scalar^(−1/2), the sliding layers' own head count (per_layer_config), and
+    one σ gate per head from ``g_proj`` (D -> N, no bias)."""
+    mt = "step3p5"
+    _layer_heads(c, layer_idx, ours, mt)
+    ours.update(qk_norm="rms_one_plus", qk_norm_eps=float(c["rms_norm_eps"]),
+                scale=float(c["query_pre_attn_scalar"]) ** -0.5,
+                output_gate="sigmoid_per_head", gate_bias=False)
+
+
+def _muse_spark_text(c, layer_idx, ours):
+    """Muse Spark's text tower: Muse Glimmer's attention with ``o_norm``, a weightless RMS norm
+    of each head's output over its Dh (ε rms_norm_eps, in float32), before the σ gate."""
+    _muse_glimmer_text(c, layer_idx, ours)
+    ours.update(output_norm="rms_per_head", output_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _beam(c, layer_idx, ours):
+    """Beam: per-head RMSNorm of q and k; RoPE per layer type where rope_parameters has an
+    entry for it, a layer type whose entry is None (its full layers by default) NoPE with
+    HF's query temperature (1 + (p + 1)/2048)^0.1 at position p (compute_attention_scaling,
+    fixed); sliding layers by layer_types; the output gated per feature by σ(x W_g + b_h)
+    with ``gate_proj`` (no bias) and one bias b_h per head, ``gate_bias`` (N,): our b_gate
+    (N·Dh) with each head's value on its Dh features (``_head_gate_bias``)."""
+    _qwen3(c, layer_idx, ours)
+    ours.update(output_gate="sigmoid", gate_bias=True)
+    rope = c.get("rope_parameters") or {}
+    kind = _layer_type(c, layer_idx)
+    if kind in rope and rope[kind] is None:
+        ours.pop("rope_parameters", None)
+        ours.pop("rope_theta", None)
+        ours["query_temperature"] = {"kind": "power", "alpha": 0.1, "length": 2048}
+
+
+def _lfm3(c, layer_idx, ours):
+    """LFM3's attention layers (layer_types' full_attention and sliding_attention; its "conv"
+    layers, gated short convolutions, refused by kind): Qwen3's per-head RMSNorm of q and k
+    (ε norm_eps), RoPE per layer type (its full layers' proportional RoPE on half of each head
+    by its config's default), sliding layers, and with use_attention_gate one σ per head from
+    ``g_proj`` (D -> N, no bias)."""
+    mt = "lfm3"
+    kind = _layer_type(c, layer_idx)
+    if kind not in ("full_attention", "sliding_attention"):
+        attention = [i for i, k in enumerate(c["layer_types"]) if k.endswith("_attention")]
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a {kind!r} layer (a gated "
+                         f"short convolution, not softmax attention); only its attention "
+                         f"layers convert ({', '.join(map(str, attention)) or 'none'})")
+    ours.update(qk_norm="rms", qk_norm_eps=float(c.get("norm_eps", c.get("rms_norm_eps"))))
+    if c.get("use_attention_gate", True):
+        ours.update(output_gate="sigmoid_per_head", gate_bias=False)
+
+
+def _head_gate_bias():
+    """(to_extra, from_extra) of Beam's gate: ``gate_proj`` (D -> N·Dh, no bias) and its
+    ``gate_bias`` (N,) added to each head's Dh gate values: b_gate (N·Dh) the (N,) vector
+    repeated Dh times per head; to_hf gives the (N,) vector back and refuses a b_gate that is
+    not constant within each head."""
+    mt = "beam"
+    plain = _gate_proj(mt)
+
+    def to_extra(sd, ours, params):
+        params = plain["to_extra"](sd, ours, params)
+        per_head = _read(sd, "gate_bias", mt)  # (N,)
+        params["b_gate"] = np.repeat(per_head, ours["head_dim"])  # (N·Dh,)
+        return params
+
+    def from_extra(params, ours, sd):
+        sd = plain["from_extra"]({k: v for k, v in params.items() if k != "b_gate"}, ours, sd)
+        b = np.asarray(params["b_gate"]).reshape(ours["num_heads"], ours["head_dim"])
+        if np.any(b != b[:, :1]):
+            raise ValueError(f"model_type {mt!r}: b_gate should be constant within each head "
+                             f"(its gate_bias is one value per head, (N,) = "
+                             f"({ours['num_heads']},)), got values that differ within a head")
+        sd["gate_bias"] = np.array(b[:, 0])
+        return sd
+    return dict(to_extra=to_extra, from_extra=from_extra)
+
+
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
+    "chameleon": "Chameleon's q_norm and k_norm are LayerNorms of each head over its Dh with a "
+                 "weight and a bias per head ((N, Dh) each, HF's ChameleonLayerNorm): a QK norm "
+                 "with a bias, which no option of ours has",
+    "bailing_hybrid": "Ling 3.0's (bailing_hybrid) softmax layers are latent attention (MLA) "
+                      "with one σ gate per head on its output (g_proj, D -> N), a gate latent "
+                      "attention has no option for; its other layers are gated linear "
+                      "attention",
     "hunyuan_vl_text": "HunYuan-VL's XD-RoPE gives the two features of a rotated pair the "
                        "positions of different axes (its sections split the duplicated "
                        "frequency vector over 3 or 4 axes), not one axis per pair (its QK norm "
@@ -735,6 +863,15 @@ def _text_tower(mt, extra, **family) -> Family:
     positions of 3 axes (multimodal RoPE)."""
     return _llama_like(mt, extra, position_axes=3, **family)
 
+
+# Step 3.5/3.7's config fields its attention reads as class attributes (to_dict leaves them
+# out: None), refused where a config.json sets them otherwise.
+_STEP_UNSUPPORTED = {
+    "gating": ((None, True, "per-head"), "HF's Step3p7 attention multiplies each head's output "
+                                         "by one σ; a gate per feature does not fit its shapes"),
+    "use_bidirectional_attention": ((None, False), "HF's Step3p7 then attends both ways, "
+                                                   "and within a window both ways on its "
+                                                   "sliding layers: not converted")}
 
 # ---- issue 42's small options ---------------------------------------------------------------
 
@@ -929,4 +1066,18 @@ FAMILIES: dict[str, Family] = {
     # Muse Glimmer's text tower (the text_config of muse_glimmer)
     "muse_glimmer_text": _llama_like("muse_glimmer_text", _muse_glimmer_text,
                                      **_gate_proj("muse_glimmer_text")),
+    # Issue 42's gates, output norms and temperatures: Laguna's softplus gate and per-layer
+    # heads, Step 3.5/3.7's σ per head, Muse Spark's norm per head, Beam's power temperature
+    # and gate bias per head
+    "laguna": _llama_like("laguna", _laguna, norms=QK_NORMS, **_gate_proj("laguna", name="g_proj")),
+    "step3p5": _llama_like("step3p5", _step3p5, norms=QK_NORMS,
+                           **_gate_proj("step3p5", name="g_proj"), model_class="Step3p7TextModel",
+                           unsupported=_STEP_UNSUPPORTED),
+    "muse_spark_text": _llama_like("muse_spark_text", _muse_spark_text,
+                                   **_gate_proj("muse_spark_text")),
+    "beam": _llama_like("beam", _beam, norms=QK_NORMS, **_head_gate_bias()),
+    # LFM3's checkpoints name its g_proj gate_proj (HF renames it when loading)
+    "lfm3": _llama_like("lfm3", _lfm3, norms=QK_NORMS, **_gate_proj("lfm3", name="g_proj"),
+                        stacks=(Stack("layers", "self_attn",
+                                      renames=(("gate_proj", "g_proj"),)),)),
 }

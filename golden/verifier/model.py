@@ -111,14 +111,16 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 
 def layer_only(config, layer_idx):
     """The config as layer ``layer_idx`` sees it: its entries of layer_types, no_rope_layers,
-    mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse) and layer_rope_theta (Granite SWA),
+    mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse), layer_rope_theta (Granite SWA) and
+    num_attention_heads_per_layer (Laguna),
     whether it is one of Qwen2.5-VL's full layers or Molmo 2's rope_scaling_layers, its
-    per_layer_config (Gemma 4), no num_kv_shared_layers (the one layer keeps its k and v); no
-    DeepStack outputs; a speech encoder's own changes
+    per_layer_config (Gemma 4, Step 3.5), no num_kv_shared_layers (the one layer keeps its k and
+    v); no DeepStack outputs; a speech encoder's own changes
     (golden.verifier.speech)."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
-                "layers_block_type"):  # Nemotron-H's, Zamba's kinds
+                "layers_block_type",  # Nemotron-H's, Zamba's kinds
+                "num_attention_heads_per_layer"):  # Laguna's heads
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
     c.update(_hybrid_one_layer(c))
@@ -136,8 +138,9 @@ def layer_only(config, layer_idx):
     if isinstance(c.get("per_layer_config"), dict):  # Gemma 4's overrides, as layer 0's
         layer = c["per_layer_config"].get(str(layer_idx), c["per_layer_config"].get(layer_idx))
         c["per_layer_config"] = {} if layer is None else {"0": layer}
-        if c.get("layer_types") == ["sliding_attention"]:  # HF makes a last layer full: a
-            c["layer_types"] = ["sliding_attention", "full_attention"]  # second, never run
+        if c.get("model_type") == "gemma4_text" and c.get("layer_types") == [
+                "sliding_attention"]:  # HF's Gemma 4 makes a last layer full: a second,
+            c["layer_types"] = ["sliding_attention", "full_attention"]  # never run
     return c
 
 
