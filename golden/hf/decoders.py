@@ -19,7 +19,7 @@ import numpy as np
 
 from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _decoder_settings,
                               _heads, _layer_type, _linears_to_neutral, _neutral_to_linears,
-                              _read)
+                              _read, llama4_scaling)
 
 
 def _qk_norm_entries(sd, mt, q="q_norm.weight", k="k_norm.weight") -> dict:
@@ -122,14 +122,24 @@ def _gpt_oss(c, layer_idx, ours):
     ours["sinks"] = True
 
 
-def _sinks_in(sd, ours, params):
-    params["sinks"] = _read(sd, "sinks", "gpt_oss")
-    return params
+def _moved(name, key, mt, when=None) -> tuple:
+    """(to_extra, from_extra) moving one array: our parameter ``name`` from and to the state
+    dict's ``key`` (model_type ``mt`` in the messages); ``when(ours)`` says which layers have
+    it (default all)."""
+    def to_extra(sd, ours, params):
+        if when is None or when(ours):
+            params[name] = _read(sd, key, mt)
+        return params
+
+    def from_extra(params, ours, sd):
+        if name in params:
+            sd[key] = np.array(params[name])
+        return sd
+    return to_extra, from_extra
 
 
-def _sinks_out(params, ours, sd):
-    sd["sinks"] = np.array(params["sinks"])
-    return sd
+# GPT-OSS's sinks (and those of the families that copy them), by name
+_sinks_in, _sinks_out = _moved("sinks", "sinks", "gpt_oss")
 
 
 def _gated_full_attention(mt):
@@ -468,13 +478,7 @@ def _ministral3(c, layer_idx, ours):
     rope = ours.get("rope_parameters", {})
     for name in ("type", "max_position_embeddings", "llama_4_scaling_beta"):
         rope.pop(name, None)
-    beta, floor = given.get("llama_4_scaling_beta"), given.get("original_max_position_embeddings")
-    if beta is None or floor is None:
-        raise ValueError(f"model_type {mt!r}: rope_parameters should give llama_4_scaling_beta "
-                         f"and original_max_position_embeddings (HF's attention scales the "
-                         f"queries by 1 + β·ln(1 + ⌊p / F⌋) with them), got {beta!r} and "
-                         f"{floor!r}")
-    ours["query_temperature"] = {"beta": float(beta), "floor_scale": int(floor), "shift": 0}
+    ours["query_temperature"] = llama4_scaling(given, mt)
 
 
 def _phimoe(c, layer_idx, ours):
@@ -905,27 +909,10 @@ def _bitnet(c, layer_idx, ours):
     ours.update(output_norm="rms", output_norm_eps=float(c["rms_norm_eps"]))
 
 
-def _sub_norm_in(sd, ours, params):
-    params["output_norm_weight"] = _read(sd, "attn_sub_norm.weight", "bitnet")
-    return params
-
-
-def _sub_norm_out(params, ours, sd):
-    sd["attn_sub_norm.weight"] = np.array(params["output_norm_weight"])
-    return sd
-
-
-def _layer_sinks_in(sd, ours, params):
-    """The sinks of a layer that has them (MiMo-V2-Flash's sliding layers)."""
-    if ours.get("sinks"):
-        params["sinks"] = _read(sd, "sinks", "mimo_v2_flash")
-    return params
-
-
-def _layer_sinks_out(params, ours, sd):
-    if "sinks" in params:
-        sd["sinks"] = np.array(params["sinks"])
-    return sd
+# BitNet's attn_sub_norm; MiMo-V2-Flash's sinks, on its sliding layers only
+_sub_norm_in, _sub_norm_out = _moved("output_norm_weight", "attn_sub_norm.weight", "bitnet")
+_layer_sinks_in, _layer_sinks_out = _moved("sinks", "sinks", "mimo_v2_flash",
+                                           when=lambda ours: ours.get("sinks"))
 
 
 def _olmoe(c, layer_idx, ours):

@@ -225,6 +225,19 @@ def _rope(c, layer_type, mt) -> dict:
     return {"rope_parameters": rope}
 
 
+def llama4_scaling(rope, mt) -> dict:
+    """Our query_temperature of Ministral 3's and Mistral 4's Llama 4 scaling, 1 + β·ln(1 +
+    ⌊p / F⌋) (no shift), from HF's rope_parameters: β its llama_4_scaling_beta, F its
+    original_max_position_embeddings; refused by name without them."""
+    beta, floor = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if beta is None or floor is None:
+        raise ValueError(f"model_type {mt!r}: rope_parameters should give llama_4_scaling_beta "
+                         f"and original_max_position_embeddings (HF's attention scales the "
+                         f"queries by 1 + β·ln(1 + ⌊p / F⌋) with them), got {beta!r} and "
+                         f"{floor!r}")
+    return {"beta": float(beta), "floor_scale": int(floor), "shift": 0}
+
+
 def _legacy_rope(c) -> dict:
     """rope_parameters from a config.json of before transformers 5, as transformers 5 reads it:
     its ``rope_scaling`` dict, "type" renamed "rope_type" (default "default"), θ from the

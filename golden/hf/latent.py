@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import Family, Stack, _read, _rope
+from golden.hf.family import Family, Stack, _read, _rope, llama4_scaling
 from golden.specification import variants
 from golden.specification.mapping import _numpy
 
@@ -65,12 +65,7 @@ def _mistral4_settings(c, layer_idx, sd):
     Dn + Dr and its rotary fraction Dr / head_dim, which turn Dr features, as ours."""
     mt = "mistral4"
     rope = dict(c.get("rope_parameters") or {})
-    beta, floor = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
-    if beta is None or floor is None:
-        raise ValueError(f"model_type {mt!r}: rope_parameters should give llama_4_scaling_beta "
-                         f"and original_max_position_embeddings (HF's attention scales the "
-                         f"queries by 1 + β·ln(1 + ⌊p / F⌋) with them), got {beta!r} and "
-                         f"{floor!r}")
+    temperature = llama4_scaling(rope, mt)
     dh = c.get("head_dim") or c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     fraction = rope.pop("partial_rotary_factor", None)
     if int(dh * (1.0 if fraction is None else fraction)) != c["qk_rope_head_dim"]:
@@ -80,7 +75,7 @@ def _mistral4_settings(c, layer_idx, sd):
     for name in ("type", "max_position_embeddings", "llama_4_scaling_beta"):
         rope.pop(name, None)
     ours = _latent_settings(mt)({**c, "head_dim": None, "rope_parameters": rope}, layer_idx, sd)
-    ours["query_temperature"] = {"beta": float(beta), "floor_scale": int(floor), "shift": 0}
+    ours["query_temperature"] = temperature
     return ours
 
 
