@@ -38,6 +38,8 @@ The rooms of the importer, each importing only those above it (NumPy only):
                Jamba, Bamba, Granite 4, Nemotron-H, Zamba, Zamba 2, RecurrentGemma
     speech     speech encoders with Transformer-XL's relative positions (Parakeet's
                FastConformer: Parakeet, Canary, Cohere ASR, Nemotron ASR streaming)
+    cross      cross-attention with a QK norm or a soft cap: Mllama's text model, T5Gemma
+               (``Kinds``); T5Gemma 2 and Mllama's vision tower refused
     convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, ``REFUSED``, the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
