@@ -261,6 +261,9 @@ def test_other_kinds_and_models_are_refused_by_name():
     with pytest.raises(ValueError, match=r"model_type 'mllama_vision_model' is not supported: "
                                          r"Mllama's vision tower"):
         golden.convert.from_hf({"model_type": "mllama_vision_model"}, {})
+    with pytest.raises(ValueError, match=r"model_type 'blt_local_decoder' is not supported: "
+                                         r"BLT's cross-attention \(BltCrossAttention\) is not"):
+        golden.convert.from_hf({"model_type": "blt_local_decoder"}, {}, kind="cross")
     c = config.to_dict()
     c["dropout"] = 0.1
     with pytest.raises(ValueError, match=r"dropout = 0.1 is not supported for the "

@@ -21,7 +21,10 @@ attn_logit_softcapping; the encoder's sliding layers bidirectional |i − j| ≤
 create_bidirectional_sliding_window_mask), the decoder's causal W keys; the cross-attention
 full, over the encoder's output (d_context = the encoder's hidden_size), without RoPE.
 T5Gemma 2 (``t5gemma2``) is refused by name: its decoder merges self- and cross-attention
-into one softmax over [decoder keys; encoder keys], which neither module expresses.
+into one softmax over [decoder keys; encoder keys], which neither module expresses. BLT
+(``blt`` and its local encoder and decoder) is refused by name: its cross-attention's
+q_norm and k_norm are RMSNorms of x and of the context over D before the projections (not per
+head), and it adds x to its output.
 
 The checkpoint verifier (``attn-parity hf``) does not check these families' checkpoints yet
 (``unverified``: it runs one attention per call, not a cross-attention's context).
@@ -165,7 +168,12 @@ FAMILIES = {
                 Stack("decoder.layers", "cross_attn", "cross", label="decoder"))),
 }
 
+_BLT = ("BLT's cross-attention (BltCrossAttention) is not MultiHeadCrossAttention's: its q_norm "
+        "and k_norm are RMSNorms over the whole width D of x and of the context before the "
+        "projections (not per head after them), and it adds its input x to its output (a "
+        "residual inside the module); neither is an option of ours")
 REFUSED = {
+    **{mt: _BLT for mt in ("blt", "blt_local_encoder", "blt_local_decoder")},
     "mllama_vision_model": "Mllama's vision tower is not converted (its attention is plain "
                            "multi-head attention, but its gated layers, tiles and aspect-ratio "
                            "masks are not tested here); its text model is mllama_text_model",
