@@ -578,11 +578,15 @@ class MultiHeadCrossAttention(Module):
     layers = {**QKV, "out": "out_proj"}
 
     def __init__(self, d_in, d_context, num_heads, num_kv_heads=None, head_dim=None, d_out=None,
-                 qkv_bias=False, key_bias=None, out_bias=False, scale=None, *, core=None):
+                 qkv_bias=False, key_bias=None, out_bias=False, scale=None, qk_norm=None,
+                 qk_norm_eps=1e-6, softcap=None, *, core=None):
         super().__init__(core)
         dh = d_in // num_heads if head_dim is None else head_dim
         kv = (num_heads if num_kv_heads is None else num_kv_heads) * dh
         self.heads, self.kv_heads, self.scale = num_heads, kv // dh, scale
+        self.softcap, self.eps = softcap, qk_norm_eps
+        self.q_norm, self.k_norm = ((np.ones(dh), np.ones(dh)) if qk_norm == "rms"
+                                    else (None, None))
         self.q_proj = Linear(d_in, num_heads * dh, qkv_bias)
         self.k_proj = Linear(d_context, kv, qkv_bias if key_bias is None else key_bias)
         self.v_proj = Linear(d_context, kv, qkv_bias)
@@ -592,10 +596,21 @@ class MultiHeadCrossAttention(Module):
         q = _split(self.q_proj(x), self.heads)                 # (..., N, Lq, Dh)
         k = _split(self.k_proj(context), self.kv_heads)        # (..., Nkv, Lc, Dh)
         v = _split(self.v_proj(context), self.kv_heads)
-        o, w = self.core.sdpa(q, k, v, _head_mask(mask), scale=self.scale,
+        if self.q_norm is not None:  # Mllama's: RMSNorm per head, q from x, k from the context
+            q, k = self.rms(q, self.q_norm), self.rms(k, self.k_norm)
+        o, w = self.core.sdpa(q, k, v, _head_mask(mask), scale=self.scale, softcap=self.softcap,
                               key_value_seq_lengths=context_lengths, return_weights=True)
         y = self.out_proj(_merge(o))
         return (y, w) if return_weights else y
+
+    def rms(self, t, weight):
+        """t / √(mean(t²) + ε) over the last axis, times weight (Dh,)."""
+        return t / np.sqrt((t * t).mean(-1, keepdims=True) + self.eps) * weight.astype(t.dtype)
+
+    def mapping(self) -> dict:
+        table = super().mapping()
+        table.update({n: (n, "") for n in ("q_norm", "k_norm") if getattr(self, n) is not None})
+        return table
 
 class MultiHeadLatentAttention(Module):
     """DeepSeek's multi-head latent attention, as transformers' DeepseekV3Attention reads:

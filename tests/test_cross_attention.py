@@ -49,8 +49,9 @@ def _inputs(rng):
 # ---- decoding with the cached context equals the full computation ---------------------------
 
 @pytest.mark.parametrize("config", [CONFIG, dict(CONFIG, num_kv_heads=1, scale=1.0,
-                                                 qkv_bias=False, key_bias=None)],
-                         ids=["whisper_gqa", "t5_mqa"])
+                                                 qkv_bias=False, key_bias=None),
+                                    dict(CONFIG, qk_norm="rms", softcap=1.5)],
+                         ids=["whisper_gqa", "t5_mqa", "qk_norm_softcap"])  # the cache: normed k
 def test_decoding_with_a_cached_context_equals_the_full_computation(twin, config):
     rng, seed = fresh_rng()
     x, context, lengths = _inputs(rng)

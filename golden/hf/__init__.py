@@ -41,6 +41,8 @@ The rooms of the importer, each importing only those above it (NumPy only):
                (Granite Speech) and the USM Conformer's (Gemma 3n, Gemma 4); Whisper-like and
                rotary audio towers, Moonshine, Dia, Kyutai STT; its ``COMPOSITES``, the
                speech-language models' towers
+    cross      cross-attention with a QK norm or a soft cap: Mllama's text model, T5Gemma
+               (``Kinds``); T5Gemma 2 and Mllama's vision tower refused
     convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, ``REFUSED``, the lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its

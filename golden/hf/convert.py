@@ -1,5 +1,5 @@
 """The conversion: ``FAMILIES`` (every kind's table: golden.hf.decoders, fused, encoders,
-latent, vision, speech, hybrids), the family lookup (a model_type's entry, an encoder-decoder's
+latent, vision, speech, hybrids, cross), the family lookup (a model_type's entry, an encoder-decoder's
 ``kind``), and the API: ``from_hf``, ``to_hf``, ``expected_state`` (golden.hf's docstring says
 what each takes).
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from golden.specification import variants
-from golden.hf import decoders, encoders, fused, hybrids, latent, speech, vision
+from golden.hf import cross, decoders, encoders, fused, hybrids, latent, speech, vision
 from golden.hf.family import Family, HFConfig, Kinds, _as_dict
 from golden.specification.mapping import _numpy
 
@@ -32,13 +32,14 @@ def _tables(*tables) -> dict:
 FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
                                               encoders.FAMILIES, latent.FAMILIES,
                                               vision.FAMILIES, speech.FAMILIES,
-                                              hybrids.FAMILIES)
+                                              hybrids.FAMILIES, cross.FAMILIES)
 # Composite model_types (not converted themselves: from_hf takes a tower's own config): their
 # towers' sub-configs and key prefixes, {model_type: {sub-config: key prefix}}.
 COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES,
                                           **speech.COMPOSITES}
 # model_types refused by name: {model_type: why}.
-REFUSED: dict[str, str] = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED}
+REFUSED: dict[str, str] = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED,
+                           **cross.REFUSED}
 
 
 # ---- the family lookup --------------------------------------------------------------------------

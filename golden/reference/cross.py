@@ -10,8 +10,10 @@ and Lk the context length.
 from __future__ import annotations
 
 from golden.specification import variants
+from golden.reference.arithmetic import number, real
 from golden.reference.block import block_backward, block_forward
 from golden.reference.modules import one_head
+from golden.reference.stages import qk_norm_stage
 
 
 def _cross(config, inputs, params):
@@ -34,13 +36,20 @@ def _cross_backward(saved, d_y, d_weights):
 
 def _multi_head_cross(config, inputs, params):
     """MultiHeadCrossAttention: queries from x, keys and values from the context (its tokens
-    past context_lengths not attended), N query heads over Nkv key-value heads, no causality."""
+    past context_lengths not attended), N query heads over Nkv key-value heads, no causality;
+    ``qk_norm`` "rms" (Mllama's cross-attention layers): q (from x) and k (from the context)
+    RMS-normalised per head over Dh, times q_norm and k_norm (Dh,), after the head split (a
+    qk_norm_stage: its backward gives their gradients); ``softcap`` c (T5Gemma): the scores
+    c·tanh(s/c) in the core."""
     c = variants.get("multi_head_cross_attention").config(config)  # defaults in
     s = variants.cross_sizes(c)
     context = inputs["context"]
+    stages = () if c["qk_norm"] is None else (qk_norm_stage(
+        c["qk_norm"], real(params["q_norm"]), real(params["k_norm"]), number(c["qk_norm_eps"])),)
     return block_forward(inputs["x"], context, context, params, num_heads=c["num_heads"],
-                         kv_heads=s["num_kv_heads"], mask=inputs.get("mask"),
-                         scale=c["scale"], key_value_seq_lengths=inputs.get("context_lengths"))
+                         kv_heads=s["num_kv_heads"], stages=stages, mask=inputs.get("mask"),
+                         scale=c["scale"], softcap=c["softcap"],
+                         key_value_seq_lengths=inputs.get("context_lengths"))
 
 
 def _multi_head_cross_backward(saved, d_y, d_weights):

@@ -612,6 +612,26 @@ CASES += [
           "d_out": 9, "qkv_bias": True}),
 ]
 
+# MultiHeadCrossAttention's QK norm and soft cap (issue 42): Mllama's cross-attention layers (q
+# from x and k from the context RMS-normalised per head, weights (Dh,)), T5Gemma's (scale
+# query_pre_attn_scalar^−1/2, its scores capped), both at once with padding. Seeds from 840.
+CASES += [
+    Case("mhca_qk_norm_mllama", MHCA, 840,
+         {"x": ("normal", (2, 5, 8)), "context": ("normal", (2, 7, 6)),
+          "mask": ("mask", (2, 5, 7), 0.8, ())},
+         {"d_in": 8, "d_context": 6, "num_heads": 4, "num_kv_heads": 2, "head_dim": 3,
+          "d_out": 9, "qk_norm": "rms", "qk_norm_eps": 1e-5}),
+    Case("mhca_softcap_t5gemma", MHCA, 841,
+         {"x": ("normal", (3, 4, 6)), "context": ("normal", (3, 9, 5)),
+          "context_lengths": _ints([9, 3, 6])},
+         {"d_in": 6, "d_context": 5, "num_heads": 3, "num_kv_heads": 1, "head_dim": 4,
+          "d_out": 7, "scale": 0.6, "softcap": 0.8}),
+    Case("mhca_qk_norm_softcap_unbatched", MHCA, 842,
+         {"x": ("normal", (6, 5)), "context": ("normal", (8, 4))},
+         {"d_in": 5, "d_context": 4, "num_heads": 2, "head_dim": 5, "d_out": 3,
+          "qkv_bias": True, "out_bias": True, "qk_norm": "rms", "softcap": 1.5}),
+]
+
 # Position biases in GroupedQueryAttention (issue 24): ALiBi's slopes of BLOOM (and Falcon's,
 # added before the scale), MPT's with its reordering for a head count that is not a power of
 # two. Seeds from 501.

@@ -268,6 +268,18 @@ def _qk_norm(name, kind) -> None:
                          f"got {kind!r}")
 
 
+# MultiHeadCrossAttention's QK norms: per head over Dh, q from x and k from the context (Mllama's
+# cross-attention layers, BLT's).
+CROSS_QK_NORMS = ("rms",)
+
+
+def _cross_qk_norm(name, kind) -> None:
+    if kind is not None and kind not in CROSS_QK_NORMS:
+        raise ValueError(f"{name} should be None or one of {', '.join(map(repr, CROSS_QK_NORMS))} "
+                         f"(MultiHeadCrossAttention: RMSNorm per head, weights (Dh,), as Mllama's "
+                         f"cross-attention layers), got {kind!r}")
+
+
 def _grouped_query_shapes(c):
     h, hkv, dh = c["num_heads"], c["num_kv_heads"], head_dim(c)
     if h % hkv:
@@ -356,6 +368,8 @@ def _multi_head_cross_shapes(c):
         shapes["b_key"] = (hkv * dh,)
     if c["out_bias"]:
         shapes["b_out"] = (s["d_out"],)
+    if c["qk_norm"] is not None:  # per head: q's from x, k's from the context
+        shapes["q_norm"] = shapes["k_norm"] = QK_NORMS[c["qk_norm"]][0](h, dh)
     return shapes
 
 
@@ -574,12 +588,15 @@ _VARIANTS = [
              Arg("num_kv_heads", positive_or_none, None),
              Arg("head_dim", positive_or_none, None), Arg("d_out", positive_or_none, None),
              Arg("qkv_bias", _flag, False), Arg("key_bias", _flag_or_none, None),
-             Arg("out_bias", _flag, False), Arg("scale", _scale, None)),
+             Arg("out_bias", _flag, False), Arg("scale", _scale, None),
+             Arg("qk_norm", _cross_qk_norm, None), Arg("qk_norm_eps", epsilon, 1e-6),
+             Arg("softcap", check_positive_or_none, None)),
             shapes=_multi_head_cross_shapes, check_inputs=_context_inputs,
             inputs=(Input("x", "d_in"), Input("context", "d_context", "key")),
-            layers={**QKV_LAYERS, "out": "out_proj"},
+            layers={**QKV_LAYERS, "out": "out_proj"}, vectors=("q_norm", "k_norm"),
             sample=dict(d_in=5, d_context=3, num_heads=4, num_kv_heads=2, head_dim=6, d_out=7,
-                        qkv_bias=True, key_bias=False, out_bias=True, scale=0.3)),
+                        qkv_bias=True, key_bias=False, out_bias=True, scale=0.3, qk_norm="rms",
+                        softcap=2.0)),
     Variant("multi_head_latent_attention", "MultiHeadLatentAttention",
             (Arg("d_in", positive), Arg("num_heads", positive), Arg("kv_lora_rank", positive),
              Arg("qk_nope_head_dim", positive), Arg("qk_rope_head_dim", positive),

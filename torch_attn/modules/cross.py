@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from golden.specification import variants
+from golden.specification.decoder import qk_normalize
 from golden.specification.positions import ContextCache, context_fingerprint
 from golden.specification.validate import check_context, check_context_inputs, check_same_context
 from torch_attn.explicit import LOW_PRECISION
@@ -32,6 +33,11 @@ class MultiHeadCrossAttention(nn.Module):
     ``key_bias`` says otherwise (Whisper: qkv_bias=True, key_bias=False; BART: True; T5: none,
     with scale=1.0); ``out_bias`` on out_proj.
 
+    ``qk_norm="rms"`` (Mllama's cross-attention layers, BLT's): after the head split, q (from x)
+    and k (from the context) each RMS-normalised over Dh, q / √(mean(q²) + ε) · q_norm and the
+    keys' with k_norm (weights (Dh,), ε = ``qk_norm_eps``), computed in at least float32; the
+    context cache holds the normed keys. ``softcap`` c (T5Gemma): the scores c·tanh(s/c).
+
     With ``cache`` (from ``context_cache``), the cached keys and values are used and
     ``context`` may be None; if it is given, it must be the context the cache was made from
     (its shape, and its fingerprint: golden.specification.positions.context_fingerprint), else
@@ -41,21 +47,27 @@ class MultiHeadCrossAttention(nn.Module):
     variant = "multi_head_cross_attention"
 
     def __init__(self, d_in, d_context, num_heads, num_kv_heads=None, head_dim=None, d_out=None,
-                 qkv_bias=False, key_bias=None, out_bias=False, scale=None):
+                 qkv_bias=False, key_bias=None, out_bias=False, scale=None, qk_norm=None,
+                 qk_norm_eps=1e-6, softcap=None):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, d_context=d_context, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
                               qkv_bias=qkv_bias, key_bias=key_bias, out_bias=out_bias,
-                              scale=scale)
+                              scale=scale, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                              softcap=softcap)
         sizes = variants.cross_sizes(self.config)
         self.d_in, self.d_context, self.num_heads = d_in, d_context, num_heads
         self.num_kv_heads, self.head_dim = sizes["num_kv_heads"], sizes["head_dim"]
-        self.scale = scale
+        self.scale, self.softcap = scale, softcap
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         width, kv_width = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, width, bias=qkv_bias)
         self.W_key = nn.Linear(d_context, kv_width, bias=sizes["key_bias"])
         self.W_value = nn.Linear(d_context, kv_width, bias=qkv_bias)
         self.out_proj = nn.Linear(width, sizes["d_out"], bias=out_bias)
+        starts = variants.vector_starts(self.variant, self.config)  # each at its no-op value
+        for n in variants.VARIANTS[self.variant].vectors:  # None where the config has none
+            setattr(self, n, nn.Parameter(torch.full(*starts[n])) if n in starts else None)
 
     def context_cache(self, context, context_lengths=None) -> ContextCache:
         """The context's keys and values (B, Nkv, Lc, Dh), its lengths (B,) int32 (Lc without
@@ -75,10 +87,10 @@ class MultiHeadCrossAttention(nn.Module):
             if context is not None:
                 check_same_context(torch.equal(_fingerprint(context), cache.fingerprint))
             k, v, lengths = cache.key, cache.value, cache.lengths
-        q = self._split(self.W_query(x))                       # (B, N, Lq, Dh)
+        q = self._norm(self._split(self.W_query(x)), self.q_norm)  # (B, N, Lq, Dh)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, Lq, Lc)
         o = scaled_dot_product_attention(q, k, v, head_mask, scale=self.scale,
-                                         key_value_seq_lengths=lengths,
+                                         softcap=self.softcap, key_value_seq_lengths=lengths,
                                          return_weights=return_weights)
         o, w = o if return_weights else (o, None)
         y = self.out_proj(o.transpose(-2, -3).flatten(-2))     # (B, Lq, N·Dh) -> (B, Lq, d_out)
@@ -89,7 +101,18 @@ class MultiHeadCrossAttention(nn.Module):
         lengths = (torch.full(context.shape[:-2], context.shape[-2], dtype=torch.int32,
                               device=context.device)
                    if context_lengths is None else context_lengths.to(torch.int32))
-        return self._split(self.W_key(context)), self._split(self.W_value(context)), lengths
+        return (self._norm(self._split(self.W_key(context)), self.k_norm),
+                self._split(self.W_value(context)), lengths)
+
+    def _norm(self, t, weight):
+        """t (B, heads, L, Dh) through the QK norm (as it is without one), computed in at least
+        float32 and rounded once to t's dtype."""
+        if self.qk_norm is None:
+            return t
+        compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+        return qk_normalize(t.to(compute), self.qk_norm, weight.to(compute), self.qk_norm_eps,
+                            mean=lambda a: a.mean(-1, keepdim=True),
+                            rsqrt=torch.rsqrt).to(t.dtype)
 
     def _split(self, y):
         """(B, L, heads·Dh) -> (B, heads, L, Dh)."""

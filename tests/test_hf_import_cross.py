@@ -1,0 +1,271 @@
+"""golden.convert.from_hf on the models whose cross-attention takes MultiHeadCrossAttention's QK
+norm or soft cap (golden/hf/cross.py): Mllama's text model (its self-attention layers and its
+cross-attention layers, q and k RMS-normed per head) and T5Gemma (its encoder's and decoder's
+Gemma 2 self-attention, its cross-attention with Gemma 2's scale and soft cap). Tiny random
+float64 models (sdpa attention for Mllama, eager for T5Gemma); each attention's input (and
+context, and Mllama's cross mask) and output captured from the model's own forward. Our twins
+built from the converted state dict give the captured output; the input's, the context's and
+the QK norm weights' gradients through our torch twin equal those through HF's module called
+again; each family's distinctive setting undone moves the output far more than the agreement;
+round trips give the same arrays back; a layer of the other kind, T5Gemma 2 and Mllama's
+vision tower are refused by name.
+
+Bounds: FLOAT32_LEVEL (1e-6 relative) everywhere: HF has a float32 step in each (Mllama's
+RMSNorm, both families' RoPE angles with rope_precision="hf", T5Gemma's eager softmax, the only
+attention HF runs it with: its sdpa refuses the soft cap).
+
+Shape legend: B batch, L decoder tokens, Lc the context's tokens, D width, N heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import golden.convert
+from tests.helpers import TWINS, fresh_rng
+
+transformers = pytest.importorskip("transformers")
+
+from tests.hf_harness import FLOAT32_LEVEL, draw_parameters, rel, state_dict  # noqa: E402
+
+B, L, LC = 2, 7, 5
+CONTEXT = ("encoder_hidden_states", "cross_attention_states")
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """A tiny model of one family: ``make(rng) -> (config, model, inputs)``, the layers to
+    check ((kind, layer_idx)), ``attention_of(model, layer)`` and each kind's bound."""
+
+    make: Callable
+    layers: tuple
+    attention_of: Callable
+    bounds: dict
+
+
+def _mllama(rng):
+    config = transformers.MllamaTextConfig(
+        hidden_size=24, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=16, vocab_size=64, cross_attention_layers=[1], rms_norm_eps=1e-5,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    model = transformers.MllamaTextModel(config).double().eval()
+    draw_parameters(model, rng)
+    mask = rng.random((B, 1, L, LC)) < 0.7
+    mask[..., 0] = True  # every query sees a context token
+    inputs = {"input_ids": rng.integers(0, 64, (B, L)),
+              "cross_attention_states": rng.standard_normal((B, LC, 24)),
+              "cross_attention_mask": mask}
+    return config, model, inputs
+
+
+def _t5gemma(rng):
+    module = dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+                  num_hidden_layers=2, intermediate_size=16, vocab_size=64,
+                  query_pre_attn_scalar=7, attn_logit_softcapping=2.0, sliding_window=3,
+                  max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = transformers.T5GemmaConfig(encoder=dict(module), decoder=dict(
+        module, hidden_size=20, num_key_value_heads=4), vocab_size=64)
+    config._attn_implementation = "eager"  # HF's only one with the soft cap
+    model = transformers.T5GemmaModel(config).double().eval()
+    draw_parameters(model, rng)
+    inputs = {"input_ids": rng.integers(3, 64, (B, LC + 4)),
+              "decoder_input_ids": rng.integers(3, 64, (B, L))}
+    return config, model, inputs
+
+
+def _mllama_attention(model, layer):
+    kind, i = layer
+    return getattr(model.layers[i], "cross_attn" if kind == "cross" else "self_attn")
+
+
+def _t5gemma_attention(model, layer):
+    kind, i = layer
+    stack = model.encoder if kind == "encoder" else model.decoder
+    return getattr(stack.layers[i], "cross_attn" if kind == "cross" else "self_attn")
+
+
+FAMILIES = {
+    "mllama_text_model": Tiny(_mllama, (("decoder", 0), ("cross", 1)), _mllama_attention,
+                              {"decoder": FLOAT32_LEVEL, "cross": FLOAT32_LEVEL}),
+    "t5gemma": Tiny(_t5gemma, (("encoder", 0), ("encoder", 1), ("decoder", 0), ("decoder", 1),
+                               ("cross", 0), ("cross", 1)), _t5gemma_attention,
+                    {"encoder": FLOAT32_LEVEL, "decoder": FLOAT32_LEVEL, "cross": FLOAT32_LEVEL}),
+}
+
+# Each family's distinctive settings, each undone on one layer: (layer, our settings changed).
+DISTINCT = {
+    "mllama_text_model": [(("cross", 1), {"qk_norm": None})],
+    "t5gemma": [(("cross", 0), {"softcap": None}), (("cross", 1), {"scale": None}),
+                (("encoder", 1), {"causal": True}), (("encoder", 0), {"sliding_window": None}),
+                (("decoder", 1), {"softcap": None})],
+}
+
+
+def _capture(tiny, model, inputs):
+    """{layer: (x, output, context or None, mask or None, (args, kwargs))} from one forward."""
+    seen, calls = {}, {}
+
+    def read(layer):
+        def hook(module, args, kwargs):
+            calls[layer] = (args, dict(kwargs))
+        return hook
+
+    def write(layer):
+        def hook(module, args, output):
+            a, kw = calls[layer]
+            x = kw["hidden_states"] if "hidden_states" in kw else a[0]
+            context = next((kw[n] for n in CONTEXT if kw.get(n) is not None), None)
+            mask = kw.get("attention_mask") if context is not None else None
+            seen[layer] = (x.detach().numpy().copy(), output[0].detach().numpy().copy(),
+                           None if context is None else context.detach().numpy().copy(),
+                           None if mask is None else mask.detach().numpy()[:, 0].copy(),
+                           calls[layer])
+        return hook
+
+    handles = []
+    for layer in tiny.layers:
+        attention = tiny.attention_of(model, layer)
+        handles += [attention.register_forward_pre_hook(read(layer), with_kwargs=True),
+                    attention.register_forward_hook(write(layer))]
+    try:
+        with torch.no_grad():
+            model(**{n: torch.from_numpy(a) for n, a in inputs.items()}, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _model(name):
+    rng, seed = fresh_rng()
+    config, model, inputs = FAMILIES[name].make(rng)
+    return config, model, _capture(FAMILIES[name], model, inputs), seed
+
+
+def _convert(config, model, tiny, layer, **changes):
+    kind, i = layer
+    variant, ours, params = golden.convert.from_hf(
+        config.to_dict(), state_dict(tiny.attention_of(model, layer)), layer_idx=i, kind=kind,
+        rope_precision="hf")
+    return variant, {**ours, **changes}, params
+
+
+def _ours(twin, variant, ours, params, x, context, mask):
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        if context is None:
+            return twin.numpy(module(twin.array(x)))
+        return twin.numpy(module(twin.array(x), twin.array(context),
+                                 None if mask is None else twin.array(mask)))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_layers_equal_the_models_own_attention(name, twin):
+    tiny = FAMILIES[name]
+    config, model, seen, seed = _model(name)
+    for layer in tiny.layers:
+        x, expected, context, mask, _ = seen[layer]
+        variant, ours, params = _convert(config, model, tiny, layer)
+        assert variant == ("multi_head_cross_attention" if layer[0] == "cross"
+                           else "grouped_query_attention")
+        assert (context is not None) == (layer[0] == "cross")  # the context was captured
+        error = rel(_ours(twin, variant, ours, params, x, context, mask), expected)
+        assert error <= tiny.bounds[layer[0]], (name, layer, error, seed)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(name):
+    tiny = FAMILIES[name]
+    config, model, seen, seed = _model(name)
+    for layer, change in DISTINCT[name]:
+        x, expected, context, mask, _ = seen[layer]
+        variant, ours, params = _convert(config, model, tiny, layer, **change)
+        if change.get("qk_norm", "rms") is None:
+            params = {n: a for n, a in params.items() if n not in ("q_norm", "k_norm")}
+        out = _ours(TWINS["torch"], variant, ours, params, x, context, mask)
+        assert rel(out, expected) > 1e3 * FLOAT32_LEVEL, (layer, change, seed)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gradients_through_the_torch_twin_equal_hfs(name):
+    """dL/dx, dL/dcontext and (Mllama) dL/dq_norm, dL/dk_norm of L = Σ out ⊙ dO: HF's module
+    called again with the captured arguments against our torch twin."""
+    tiny = FAMILIES[name]
+    config, model, seen, seed = _model(name)
+    rng = np.random.default_rng(seed)
+    for layer in tiny.layers:
+        x, expected, context, mask, (args, kwargs) = seen[layer]
+        d_out = torch.from_numpy(rng.standard_normal(expected.shape))
+        attention = tiny.attention_of(model, layer)
+        attention.zero_grad()
+        hx = torch.from_numpy(x).requires_grad_()
+        kw = {**kwargs, "hidden_states": hx} if "hidden_states" in kwargs else dict(kwargs)
+        args = args if "hidden_states" in kwargs else (hx, *args[1:])
+        hc = None
+        if context is not None:
+            hc = torch.from_numpy(context).requires_grad_()
+            kw.update({n: hc for n in CONTEXT if kw.get(n) is not None})
+        (attention(*args, **kw)[0] * d_out).sum().backward()
+        variant, ours, params = _convert(config, model, tiny, layer)
+        module = TWINS["torch"].build(variant, ours, params).eval()
+        ox = torch.from_numpy(x).requires_grad_()
+        inputs = [ox]
+        if context is not None:
+            oc = torch.from_numpy(context).requires_grad_()
+            inputs += [oc, None if mask is None else torch.from_numpy(mask)]
+        (module(*inputs) * d_out).sum().backward()
+        # HF's float32 steps enter twice (its forward and backward): measured ≤ 2e-7
+        bound = 10 * tiny.bounds[layer[0]]
+        pairs = [(ox.grad, hx.grad)] + ([(oc.grad, hc.grad)] if context is not None else [])
+        if ours.get("qk_norm") == "rms":
+            pairs += [(module.q_norm.grad, attention.q_norm.weight.grad),
+                      (module.k_norm.grad, attention.k_norm.weight.grad)]
+        for ours_g, hf_g in pairs:
+            assert rel(ours_g.numpy(), hf_g.numpy()) <= bound, (name, layer, seed)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_round_trip_gives_back_the_same_arrays(name):
+    tiny = FAMILIES[name]
+    config, model, _, _ = _model(name)
+    for layer in tiny.layers:
+        sd = state_dict(tiny.attention_of(model, layer))
+        variant, ours, params = golden.convert.from_hf(config.to_dict(), sd, layer_idx=layer[1],
+                                                       kind=layer[0])
+        back = golden.convert.to_hf(variant, ours, params)
+        assert set(back) == set(sd)
+        for n, a in sd.items():
+            np.testing.assert_array_equal(back[n], a)
+
+
+def test_other_kinds_and_models_are_refused_by_name():
+    rng, _ = fresh_rng()
+    config, model, _ = _mllama(rng)
+    sd = state_dict(model.layers[1].cross_attn)
+    with pytest.raises(ValueError, match=r"model_type 'mllama_text_model': layer 1 is a "
+                                         r"cross-attention layer \(cross_attention_layers = "
+                                         r"\[1\]\): kind should be 'cross', got 'decoder'"):
+        golden.convert.from_hf(config.to_dict(), sd, layer_idx=1, kind="decoder")
+    with pytest.raises(ValueError, match=r"layer 0 is a self-attention layer"):
+        golden.convert.from_hf(config.to_dict(), sd, layer_idx=0, kind="cross")
+    with pytest.raises(ValueError, match=r"model_type 't5gemma2' is not supported: T5Gemma 2's "
+                                         r"decoder merges self- and cross-attention"):
+        golden.convert.from_hf({"model_type": "t5gemma2"}, {}, kind="cross")
+    with pytest.raises(ValueError, match=r"model_type 'mllama_vision_model' is not supported: "
+                                         r"Mllama's vision tower"):
+        golden.convert.from_hf({"model_type": "mllama_vision_model"}, {})
+    with pytest.raises(ValueError, match=r"model_type 'blt_local_decoder' is not supported: "
+                                         r"BLT's cross-attention \(BltCrossAttention\) is not"):
+        golden.convert.from_hf({"model_type": "blt_local_decoder"}, {}, kind="cross")
+    c = config.to_dict()
+    c["dropout"] = 0.1
+    with pytest.raises(ValueError, match=r"dropout = 0.1 is not supported for the "
+                                         r"cross-attention"):
+        golden.convert.from_hf(c, sd, layer_idx=1, kind="cross")
