@@ -206,11 +206,11 @@ def test_fixtures_list_exactly_the_gradients_zero_by_structure(fixture_name):
     # keys, which rescales it by each key's own RMS; the float64 reference leaves rounding
     # noise far below every other gradient's scale.
     f = golden.load(fixture_name)
-    rope = f.config.get("rope_theta") is not None or "rope_theta" in (
+    real = f.config.get("rope_theta") is not None or "rope_theta" in (
         f.config.get("rope_parameters") or {}) or f.config.get("qk_norm") is not None
-    assert f.zero == ([] if rope else sorted(set(f.grads) & {"b_key"}))
+    assert f.zero == ([] if real else sorted(set(f.grads) & {"b_key"}))
     scale = max(np.abs(g).max() for n, g in f.grads.items() if n not in f.zero)
     for name in f.zero:
         assert np.abs(f.grads[name]).max() <= 1e-14 * scale, name
-    if rope and "b_key" in f.grads:  # not zero: a real gradient, checked relatively
+    if real and "b_key" in f.grads:  # not zero: a real gradient, checked relatively
         assert np.abs(f.grads["b_key"]).max() > 1e-3 * scale
