@@ -82,7 +82,13 @@ class GroupedQueryAttention(nn.Module):
     ``key_scale`` κ, Gemma 4's ln(1 + e)/ln 2, default 1; with ``causal=False`` a
     ``sliding_window`` pair (left, right) is its context: keys p − left … p + right). Either
     relative term (these two, Transformer-XL's, Shaw's) is part of the raw scores, inside the
-    ``softcap`` (``_inside_cap``).
+    ``softcap`` (``_inside_cap``). The output stage and the options of issue 42
+    (golden.specification.outputs, .temperature; docs/modules.md's table): ``output_gate`` also
+    "sigmoid_per_head", "softplus", "softplus_per_head", with ``gate_bias``; ``output_norm``
+    "rms" (over N·Dh, output_norm_weight) or "rms_per_head" before the gate;
+    ``query_temperature`` of kind "power", "log" or "learned" (temperature_scale,
+    temperature_bias); ``qk_norm="rms_after_rope"``; ``v_head_dim`` Dv and ``value_scale``;
+    ``clip_qkv_after_norm`` (OLMoE).
 
     With ``cache`` (from ``init_cache``), token i of row b is at position
     cache.lengths[b] + i: its key and value are written there, it attends the cached keys and
