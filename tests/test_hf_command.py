@@ -66,6 +66,9 @@ ENCODER_NAMES = (list(ENCODER_MODELS) + list(COMPOSITE) if WHOLE
                  else ["bert", "vit", "whisper", "t5"])
 
 
+CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+
+
 def _checkpoint(name, directory, seed=0):
     """A tiny causal-LM checkpoint of the family, float32, saved by save_pretrained (the
     fused-layout families without BASE's head_dim and num_key_value_heads, as their tests)."""
@@ -75,6 +78,8 @@ def _checkpoint(name, directory, seed=0):
     config = getattr(transformers, family.config)(**{**base, **family.kw})
     if family.model is not None:  # a class AutoModel does not take the config of
         return _save(getattr(transformers, family.model)(config), directory, seed)
+    if name in CAUSAL_LM:  # a causal LM that AutoModelForCausalLM does not map
+        return _save(getattr(transformers, CAUSAL_LM[name])(config), directory, seed)
     make = (transformers.AutoModel if name in TEXT_TOWERS  # a text tower has no causal-LM head
             # issue 42's bidirectional encoders: a masked-LM checkpoint, as published
             else transformers.AutoModelForMaskedLM if name in ENCODERS_42 and (

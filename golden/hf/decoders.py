@@ -983,8 +983,12 @@ FAMILIES: dict[str, Family] = {
        for mt in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
     "bitnet": _llama_like("bitnet", _bitnet, to_extra=_sub_norm_in, from_extra=_sub_norm_out),
     "olmoe": _llama_like("olmoe", _olmoe, norms=("q_norm.weight", "k_norm.weight")),
+    # MiMo-V2-Flash's checkpoints name its sinks attention_sink_bias (HF renames them when
+    # loading)
     "mimo_v2_flash": _llama_like("mimo_v2_flash", _mimo_v2_flash, to_extra=_layer_sinks_in,
-                                 from_extra=_layer_sinks_out),
+                                 from_extra=_layer_sinks_out, stacks=(Stack(
+                                     "layers", "self_attn",
+                                     renames=(("attention_sink_bias", "sinks"),)),)),
     # Issue 42's decoders whose attention is a supported one's, after mapping config fields.
     # Llama's attention; HF's model makes a window where the config says (all layers, or the
     # sliding ones of layer_types), a causal mask in the others (window dropped).

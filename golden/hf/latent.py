@@ -163,7 +163,7 @@ FAMILIES: dict[str, Family] = {
     # DeepseekV3Attention itself (A.X-K1's always with a q LoRA): rope_interleave read
     **{mt: _mla(_latent_settings(mt)) for mt in ("glm4_moe_lite", "youtu", "axk1")},
     # Mistral Small 4: with Llama 4's query temperature
-    "mistral4": _mla(_mistral4_settings),
+    "mistral4": _mla(_mistral4_settings, model_class="Mistral4Model"),
     "longcat_flash": _mla(_longcat_settings, _longcat_to_neutral, _longcat_from_neutral,
                           stacks=(Stack("layers", "self_attn.0"),
                                   Stack("layers", "self_attn.1")),

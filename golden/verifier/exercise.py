@@ -204,8 +204,8 @@ def _switch(c, layer_idx):
                                                                           Mapping):
         rope = rope[types[layer_idx]]
     kind = rope.get("rope_type", rope.get("type"))
-    if kind not in SWITCHES:
-        return None
+    if kind not in SWITCHES or (kind == "dynamic" and rope.get("alpha")):
+        return None  # HunYuan's "dynamic" with a fixed alpha: one θ at every length (ntk_alpha)
     at = (rope.get("original_max_position_embeddings")
           or c.get("original_max_position_embeddings") or c.get("max_position_embeddings"))
     return (kind, int(at)) if at else None
