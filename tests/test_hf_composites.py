@@ -308,3 +308,44 @@ def test_a_towers_prefix_is_whole_segments_anywhere_before_its_stack(within, sta
     assert (int(m.group(2)) if m else None) == layer
     if m:
         assert m.group(1) == key[:-1]
+
+
+# Gemma 3n's tiny towers: the text tower of tests/test_hf_import.py's gemma3n_text row, the audio
+# tower of tests/test_hf_speech_command.py's gemma3n_audio (both read), the vision tower a timm
+# MobileNet (noted, never built: the checkpoint holds one array of it)
+GEMMA3N_AUDIO = dict(hidden_size=12, conf_num_attention_heads=3, conf_num_hidden_layers=2,
+                     conf_attention_chunk_size=4, conf_attention_context_left=4,
+                     conf_attention_context_right=2, input_feat_size=8,
+                     sscp_conv_channel_size=[4, 2], conf_conv_kernel_size=3)
+
+
+@matrix
+def test_gemma3n_checkpoint_is_checked_text_and_audio_towers(tmp_path):
+    """Gemma 3n's checkpoint (Gemma3nForConditionalGeneration's layout: model.language_model.,
+    model.audio_tower., model.vision_tower.timm_model.): the text tower's two layers and the
+    audio encoder's two, every row passing with HF's own module among them; the vision tower
+    named as not checked."""
+    from safetensors.numpy import load_file, save_file
+    config = transformers.Gemma3nConfig(text_config=_text("gemma3n_text"),
+                                        audio_config=GEMMA3N_AUDIO)
+    transformers.Gemma3nForCausalLM(config.text_config).save_pretrained(tmp_path / "text")
+    transformers.Gemma3nAudioEncoder(config.audio_config).save_pretrained(tmp_path / "audio")
+    arrays = {f"model.language_model.{k.removeprefix('model.')}": a
+              for k, a in load_file(tmp_path / "text" / "model.safetensors").items()}
+    arrays.update({f"model.audio_tower.{k}": a
+                   for k, a in load_file(tmp_path / "audio" / "model.safetensors").items()})
+    arrays["model.vision_tower.timm_model.blocks.0.0.conv.weight"] = np.zeros((2, 2), np.float32)
+    save_file(arrays, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    report = _run(tmp_path)
+    names = {r["fixture"] for r in report["rows"]}
+    assert names == {"layer 0 (sliding_attention)", "layer 1 (full_attention)",
+                     "encoder layer 0 (attention)", "encoder layer 1 (attention)"}, names
+    bad = [(r["fixture"], r["implementation"], r["dtype"], r["reason"])
+           for r in report["rows"] if r["status"] not in ("pass", "not supported")]
+    assert not bad, bad
+    for name in names:
+        assert any(r["fixture"] == name and r["implementation"] == "hf"
+                   and r["status"] == "pass" for r in report["rows"]), name
+    notes = [n for n in report["checkpoint"]["notes"] if ": not checked: " in n]
+    assert [n.split(" (")[0] for n in notes] == ["vision_config"], notes

@@ -488,6 +488,16 @@ FAMILIES = {
                          "full_attention": {"rope_type": "proportional", "rope_theta": 1000.0,
                                             "partial_rotary_factor": 0.25}}),
         layers=(0, 1), float32="Gemma4RMSNorm"),
+    # Gemma 3n's text attention: Gemma 4's without per-layer widths or K = V (its AltUp and
+    # Laurel around the attention are not read); a sliding and a full layer, their own θ
+    "gemma3n_text": Family("Gemma3nTextConfig", dict(
+        num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention",
+                                                            "full_attention"],
+        num_kv_shared_layers=0, hidden_size_per_layer_input=4, vocab_size_per_layer_input=64,
+        laurel_rank=4, altup_num_inputs=2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+        layers=(0, 1), float32="Gemma3nRMSNorm"),
     "cohere": Family("CohereConfig", dict(num_hidden_layers=1, use_qk_norm=True),
                      float32="CohereLayerNorm and apply_rotary_pos_emb"),
     "gpt_oss": Family("GptOssConfig", dict(
@@ -547,6 +557,8 @@ DISTINCT = {
     "gemma3_text": [(0, {"qk_norm": None}), (1, {"rope_parameters": {"rope_theta": 1000.0}})],
     "gemma4_text": [(0, {"v_norm": False}), (1, {"scale": None}),
                     (1, {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}})],
+    "gemma3n_text": [(0, {"v_norm": False}), (1, {"scale": None}),
+                     (1, {"rope_parameters": {"rope_theta": 100.0}})],
     "cohere": [(0, {"rope_interleaved": False}), (0, {"qk_norm": None})],
     "gpt_oss": [(0, {"sinks": False}), (1, {"rope_parameters": {"rope_theta": 500.0}})],
     "llama4_text": [(0, {"attention_chunk_size": None}), (0, {"qk_norm": None}),
@@ -1181,11 +1193,18 @@ GEMMA4_SHARED = Family("Gemma4TextConfig", dict(
     FAMILIES["gemma4_text"].kw, num_hidden_layers=4, num_kv_shared_layers=2,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     layers=(0, 1, 2, 3), float32="Gemma4RMSNorm")
+# Gemma 3n's the same way (its kv_sharing_modes the same rule)
+GEMMA3N_SHARED = Family("Gemma3nTextConfig", dict(
+    FAMILIES["gemma3n_text"].kw, num_hidden_layers=4, num_kv_shared_layers=2,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    layers=(0, 1, 2, 3), float32="Gemma3nRMSNorm")
+SHARED = {"gemma4_text": GEMMA4_SHARED, "gemma3n_text": GEMMA3N_SHARED}
 
 
-def test_kv_source_is_hugging_faces_kv_sharing_modes():
+@pytest.mark.parametrize("mt", SHARED)
+def test_kv_source_is_hugging_faces_kv_sharing_modes(mt):
     rng, _ = fresh_rng()
-    config, _ = build_model(GEMMA4_SHARED, rng)
+    config, _ = build_model(SHARED[mt], rng)
     modes, types = config.kv_sharing_modes, config.layer_types
     sources = [golden.hf.kv_source(config.to_dict(), i) for i in range(4)]
     assert sources == [None, None, 0, 1]
@@ -1193,30 +1212,32 @@ def test_kv_source_is_hugging_faces_kv_sharing_modes():
         assert (j is not None) == (modes[i] == "reuse")
         if j is not None:
             assert modes[j] == "store" and types[j] == types[i]
-    plain, _ = build_model(FAMILIES["gemma4_text"], rng)  # no sharing: every layer its own
+    plain, _ = build_model(FAMILIES[mt], rng)  # no sharing: every layer its own
     assert [golden.hf.kv_source(plain, i) for i in range(2)] == [None, None]
     with pytest.raises(ValueError, match=r"layer_idx should be in \[0, 4\)"):
         golden.hf.kv_source(config.to_dict(), 4)
 
 
-def test_reusing_layers_equal_the_models_own_attention(twin):
+@pytest.mark.parametrize("mt", SHARED)
+def test_reusing_layers_equal_the_models_own_attention(twin, mt):
     # Each reusing layer R, converted (kv_shared=True: q_proj, q_norm, o_proj only), called on
     # its own captured input with the cache its storing layer S made from S's captured input,
     # equals HF's reusing layer's output in the model's own forward, at HF's float32 floor (its
-    # RoPE angles and Gemma4RMSNorm), as gemma4_text's other rows.
+    # RoPE angles and Gemma4RMSNorm / Gemma3nRMSNorm), as the family's other rows.
     rng, seed = fresh_rng()
-    config, model = build_model(GEMMA4_SHARED, rng)
-    seen = captured(GEMMA4_SHARED, model, (0, 1, 2, 3),
+    family = SHARED[mt]
+    config, model = build_model(family, rng)
+    seen = captured(family, model, (0, 1, 2, 3),
                     rng.integers(0, BASE["vocab_size"], (B, L)))
     for i in (2, 3):
         j = golden.hf.kv_source(config, i)
         store_result, reuse_result = (
             golden.convert.from_hf(config.to_dict(), state_dict(attention_of(
-                GEMMA4_SHARED, model, k)), layer_idx=k) for k in (j, i))
+                family, model, k)), layer_idx=k) for k in (j, i))
         assert reuse_result[1]["kv_shared"] and "v_norm" not in reuse_result[1]
         assert sorted(reuse_result[2]) == ["W_out", "W_query", "q_norm"]
         assert golden.convert.to_hf(*reuse_result).keys() == state_dict(
-            attention_of(GEMMA4_SHARED, model, i)).keys()
+            attention_of(family, model, i)).keys()
         with twin.float64():
             store, reuse = (twin.build(*r) for r in (store_result, reuse_result))
             _, cache = store(twin.array(seen[j][0]), cache=store.init_cache(B, L))

@@ -350,12 +350,12 @@ def _ernie4_5_vl_text(c, layer_idx, ours):
                          f"alternates height and width pairs: their sections should be equal)")
 
 
-def _gemma4_layer(c, layer_idx):
+def _gemma4_layer(c, layer_idx, mt="gemma4_text"):
     """Gemma 4's layer ``layer_idx``: its per_layer_config's overrides (the full layers' wider
     heads and fewer KV heads), whether its values are its keys' (attention_k_eq_v, full layers
     only), and whether it reuses a storing layer's keys and values (num_kv_shared_layers:
-    golden.hf.kv_source names that layer)."""
-    mt = "gemma4_text"
+    golden.hf.kv_source names that layer). Gemma 3n's config has neither per_layer_config nor
+    attention_k_eq_v: its layers are the same with every head alike."""
     if c.get("use_bidirectional_attention") == "all":
         raise ValueError(f"model_type {mt!r}: use_bidirectional_attention = 'all' is not "
                          f"supported (HF's bidirectional Gemma 4 halves its sliding window, "
@@ -369,8 +369,7 @@ def _gemma4_layer(c, layer_idx):
 
 def kv_source(config, layer_idx):
     """The index of the layer whose keys and values layer ``layer_idx`` attends with, for
-    Gemma 4's cross-layer KV sharing (Gemma 3n's is the same; its text attention is not
-    converted here): the last ``num_kv_shared_layers`` layers
+    Gemma 4's and Gemma 3n's cross-layer KV sharing: the last ``num_kv_shared_layers`` layers
     (no k_proj, v_proj, k_norm, v_norm; our ``kv_shared=True``) reuse those of the last layer
     before them of their own ``layer_types`` entry (HF's kv_sharing_modes "store"); None for a
     layer that computes its own (every layer without num_kv_shared_layers). ``config`` a
@@ -392,13 +391,13 @@ def kv_source(config, layer_idx):
     return stores[-1]
 
 
-def _gemma4_text() -> Family:
+def _gemma4_text(mt="gemma4_text") -> Family:
     """Gemma 4's text attention: LLAMA_NAMES' projections (no v_proj on a k_eq_v layer), RMSNorm
     of q and k with weight and of v without, scale 1, RoPE per layer type (proportional on the
     full layers), sliding windows on the sliding layers; a layer of the last
     num_kv_shared_layers has q_proj, q_norm and o_proj only (``kv_shared=True``: called with
-    the cache of the layer kv_source names)."""
-    mt = "gemma4_text"
+    the cache of the layer kv_source names). Gemma 3n's text attention (``mt``
+    "gemma3n_text", Gemma3nTextAttention) is the same without per-layer head widths or K = V."""
 
     def names(ours):
         if ours.get("kv_shared"):
@@ -407,7 +406,7 @@ def _gemma4_text() -> Family:
                 else LLAMA_NAMES)
 
     def settings(c, layer_idx, sd):
-        overrides, k_eq_v, reuses = _gemma4_layer(c, layer_idx)
+        overrides, k_eq_v, reuses = _gemma4_layer(c, layer_idx, mt)
         ours = _decoder_settings(c, layer_idx, mt=mt)
         ours.update({n: int(overrides[k]) for n, k in (("head_dim", "head_dim"),
                                                        ("num_kv_heads", "num_key_value_heads"))
@@ -948,6 +947,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": _llama_like("gemma3_text", _gemma3, norms=("q_norm.weight",
                                                                 "k_norm.weight")),
     "gemma4_text": _gemma4_text(),
+    "gemma3n_text": _gemma4_text("gemma3n_text"),
     "cohere": _llama_like("cohere", _cohere, norms=("q_norm.weight", "k_norm.weight")),
     "gpt_oss": _llama_like("gpt_oss", _gpt_oss, to_extra=_sinks_in, from_extra=_sinks_out),
     "llama4_text": _llama_like("llama4_text", _llama4),

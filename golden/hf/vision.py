@@ -277,6 +277,9 @@ COMPOSITES: dict[str, dict[str, str]] = {
     # Gemma 4: its audio tower (audio_config, gemma4_audio) too, where the model has one
     "gemma4": {"text_config": "language_model.", "vision_config": "vision_tower.",
                "audio_config": "audio_tower."},
+    # Gemma 3n: its text and audio towers (its vision tower, a timm MobileNet, is not attention
+    # we convert: noted)
+    "gemma3n": {"text_config": "language_model.", "audio_config": "audio_tower."},
     # LLaVA and its kin (issue 42; their vision_config any AutoConfig): the text tower under
     # "language_model." (save_pretrained's "language_model.model.layers.N", transformers 5's
     # "model.language_model.layers.N"), the vision tower under "vision_tower." (CLIP's and

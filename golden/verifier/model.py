@@ -111,8 +111,9 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 
 def layer_only(config, layer_idx):
     """The config as layer ``layer_idx`` sees it: its entries of layer_types, no_rope_layers,
-    mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse), layer_rope_theta (Granite SWA) and
-    num_attention_heads_per_layer (Laguna),
+    mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse), layer_rope_theta (Granite SWA),
+    num_attention_heads_per_layer (Laguna) and Gemma 3n's per-layer intermediate_size and
+    activation_sparsity_pattern,
     whether it is one of Qwen2.5-VL's full layers or Molmo 2's rope_scaling_layers, its
     per_layer_config (Gemma 4, Step 3.5), no num_kv_shared_layers (the one layer keeps its k and
     v); no DeepStack outputs; a speech encoder's own changes
@@ -120,7 +121,8 @@ def layer_only(config, layer_idx):
     c = dict(config)
     for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
                 "layers_block_type",  # Nemotron-H's, Zamba's kinds
-                "num_attention_heads_per_layer"):  # Laguna's heads
+                "num_attention_heads_per_layer",  # Laguna's heads
+                "intermediate_size", "activation_sparsity_pattern"):  # Gemma 3n's, per layer
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
     c.update(_hybrid_one_layer(c))
