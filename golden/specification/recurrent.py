@@ -1,0 +1,96 @@
+"""The recurrent token mixers, described once (issue 43): gated delta-rule linear attention.
+
+Not softmax attention: each head carries a state S (Dk, Dv) from token to token, so these are
+kept out of golden.specification.variants' ``VARIANTS`` (whose every entry is attention with
+weights, and which the generic tests sweep) and listed in ``MIXERS`` here, each a
+golden.specification.variants.Variant (its arguments with their checks, its parameters' shapes in
+the neutral layout, its inputs). Both twins' ``build`` and the float64 reference
+(golden.reference.delta_rule) read them from here.
+
+Shape legend: B batch, L tokens, Hk key heads of width Dk, Hv value heads of width Dv (Hk divides
+Hv: value head h reads key head h // (Hv/Hk), Hugging Face's ``repeat_interleave``), K the
+causal convolution's width, C = 2·Hk·Dk + Hv·Dv its channels.
+
+``gated_delta_net`` (GatedDeltaNet: Qwen3-Next, Qwen3.5/3.6, OLMo hybrid), on x (B, L, d_in) with
+mask (B, L) bool, True = a real token (None: all real):
+    x̃ = x ⊙ mask                                  padded tokens zeroed at the input (HF's
+                                                   apply_mask_to_padding_states)
+    q, k, v = SiLU(conv_K(x̃ W_query)), ...        a causal depthwise convolution per channel,
+                                                   conv_*[c] (K,) over the last K inputs (the
+                                                   earliest first), zeros before the first
+    q̂ = q / √(Σ q² + ε_l2) · Dk^−1/2, k̂ = k / √(Σ k² + ε_l2)     per head, ε_l2 = l2norm_eps
+    β = σ(x̃ W_beta)   (2σ with allow_neg_eigval: OLMo hybrid)    (B, L, Hv)
+    g = −exp(A_log) · softplus(x̃ W_decay + dt_bias)              (B, L, Hv), the log-decay
+    S′_t = e^{g_t} S_{t−1};  S_t = S′_t + k̂_t ⊗ β_t (v_t − S′_tᵀ k̂_t);  o_t = S_tᵀ q̂_t
+    y = merge(RMSNorm_Dv(o) · norm_weight ⊙ SiLU(x̃ W_gate)) W_out    RMSNorm ε = norm_eps
+S_0 = 0, or a cache's state; no biases anywhere (none of the families has one).
+"""
+
+from __future__ import annotations
+
+from golden.specification.settings import epsilon, positive, positive_or_none
+from golden.specification.validate import check_flags, check_sequence
+from golden.specification.variants import Arg, Variant
+
+
+def _flag(name, b) -> None:
+    check_flags(**{name: b})
+
+
+def _gated_delta_shapes(c):
+    hk, hv, dk, dv = c["num_k_heads"], c["num_v_heads"], c["head_k_dim"], c["head_v_dim"]
+    if hv % hk:
+        raise ValueError(f"num_k_heads should divide num_v_heads = {hv} (each key head serves "
+                         f"num_v_heads // num_k_heads value heads), got {hk}")
+    d_in, k = c["d_in"], c["conv_kernel"]
+    d_out = d_in if c["d_out"] is None else c["d_out"]
+    return {"W_query": (d_in, hk * dk), "W_key": (d_in, hk * dk), "W_value": (d_in, hv * dv),
+            "W_gate": (d_in, hv * dv), "W_beta": (d_in, hv), "W_decay": (d_in, hv),
+            "W_out": (hv * dv, d_out), "conv_query": (hk * dk, k), "conv_key": (hk * dk, k),
+            "conv_value": (hv * dv, k), "A_log": (hv,), "dt_bias": (hv,),
+            "norm_weight": (dv,)}
+
+
+def _sequence_inputs(c, arrays, rate=0.0):
+    """x (B, L, d_in) or (L, d_in) and a mask (B, L) (or (L,)) of booleans; returns None (no
+    attention weights)."""
+    x, mask = arrays["x"], arrays.get("mask")
+    lead = check_sequence("x", x, "d_in", c["d_in"])
+    if mask is not None:
+        check_padding_mask(mask, lead, x.shape[-2])
+    return None
+
+
+def check_padding_mask(mask, lead, length) -> None:
+    """A recurrent mixer's mask: booleans of shape lead + (L,), True = a real token."""
+    want = tuple(lead) + (length,)
+    if getattr(mask, "dtype", None) is None or str(mask.dtype) != "bool":
+        raise ValueError(f"mask dtype should be bool (True = a real token), got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    if tuple(mask.shape) != want:
+        raise ValueError(f"mask shape should be {want} (one flag per token, True = real, as "
+                         f"Hugging Face's attention_mask), got {tuple(mask.shape)}")
+
+
+GATED_DELTA_NET = Variant(
+    "gated_delta_net", "GatedDeltaNet",
+    (Arg("d_in", positive), Arg("num_k_heads", positive), Arg("num_v_heads", positive),
+     Arg("head_k_dim", positive), Arg("head_v_dim", positive),
+     Arg("d_out", positive_or_none, None), Arg("conv_kernel", positive, 4),
+     Arg("norm_eps", epsilon, 1e-6), Arg("l2norm_eps", epsilon, 1e-6),
+     Arg("allow_neg_eigval", _flag, False)),
+    shapes=_gated_delta_shapes, check_inputs=_sequence_inputs,
+    layers={"query": "W_query", "key": "W_key", "value": "W_value", "gate": "W_gate",
+            "beta": "W_beta", "decay": "W_decay", "out": "out_proj"},
+    vectors=("conv_query", "conv_key", "conv_value", "A_log", "dt_bias", "norm_weight"),
+    sample=dict(d_in=5, num_k_heads=2, num_v_heads=4, head_k_dim=3, head_v_dim=6, d_out=7,
+                conv_kernel=3))
+
+MIXERS = {v.name: v for v in (GATED_DELTA_NET,)}
+
+
+def get(name) -> Variant:
+    """A recurrent mixer's description by name; ValueError listing the known ones otherwise."""
+    if name not in MIXERS:
+        raise ValueError(f"mixer should be one of {', '.join(MIXERS)}, got {name!r}")
+    return MIXERS[name]
