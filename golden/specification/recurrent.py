@@ -28,9 +28,39 @@ S_0 = 0, or a cache's state; no biases anywhere (none of the families has one).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from golden.specification.settings import epsilon, positive, positive_or_none
 from golden.specification.validate import check_flags, check_sequence
 from golden.specification.variants import Arg, Variant
+
+
+class RecurrentCache(NamedTuple):
+    """A recurrent mixer's cache, the same fields in torch and JAX (a pytree in JAX): not keys
+    and values per token but what the recurrence carries.
+
+    conv: (B, K − 1, C), the last K − 1 projected inputs before the convolution (channels
+    [query | key | value] as the neutral W_query, W_key, W_value order them; zeros before the
+    first token, padded tokens' zero inputs included); state: (B, Hv, Dk, Dv), the delta rule's
+    S after the last token; lengths: (B,) int32, the tokens seen per row (padding included).
+    Unbatched: the same without B. A call never changes the cache it is given: it returns a new
+    one. Made by a module's ``init_cache(batch_size, max_length)`` (zeros; max_length bounds
+    the tokens a cache takes, as the KV cache's, though the state's size does not grow)."""
+
+    conv: Any
+    state: Any
+    lengths: Any
+
+
+def cache_shapes(config, batch_size=None) -> dict:
+    """{field: shape} of a RecurrentCache for the mixer's full configuration (``batch_size``
+    None: unbatched)."""
+    c = config
+    lead = () if batch_size is None else (batch_size,)
+    channels = 2 * c["num_k_heads"] * c["head_k_dim"] + c["num_v_heads"] * c["head_v_dim"]
+    return {"conv": lead + (c["conv_kernel"] - 1, channels),
+            "state": lead + (c["num_v_heads"], c["head_k_dim"], c["head_v_dim"]),
+            "lengths": lead}
 
 
 def _flag(name, b) -> None:
