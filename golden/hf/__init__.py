@@ -43,7 +43,11 @@ The rooms of the importer, each importing only those above it (NumPy only):
                speech-language models' towers
     cross      cross-attention with a QK norm or a soft cap: Mllama's text model, T5Gemma
                (``Kinds``); T5Gemma 2 and Mllama's vision tower refused
-    convert    ``FAMILIES`` (the kinds' tables), ``COMPOSITES``, ``REFUSED``, the lookup, ``from_hf``, ``to_hf``,
+    linear     the linear-attention layers of hybrid models (gated delta rule: Qwen3-Next,
+               Qwen3.5, OLMo hybrid) as recurrent mixers (golden.specification.recurrent);
+               ``LINEAR``: model_type -> the Family of its "linear_attention" layers
+    convert    ``FAMILIES`` (the kinds' tables), ``LINEAR``, ``COMPOSITES``, ``REFUSED``, the
+               lookup, ``from_hf``, ``to_hf``,
                ``expected_state``
 A new family is one entry in its kind's table (and a room of its own for a new kind, its
 table added to ``convert.FAMILIES``): how it converts, and what the checkpoint verifier needs,
@@ -57,11 +61,12 @@ from ``FAMILIES`` and ``COMPOSITES``.
 
 from __future__ import annotations
 
-from golden.hf.convert import COMPOSITES, FAMILIES, REFUSED, expected_state, from_hf, to_hf
+from golden.hf.convert import (COMPOSITES, FAMILIES, LINEAR, REFUSED, expected_state, from_hf,
+                               to_hf)
 from golden.hf.decoders import kv_source
 from golden.hf.encoders import MHCA, T5_TABLE
 from golden.hf.family import GQA, Family, HFConfig, Kinds, Stack, _layer_type
 from golden.hf.latent import MLA
 
-__all__ = ["COMPOSITES", "FAMILIES", "GQA", "MHCA", "MLA", "REFUSED", "T5_TABLE", "Family", "HFConfig",
+__all__ = ["COMPOSITES", "FAMILIES", "GQA", "LINEAR", "MHCA", "MLA", "REFUSED", "T5_TABLE", "Family", "HFConfig",
            "Kinds", "Stack", "expected_state", "from_hf", "kv_source", "to_hf"]

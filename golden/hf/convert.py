@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from golden.specification import variants
-from golden.hf import cross, decoders, encoders, fused, hybrids, latent, speech, vision
+from golden.specification import recurrent, variants
+from golden.hf import cross, decoders, encoders, fused, hybrids, latent, linear, speech, vision
 from golden.hf.family import Family, HFConfig, Kinds, _as_dict
 from golden.specification.mapping import _numpy
 
@@ -40,6 +40,16 @@ COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSI
 # model_types refused by name: {model_type: why}.
 REFUSED: dict[str, str] = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED,
                            **cross.REFUSED}
+
+
+# model_type -> the Family of its linear-attention layers (golden.hf.linear: layer_types
+# "linear_attention"; the model_type's FAMILIES entry, if any, converts its other layers).
+LINEAR: dict[str, Family] = dict(linear.FAMILIES)
+
+
+def _spec(variant):
+    """The description of ``variant``: an attention variant's or a recurrent mixer's."""
+    return recurrent.MIXERS[variant] if variant in recurrent.MIXERS else variants.get(variant)
 
 
 # ---- the family lookup --------------------------------------------------------------------------
@@ -80,9 +90,12 @@ def _resolve(config, state_dict, layer_idx, kind, rope_precision):
     with it: Zamba 2's adapters folded)."""
     c = _as_dict(config)
     mt = c.get("model_type")
-    family = _kind(_family(mt), mt, kind)
     if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
         raise ValueError(f"layer_idx should be an int >= 0, got {layer_idx!r}")
+    if mt in LINEAR and linear.is_linear(c, layer_idx):  # a hybrid's linear-attention layer
+        family = _kind(LINEAR[mt], mt, kind)
+    else:
+        family = _kind(_family(mt), mt, kind)
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict should be a mapping of names to arrays, got "
                          f"{type(state_dict).__name__}")
@@ -93,7 +106,7 @@ def _resolve(config, state_dict, layer_idx, kind, rope_precision):
     if family.call_site is not None:  # the arrays as this layer computes with them
         state_dict = family.call_site(c, layer_idx, state_dict)
     ours = family.settings(c, layer_idx, state_dict)
-    takes = {a.name for a in variants.VARIANTS[family.variant].args}
+    takes = {a.name for a in _spec(family.variant).args}
     if rope_precision != "exact" and ("rope_parameters" in ours or "rope_theta" in ours):
         if "rope_precision" not in takes:
             raise ValueError(f"rope_precision should be 'exact' for model_type {mt!r} "
@@ -101,7 +114,7 @@ def _resolve(config, state_dict, layer_idx, kind, rope_precision):
                              f"{rope_precision!r}")
         ours["rope_precision"] = rope_precision
     try:
-        variants.VARIANTS[family.variant].config(ours)
+        _spec(family.variant).config(ours)
     except (ValueError, TypeError) as e:
         raise ValueError(f"model_type {mt!r}: {e}") from None
     return mt, family, ours, state_dict
@@ -114,7 +127,7 @@ def expected_state(config, state_dict, *, layer_idx=0, kind=None) -> tuple[str, 
     checkpoint's headers against these before reading its arrays finds a missing key or a
     wrong shape without reading a byte of data."""
     mt, family, ours, _ = _resolve(config, state_dict, layer_idx, kind, "exact")
-    spec = variants.VARIANTS[family.variant]
+    spec = _spec(family.variant)
     full = spec.config(ours)
     key = (mt, kind, repr(sorted(full.items())))
     if key not in _SHAPES:  # placeholders of one byte an element, laid out by from_neutral
@@ -135,8 +148,8 @@ def from_hf(config, state_dict, *, layer_idx=0, kind=None, rope_precision="exact
     mt, family, ours, state_dict = _resolve(config, state_dict, layer_idx, kind,
                                             rope_precision)
     params = family.to_neutral(state_dict, ours)
-    shapes = variants.VARIANTS[family.variant].shapes(variants.VARIANTS[family.variant]
-                                                      .config(ours))
+    spec = _spec(family.variant)
+    shapes = spec.shapes(spec.config(ours))
     for name, shape in shapes.items():
         if name not in params:
             raise ValueError(f"model_type {mt!r}: no array for {name} (shape {shape})")
@@ -158,9 +171,15 @@ def to_hf(variant, config, params, *, model_type=None) -> dict:
     if mt is None:
         raise ValueError("model_type should be given (config did not come from from_hf), "
                          "got None")
-    family = _kind_of_variant(_family(mt), mt, variant, getattr(config, "kind", None))
+    if variant in recurrent.MIXERS:  # a hybrid's linear-attention layer
+        if mt not in LINEAR:
+            raise ValueError(f"variant {variant!r} has no layers in model_type {mt!r}; the "
+                             f"model_types with linear-attention layers: {', '.join(LINEAR)}")
+        family = LINEAR[mt]
+    else:
+        family = _kind_of_variant(_family(mt), mt, variant, getattr(config, "kind", None))
     if variant != family.variant:
         raise ValueError(f"variant should be {family.variant!r} for model_type {mt!r}, got "
                          f"{variant!r}")
-    ours = variants.VARIANTS[variant].config(dict(config))
+    ours = _spec(variant).config(dict(config))
     return family.from_neutral({n: _numpy(a) for n, a in params.items()}, ours)

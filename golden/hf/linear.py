@@ -1,0 +1,163 @@
+"""The linear-attention layers of hybrid models (issue 43): Hugging Face's gated delta-rule
+modules as our recurrent mixers (golden.specification.recurrent).
+
+``FAMILIES`` maps a model_type to the Family of its ``layer_types`` "linear_attention" layers;
+``golden.convert.from_hf`` takes it for those layers (``is_linear``) and the model_type's entry in
+the attention tables for the others. Each reads the linear-attention module's own state dict
+(``model.layers.N.linear_attn``) as Hugging Face names it:
+
+  qwen3_next                Qwen3NextGatedDeltaNet: in_proj_qkvz and in_proj_ba fused by key-head
+                            group (per group [q | k | v of its Hv/Hk value heads | z], [b | a])
+  qwen3_5_text,             Qwen3_5GatedDeltaNet: in_proj_qkv ([q | k | v]), in_proj_z,
+  qwen3_5_moe_text          in_proj_b, in_proj_a apart
+  olmo_hybrid               OlmoHybridGatedDeltaNet: q/k/v/g/a/b_proj apart, o_proj, o_norm
+                            (ε 1e-5, FLA's), β = 2σ with linear_allow_neg_eigval
+
+All: one depthwise conv1d over [q | k | v] (channels in that order, no bias), SiLU, the
+decay's A_log and dt_bias, the gated RMSNorm's weight, out_proj / o_proj. HF computes the
+delta rule (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule) and the gated norm
+in float32 even in a float64 model: its float64 module agrees with ours at float32's level.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from golden.hf.family import Family, _layer_type, _read
+
+LINEAR = "linear_attention"
+
+
+def is_linear(c, layer_idx) -> bool:
+    """Whether the config's layer ``layer_idx`` is a linear-attention layer (layer_types)."""
+    return _layer_type(c, layer_idx) == LINEAR
+
+
+def _settings(mt, norm_eps=None):
+    def settings(c, layer_idx, sd):
+        if not is_linear(c, layer_idx):
+            raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a "
+                             f"{_layer_type(c, layer_idx)!r} layer, not linear attention")
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"model_type {mt!r}: hidden_act = {act!r} is not supported (the "
+                             f"convolution's activation is SiLU in every family we convert; "
+                             f"HF applies hidden_act there)")
+        if "conv1d.bias" in sd:
+            raise ValueError(f"model_type {mt!r}: conv1d.bias is not supported (no family "
+                             f"has one)")
+        return dict(d_in=int(c["hidden_size"]), num_k_heads=int(c["linear_num_key_heads"]),
+                    num_v_heads=int(c["linear_num_value_heads"]),
+                    head_k_dim=int(c["linear_key_head_dim"]),
+                    head_v_dim=int(c["linear_value_head_dim"]),
+                    conv_kernel=int(c["linear_conv_kernel_dim"]),
+                    norm_eps=float(c["rms_norm_eps"] if norm_eps is None else norm_eps),
+                    allow_neg_eigval=bool(c.get("linear_allow_neg_eigval", False)))
+    return settings
+
+
+def _widths(ours):
+    kd = ours["num_k_heads"] * ours["head_k_dim"]
+    return kd, ours["num_v_heads"] * ours["head_v_dim"]
+
+
+def _t(a):
+    return np.ascontiguousarray(np.asarray(a).T)
+
+
+def _common_in(sd, ours, mt, norm, out):
+    """The arrays every family names alike: the convolution split into its q, k, v channels,
+    A_log, dt_bias, the gated norm's weight, the output projection."""
+    kd, vd = _widths(ours)
+    conv = _read(sd, "conv1d.weight", mt)  # (C, 1, K)
+    conv = conv.reshape(conv.shape[0], conv.shape[-1])
+    return {"conv_query": conv[:kd].copy(), "conv_key": conv[kd:2 * kd].copy(),
+            "conv_value": conv[2 * kd:].copy(), "A_log": _read(sd, "A_log", mt).copy(),
+            "dt_bias": _read(sd, "dt_bias", mt).copy(),
+            "norm_weight": _read(sd, f"{norm}.weight", mt).copy(),
+            "W_out": _t(_read(sd, f"{out}.weight", mt))}
+
+
+def _common_out(p, norm, out):
+    conv = np.concatenate([np.asarray(p[n]) for n in ("conv_query", "conv_key", "conv_value")])
+    return {"conv1d.weight": np.ascontiguousarray(conv[:, None, :]), "A_log": np.array(p["A_log"]),
+            "dt_bias": np.array(p["dt_bias"]), f"{norm}.weight": np.array(p["norm_weight"]),
+            f"{out}.weight": _t(p["W_out"])}
+
+
+# ---- Qwen3-Next: in_proj_qkvz and in_proj_ba fused by key-head group -------------------------
+
+def _qwen3_next_in(sd, ours, mt="qwen3_next"):
+    hk, hv, dk, dv = (ours[n] for n in ("num_k_heads", "num_v_heads", "head_k_dim",
+                                         "head_v_dim"))
+    r = hv // hk
+    qkvz = _t(_read(sd, "in_proj_qkvz.weight", mt))  # (d, Hk·(2Dk + 2r·Dv))
+    d = qkvz.shape[0]
+    qkvz = qkvz.reshape(d, hk, 2 * dk + 2 * r * dv)
+    ba = _t(_read(sd, "in_proj_ba.weight", mt)).reshape(d, hk, 2 * r)
+    cut = np.cumsum([dk, dk, r * dv])
+    q, k, v, z = np.split(qkvz, cut, axis=-1)
+    b, a = np.split(ba, [r], axis=-1)
+    flat = (lambda t: np.ascontiguousarray(t.reshape(d, -1)))
+    return {"W_query": flat(q), "W_key": flat(k), "W_value": flat(v), "W_gate": flat(z),
+            "W_beta": flat(b), "W_decay": flat(a),
+            **_common_in(sd, ours, mt, "norm", "out_proj")}
+
+
+def _qwen3_next_out(p, ours):
+    hk, hv = ours["num_k_heads"], ours["num_v_heads"]
+    d = np.asarray(p["W_query"]).shape[0]
+    grouped = (lambda n: np.asarray(p[n]).reshape(d, hk, -1))
+    qkvz = np.concatenate([grouped(n) for n in ("W_query", "W_key", "W_value", "W_gate")],
+                          axis=-1).reshape(d, -1)
+    ba = np.concatenate([grouped("W_beta"), grouped("W_decay")], axis=-1).reshape(d, -1)
+    return {"in_proj_qkvz.weight": _t(qkvz), "in_proj_ba.weight": _t(ba),
+            **_common_out(p, "norm", "out_proj")}
+
+
+# ---- Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a -----------------------------------
+
+def _qwen3_5_in(mt):
+    def to_neutral(sd, ours):
+        kd, _ = _widths(ours)
+        qkv = _t(_read(sd, "in_proj_qkv.weight", mt))
+        return {"W_query": qkv[:, :kd].copy(), "W_key": qkv[:, kd:2 * kd].copy(),
+                "W_value": qkv[:, 2 * kd:].copy(), "W_gate": _t(_read(sd, "in_proj_z.weight", mt)),
+                "W_beta": _t(_read(sd, "in_proj_b.weight", mt)),
+                "W_decay": _t(_read(sd, "in_proj_a.weight", mt)),
+                **_common_in(sd, ours, mt, "norm", "out_proj")}
+    return to_neutral
+
+
+def _qwen3_5_out(p, ours):
+    qkv = np.concatenate([np.asarray(p[n]) for n in ("W_query", "W_key", "W_value")], axis=1)
+    return {"in_proj_qkv.weight": _t(qkv), "in_proj_z.weight": _t(p["W_gate"]),
+            "in_proj_b.weight": _t(p["W_beta"]), "in_proj_a.weight": _t(p["W_decay"]),
+            **_common_out(p, "norm", "out_proj")}
+
+
+# ---- OLMo hybrid: every projection apart --------------------------------------------------------
+
+_OLMO = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "gate": "g_proj",
+         "beta": "b_proj", "decay": "a_proj"}
+
+
+def _olmo_in(sd, ours, mt="olmo_hybrid"):
+    return {**{f"W_{role}": _t(_read(sd, f"{name}.weight", mt)) for role, name in _OLMO.items()},
+            **_common_in(sd, ours, mt, "o_norm", "o_proj")}
+
+
+def _olmo_out(p, ours):
+    return {**{f"{name}.weight": _t(p[f"W_{role}"]) for role, name in _OLMO.items()},
+            **_common_out(p, "o_norm", "o_proj")}
+
+
+GDN = "gated_delta_net"
+FAMILIES: dict[str, Family] = {
+    "qwen3_next": Family(GDN, _settings("qwen3_next"), _qwen3_next_in, _qwen3_next_out),
+    "qwen3_5_text": Family(GDN, _settings("qwen3_5_text"), _qwen3_5_in("qwen3_5_text"),
+                           _qwen3_5_out),
+    "qwen3_5_moe_text": Family(GDN, _settings("qwen3_5_moe_text"),
+                               _qwen3_5_in("qwen3_5_moe_text"), _qwen3_5_out),
+    "olmo_hybrid": Family(GDN, _settings("olmo_hybrid", norm_eps=1e-5), _olmo_in, _olmo_out),
+}

@@ -1,0 +1,99 @@
+"""The linear-attention layers of hybrid models (issue 43, golden.hf.linear): each family's
+Gated DeltaNet module, in a tiny float64 model of Hugging Face's own, against our float64
+reference converted by ``golden.convert.from_hf`` (the module's own state dict as HF names it),
+on the layer's captured input from the model's forward, with left padding; ``to_hf`` giving the
+state dict back; each family's distinctive setting undone moving the output far.
+
+HF computes the delta rule and the gated norm in float32 even in a float64 model
+(``torch_chunk_gated_delta_rule`` casts to float32): its float32 error grows with the length,
+so the bound is DELTA_FLOAT32(L) (measured below)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import golden.convert
+from golden.reference.delta_rule import MIXERS as REFERENCE
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from tests.hf_harness import (B, BASE, Family, assert_gives_back, build_model,  # noqa: E402
+                              captured, rel, state_dict)
+from tests.helpers import fresh_rng  # noqa: E402
+
+
+def DELTA_FLOAT32(length):
+    """HF's float32 delta rule against float64, relative (max error / max output), measured
+    over 12 seeds each (AMD EPYC, AVX-512; qwen3_next / olmo_hybrid tiny models): max 2.4e-7 /
+    4.5e-7 at L = 9, 2.6e-6 / 1.0e-6 at L = 100 (3.2e-6 seen once), 2.7e-6 / 2.3e-6 at L = 300.
+    A recurrence's float32 error accumulates over the tokens the decay has not yet forgotten,
+    so the bound grows with L: 1.5e-6 · (1 + √(L/8)), about twice the largest seen at L = 100."""
+    return 1.5e-6 * (1 + (length / 8) ** 0.5)
+
+
+LINEAR_KW = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+                 linear_value_head_dim=6, linear_conv_kernel_dim=3)
+
+
+def _linear_attn(model, i):
+    return model.layers[i].linear_attn
+
+
+FAMILIES = {
+    "qwen3_next": Family("Qwen3NextConfig", dict(
+        LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, head_dim=8,
+        shared_expert_intermediate_size=8), layers=(0,), attention_of=_linear_attn),
+    "qwen3_5_text": Family("Qwen3_5TextConfig", dict(
+        LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+        layers=(0,), attention_of=_linear_attn),
+    "qwen3_5_moe_text": Family("Qwen3_5MoeTextConfig", dict(
+        LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8), layers=(0,), attention_of=_linear_attn),
+    "olmo_hybrid": Family("OlmoHybridConfig", dict(
+        LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        linear_allow_neg_eigval=True, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        layers=(0,), attention_of=_linear_attn),
+}
+# each family's setting undone: the module converted with it changed moves the output far
+UNDONE = {"olmo_hybrid": {"allow_neg_eigval": False}, "qwen3_next": {"norm_eps": 1.0},
+          "qwen3_5_text": {"norm_eps": 1.0}, "qwen3_5_moe_text": {"norm_eps": 1.0}}
+
+
+def _run(family, length, rng):
+    config, model = build_model(family, rng)
+    ids = rng.integers(1, BASE["vocab_size"], (B, length))
+    mask = np.ones((B, length), bool)
+    mask[1, :3] = False  # left padding, as HF's attention_mask
+    seen = captured(family, model, family.layers, ids,
+                    attention_mask=torch.from_numpy(mask.astype(np.int64)))
+    sd = state_dict(family.attention_of(model, family.layers[0]))
+    return config, sd, seen[family.layers[0]], mask
+
+
+@pytest.mark.parametrize("mt", FAMILIES)
+@pytest.mark.parametrize("length", [9, 100])  # within one of HF's chunks of 64, and past it
+def test_linear_layer_matches_hugging_faces_module(mt, length):
+    rng, seed = fresh_rng()
+    config, sd, (x, expected), mask = _run(FAMILIES[mt], length, rng)
+    variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=0)
+    assert variant == "gated_delta_net"
+    y, _, _ = REFERENCE[variant][0](dict(ours), {"x": x, "mask": mask}, params)
+    error = rel(y, expected)
+    assert error <= DELTA_FLOAT32(length), (mt, length, error, seed)
+    assert_gives_back(sd, golden.convert.to_hf(variant, ours, params))
+    far, _, _ = REFERENCE[variant][0]({**dict(ours), **UNDONE[mt]}, {"x": x, "mask": mask},
+                                      params)
+    assert rel(far, expected) > 1e3 * DELTA_FLOAT32(length), (mt, seed)
+
+
+def test_the_attention_layers_of_a_hybrid_still_convert_as_attention():
+    rng, _ = fresh_rng()
+    family = FAMILIES["qwen3_next"]
+    config, model = build_model(family, rng)
+    variant, _, _ = golden.convert.from_hf(config, state_dict(model.layers[1].self_attn),
+                                           layer_idx=1)
+    assert variant == "grouped_query_attention"
