@@ -12,25 +12,36 @@ from golden.reference.delta_rule import MIXERS, delta_rule
 from golden.specification import exact, recurrent
 from tests.helpers import fresh_rng
 
-GDN = "gated_delta_net"
+GDN, KDA = "gated_delta_net", "kimi_delta_attention"
 
 
-def _params(rng, config):
-    shapes = recurrent.get(GDN).param_shapes(config)
+def _params(rng, config, name=GDN):
+    shapes = recurrent.get(name).param_shapes(config)
     return {n: rng.standard_normal(s) * 0.5 for n, s in shapes.items()}
 
 
-@pytest.mark.parametrize("neg", [False, True], ids=["beta", "beta-2sigma"])
-def test_reference_gradients_match_finite_differences(neg):
+# Gated DeltaNet with β = σ and with OLMo hybrid's 2σ; Kimi Delta Attention with its softplus
+# forget gate through low-rank projections (Kimi Linear, GLM-5.3) and with the bounded sigmoid
+# through full-rank ones (Ling 3.0's safe gate)
+CASES = {"gdn": (GDN, {}), "gdn-2sigma": (GDN, dict(allow_neg_eigval=True)),
+         "kda-softplus": (KDA, {}),
+         "kda-bounded": (KDA, dict(forget_gate="bounded_sigmoid", decay_lower_bound=-5.0,
+                                   decay_rank=None, gate_rank=None))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_gradients_match_finite_differences(case):
     # Σ y ⊙ dy with left padding, 7 tokens (past the convolution's width 3), grouped heads
-    # (4 value heads on 2 key heads): every gradient, central differences in float64.
+    # (Gated DeltaNet: 4 value heads on 2 key heads): every gradient, central differences in
+    # float64.
     rng, seed = fresh_rng()
-    config = dict(recurrent.get(GDN).sample, allow_neg_eigval=neg)
-    params = _params(rng, config)
+    name, change = CASES[case]
+    config = dict(recurrent.get(name).sample, **change)
+    params = _params(rng, config, name)
     x = rng.standard_normal((2, 7, config["d_in"]))
     mask = np.ones((2, 7), bool)
     mask[1, :2] = False
-    forward, backward = MIXERS[GDN]
+    forward, backward = MIXERS[name]
     y, _, saved = forward(config, {"x": x, "mask": mask}, params)
     dy = rng.standard_normal(y.shape)
     grads = backward(saved, dy)
@@ -54,17 +65,23 @@ def test_reference_gradients_match_finite_differences(neg):
     assert not grads["x"][1, :2].any()  # a padded token's input changes nothing
 
 
-def test_reference_gradients_in_100_digit_arithmetic():
-    # A tiny case (one batch row, 4 tokens, one key head serving two value heads) whose every
-    # gradient entry equals the central difference at step 1e-40 in 100-digit arithmetic to
-    # 1e-30 (the difference's own error is ~1e-80 · the third derivative): the backward is
-    # the forward's derivative, not merely close to it.
+TINY = {GDN: dict(d_in=3, num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=2,
+                  conv_kernel=2, allow_neg_eigval=True),
+        KDA: dict(d_in=3, num_heads=1, head_dim=2, conv_kernel=2, decay_rank=2,
+                  forget_gate="bounded_sigmoid", decay_lower_bound=-3.0)}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_reference_gradients_in_100_digit_arithmetic(name):
+    # A tiny case (one batch row, 4 tokens; Gated DeltaNet: one key head serving two value
+    # heads) whose gradient entries equal the central difference at step 1e-40 in 100-digit
+    # arithmetic to 1e-30 (the difference's own error is ~1e-80 · the third derivative): the
+    # backward is the forward's derivative, not merely close to it.
     rng, seed = fresh_rng()
-    config = dict(d_in=3, num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=2,
-                  conv_kernel=2, allow_neg_eigval=True)
-    params = _params(rng, config)
+    config = TINY[name]
+    params = _params(rng, config, name)
     x = rng.standard_normal((4, 3))
-    forward, backward = MIXERS[GDN]
+    forward, backward = MIXERS[name]
     real = exact.real_type(100)
     with exact_arithmetic(real):
         p = {n: exact.array(a, real) for n, a in params.items()}
@@ -77,17 +94,18 @@ def test_reference_gradients_in_100_digit_arithmetic():
         def loss(pp, xs):
             return (forward(config, {"x": xs}, pp)[0] * dy).sum()
 
-        for name in ("x", "A_log", "dt_bias", "W_decay", "W_beta", "conv_key", "norm_weight"):
-            a = xx if name == "x" else p[name]
+        for what in ("x", "A_log", "dt_bias", "W_beta", "conv_key", "norm_weight",
+                     *(n for n in p if n.startswith(("W_decay", "W_gate")))):
+            a = xx if what == "x" else p[what]
             for i in np.ndindex(a.shape):
                 up, down = a.copy(), a.copy()
                 up[i], down[i] = a[i] + h, a[i] - h
-                if name == "x":
+                if what == "x":
                     numeric = (loss(p, up) - loss(p, down)) / (2 * h)
                 else:
-                    numeric = (loss({**p, name: up}, xx) - loss({**p, name: down}, xx)) / (2 * h)
-                assert abs(numeric - grads[name][i]) <= real("1e-30") * max(
-                    real(1), abs(numeric)), (name, i, seed)
+                    numeric = (loss({**p, what: up}, xx) - loss({**p, what: down}, xx)) / (2 * h)
+                assert abs(numeric - grads[what][i]) <= real("1e-30") * max(
+                    real(1), abs(numeric)), (what, i, seed)
 
 
 def test_recurrence_by_hand_for_one_head():

@@ -19,8 +19,8 @@ from golden.reference.delta_rule import MIXERS as REFERENCE
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from tests.hf_harness import (B, BASE, Family, assert_gives_back, build_model,  # noqa: E402
-                              captured, rel, state_dict)
+from tests.hf_harness import (B, BASE, Family, assert_gives_back, attention_of,  # noqa: E402
+                              build_model, captured, rel, state_dict)
 from tests.helpers import fresh_rng  # noqa: E402
 
 
@@ -35,6 +35,11 @@ def DELTA_FLOAT32(length):
 
 LINEAR_KW = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
                  linear_value_head_dim=6, linear_conv_kernel_dim=3)
+
+
+KDA_KW = dict(linear_num_heads=2, linear_head_dim=4, linear_conv_kernel_dim=3,
+              num_key_value_heads=4, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, layer_types=["linear_attention", "full_attention"])
 
 
 def _linear_attn(model, i):
@@ -57,10 +62,29 @@ FAMILIES = {
         LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         linear_allow_neg_eigval=True, pad_token_id=0, eos_token_id=1, bos_token_id=2),
         layers=(0,), attention_of=_linear_attn),
+    # Kimi Delta Attention: the linear layer sits at layers.N.self_attn
+    "kimi_linear": Family("KimiLinearConfig", dict(
+        KDA_KW, num_experts=2, num_experts_per_token=1, moe_intermediate_size=8,
+        q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        v_head_dim=4), layers=(0,)),
+    "glm5_next_text": Family("Glm5NextTextConfig", dict(
+        KDA_KW, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=0, v_head_dim=4,
+        index_n_heads=2, index_head_dim=8, index_topk=16, index_kpool=16,
+        layer_types=["linear_attention", "indexed_attention"], linear_lower_bound=-3.0),
+        layers=(0,)),
+    "bailing_hybrid": Family("BailingHybridConfig", dict(
+        KDA_KW, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, q_lora_rank=8,
+        kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+        kda_safe_gate=True, kda_lower_bound=-3.0), layers=(0,)),
 }
+KDA_FAMILIES = ("kimi_linear", "glm5_next_text", "bailing_hybrid")
 # each family's setting undone: the module converted with it changed moves the output far
 UNDONE = {"olmo_hybrid": {"allow_neg_eigval": False}, "qwen3_next": {"norm_eps": 1.0},
-          "qwen3_5_text": {"norm_eps": 1.0}, "qwen3_5_moe_text": {"norm_eps": 1.0}}
+          "qwen3_5_text": {"norm_eps": 1.0}, "qwen3_5_moe_text": {"norm_eps": 1.0},
+          "kimi_linear": {"forget_gate": "bounded_sigmoid", "decay_lower_bound": -3.0},
+          "glm5_next_text": {"forget_gate": "softplus", "decay_lower_bound": None},
+          "bailing_hybrid": {"forget_gate": "softplus", "decay_lower_bound": None}}
 
 
 def _run(family, length, rng):
@@ -70,7 +94,7 @@ def _run(family, length, rng):
     mask[1, :3] = False  # left padding, as HF's attention_mask
     seen = captured(family, model, family.layers, ids,
                     attention_mask=torch.from_numpy(mask.astype(np.int64)))
-    sd = state_dict(family.attention_of(model, family.layers[0]))
+    sd = state_dict(attention_of(family, model, family.layers[0]))
     return config, sd, seen[family.layers[0]], mask
 
 
@@ -80,7 +104,7 @@ def test_linear_layer_matches_hugging_faces_module(mt, length):
     rng, seed = fresh_rng()
     config, sd, (x, expected), mask = _run(FAMILIES[mt], length, rng)
     variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=0)
-    assert variant == "gated_delta_net"
+    assert variant == ("kimi_delta_attention" if mt in KDA_FAMILIES else "gated_delta_net")
     y, _, _ = REFERENCE[variant][0](dict(ours), {"x": x, "mask": mask}, params)
     error = rel(y, expected)
     assert error <= DELTA_FLOAT32(length), (mt, length, error, seed)

@@ -12,6 +12,14 @@ the attention tables for the others. Each reads the linear-attention module's ow
   qwen3_5_moe_text          in_proj_b, in_proj_a apart
   olmo_hybrid               OlmoHybridGatedDeltaNet: q/k/v/g/a/b_proj apart, o_proj, o_norm
                             (ε 1e-5, FLA's), β = 2σ with linear_allow_neg_eigval
+and, as kimi_delta_attention (the decay per key channel, a σ output gate):
+  kimi_linear               KimiLinearDeltaAttention: q/k/v/b_proj, the forget gate's low-rank
+                            forget_gate.f_a_proj / f_b_proj, dt_bias, A_log (1, 1, H, 1),
+                            softplus; the output gate's low-rank g_a_proj / g_b_proj; o_norm
+  glm5_next_text            Glm5NextTextLinearAttention: Kimi's, A_log (H,), and with
+                            linear_lower_bound λ the bounded sigmoid λ σ(e^A (f + dt_bias))
+  bailing_hybrid            BailingHybridDeltaAttention (Ling 3.0): full-rank forget_gate.f_proj
+                            and g_proj; kda_safe_gate's bounded sigmoid at kda_lower_bound
 
 All: one depthwise conv1d over [q | k | v] (channels in that order, no bias), SiLU, the
 decay's A_log and dt_bias, the gated RMSNorm's weight, out_proj / o_proj. HF computes the
@@ -24,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from golden.hf.family import Family, _layer_type, _read
+from golden.specification import recurrent
 
 LINEAR = "linear_attention"
 
@@ -33,19 +42,24 @@ def is_linear(c, layer_idx) -> bool:
     return _layer_type(c, layer_idx) == LINEAR
 
 
+def _check_layer(mt, c, layer_idx, sd) -> None:
+    """A linear-attention layer whose convolution we express: SiLU, no bias."""
+    if not is_linear(c, layer_idx):
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a "
+                         f"{_layer_type(c, layer_idx)!r} layer, not linear attention")
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"model_type {mt!r}: hidden_act = {act!r} is not supported (the "
+                         f"convolution's activation is SiLU in every family we convert; "
+                         f"HF applies hidden_act there)")
+    if "conv1d.bias" in sd:
+        raise ValueError(f"model_type {mt!r}: conv1d.bias is not supported (no family has "
+                         f"one)")
+
+
 def _settings(mt, norm_eps=None):
     def settings(c, layer_idx, sd):
-        if not is_linear(c, layer_idx):
-            raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a "
-                             f"{_layer_type(c, layer_idx)!r} layer, not linear attention")
-        act = c.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"model_type {mt!r}: hidden_act = {act!r} is not supported (the "
-                             f"convolution's activation is SiLU in every family we convert; "
-                             f"HF applies hidden_act there)")
-        if "conv1d.bias" in sd:
-            raise ValueError(f"model_type {mt!r}: conv1d.bias is not supported (no family "
-                             f"has one)")
+        _check_layer(mt, c, layer_idx, sd)
         return dict(d_in=int(c["hidden_size"]), num_k_heads=int(c["linear_num_key_heads"]),
                     num_v_heads=int(c["linear_num_value_heads"]),
                     head_k_dim=int(c["linear_key_head_dim"]),
@@ -57,32 +71,36 @@ def _settings(mt, norm_eps=None):
 
 
 def _widths(ours):
-    kd = ours["num_k_heads"] * ours["head_k_dim"]
-    return kd, ours["num_v_heads"] * ours["head_v_dim"]
+    hk, hv, dk, dv = recurrent.sizes(ours)
+    return hk * dk, hv * dv
 
 
 def _t(a):
     return np.ascontiguousarray(np.asarray(a).T)
 
 
-def _common_in(sd, ours, mt, norm, out):
+def _common_in(sd, ours, mt, norm, out, decay=""):
     """The arrays every family names alike: the convolution split into its q, k, v channels,
-    A_log, dt_bias, the gated norm's weight, the output projection."""
-    kd, vd = _widths(ours)
+    A_log and dt_bias (under the prefix ``decay``, flattened), the gated norm's weight, the
+    output projection."""
+    kd = _widths(ours)[0]
     conv = _read(sd, "conv1d.weight", mt)  # (C, 1, K)
     conv = conv.reshape(conv.shape[0], conv.shape[-1])
     return {"conv_query": conv[:kd].copy(), "conv_key": conv[kd:2 * kd].copy(),
-            "conv_value": conv[2 * kd:].copy(), "A_log": _read(sd, "A_log", mt).copy(),
-            "dt_bias": _read(sd, "dt_bias", mt).copy(),
+            "conv_value": conv[2 * kd:].copy(),
+            "A_log": _read(sd, f"{decay}A_log", mt).reshape(-1).copy(),
+            "dt_bias": _read(sd, f"{decay}dt_bias", mt).reshape(-1).copy(),
             "norm_weight": _read(sd, f"{norm}.weight", mt).copy(),
             "W_out": _t(_read(sd, f"{out}.weight", mt))}
 
 
-def _common_out(p, norm, out):
+def _common_out(p, norm, out, decay="", a_log_shape=None):
     conv = np.concatenate([np.asarray(p[n]) for n in ("conv_query", "conv_key", "conv_value")])
-    return {"conv1d.weight": np.ascontiguousarray(conv[:, None, :]), "A_log": np.array(p["A_log"]),
-            "dt_bias": np.array(p["dt_bias"]), f"{norm}.weight": np.array(p["norm_weight"]),
-            f"{out}.weight": _t(p["W_out"])}
+    a_log = np.array(p["A_log"])
+    return {"conv1d.weight": np.ascontiguousarray(conv[:, None, :]),
+            f"{decay}A_log": a_log if a_log_shape is None else a_log.reshape(a_log_shape),
+            f"{decay}dt_bias": np.array(p["dt_bias"]),
+            f"{norm}.weight": np.array(p["norm_weight"]), f"{out}.weight": _t(p["W_out"])}
 
 
 # ---- Qwen3-Next: in_proj_qkvz and in_proj_ba fused by key-head group -------------------------
@@ -152,7 +170,57 @@ def _olmo_out(p, ours):
             **_common_out(p, "o_norm", "o_proj")}
 
 
-GDN = "gated_delta_net"
+# ---- Kimi Delta Attention: Kimi Linear, GLM-5.3-Flash, Ling 3.0 ---------------------------------
+
+_KDA = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "beta": "b_proj"}
+
+
+def _kda_settings(mt, bound):
+    """``bound(c)``: the bounded sigmoid's λ, or None for the softplus forget gate. The low-rank
+    projections' rank is linear_head_dim (their checkpoints' f_a_proj and g_a_proj)."""
+    def settings(c, layer_idx, sd):
+        _check_layer(mt, c, layer_idx, sd)
+        lower = bound(c)
+        rank = int(c["linear_head_dim"])
+        return dict(d_in=int(c["hidden_size"]), num_heads=int(c["linear_num_heads"]),
+                    head_dim=rank, conv_kernel=int(c["linear_conv_kernel_dim"]),
+                    norm_eps=float(c["rms_norm_eps"]),
+                    decay_rank=rank if "forget_gate.f_a_proj.weight" in sd else None,
+                    gate_rank=rank if "g_a_proj.weight" in sd else None,
+                    forget_gate="softplus" if lower is None else "bounded_sigmoid",
+                    decay_lower_bound=None if lower is None else float(lower))
+    return settings
+
+
+def _kda_names(ours):
+    names = dict(_KDA)
+    names.update({"decay_a": "forget_gate.f_a_proj", "decay_b": "forget_gate.f_b_proj"}
+                 if ours["decay_rank"] is not None else {"decay": "forget_gate.f_proj"})
+    names.update({"gate_a": "g_a_proj", "gate_b": "g_b_proj"}
+                 if ours["gate_rank"] is not None else {"gate": "g_proj"})
+    return names
+
+
+def _kda_in(mt):
+    def to_neutral(sd, ours):
+        return {**{f"W_{role}": _t(_read(sd, f"{name}.weight", mt))
+                   for role, name in _kda_names(ours).items()},
+                **_common_in(sd, ours, mt, "o_norm", "o_proj", decay="forget_gate.")}
+    return to_neutral
+
+
+def _kda_out(a_log_shape):
+    """``a_log_shape(H)``: A_log's shape on file (Kimi Linear's (1, 1, H, 1))."""
+    def from_neutral(p, ours):
+        return {**{f"{name}.weight": _t(p[f"W_{role}"])
+                   for role, name in _kda_names(ours).items()},
+                **_common_out(p, "o_norm", "o_proj", decay="forget_gate.",
+                              a_log_shape=a_log_shape(ours["num_heads"]))}
+    return from_neutral
+
+
+GDN, KDA = "gated_delta_net", "kimi_delta_attention"
+_FLAT = (lambda h: (h,))
 FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(GDN, _settings("qwen3_next"), _qwen3_next_in, _qwen3_next_out),
     "qwen3_5_text": Family(GDN, _settings("qwen3_5_text"), _qwen3_5_in("qwen3_5_text"),
@@ -160,4 +228,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe_text": Family(GDN, _settings("qwen3_5_moe_text"),
                                _qwen3_5_in("qwen3_5_moe_text"), _qwen3_5_out),
     "olmo_hybrid": Family(GDN, _settings("olmo_hybrid", norm_eps=1e-5), _olmo_in, _olmo_out),
+    "kimi_linear": Family(KDA, _kda_settings("kimi_linear", lambda c: None),
+                          _kda_in("kimi_linear"), _kda_out(lambda h: (1, 1, h, 1))),
+    "glm5_next_text": Family(KDA, _kda_settings("glm5_next_text",
+                                                lambda c: c.get("linear_lower_bound")),
+                             _kda_in("glm5_next_text"), _kda_out(_FLAT)),
+    "bailing_hybrid": Family(KDA, _kda_settings(
+        "bailing_hybrid", lambda c: c["kda_lower_bound"] if c.get("kda_safe_gate") else None),
+        _kda_in("bailing_hybrid"), _kda_out(_FLAT)),
 }

@@ -2,8 +2,8 @@
 gates and the recurrence one token at a time (the loop over t is the definition; no chunked
 algebra here), and the backward by hand in reverse time.
 
-The mixers are described in golden.specification.recurrent (``MIXERS``); each is a pair in
-``MIXERS`` below: forward(config, inputs, params) -> (output, None, saved) and backward(saved,
+The mixers are described in golden.specification.recurrent (``MIXERS``: Gated DeltaNet, Kimi
+Delta Attention); each is a pair in ``MIXERS`` below: forward(config, inputs, params) -> (output, None, saved) and backward(saved,
 d_output, None) -> {input or parameter name: gradient}, as golden.reference.VARIANTS' pairs.
 
 Shape legend: leading axes (...) (the batch, or none), L tokens, H heads (Hv value heads; Hk key
@@ -124,103 +124,141 @@ def delta_rule_backward(q, k, v, a, beta, states, g_o):
             np.stack(g_beta, axis=-1), g_s)
 
 
-def gated_rms_norm(o, z, weight, eps):
-    """(RMSNorm(o) · weight ⊙ SiLU(z), saved) over the last axis (Qwen3-Next's
-    RMSNormGated: the norm, then the gate)."""
-    unit, saved = normalize("rms", o, None, eps)
-    act, slope = silu(z)
-    return unit * weight * act, (unit, saved, act, slope, weight)
-
-
-def gated_rms_norm_backward(saved, g):
-    """(dL/do, dL/dz, dL/dweight)."""
-    unit, norm_saved, act, slope, weight = saved
-    g_unit = g * weight * act
-    g_o, _ = normalize_backward("rms", norm_saved, g_unit)
-    g_w = (g * unit * act).reshape(-1, unit.shape[-1]).sum(axis=0)
-    return g_o, g * unit * weight * slope, g_w
-
-
 def _heads_last(y, heads):
     """(..., L, H) -> (..., H, L)."""
     return np.swapaxes(y.reshape(y.shape[:-1] + (heads,)), -1, -2)
 
 
-# ---- Gated DeltaNet -----------------------------------------------------------------------------
+# ---- the mixers: Gated DeltaNet and Kimi Delta Attention -------------------------------------
 
-def _gated_delta_net(config, inputs, params):
-    """GatedDeltaNet (golden.specification.recurrent): the recurrence from S_0 = 0 over x."""
-    c = recurrent.get("gated_delta_net").config(config)
-    p = {n: real(a) for n, a in params.items()}
-    x = real(inputs["x"])
-    mask = inputs.get("mask")
-    if mask is not None:
-        x = x * real(np.asarray(mask, dtype=np.float64))[..., None]
-    hk, hv, dk = c["num_k_heads"], c["num_v_heads"], c["head_k_dim"]
-    saved = {"p": p, "x": x, "mask": mask, "c": c}
-    acts = {}
-    for role in ("query", "key", "value"):
-        pre, padded = causal_conv(linear(x, p[f"W_{role}"]), p[f"conv_{role}"])
-        acts[role] = silu(pre)
-        saved[f"conv_{role}"] = padded
-    q_unit, q_r = l2_normalize(split_heads(acts["query"][0], hk), number(c["l2norm_eps"]))
-    k_unit, k_r = l2_normalize(split_heads(acts["key"][0], hk), number(c["l2norm_eps"]))
-    scale = number(1) / np.sqrt(number(dk))
-    group = hv // hk
-    q = np.repeat(q_unit * scale, group, axis=-3)  # value head h reads key head h // group
-    k = np.repeat(k_unit, group, axis=-3)
-    v = split_heads(acts["value"][0], hv)
-    beta_logit = _heads_last(linear(x, p["W_beta"]), hv)  # (..., Hv, L)
-    sig, sig_slope = sigmoid(beta_logit)
-    factor = number(2) if c["allow_neg_eigval"] else number(1)
-    beta = factor * sig
-    soft, soft_slope = softplus(_heads_last(linear(x, p["W_decay"]), hv)
-                                + p["dt_bias"][:, None])
-    rate = np.exp(p["A_log"])[:, None]  # (Hv, 1)
-    g = -rate * soft
+def _projection(x, p, name):
+    """(x W_name, saved) or, low-rank, ((x W_name_a) W_name_b, saved)."""
+    if name in p:
+        return linear(x, p[name]), None
+    inner = linear(x, p[f"{name}_a"])
+    return linear(inner, p[f"{name}_b"]), inner
+
+
+def _projection_backward(x, p, name, inner, g, grads):
+    """dL/dx of ``_projection``, its weights' gradients into ``grads``."""
+    if name in p:
+        return linear_backward(x, p[name], g, grads, (name, None))
+    g_inner = linear_backward(inner, p[f"{name}_b"], g, grads, (f"{name}_b", None))
+    return linear_backward(x, p[f"{name}_a"], g_inner, grads, (f"{name}_a", None))
+
+
+def _decay(c, p, x, heads):
+    """(a = e^g, saved): per head (..., Hv, L) for Gated DeltaNet, per key channel (..., H, L, D)
+    for Kimi Delta Attention (golden.specification.recurrent's formulas)."""
+    rate = np.exp(p["A_log"])
+    f, inner = _projection(x, p, "W_decay")
+    if c.get("forget_gate") is None:  # Gated DeltaNet: one value per head and token
+        u = _heads_last(f, heads) + p["dt_bias"][:, None]  # (..., Hv, L)
+        soft, slope = softplus(u)
+        g = -rate[:, None] * soft
+        g_u = -rate[:, None] * slope
+    else:  # per key channel: (..., H, L, D)
+        u = split_heads(f + p["dt_bias"], heads)
+        r = rate[:, None, None]
+        if c["forget_gate"] == "softplus":
+            soft, slope = softplus(u)
+            g, g_u = -r * soft, -r * slope
+        else:
+            bound = number(c["decay_lower_bound"])
+            sig, sig_slope = sigmoid(r * u)
+            g, g_u = bound * sig, bound * sig_slope * r
     a = np.exp(g)
-    o, states = delta_rule(q, k, v, a, beta)
-    z = split_heads(linear(x, p["W_gate"]), hv)
-    normed, norm_saved = gated_rms_norm(o, z, p["norm_weight"], number(c["norm_eps"]))
-    merged = merge_heads(normed)
-    y = linear(merged, p["W_out"])
-    saved.update(acts=acts, q_unit=q_unit, q_r=q_r, k_unit=k_unit, k_r=k_r, scale=scale,
-                 q=q, k=k, v=v, beta=beta, sig_slope=sig_slope, factor=factor, soft=soft,
-                 soft_slope=soft_slope, rate=rate, g=g, a=a, states=states,
-                 norm_saved=norm_saved, merged=merged)
-    return y, None, saved
+    return a, {"g": g, "g_u": g_u, "u": u, "a": a, "inner": inner}
 
 
-def _gated_delta_net_backward(saved, d_y, d_weights=None):
+def _decay_backward(c, p, x, saved, g_a, grads, heads):
+    """dL/dx of ``_decay`` for dL/da ``g_a``, the gradients of A_log, dt_bias and the decay's
+    projection into ``grads``."""
+    g_g = g_a * saved["a"]
+    g_u = g_g * saved["g_u"]
+    lead = tuple(range(g_g.ndim - (2 if c.get("forget_gate") is None else 3)))
+    if c.get("forget_gate") is None:
+        grads["A_log"] = (g_g * saved["g"]).sum(axis=lead + (-1,))
+        grads["dt_bias"] = g_u.sum(axis=lead + (-1,))
+        g_f = np.swapaxes(g_u, -1, -2)  # (..., L, Hv)
+    else:
+        if c["forget_gate"] == "softplus":
+            grads["A_log"] = (g_g * saved["g"]).sum(axis=lead + (-2, -1))
+        else:  # g = λ σ(e^A u): dg/dA = dg/du · u
+            grads["A_log"] = (g_u * saved["u"]).sum(axis=lead + (-2, -1))
+        g_f = merge_heads(g_u)  # (..., L, H·D)
+        grads["dt_bias"] = g_f.reshape(-1, g_f.shape[-1]).sum(axis=0)
+    return _projection_backward(x, p, "W_decay", saved["inner"], g_f, grads)
+
+
+def _mixer_forward(name):
+    def forward(config, inputs, params):
+        """A recurrent mixer (golden.specification.recurrent) from S_0 = 0 over x."""
+        c = recurrent.get(name).config(config)
+        p = {n: real(a) for n, a in params.items()}
+        x = real(inputs["x"])
+        mask = inputs.get("mask")
+        if mask is not None:
+            x = x * real(np.asarray(mask, dtype=np.float64))[..., None]
+        hk, hv, dk, _ = recurrent.sizes(c)
+        saved = {"p": p, "x": x, "mask": mask, "c": c}
+        acts = {}
+        for role in ("query", "key", "value"):
+            pre, padded = causal_conv(linear(x, p[f"W_{role}"]), p[f"conv_{role}"])
+            acts[role] = silu(pre)
+            saved[f"conv_{role}"] = padded
+        q_unit, q_r = l2_normalize(split_heads(acts["query"][0], hk), number(c["l2norm_eps"]))
+        k_unit, k_r = l2_normalize(split_heads(acts["key"][0], hk), number(c["l2norm_eps"]))
+        scale = number(1) / np.sqrt(number(dk))
+        group = hv // hk
+        q = np.repeat(q_unit * scale, group, axis=-3)  # value head h reads key head h // group
+        k = np.repeat(k_unit, group, axis=-3)
+        v = split_heads(acts["value"][0], hv)
+        sig, sig_slope = sigmoid(_heads_last(linear(x, p["W_beta"]), hv))  # (..., Hv, L)
+        factor = number(2) if c.get("allow_neg_eigval") else number(1)
+        beta = factor * sig
+        a, decay_saved = _decay(c, p, x, hv)
+        o, states = delta_rule(q, k, v, a, beta)
+        z, gate_inner = _projection(x, p, "W_gate")
+        z = split_heads(z, hv)
+        unit, norm_saved = normalize("rms", o, None, number(c["norm_eps"]))
+        act, act_slope = silu(z) if name == "gated_delta_net" else sigmoid(z)
+        normed = unit * p["norm_weight"] * act
+        merged = merge_heads(normed)
+        y = linear(merged, p["W_out"])
+        saved.update(acts=acts, q_unit=q_unit, q_r=q_r, k_unit=k_unit, k_r=k_r, scale=scale,
+                     q=q, k=k, v=v, beta=beta, sig_slope=sig_slope, factor=factor, a=a,
+                     decay=decay_saved, states=states, unit=unit, norm_saved=norm_saved,
+                     act=act, act_slope=act_slope, gate_inner=gate_inner, merged=merged)
+        return y, None, saved
+    return forward
+
+
+def _mixer_backward(saved, d_y, d_weights=None):
     """Gradients of Σ y ⊙ d_y: "x" and every parameter."""
     s, p, c = saved, saved["p"], saved["c"]
-    hk, hv = c["num_k_heads"], c["num_v_heads"]
+    hk, hv, _, _ = recurrent.sizes(c)
     group = hv // hk
     grads = {}
     g_merged = linear_backward(s["merged"], p["W_out"], real(d_y), grads, ("W_out", None))
     g_normed = split_heads(g_merged, hv)
-    g_o, g_z, grads["norm_weight"] = gated_rms_norm_backward(s["norm_saved"], g_normed)
-    g_x = linear_backward(s["x"], p["W_gate"], merge_heads(g_z), grads, ("W_gate", None))
+    weight, unit, act = p["norm_weight"], s["unit"], s["act"]
+    grads["norm_weight"] = (g_normed * unit * act).reshape(-1, unit.shape[-1]).sum(axis=0)
+    g_o, _ = normalize_backward("rms", s["norm_saved"], g_normed * weight * act)
+    g_z = merge_heads(g_normed * unit * weight * s["act_slope"])
+    g_x = _projection_backward(s["x"], p, "W_gate", s["gate_inner"], g_z, grads)
     g_q, g_k, g_v, g_a, g_beta, _ = delta_rule_backward(s["q"], s["k"], s["v"], s["a"],
                                                         s["beta"], s["states"], g_o)
-    # the decay: a = e^g, g = −e^{A_log} softplus(x W_decay + dt_bias)
-    g_g = g_a * s["a"]  # (..., Hv, L)
-    lead = tuple(range(g_g.ndim - 2))
-    grads["A_log"] = (g_g * s["g"]).sum(axis=lead + (-1,))
-    g_pre = -g_g * s["rate"] * s["soft_slope"]
-    grads["dt_bias"] = g_pre.sum(axis=lead + (-1,))
-    g_x = g_x + linear_backward(s["x"], p["W_decay"], np.swapaxes(g_pre, -1, -2), grads,
-                                ("W_decay", None))
+    g_x = g_x + _decay_backward(c, p, s["x"], s["decay"], g_a, grads, hv)
     g_logit = g_beta * s["factor"] * s["sig_slope"]
     g_x = g_x + linear_backward(s["x"], p["W_beta"], np.swapaxes(g_logit, -1, -2), grads,
                                 ("W_beta", None))
-    # the heads: a key head's gradient sums its value heads'
-    def fold(t):
+
+    def fold(t):  # a key head's gradient sums its value heads'
         return t.reshape(t.shape[:-3] + (hk, group) + t.shape[-2:]).sum(axis=-3)
-    g_q_unit = fold(g_q) * s["scale"]
-    g_k_unit = fold(g_k)
-    acts = {"query": merge_heads(l2_normalize_backward(s["q_unit"], s["q_r"], g_q_unit)),
-            "key": merge_heads(l2_normalize_backward(s["k_unit"], s["k_r"], g_k_unit)),
+    acts = {"query": merge_heads(l2_normalize_backward(s["q_unit"], s["q_r"],
+                                                       fold(g_q) * s["scale"])),
+            "key": merge_heads(l2_normalize_backward(s["k_unit"], s["k_r"], fold(g_k))),
             "value": merge_heads(g_v)}
     for role, g_act in acts.items():
         g_pre = g_act * s["acts"][role][1]
@@ -233,4 +271,5 @@ def _gated_delta_net_backward(saved, d_y, d_weights=None):
     return grads
 
 
-MIXERS = {"gated_delta_net": (_gated_delta_net, _gated_delta_net_backward)}
+MIXERS = {name: (_mixer_forward(name), _mixer_backward)
+          for name in ("gated_delta_net", "kimi_delta_attention")}

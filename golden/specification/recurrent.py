@@ -24,6 +24,18 @@ mask (B, L) bool, True = a real token (None: all real):
     S′_t = e^{g_t} S_{t−1};  S_t = S′_t + k̂_t ⊗ β_t (v_t − S′_tᵀ k̂_t);  o_t = S_tᵀ q̂_t
     y = merge(RMSNorm_Dv(o) · norm_weight ⊙ SiLU(x̃ W_gate)) W_out    RMSNorm ε = norm_eps
 S_0 = 0, or a cache's state; no biases anywhere (none of the families has one).
+
+``kimi_delta_attention`` (KimiDeltaAttention: Kimi Linear, GLM-5.3-Flash, Ling 3.0), the same
+with H heads of D (Hk = Hv, Dk = Dv) and three differences:
+    the decay per key channel: f = x̃ W_decay (or x̃ W_decay_a W_decay_b, rank decay_rank),
+        g = −exp(A_log_h) · softplus(f + dt_bias)               forget_gate "softplus"
+        g = λ · σ(exp(A_log_h) · (f + dt_bias)), λ < 0          "bounded_sigmoid", λ =
+                                                                  decay_lower_bound (GLM-5.3,
+                                                                  Ling 3.0's safe gate)
+        (B, L, H, D), S′_t = diag(e^{g_t}) S_{t−1}
+    β = σ(x̃ W_beta)
+    y = merge(RMSNorm_D(o) · norm_weight ⊙ σ(x̃ W_gate)) W_out   (W_gate or W_gate_a W_gate_b,
+                                                                  rank gate_rank: σ, not SiLU)
 """
 
 from __future__ import annotations
@@ -52,15 +64,21 @@ class RecurrentCache(NamedTuple):
     lengths: Any
 
 
+def sizes(config) -> tuple:
+    """(Hk, Hv, Dk, Dv) of a mixer's full configuration (Kimi Delta Attention: H, H, D, D)."""
+    c = config
+    if "num_heads" in c:
+        return c["num_heads"], c["num_heads"], c["head_dim"], c["head_dim"]
+    return c["num_k_heads"], c["num_v_heads"], c["head_k_dim"], c["head_v_dim"]
+
+
 def cache_shapes(config, batch_size=None) -> dict:
     """{field: shape} of a RecurrentCache for the mixer's full configuration (``batch_size``
     None: unbatched)."""
-    c = config
+    hk, hv, dk, dv = sizes(config)
     lead = () if batch_size is None else (batch_size,)
-    channels = 2 * c["num_k_heads"] * c["head_k_dim"] + c["num_v_heads"] * c["head_v_dim"]
-    return {"conv": lead + (c["conv_kernel"] - 1, channels),
-            "state": lead + (c["num_v_heads"], c["head_k_dim"], c["head_v_dim"]),
-            "lengths": lead}
+    return {"conv": lead + (config["conv_kernel"] - 1, 2 * hk * dk + hv * dv),
+            "state": lead + (hv, dk, dv), "lengths": lead}
 
 
 def _flag(name, b) -> None:
@@ -116,7 +134,63 @@ GATED_DELTA_NET = Variant(
     sample=dict(d_in=5, num_k_heads=2, num_v_heads=4, head_k_dim=3, head_v_dim=6, d_out=7,
                 conv_kernel=3))
 
-MIXERS = {v.name: v for v in (GATED_DELTA_NET,)}
+FORGET_GATES = ("softplus", "bounded_sigmoid")
+
+
+def _forget_gate(name, kind) -> None:
+    if kind not in FORGET_GATES:
+        raise ValueError(f"{name} should be one of {', '.join(map(repr, FORGET_GATES))}, got "
+                         f"{kind!r}")
+
+
+def _lower_bound(name, x) -> None:
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))
+                          or not x < 0 or x != x or x in (float("-inf"),)):
+        raise ValueError(f"{name} should be None or a finite number < 0 (the log-decay's lower "
+                         f"bound), got {x!r}")
+
+
+def _low_rank(shapes, name, d_in, rank, width) -> None:
+    if rank is None:
+        shapes[name] = (d_in, width)
+    else:
+        shapes[f"{name}_a"], shapes[f"{name}_b"] = (d_in, rank), (rank, width)
+
+
+def _kimi_delta_shapes(c):
+    h, d, d_in, k = c["num_heads"], c["head_dim"], c["d_in"], c["conv_kernel"]
+    if (c["forget_gate"] == "bounded_sigmoid") != (c["decay_lower_bound"] is not None):
+        raise ValueError(f"decay_lower_bound should be a number < 0 with forget_gate "
+                         f"'bounded_sigmoid' and None with 'softplus', got "
+                         f"{c['decay_lower_bound']!r} with {c['forget_gate']!r}")
+    d_out = d_in if c["d_out"] is None else c["d_out"]
+    shapes = {"W_query": (d_in, h * d), "W_key": (d_in, h * d), "W_value": (d_in, h * d),
+              "W_beta": (d_in, h)}
+    _low_rank(shapes, "W_decay", d_in, c["decay_rank"], h * d)
+    _low_rank(shapes, "W_gate", d_in, c["gate_rank"], h * d)
+    shapes.update({"W_out": (h * d, d_out), "conv_query": (h * d, k), "conv_key": (h * d, k),
+                   "conv_value": (h * d, k), "A_log": (h,), "dt_bias": (h * d,),
+                   "norm_weight": (d,)})
+    return shapes
+
+
+KIMI_DELTA_ATTENTION = Variant(
+    "kimi_delta_attention", "KimiDeltaAttention",
+    (Arg("d_in", positive), Arg("num_heads", positive), Arg("head_dim", positive),
+     Arg("d_out", positive_or_none, None), Arg("conv_kernel", positive, 4),
+     Arg("norm_eps", epsilon, 1e-6), Arg("l2norm_eps", epsilon, 1e-6),
+     Arg("decay_rank", positive_or_none, None), Arg("gate_rank", positive_or_none, None),
+     Arg("forget_gate", _forget_gate, "softplus"),
+     Arg("decay_lower_bound", _lower_bound, None)),
+    shapes=_kimi_delta_shapes, check_inputs=_sequence_inputs,
+    layers={"query": "W_query", "key": "W_key", "value": "W_value", "beta": "W_beta",
+            "decay": "W_decay", "decay_a": "W_decay_a", "decay_b": "W_decay_b",
+            "gate": "W_gate", "gate_a": "W_gate_a", "gate_b": "W_gate_b", "out": "out_proj"},
+    vectors=("conv_query", "conv_key", "conv_value", "A_log", "dt_bias", "norm_weight"),
+    sample=dict(d_in=5, num_heads=2, head_dim=4, d_out=7, conv_kernel=3, decay_rank=3,
+                gate_rank=2))
+
+MIXERS = {v.name: v for v in (GATED_DELTA_NET, KIMI_DELTA_ATTENTION)}
 
 
 def get(name) -> Variant:
