@@ -433,6 +433,29 @@ def test_latent_attention_is_split_by_head(mesh):
         _sharded_like(getattr(mla, norm).get_value(), mesh, P())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_latent_attention_absorbed_sharded_equals_one_device(kind):
+    """absorb=True on the layout above (W_kv_b's halves read per head from its column-split
+    kernel): the one-device output at float64, and the forward's one all-reduce."""
+    mesh = _mesh(kind)
+    config = MODULE_CASES["multi_head_latent_attention"][1]
+    rng, seed = fresh_rng()
+    params = {n: rng.standard_normal(shape) / np.sqrt(shape[0])
+              for n, shape in variants.get("multi_head_latent_attention").param_shapes(
+                  config).items()}
+    x = rng.standard_normal((B, 7, config["d_in"]))
+    step = jax.jit(lambda m, x: m(x, absorb=True))
+    with jax.enable_x64(True):
+        one = step(_build("multi_head_latent_attention", config, params), jax.device_put(x))
+        module = shard_module(_build("multi_head_latent_attention", config, params), mesh)
+        put = jax.device_put(x, NamedSharding(mesh, BATCH))
+        out = step(module, put)
+        found = _collectives(step.lower(module, put).compile().as_text())
+    _equal(out, one, "float64")
+    _sharded_like(out, mesh, BATCH)
+    assert [op for op, _ in found] == ["all-reduce"], f"{found}, seed {seed}"
+
+
 def _abstract(cls, *args, **kwargs):
     """A module's structure without weights (nnx.eval_shape draws nothing, compiles nothing):
     enough for the checks, which run before any array moves."""
