@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from golden.specification.positions import KVCache
-from golden.specification.validate import check_build_args, check_kv_cache, check_param_arrays
+from golden.specification.positions import KVCache, LatentCache
+from golden.specification.validate import check_any_cache, check_build_args, check_param_arrays
 from golden.specification.variants import export_layers, load_layers, module_variant
 from jax_attn import modules
 
@@ -75,17 +75,25 @@ def build(variant, config, params, *, rngs=None):
 _LOW = (jnp.bfloat16, jnp.float16)
 
 
-def export_cache(cache) -> KVCache:
-    """A KV cache as NumPy copies (bfloat16 and float16 as float32, exactly, as in torch's
-    ``export_cache``), for the other framework's ``load_cache``."""
-    check_kv_cache(cache)
-    return KVCache(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
-                     for a in cache))
+def _kind(fields):
+    """The cache class with these field names (golden.specification.validate.check_any_cache)."""
+    return KVCache if fields == KVCache._fields else LatentCache
 
 
-def load_cache(cache, dtype=None) -> KVCache:
-    """A KV cache of NumPy (or any array) fields on the default device: key and value in
-    ``dtype`` (default theirs; float64 needs ``jax.enable_x64``), lengths int32."""
-    check_kv_cache(cache)
-    key, value = (_device(a, dtype) for a in (cache.key, cache.value))
-    return KVCache(key, value, _device(cache.lengths, np.int32))
+def export_cache(cache) -> KVCache | LatentCache:
+    """A KV cache, or MultiHeadLatentAttention's LatentCache, as NumPy copies of the same class
+    (bfloat16 and float16 as float32, exactly, as in torch's ``export_cache``), for the other
+    framework's ``load_cache``."""
+    fields = check_any_cache(cache)
+    arrays = (getattr(cache, f) for f in fields)
+    return _kind(fields)(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
+                           for a in arrays))
+
+
+def load_cache(cache, dtype=None) -> KVCache | LatentCache:
+    """A KVCache or LatentCache of NumPy (or any array) fields on the default device, of the
+    same class: key and value, or latent and rope_key, in ``dtype`` (default theirs; float64
+    needs ``jax.enable_x64``), lengths int32."""
+    fields = check_any_cache(cache)
+    arrays = (_device(getattr(cache, f), dtype) for f in fields[:-1])
+    return _kind(fields)(*arrays, _device(cache.lengths, np.int32))

@@ -146,39 +146,60 @@ HEADS = P(DATA, MODEL)  # (B, H, ...): query, key, value, masks and biases with 
 BATCH = P(DATA)  # (B, ...): offsets, lengths, masks without heads, the modules' inputs, outputs
 
 
+# Each projection role's Megatron split (golden.specification.variants' role names): "column"
+# when its output features hold whole heads (of the module's attribute named), "row" when its
+# input features do, None when it is replicated: latent attention's down projections to the
+# latent (q_a, kv_a with its rope part), which every head reads whole.
+ROLES = {"query": ("column", "num_heads"), "key": ("column", "num_kv_heads"),
+         "value": ("column", "num_kv_heads"), "gate": ("column", "num_heads"),
+         "q_b": ("column", "num_heads"), "kv_b": ("column", "num_heads"),
+         "out": ("row", "num_heads"), "q_a": (None, None), "kv_a": (None, None)}
+
+
 def layer_specs(module, mesh, *, model=MODEL) -> dict:
     """{(layer path, "kernel" | "bias"): PartitionSpec} for a jax_attn module on ``mesh``.
 
     Megatron's tensor parallelism for the modules that fuse their heads into one projection per
-    role (MultiHeadAttention, GroupedQueryAttention): W_query, W_key and W_value hold their
-    heads as contiguous blocks of the output features, so splitting that axis over ``model``
-    gives each device whole heads (column-parallel: kernel ``P(None, model)``, bias
-    ``P(model)``, no communication; the output gate W_gate alike); out_proj reads the heads'
-    features on its input axis, so it is split there (row-parallel: kernel ``P(model, None)``;
-    each device multiplies its heads' part and one all-reduce sums them; the bias is replicated,
-    added once). W_key and W_value of Hkv heads are split when n divides Hkv, else replicated
-    (each device computes every key-value head, n a multiple of Hkv). The other modules (one
+    role (MultiHeadAttention, GroupedQueryAttention, MultiHeadLatentAttention): W_query, W_key
+    and W_value hold their heads as contiguous blocks of the output features, so splitting that
+    axis over ``model`` gives each device whole heads (column-parallel: kernel ``P(None,
+    model)``, bias ``P(model)``, no communication; the output gate W_gate alike); out_proj reads
+    the heads' features on its input axis, so it is split there (row-parallel: kernel ``P(model,
+    None)``; each device multiplies its heads' part and one all-reduce sums them; the bias is
+    replicated, added once). W_key and W_value of Hkv heads are split when n divides Hkv, else
+    replicated (each device computes every key-value head, n a multiple of Hkv). Latent
+    attention: W_q_b and W_kv_b (each head's [k_nope | v] from the latent) column-parallel,
+    out_proj row-parallel; W_q_a and W_kv_a, down to the latents every head reads, replicated,
+    as are the latents' norms (q_a_norm, kv_a_norm: plain parameters). The other modules (one
     head, or the wrapper's independent heads) have no head axis to split and are replicated, as
     is everything with ``model=None`` (data parallelism alone)."""
     _check_module(module)
     n = _axis_size(mesh, model)
-    fused = n > 1 and hasattr(module, "num_heads") and not projections(module)["query"][1]
-    heads = {role: getattr(module, "num_heads", 1) for role in ("query", "out", "gate")}
-    heads["key"] = heads["value"] = getattr(module, "num_kv_heads", heads["query"])
-    if fused and heads["query"] % n:
+    roles = projections(module)
+    fused = n > 1 and hasattr(module, "num_heads") and not any(s for _, s in roles.values())
+    unknown = sorted(set(roles) - set(ROLES)) if fused else []
+    if unknown:
+        raise ValueError(f"module's projections should be of the roles split by head "
+                         f"({', '.join(ROLES)}) to split {type(module).__name__}, got "
+                         f"{', '.join(unknown)}")
+    # the heads each split role holds (num_kv_heads absent: as many as the query's)
+    heads = {r: getattr(module, ROLES[r][1], module.num_heads) for r in roles
+             if ROLES[r][0]} if fused else {}
+    if fused and module.num_heads % n:
         raise ValueError(f"num_heads should be a multiple of the size of mesh axis {model!r}, "
-                         f"{n}, to split {type(module).__name__} by head, got {heads['query']}")
-    if fused and heads["key"] % n and n % heads["key"]:
+                         f"{n}, to split {type(module).__name__} by head, got {module.num_heads}")
+    kv = heads.get("key")
+    if fused and kv is not None and kv % n and n % kv:
         raise ValueError(f"num_kv_heads should divide or be a multiple of the size of mesh axis "
-                         f"{model!r}, {n}, got {heads['key']}")
+                         f"{model!r}, {n}, got {kv}")
     specs = {}
-    for role, (layers, _) in projections(module).items():
-        split = fused and heads[role] % n == 0
-        row = role == "out"
+    for role, (layers, _) in roles.items():
+        kind = ROLES[role][0] if role in heads and heads[role] % n == 0 else None
         for path, layer in _linears(module, layers):
-            specs[path, "kernel"] = (P(model, None) if row else P(None, model)) if split else P()
+            specs[path, "kernel"] = {"column": P(None, model), "row": P(model, None),
+                                     None: P()}[kind]
             if layer.bias is not None:
-                specs[path, "bias"] = P(model) if split and not row else P()
+                specs[path, "bias"] = P(model) if kind == "column" else P()
     return specs
 
 

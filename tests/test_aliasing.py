@@ -74,8 +74,9 @@ def test_a_load_copies_the_callers_arrays(twin, variant):
         np.testing.assert_array_equal(a, kept[name], err_msg=name)
 
 
-def test_a_cache_export_and_load_copy(twin):
-    variant = variants.get("grouped_query_attention")
+@pytest.mark.parametrize("name", ["grouped_query_attention", "multi_head_latent_attention"])
+def test_a_cache_export_and_load_copy(twin, name):  # a KVCache, and MLA's LatentCache
+    variant = variants.get(name)
     params = _params(variant, np.random.default_rng(2))
     module = twin.lib.build(variant.name, variant.sample, params)
     x = twin.arrays({"x": np.random.default_rng(3).standard_normal((2, 3, 5))}, "float32")["x"]

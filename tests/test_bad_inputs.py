@@ -44,7 +44,7 @@ import torch_attn
 from golden import convert as golden_convert
 from golden.specification import mapping, variants
 from golden.cli import main
-from golden.specification.positions import KVCache
+from golden.specification.positions import KVCache, LatentCache
 from golden.runners import adapt
 from tests.helpers import FRAMEWORKS, TWINS, Reference, other
 
@@ -674,9 +674,10 @@ def np_cache(**kw):
     return cache(Reference(), **kw)
 
 
+CACHES = "cache should be a KVCache (key, value, lengths) or a LatentCache (latent, rope_key, " \
+    "lengths) from init_cache, got "
 twin_case("load-cache-dict", lambda t: t.lib.load_cache({"key": np.ones((2, 2, 8, 4))}),
-          ValueError, E("cache should be a KVCache (key, value, lengths) from init_cache, "
-                        "got dict"))
+          ValueError, E(CACHES + "dict"))
 twin_case("load-cache-key-rank", lambda t: t.lib.load_cache(np_cache(key=(2, 8, 4))),
           ValueError, E("cache.key shape should be (B, Hkv, M, Dh), got (2, 8, 4)"))
 twin_case("load-cache-value-shape",
@@ -693,7 +694,32 @@ twin_case("load-cache-lengths-list",
           lambda t: t.lib.load_cache(np_cache()._replace(lengths=[0, 0])), TypeError,
           E("cache.lengths should be an array (NumPy, torch or JAX), got list"))
 twin_case("export-cache-none", lambda t: t.lib.export_cache(None), ValueError,
-          E("cache should be a KVCache (key, value, lengths) from init_cache, got NoneType"))
+          E(CACHES + "NoneType"))
+
+
+def np_latent(latent=(2, 8, 7), rope_key=(2, 8, 4), dtype="float32", rope_dtype=None,
+              lengths=(2,)):
+    """A LatentCache of NumPy arrays (MultiHeadLatentAttention's sample: r = 7, Dr = 4)."""
+    return LatentCache(np.ones(latent, dtype), np.ones(rope_key, rope_dtype or dtype),
+                       np.zeros(lengths, np.int32))
+
+
+twin_case("load-latent-cache-latent-rank", lambda t: t.lib.load_cache(np_latent(latent=(2, 8))),
+          ValueError, E("cache.latent shape should be (B, M, kv_lora_rank), got (2, 8)"))
+twin_case("load-latent-cache-rope-key-shape",
+          lambda t: t.lib.load_cache(np_latent(rope_key=(2, 7, 4))), ValueError,
+          E("cache.rope_key shape should be (B, M, qk_rope_head_dim) = (2, 8, ?), got (2, 7, 4)"))
+twin_case("load-latent-cache-latent-int", lambda t: t.lib.load_cache(np_latent(dtype="int32")),
+          ValueError, E(f"cache.latent dtype should be one of {FLOATS}, got int32"))
+twin_case("load-latent-cache-rope-key-dtype",
+          lambda t: t.lib.load_cache(np_latent(rope_dtype="float64")), ValueError,
+          E("cache.rope_key dtype should be float32 (cache.latent's), got float64"))
+twin_case("load-latent-cache-lengths-shape",
+          lambda t: t.lib.load_cache(np_latent(lengths=(3,))), ValueError,
+          E("cache.lengths shape should be (B,) = (2,), got (3,)"))
+twin_case("export-latent-cache-rope-key-list",
+          lambda t: t.lib.export_cache(np_latent()._replace(rope_key=[1.0])), TypeError,
+          E("cache.rope_key should be an array (NumPy, torch or JAX), got list"))
 
 # ---- golden.load ------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ import jax_attn
 import torch_attn
 from golden import reference
 from golden.specification import variants
-from tests.helpers import JAX, TWINS, count_compiles, fresh_rng, sweep
+from golden.specification.positions import LatentCache
+from tests.helpers import JAX, TWINS, count_compiles, fresh_rng, other, sweep
 
 MLA = "multi_head_latent_attention"
 B, L, M = 2, 10, 13
@@ -285,6 +286,65 @@ def test_cache_bytes_per_token(twin, dtype):
 def _nbytes(a) -> int:
     """Bytes an array allocates (torch or JAX)."""
     return a.numel() * a.element_size() if torch.is_tensor(a) else a.nbytes
+
+
+# ---- a latent cache between the frameworks: export_cache, load_cache --------------------------
+
+@pytest.mark.parametrize("absorb", [False, True], ids=["plain", "absorbed"])
+@pytest.mark.parametrize("name", ["q_lora_interleaved", "no_lora_rotate_half"])
+@pytest.mark.parametrize("start", list(TWINS))
+def test_a_latent_cache_filled_in_one_framework_continues_in_the_other(start, name, absorb):
+    """Ragged prompts (3 and 5 tokens) prefilled in one framework, the cache exported (NumPy)
+    and loaded into the other, the rest decoded there token by token: the first framework's full
+    forward at float64."""
+    rng, seed = fresh_rng()
+    config = CONFIGS[name]
+    first, second = TWINS[start], other(TWINS[start])
+    params = _params(config, rng)
+    x = rng.standard_normal((B, L, config["d_in"]))
+    pos = np.array([3, 5])
+    with first.float64(), second.float64():
+        a, b = first.build(MLA, config, params), second.build(MLA, config, params)
+        full = _call(first, a, x)
+        head, cache = _call(first, a, x[:, :5], cache=a.init_cache(B, M),
+                            query_seq_lengths=pos, absorb=absorb)
+        exported = first.lib.export_cache(cache)
+        moved = second.lib.load_cache(exported)
+        out = np.full((B, L, config["d_out"]), np.nan)
+        for r in range(B):
+            out[r, :pos[r]] = head[r, :pos[r]]
+        while (pos < L).any():  # one token a step; a finished row is padding
+            new = (pos < L).astype(np.int32)
+            y, moved = _call(second, b, x[np.arange(B), np.minimum(pos, L - 1)][:, None],
+                             cache=moved, query_seq_lengths=new, absorb=absorb)
+            out[new == 1, pos[new == 1]] = y[new == 1, 0]
+            pos = pos + new
+    assert type(exported) is LatentCache and isinstance(moved, second.lib.LatentCache)
+    assert all(isinstance(f, np.ndarray) for f in exported)
+    assert rel(full, reference.VARIANTS[MLA][0](config, {"x": x}, params)[0]) <= EXACT
+    assert np.abs(out - full).max() <= EXACT, f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_exported_latent_cache_is_numpy_in_float32_or_wider(twin, dtype):
+    """bfloat16 fields export as float32 (exactly: every bfloat16 is a float32), lengths int32;
+    ``load_cache(dtype=...)`` gives the fields that dtype and the same values."""
+    rng, _ = fresh_rng()
+    params = {n: a.astype(np.float32) for n, a in _params(CONFIG, rng).items()}
+    module = twin.build(MLA, CONFIG, params)
+    dt = twin.adapter.dtype(dtype)
+    _, cache = module(twin.array(rng.standard_normal((B, 4, CONFIG["d_in"])), "float32"),
+                      cache=module.init_cache(B, M))
+    cast = (lambda a: a.to(dt)) if twin.name == "torch" else (lambda a: a.astype(dt))
+    cache = type(cache)(cast(cache.latent), cast(cache.rope_key), cache.lengths)
+    exported = twin.lib.export_cache(cache)
+    assert (exported.latent.dtype, exported.rope_key.dtype, exported.lengths.dtype) == (
+        np.float32, np.float32, np.int32)
+    np.testing.assert_array_equal(exported.latent, twin.numpy(cache.latent))
+    np.testing.assert_array_equal(exported.lengths, [4, 4])
+    loaded = twin.lib.load_cache(exported, dtype=dt)
+    assert loaded.latent.dtype == dt and loaded.rope_key.dtype == dt
+    np.testing.assert_array_equal(twin.numpy(loaded.rope_key), twin.numpy(cache.rope_key))
 
 
 # ---- against transformers' DeepseekV3Attention -------------------------------------------------

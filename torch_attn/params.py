@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from golden.specification.positions import KVCache
-from golden.specification.validate import check_build_args, check_kv_cache, check_param_arrays
+from golden.specification.positions import KVCache, LatentCache
+from golden.specification.validate import check_any_cache, check_build_args, check_param_arrays
 from golden.specification.variants import export_layers, load_layers, module_variant
 from torch_attn import modules
 
@@ -77,18 +77,25 @@ def build(variant, config, params):
     return module
 
 
-def export_cache(cache) -> KVCache:
-    """A KV cache as NumPy copies (detached; bfloat16 and float16 as float32, exactly), for the
-    other framework's ``load_cache``."""
-    check_kv_cache(cache)
-    return KVCache(*(_numpy(t) for t in cache))
+def _kind(fields):
+    """The cache class with these field names (golden.specification.validate.check_any_cache)."""
+    return KVCache if fields == KVCache._fields else LatentCache
 
 
-def load_cache(cache, device=None, dtype=None) -> KVCache:
-    """A KV cache of NumPy (or any array) fields as tensors (copies): key and value in ``dtype``
-    (default theirs), lengths int32, on ``device``."""
-    check_kv_cache(cache)
-    key, value = (torch.tensor(np.asarray(a), device=device, dtype=dtype)
-                  for a in (cache.key, cache.value))
-    return KVCache(key, value, torch.tensor(np.asarray(cache.lengths), dtype=torch.int32,
-                                            device=device))
+def export_cache(cache) -> KVCache | LatentCache:
+    """A KV cache, or MultiHeadLatentAttention's LatentCache, as NumPy copies of the same class
+    (detached; bfloat16 and float16 as float32, exactly), for the other framework's
+    ``load_cache``."""
+    fields = check_any_cache(cache)
+    return _kind(fields)(*(_numpy(getattr(cache, f)) for f in fields))
+
+
+def load_cache(cache, device=None, dtype=None) -> KVCache | LatentCache:
+    """A KVCache or LatentCache of NumPy (or any array) fields as tensors (copies) of the same
+    class: key and value, or latent and rope_key, in ``dtype`` (default theirs), lengths int32,
+    on ``device``."""
+    fields = check_any_cache(cache)
+    arrays = (torch.tensor(np.asarray(getattr(cache, f)), device=device, dtype=dtype)
+              for f in fields[:-1])
+    return _kind(fields)(*arrays, torch.tensor(np.asarray(cache.lengths), dtype=torch.int32,
+                                               device=device))

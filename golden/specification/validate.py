@@ -837,6 +837,35 @@ def check_kv_cache(cache) -> None:
     _expect_integers("cache.lengths", cache.lengths, shape[:1], "B")
 
 
+def check_latent_fields(cache) -> None:
+    """A latent cache on its own (export_cache, load_cache): latent (B, M, kv_lora_rank) and
+    rope_key (B, M, qk_rope_head_dim) of one float dtype, lengths (B,) integers."""
+    shape = tuple(cache.latent.shape)
+    if len(shape) != 3:
+        raise ValueError(f"cache.latent shape should be (B, M, kv_lora_rank), got {_fmt(shape)}")
+    _expect_shape("cache.rope_key", tuple(cache.rope_key.shape), ("B", "M", "qk_rope_head_dim"),
+                  shape[:2] + (None,))
+    _expect_float("cache.latent", cache.latent)
+    _expect_float("cache.rope_key", cache.rope_key, like=dtype_name(cache.latent.dtype),
+                  whose="cache.latent's")
+    _expect_integers("cache.lengths", cache.lengths, shape[:1], "B")
+
+
+def check_any_cache(cache) -> tuple:
+    """export_cache's and load_cache's argument: a KVCache (check_kv_cache) or a LatentCache
+    (check_latent_fields), told apart by its fields. Returns the field names, lengths last."""
+    if all(hasattr(cache, f) for f in LATENT_FIELDS):
+        for name in LATENT_FIELDS:
+            _expect_array(f"cache.{name}", getattr(cache, name))
+        check_latent_fields(cache)
+        return LATENT_FIELDS
+    if not all(hasattr(cache, f) for f in ("key", "value", "lengths")):
+        raise ValueError("cache should be a KVCache (key, value, lengths) or a LatentCache "
+                         f"(latent, rope_key, lengths) from init_cache, got {type(cache).__name__}")
+    check_kv_cache(cache)
+    return ("key", "value", "lengths")
+
+
 def check_build_args(variant, config, params) -> None:
     """``build``'s arguments: a variant's name, a configuration dict and a params dict."""
     if not isinstance(variant, str):

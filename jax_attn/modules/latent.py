@@ -21,6 +21,7 @@ from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_tem
                                    _Variant)
 from jax_attn.modules.grouped_query import _append, _cache_positions
 from jax_attn.rotary import rotary_embedding
+from jax_attn.sharding import explicit_spec
 
 
 class MultiHeadLatentAttention(_Variant):
@@ -142,8 +143,12 @@ class MultiHeadLatentAttention(_Variant):
         latent (B, 1, Lk, r) through W_kv_b, then the core."""
         kv = self._split(self.W_kv_b(latent[..., 0, :, :]), self.nope + self.v_head_dim)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, k_nope.shape[:-1] + (self.rope,))],
-                            -1)
+        # the one rotary key head for every head, placed as k_nope's heads (under explicit mesh
+        # axes, jax_attn.sharding: split by head; elsewhere the partitioner decides)
+        spec = explicit_spec(k_nope)
+        k_pe = jnp.broadcast_to(k_pe, k_nope.shape[:-1] + (self.rope,),
+                                out_sharding=None if spec is None else jax.typeof(k_nope).sharding)
+        k = jnp.concatenate([k_nope, k_pe], -1)
         return scaled_dot_product_attention(
             jnp.concatenate([q_nope, q_pe], -1), k, v, mask, is_causal=self.causal,
             scale=self.scale, query_offset=offset, query_seq_lengths=q_lengths,

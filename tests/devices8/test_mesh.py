@@ -267,8 +267,17 @@ MODULE_CASES = {
         "float64", dict(d_in=6, num_heads=8, num_kv_heads=4, head_dim=2, d_out=5, qkv_bias=True,
                         output_gate="softplus_per_head", output_norm="rms",
                         qk_norm="rms_after_rope", rope_theta=100.0)),
+    # issue 42's leftover: latent attention by head, its down projections and norms replicated
+    "multi_head_latent_attention": (
+        "float64", dict(d_in=6, num_heads=8, kv_lora_rank=5, qk_nope_head_dim=2,
+                        qk_rope_head_dim=4, v_head_dim=3, q_lora_rank=7, d_out=5,
+                        attention_bias=True, rope_theta=100.0)),
+    "multi_head_latent_attention-no_lora": (
+        "float32", dict(d_in=6, num_heads=8, kv_lora_rank=5, qk_nope_head_dim=2,
+                        qk_rope_head_dim=4, v_head_dim=3, d_out=5, rope_theta=100.0,
+                        rope_interleaved=False)),
 }
-HEAD_PARALLEL = {"multi_head_attention", "grouped_query_attention"}
+HEAD_PARALLEL = {"multi_head_attention", "grouped_query_attention", "multi_head_latent_attention"}
 
 
 def _module_inputs(variant, config, rng, dtype):
@@ -366,7 +375,7 @@ def test_module_sharded_equals_one_device(kind, case):
         param = getattr(dict(nnx.iter_graph(module))[tuple(_path(path))], what)
         _sharded_like(param.get_value(), mesh, spec)
     split = name in HEAD_PARALLEL
-    assert (specs.get(("W_query", "kernel")) == P(None, "model")) == split
+    assert (specs.get(("out_proj", "kernel")) == P("model", None)) == split
     # The forward's one collective: the row-parallel output projection's all-reduce of
     # (B / 2, L, d_out) over "model"; modules without heads to split have none. An output norm
     # over all heads (BitNet's) adds one more: the all-reduce of each token's sum of squares
@@ -402,6 +411,51 @@ def test_layer_specs_are_megatrons(mesh):
     assert read["W_query"]["kernel"].get_value() == P(None, "model")
 
 
+def test_latent_attention_is_split_by_head(mesh):
+    """MultiHeadLatentAttention: the per-head projections W_q_b and W_kv_b column-parallel,
+    out_proj row-parallel; the down projections W_q_a and W_kv_a (latent and rope part) and the
+    latents' norms, which every head reads whole, replicated."""
+    config = dict(d_in=6, num_heads=8, kv_lora_rank=5, qk_nope_head_dim=2, qk_rope_head_dim=4,
+                  v_head_dim=3, q_lora_rank=7, attention_bias=True, rope_theta=100.0)
+    shapes = variants.get("multi_head_latent_attention").param_shapes(config)
+    mla = _build("multi_head_latent_attention", config,
+                 {n: np.ones(shape, np.float32) for n, shape in shapes.items()})
+    assert layer_specs(mla, mesh) == {
+        ("W_q_a", "kernel"): P(), ("W_q_a", "bias"): P(),
+        ("W_q_b", "kernel"): P(None, "model"),
+        ("W_kv_a", "kernel"): P(), ("W_kv_a", "bias"): P(),
+        ("W_kv_b", "kernel"): P(None, "model"),
+        ("out_proj", "kernel"): P("model", None), ("out_proj", "bias"): P()}
+    shard_module(mla, mesh)
+    read = nnx.get_partition_spec(nnx.state(mla))
+    assert read["W_kv_b"]["kernel"].get_value() == P(None, "model")
+    for norm in ("q_a_norm", "kv_a_norm"):
+        _sharded_like(getattr(mla, norm).get_value(), mesh, P())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_latent_attention_absorbed_sharded_equals_one_device(kind):
+    """absorb=True on the layout above (W_kv_b's halves read per head from its column-split
+    kernel): the one-device output at float64, and the forward's one all-reduce."""
+    mesh = _mesh(kind)
+    config = MODULE_CASES["multi_head_latent_attention"][1]
+    rng, seed = fresh_rng()
+    params = {n: rng.standard_normal(shape) / np.sqrt(shape[0])
+              for n, shape in variants.get("multi_head_latent_attention").param_shapes(
+                  config).items()}
+    x = rng.standard_normal((B, 7, config["d_in"]))
+    step = jax.jit(lambda m, x: m(x, absorb=True))
+    with jax.enable_x64(True):
+        one = step(_build("multi_head_latent_attention", config, params), jax.device_put(x))
+        module = shard_module(_build("multi_head_latent_attention", config, params), mesh)
+        put = jax.device_put(x, NamedSharding(mesh, BATCH))
+        out = step(module, put)
+        found = _collectives(step.lower(module, put).compile().as_text())
+    _equal(out, one, "float64")
+    _sharded_like(out, mesh, BATCH)
+    assert [op for op, _ in found] == ["all-reduce"], f"{found}, seed {seed}"
+
+
 def _abstract(cls, *args, **kwargs):
     """A module's structure without weights (nnx.eval_shape draws nothing, compiles nothing):
     enough for the checks, which run before any array moves."""
@@ -414,6 +468,9 @@ def _abstract(cls, *args, **kwargs):
      "MultiHeadAttention by head, got 6"),
     (lambda: _abstract(jax_attn.GroupedQueryAttention, 6, 12, 3, head_dim=2), "auto", "model",
      "num_kv_heads should divide or be a multiple of the size of mesh axis 'model', 4, got 3"),
+    (lambda: _abstract(jax_attn.MultiHeadLatentAttention, 6, 6, 5, 2, 4, 3), "auto", "model",
+     "num_heads should be a multiple of the size of mesh axis 'model', 4, to split "
+     "MultiHeadLatentAttention by head, got 6"),
     (lambda: _abstract(jax_attn.SelfAttention, 6, 5), "explicit", "heads",
      r"model should be one of the mesh's axes \('data', 'model'\) or None, got 'heads'"),
     (lambda: _abstract(jax_attn.SelfAttention, 6, 5), "a mesh", "model",
