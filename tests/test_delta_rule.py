@@ -12,7 +12,7 @@ from golden.reference.delta_rule import MIXERS, delta_rule
 from golden.specification import exact, recurrent
 from tests.helpers import fresh_rng
 
-GDN, KDA = "gated_delta_net", "kimi_delta_attention"
+GDN, KDA, LIGHTNING = "gated_delta_net", "kimi_delta_attention", "lightning_attention"
 
 
 def _params(rng, config, name=GDN):
@@ -26,7 +26,8 @@ def _params(rng, config, name=GDN):
 CASES = {"gdn": (GDN, {}), "gdn-2sigma": (GDN, dict(allow_neg_eigval=True)),
          "kda-softplus": (KDA, {}),
          "kda-bounded": (KDA, dict(forget_gate="bounded_sigmoid", decay_lower_bound=-5.0,
-                                   decay_rank=None, gate_rank=None))}
+                                   decay_rank=None, gate_rank=None)),
+         "lightning": (LIGHTNING, {})}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -68,7 +69,8 @@ def test_reference_gradients_match_finite_differences(case):
 TINY = {GDN: dict(d_in=3, num_k_heads=1, num_v_heads=2, head_k_dim=2, head_v_dim=2,
                   conv_kernel=2, allow_neg_eigval=True),
         KDA: dict(d_in=3, num_heads=1, head_dim=2, conv_kernel=2, decay_rank=2,
-                  forget_gate="bounded_sigmoid", decay_lower_bound=-3.0)}
+                  forget_gate="bounded_sigmoid", decay_lower_bound=-3.0),
+        LIGHTNING: dict(d_in=3, num_heads=2, head_dim=2)}
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -94,7 +96,8 @@ def test_reference_gradients_in_100_digit_arithmetic(name):
         def loss(pp, xs):
             return (forward(config, {"x": xs}, pp)[0] * dy).sum()
 
-        for what in ("x", "A_log", "dt_bias", "W_beta", "conv_key", "norm_weight",
+        for what in ("x", "norm_weight", *(n for n in ("A_log", "dt_bias", "W_beta", "conv_key",
+                                                       "slope") if n in p),
                      *(n for n in p if n.startswith(("W_decay", "W_gate")))):
             a = xx if what == "x" else p[what]
             for i in np.ndindex(a.shape):

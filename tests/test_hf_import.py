@@ -70,6 +70,12 @@ def _csm_backbone(config):
 # Issue 42's decoders: each attention a supported one's after mapping config fields; every
 # window shorter than L, MoE configs as small as HF builds them.
 DECODERS_42 = {
+    # MiniMax: its softmax layer (layer 1; layer 0 lightning attention, tests/
+    # test_hf_import_linear.py) with the config's sliding window, which HF applies to every
+    # softmax layer whatever layer_types says
+    "minimax": Family("MiniMaxConfig", dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=4,
+        num_local_experts=2, num_experts_per_tok=1, sliding_window=4), layers=(1,)),
     # the small options: HunYuan's norm after RoPE (θ by a fixed NTK alpha), BitNet's norm before
     # o_proj (N·Dh = D), OLMoE's clamp after the norm (0.5: it bites), MiMo-V2-Flash's values
     # 4 wide on keys 6 wide, scaled, its sliding layers' doubled KV heads and sinks
@@ -680,6 +686,7 @@ DISTINCT = {
     "flint": [(0, {"sinks": False}), (0, {"qk_norm": None}), (0, {"sliding_window": None}),
               (1, {"rope_parameters": {"rope_theta": 10000.0}})],
     # Issue 42's hybrids
+    "minimax": [(1, {"sliding_window": None})],
     "falcon_h1": [(0, {"scale": None})],  # key_multiplier undone
     **{mt: [(1, {"rope_parameters": {"rope_theta": 100.0}})] for mt in ("jamba", "nemotron_h")},
     "bamba": [(1, {"partial_rotary_factor": 1.0})],

@@ -77,14 +77,22 @@ FAMILIES = {
         KDA_KW, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, q_lora_rank=8,
         kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
         kda_safe_gate=True, kda_lower_bound=-3.0), layers=(0,)),
+    # lightning attention in blocks of 4 (HF's block form crossed at L = 9 too), its decays
+    # those of layer 0 of 2
+    "minimax": Family("MiniMaxConfig", dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], block_size=4,
+        num_local_experts=2, num_experts_per_tok=1), layers=(0,)),
 }
 KDA_FAMILIES = ("kimi_linear", "glm5_next_text", "bailing_hybrid")
+VARIANT = {**{mt: "kimi_delta_attention" for mt in KDA_FAMILIES},
+           "minimax": "lightning_attention"}
 # each family's setting undone: the module converted with it changed moves the output far
 UNDONE = {"olmo_hybrid": {"allow_neg_eigval": False}, "qwen3_next": {"norm_eps": 1.0},
           "qwen3_5_text": {"norm_eps": 1.0}, "qwen3_5_moe_text": {"norm_eps": 1.0},
           "kimi_linear": {"forget_gate": "bounded_sigmoid", "decay_lower_bound": -3.0},
           "glm5_next_text": {"forget_gate": "softplus", "decay_lower_bound": None},
-          "bailing_hybrid": {"forget_gate": "softplus", "decay_lower_bound": None}}
+          "bailing_hybrid": {"forget_gate": "softplus", "decay_lower_bound": None},
+          "minimax": {"norm_eps": 1.0}}
 
 
 def _run(family, length, rng):
@@ -104,11 +112,15 @@ def test_linear_layer_matches_hugging_faces_module(mt, length):
     rng, seed = fresh_rng()
     config, sd, (x, expected), mask = _run(FAMILIES[mt], length, rng)
     variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=0)
-    assert variant == ("kimi_delta_attention" if mt in KDA_FAMILIES else "gated_delta_net")
+    assert variant == VARIANT.get(mt, "gated_delta_net")
     y, _, _ = REFERENCE[variant][0](dict(ours), {"x": x, "mask": mask}, params)
     error = rel(y, expected)
     assert error <= DELTA_FLOAT32(length), (mt, length, error, seed)
-    assert_gives_back(sd, golden.convert.to_hf(variant, ours, params))
+    back = golden.convert.to_hf(variant, ours, params)
+    if mt == "minimax":  # its decay tables written back in float64 from the slopes: HF's are
+        for name in ("query_decay", "key_decay", "diagonal_decay"):  # formed in float32
+            np.testing.assert_allclose(back.pop(name), sd.pop(name), rtol=1e-6, atol=1e-30)
+    assert_gives_back(sd, back)
     far, _, _ = REFERENCE[variant][0]({**dict(ours), **UNDONE[mt]}, {"x": x, "mask": mask},
                                       params)
     assert rel(far, expected) > 1e3 * DELTA_FLOAT32(length), (mt, seed)

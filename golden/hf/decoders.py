@@ -142,6 +142,14 @@ def _moved(name, key, mt, when=None) -> tuple:
 _sinks_in, _sinks_out = _moved("sinks", "sinks", "gpt_oss")
 
 
+def _minimax(c, layer_idx, ours):
+    """MiniMax's softmax layers (its full_attention ones; the lightning layers are
+    golden.hf.linear's): Mixtral's attention, its sliding_window on every one of them (HF's
+    MiniMaxAttention passes the config's, whatever layer_types says)."""
+    if c.get("sliding_window") is not None:
+        ours["sliding_window"] = int(c["sliding_window"])
+
+
 def _gated_full_attention(mt):
     """Qwen3-Next's attention (its full_attention layers: (1 + w) QK norms, the output gate in
     q_proj); its linear_attention layers refused by name."""
@@ -936,6 +944,7 @@ FAMILIES: dict[str, Family] = {
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
     "mixtral": _llama_like("mixtral"),
+    "minimax": _llama_like("minimax", _minimax),
     "qwen2": _llama_like("qwen2"),
     "starcoder2": _llama_like("starcoder2"),
     "granite": _llama_like("granite", _granite),

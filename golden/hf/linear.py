@@ -20,6 +20,12 @@ and, as kimi_delta_attention (the decay per key channel, a σ output gate):
                             linear_lower_bound λ the bounded sigmoid λ σ(e^A (f + dt_bias))
   bailing_hybrid            BailingHybridDeltaAttention (Ling 3.0): full-rank forget_gate.f_proj
                             and g_proj; kda_safe_gate's bounded sigmoid at kda_lower_bound
+and, as lightning_attention:
+  minimax                   MiniMaxLightningAttention: qkv_proj per head [q | k | v], SiLU,
+                            output_gate, norm (over all heads, ε 1e-6), out_proj; its buffers
+                            slope_rate (H, 1, 1) read as ``slope``, and query_decay, key_decay and
+                            diagonal_decay (block_size's tables of e^{−slope·n}) checked against
+                            it and written back from it
 
 All: one depthwise conv1d over [q | k | v] (channels in that order, no bias), SiLU, the
 decay's A_log and dt_bias, the gated RMSNorm's weight, out_proj / o_proj. HF computes the
@@ -219,6 +225,69 @@ def _kda_out(a_log_shape):
     return from_neutral
 
 
+# ---- lightning attention: MiniMax ---------------------------------------------------------------
+
+def _lightning_settings(c, layer_idx, sd):
+    mt = "minimax"
+    _check_layer(mt, c, layer_idx, {})
+    n = int(c["num_attention_heads"])
+    return dict(d_in=int(c["hidden_size"]), num_heads=n,
+                head_dim=int(c.get("head_dim") or c["hidden_size"] // n), norm_eps=1e-6,
+                block_size=int(c.get("block_size", 256)))
+
+
+def lightning_buffers(slope, block_size) -> dict:
+    """MiniMaxLightningAttention's decay buffers from its slopes (H,), as its
+    ``decay_factors`` forms them, in float64: query_decay e^{−s n}, key_decay e^{−s (b − n)}
+    (n = 1 … b, b = block_size) and diagonal_decay e^{−s (i − j)} for i ≥ j (0 above)."""
+    s = np.asarray(slope, dtype=np.float64)[:, None, None]  # (H, 1, 1)
+    n = np.arange(1, block_size + 1, dtype=np.float64)
+    diagonal = s[None] * (n[:, None] - n[None, :])[None, None]
+    return {"slope_rate": s, "query_decay": np.exp(-s * n[:, None]),
+            "key_decay": np.exp(-s * (block_size - n[:, None])),
+            "diagonal_decay": np.where(diagonal >= 0, np.exp(-np.abs(diagonal)), 0.0)}
+
+
+def _lightning_in(sd, ours, mt="minimax"):
+    h, d = ours["num_heads"], ours["head_dim"]
+    qkv = _t(_read(sd, "qkv_proj.weight", mt))
+    width = qkv.shape[0]
+    q, k, v = np.split(qkv.reshape(width, h, 3 * d), 3, axis=-1)
+    slope = _read(sd, "slope_rate", mt).reshape(-1).copy()
+    if slope.shape != (h,):
+        raise ValueError(f"model_type {mt!r}: slope_rate should hold one slope per head, shape "
+                         f"({h}, 1, 1), got {_read(sd, 'slope_rate', mt).shape}")
+    block = ours["block_size"]
+    if "query_decay" in sd:  # the tables HF computes with, checked against the slopes
+        want = lightning_buffers(slope, block)
+        for name in ("query_decay", "key_decay", "diagonal_decay"):
+            got = _read(sd, name, mt).astype(np.float64)
+            if got.shape != want[name].shape or not np.allclose(got, want[name], rtol=1e-6,
+                                                                atol=1e-30):
+                raise ValueError(f"model_type {mt!r}: {name} does not match slope_rate (the "
+                                 f"module computes with it: e^(-slope·n) for block_size "
+                                 f"{block}), got shape {got.shape}")
+    flat = (lambda t: np.ascontiguousarray(t.reshape(width, -1)))
+    return {"W_query": flat(q), "W_key": flat(k), "W_value": flat(v),
+            "W_gate": _t(_read(sd, "output_gate.weight", mt)),
+            "W_out": _t(_read(sd, "out_proj.weight", mt)),
+            "norm_weight": _read(sd, "norm.weight", mt).copy(), "slope": slope}
+
+
+def _lightning_out():
+    def from_neutral(p, ours):
+        block_size = ours["block_size"]
+        h = ours["num_heads"]
+        d = np.asarray(p["W_query"]).shape[0]
+        grouped = (lambda n: np.asarray(p[n]).reshape(d, h, -1))
+        qkv = np.concatenate([grouped(n) for n in ("W_query", "W_key", "W_value")],
+                             axis=-1).reshape(d, -1)
+        return {"qkv_proj.weight": _t(qkv), "output_gate.weight": _t(p["W_gate"]),
+                "out_proj.weight": _t(p["W_out"]), "norm.weight": np.array(p["norm_weight"]),
+                **lightning_buffers(p["slope"], block_size)}
+    return from_neutral
+
+
 GDN, KDA = "gated_delta_net", "kimi_delta_attention"
 _FLAT = (lambda h: (h,))
 FAMILIES: dict[str, Family] = {
@@ -236,4 +305,6 @@ FAMILIES: dict[str, Family] = {
     "bailing_hybrid": Family(KDA, _kda_settings(
         "bailing_hybrid", lambda c: c["kda_lower_bound"] if c.get("kda_safe_gate") else None),
         _kda_in("bailing_hybrid"), _kda_out(_FLAT)),
+    "minimax": Family("lightning_attention", _lightning_settings, _lightning_in,
+                      _lightning_out()),
 }

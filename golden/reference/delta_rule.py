@@ -3,7 +3,8 @@ gates and the recurrence one token at a time (the loop over t is the definition;
 algebra here), and the backward by hand in reverse time.
 
 The mixers are described in golden.specification.recurrent (``MIXERS``: Gated DeltaNet, Kimi
-Delta Attention); each is a pair in ``MIXERS`` below: forward(config, inputs, params) -> (output, None, saved) and backward(saved,
+Delta Attention, lightning attention, whose recurrence has no delta rule: ``decayed_sum``);
+each is a pair in ``MIXERS`` below: forward(config, inputs, params) -> (output, None, saved) and backward(saved,
 d_output, None) -> {input or parameter name: gradient}, as golden.reference.VARIANTS' pairs.
 
 Shape legend: leading axes (...) (the batch, or none), L tokens, H heads (Hv value heads; Hk key
@@ -122,6 +123,37 @@ def delta_rule_backward(q, k, v, a, beta, states, g_o):
     return (*(np.stack(x, axis=-2) for x in (g_q, g_k, g_v)),
             np.stack(g_a, axis=-2) if per_channel else np.stack(g_a, axis=-1),
             np.stack(g_beta, axis=-1), g_s)
+
+
+def decayed_sum(q, k, v, a):
+    """(o, states): lightning attention's S_t = a S_{t−1} + k_t ⊗ v_t, o_t = S_tᵀ q_t, for q, k
+    (..., H, L, Dk), v (..., H, L, Dv) and a (H,) the decay per head; states S_0 … S_L."""
+    s = real(np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1])))
+    decay = a[:, None, None]
+    states, outs = [s], []
+    for t in range(q.shape[-2]):
+        s = s * decay + k[..., t, :, None] * v[..., t, None, :]
+        states.append(s)
+        outs.append(einsum("...kv,...k->...v", s, q[..., t, :]))
+    return np.stack(outs, axis=-2), states
+
+
+def decayed_sum_backward(q, k, v, a, states, g_o):
+    """(dq, dk, dv, da (H,)) of ``decayed_sum``, in reverse time."""
+    decay = a[:, None, None]
+    g_s = real(np.zeros(states[0].shape))
+    g_q, g_k, g_v = ([None] * q.shape[-2] for _ in range(3))
+    g_a = None
+    for t in reversed(range(q.shape[-2])):
+        g_s = g_s + q[..., t, :, None] * g_o[..., t, None, :]
+        g_q[t] = einsum("...kv,...v->...k", states[t + 1], g_o[..., t, :])
+        g_k[t] = einsum("...kv,...v->...k", g_s, v[..., t, :])
+        g_v[t] = einsum("...kv,...k->...v", g_s, k[..., t, :])
+        term = (g_s * states[t]).sum(axis=(-2, -1))  # (..., H)
+        g_a = term if g_a is None else g_a + term
+        g_s = g_s * decay
+    g_a = g_a.reshape(-1, g_a.shape[-1]).sum(axis=0)
+    return (*(np.stack(x, axis=-2) for x in (g_q, g_k, g_v)), g_a)
 
 
 def _heads_last(y, heads):
@@ -271,5 +303,52 @@ def _mixer_backward(saved, d_y, d_weights=None):
     return grads
 
 
-MIXERS = {name: (_mixer_forward(name), _mixer_backward)
-          for name in ("gated_delta_net", "kimi_delta_attention")}
+# ---- lightning attention ------------------------------------------------------------------------
+
+def _lightning(config, inputs, params):
+    """LightningAttention (golden.specification.recurrent) from S_0 = 0 over x."""
+    c = recurrent.get("lightning_attention").config(config)
+    p = {n: real(a) for n, a in params.items()}
+    x = real(inputs["x"])
+    mask = inputs.get("mask")
+    if mask is not None:
+        x = x * real(np.asarray(mask, dtype=np.float64))[..., None]
+    h = c["num_heads"]
+    acts = {role: silu(linear(x, p[f"W_{role}"])) for role in ("query", "key", "value")}
+    q, k, v = (split_heads(acts[r][0], h) for r in ("query", "key", "value"))
+    a = np.exp(-p["slope"])
+    o, states = decayed_sum(q, k, v, a)
+    merged = merge_heads(o)
+    unit, norm_saved = normalize("rms", merged, None, number(c["norm_eps"]))
+    gate, gate_slope = sigmoid(linear(x, p["W_gate"]))
+    gated = gate * unit * p["norm_weight"]
+    y = linear(gated, p["W_out"])
+    return y, None, dict(p=p, x=x, mask=mask, h=h, acts=acts, q=q, k=k, v=v, a=a,
+                         states=states, unit=unit, norm_saved=norm_saved, gate=gate,
+                         gate_slope=gate_slope, gated=gated)
+
+
+def _lightning_backward(s, d_y, d_weights=None):
+    """Gradients of Σ y ⊙ d_y: "x" and every parameter."""
+    p, grads = s["p"], {}
+    g_gated = linear_backward(s["gated"], p["W_out"], real(d_y), grads, ("W_out", None))
+    weight, unit, gate = p["norm_weight"], s["unit"], s["gate"]
+    grads["norm_weight"] = (g_gated * gate * unit).reshape(-1, unit.shape[-1]).sum(axis=0)
+    g_x = linear_backward(s["x"], p["W_gate"], g_gated * unit * weight * s["gate_slope"],
+                          grads, ("W_gate", None))
+    g_merged, _ = normalize_backward("rms", s["norm_saved"], g_gated * gate * weight)
+    g_q, g_k, g_v, g_a = decayed_sum_backward(s["q"], s["k"], s["v"], s["a"], s["states"],
+                                              split_heads(g_merged, s["h"]))
+    grads["slope"] = -g_a * s["a"]
+    for role, g in (("query", g_q), ("key", g_k), ("value", g_v)):
+        g_pre = merge_heads(g) * s["acts"][role][1]
+        g_x = g_x + linear_backward(s["x"], p[f"W_{role}"], g_pre, grads, (f"W_{role}", None))
+    if s["mask"] is not None:
+        g_x = g_x * real(np.asarray(s["mask"], dtype=np.float64))[..., None]
+    grads["x"] = g_x
+    return grads
+
+
+MIXERS = {**{name: (_mixer_forward(name), _mixer_backward)
+             for name in ("gated_delta_net", "kimi_delta_attention")},
+          "lightning_attention": (_lightning, _lightning_backward)}

@@ -36,6 +36,16 @@ with H heads of D (Hk = Hv, Dk = Dv) and three differences:
     β = σ(x̃ W_beta)
     y = merge(RMSNorm_D(o) · norm_weight ⊙ σ(x̃ W_gate)) W_out   (W_gate or W_gate_a W_gate_b,
                                                                   rank gate_rank: σ, not SiLU)
+
+``lightning_attention`` (LightningAttention: MiniMax-Text-01 / M1's linear layers), H heads of
+D, no convolution and no delta rule, a fixed decay per head:
+    q, k, v = SiLU(x̃ W_query), SiLU(x̃ W_key), SiLU(x̃ W_value)     (no normalisation, no scale)
+    S_t = e^{−slope_h} S_{t−1} + k_t ⊗ v_t;  o_t = S_tᵀ q_t
+        (o_t = Σ_{s≤t} e^{−slope_h (t − s)} (q_t·k_s) v_s)
+    y = (σ(x̃ W_gate) ⊙ RMSNorm_{H·D}(merge(o)) · norm_weight) W_out   the norm over all heads
+``slope`` (H,) a parameter (MiniMax's slope_rate buffer: 2^{−8(h+1)/H} scaled by the layer's
+depth). ``block_size``: the chunk length of the chunked implementations (MiniMax's block_size,
+the length of its decay tables); the function does not depend on it.
 """
 
 from __future__ import annotations
@@ -65,7 +75,8 @@ class RecurrentCache(NamedTuple):
 
 
 def sizes(config) -> tuple:
-    """(Hk, Hv, Dk, Dv) of a mixer's full configuration (Kimi Delta Attention: H, H, D, D)."""
+    """(Hk, Hv, Dk, Dv) of a mixer's full configuration (Kimi Delta Attention, lightning
+    attention: H, H, D, D)."""
     c = config
     if "num_heads" in c:
         return c["num_heads"], c["num_heads"], c["head_dim"], c["head_dim"]
@@ -77,7 +88,8 @@ def cache_shapes(config, batch_size=None) -> dict:
     None: unbatched)."""
     hk, hv, dk, dv = sizes(config)
     lead = () if batch_size is None else (batch_size,)
-    return {"conv": lead + (config["conv_kernel"] - 1, 2 * hk * dk + hv * dv),
+    width = config.get("conv_kernel", 1) - 1  # lightning attention: no convolution
+    return {"conv": lead + (width, 2 * hk * dk + hv * dv),
             "state": lead + (hv, dk, dv), "lengths": lead}
 
 
@@ -190,7 +202,26 @@ KIMI_DELTA_ATTENTION = Variant(
     sample=dict(d_in=5, num_heads=2, head_dim=4, d_out=7, conv_kernel=3, decay_rank=3,
                 gate_rank=2))
 
-MIXERS = {v.name: v for v in (GATED_DELTA_NET, KIMI_DELTA_ATTENTION)}
+def _lightning_shapes(c):
+    h, d, d_in = c["num_heads"], c["head_dim"], c["d_in"]
+    d_out = d_in if c["d_out"] is None else c["d_out"]
+    return {"W_query": (d_in, h * d), "W_key": (d_in, h * d), "W_value": (d_in, h * d),
+            "W_gate": (d_in, h * d), "W_out": (h * d, d_out), "norm_weight": (h * d,),
+            "slope": (h,)}
+
+
+LIGHTNING_ATTENTION = Variant(
+    "lightning_attention", "LightningAttention",
+    (Arg("d_in", positive), Arg("num_heads", positive), Arg("head_dim", positive),
+     Arg("d_out", positive_or_none, None), Arg("norm_eps", epsilon, 1e-6),
+     Arg("block_size", positive, 256)),
+    shapes=_lightning_shapes, check_inputs=_sequence_inputs,
+    layers={"query": "W_query", "key": "W_key", "value": "W_value", "gate": "W_gate",
+            "out": "out_proj"},
+    vectors=("norm_weight", "slope"),
+    sample=dict(d_in=5, num_heads=3, head_dim=4, d_out=7))
+
+MIXERS = {v.name: v for v in (GATED_DELTA_NET, KIMI_DELTA_ATTENTION, LIGHTNING_ATTENTION)}
 
 
 def get(name) -> Variant:
