@@ -454,7 +454,8 @@ BAD = [  # (arguments changed from a valid call, the message expected)
     (dict(attention_chunk_size=0), r"attention_chunk_size should be None or an int ≥ 1, got 0"),
     (dict(distance_bias=_struct(HKV, 129)),
      r"distance_bias shape should be \(H, D\) = \(4, \?\), got \(2, 129\)"),
-    (dict(distance_bias=_struct(H, 128)), r"distance_bias's last axis D should be odd .* got D = 128"),
+    (dict(distance_bias=_struct(H, 128)),
+     r"distance_bias's last axis D should be odd .* got D = 128"),
 ]
 
 
