@@ -13,9 +13,12 @@ softmax state (m, l, acc) with the blockwise path's own pieces (``blockwise.accu
 chunk a against key chunk b is one blockwise head whose keys start at 0 and whose queries start
 at position offset + a·Cq − b·Ck, the lengths shifted alike, so causal bounds, windows and
 lengths keep their global meaning and blocks they exclude are skipped by index (a pair of chunks
-wholly in the future costs index arithmetic, no product). The backward (a custom VJP) sends the
+wholly in the future costs index arithmetic, no product). A distance bias (ALiBi's, T5's) is a
+table over key − query distances that every device holds whole for its heads; the shifted
+positions make each block read it at its global distances. The backward (a custom VJP) sends the
 key/value blocks round again with their dK and dV accumulators (P − 1 hops, and one more to
-bring dK and dV home) while dQ stays put; the residuals are the local q, k, v, output and each
+bring dK and dV home) while dQ and the distance table's gradient stay put (the latter summed
+over the devices at the end); the residuals are the local q, k, v, output and each
 row's (m, 1/l), so no device ever holds (L, L) scores or the whole K and V.
 """
 
@@ -31,7 +34,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from golden.specification.validate import check_attention_args, check_flags, window
+from golden.specification.validate import (
+    check_attention_args,
+    check_distance_bias,
+    check_flags,
+    window,
+)
 from jax_attn import blockwise
 from jax_attn.functional import DEFAULT_PRECISION, batch_int32
 
@@ -55,7 +63,7 @@ def ring_attention(
     batch_axis=None, head_axis=None, is_causal=False, scale=None, softcap=None,
     local_window_size=None, attention_chunk_size=None, query_offset=None,
     query_seq_lengths=None, key_value_seq_lengths=None, sinks=None, dropout_rate=0.0,
-    block_sizes=None, precision=DEFAULT_PRECISION,
+    block_sizes=None, precision=DEFAULT_PRECISION, distance_bias=None,
 ):
     """jax_attn.scaled_dot_product_attention with the sequence sharded over ``mesh``'s ``axis``
     of P devices, by ring attention; the same numbers to rounding, gradients included.
@@ -73,6 +81,12 @@ def ring_attention(
     ``block_sizes`` (the blocks within a device's chunks) and ``precision`` mean what they mean
     in the core; positions are global (query row i at i + offset, key j at j, whichever device
     holds them; chunks of attention_chunk_size tokens too).
+    distance_bias: a bias of key − query distance d only (ALiBi's m_h · d, T5's buckets), as in
+    the core: (H, 2S + 1) or (B, H, 2S + 1), entry S + clip(d, −S, S), added after the cap.
+    Every device holds the whole table of its heads (and batch rows): O(H·S), not O(L²); each
+    pair of chunks gathers its blocks' entries at their global distances, so entry (i, j) is
+    the one-device bias. Its gradient sums every device's rows (over the sequence axis, and
+    over the batch axis for an (H, 2S + 1) table).
 
     layout: which tokens each device computes. "contiguous": device i the i-th of P equal
     slices of the arrays as given (causal work grows with i: the last device does 2P − 1 times
@@ -87,14 +101,16 @@ def ring_attention(
     must be multiples of P (contiguous) or 2P (zig-zag).
 
     Not supported (ValueError): ``mask`` and ``bias`` (full (Lq, Lk) arrays do not travel with
-    a block of keys; causal bounds, windows and lengths cover causal and padding masks) and
-    dropout. Inputs must have rank 4.
+    a block of keys; causal bounds, windows and lengths cover causal and padding masks, and
+    distance_bias a bias of distance only) and dropout. Inputs must have rank 4.
     """
     check_attention_args(query, key, value, mask, bias, scale=scale, softcap=softcap,
                          local_window_size=local_window_size, query_offset=query_offset,
                          query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths, dropout_rate=dropout_rate,
                          sinks=sinks, attention_chunk_size=attention_chunk_size)
+    if distance_bias is not None:
+        check_distance_bias(distance_bias, query)
     check_flags(is_causal=is_causal)
     ring = _configure(query, key, mask, bias, dropout_rate, mesh=mesh, axis=axis, layout=layout,
                       batch_axis=batch_axis, head_axis=head_axis, is_causal=is_causal,
@@ -103,7 +119,7 @@ def ring_attention(
                       attention_chunk_size=attention_chunk_size)
     positions = (batch_int32(x, query.shape[:1]) for x in
                  (query_offset, query_seq_lengths, key_value_seq_lengths))
-    return _sharded(query, key, value, *positions, sinks, ring=ring, mesh=mesh)
+    return _sharded(query, key, value, *positions, sinks, distance_bias, ring=ring, mesh=mesh)
 
 
 def zigzag_order(length, devices):
@@ -140,7 +156,8 @@ def _check_ring(query, key, mask, bias, dropout_rate, mesh, axis, layout, batch_
         if x is not None:
             raise ValueError(f"ring_attention takes no {arg} (a full (Lq, Lk) array does not "
                              f"travel with a block of keys; use is_causal, local_window_size "
-                             f"and the lengths), got an array of shape {tuple(x.shape)}")
+                             f"and the lengths, and distance_bias for a bias of key − query "
+                             f"distance), got an array of shape {tuple(x.shape)}")
     if dropout_rate != 0.0:
         raise ValueError(f"ring_attention has no dropout: dropout_rate should be 0.0, got "
                          f"{dropout_rate!r}")
@@ -179,16 +196,20 @@ def _check_ring(query, key, mask, bias, dropout_rate, mesh, axis, layout, batch_
 # ---- the mesh and the zig-zag moves -------------------------------------------------------------
 
 @partial(jax.jit, static_argnames=("ring", "mesh"))
-def _sharded(query, key, value, offset, q_lengths, kv_lengths, sinks, *, ring, mesh):
+def _sharded(query, key, value, offset, q_lengths, kv_lengths, sinks, distance_bias, *, ring,
+             mesh):
     """One program: every device runs _on_device on its slices."""
     seq = PartitionSpec(ring.batch_axis, ring.head_axis, ring.axis, None)  # (B, H, L, D)
     rows = PartitionSpec(ring.batch_axis)  # (B,)
     heads = PartitionSpec(ring.head_axis)  # (H,)
+    per_row = distance_bias is not None and distance_bias.ndim == 3
+    table = PartitionSpec(*(ring.batch_axis,) * per_row, ring.head_axis,
+                          None)  # ([B,] H, 2S + 1): whole on every device along the sequence
     run = jax.shard_map(partial(_on_device, ring), mesh=mesh, out_specs=seq,
-                        in_specs=(seq, seq, seq, rows, rows, rows, heads))
+                        in_specs=(seq, seq, seq, rows, rows, rows, heads, table))
     return run(*_laid_out(mesh, (query, key, value), seq),
                *_laid_out(mesh, (offset, q_lengths, kv_lengths), rows),
-               *_laid_out(mesh, (sinks,), heads))
+               *_laid_out(mesh, (sinks,), heads), *_laid_out(mesh, (distance_bias,), table))
 
 
 def _laid_out(mesh, arrays, spec):
@@ -198,13 +219,15 @@ def _laid_out(mesh, arrays, spec):
     return [None if x is None else jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays]
 
 
-def _on_device(ring, q, k, v, offset, q_lengths, kv_lengths, sinks):
+def _on_device(ring, q, k, v, offset, q_lengths, kv_lengths, sinks, distance_bias):
     """One device: q (B, H, n·Cq, Dk), k (B, Hkv, n·Ck, Dk), v (B, Hkv, n·Ck, Dv) ->
-    (B, H, n·Cq, Dv); offset and lengths (B,) or None; sinks (H,) or None."""
+    (B, H, n·Cq, Dv); offset and lengths (B,) or None; sinks (H,) or None; distance_bias
+    ([B,] H, 2S + 1) or None."""
+    pos = (offset, q_lengths, kv_lengths)
     if not ring.relayout:
-        return _ring(ring, q, k, v, (offset, q_lengths, kv_lengths), sinks)
+        return _ring(ring, q, k, v, pos, sinks, distance_bias)
     q, k, v = (_to_zigzag(ring, x) for x in (q, k, v))
-    return _from_zigzag(ring, _ring(ring, q, k, v, (offset, q_lengths, kv_lengths), sinks))
+    return _from_zigzag(ring, _ring(ring, q, k, v, pos, sinks, distance_bias))
 
 
 def _zigzag_device(chunk, devices):
@@ -239,34 +262,36 @@ def _from_zigzag(ring, x):
 # ---- the ring: forward and backward -------------------------------------------------------------
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring, q, k, v, pos, sinks):
-    out, _ = _forward(ring, q, k, v, pos, sinks)
+def _ring(ring, q, k, v, pos, sinks, distance_bias):
+    out, _ = _forward(ring, q, k, v, pos, sinks, distance_bias)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(ring, q, k, v, pos, sinks):
-    out, stats = _forward(ring, q, k, v, pos, sinks)
+def _ring_fwd(ring, q, k, v, pos, sinks, distance_bias):
+    out, stats = _forward(ring, q, k, v, pos, sinks, distance_bias)
     out = out.astype(q.dtype)  # the backward's D = rowsum(dO ⊙ O) uses the output returned
-    return out, (q, k, v, pos, sinks, out, stats)
+    return out, (q, k, v, pos, sinks, distance_bias, out, stats)
 
 
 def _ring_bwd(ring, res, d_out):
-    q, k, v, pos, sinks, out, stats = res
-    dq, dk, dv = _backward(ring, q, k, v, pos, out, stats, d_out)
+    q, k, v, pos, sinks, distance_bias, out, stats = res
+    dq, dk, dv, d_distance = _backward(ring, q, k, v, pos, distance_bias, out, stats, d_out)
     d_sinks = None if sinks is None else _sink_grads(ring, q, k, sinks, out, stats, d_out)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), (None, None, None),
-            d_sinks)
+            d_sinks, d_distance)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _forward(ring, q, k, v, pos, sinks=None):
+def _forward(ring, q, k, v, pos, sinks=None, distance_bias=None):
     """The local output (B, H, n·Cq, Dv) in the compute dtype and each row's statistics
     (n, B, Hkv, G, 2, Cq) (m and 1 / l, as blockwise saves them). With sinks (H,) every row's
-    softmax starts from its head's sink (m = sink, l = 1)."""
+    softmax starts from its head's sink (m = sink, l = 1); distance_bias ([B,] H, 2S + 1) is
+    gathered per block at the global distances."""
     st, p, n = ring.static, ring.devices, ring.chunks
     qs = _chunked(_grouped(q, k), n)  # (n, B, Hkv, G, Cq, Dk)
+    table = _tables(ring, distance_bias, q, k)  # (B, Hkv, G, 2S + 1) or None
     kv = (_chunked(k, n), _chunked(v, n))  # (n, B, Hkv, Ck, Dk), (n, B, Hkv, Ck, Dv)
     lq, compute = qs.shape[-2], jnp.promote_types(q.dtype, jnp.float32)
     state = _varying(_lead(partial(blockwise.start, st, lq, v.shape[-1], compute),
@@ -281,34 +306,36 @@ def _forward(ring, q, k, v, pos, sinks=None):
     def step(carry, s):
         kv, state = carry
         ahead = lax.ppermute(kv, ring.axis, _next(p))  # in flight while this block computes
-        return (ahead, _fold(ring, state, qs, kv, (me - s) % p, pos)), None
+        return (ahead, _fold(ring, state, qs, table, kv, (me - s) % p, pos)), None
 
     (kv, state), _ = lax.scan(step, (kv, state), jnp.arange(p - 1))
-    state = _fold(ring, state, qs, kv, (me + 1) % p, pos)  # the last block: nothing to send
+    state = _fold(ring, state, qs, table, kv, (me + 1) % p, pos)  # the last: nothing to send
     out, stats = _batched(partial(_finish, st, lq), 4)(state)  # (n, B, Hkv, G, Cq, Dv), ...
     return _unchunked(out).reshape(q.shape[:-1] + out.shape[-1:]), stats
 
 
-def _fold(ring, state, qs, kv, src, pos):
+def _fold(ring, state, qs, table, kv, src, pos):
     """Every local query chunk's state after the keys and values of device ``src``: the n²
     pairs of chunks in a loop, so that the program holds one copy of the blockwise body."""
     n, (ks, vs) = ring.chunks, kv
     mine, theirs = _chunk_ids(ring, lax.axis_index(ring.axis)), _chunk_ids(ring, src)
-    fold = _over_heads(partial(_fold_head, ring.static), 2, 2)
+    fold = _over_heads(partial(_fold_head, ring.static), 3, 2)
 
     def pair(t, state):
         i, j = t // n, t % n
-        new = fold(jax.tree.map(lambda x: x[i], state), qs[i], ks[j], vs[j],
+        new = fold(jax.tree.map(lambda x: x[i], state), qs[i], table, ks[j], vs[j],
                    *_positions(mine[i], theirs[j], qs.shape[-2], ks.shape[-2], pos))
         return jax.tree.map(lambda x, y: x.at[i].set(y), state, new)
 
     return lax.fori_loop(0, n * n, pair, state)
 
 
-def _fold_head(st, state, q, k, v, offset, q_lengths, kv_lengths, key_start):
-    """One head: state after the keys k (Ck, Dk) and values v (Ck, Dv)."""
+def _fold_head(st, state, q, distance_bias, k, v, offset, q_lengths, kv_lengths, key_start):
+    """One head: state after the keys k (Ck, Dk) and values v (Ck, Dv); distance_bias
+    (2S + 1,) or None, read at key − query distances of the pair's shifted positions, which
+    are the global ones (_positions)."""
     h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths,
-                            key_start)
+                            key_start, distance_bias=distance_bias)
     return blockwise.accumulate(st, h, state)
 
 
@@ -316,27 +343,32 @@ def _finish(st, lq, state):
     return blockwise.finish(st, state, lq)
 
 
-def _backward(ring, q, k, v, pos, out, stats, d_out):
-    """dQ, dK, dV in the compute dtype, each of its input's local shape. The key/value blocks
-    go round again, each with its dK and dV, which every device adds to; after P − 1 hops a
-    device holds the block of the next device, which one more hop brings home."""
+def _backward(ring, q, k, v, pos, distance_bias, out, stats, d_out):
+    """dQ, dK, dV in the compute dtype, each of its input's local shape, and d(distance_bias)
+    in its dtype and local shape (None without). The key/value blocks go round again, each
+    with its dK and dV, which every device adds to; after P − 1 hops a device holds the block
+    of the next device, which one more hop brings home. dQ and d(distance_bias) stay put; the
+    latter is summed over the devices at the end (_table_grads)."""
     st, p, n = ring.static, ring.devices, ring.chunks
     compute = jnp.promote_types(q.dtype, jnp.float32)
     qs, outs, d_outs = (_chunked(_grouped(x, k), n) for x in (q, out, d_out))  # (n, B, ...)
-    grads = _over_heads(partial(_grads_head, st), 4, 2)
+    table = _tables(ring, distance_bias, q, k)  # (B, Hkv, G, 2S + 1) or None
+    grads = _over_heads(partial(_grads_head, st), 5, 2)
     me = lax.axis_index(ring.axis)
 
     def visit(d_q, kv, d_kv, src):
         (ks, vs), mine, theirs = kv, _chunk_ids(ring, me), _chunk_ids(ring, src)
 
         def pair(t, carry):
-            d_q, (d_k, d_v) = carry
+            (d_q, d_table), (d_k, d_v) = carry
             i, j = t // n, t % n
-            dq, dk, dv = grads(qs[i], outs[i], stats[i], d_outs[i], ks[j], vs[j],
-                               *_positions(mine[i], theirs[j], qs.shape[-2], ks.shape[-2], pos))
+            dq, dk, dv, dt = grads(qs[i], outs[i], stats[i], d_outs[i], table, ks[j], vs[j],
+                                   *_positions(mine[i], theirs[j], qs.shape[-2], ks.shape[-2],
+                                               pos))
             # dk, dv (B, Hkv, G, Ck, D): a key/value head's gradient sums over its group
-            return d_q.at[i].add(dq), (d_k.at[j].add(dk.sum(axis=2)),
-                                       d_v.at[j].add(dv.sum(axis=2)))
+            d_table = None if d_table is None else d_table + dt
+            return (d_q.at[i].add(dq), d_table), (d_k.at[j].add(dk.sum(axis=2)),
+                                                  d_v.at[j].add(dv.sum(axis=2)))
 
         return lax.fori_loop(0, n * n, pair, (d_q, d_kv))
 
@@ -347,21 +379,54 @@ def _backward(ring, q, k, v, pos, out, stats, d_out):
         return (ahead, lax.ppermute(d_kv, ring.axis, _next(p)), d_q), None
 
     kv = (_chunked(k, n), _chunked(v, n))
-    zeros = lambda x: _varying(jnp.zeros(x.shape, compute), ring)  # noqa: E731
-    (kv, d_kv, d_q), _ = lax.scan(step, (kv, (zeros(kv[0]), zeros(kv[1])), zeros(qs)),
+    zeros = lambda x: None if x is None else _varying(jnp.zeros(x.shape, compute),  # noqa: E731
+                                                      ring)
+    d_q = (zeros(qs), zeros(table))  # dQ and the tables' gradient, both with the queries
+    (kv, d_kv, d_q), _ = lax.scan(step, (kv, (zeros(kv[0]), zeros(kv[1])), d_q),
                                   jnp.arange(p - 1))
-    d_q, d_kv = visit(d_q, kv, d_kv, (me + 1) % p)
+    (d_q, d_table), d_kv = visit(d_q, kv, d_kv, (me + 1) % p)
     dk, dv = lax.ppermute(d_kv, ring.axis, _next(p))  # home
-    return _unchunked(d_q).reshape(q.shape), _unchunked(dk), _unchunked(dv)
+    return (_unchunked(d_q).reshape(q.shape), _unchunked(dk), _unchunked(dv),
+            _table_grads(ring, d_table, distance_bias))
 
 
-def _grads_head(st, q, out, stats, d_out, k, v, offset, q_lengths, kv_lengths, key_start):
-    """One head: this block's share of dQ (Cq, Dk), dK (Ck, Dk) and dV (Ck, Dv), from the
-    output and statistics of the whole softmax."""
+def _grads_head(st, q, out, stats, d_out, distance_bias, k, v, offset, q_lengths, kv_lengths,
+                key_start):
+    """One head: this block's share of dQ (Cq, Dk), dK (Ck, Dk), dV (Ck, Dv) and
+    d(distance_bias) (2S + 1,) (None without), from the output and statistics of the whole
+    softmax."""
     h = blockwise.Head.make(st, q, k, v, None, None, None, None, offset, q_lengths, kv_lengths,
-                            key_start)
-    dq, dk, dv, _, _ = blockwise.backward(st, h, out, stats, d_out)
-    return dq, dk, dv
+                            key_start, distance_bias=distance_bias)
+    dq, dk, dv, _, (d_distance, _, _) = blockwise.backward(st, h, out, stats, d_out)
+    return dq, dk, dv, d_distance
+
+
+def _tables(ring, distance_bias, q, k):
+    """distance_bias ([B,] H, 2S + 1) of the device's heads -> (B, Hkv, G, 2S + 1), one table
+    per query head as _grouped orders them (a shared table broadcast over B); None kept."""
+    if distance_bias is None:
+        return None
+    t = distance_bias if distance_bias.ndim == 3 else distance_bias[None]  # (B|1, H, 2S + 1)
+    t = t.reshape(t.shape[:1] + (k.shape[1], -1) + t.shape[-1:])  # (B|1, Hkv, G, 2S + 1)
+    # varying as the rows are (blockwise's gradient of it is a loop carry that meets them):
+    # the table came whole to every device along the sequence, and along the batch if shared
+    shared = (ring.axis,) + ((ring.batch_axis,) if distance_bias.ndim == 2 and
+                             ring.batch_axis is not None else ())
+    return jnp.broadcast_to(lax.pcast(t, shared, to="varying"), q.shape[:1] + t.shape[1:])
+
+
+def _table_grads(ring, d_table, distance_bias):
+    """d(distance_bias) of the device's heads from each row's d_table (B, Hkv, G, 2S + 1),
+    summed over the rows of every device along the sequence axis, and over the batch (its
+    rows here, and its devices along batch_axis) for a table (H, 2S + 1) shared by the
+    batch."""
+    if d_table is None:
+        return None
+    axes = (ring.axis,)
+    if distance_bias.ndim == 2:
+        d_table = d_table.sum(axis=0)
+        axes += () if ring.batch_axis is None else (ring.batch_axis,)
+    return lax.psum(d_table.reshape(distance_bias.shape), axes).astype(distance_bias.dtype)
 
 
 # ---- positions, chunks and mapping --------------------------------------------------------------

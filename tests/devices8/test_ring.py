@@ -26,6 +26,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_attn
+from golden.specification import decoder
 from golden.specification.tolerances import compare
 from jax_attn import ring
 from tests.helpers import count_compiles, fresh_rng, sweep
@@ -231,6 +232,146 @@ def test_chunks_of_one_device_keep_the_work_on_it(is_causal, per_head):
     np.testing.assert_array_equal(np.asarray(count), heads * per_head)
 
 
+# ---- a bias of distance only: ALiBi and T5's buckets ---------------------------------------------
+
+def _alibi(rows, span):
+    """ALiBi's table m_h · d (H, 2S + 1), d = −S … S, BLOOM's slopes; with ``rows`` B, one per
+    batch row (B, H, 2S + 1), the slopes of row b times b + 1 (a table the batch does not
+    share)."""
+    table = decoder.alibi_slopes(H, "bloom")[:, None] * np.arange(-span, span + 1)
+    return table if rows is None else np.stack([(b + 1) * table for b in range(rows)])
+
+
+def _t5(rng, bidirectional, span):
+    """T5's table (H, 2S + 1): random learned biases (32 buckets, H) at the bucket of each
+    distance −S … S (max_distance 24): far distances share buckets, and an S below the
+    sequence's clips the farthest pairs to the table's ends."""
+    learned = rng.standard_normal((32, H))
+    return learned[decoder.bucket_table(span, bidirectional, 32, 24)].T
+
+
+# (mesh, ring_attention's own arguments, the core's arguments, input shapes, the table)
+DISTANCE_CASES = {
+    # S = Lq + Lk: no distance clipped; offsets move every row's distances
+    "zigzag_alibi_causal_offsets": (
+        {"seq": 8}, dict(block_sizes=(2, 3)),
+        dict(is_causal=True, softcap=2.0, query_offset=[3, 0]), {},
+        lambda rng: _alibi(None, 2 * L)),
+    # S = 20 < L: pairs farther apart read the table's ends (their gradients summed there)
+    "contiguous_t5_bidirectional_cross": (
+        {"seq": 8}, dict(layout="contiguous"), dict(query_offset=[16, 30]), dict(lq=32),
+        lambda rng: _t5(rng, True, 20)),
+    "zigzag_ordered_t5_causal_lengths": (
+        {"seq": 8}, dict(layout="zigzag_ordered"),
+        dict(is_causal=True, key_value_seq_lengths=[64, 40]), {},
+        lambda rng: _t5(rng, False, 20)),
+    # a table per batch row (B, H, 2S + 1), sharded with the batch
+    "data2_seq4_alibi_per_row_causal": (
+        {"data": 2, "seq": 4}, dict(batch_axis="data"), dict(is_causal=True), {},
+        lambda rng: _alibi(B, 2 * L)),
+    # a shared table (H, 2S + 1): its gradient sums the batch's devices too
+    "data2_seq4_t5_shared_window": (
+        {"data": 2, "seq": 4}, dict(batch_axis="data"), dict(local_window_size=(9, 30)), {},
+        lambda rng: _t5(rng, True, 20)),
+    "heads2_seq4_alibi_causal_offsets": (
+        {"heads": 2, "seq": 4}, dict(layout="contiguous", head_axis="heads", block_sizes=(4, 4)),
+        dict(is_causal=True, query_offset=[0, 7]), {}, lambda rng: _alibi(None, 2 * L)),
+}
+
+
+def _distance_case(name, dtype, rng):
+    """The ring's and the one-device explicit core's (output, (dQ, dK, dV, d(distance_bias)))
+    of Σ O ⊙ dO on one case, as float64 NumPy, and the ring's compiled program."""
+    axes, ring_kw, core_kw, shapes, make = DISTANCE_CASES[name]
+    mesh = _mesh(axes)
+    host = _inputs(rng, **shapes) + [make(rng)]
+    d_out = rng.standard_normal(host[0].shape[:-1] + host[2].shape[-1:])
+    kw = {n: np.array(x, "int32") if isinstance(x, list) else x for n, x in core_kw.items()}
+    ordered = ring_kw.get("layout") == "zigzag_ordered"
+    order = ring.zigzag_order(L, axes["seq"]) if ordered else slice(None)
+    back = np.argsort(order) if ordered else slice(None)
+
+    def program(fn, d_out):  # (q, k, v, table) -> (output, vjp of Σ output ⊙ dO)
+        def run(*args):
+            out, vjp = jax.vjp(lambda q, k, v, t: fn(q, k, v, distance_bias=t, **kw), *args)
+            return out, vjp(jnp.asarray(d_out, out.dtype))
+        return jax.jit(run)
+
+    with jax.enable_x64(True):
+        core = program(partial(jax_attn.scaled_dot_product_attention, implementation="explicit"),
+                       d_out)(*host)
+    given = [x[:, :, order] for x in host[:3]] + host[3:]  # the tokens in the ring's order
+    with jax.enable_x64(dtype == "float64"):
+        step = program(partial(jax_attn.ring_attention, mesh=mesh, **ring_kw),
+                       d_out[:, :, order])
+        args = [jnp.asarray(x, dtype) for x in given]
+        compiled = step.lower(*args).compile()
+        out, grads = compiled(*args)
+    d_table = grads[3]
+    out, *grads = (np.asarray(x, np.float64)[:, :, back] for x in (out, *grads[:3]))  # natural
+    got = jax.tree.map(lambda x: np.asarray(x, np.float64), (out, (*grads, d_table)))
+    return got, jax.tree.map(lambda x: np.asarray(x, np.float64), core), compiled.as_text()
+
+
+DISTANCE_NAMES = ("output", "query", "key", "value", "distance_bias")
+
+
+def _distance_features(name):
+    """What a distance case sets: its mesh axes, the ring's and the core's arguments, its
+    shapes, and its table (its name's ALiBi or T5, shared or per row)."""
+    axes, ring_kw, core_kw, shapes, _ = DISTANCE_CASES[name]
+    return {("axes", tuple(axes)), *(("ring", k, str(v)) for k, v in ring_kw.items()
+                                     if k != "block_sizes"),
+            *(("core", k) for k in core_kw), *(("shape", k) for k in shapes),
+            ("table", "t5" if "t5" in name else "alibi"), ("per_row", "per_row" in name)}
+
+
+# float64: every case (a covering few is all of them). float32: a covering few of the tables,
+# meshes and layouts in the quick suite (each case takes seconds), every case in the matrix.
+DISTANCE_FLOAT32 = sweep([pytest.param(n, id=n) for n in DISTANCE_CASES],
+                         [{f for f in _distance_features(n) if f[0] in ("axes", "table")}
+                          | {("layout", DISTANCE_CASES[n][1].get("layout", "zigzag")[:6])}
+                          for n in DISTANCE_CASES])
+
+
+@pytest.mark.parametrize("name", DISTANCE_CASES)
+def test_distance_bias_matches_single_device_float64(name):
+    # Each pair of chunks reads the table at its global distances (its shifted positions):
+    # the one-device explicit core's output and gradients to rounding, d(distance_bias) summed
+    # over every device's rows. The table travels whole with the heads: nothing is gathered.
+    rng, seed = fresh_rng()
+    (out, grads), (out_e, grads_e), hlo = _distance_case(name, "float64", rng)
+    for what, a, e in zip(DISTANCE_NAMES, (out, *grads), (out_e, *grads_e)):
+        assert a.shape == e.shape, what
+        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-12, err_msg=f"{what}, seed {seed}")
+    assert np.abs(grads_e[3]).max() > 1e-3  # the table's gradient is not trivially zero
+    assert "collective-permute" in hlo
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+@pytest.mark.parametrize("name", DISTANCE_FLOAT32)
+def test_distance_bias_matches_single_device_float32(name):
+    # The float32 ring against the float64 one-device core, by the tolerance table.
+    rng, seed = fresh_rng()
+    (out, grads), (out_e, grads_e), _ = _distance_case(name, "float32", rng)
+    comps = {"output": compare(out, out_e, "float32", "value")}
+    comps.update({f"grad {what}": compare(a, e, "float32", "grad")
+                  for what, a, e in zip(DISTANCE_NAMES[1:], grads, grads_e)})
+    bad = {what: c for what, c in comps.items() if not c.ok}
+    assert not bad, f"seed {seed}: {bad}"
+
+
+def test_distance_bias_moves_the_output():
+    # The bias reaches the ring: without it the output is far from the biased one.
+    rng, _ = fresh_rng()
+    q, k, v = (jnp.asarray(x, "float32") for x in _inputs(rng))
+    mesh, table = _mesh({"seq": 8}), jnp.asarray(_alibi(None, 2 * L), "float32")
+    with_bias, without = (np.asarray(jax_attn.ring_attention(q, k, v, mesh=mesh, is_causal=True,
+                                                             distance_bias=t))
+                          for t in (table, None))
+    assert np.abs(with_bias - without).max() > 0.1
+
+
 # ---- the compiled program: what it sends -------------------------------------------------------
 
 def _bench():
@@ -329,6 +470,10 @@ BAD = [  # (arguments changed from a valid call, the message expected)
     (dict(block_sizes=(0, 4)), r"block_sizes should be None or a pair"),
     (dict(sinks=_struct(HKV)), r"sinks shape should be \(H,\) = \(4,\), got \(2,\)"),
     (dict(attention_chunk_size=0), r"attention_chunk_size should be None or an int ≥ 1, got 0"),
+    (dict(distance_bias=_struct(HKV, 129)),
+     r"distance_bias shape should be \(H, D\) = \(4, \?\), got \(2, 129\)"),
+    (dict(distance_bias=_struct(H, 128)),
+     r"distance_bias's last axis D should be odd .* got D = 128"),
 ]
 
 
