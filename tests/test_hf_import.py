@@ -1324,3 +1324,32 @@ def test_options_42_settings_we_do_not_express_are_named():
     for name, why in (("bailing_hybrid", "a gate latent attention has no option for"),):
         with pytest.raises(ValueError, match=rf"model_type '{name}' is not supported: .*{why}"):
             golden.convert.from_hf({"model_type": name}, {})
+
+
+def test_chameleon_norm_weight_and_bias_gradients_equal_hfs():
+    # dL/d(q_norm, q_norm_bias, k_norm, k_norm_bias) of Σ out ⊙ dO: HF's ChameleonLayerNorm's
+    # weight and bias gradients (N, Dh) and (Nkv, Dh), its attention called as the model called
+    # it, against our torch module's, float64 (RoPE's angles as HF's: EXACT).
+    family, twin = FAMILIES["chameleon"], TWINS["torch"]
+    rng, seed = fresh_rng()
+    config, model = build_model(family, rng)
+    calls = {}
+    seen = captured(family, model, (0,), rng.integers(0, BASE["vocab_size"], (B, L)),
+                    calls=calls, use_cache=False)
+    x, expected = seen[0]
+    d_out = torch.from_numpy(rng.standard_normal(expected.shape))
+    hf = attention_of(family, model, 0)
+    args, kwargs = calls[0]
+    hf.zero_grad()
+    (hf(*args, **kwargs)[0] * d_out).sum().backward()
+    variant, ours, params = golden.convert.from_hf(config, state_dict(hf), layer_idx=0,
+                                                   rope_precision="hf")
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        (module(torch.from_numpy(x)) * d_out).sum().backward()
+    theirs = {"q_norm": hf.q_norm.weight, "q_norm_bias": hf.q_norm.bias,
+              "k_norm": hf.k_norm.weight, "k_norm_bias": hf.k_norm.bias}
+    for name, p in theirs.items():
+        g, mine = p.grad.numpy(), getattr(module, name).grad.numpy()
+        assert mine.shape == g.shape and rel(mine, g) <= EXACT, (name, rel(mine, g), seed)

@@ -49,8 +49,9 @@ class GroupedQueryAttention(nn.Module):
 
     Options, in Hugging Face's terms: ``sliding_window`` W (a query sees W keys, itself
     included: the core's window (W − 1, 0)); ``qk_norm`` (golden.specification.variants.QK_NORMS:
-    "rms" Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere, "l2" Llama 4,
-    with ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
+    "rms" Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere,
+    "layer_with_bias" Chameleon (its biases q_norm_bias, k_norm_bias), "l2" Llama 4, with
+    ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
     ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C positions);
     ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers: q · (1 + β·ln(1 +
     ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times σ(x W_gate + b_gate)
