@@ -400,9 +400,13 @@ class GroupedQueryAttention(Module):
         self.clip, self.v_norm, self.clip_after_norm = clip_qkv, v_norm, clip_qkv_after_norm
         shapes = {"rms": lambda n: (dh,), "rms_one_plus": lambda n: (dh,),
                   "rms_after_rope": lambda n: (dh,),
-                  "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh)}
+                  "rms_across_heads": lambda n: (n * dh,), "layer": lambda n: (n, dh),
+                  "layer_with_bias": lambda n: (n, dh)}
         self.q_norm, self.k_norm = (np.zeros(shapes[qk_norm](n)) if qk_norm in shapes else None
                                     for n in (num_heads, num_kv_heads))
+        self.q_norm_bias, self.k_norm_bias = (  # Chameleon's: a bias per head
+            np.zeros((n, dh)) if qk_norm == "layer_with_bias" else None
+            for n in (num_heads, num_kv_heads))
         gate = "sigmoid" if output_gate is True else output_gate  # False: none
         self.gate_softplus = bool(gate) and gate.startswith("softplus")
         self.gate_per_head = bool(gate) and gate.endswith("per_head")
@@ -460,8 +464,9 @@ class GroupedQueryAttention(Module):
             v = v * self.value_scale
         if self.v_norm:  # Gemma 4: v / √(mean(v²) + ε) per head, no weight
             v = v / np.sqrt((v * v).mean(-1, keepdims=True) + self.eps).astype(v.dtype)
-        if self.qk_norm in ("rms", "rms_one_plus", "layer"):
-            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
+        if self.qk_norm in ("rms", "rms_one_plus", "layer", "layer_with_bias"):
+            q = self.norm(q, self.q_norm, self.q_norm_bias)
+            k = self.norm(k, self.k_norm, self.k_norm_bias)
             if self.clip_after_norm:
                 q, k = (np.clip(t, -self.clip, self.clip) for t in (q, k))
         if self.rope_settings is not None:
@@ -548,20 +553,23 @@ class GroupedQueryAttention(Module):
     def temperature_factors(self, positions):
         return _temperature_factors(self, positions)
 
-    def norm(self, t, weight):
+    def norm(self, t, weight, bias=None):
         """The QK norm over t's last axis: (t − mean) / √(mean((t − mean)²) + ε) for LayerNorm,
-        t / √(mean(t²) + ε) otherwise; times the weight (1 + weight for Gemma's)."""
-        if self.qk_norm == "layer":
+        t / √(mean(t²) + ε) otherwise; times the weight (1 + weight for Gemma's); plus the
+        bias (Chameleon's, per head)."""
+        if self.qk_norm in ("layer", "layer_with_bias"):
             t = t - t.mean(-1, keepdims=True)
             weight = weight[:, None, :]  # (N, Dh) against (..., N, L, Dh)
         t = t / np.sqrt((t * t).mean(-1, keepdims=True) + self.eps).astype(t.dtype)
         if weight is None:
             return t
-        return t * (1 + weight if self.qk_norm == "rms_one_plus" else weight).astype(t.dtype)
+        t = t * (1 + weight if self.qk_norm == "rms_one_plus" else weight).astype(t.dtype)
+        return t if bias is None else t + bias[:, None, :].astype(t.dtype)
 
     def mapping(self) -> dict:
         table = super().mapping()
-        table.update({n: (n, "") for n in ("q_norm", "k_norm", "sinks", "relative_attention_bias",
+        table.update({n: (n, "") for n in ("q_norm", "k_norm", "q_norm_bias", "k_norm_bias",
+                                           "sinks", "relative_attention_bias",
                                            "bias_u", "bias_v", "relative_key_table",
                                            "input_norm_weight", "input_norm_bias",
                                            "per_dim_scale", "output_norm_weight",

@@ -354,7 +354,7 @@ for id, variant, config, message in [
     ("gqa-qk_norm-unknown", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, qk_norm="rmsnorm"),
      "qk_norm should be None or one of 'rms', 'rms_one_plus', 'rms_across_heads', 'layer', "
-     "'l2', 'rms_after_rope', got 'rmsnorm'"),
+     "'layer_with_bias', 'l2', 'rms_after_rope', got 'rmsnorm'"),
     ("gqa-qk_norm_eps-zero", "grouped_query_attention",
      dict(d_in=8, num_heads=2, num_kv_heads=1, qk_norm="rms", qk_norm_eps=0.0),
      "qk_norm_eps should be a positive number, got 0.0"),

@@ -66,7 +66,9 @@ ENCODER_NAMES = (list(ENCODER_MODELS) + list(COMPOSITE) if WHOLE
                  else ["bert", "vit", "whisper", "t5"])
 
 
-CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM",
+             # Chameleon's published checkpoints: text decoder and VQ-VAE (model.vqmodel.)
+             "chameleon": "ChameleonForConditionalGeneration"}
 
 
 def _checkpoint(name, directory, seed=0):

@@ -506,6 +506,15 @@ FAMILIES = {
         layers=(0, 1), float32="Gemma3nRMSNorm"),
     "cohere": Family("CohereConfig", dict(num_hidden_layers=1, use_qk_norm=True),
                      float32="CohereLayerNorm and apply_rotary_pos_emb"),
+    # Chameleon (issue 42's new QK norm, so outside the sweep: every run): q and k LayerNorm-ed
+    # per head with a weight and a bias each (N, Dh), head width D / N (its rotary embedding
+    # reads a head_dim where the config has one, its attention never: BASE's dropped); its
+    # VQ-VAE image tokenizer as small as HF builds it (not attention: not converted)
+    "chameleon": Family("ChameleonConfig", dict(
+        num_hidden_layers=1, head_dim=None, attention_bias=True, vq_config=dict(
+            embed_dim=4, num_embeddings=8, latent_channels=4, base_channels=32,
+            channel_multiplier=[1], num_res_blocks=1, resolution=8, attn_resolutions=[]),
+        vocabulary_map={"<image>": 3})),
     "gpt_oss": Family("GptOssConfig", dict(
         num_hidden_layers=2, sliding_window=4, attention_bias=True,
         layer_types=["sliding_attention", "full_attention"], num_local_experts=2,
@@ -616,6 +625,8 @@ DISTINCT = {
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs
     "longcat_flash": [(0, {"scale": None}), (1, {"rope_interleaved": False})],
     # Issue 42's decoders
+    # Chameleon: its norm's biases dropped ("layer", Cohere's), or the norm removed
+    "chameleon": [(0, {"qk_norm": "layer"}), (0, {"qk_norm": None})],
     "qwen2_moe": [(0, {"sliding_window": None}), (0, {"qkv_bias": False})],
     "qwen3_moe": [(0, {"sliding_window": None}), (0, {"qk_norm": None})],
     # PhiMoE: HF's short factors at every length (the config's long ones would turn pairs
@@ -1338,7 +1349,35 @@ def test_options_42_settings_we_do_not_express_are_named():
                                          r"gated short convolution, not softmax attention\); "
                                          r"only its attention layers convert \(1, 2\)"):
         golden.convert.from_hf(lfm3, {}, layer_idx=0)
-    for name, why in (("chameleon", "a QK norm with a bias"),
-                      ("bailing_hybrid", "a gate latent attention has no option for")):
+    for name, why in (("bailing_hybrid", "a gate latent attention has no option for"),):
         with pytest.raises(ValueError, match=rf"model_type '{name}' is not supported: .*{why}"):
             golden.convert.from_hf({"model_type": name}, {})
+
+
+def test_chameleon_norm_weight_and_bias_gradients_equal_hfs():
+    # dL/d(q_norm, q_norm_bias, k_norm, k_norm_bias) of Σ out ⊙ dO: HF's ChameleonLayerNorm's
+    # weight and bias gradients (N, Dh) and (Nkv, Dh), its attention called as the model called
+    # it, against our torch module's, float64 (RoPE's angles as HF's: EXACT).
+    family, twin = FAMILIES["chameleon"], TWINS["torch"]
+    rng, seed = fresh_rng()
+    config, model = build_model(family, rng)
+    calls = {}
+    seen = captured(family, model, (0,), rng.integers(0, BASE["vocab_size"], (B, L)),
+                    calls=calls, use_cache=False)
+    x, expected = seen[0]
+    d_out = torch.from_numpy(rng.standard_normal(expected.shape))
+    hf = attention_of(family, model, 0)
+    args, kwargs = calls[0]
+    hf.zero_grad()
+    (hf(*args, **kwargs)[0] * d_out).sum().backward()
+    variant, ours, params = golden.convert.from_hf(config, state_dict(hf), layer_idx=0,
+                                                   rope_precision="hf")
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        (module(torch.from_numpy(x)) * d_out).sum().backward()
+    theirs = {"q_norm": hf.q_norm.weight, "q_norm_bias": hf.q_norm.bias,
+              "k_norm": hf.k_norm.weight, "k_norm_bias": hf.k_norm.bias}
+    for name, p in theirs.items():
+        g, mine = p.grad.numpy(), getattr(module, name).grad.numpy()
+        assert mine.shape == g.shape and rel(mine, g) <= EXACT, (name, rel(mine, g), seed)

@@ -1,9 +1,10 @@
 """Decoders of the Llama shape: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (nn.Linear), each
 family one ``_llama_like`` entry of ``FAMILIES`` with what it adds to the shared decoder
 settings (golden.hf.family's ``_decoder_settings``): a small settings function (Gemma's scale
-and softcap, the QK norms of Qwen3, OLMo 2, Gemma 3, Cohere, StableLM, Llama 4's chunks and
-NoPE layers, ...), the state-dict keys of its q/k norms, and the arrays it moves besides the
-four projections (GPT-OSS's sinks, Qwen3-Next's output gate, StableLM's per-head norms). Each
+and softcap, the QK norms of Qwen3, OLMo 2, Gemma 3, Cohere, StableLM, Chameleon, Llama 4's
+chunks and NoPE layers, ...), the state-dict keys of its q/k norms, and the arrays it moves
+besides the four projections (GPT-OSS's sinks, Qwen3-Next's output gate, StableLM's per-head
+norms, Chameleon's norm biases). Each
 keeps its attention at ``layers.N.self_attn`` in a checkpoint's keys, the Family's default
 ``stacks``. ``REFUSED``: text towers of the same shape we do not convert, each with why
 (from_hf names it).
@@ -206,6 +207,28 @@ def _stablelm(c, layer_idx, ours):
                        c.get("num_key_value_heads") or c["num_attention_heads"]))
     if c.get("qk_layernorm"):
         ours.update(qk_norm="layer", qk_norm_eps=float(c["layer_norm_eps"]))
+
+
+def _chameleon(c, layer_idx, ours):
+    """Chameleon's text attention: head width D / N whatever the config says, q and k
+    LayerNorm-ed per head with a weight and a bias each (HF's ChameleonLayerNorm, its ε 1e-5
+    fixed in its forward, not a config field), before RoPE."""
+    ours.update(_heads(c, c["num_attention_heads"], "chameleon",
+                       c.get("num_key_value_heads") or c["num_attention_heads"]))
+    ours.update(qk_norm="layer_with_bias", qk_norm_eps=1e-5)
+
+
+def _norm_biases_in(sd, ours, params):
+    """Chameleon's q_norm.bias (N, Dh) and k_norm.bias (Nkv, Dh) as q_norm_bias, k_norm_bias."""
+    params.update(q_norm_bias=_read(sd, "q_norm.bias", "chameleon"),
+                  k_norm_bias=_read(sd, "k_norm.bias", "chameleon"))
+    return params
+
+
+def _norm_biases_out(params, ours, sd):
+    sd["q_norm.bias"], sd["k_norm.bias"] = (np.array(params[n])
+                                            for n in ("q_norm_bias", "k_norm_bias"))
+    return sd
 
 
 def _per_head_norms_in(sd, ours, params):
@@ -852,9 +875,6 @@ def _head_gate_bias():
 
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
-    "chameleon": "Chameleon's q_norm and k_norm are LayerNorms of each head over its Dh with a "
-                 "weight and a bias per head ((N, Dh) each, HF's ChameleonLayerNorm): a QK norm "
-                 "with a bias, which no option of ours has",
     "bailing_hybrid": "Ling 3.0's (bailing_hybrid) softmax layers are latent attention (MLA) "
                       "with one σ gate per head on its output (g_proj, D -> N), a gate latent "
                       "attention has no option for; its other layers are gated linear "
@@ -965,6 +985,10 @@ FAMILIES: dict[str, Family] = {
                               to_extra=_gate_split, from_extra=_gate_join),
     "stablelm": _llama_like("stablelm", _stablelm, to_extra=_per_head_norms_in,
                             from_extra=_per_head_norms_out),
+    # Chameleon's text decoder (its VQ-VAE image tokenizer, under vqmodel., is no attention of
+    # ours: its keys are not in the stack, not read)
+    "chameleon": _llama_like("chameleon", _chameleon, norms=("q_norm.weight", "k_norm.weight"),
+                             to_extra=_norm_biases_in, from_extra=_norm_biases_out),
     # The text towers of vision-language models: their HF models take (3, B, L) position_ids
     # (``_text_tower``: the verifier draws an image's span)
     "qwen2_vl_text": _text_tower("qwen2_vl_text", _qwen2_vl_text),

@@ -127,7 +127,9 @@ def _grouped_query(config, inputs, params):
     dh = c.get("head_dim") or c["d_in"] // num_heads
     norm = None if kind is None else qk_norm_stage(
         kind, *(None if params.get(n) is None else real(params[n])
-                for n in ("q_norm", "k_norm")), number(c["qk_norm_eps"]))
+                for n in ("q_norm", "k_norm")), number(c["qk_norm_eps"]),
+        *(None if params.get(n) is None else real(params[n])
+          for n in ("q_norm_bias", "k_norm_bias")))  # Chameleon's biases, or None
     stages = [norm] if norm is not None and kind not in variants.AFTER_ROPE else []
     if c["clip_qkv_after_norm"]:  # OLMoE: q and k clamped after their norm, v at projection
         stages.append(clamp_stage(c["clip_qkv"]))

@@ -12,7 +12,7 @@ import numpy as np
 from golden.reference.arithmetic import number, real
 from golden.reference.block import Stage, clamp, merge_heads, split_heads
 from golden.reference.core import unbroadcast
-from golden.reference.norms import normalize, normalize_backward
+from golden.reference.norms import CENTRED, normalize, normalize_backward
 from golden.reference.rotary import turn
 
 
@@ -26,14 +26,16 @@ def rope_stage(cos, sin, interleaved, blocks=1) -> Stage:
                  lambda s, g_q, g_k: (rotate(g_q, -sin), rotate(g_k, -sin), {}))
 
 
-def qk_norm_stage(kind, q_weight, k_weight, eps) -> Stage:
+def qk_norm_stage(kind, q_weight, k_weight, eps, q_bias=None, k_bias=None) -> Stage:
     """The QK norm ``kind`` on q and k: per head over Dh ("rms", "rms_one_plus", "l2": no
-    weight; "layer": weights (N, Dh) and (Nkv, Dh), one row per head), or over all of a
-    token's heads ("rms_across_heads": weights (N·Dh,) and (Nkv·Dh,), OLMo 2)."""
+    weight; "layer": weights (N, Dh) and (Nkv, Dh), one row per head; "layer_with_bias":
+    those weights and biases ``q_bias`` (N, Dh), ``k_bias`` (Nkv, Dh) added after, Chameleon's),
+    or over all of a token's heads ("rms_across_heads": weights (N·Dh,) and (Nkv·Dh,), OLMo 2).
+    A bias's gradient is the output gradient summed over every axis but (heads, Dh)."""
     across = kind == "rms_across_heads"
 
     def shaped(w):  # the weight broadcast against (..., heads, L, Dh), or the merged heads
-        return None if w is None else w[:, None, :] if kind == "layer" else w
+        return None if w is None else w[:, None, :] if kind in CENTRED else w
 
     def forward(q, k):
         if across:
@@ -43,18 +45,22 @@ def qk_norm_stage(kind, q_weight, k_weight, eps) -> Stage:
             return split_heads(q, heads[0]), split_heads(k, heads[1]), (sq, sk)
         (q, sq), (k, sk) = (normalize(kind, t, shaped(w), eps)
                             for t, w in ((q, q_weight), (k, k_weight)))
+        q, k = (t if b is None else t + shaped(b)  # Chameleon: y = x̂ · w + b per head
+                for t, b in ((q, q_bias), (k, k_bias)))
         return q, k, (sq, sk)
 
     def backward(saved, g_q, g_k):
         grads = {}
         out = []
-        for g, s, name, w in ((g_q, saved[0], "q_norm", q_weight),
-                              (g_k, saved[1], "k_norm", k_weight)):
+        for g, s, name, w, b in ((g_q, saved[0], "q_norm", q_weight, q_bias),
+                                 (g_k, saved[1], "k_norm", k_weight, k_bias)):
             heads = g.shape[-3]
             gx, gw = normalize_backward(kind, s, merge_heads(g) if across else g)
             out.append(split_heads(gx, heads) if across else gx)
             if gw is not None:
                 grads[name] = unbroadcast(gw, shaped(w).shape).reshape(w.shape)
+            if b is not None:  # dL/db = g summed over the axes b was broadcast along
+                grads[f"{name}_bias"] = unbroadcast(g, shaped(b).shape).reshape(b.shape)
         return out[0], out[1], grads
 
     return Stage(forward, backward)

@@ -632,6 +632,22 @@ CASES += [
           "qkv_bias": True, "out_bias": True, "qk_norm": "rms", "softcap": 1.5}),
 ]
 
+# Chameleon's QK norm (issue 42): a LayerNorm of each head over Dh with its own weight and bias
+# (qk_norm="layer_with_bias", q_norm and q_norm_bias (N, Dh), k_norm and k_norm_bias (Nkv, Dh)),
+# before RoPE; grouped heads with left padding by positions, and unbatched with a mask and a
+# key-value head shared by all. Seeds from 850.
+CASES += [
+    Case("gqa_qk_layer_with_bias_chameleon", GQA, 850,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 5])},
+         {"d_in": 5, "num_heads": 6, "num_kv_heads": 2, "head_dim": 4, "d_out": 3,
+          "qk_norm": "layer_with_bias", "qk_norm_eps": 1e-5, "rope_theta": 100.0}),
+    Case("gqa_qk_layer_with_bias_mqa_unbatched", GQA, 851,
+         {"x": ("normal", (6, 8)), "mask": ("mask", (6, 6), 0.8, ())},
+         {"d_in": 8, "num_heads": 3, "num_kv_heads": 1, "head_dim": 6, "d_out": 5,
+          "qkv_bias": True, "out_bias": True, "qk_norm": "layer_with_bias", "scale": 0.3,
+          "rope_theta": 1000.0, "rope_interleaved": True}),
+]
+
 # Position biases in GroupedQueryAttention (issue 24): ALiBi's slopes of BLOOM (and Falcon's,
 # added before the scale), MPT's with its reordering for a head count that is not a power of
 # two. Seeds from 501.

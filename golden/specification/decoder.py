@@ -18,23 +18,31 @@ from functools import lru_cache
 import numpy as np
 
 
-def qk_normalize(x, kind, weight, eps, *, mean, rsqrt):
+def qk_normalize(x, kind, weight, eps, *, mean, rsqrt, bias=None):
     """QK norm ``kind`` of x (..., width) over its last axis, in x's dtype (the caller widens
-    it first): x̂ = (x − μ) / √(mean((x − μ)²) + ε), μ = mean(x) for "layer" and 0 otherwise,
-    times ``weight`` ("rms", "layer", "rms_across_heads"; broadcast against x by the caller),
-    1 + weight ("rms_one_plus") or nothing ("l2"). ``mean(t)``: the mean over the last axis,
-    kept as an axis of size 1."""
-    centred = x - mean(x) if kind == "layer" else x
+    it first): x̂ = (x − μ) / √(mean((x − μ)²) + ε), μ = mean(x) for "layer" and
+    "layer_with_bias" and 0 otherwise, times ``weight`` ("rms", "layer", "layer_with_bias",
+    "rms_across_heads"; broadcast against x by the caller), 1 + weight ("rms_one_plus") or
+    nothing ("l2"); plus ``bias`` ("layer_with_bias", Chameleon's; broadcast as the weight).
+    ``mean(t)``: the mean over the last axis, kept as an axis of size 1."""
+    centred = x - mean(x) if kind in CENTRED else x
     unit = centred * rsqrt(mean(centred * centred) + eps)
     if kind == "l2":
         return unit
-    return unit * (1 + weight) if kind == "rms_one_plus" else unit * weight
+    y = unit * (1 + weight) if kind == "rms_one_plus" else unit * weight
+    return y if bias is None else y + bias
+
+
+# The QK norms that subtract the mean (LayerNorms), and those whose weights are per head (N, Dh).
+CENTRED = ("layer", "layer_with_bias")
+PER_HEAD_WEIGHTS = ("layer", "layer_with_bias")
 
 
 def weight_broadcast(kind, weight):
-    """The norm's weight shaped to broadcast against (..., heads, L, Dh): "layer"'s (heads, Dh)
-    gets an L axis; the others' (Dh,) and (heads·Dh,) broadcast as they are."""
-    return None if weight is None else weight[:, None, :] if kind == "layer" else weight
+    """The norm's weight (or bias) shaped to broadcast against (..., heads, L, Dh): "layer"'s
+    and "layer_with_bias"'s (heads, Dh) get an L axis; the others' (Dh,) and (heads·Dh,)
+    broadcast as they are."""
+    return None if weight is None else weight[:, None, :] if kind in PER_HEAD_WEIGHTS else weight
 
 
 def sliding_window(w, causal):

@@ -254,12 +254,16 @@ QK_NORMS = {
                          "OLMo 2: RMSNorm over all heads' features (N·Dh,) before the split"),
     "layer": (lambda heads, dh: (heads, dh),
               "Cohere, StableLM: LayerNorm per head, no bias, weights (N, Dh)"),
+    "layer_with_bias": (lambda heads, dh: (heads, dh),
+                        "Chameleon: LayerNorm per head, weights and biases (N, Dh) each"),
     "l2": (lambda heads, dh: None, "Llama 4: RMS normalisation without weight, after RoPE"),
     "rms_after_rope": (lambda heads, dh: (dh,),
                        "HunYuan v1: RMSNorm per head after RoPE, one weight (Dh,)"),
 }
 # The QK norms that run after RoPE (the others before it).
 AFTER_ROPE = ("l2", "rms_after_rope")
+# The QK norms with a bias besides the weight (q_norm_bias, k_norm_bias: the weight's shapes).
+BIASED_QK_NORMS = ("layer_with_bias",)
 
 
 def _qk_norm(name, kind) -> None:
@@ -319,9 +323,11 @@ def _grouped_query_shapes(c):
     if c["qk_norm"] is not None and QK_NORMS[c["qk_norm"]][0](h, dh) is not None:
         shapes["q_norm"] = QK_NORMS[c["qk_norm"]][0](h, dh)
         shapes["k_norm"] = QK_NORMS[c["qk_norm"]][0](hkv, dh)
+    if c["qk_norm"] in BIASED_QK_NORMS:  # Chameleon: each head's norm has a bias
+        shapes["q_norm_bias"], shapes["k_norm_bias"] = shapes["q_norm"], shapes["k_norm"]
     if c.get("kv_shared"):  # Gemma 4's, Gemma 3n's reusing layers: the storing layer's k and v
         _check_kv_shared(c)
-        for name in ("W_key", "b_key", "W_value", "b_value", "k_norm"):
+        for name in ("W_key", "b_key", "W_value", "b_value", "k_norm", "k_norm_bias"):
             shapes.pop(name, None)
     if c["sinks"]:
         shapes["sinks"] = (h,)
@@ -577,7 +583,8 @@ _VARIANTS = [
              Arg("clip_qkv_after_norm", _flag, False), Arg("kv_shared", _flag, False)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
-            vectors=("q_norm", "k_norm", "sinks", "relative_attention_bias", "bias_u",
+            vectors=("q_norm", "k_norm", "q_norm_bias", "k_norm_bias", "sinks",
+                     "relative_attention_bias", "bias_u",
                      "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias",
                      "per_dim_scale", "output_norm_weight", "temperature_scale",
                      "temperature_bias"),

@@ -230,7 +230,7 @@ class GroupedQueryAttention(_Variant):
             v = v * self.value_scale
         if self.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
             v = self._norm(v, None, kind="l2")
-        if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
+        if self.qk_norm in ("rms", "rms_one_plus", "layer", "layer_with_bias"):  # per head
             q, k = self._normed(q, k)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
@@ -290,7 +290,8 @@ class GroupedQueryAttention(_Variant):
 
     def _normed(self, q, k):
         """q and k through their QK norm before RoPE, then clamped with clip_qkv_after_norm."""
-        q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q = self._norm(q, self.q_norm, bias=self.q_norm_bias)  # Chameleon's: with a bias
+        k = self._norm(k, self.k_norm, bias=self.k_norm_bias)
         return (self._clip(q), self._clip(k)) if self.clip_after_norm else (q, k)
 
     def _clip(self, y):
@@ -311,17 +312,20 @@ class GroupedQueryAttention(_Variant):
                  "attention_chunk_size": self.attention_chunk_size}
         return {n: a for n, a in extra.items() if a is not None}
 
-    def _norm(self, t, weight, kind=None):
-        """The QK norm of t (or ``kind``, "l2" for the value norm), computed in at least float32
-        and rounded once to t's dtype (a kv_shared module's absent keys: None)."""
+    def _norm(self, t, weight, kind=None, bias=None):
+        """The QK norm of t (or ``kind``, "l2" for the value norm), plus ``bias`` when given
+        ("layer_with_bias"), computed in at least float32 and rounded once to t's dtype (a
+        kv_shared module's absent keys: None)."""
         if t is None:
             return None
         compute = jnp.promote_types(t.dtype, jnp.float32)
         w = None if weight is None else weight_broadcast(self.qk_norm,
                                                          weight.get_value().astype(compute))
+        b = None if bias is None else weight_broadcast(self.qk_norm,
+                                                       bias.get_value().astype(compute))
         return qk_normalize(t.astype(compute), kind or self.qk_norm, w, self.qk_norm_eps,
-                            mean=lambda a: a.mean(-1, keepdims=True),
-                            rsqrt=jax.lax.rsqrt).astype(t.dtype)
+                            mean=lambda a: a.mean(-1, keepdims=True), rsqrt=jax.lax.rsqrt,
+                            bias=b).astype(t.dtype)
 
     def _position_bias(self, q, keys):
         """ALiBi's or T5's bias as the core's ``distance_bias`` (N, 2S + 1), S = L + Lk (every

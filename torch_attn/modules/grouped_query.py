@@ -49,8 +49,9 @@ class GroupedQueryAttention(nn.Module):
 
     Options, in Hugging Face's terms: ``sliding_window`` W (a query sees W keys, itself
     included: the core's window (W − 1, 0)); ``qk_norm`` (golden.specification.variants.QK_NORMS:
-    "rms" Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere, "l2" Llama 4,
-    with ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
+    "rms" Qwen3, "rms_one_plus" Gemma 3, "rms_across_heads" OLMo 2, "layer" Cohere,
+    "layer_with_bias" Chameleon (its biases q_norm_bias, k_norm_bias), "l2" Llama 4, with
+    ``qk_norm_eps``); ``sinks`` (GPT-OSS: a learned logit per head in every softmax);
     ``attention_chunk_size`` C (Llama 4: a query sees the keys of its own chunk of C positions);
     ``query_temperature`` {"beta", "floor_scale", "shift"} (Llama 4's NoPE layers: q · (1 + β·ln(1 +
     ⌊(p + shift)/F⌋))); ``output_gate`` (Qwen3-Next: the heads' output times σ(x W_gate + b_gate)
@@ -238,7 +239,7 @@ class GroupedQueryAttention(nn.Module):
             v = v * self.value_scale
         if self.v_norm:  # Gemma 4: each value head RMS-normalised, no weight
             v = self._norm(v, None, kind="l2")
-        if self.qk_norm in ("rms", "rms_one_plus", "layer"):  # per head, before RoPE
+        if self.qk_norm in ("rms", "rms_one_plus", "layer", "layer_with_bias"):  # per head
             q, k = self._normed(q, k)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
@@ -305,7 +306,8 @@ class GroupedQueryAttention(nn.Module):
 
     def _normed(self, q, k):
         """q and k through their QK norm before RoPE, then clamped with clip_qkv_after_norm."""
-        q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q = self._norm(q, self.q_norm, bias=self.q_norm_bias)  # Chameleon's: with a bias
+        k = self._norm(k, self.k_norm, bias=self.k_norm_bias)
         return (self._clip(q), self._clip(k)) if self.clip_after_norm else (q, k)
 
     def _clip(self, y):
@@ -317,16 +319,18 @@ class GroupedQueryAttention(nn.Module):
         """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike; None stays None)."""
         return None if y is None else y.unflatten(-1, (heads, -1)).transpose(-2, -3)
 
-    def _norm(self, t, weight, kind=None):
-        """The QK norm of t (or ``kind``, "l2" for the value norm), computed in at least float32
-        and rounded once to t's dtype (a kv_shared module's absent keys: None)."""
+    def _norm(self, t, weight, kind=None, bias=None):
+        """The QK norm of t (or ``kind``, "l2" for the value norm), plus ``bias`` when given
+        ("layer_with_bias"), computed in at least float32 and rounded once to t's dtype (a
+        kv_shared module's absent keys: None)."""
         if t is None:
             return None
         compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
         w = None if weight is None else weight_broadcast(self.qk_norm, weight.to(compute))
+        b = None if bias is None else weight_broadcast(self.qk_norm, bias.to(compute))
         return qk_normalize(t.to(compute), kind or self.qk_norm, w, self.qk_norm_eps,
-                            mean=lambda a: a.mean(-1, keepdim=True),
-                            rsqrt=torch.rsqrt).to(t.dtype)
+                            mean=lambda a: a.mean(-1, keepdim=True), rsqrt=torch.rsqrt,
+                            bias=b).to(t.dtype)
 
     def _position_bias(self, q, keys, offset):
         """ALiBi's or T5's score bias (N, L, Lk), or (B, N, L, Lk) with a cache (query i at
