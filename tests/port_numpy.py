@@ -629,13 +629,21 @@ class MultiHeadLatentAttention(Module):
     x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
 
     layers = {"query": "q_proj", "q_a": "q_a_proj", "q_b": "q_b_proj",
-              "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj", "out": "o_proj"}
+              "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj", "out": "o_proj",
+              "gate": "gate_proj"}
 
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None, query_temperature=None, rope=True, *, core=None):
+                 causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
+                 output_gate=False, *, core=None):
         super().__init__(core)
+        self.sinks = np.zeros(num_heads) if sinks else None  # HY-V4's
+        gate = "sigmoid" if output_gate is True else output_gate  # False: none
+        self.gate_softplus = bool(gate) and gate.startswith("softplus")
+        self.gate_per_head = bool(gate) and gate.endswith("per_head")
+        self.gate_proj = (Linear(d_in, num_heads if self.gate_per_head else num_heads * v_head_dim,
+                                 False) if gate else None)
         dk, bias = qk_nope_head_dim + qk_rope_head_dim, attention_bias
         self.temperature, self.use_rope = query_temperature, rope
         learned = query_temperature is not None and query_temperature.get("kind") == "learned"
@@ -688,8 +696,16 @@ class MultiHeadLatentAttention(Module):
                            axis=-1)
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), is_causal=self.causal, scale=self.scale,
                               query_seq_lengths=query_seq_lengths,
-                              key_value_seq_lengths=query_seq_lengths, return_weights=True)
-        y = self.o_proj(_merge(o))
+                              key_value_seq_lengths=query_seq_lengths, return_weights=True,
+                              sinks=None if self.sinks is None else self.sinks.astype(q.dtype))
+        merged = _merge(o)
+        if self.gate_proj is not None:  # HY-V4: times σ(x W_gate); Ling 3.0 one per head
+            z = self.gate_proj(x)
+            a = np.logaddexp(z, 0).astype(z.dtype) if self.gate_softplus else 1 / (1 + np.exp(-z))
+            if self.gate_per_head:  # one value per head: (..., L, N) -> each head's Dv features
+                a = np.repeat(a, merged.shape[-1] // self.heads, axis=-1)
+            merged = merged * a
+        y = self.o_proj(merged)
         return (y, w) if return_weights else y
 
     def rms(self, t, weight):
@@ -700,7 +716,8 @@ class MultiHeadLatentAttention(Module):
     def mapping(self) -> dict:
         table = super().mapping()
         table.update({n: (n, "") for n in ("q_a_norm", "kv_a_norm", "temperature_scale",
-                                           "temperature_bias") if getattr(self, n) is not None})
+                                           "temperature_bias", "sinks")
+                      if getattr(self, n) is not None})
         return table
 
 

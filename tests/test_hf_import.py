@@ -402,6 +402,16 @@ HYBRIDS_42 = {
         num_hidden_layers=2, block_types=["recurrent", "attention"], attention_window_size=4,
         head_dim=8, num_key_value_heads=1, attention_bias=True, lru_width=16, conv1d_width=2),
         layers=(1,), attention_of=_module_at("temporal_block"), model="RecurrentGemmaModel"),
+    # Ling 3.0: layer 0 Kimi Delta Attention (gated linear, issue 43: refused by kind), layer 1
+    # latent attention (no q LoRA, interleaved pairs) with a σ gate per head (issue 42); HF's
+    # RMSNorm of the latent in float32
+    "bailing_hybrid": Family("BailingHybridConfig", dict(
+        num_hidden_layers=2, layer_group_size=2, **{k: v for k, v in MLA_SIZES.items()
+                                                    if k not in ("head_dim", "q_lora_rank")},
+        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, first_k_dense_replace=2,
+        n_group=1, topk_group=1, short_conv_kernel_size=2, pad_token_id=0, eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0}), layers=(1,),
+        float32="BailingHybridRMSNorm"),
 }
 
 # Issue 42's text encoders with RoPE (golden/hf/encoders.py ROPE_ENCODERS), swept with the
@@ -624,6 +634,8 @@ DISTINCT = {
     "mistral4": [(0, {"query_temperature": None})],
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs
     "longcat_flash": [(0, {"scale": None}), (1, {"rope_interleaved": False})],
+    # Ling 3.0's MLA layers: the gate per head; their pairs
+    "bailing_hybrid": [(1, {"output_gate": False}), (1, {"rope_interleaved": False})],
     # Issue 42's decoders
     # Chameleon: its norm's biases dropped ("layer", Cohere's), or the norm removed
     "chameleon": [(0, {"qk_norm": "layer"}), (0, {"qk_norm": None})],
@@ -722,14 +734,15 @@ OUTSIDE_ATTENTION = {"num_experts", "num_experts_per_tok", "moe_intermediate_siz
                      "ssm_state_size", "conv_kernel", "chunk_size", "mamba_num_heads",
                      "mamba_head_dim", "n_mamba_heads", *MAMBA2, "mamba_d_ssm", "mamba_n_groups",
                      "mamba_expand", "mamba_dt_rank", "share_expert_dim",
-                     "conv_L_cache", "bos_token_id", "cls_token_id", "sep_token_id"}
+                     "conv_L_cache", "bos_token_id", "cls_token_id", "sep_token_id",
+                     "short_conv_kernel_size"}
 
 
 # A hybrid's fields that say which layers are attention: each family's reading of them is
 # checked against HF's own config (its layer_types) for every hybrid in the quick suite
 # (test_hybrids_layer_kinds_are_hfs), so not a reason to run a model.
 LAYER_KINDS = {"attn_layer_period", "attn_layer_offset", "attn_layer_indices",
-               "layers_block_type", "block_types", "layer_types"}
+               "layers_block_type", "block_types", "layer_types", "layer_group_size"}
 
 
 def _fields(family) -> set:
@@ -844,6 +857,8 @@ HYBRID_OTHERS = {"jamba": (0, "linear_attention"), "bamba": (0, "linear_attentio
                  "granitemoehybrid": (0, "linear_attention"),
                  "nemotron_h": (0, "linear_attention"), "zamba": (1, "linear_attention"),
                  "zamba2": (0, "linear_attention"), "recurrent_gemma": (0, "recurrent")}
+# (Ling 3.0's linear_attention layers convert as Kimi Delta Attention: tests/
+# test_hf_import_linear.py)
 
 
 @pytest.mark.parametrize("name", list(HYBRIDS_42))
@@ -870,7 +885,8 @@ def test_hybrids_other_layers_are_refused_by_kind(name):
     config = getattr(transformers, family.config)(**{**BASE, **family.kw}).to_dict()
     layer, kind = HYBRID_OTHERS[name]
     with pytest.raises(ValueError, match=rf"model_type '{name}': layer {layer} is a '{kind}' "
-                                         rf"layer \((Mamba|RG-LRU)[^)]*not softmax attention\)"):
+                                         rf"layer \((Mamba|RG-LRU|Kimi Delta Attention)[^)]*not "
+                                         rf"softmax attention\)"):
         golden.convert.from_hf(config, {}, layer_idx=layer)
     with pytest.raises(ValueError, match=r"layer_idx should be in \[0, "):
         golden.convert.from_hf(config, {}, layer_idx=7)
@@ -954,7 +970,7 @@ def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(n
 
 # Latent attention has exact angles only (its comparison with HF is at float32 level anyway:
 # HF's RMSNorm of the latent is float32).
-EXACT_ANGLES_ONLY = {"deepseek_v3", *LATENT_42}
+EXACT_ANGLES_ONLY = {"deepseek_v3", *LATENT_42, "bailing_hybrid"}
 
 
 def _angles(name):
@@ -1349,9 +1365,6 @@ def test_options_42_settings_we_do_not_express_are_named():
                                          r"gated short convolution, not softmax attention\); "
                                          r"only its attention layers convert \(1, 2\)"):
         golden.convert.from_hf(lfm3, {}, layer_idx=0)
-    for name, why in (("bailing_hybrid", "a gate latent attention has no option for"),):
-        with pytest.raises(ValueError, match=rf"model_type '{name}' is not supported: .*{why}"):
-            golden.convert.from_hf({"model_type": name}, {})
 
 
 def test_chameleon_norm_weight_and_bias_gradients_equal_hfs():

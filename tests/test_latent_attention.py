@@ -39,6 +39,11 @@ CONFIGS = {
     "temperature": dict(CONFIG, query_temperature={"beta": 0.6, "floor_scale": 2, "shift": 0}),
     "temperature_learned": dict(CONFIG, q_lora_rank=None, query_temperature={"kind": "learned"}),
     "nope": dict(CONFIG, rope_theta=None, rope=False),  # Kimi Linear's
+    # issue 42: HY-V4's gate per feature (from x, not the query's latent) with sinks; Ling 3.0's
+    # gate per head (bailing_hybrid's MLA layers, no q_lora)
+    "gate_sinks_hy_v4": dict(CONFIG, rope_interleaved=False, sinks=True, output_gate="sigmoid"),
+    "gate_per_head_ling": dict(CONFIG, q_lora_rank=None, attention_bias=False,
+                               output_gate="sigmoid_per_head"),
 }
 # float64: decoding and the full forward differ only in summation order (GroupedQueryAttention's
 # decode tests use the same bound); plain and absorbed in the order of their products.
@@ -550,3 +555,144 @@ def test_decoding_matches_transformers_dynamic_cache(twin, name, monkeypatch):
     assert rel(twin.numpy(cache.latent)[:, :8], hf_latent) <= EXACT, seed
     interleaved = variants.get(MLA).config(config)["rope_interleaved"]
     assert rel(_deinterleave(rot) if interleaved else rot, hf_rot) <= EXACT, seed
+
+
+# ---- issue 42: the output gate and sinks --------------------------------------------------------
+
+@pytest.mark.parametrize("option, value, message", [
+    ("output_gate", "tanh", "output_gate should be False, True (= 'sigmoid') or one of 'sigmoid', "
+                            "'sigmoid_per_head', 'softplus', 'softplus_per_head', got 'tanh'"),
+    ("sinks", 1, "sinks should be True or False"),
+])
+def test_gate_and_sinks_are_validated_by_name(twin, option, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        twin.make(MLA, dict(CONFIG, **{option: value}))
+
+
+@pytest.mark.parametrize("output_gate, width", [("sigmoid", 3 * 11), ("sigmoid_per_head", 3),
+                                                (False, None)])
+def test_gate_and_sinks_parameters(twin, output_gate, width):
+    """W_gate (d_in, N·Dv) per feature, (d_in, N) per head, no bias whatever attention_bias;
+    sinks (N,), built at 0 (no sink's weight changes nothing but the softmax's sum)."""
+    config = dict(CONFIG, sinks=True, output_gate=output_gate)
+    shapes = variants.get(MLA).param_shapes(config)
+    assert shapes["sinks"] == (3,) and "b_gate" not in shapes
+    assert shapes.get("W_gate") == (None if width is None else (CONFIG["d_in"], width))
+    params = twin.export(twin.make(MLA, config))
+    np.testing.assert_array_equal(params["sinks"], np.zeros(3))
+    assert set(params) == set(shapes)
+
+
+def test_gate_reads_x_not_the_query_latent():
+    """With q_lora_rank the gate's input is x (HY-V4's gate_proj(hidden_states)), not the query's
+    latent: the reference's gate values are σ(x W_gate) by hand, and the output is the ungated
+    heads' output times them through W_out."""
+    rng, seed = fresh_rng()
+    config = CONFIGS["gate_sinks_hy_v4"]
+    params = _params(config, rng)
+    x = rng.standard_normal((B, L, config["d_in"]))
+    y, _, saved = reference.VARIANTS[MLA][0](config, {"x": x}, params)
+    ungated, gate = saved["block"]["gate"][:2]               # (B, L, N·Dv) each
+    np.testing.assert_allclose(gate, 1 / (1 + np.exp(-(x @ params["W_gate"]))), rtol=1e-14,
+                               atol=0, err_msg=f"seed {seed}")
+    assert rel(y, (ungated * gate) @ params["W_out"] + params["b_out"]) <= EXACT, seed
+
+
+# ---- HY-V4's own HYV4Attention, its indexer keeping every key (L ≤ index_topk) -----------------
+#
+# HY-V4 (models/hy_v4) is MLA with gate_proj (N·v_head_dim, from hidden_states), sinks (GPT-OSS's
+# eager attention) and DSA's lightning indexer choosing index_topk keys per query (issue 44:
+# refused as a family). With L ≤ index_topk the indexer keeps every key, so the module is exactly
+# our latent attention with output_gate="sigmoid", sinks=True, rotate-half RoPE. HF's RMSNorm
+# computes in float32: patched to its input's dtype (as above), everything agrees to 1e-12.
+
+from transformers.models.hy_v4 import modeling_hy_v4  # noqa: E402
+
+HY_V4 = dict(d_in=5, num_heads=3, kv_lora_rank=7, qk_nope_head_dim=6, qk_rope_head_dim=4,
+             v_head_dim=11, q_lora_rank=9, rope_theta=100.0, rope_interleaved=False, sinks=True,
+             output_gate="sigmoid")
+
+
+def _hy_v4_module(rng, index_topk):
+    """HF's HYV4Attention (layer 0: a full indexer) in float64, eager (its sinks), random
+    weights and sinks, and our neutral parameters of it."""
+    c = variants.get(MLA).config(HY_V4)
+    hf_config = modeling_hy_v4.HYV4Config(
+        hidden_size=c["d_in"], num_attention_heads=c["num_heads"], q_lora_rank=c["q_lora_rank"],
+        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"], num_hidden_layers=1,
+        index_topk=index_topk, index_head_dim=8, index_n_heads=2, vocab_size=16,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
+    hf_config._attn_implementation = "eager"
+    hf = modeling_hy_v4.HYV4Attention(hf_config, 0).double().eval()
+    assert hf.indexer is not None and hf.indexer.index_topk == index_topk
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            scale = 1 / np.sqrt(p.shape[1]) if p.dim() == 2 else 1.0
+            base = 1.0 if "layernorm" in name or "norm.weight" in name else 0.0
+            p.copy_(torch.from_numpy(base + scale * rng.standard_normal(tuple(p.shape))))
+    sd = {n: t.detach().numpy().copy() for n, t in hf.state_dict().items()}
+    names = dict(HF_NAMES, W_gate="gate_proj")
+    params = {ours: (sd[f"{theirs}.weight"] if ours.endswith("_norm") else
+                     sd[f"{theirs}.weight"].T)
+              for ours, theirs in names.items() if f"{theirs}.weight" in sd}
+    params["sinks"] = sd["sinks"]
+    return hf, params, names
+
+
+def _hy_v4_run(hf, x, dy, names):
+    """HF's output and the gradients of Σ y ⊙ dy in our names (x, every parameter, sinks), with
+    a causal additive mask (B, 1, L, L)."""
+    xt = torch.tensor(x, requires_grad=True)
+    length = x.shape[1]
+    causal = np.where(np.tril(np.ones((length, length), bool)), 0.0, np.finfo(np.float64).min)
+    mask = torch.from_numpy(np.broadcast_to(causal, (x.shape[0], 1, length, length)).copy())
+    y = hf(xt, _hf_cos_sin(HY_V4, np.arange(length)), mask)[0]
+    (y * torch.from_numpy(dy)).sum().backward()
+    grads = {"x": xt.grad.numpy(), "sinks": hf.sinks.grad.numpy()}
+    for ours, theirs in names.items():
+        layer = getattr(hf, theirs, None)
+        if layer is not None:
+            g = layer.weight.grad.numpy()
+            grads[ours] = g if ours.endswith("_norm") else g.T
+    return y.detach().numpy(), grads
+
+
+def test_matches_hy_v4_attention_with_every_key_kept(monkeypatch):
+    """HF's HYV4Attention with index_topk = L (its indexer keeps every allowed key): the
+    reference's output and every gradient (x, W_gate, sinks, each weight), and both twins'
+    (plain and absorbed), equal HF's to 1e-12 with its RMSNorm in float64 (measured: 6e-16
+    output, 1e-15 gradients); the gate undone (output_gate=False) or the sinks (sinks=False)
+    moves the output far from HF's; and with index_topk = 3 < L HF's output is another."""
+    monkeypatch.setattr(modeling_hy_v4.HYV4RMSNorm, "forward", _float64_norm)
+    rng, seed = fresh_rng()
+    hf, params, names = _hy_v4_module(rng, index_topk=L)
+    x = rng.standard_normal((B, L, HY_V4["d_in"]))
+    y_hf, g_hf = _hy_v4_run(hf, x, dy := rng.standard_normal((B, L, HY_V4["d_in"])), names)
+    forward, backward = reference.VARIANTS[MLA]
+    y_ref, w_ref, saved = forward(HY_V4, {"x": x}, params)
+    g_ref = backward(saved, dy, np.zeros_like(w_ref))
+    assert set(g_ref) == set(g_hf) == {"x", *params}
+    errors = {"reference output": rel(y_ref, y_hf),
+              **{f"reference grad {n}": rel(g_ref[n], g_hf[n]) for n in g_hf}}
+    for twin in TWINS.values():
+        run = _grads_torch if twin.name == "torch" else _grads_jax
+        with twin.float64():
+            for absorb in (False, True):
+                y, _, grads = run(twin.build(MLA, HY_V4, params), x, dy, np.zeros_like(w_ref),
+                                  absorb)
+                errors[f"{twin.name} {absorb} output"] = rel(y, y_hf)
+                errors.update({f"{twin.name} {absorb} grad {n}": rel(grads[n], g_hf[n])
+                               for n in g_hf})
+    bad = {what: e for what, e in errors.items() if e > EXACT}
+    assert not bad, (bad, seed)
+    undone, _, _ = forward(dict(HY_V4, output_gate=False), {"x": x},
+                           {n: a for n, a in params.items() if n != "W_gate"})
+    no_sinks, _, _ = forward(dict(HY_V4, sinks=False), {"x": x},
+                             {n: a for n, a in params.items() if n != "sinks"})
+    assert rel(undone, y_hf) > 0.1 and rel(no_sinks, y_hf) > 0.1, seed
+    # the premise: with index_topk < L the indexer drops keys and HY-V4 is no longer ours
+    hf_sparse, _, _ = _hy_v4_module(rng, index_topk=3)
+    hf_sparse.load_state_dict(hf.state_dict())  # the same weights
+    assert rel(_hy_v4_run(hf_sparse, x, dy, names)[0], y_hf) > 0.01, seed

@@ -875,10 +875,6 @@ def _head_gate_bias():
 
 # Towers we do not convert, with why: from_hf names the reason.
 REFUSED = {
-    "bailing_hybrid": "Ling 3.0's (bailing_hybrid) softmax layers are latent attention (MLA) "
-                      "with one σ gate per head on its output (g_proj, D -> N), a gate latent "
-                      "attention has no option for; its other layers are gated linear "
-                      "attention",
     "hunyuan_vl_text": "HunYuan-VL's XD-RoPE gives the two features of a rotated pair the "
                        "positions of different axes (its sections split the duplicated "
                        "frequency vector over 3 or 4 axes), not one axis per pair (its QK norm "

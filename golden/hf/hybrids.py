@@ -1,6 +1,8 @@
 """The softmax attention layers of hybrid models, whose other layers are Mamba (or RG-LRU)
 recurrences: Falcon-H1, Jamba, Bamba, Granite 4 (granitemoehybrid), Nemotron-H, Zamba, Zamba 2
-and RecurrentGemma. Each family's attention is Llama's shape (q_proj, k_proj, v_proj, o_proj)
+and RecurrentGemma; and Ling 3.0 (bailing_hybrid), whose softmax layers are latent attention
+with a σ gate per head and whose others are Kimi Delta Attention (gated linear attention,
+converted by golden.hf.linear). Each Mamba hybrid's attention is Llama's shape (q_proj, k_proj, v_proj, o_proj)
 with what it changes (no RoPE, a scale, a width in and out, a local window); each config says
 in its own words which layers are attention (``_block_kinds``), and ``from_hf`` of any other
 layer is a ValueError naming the layer's kind, as Qwen3-Next's linear_attention layers are.
@@ -15,8 +17,12 @@ r an adapter's rank.
 
 from __future__ import annotations
 
+import numpy as np
+
 from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _decoder_settings,
                               _linears_to_neutral, _neutral_to_linears, _read)
+from golden.hf.latent import (MLA, _deepseek_from_neutral, _deepseek_to_neutral,
+                              _latent_settings)
 
 # HF's legacy names of a layer's kind (transformers' configuration_utils remaps them so) and
 # Nemotron-H's hybrid_override_pattern characters.
@@ -27,6 +33,9 @@ ATTENTION = {"full_attention", "sliding_attention", "hybrid"}
 OTHERS = {"linear_attention": "Mamba, not softmax attention",
           "recurrent": "RG-LRU recurrence, not softmax attention",
           "moe": "a mixture of experts, no attention", "mlp": "an MLP, no attention"}
+# A family whose kind of layer is another thing than OTHERS says: {model_type: {kind: what}}.
+OTHERS_OF = {"bailing_hybrid": {"linear_attention": "Kimi Delta Attention, gated linear "
+                                                    "attention, not softmax attention"}}
 
 
 def _count(c, mt) -> int:
@@ -58,7 +67,7 @@ def _block_kinds(c, mt) -> list:
     if mt == "nemotron_h" and c.get("layers_block_type") is None and c.get(
             "hybrid_override_pattern") is not None:
         return [_PATTERN[ch] for ch in c["hybrid_override_pattern"]]
-    key = "layer_types" if mt == "granitemoehybrid" else "layers_block_type"
+    key = "layer_types" if mt in ("granitemoehybrid", "bailing_hybrid") else "layers_block_type"
     types = c.get(key)
     if types is None and mt == "zamba":  # HF's default: two Mamba layers, then the period's
         period, offset = int(c.get("attn_layer_period", 6)), int(c.get("attn_layer_offset", 4))
@@ -88,9 +97,9 @@ def _attention_layer(c, layer_idx, mt) -> str:
     kind = kinds[layer_idx]
     if kind not in ATTENTION:
         attention = [i for i, k in enumerate(kinds) if k in ATTENTION]
-        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a {kind!r} layer "
-                         f"({OTHERS.get(kind, 'not softmax attention')}); only its attention "
-                         f"layers convert ({', '.join(map(str, attention)) or 'none'})")
+        what = {**OTHERS, **OTHERS_OF.get(mt, {})}.get(kind, "not softmax attention")
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a {kind!r} layer ({what}); "
+                         f"only its attention layers convert ({', '.join(map(str, attention)) or 'none'})")
     return kind
 
 
@@ -212,6 +221,30 @@ def _zamba2_call_site(c, layer_idx, sd):
     return sd
 
 
+def _bailing_settings(c, layer_idx, sd):
+    """Ling 3.0 (bailing_hybrid)'s softmax layers (BailingHybridAttention): DeepSeek-V3's latent
+    attention without a q LoRA (q_proj), its pairs always interleaved
+    (apply_rotary_pos_emb_interleave; the config has no rope_interleave), and the output times
+    σ(x g_proj) per head (g_proj D -> N, no bias): output_gate="sigmoid_per_head"."""
+    mt = "bailing_hybrid"
+    _attention_layer(c, layer_idx, mt)
+    ours = _latent_settings(mt, interleaved=True)({**c, "q_lora_rank": None}, layer_idx, sd)
+    ours["output_gate"] = "sigmoid_per_head"
+    return ours
+
+
+def _bailing_to_neutral(sd, ours):
+    params = _deepseek_to_neutral(sd, ours)
+    params["W_gate"] = _read(sd, "g_proj.weight", "bailing_hybrid").T.copy()  # (D, N)
+    return params
+
+
+def _bailing_from_neutral(params, ours):
+    sd = _deepseek_from_neutral(params, ours)
+    sd["g_proj.weight"] = np.ascontiguousarray(np.asarray(params["W_gate"]).T)  # (N, D)
+    return sd
+
+
 FAMILIES: dict[str, Family] = {
     "falcon_h1": _hybrid("falcon_h1", _falcon_h1),
     "jamba": _hybrid("jamba", _no_positions),
@@ -236,6 +269,13 @@ FAMILIES: dict[str, Family] = {
     "recurrent_gemma": _hybrid("recurrent_gemma", _recurrent_gemma,
                                stacks=(Stack("layers", "temporal_block"),),
                                model_class="RecurrentGemmaModel"),
+    # Ling 3.0: its full_attention layers are latent attention with a σ gate per head; its
+    # linear_attention layers (Kimi Delta Attention) are refused by kind
+    "bailing_hybrid": Family(MLA, _bailing_settings, _bailing_to_neutral, _bailing_from_neutral,
+                             unverified="attn-parity hf does not check Ling 3.0 checkpoints "
+                                        "yet: its latent-attention layers are tested against "
+                                        "HF's own module, its one-layer model in the verifier "
+                                        "has not been run"),
 }
 
 

@@ -70,7 +70,8 @@ class Stage(NamedTuple):
 
 def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask=None,
                   clip=None, v_norm=None, key_scale=None, gate=None, output_norm=None,
-                  value_scale=None, clip_roles=("query", "key", "value"), **core):
+                  value_scale=None, clip_roles=("query", "key", "value"), gate_input=None,
+                  **core):
     """The generic block; p holds W_query, W_key, W_value, optional b_*, W_out, b_out, and for
     GroupedQueryAttention's options W_gate/b_gate (the output gate), sinks, and W_pos, bias_u
     and bias_v (Transformer-XL's relative positions: golden.reference.transformer_xl_term,
@@ -89,7 +90,8 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
     ("rms", times p["output_norm_weight"]) before the gate; ``gate`` (activation, per_head) of
     golden.specification.outputs.gate_kind: the output times act(x_q W_gate + b_gate), one value
     per feature or per head (broadcast over its Dv), default ("sigmoid", False) when p has
-    W_gate;
+    W_gate; ``gate_input`` the gate's input in place of x_q (multi-head latent attention's x,
+    whose x_q is the query's low-rank latent), its gradient then returned as "x_gate";
     ``core`` goes to sdpa_forward (is_causal, scale, dropout, lengths, ...)."""
     x_q, x_k, x_v = (real(a) for a in (x_q, x_k, x_v))
     p = {n: real(a) for n, a in p.items()}
@@ -137,13 +139,15 @@ def block_forward(x_q, x_k, x_v, p, *, num_heads, kv_heads=None, stages=(), mask
         merged, normed = normalize("rms", merged, p["output_norm_weight"], output_norm[1])
     gated = None
     if "W_gate" in p:  # merged ⊙ act(x_q W_gate + b_gate)
-        merged, gated = _gate(merged, linear(x_q, p["W_gate"], p.get("b_gate")),
+        x_g = x_q if gate_input is None else real(gate_input)
+        merged, gated = _gate(merged, linear(x_g, p["W_gate"], p.get("b_gate")),
                               gate or ("sigmoid", False), num_heads)
     y = linear(merged, p["W_out"], p.get("b_out")) if "W_out" in p else merged
     saved = dict(x=(x_q, x_k, x_v), p=p, heads=heads, stages=stages, staged=staged,
                  merged=merged, gate=gated, attn=attn, inside=inside, v_normed=v_normed,
                  relative=relative, shaw=shaw, output_norm=(output_norm, normed),
-                 value_scale=value_scale)
+                 value_scale=value_scale,
+                 gate_input=None if gate_input is None else real(gate_input))
     return y, weights, saved
 
 
@@ -243,7 +247,11 @@ def block_backward(saved, d_y, d_weights):
         grads[f"x_{n}"] = linear_backward(x, p[f"W_{n}"], merge_heads(g[n]), grads,
                                           (f"W_{n}", f"b_{n}" if f"b_{n}" in p else None))
     if g_gate is not None:
-        grads["x_query"] = grads["x_query"] + linear_backward(
-            saved["x"][0], p["W_gate"], g_gate, grads, ("W_gate", "b_gate" if "b_gate" in p
-                                                         else None))
+        x_g = saved.get("gate_input")
+        g_x = linear_backward(saved["x"][0] if x_g is None else x_g, p["W_gate"], g_gate, grads,
+                              ("W_gate", "b_gate" if "b_gate" in p else None))
+        if x_g is None:
+            grads["x_query"] = grads["x_query"] + g_x
+        else:
+            grads["x_gate"] = g_x
     return grads

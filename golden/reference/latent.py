@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from golden.specification import variants
+from golden.specification.outputs import gate_kind
 from golden.reference.arithmetic import number, real
 from golden.reference.block import Stage, block_backward, block_forward, linear, linear_backward
 from golden.reference.core import unbroadcast
@@ -73,7 +74,9 @@ def _latent(config, inputs, params):
     the latent c RMS-normalised (kv_a_norm), W_kv_b making each head's [k_nope | v] from it;
     q_pe and the one key head k_pe turned (RoPE at the tokens' positions), k_pe shared by every
     head; causal attention of [q_nope | q_pe] on [k_nope | k_pe] at the scale Dk^−1/2 ·
-    latent_mscale (or ``scale``), out through W_out. The block (block_forward) runs from the
+    latent_mscale (or ``scale``), with ``sinks`` (HY-V4) a learned logit per head in every
+    softmax row; ``output_gate`` (HY-V4's "sigmoid", Ling 3.0's "sigmoid_per_head") the heads'
+    output times act(x W_gate), from x (not the query's latent), before W_out. The block (block_forward) runs from the
     query input and the latent: its W_key and W_value are W_kv_b's key and value columns, its
     stage the RoPE (latent_rope_stage)."""
     c, x = variants.get("multi_head_latent_attention").config(config), real(inputs["x"])
@@ -108,10 +111,11 @@ def _latent(config, inputs, params):
         stages.append(temperature_stage(temperature_factors(positions, t)[heads_axis][..., None]))
     w_k, w_v = _split_kv_b(p["W_kv_b"], heads, nope)
     block = {"W_query": p.get("W_q_b", p.get("W_query")), "W_key": w_k, "W_value": w_v,
-             "W_out": p["W_out"], **({"b_out": p["b_out"]} if "b_out" in p else {})}
+             "W_out": p["W_out"], **{n: p[n] for n in ("b_out", "W_gate", "sinks") if n in p}}
     lengths = inputs.get("query_seq_lengths")
     y, weights, saved = block_forward(x_q, latent, latent, block, num_heads=heads,
                                       stages=stages, mask=inputs.get("mask"),
+                                      gate=gate_kind(c["output_gate"]), gate_input=x,
                                       is_causal=c["causal"], scale=c["scale"],
                                       query_seq_lengths=lengths, key_value_seq_lengths=lengths)
     return y, weights, dict(block=saved, x=x, p=p, q_norm=q_norm, kv_norm=kv_norm, r=r,
@@ -122,14 +126,15 @@ def _latent_backward(saved, d_y, d_weights):
     p, x, heads = saved["p"], saved["x"], saved["heads"]
     g = block_backward(saved["block"], d_y, d_weights)
     grads = {"W_out": g["W_out"], "W_kv_b": _join_kv_b(g["W_key"], g["W_value"], heads)}
-    grads.update({n: g[n] for n in ("temperature_scale", "temperature_bias") if n in g})
+    grads.update({n: g[n] for n in ("temperature_scale", "temperature_bias", "sinks", "W_gate")
+                  if n in g})
     if "b_out" in g:
         grads["b_out"] = g["b_out"]
     g_c, g_w = normalize_backward("rms", saved["kv_norm"], g["x_key"] + g["x_value"])
     grads["kv_a_norm"] = unbroadcast(g_w, p["kv_a_norm"].shape)
     g_kv_a = np.concatenate([g_c, g["k_pe"][..., 0, :, :]], axis=-1)  # (..., L, r + rope)
     g_x = linear_backward(x, p["W_kv_a"], g_kv_a, grads,
-                          ("W_kv_a", "b_kv_a" if "b_kv_a" in p else None))
+                          ("W_kv_a", "b_kv_a" if "b_kv_a" in p else None)) + g.get("x_gate", 0)
     if saved["q_norm"] is None:
         grads["W_query"] = g["W_query"]
         return dict(grads, x=g_x + g["x_query"])

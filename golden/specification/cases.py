@@ -749,6 +749,19 @@ CASES += [
          {"d_in": 5, "num_heads": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 3,
           "qk_rope_head_dim": 2, "v_head_dim": 4, "rope_theta": 300.0,
           "rope_interleaved": False, "query_temperature": {"kind": "learned"}}),
+    # HY-V4's latent attention: the output gate per feature (σ(x W_gate), W_gate (d_in, N·Dv),
+    # from x, not the query's latent) and sinks, padding; Ling 3.0's (bailing_hybrid's MLA
+    # layers): one gate per head, no q_lora, a mask (issue 42)
+    Case("mla_gate_sinks_hy_v4", MLA, 708,
+         {"x": ("normal", (2, 7, 5)), "query_seq_lengths": _ints([7, 4])},
+         {"d_in": 5, "num_heads": 3, "kv_lora_rank": 6, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 4, "v_head_dim": 3, "q_lora_rank": 4, "rope_theta": 100.0,
+          "rope_interleaved": False, "sinks": True, "output_gate": "sigmoid"}),
+    Case("mla_gate_per_head_ling", MLA, 709,
+         {"x": ("normal", (2, 6, 7)), "mask": ("mask", (2, 6, 6), 0.8, ())},
+         {"d_in": 7, "num_heads": 4, "kv_lora_rank": 5, "qk_nope_head_dim": 3,
+          "qk_rope_head_dim": 2, "v_head_dim": 6, "d_out": 9, "rope_theta": 300.0,
+          "output_gate": "sigmoid_per_head"}),
 ]
 
 # Key width = value width (issue 26). Every core fixture above has Dv ≠ Dk, which fast kernels

@@ -31,7 +31,8 @@ from typing import Callable
 
 import numpy as np
 
-from golden.specification.outputs import check_output_gate, check_output_norm, output_shapes
+from golden.specification.outputs import (check_output_gate, check_output_norm, gate_kind,
+                                          output_shapes)
 from golden.specification.position_terms import (
     check_alibi,
     check_alibi_bias_max,
@@ -452,6 +453,11 @@ def _latent_shapes(c):
         if c["q_lora_rank"] is not None:
             shapes["b_q_a"] = (c["q_lora_rank"],)
     shapes.update(temperature_shapes(c))  # the learned query temperature's
+    gate = gate_kind(c["output_gate"])  # HY-V4's per feature, Ling 3.0's per head; no bias
+    if gate is not None:
+        shapes["W_gate"] = (c["d_in"], n if gate[1] else n * dv)
+    if c["sinks"]:  # HY-V4's: one logit per head in every softmax row
+        shapes["sinks"] = (n,)
     return shapes
 
 
@@ -614,11 +620,12 @@ _VARIANTS = [
              Arg("rope_parameters", _rope_parameters, None),
              Arg("rope_interleaved", _flag, True), Arg("causal", _flag, True),
              Arg("scale", _scale, None), Arg("query_temperature", check_temperature, None),
-             Arg("rope", _flag, True)),
+             Arg("rope", _flag, True), Arg("sinks", _flag, False),
+             Arg("output_gate", check_output_gate, False)),
             shapes=_latent_shapes, check_inputs=_latent_inputs,
             layers={"query": "W_query", "q_a": "W_q_a", "q_b": "W_q_b", "kv_a": "W_kv_a",
-                    "kv_b": "W_kv_b", "out": "out_proj"},
-            vectors=("q_a_norm", "kv_a_norm", "temperature_scale", "temperature_bias"),
+                    "kv_b": "W_kv_b", "out": "out_proj", "gate": "W_gate"},
+            vectors=("q_a_norm", "kv_a_norm", "temperature_scale", "temperature_bias", "sinks"),
             sample=dict(d_in=5, num_heads=3, kv_lora_rank=7, qk_nope_head_dim=2,
                         qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=9, d_out=8,
                         attention_bias=True, rope_theta=100.0)),

@@ -12,6 +12,7 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
+from golden.specification.outputs import gate_kind, gated_output
 from golden.specification.positions import KVCache, LatentCache
 from golden.specification.validate import (
     cache_shape, check_flags, check_latent_inputs, rope_arguments,
@@ -42,7 +43,8 @@ class MultiHeadLatentAttention(_Variant):
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None, query_temperature=None, rope=True, *, rngs,
+                 causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
+                 output_gate=False, *, rngs,
                  precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
                         qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
@@ -50,7 +52,8 @@ class MultiHeadLatentAttention(_Variant):
                         attention_bias=attention_bias, rms_norm_eps=rms_norm_eps,
                         rope_theta=rope_theta, rope_parameters=rope_parameters,
                         rope_interleaved=rope_interleaved, causal=causal, scale=scale,
-                        query_temperature=query_temperature, rope=rope)
+                        query_temperature=query_temperature, rope=rope, sinks=sinks,
+                        output_gate=output_gate)
         sizes = variants.latent_sizes(self.config)
         self.rotary = variants.latent_rope(self.config)  # hashable (static)
         self.scale = variants.latent_scale(self.config)
@@ -74,8 +77,11 @@ class MultiHeadLatentAttention(_Variant):
         self.query_temperature = (None if query_temperature is None else tuple(
             sorted(query_temperature.items())))  # Mistral Small 4's, after RoPE; static
         starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
-        for n in ("temperature_scale", "temperature_bias"):
+        for n in ("temperature_scale", "temperature_bias", "sinks"):  # sinks: HY-V4's
             setattr(self, n, nnx.Param(jnp.full(*starts[n])) if n in starts else None)
+        self.gate = gate_kind(output_gate)  # (activation, per head) or None: static
+        self.W_gate = None if self.gate is None else _linear(
+            d_in, num_heads if self.gate[1] else num_heads * v_head_dim, False, rngs, precision)
 
     def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
         """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
@@ -133,7 +139,8 @@ class MultiHeadLatentAttention(_Variant):
         o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights)                   # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
-        y = _merge_heads(self.out_proj, o)                       # (B, L, d_out)
+        y = _merge_heads(self.out_proj, o, None if self.W_gate is None else (  # (B, L, d_out)
+            lambda merged: self._gated(merged, x)))
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 
@@ -153,7 +160,7 @@ class MultiHeadLatentAttention(_Variant):
             jnp.concatenate([q_nope, q_pe], -1), k, v, mask, is_causal=self.causal,
             scale=self.scale, query_offset=offset, query_seq_lengths=q_lengths,
             key_value_seq_lengths=kv_lengths, return_weights=return_weights,
-            precision=self.precision)
+            precision=self.precision, **self._sinks())
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
                   return_weights):
@@ -168,10 +175,22 @@ class MultiHeadLatentAttention(_Variant):
             jnp.concatenate([q_lat, q_pe], -1), jnp.concatenate([latent, k_pe], -1), latent,
             mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-            return_weights=return_weights, precision=self.precision)
+            return_weights=return_weights, precision=self.precision, **self._sinks())
         o, w_ = o if return_weights else (o, None)
         o = jnp.einsum("...nlr,rnv->...nlv", o, w_vb, precision=self.precision)
         return (o, w_) if return_weights else o
+
+    def _sinks(self) -> dict:
+        """The core's ``sinks`` (N,) when the module has them (one per query head, on the
+        absorbed path's one latent "head" too)."""
+        return {} if self.sinks is None else {"sinks": self.sinks.get_value()}
+
+    def _gated(self, merged, x):
+        """The heads' output merged (B, L, N·Dv) times act(x W_gate), as torch_attn's."""
+        compute = jnp.promote_types(merged.dtype, jnp.float32)
+        return gated_output(merged, self.W_gate(x), self.gate, self.num_heads,
+                            sigmoid=jax.nn.sigmoid, softplus=lambda z: jax.nn.softplus(
+                                z.astype(compute)).astype(z.dtype))
 
     def _query(self, x):
         """(B, L, N·Dk): x W_query, or RMSNorm(x W_q_a + b_q_a) W_q_b."""

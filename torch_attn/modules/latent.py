@@ -12,6 +12,7 @@ from torch import nn
 
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
+from golden.specification.outputs import gate_kind, gated_output
 from golden.specification.positions import KVCache, LatentCache
 from golden.specification.validate import (
     cache_shape, check_flags, check_latent_inputs, rope_arguments,
@@ -37,9 +38,13 @@ class MultiHeadLatentAttention(nn.Module):
     "rotate half"), k_pe shared by every head; causal attention of [q_nope | q_pe] on
     [k_nope | k_pe], scale Dk^−1/2 times yarn's mscale(s, mscale_all_dim)²
     (golden.specification.variants.latent_scale) unless ``scale`` is given; out_proj (N·Dv ->
-    d_out). ``attention_bias`` puts biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output
-    (B, L, d_out), weights (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths``
-    and ``positions`` as GroupedQueryAttention's.
+    d_out). ``sinks`` (HY-V4): a learned logit per head (N,) joins every softmax row, taking no
+    value; ``output_gate`` (golden.specification.outputs: HY-V4's "sigmoid" per feature, W_gate
+    (d_in, N·Dv), Ling 3.0's "sigmoid_per_head", W_gate (d_in, N), or the softplus kinds, no
+    bias): the heads' output times act(x W_gate), from x, before out_proj. ``attention_bias``
+    puts biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output (B, L, d_out), weights
+    (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths`` and ``positions``
+    as GroupedQueryAttention's.
 
     With ``cache`` (from ``init_cache``, golden.specification.positions.LatentCache) the call
     appends each token's normalised latent c and rotated k_pe at position cache.lengths[b] + i and
@@ -56,7 +61,8 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
-                 causal=True, scale=None, query_temperature=None, rope=True):
+                 causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
+                 output_gate=False):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
@@ -65,7 +71,7 @@ class MultiHeadLatentAttention(nn.Module):
                               rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
                               rope_parameters=rope_parameters, rope_interleaved=rope_interleaved,
                               causal=causal, scale=scale, query_temperature=query_temperature,
-                              rope=rope)
+                              rope=rope, sinks=sinks, output_gate=output_gate)
         sizes = variants.latent_sizes(self.config)
         self.rotary = variants.latent_rope(self.config)
         self.scale = variants.latent_scale(self.config)
@@ -87,8 +93,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.use_rope = rope  # False: q_pe and k_pe not turned (Kimi Linear)
         self.query_temperature = query_temperature  # Mistral Small 4's, after RoPE
         starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
-        for n in ("temperature_scale", "temperature_bias"):
+        for n in ("temperature_scale", "temperature_bias", "sinks"):  # sinks: HY-V4's
             setattr(self, n, nn.Parameter(torch.full(*starts[n])) if n in starts else None)
+        self.gate = gate_kind(output_gate)  # (activation, per head) or None
+        self.W_gate = None if self.gate is None else nn.Linear(
+            d_in, num_heads if self.gate[1] else num_heads * v_head_dim, bias=False)
 
     def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
         """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
@@ -142,7 +151,7 @@ class MultiHeadLatentAttention(nn.Module):
         o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights)                   # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
-        y = self.out_proj(o.transpose(-2, -3).flatten(-2))       # (B, L, N·Dv) -> (B, L, d_out)
+        y = self.out_proj(self._gated(o.transpose(-2, -3).flatten(-2), x))  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 
@@ -157,7 +166,7 @@ class MultiHeadLatentAttention(nn.Module):
         return scaled_dot_product_attention(
             q, k, v, mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-            return_weights=return_weights)
+            return_weights=return_weights, **self._sinks())
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
                   return_weights):
@@ -171,10 +180,27 @@ class MultiHeadLatentAttention(nn.Module):
             torch.cat([q_lat, q_pe], -1), torch.cat([latent, k_pe], -1), latent, mask,
             is_causal=self.causal, scale=self.scale, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-            return_weights=return_weights)
+            return_weights=return_weights, **self._sinks())
         o, w_ = o if return_weights else (o, None)
         o = torch.einsum("...nlr,rnv->...nlv", o, w_vb)
         return (o, w_) if return_weights else o
+
+    def _sinks(self) -> dict:
+        """The core's ``sinks`` (N,) when the module has them (one per query head, on the
+        absorbed path's one latent "head" too)."""
+        return {} if self.sinks is None else {"sinks": self.sinks}
+
+    def _gated(self, merged, x):
+        """The heads' output merged (B, L, N·Dv) times act(x W_gate) (golden.specification
+        .outputs.gated_output; σ in merged's dtype, softplus in at least float32, as
+        GroupedQueryAttention's), or as it is without a gate."""
+        if self.W_gate is None:
+            return merged
+        compute = torch.float32 if merged.dtype in LOW_PRECISION else merged.dtype
+        return gated_output(merged, self.W_gate(x), self.gate, self.num_heads,
+                            sigmoid=torch.sigmoid, softplus=lambda z: (
+                                z.to(compute).clamp(min=0) + torch.log1p(
+                                    torch.exp(-z.to(compute).abs()))).to(z.dtype))
 
     def _query(self, x):
         """(B, L, N·Dk): x W_query, or RMSNorm(x W_q_a + b_q_a) W_q_b."""
