@@ -46,6 +46,7 @@ class Tiny:
     layers: tuple
     attention_of: Callable
     bounds: dict
+    self_masks: bool = False  # a self-attention's mask captured and given (a padded encoder)
 
 
 def _mllama(rng):
@@ -79,6 +80,39 @@ def _t5gemma(rng):
     return config, model, inputs
 
 
+def _t5gemma2(rng):
+    """Two layers (sliding, full) of Gemma 3's attention in the encoder and the decoder (the
+    decoder's merged), sdpa at float64; row 1's encoder input padded (its last 3 tokens), which
+    the decoder's merged attention sees as the context's mask."""
+    text = dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+                num_hidden_layers=2, intermediate_size=16, vocab_size=64,
+                query_pre_attn_scalar=7, sliding_window=4, max_position_embeddings=64,
+                layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-3,
+                rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 10.0},
+                                 "full_attention": {"rope_type": "default",
+                                                    "rope_theta": 1000.0}})
+    vision = dict(hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=8, patch_size=4)
+    config = transformers.T5Gemma2Config(encoder=dict(text_config=dict(text),
+                                                      vision_config=vision),
+                                         decoder=dict(text, vocab_size=64), vocab_size=64)
+    config._attn_implementation = "sdpa"
+    model = transformers.T5Gemma2Model(config).double().eval()
+    draw_parameters(model, rng)
+    padding = np.ones((B, LC + 4), np.int64)
+    padding[1, -3:] = 0
+    inputs = {"input_ids": rng.integers(3, 64, (B, LC + 4)), "attention_mask": padding,
+              "decoder_input_ids": rng.integers(3, 64, (B, L))}
+    return config, model, inputs
+
+
+def _t5gemma2_attention(model, layer):
+    kind, i = layer
+    stack = model.encoder.text_model if kind == "encoder" else model.decoder
+    return stack.layers[i].self_attn
+
+
 def _mllama_attention(model, layer):
     kind, i = layer
     return getattr(model.layers[i], "cross_attn" if kind == "cross" else "self_attn")
@@ -96,6 +130,9 @@ FAMILIES = {
     "t5gemma": Tiny(_t5gemma, (("encoder", 0), ("encoder", 1), ("decoder", 0), ("decoder", 1),
                                ("cross", 0), ("cross", 1)), _t5gemma_attention,
                     {"encoder": FLOAT32_LEVEL, "decoder": FLOAT32_LEVEL, "cross": FLOAT32_LEVEL}),
+    "t5gemma2": Tiny(_t5gemma2, (("encoder", 0), ("encoder", 1), ("decoder", 0), ("decoder", 1)),
+                     _t5gemma2_attention, {"encoder": FLOAT32_LEVEL, "decoder": FLOAT32_LEVEL},
+                     self_masks=True),
 }
 
 # Each family's distinctive settings, each undone on one layer: (layer, our settings changed).
@@ -104,6 +141,12 @@ DISTINCT = {
     "t5gemma": [(("cross", 0), {"softcap": None}), (("cross", 1), {"scale": None}),
                 (("encoder", 1), {"causal": True}), (("encoder", 0), {"sliding_window": None}),
                 (("decoder", 1), {"softcap": None})],
+    # the merged softmax undone: the decoder's own keys alone (the context unseen); the
+    # encoder's window and bidirectionality; the decoder's window on its sliding layer
+    "t5gemma2": [(("decoder", 0), {"merged_context": False}),
+                 (("decoder", 1), {"merged_context": False}),
+                 (("encoder", 0), {"sliding_window": None}), (("encoder", 1), {"causal": True}),
+                 (("decoder", 0), {"sliding_window": None})],
 }
 
 
@@ -121,7 +164,15 @@ def _capture(tiny, model, inputs):
             a, kw = calls[layer]
             x = kw["hidden_states"] if "hidden_states" in kw else a[0]
             context = next((kw[n] for n in CONTEXT if kw.get(n) is not None), None)
-            mask = kw.get("attention_mask") if context is not None else None
+            mask = (kw.get("attention_mask") if context is not None or tiny.self_masks
+                    else None)
+            if context is None and mask is not None:  # the padding alone: the keys some query
+                real = mask if mask.dtype == torch.bool else mask == 0  # sees, for every query
+                mask = real.any(-2, keepdim=True).expand(real.shape)  # (the window is ours)
+            if kw.get("merged_attention_mask") is not None:  # T5Gemma 2: the context's part
+                merged = kw["merged_attention_mask"]
+                real = merged if merged.dtype == torch.bool else merged == 0
+                mask = real[:, :, :, x.shape[-2]:].any(-2)  # (B, 1, Lc): the keys some query sees
             seen[layer] = (x.detach().numpy().copy(), output[0].detach().numpy().copy(),
                            None if context is None else context.detach().numpy().copy(),
                            None if mask is None else mask.detach().numpy()[:, 0].copy(),
@@ -160,8 +211,12 @@ def _ours(twin, variant, ours, params, x, context, mask):
     with twin.float64():
         module = twin.build(variant, ours, params)
         module.eval()
-        if context is None:
-            return twin.numpy(module(twin.array(x)))
+        if ours.get("merged_context"):  # T5Gemma 2's decoder: the context and its mask
+            return twin.numpy(module(twin.array(x), context=twin.array(context),
+                                     context_mask=twin.array(mask)))
+        if context is None or variant == "grouped_query_attention":  # merged undone: x alone
+            own = None if mask is None or context is not None else twin.array(mask)
+            return twin.numpy(module(twin.array(x), own))
         return twin.numpy(module(twin.array(x), twin.array(context),
                                  None if mask is None else twin.array(mask)))
 
@@ -175,7 +230,9 @@ def test_layers_equal_the_models_own_attention(name, twin):
         variant, ours, params = _convert(config, model, tiny, layer)
         assert variant == ("multi_head_cross_attention" if layer[0] == "cross"
                            else "grouped_query_attention")
-        assert (context is not None) == (layer[0] == "cross")  # the context was captured
+        merged = bool(ours.get("merged_context"))
+        assert (context is not None) == (layer[0] == "cross" or merged)  # context captured
+        assert merged == (name == "t5gemma2" and layer[0] == "decoder")
         error = rel(_ours(twin, variant, ours, params, x, context, mask), expected)
         assert error <= tiny.bounds[layer[0]], (name, layer, error, seed)
 
@@ -216,15 +273,19 @@ def test_gradients_through_the_torch_twin_equal_hfs(name):
         variant, ours, params = _convert(config, model, tiny, layer)
         module = TWINS["torch"].build(variant, ours, params).eval()
         ox = torch.from_numpy(x).requires_grad_()
-        inputs = [ox]
+        inputs = [ox] if mask is None or context is not None else [ox, torch.from_numpy(mask)]
         if context is not None:
             oc = torch.from_numpy(context).requires_grad_()
             inputs += [oc, None if mask is None else torch.from_numpy(mask)]
-        (module(*inputs) * d_out).sum().backward()
+        if ours.get("merged_context"):
+            module(ox, context=oc, context_mask=torch.from_numpy(mask)).mul(
+                d_out).sum().backward()
+        else:
+            (module(*inputs) * d_out).sum().backward()
         # HF's float32 steps enter twice (its forward and backward): measured ≤ 2e-7
         bound = 10 * tiny.bounds[layer[0]]
         pairs = [(ox.grad, hx.grad)] + ([(oc.grad, hc.grad)] if context is not None else [])
-        if ours.get("qk_norm") == "rms":
+        if ours.get("qk_norm") in ("rms", "rms_one_plus"):
             pairs += [(module.q_norm.grad, attention.q_norm.weight.grad),
                       (module.k_norm.grad, attention.k_norm.weight.grad)]
         for ours_g, hf_g in pairs:
@@ -255,9 +316,6 @@ def test_other_kinds_and_models_are_refused_by_name():
         golden.convert.from_hf(config.to_dict(), sd, layer_idx=1, kind="decoder")
     with pytest.raises(ValueError, match=r"layer 0 is a self-attention layer"):
         golden.convert.from_hf(config.to_dict(), sd, layer_idx=0, kind="cross")
-    with pytest.raises(ValueError, match=r"model_type 't5gemma2' is not supported: T5Gemma 2's "
-                                         r"decoder merges self- and cross-attention"):
-        golden.convert.from_hf({"model_type": "t5gemma2"}, {}, kind="cross")
     with pytest.raises(ValueError, match=r"model_type 'mllama_vision_model' is not supported: "
                                          r"Mllama's vision tower"):
         golden.convert.from_hf({"model_type": "mllama_vision_model"}, {})
