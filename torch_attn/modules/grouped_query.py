@@ -112,6 +112,18 @@ class GroupedQueryAttention(nn.Module):
     so does ``init_cache``. k_eq_v, v_norm and value_scale describe the storing layer and are
     refused here; num_kv_heads, head_dim and v_head_dim are checked against the cache's shape.
     ``strict`` checks nothing for it (it writes nothing).
+
+    ``merged_context=True`` (T5Gemma 2's decoder, T5Gemma2MergedAttention): the call takes
+    ``context`` (B, Lc, d_in) and ``context_mask`` (B, Lc) bool (True = a real token; None: all
+    real); the context's keys k_norm(split(context W_key + b_key)) (no RoPE) and its values
+    split(context W_value + b_value) follow x's own keys and values, and ONE softmax runs over
+    the L (or M) + Lc keys: self key j of query i at p when j ≤ p, p − j < W (sliding_window)
+    and j is held, context key t when context_mask[t] (golden.specification.positions.
+    merged_allowed); ``mask``, ``dropout_mask`` and the weights are (B, N, L, L or M + Lc).
+    ``init_cache`` then gives a MergedCache: the first call given ``context`` stores the
+    context's keys, values and mask in it (Hugging Face's cross-attention cache), later calls
+    may omit ``context`` and read them. Causal only; options without a tested meaning here are
+    refused (golden.specification.variants.MERGED_IDLE).
     """
 
     variant = "grouped_query_attention"
