@@ -327,3 +327,48 @@ def test_other_kinds_and_models_are_refused_by_name():
     with pytest.raises(ValueError, match=r"dropout = 0.1 is not supported for the "
                                          r"cross-attention"):
         golden.convert.from_hf(c, sd, layer_idx=1, kind="cross")
+
+
+@pytest.mark.parametrize("framework", list(TWINS))
+def test_t5gemma2_decoding_equals_hfs_cached_decoding(framework):
+    """T5Gemma 2's decoder layers decoded with HF's EncoderDecoderCache (a prefill of 3 tokens,
+    then one at a time, each layer's input and output captured) against ours with a
+    MergedCache (the context given at the prefill only), over a padded encoder row."""
+    rng, seed = fresh_rng()
+    config, model, inputs = _t5gemma2(rng)
+    tiny, twin = FAMILIES["t5gemma2"], TWINS[framework]
+    layers = [("decoder", 0), ("decoder", 1)]
+    calls = {layer: [] for layer in layers}
+
+    def hook(layer):
+        def record(module, args, kwargs, output):
+            calls[layer].append((kwargs["hidden_states"].numpy().copy(), output[0].numpy().copy(),
+                                 kwargs["encoder_hidden_states"].numpy().copy()))
+        return record
+
+    handles = [tiny.attention_of(model, layer).register_forward_hook(hook(layer), with_kwargs=True)
+               for layer in layers]
+    tokens = {n: torch.from_numpy(inputs[n]) for n in ("input_ids", "attention_mask")}
+    decoder_ids, past = torch.from_numpy(inputs["decoder_input_ids"]), None
+    try:
+        with torch.no_grad():
+            for start, stop in [(0, 3)] + [(t, t + 1) for t in range(3, L)]:
+                past = model(**tokens, decoder_input_ids=decoder_ids[:, start:stop],
+                             past_key_values=past, use_cache=True).past_key_values
+    finally:
+        for h in handles:
+            h.remove()
+    real = inputs["attention_mask"].astype(bool)
+    for layer in layers:
+        variant, ours, params = _convert(config, model, tiny, layer)
+        with twin.float64():
+            module = twin.build(variant, ours, params)
+            cache, got = module.init_cache(B, L + 1), []
+            for step, (x, _, context) in enumerate(calls[layer]):
+                given = (dict(context=twin.array(context), context_mask=twin.array(real))
+                         if step == 0 else {})
+                out, cache = module(twin.array(x), cache=cache, **given)
+                got.append(twin.numpy(out))
+        want = np.concatenate([y for _, y, _ in calls[layer]], axis=1)
+        error = rel(np.concatenate(got, axis=1), want)
+        assert error <= tiny.bounds["decoder"], (layer, error, seed)
