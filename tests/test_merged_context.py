@@ -137,6 +137,8 @@ def test_a_context_masked_out_is_the_plain_causal_module(framework):
 @pytest.mark.parametrize("change, message", [
     (dict(causal=False), r"causal should be True with merged_context=True"),
     (dict(sinks=True), r"sinks should be False with merged_context=True"),
+    (dict(sliding_window=(2, 0)), r"sliding_window should be None or an int W with "
+                                  r"merged_context=True"),
     (dict(qk_norm="l2"), r"qk_norm should be one of \(None, 'rms', 'rms_one_plus', 'layer'\) "
                          r"with merged_context=True"),
     (dict(relative_positions="transformer_xl"),

@@ -362,6 +362,10 @@ def _check_merged(c) -> None:
         if c[name] != idle:
             raise ValueError(f"{name} should be {idle!r} with merged_context=True (T5Gemma 2's "
                              f"merged self- and cross-attention has none), got {c[name]!r}")
+    if c["sliding_window"] is not None and not isinstance(c["sliding_window"], int):
+        raise ValueError(f"sliding_window should be None or an int W with merged_context=True "
+                         f"(the decoder's W keys; the context is never windowed), got "
+                         f"{c['sliding_window']!r}")
     if c["qk_norm"] not in MERGED_QK_NORMS:
         raise ValueError(f"qk_norm should be one of {MERGED_QK_NORMS} with merged_context=True "
                          f"(a per-head norm before RoPE, which the context's keys share), got "

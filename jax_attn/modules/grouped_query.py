@@ -118,7 +118,8 @@ class GroupedQueryAttention(_Variant):
                         v_head_dim=v_head_dim, value_scale=value_scale,
                         clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared,
                         merged_context=merged_context)
-        self.merged_context, self.sliding_window = merged_context, sliding_window  # static
+        self.merged_context = merged_context  # static, and its window W (an int, or None)
+        self.merged_window = sliding_window if merged_context else None
         self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
         self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
@@ -305,7 +306,7 @@ class GroupedQueryAttention(_Variant):
             cache = MergedCache(*held, k_c, v_c, context_mask)
             k, v = held.key, held.value                         # (B, Nkv, M, Dh)
         allowed = merged_allowed(q.shape[-2], k.shape[-2], offset, kv_lengths, context_mask,
-                                 self.sliding_window, xp=jnp)  # (B, 1, L, Lk + Lc)
+                                 self.merged_window, xp=jnp)  # (B, 1, L, Lk + Lc)
         if head_mask is not None:
             allowed = allowed & head_mask
         o = scaled_dot_product_attention(
