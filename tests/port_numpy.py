@@ -371,8 +371,10 @@ class GroupedQueryAttention(Module):
                  clip_qkv=None, v_norm=False, relative_positions=None, k_eq_v=False,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
-                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, *, core=None):
+                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False,
+                 merged_context=False, *, core=None):
         super().__init__(core)
+        self.merged_context, self.sliding_window = merged_context, sliding_window
         dh = d_in // num_heads if head_dim is None else head_dim
         projected = relative_positions in ("transformer_xl", "conformer_timing")
         self.pos_proj = Linear(d_in, num_heads * dh, False) if projected else None
@@ -436,7 +438,7 @@ class GroupedQueryAttention(Module):
         self.out_proj = Linear(num_heads * dv, d_in if d_out is None else d_out, out_bias)
 
     def __call__(self, x, mask=None, *, query_seq_lengths=None, positions=None,
-                 dropout_mask=None, return_weights=False):
+                 dropout_mask=None, return_weights=False, context=None, context_mask=None):
         positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
         if positions.ndim == x.ndim:  # multimodal RoPE: (3, B, L), one row per axis
             positions = positions[..., None, :]  # (3, B, 1, L): the same for every head
@@ -498,6 +500,9 @@ class GroupedQueryAttention(Module):
             q = q + self.bias_u[:, None, :].astype(q.dtype)
         if self.relative_key_table is not None:  # Shaw: q_i · E[M + clip(i − j, −M, M)]
             term = self.shaw(q)
+        if self.merged_context:  # T5Gemma 2: [k ; k_c], [v ; v_c], one softmax
+            return self.merged(x, q, k, v, context, context_mask, mask, query_seq_lengths,
+                               dropout_mask, return_weights)
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **attend, position_term=term,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
@@ -518,6 +523,34 @@ class GroupedQueryAttention(Module):
                 a = np.repeat(a, merged.shape[-1] // self.heads, axis=-1)
             merged = merged * a
         y = self.out_proj(merged)
+        return (y, w) if return_weights else y
+
+    def merged(self, x, q, k, v, context, context_mask, mask, lengths, dropout_mask,
+               return_weights):
+        """T5Gemma 2's merged attention: the context's keys k_c = k_norm(split(c W_k)) (no RoPE)
+        and values split(c W_v) after x's; self key j of query i when j ≤ i, i − j < W and j <
+        the row's length, context key t when context_mask[t]; the given mask over both."""
+        k_c, v_c = _split(self.k_proj(context), self.kv_heads), _split(self.v_proj(context),
+                                                                       self.kv_heads)
+        if self.qk_norm is not None:
+            k_c = self.norm(k_c, self.k_norm)
+        length, lc = x.shape[-2], context.shape[-2]
+        i, j = np.arange(length)[:, None], np.arange(length)
+        own = (j <= i) & ((i - j < self.sliding_window) if self.sliding_window else True)
+        own = np.broadcast_to(own, x.shape[:-2] + (length, length))
+        if lengths is not None:
+            own = own & (j < np.asarray(lengths)[..., None, None])
+        real = np.ones(context.shape[:-1], bool) if context_mask is None else context_mask
+        allowed = np.concatenate([own, np.broadcast_to(real[..., None, :], own.shape[:-1] + (lc,))],
+                                 -1)[..., None, :, :]
+        if mask is not None:
+            allowed = allowed & _head_mask(mask)
+        o, w = self.core.sdpa(q, np.concatenate([k, k_c], -2), np.concatenate([v, v_c], -2),
+                              allowed, scale=self.attend["scale"],
+                              softcap=self.attend["softcap"], query_seq_lengths=lengths,
+                              dropout_rate=self.rate(dropout_mask),
+                              dropout_mask=self.keep(dropout_mask), return_weights=True)
+        y = self.out_proj(_merge(o))
         return (y, w) if return_weights else y
 
     def transformer_xl(self, qv):

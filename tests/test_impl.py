@@ -91,8 +91,9 @@ def _square_query(f) -> bool:
 
 def _has_mask(f, dtype) -> bool:
     """(c) A mask input. Any mask sees a flipped polarity, even an all-True one (flipped, it
-    blocks every key: zeros); none of the shipped masks is all True or all False anyway."""
-    return "mask" in f.inputs
+    blocks every key: zeros); none of the shipped masks is all True or all False anyway. A
+    merged_context fixture too: its causal and context masks reach the core as its mask."""
+    return "mask" in f.inputs or bool(f.config.get("merged_context"))
 
 
 def _is_float64(f, dtype) -> bool:

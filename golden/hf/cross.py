@@ -20,8 +20,17 @@ T5Gemma (T5GemmaSelfAttention, T5GemmaCrossAttention; the config's ``encoder`` a
 attn_logit_softcapping; the encoder's sliding layers bidirectional |i − j| ≤ W (HF's
 create_bidirectional_sliding_window_mask), the decoder's causal W keys; the cross-attention
 full, over the encoder's output (d_context = the encoder's hidden_size), without RoPE.
-T5Gemma 2 (``t5gemma2``) is refused by name: its decoder merges self- and cross-attention
-into one softmax over [decoder keys; encoder keys], which neither module expresses. BLT
+T5Gemma 2 (``t5gemma2``: T5Gemma2SelfAttention in the encoder, T5Gemma2MergedAttention in
+the decoder; the config's ``encoder.text_config`` and ``decoder``): Gemma 3's attention (scale
+query_pre_attn_scalar^−1/2, q_norm and k_norm per head with 1 + w, RoPE per layer type); its
+encoder bidirectional, a sliding layer's keys i − ((W + 1)//2 − 1) … i + W//2 (HF's
+sliding_window_mask_function(W, is_causal=False)); its decoder our GroupedQueryAttention with
+``merged_context=True``: one softmax over the decoder's own keys (causal, W keys on a sliding
+layer) and the encoder's (the same k_proj, k_norm and v_proj on the encoder's output, no RoPE),
+called with ``context=`` the encoder's output and ``context_mask=`` its attention mask. HF
+passes no soft cap to either attention (attn_logit_softcapping is read and not used): none is
+converted. Its vision tower (SigLIP, ``encoder.vision_config``) is the ``siglip_vision_model``
+family's (golden/hf/vision.py), converted from its own config. BLT
 (``blt`` and its local encoder and decoder) is refused by name: its cross-attention's
 q_norm and k_norm are RMSNorms of x and of the context over D before the projections (not per
 head), and it adds x to its output.
@@ -105,6 +114,40 @@ def _mllama_cross() -> Family:
     return Family(MHCA, settings, to_neutral, from_neutral)
 
 
+# ---- T5Gemma 2 -----------------------------------------------------------------------------------
+
+def _t5gemma2(kind) -> Family:
+    """T5Gemma 2's ``kind``: "encoder" (T5Gemma2SelfAttention, bidirectional) or "decoder"
+    (T5Gemma2MergedAttention, merged_context)."""
+    mt = "t5gemma2"
+
+    def settings(c, layer_idx, sd):
+        sub = c["encoder"]["text_config"] if kind == "encoder" else c["decoder"]
+        ours = _decoder_settings(sub, layer_idx, mt=mt)
+        ours.update(_bias_flags(sd, LLAMA_NAMES, mt), scale=float(
+            sub["query_pre_attn_scalar"]) ** -0.5, qk_norm="rms_one_plus",
+            qk_norm_eps=float(sub["rms_norm_eps"]))
+        if kind == "decoder":
+            ours["merged_context"] = True
+            return ours
+        ours["causal"] = False
+        if "sliding_window" in ours:  # HF's bidirectional window of W: (W + 1)//2 − 1, W//2
+            w = ours["sliding_window"]
+            ours["sliding_window"] = ((w + 1) // 2 - 1, w // 2)
+        return ours
+
+    def to_neutral(sd, ours):
+        return {**_linears_to_neutral(sd, LLAMA_NAMES, mt), **_qk_norm_entries(sd, mt, *NORMS)}
+
+    def from_neutral(params, ours):
+        sd = _neutral_to_linears({n: a for n, a in params.items() if n not in ("q_norm", "k_norm")},
+                                 LLAMA_NAMES)
+        sd[NORMS[0]], sd[NORMS[1]] = np.array(params["q_norm"]), np.array(params["k_norm"])
+        return sd
+
+    return Family(GQA, settings, to_neutral, from_neutral)
+
+
 # ---- T5Gemma -------------------------------------------------------------------------------------
 
 def _t5gemma_self(stack) -> Family:
@@ -166,6 +209,10 @@ FAMILIES = {
         stacks=(Stack("encoder.layers", "self_attn", "encoder", label="encoder"),
                 Stack("decoder.layers", "self_attn", "decoder", label="decoder"),
                 Stack("decoder.layers", "cross_attn", "cross", label="decoder"))),
+    "t5gemma2": _kinds(
+        _unverified("t5gemma2"), encoder=_t5gemma2("encoder"), decoder=_t5gemma2("decoder"),
+        stacks=(Stack("text_model.layers", "self_attn", "encoder", label="encoder"),
+                Stack("decoder.layers", "self_attn", "decoder", label="decoder"))),
 }
 
 _BLT = ("BLT's cross-attention (BltCrossAttention) is not MultiHeadCrossAttention's: its q_norm "
@@ -177,7 +224,4 @@ REFUSED = {
     "mllama_vision_model": "Mllama's vision tower is not converted (its attention is plain "
                            "multi-head attention, but its gated layers, tiles and aspect-ratio "
                            "masks are not tested here); its text model is mllama_text_model",
-    "t5gemma2": "T5Gemma 2's decoder merges self- and cross-attention into one softmax over the "
-                "decoder's and the encoder's keys together (one attention, two key sources), "
-                "which neither GroupedQueryAttention nor MultiHeadCrossAttention expresses",
 }

@@ -21,6 +21,7 @@ from golden.reference.arithmetic import number, real
 from golden.reference.block import block_backward, block_forward
 from golden.reference.core import sdpa_backward, sdpa_forward
 from golden.reference.norms import normalize, normalize_backward
+from golden.reference.merged import merged_backward, merged_forward
 from golden.reference.position_bias import alibi_term, relative_term
 from golden.reference.rotary import rope_cos_sin
 from golden.specification.positions import rope_blocks
@@ -121,7 +122,8 @@ def _grouped_query(config, inputs, params):
     per_dim_scale, key_scale: conformer_timing_term, in block_forward) or Shaw's
     (relative_key_table: shaw_term, in block_forward); the input norm (input_norm: LayerNorm
     of x before every projection, _input_norm); the padding past
-    query_seq_lengths neither querying nor attended."""
+    query_seq_lengths neither querying nor attended; with merged_context (T5Gemma 2's
+    decoder) golden.reference.merged: one softmax over x's keys and the context's."""
     c, x = variants.get("grouped_query_attention").config(config), inputs["x"]  # defaults in
     num_heads, kind = c["num_heads"], c["qk_norm"]
     dh = c.get("head_dim") or c["d_in"] // num_heads
@@ -154,6 +156,9 @@ def _grouped_query(config, inputs, params):
     elif t is not None:
         factors = temperature_factors(positions, t)
         stages.append(temperature_stage(factors[heads_axis][..., None]))  # (L, 1), (B, 1, L, 1)
+    if c["merged_context"]:  # T5Gemma 2's decoder: golden.reference.merged
+        return merged_forward(c, inputs, params, stages, None if norm is None else (
+            kind, number(c["qk_norm_eps"])))
     lengths = inputs.get("query_seq_lengths")
     train = "dropout_mask" in inputs
     core = {} if c.get("attention_chunk_size") is None else {
@@ -197,6 +202,8 @@ def _input_norm(c, x, params):
 def _grouped_query_backward(saved, d_y, d_weights):
     """_multi_head_backward, then through the input norm when there is one: its weight's and
     bias's gradients summed over the leading axes."""
+    if saved.get("merged_context"):
+        return merged_backward(saved, d_y, d_weights)
     g = _multi_head_backward(saved, d_y, d_weights)
     if saved.get("input_norm") is not None:
         lead = tuple(range(g["x"].ndim - 1))

@@ -801,3 +801,23 @@ CASES += [
           "bias": ("grid", (B, 1, LQ, LK))}, {"is_causal": True}, dtypes=LOW),
     Case("sdpa_dkv_softcap", SDPA, 814, _qkv(dv=D), {"softcap": 1.5, "scale": 1.0}),
 ]
+
+# T5Gemma 2's merged self- and cross-attention (issue 42, merged_context=True): one softmax over
+# x's keys (causal, RoPE, Gemma's 1 + w QK norm) and the context's (k_norm, no RoPE); its
+# sliding window, a soft cap, right-padded decoder rows and a padded context; and unbatched
+# with multi-query heads, the biases, LayerNorm QK norm and a mask over both key groups.
+CASES += [
+    Case("gqa_merged_context_t5gemma2", GQA, 860,
+         {"x": ("normal", (2, 6, 8)), "context": ("normal", (2, 5, 8)),
+          "context_mask": ("values", [[True, True, True, True, True],
+                                      [True, True, True, False, False]], "bool"),
+          "query_seq_lengths": _ints([6, 4])},
+         {"d_in": 8, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "d_out": 5,
+          "scale": 0.4, "softcap": 2.0, "sliding_window": 3, "rope_theta": 100.0,
+          "qk_norm": "rms_one_plus", "merged_context": True}),
+    Case("gqa_merged_context_unbatched_mask", GQA, 861,
+         {"x": ("normal", (5, 6)), "context": ("normal", (4, 6)),
+          "mask": ("mask", (5, 9), 0.8, ())},
+         {"d_in": 6, "num_heads": 3, "num_kv_heads": 1, "head_dim": 4, "qkv_bias": True,
+          "out_bias": True, "rope_theta": 100.0, "qk_norm": "layer", "merged_context": True}),
+]

@@ -32,6 +32,22 @@ class KVCache(NamedTuple):
     lengths: Any
 
 
+class MergedCache(NamedTuple):
+    """GroupedQueryAttention's cache with ``merged_context=True`` (T5Gemma 2's decoder): a
+    KVCache's key, value (B, Hkv, M, Dh) and lengths (B,) for the decoder's own tokens, and the
+    context's keys and values (B, Hkv, Lc, Dh) (its k_norm applied, no RoPE) with its
+    context_mask (B, Lc) bool, computed by the first call given ``context`` (prefill, as Hugging
+    Face's cross-attention cache) and read by the calls without; None before that call. The same
+    fields in torch and JAX (a pytree in JAX)."""
+
+    key: Any
+    value: Any
+    lengths: Any
+    context_key: Any = None
+    context_value: Any = None
+    context_mask: Any = None
+
+
 class LatentCache(NamedTuple):
     """MultiHeadLatentAttention's cache (DeepSeek-V2/V3's MLA), the same fields in torch and
     JAX (a pytree in JAX): per token, not per head, what the keys and values are made from.
@@ -419,3 +435,26 @@ def allowed_terms(row, key, pos, *, is_causal, window, chunk=None, q_lengths=Non
              key < kv_lengths if kv_lengths is not None else None,
              row < q_lengths if q_lengths is not None else None]
     return [t for t in terms if t is not None]
+
+
+def merged_allowed(length, keys, offset, kv_lengths, context_mask, window, *, xp):
+    """merged_context's mask (..., 1, L, Lk + Lc) bool, in torch or jax.numpy (``xp``): query i
+    at p = offset + i (i without a cache) sees self key j when j ≤ p, p − j < W (the
+    ``sliding_window``, None: no limit) and j < kv_lengths (None: every key), and context key t
+    when context_mask[..., t] (..., Lc) is True. The same meaning as golden.reference.merged's
+    merged_allowed, written once for both twins."""
+    device = {"device": context_mask.device} if xp.__name__ == "torch" else {}
+    pos = xp.arange(length, **device)[:, None]                          # (L, 1)
+    if offset is not None:
+        pos = pos + offset[..., None, None]                              # (B, L, 1)
+    j = xp.arange(keys, **device)                                       # (Lk,)
+    own = j <= pos
+    if window is not None:
+        own = own & (pos - j < window)
+    if kv_lengths is not None:
+        own = own & (j < kv_lengths[..., None, None])
+    lead = tuple(context_mask.shape[:-1])
+    own = xp.broadcast_to(own, lead + (length, keys))
+    theirs = xp.broadcast_to(context_mask[..., None, :], lead + (length, context_mask.shape[-1]))
+    cat = xp.cat if xp.__name__ == "torch" else xp.concatenate
+    return cat([own, theirs], -1)[..., None, :, :]

@@ -698,7 +698,7 @@ def check_module_masks(lead, lq, lk, mask, dropout_mask=None, heads=None, rate=0
 def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_lengths=None, *,
                          heads, rate=0.0, cache=None, kv_heads=None, head_dim=None,
                          positions=None, axes=None, temperature=False, value_dim=None,
-                         kv_shared=False):
+                         kv_shared=False, merged=False, context=None, context_mask=None):
     """GroupedQueryAttention's call: x (B, L, d_in) or (L, d_in); query_seq_lengths an integer
     array of the batch shape ((B,), or () unbatched); positions integers (B, L) or (L,), or with
     ``axes`` A (the module's RoPE is multimodal or axial: validate.rope_axis_count) also (A, B,
@@ -706,8 +706,11 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
     would scale it?). Without a cache the keys are x's L tokens; with one (a
     golden.specification.positions.KVCache, see check_cache) they are its max_length positions
     M, and x must be batched like it (its values ``value_dim`` wide, default head_dim). A
-    ``kv_shared`` module (no keys of its own) must be given the storing layer's cache. Returns
-    the weights' shape (B, H, L, L or M)."""
+    ``kv_shared`` module (no keys of its own) must be given the storing layer's cache. A
+    ``merged`` module (merged_context=True, T5Gemma 2's decoder) also attends a context (B, Lc,
+    d_in) with context_mask (B, Lc) bool (check_merged_context): the weights, the mask and the
+    dropout mask then cover L or M self keys followed by the Lc context keys. Returns the
+    weights' shape (B, H, L, L or M (+ Lc))."""
     if kv_shared and cache is None:
         raise ValueError("cache should be the storing layer's KVCache with kv_shared=True (as "
                          "its call on the same tokens returned it; for a forward without "
@@ -735,8 +738,44 @@ def check_decoder_inputs(x, d_in, mask=None, dropout_mask=None, query_seq_length
     lk = x.shape[-2]
     if cache is not None:
         lk = check_cache(cache, x, kv_heads, head_dim, value_dim)
+    lk += check_merged_context(merged, x, context, context_mask, cache, lead)
     return check_module_masks(lead, x.shape[-2], lk, mask, dropout_mask, heads, rate,
                               head_axis=True)
+
+
+def check_merged_context(merged, x, context, context_mask, cache, lead) -> int:
+    """merged_context's inputs (T5Gemma 2's merged self- and cross-attention): context (B, Lc,
+    d_in) or (Lc, d_in), batched like x, and context_mask (B, Lc) or (Lc,) bool (True = a real
+    token, attended), or None (every token real). The context may be None only with a cache
+    that holds its keys (cache.context_key not None). Without merged_context both must be None.
+    Returns Lc (0 without merged_context)."""
+    if not merged:
+        for arg, a in (("context", context), ("context_mask", context_mask)):
+            if a is not None:
+                raise ValueError(f"{arg} should be None without merged_context=True (only the "
+                                 f"merged attention attends a context), got an array")
+        return 0
+    if context is None:
+        held = None if cache is None else getattr(cache, "context_key", None)
+        if held is None:
+            raise ValueError("context should be given with merged_context=True (the encoder "
+                             "states, (B, Lc, d_in)) unless the cache holds its keys and values, "
+                             "got None")
+        if context_mask is not None:
+            raise ValueError("context_mask should be None when context is None (the cache's "
+                             "context_mask is used), got an array")
+        return held.shape[-2]
+    d_in = x.shape[-1]
+    check_sequence("context", context, "d_in", d_in, lead=lead)
+    lc = context.shape[-2]
+    if context_mask is not None:
+        _expect_array("context_mask", context_mask)
+        if dtype_name(context_mask.dtype) != "bool":
+            raise ValueError(f"context_mask dtype should be bool (True = a real context token), "
+                             f"got {dtype_name(context_mask.dtype)}")
+        letters = ("B", "Lc") if lead else ("Lc",)
+        _expect_shape("context_mask", tuple(context_mask.shape), letters, tuple(lead) + (lc,))
+    return lc
 
 
 def cache_shape(batch_size, max_length, kv_heads, head_dim) -> tuple:

@@ -330,6 +330,8 @@ def _grouped_query_shapes(c):
         _check_kv_shared(c)
         for name in ("W_key", "b_key", "W_value", "b_value", "k_norm", "k_norm_bias"):
             shapes.pop(name, None)
+    if c.get("merged_context"):  # T5Gemma 2's decoder: the context through W_key and W_value
+        _check_merged(c)
     if c["sinks"]:
         shapes["sinks"] = (h,)
     shapes.update(position_shapes(c, h, dh))
@@ -346,6 +348,35 @@ def _check_kv_shared(c) -> None:
             raise ValueError(f"{name} should be {idle!r} with kv_shared=True (the keys and values "
                              f"are the storing layer's cache, made with its own {name}), got "
                              f"{c[name]!r}")
+
+
+MERGED_IDLE = (("causal", True), ("sinks", False), ("attention_chunk_size", None),
+               ("query_temperature", None), ("output_gate", False), ("alibi", None),
+               ("relative_attention_num_buckets", None), ("clip_qkv", None), ("v_norm", False),
+               ("k_eq_v", False), ("relative_positions", None), ("input_norm", None),
+               ("output_norm", None), ("v_head_dim", None), ("value_scale", None),
+               ("kv_shared", False))
+MERGED_QK_NORMS = (None, "rms", "rms_one_plus", "layer")
+
+
+def _check_merged(c) -> None:
+    """merged_context (T5Gemma 2's decoder: one softmax over the decoder's own keys and the
+    context's, both from W_key and W_value): the options it was built and tested with are RoPE,
+    a per-head QK norm before RoPE (k_norm on the context's keys too, which take no RoPE),
+    scale, softcap, sliding_window, the biases, head_dim, d_out and dropout; every other one
+    is refused rather than given a meaning no family has tested."""
+    for name, idle in MERGED_IDLE:
+        if c[name] != idle:
+            raise ValueError(f"{name} should be {idle!r} with merged_context=True (T5Gemma 2's "
+                             f"merged self- and cross-attention has none), got {c[name]!r}")
+    if c["sliding_window"] is not None and not isinstance(c["sliding_window"], int):
+        raise ValueError(f"sliding_window should be None or an int W with merged_context=True "
+                         f"(the decoder's W keys; the context is never windowed), got "
+                         f"{c['sliding_window']!r}")
+    if c["qk_norm"] not in MERGED_QK_NORMS:
+        raise ValueError(f"qk_norm should be one of {MERGED_QK_NORMS} with merged_context=True "
+                         f"(a per-head norm before RoPE, which the context's keys share), got "
+                         f"{c['qk_norm']!r}")
 
 
 def cross_sizes(c) -> dict:
@@ -487,7 +518,9 @@ def _decoder_inputs(c, i, rate):
                                 axes=rope_axis_count(rope_settings(
                                     c["rope_theta"], c["rope_parameters"],
                                     c["partial_rotary_factor"])),
-                                temperature=c.get("query_temperature") is not None)
+                                temperature=c.get("query_temperature") is not None,
+                                merged=bool(c.get("merged_context")), context=i.get("context"),
+                                context_mask=i.get("context_mask"))
 
 
 def _cross_inputs(c, i, rate):
@@ -586,7 +619,8 @@ _VARIANTS = [
              Arg("output_norm", check_output_norm, None), Arg("output_norm_eps", epsilon, 1e-6),
              Arg("gate_bias", _flag_or_none, None), Arg("v_head_dim", positive_or_none, None),
              Arg("value_scale", _value_scale, None),
-             Arg("clip_qkv_after_norm", _flag, False), Arg("kv_shared", _flag, False)),
+             Arg("clip_qkv_after_norm", _flag, False), Arg("kv_shared", _flag, False),
+             Arg("merged_context", _flag, False)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "q_norm_bias", "k_norm_bias", "sinks",

@@ -22,7 +22,8 @@ from golden.specification.decoder import (
 from golden.specification.decoder import sliding_window as core_window
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
-from golden.specification.positions import ROPE_BLOCK, KVCache, check_fits
+from golden.specification.positions import (ROPE_BLOCK, KVCache, MergedCache, check_fits,
+                                            merged_allowed)
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
     rope_axis_count,
@@ -92,8 +93,8 @@ class GroupedQueryAttention(_Variant):
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
-                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False, *,
-                 rngs, precision=DEFAULT_PRECISION):
+                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False,
+                 merged_context=False, *, rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
@@ -115,7 +116,10 @@ class GroupedQueryAttention(_Variant):
                         key_scale=key_scale, output_norm=output_norm,
                         output_norm_eps=output_norm_eps, gate_bias=gate_bias,
                         v_head_dim=v_head_dim, value_scale=value_scale,
-                        clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared)
+                        clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared,
+                        merged_context=merged_context)
+        self.merged_context = merged_context  # static, and its window W (an int, or None)
+        self.merged_window = sliding_window if merged_context else None
         self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
         self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
@@ -166,16 +170,18 @@ class GroupedQueryAttention(_Variant):
         _refuse_own_cache(self.kv_shared)
         shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.kernel.get_value().dtype if dtype is None else dtype
-        return KVCache(jnp.zeros(shape, dtype),
-                       jnp.zeros(shape[:-1] + (self.v_head_dim,), dtype),
-                       jnp.zeros((batch_size,), jnp.int32))
+        kind = MergedCache if self.merged_context else KVCache  # merged: no context yet
+        return kind(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1] + (self.v_head_dim,), dtype),
+                    jnp.zeros((batch_size,), jnp.int32))
 
     def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-                 dropout_mask=None, return_weights=False, strict=False, max_position=None):
+                 dropout_mask=None, return_weights=False, strict=False, max_position=None,
+                 context=None, context_mask=None):
         check_flags(strict=strict)
         check_positive_or_none("max_position", max_position)
         if strict and cache is not None and not self.kv_shared:  # kv_shared writes nothing
-            self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask)
+            self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask, context,
+                             context_mask)
         if max_position is None and positions is not None and not isinstance(
                 positions, jax.core.Tracer):  # the positions' own reach, read on the host
             max_position = int(np.max(np.abs(np.asarray(positions)))) + 1
@@ -183,16 +189,19 @@ class GroupedQueryAttention(_Variant):
             max_position = -(-int(max_position) // ROPE_BLOCK) * ROPE_BLOCK
         return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
                           positions=positions, dropout_mask=dropout_mask,
-                          return_weights=return_weights, max_position=max_position)
+                          return_weights=return_weights, max_position=max_position,
+                          context=context, context_mask=context_mask)
 
-    def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask):
+    def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask, context,
+                    context_mask):
         """strict=True: the lengths read on the host (as torch does), ValueError when the call's
         tokens do not fit (golden.specification.positions.check_fits); impossible on traced
         lengths."""
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=self._rate(), cache=cache,
                              kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             value_dim=self.v_head_dim)
+                             value_dim=self.v_head_dim, merged=self.merged_context,
+                             context=context, context_mask=context_mask)
         new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
         if any(isinstance(a, jax.core.Tracer) for a in (cache.lengths, new)):
             raise ValueError("strict=True reads the cache's lengths on the host, but they are "
@@ -202,7 +211,8 @@ class GroupedQueryAttention(_Variant):
 
     @nnx.jit(graph=False, static_argnames=("return_weights", "max_position"))
     def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-              dropout_mask=None, return_weights=False, max_position=None):
+              dropout_mask=None, return_weights=False, max_position=None, context=None,
+              context_mask=None):
         rate = self._rate()
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
@@ -210,7 +220,8 @@ class GroupedQueryAttention(_Variant):
                              value_dim=self.v_head_dim,
                              positions=positions, axes=rope_axis_count(self.rotary),
                              temperature=self.query_temperature is not None,
-                             kv_shared=self.kv_shared)
+                             kv_shared=self.kv_shared, merged=self.merged_context,
+                             context=context, context_mask=context_mask)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         if self.input_norm_weight is not None:  # Granite Speech's pre_norm
@@ -246,6 +257,10 @@ class GroupedQueryAttention(_Variant):
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if self.query_temperature is not None:
             q = self._temperature(q, offset, positions)
+        if self.merged_context:  # T5Gemma 2's decoder: one softmax over x's and the context's
+            return self._merged(x, q, k, v, (context, context_mask), _head_mask(mask, x),
+                                cache, (offset, q_lengths, kv_lengths),
+                                (rate, dropout_mask, return_weights))
         if cache is not None:  # kv_shared: the storing layer's cache read, not written
             cache = cache if self.kv_shared else _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
@@ -267,6 +282,41 @@ class GroupedQueryAttention(_Variant):
             return_weights=return_weights, precision=self.precision, **self._extra())
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o, lambda m: self._output(m, x))  # (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _merged(self, x, q, k, v, context, head_mask, cache, lengths, run):
+        """merged_context's attention, as torch_attn's: q (B, N, L, Dh) over [k ; k_c] and [v ;
+        v_c], k_c and v_c the context's (B, Nkv, Lc, Dh) through W_key (k_norm, no RoPE) and
+        W_value, or the cache's when context is None; the mask (merged_allowed) and the given
+        one cover the L or M self keys, then the Lc context's; the cache a MergedCache. The
+        keys are concatenated (one (L, Lk + Lc) mask): the core's "explicit" path's size."""
+        (context, context_mask), (offset, q_lengths, kv_lengths) = context, lengths
+        rate, dropout_mask, return_weights = run
+        if context is None:
+            k_c, v_c, context_mask = cache.context_key, cache.context_value, cache.context_mask
+        else:
+            k_c = self._split(self.W_key(context), self.num_kv_heads)  # (B, Nkv, Lc, Dh)
+            k_c = self._norm(k_c, self.k_norm) if self.qk_norm is not None else k_c
+            v_c = self._split(self.W_value(context), self.num_kv_heads)
+            context_mask = (jnp.ones(context.shape[:-1], bool) if context_mask is None
+                            else context_mask)
+        if cache is not None:
+            held = _append(KVCache(cache.key, cache.value, cache.lengths), k, v, q_lengths)
+            cache = MergedCache(*held, k_c, v_c, context_mask)
+            k, v = held.key, held.value                         # (B, Nkv, M, Dh)
+        allowed = merged_allowed(q.shape[-2], k.shape[-2], offset, kv_lengths, context_mask,
+                                 self.merged_window, xp=jnp)  # (B, 1, L, Lk + Lc)
+        if head_mask is not None:
+            allowed = allowed & head_mask
+        o = scaled_dot_product_attention(
+            q, jnp.concatenate([k, k_c], -2), jnp.concatenate([v, v_c], -2), allowed,
+            scale=self.scale, softcap=self.softcap, query_seq_lengths=q_lengths,
+            dropout_rate=rate, dropout_mask=dropout_mask,
+            dropout_rng=self._dropout_key(dropout_mask), return_weights=return_weights,
+            precision=self.precision)
+        o, w = o if return_weights else (o, None)
+        y = _merge_heads(self.out_proj, o, lambda m: m)  # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 

@@ -21,7 +21,8 @@ from golden.specification.decoder import (
 )
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
-from golden.specification.positions import KVCache, check_fits, distance_index
+from golden.specification.positions import (KVCache, MergedCache, check_fits, distance_index,
+                                            merged_allowed)
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
     rope_axis_count,
@@ -112,6 +113,18 @@ class GroupedQueryAttention(nn.Module):
     so does ``init_cache``. k_eq_v, v_norm and value_scale describe the storing layer and are
     refused here; num_kv_heads, head_dim and v_head_dim are checked against the cache's shape.
     ``strict`` checks nothing for it (it writes nothing).
+
+    ``merged_context=True`` (T5Gemma 2's decoder, T5Gemma2MergedAttention): the call takes
+    ``context`` (B, Lc, d_in) and ``context_mask`` (B, Lc) bool (True = a real token; None: all
+    real); the context's keys k_norm(split(context W_key + b_key)) (no RoPE) and its values
+    split(context W_value + b_value) follow x's own keys and values, and ONE softmax runs over
+    the L (or M) + Lc keys: self key j of query i at p when j ≤ p, p − j < W (sliding_window)
+    and j is held, context key t when context_mask[t] (golden.specification.positions.
+    merged_allowed); ``mask``, ``dropout_mask`` and the weights are (B, N, L, L or M + Lc).
+    ``init_cache`` then gives a MergedCache: the first call given ``context`` stores the
+    context's keys, values and mask in it (Hugging Face's cross-attention cache), later calls
+    may omit ``context`` and read them. Causal only; options without a tested meaning here are
+    refused (golden.specification.variants.MERGED_IDLE).
     """
 
     variant = "grouped_query_attention"
@@ -131,7 +144,8 @@ class GroupedQueryAttention(nn.Module):
                  clip_qkv=None, v_norm=False, k_eq_v=False, relative_positions=None,
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
-                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False):
+                 v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False,
+                 merged_context=False):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -155,7 +169,9 @@ class GroupedQueryAttention(nn.Module):
                               key_scale=key_scale, output_norm=output_norm,
                               output_norm_eps=output_norm_eps, gate_bias=gate_bias,
                               v_head_dim=v_head_dim, value_scale=value_scale,
-                              clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared)
+                              clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared,
+                              merged_context=merged_context)
+        self.merged_context = merged_context
         self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
         self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
         self.rotary = rope_settings(rope_theta, rope_parameters, partial_rotary_factor,
@@ -200,12 +216,14 @@ class GroupedQueryAttention(nn.Module):
         shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.weight.dtype if dtype is None else dtype
         device = self.W_query.weight.device
-        return KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                       torch.zeros(shape[:-1] + (self.v_head_dim,), dtype=dtype, device=device),
-                       torch.zeros(batch_size, dtype=torch.int32, device=device))
+        kind = MergedCache if self.merged_context else KVCache  # merged: no context yet
+        return kind(torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape[:-1] + (self.v_head_dim,), dtype=dtype, device=device),
+                    torch.zeros(batch_size, dtype=torch.int32, device=device))
 
     def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-                dropout_mask=None, return_weights=False, strict=False, max_position=None):
+                dropout_mask=None, return_weights=False, strict=False, max_position=None,
+                context=None, context_mask=None):
         rate = _dropout_rate(self)
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
@@ -213,7 +231,8 @@ class GroupedQueryAttention(nn.Module):
                              value_dim=self.v_head_dim,
                              positions=positions, axes=rope_axis_count(self.rotary),
                              temperature=self.query_temperature is not None,
-                             kv_shared=self.kv_shared)
+                             kv_shared=self.kv_shared, merged=self.merged_context,
+                             context=context, context_mask=context_mask)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         check_flags(strict=strict)
@@ -257,6 +276,10 @@ class GroupedQueryAttention(nn.Module):
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if self.query_temperature is not None:
             q = self._temperature(q, offset, positions)
+        if self.merged_context:  # T5Gemma 2's decoder: one softmax over x's and the context's
+            return self._merged(x, q, k, v, (context, context_mask), _head_mask(mask, x),
+                                cache, (offset, q_lengths, kv_lengths),
+                                (rate, dropout_mask, return_weights))
         if cache is not None:  # kv_shared: the storing layer's cache read, not written
             cache = cache if self.kv_shared else _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
@@ -283,6 +306,40 @@ class GroupedQueryAttention(nn.Module):
             **extra)
         o, w = o if return_weights else (o, None)
         y = self.out_proj(self._output(o.transpose(-2, -3).flatten(-2), x))  # (B, L, d_out)
+        out = (y, w) if return_weights else y
+        return out if cache is None else (out, cache)
+
+    def _merged(self, x, q, k, v, context, head_mask, cache, lengths, run):
+        """merged_context's attention (T5Gemma 2's T5Gemma2MergedAttention): q (B, N, L, Dh)
+        over [k ; k_c] and [v ; v_c], k_c and v_c the context's (B, Nkv, Lc, Dh) through W_key
+        (k_norm, no RoPE) and W_value, or the cache's when context is None. The mask
+        (merged_allowed) and the given one cover the L or M self keys, then the Lc context's;
+        the cache is a MergedCache (the context's keys stored by the call that gave it)."""
+        (context, context_mask), (offset, q_lengths, kv_lengths) = context, lengths
+        rate, dropout_mask, return_weights = run
+        if context is None:
+            k_c, v_c, context_mask = cache.context_key, cache.context_value, cache.context_mask
+        else:
+            k_c = self._split(self.W_key(context), self.num_kv_heads)  # (B, Nkv, Lc, Dh)
+            k_c = self._norm(k_c, self.k_norm) if self.qk_norm is not None else k_c
+            v_c = self._split(self.W_value(context), self.num_kv_heads)
+            context_mask = (torch.ones(context.shape[:-1], dtype=torch.bool,
+                                       device=context.device)
+                            if context_mask is None else context_mask)
+        if cache is not None:
+            held = _append(KVCache(cache.key, cache.value, cache.lengths), k, v, q_lengths)
+            cache = MergedCache(*held, k_c, v_c, context_mask)
+            k, v = held.key, held.value                         # (B, Nkv, M, Dh)
+        allowed = merged_allowed(q.shape[-2], k.shape[-2], offset, kv_lengths, context_mask,
+                                 self.sliding_window, xp=torch)  # (B, 1, L, Lk + Lc)
+        if head_mask is not None:
+            allowed = allowed & head_mask
+        o = scaled_dot_product_attention(
+            q, torch.cat([k, k_c], dim=-2), torch.cat([v, v_c], dim=-2), allowed,
+            scale=self.scale, softcap=self.softcap, query_seq_lengths=q_lengths,
+            dropout_rate=rate, dropout_mask=dropout_mask, return_weights=return_weights)
+        o, w = o if return_weights else (o, None)
+        y = self.out_proj(o.transpose(-2, -3).flatten(-2))       # (B, L, d_out)
         out = (y, w) if return_weights else y
         return out if cache is None else (out, cache)
 
