@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from golden.hf import FAMILIES
+from golden.hf import FAMILIES, LINEAR
 
 pytest.importorskip("transformers")
 
@@ -23,10 +23,19 @@ def _rows():
     return rows
 
 
+LINEAR_TESTS = "test_hf_import_linear.py"  # the linear-attention layers' table's rows
+
+
 def test_the_table_lists_every_supported_family_once():
-    names = [name for name, _ in _rows()]
+    names = [name for name, f in _rows() if f != LINEAR_TESTS]
     assert len(names) == len(set(names)), "a family listed twice"
     assert set(names) == set(FAMILIES)
+
+
+def test_the_linear_table_lists_every_linear_family_once():
+    names = [name for name, f in _rows() if f == LINEAR_TESTS]
+    assert len(names) == len(set(names)), "a family listed twice"
+    assert set(names) == set(LINEAR)
 
 
 @pytest.mark.parametrize("name, test_file", _rows())
