@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from golden.specification import recurrent as recurrent_spec
 from golden.specification.positions import KVCache
+from golden.specification.recurrent import RecurrentCache
 from golden.specification.validate import check_build_args, check_kv_cache, check_param_arrays
 from golden.specification.variants import export_layers, load_layers, module_variant
-from jax_attn import modules
+from jax_attn import modules, recurrent
 
 
 def _ours(module) -> None:
@@ -59,12 +61,16 @@ def build(variant, config, params, *, rngs=None):
     ``rngs`` seeds the dropout stream (default ``nnx.Rngs(0)``).
     """
     check_build_args(variant, config, params)
-    cls = getattr(modules, module_variant(variant).class_name)
+    if variant in recurrent_spec.MIXERS:  # the recurrent mixers (jax_attn.recurrent)
+        cls = getattr(recurrent, recurrent_spec.get(variant).class_name)
+    else:
+        cls = getattr(modules, module_variant(variant).class_name)
     # The structure only: nnx.eval_shape runs the constructor abstractly, so no weights are drawn
     # (each new shape of a random initialiser costs a compilation) just to be overwritten.
     module = nnx.eval_shape(lambda: cls(**config, rngs=nnx.Rngs(0)))
     load_params(module, params)
-    module.seed_dropout(nnx.Rngs(0) if rngs is None else rngs)
+    if hasattr(module, "seed_dropout"):  # the recurrent mixers have no dropout
+        module.seed_dropout(nnx.Rngs(0) if rngs is None else rngs)
     abstract = [p for p, v in nnx.to_flat_state(nnx.state(module))
                 if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
     if abstract:
@@ -76,16 +82,22 @@ _LOW = (jnp.bfloat16, jnp.float16)
 
 
 def export_cache(cache) -> KVCache:
-    """A KV cache as NumPy copies (bfloat16 and float16 as float32, exactly, as in torch's
-    ``export_cache``), for the other framework's ``load_cache``."""
-    check_kv_cache(cache)
-    return KVCache(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
-                     for a in cache))
+    """A KV cache (or a recurrent mixer's RecurrentCache) as NumPy copies (bfloat16 and
+    float16 as float32, exactly, as in torch's ``export_cache``), for the other framework's
+    ``load_cache``."""
+    if not isinstance(cache, RecurrentCache):
+        check_kv_cache(cache)
+    return type(cache)(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
+                         for a in cache))
 
 
 def load_cache(cache, dtype=None) -> KVCache:
     """A KV cache of NumPy (or any array) fields on the default device: key and value in
-    ``dtype`` (default theirs; float64 needs ``jax.enable_x64``), lengths int32."""
+    ``dtype`` (default theirs; float64 needs ``jax.enable_x64``), lengths int32. A
+    RecurrentCache likewise: conv and state in ``dtype`` (default theirs), lengths int32."""
+    if isinstance(cache, RecurrentCache):
+        conv, state = (_device(a, dtype) for a in (cache.conv, cache.state))
+        return RecurrentCache(conv, state, _device(cache.lengths, np.int32))
     check_kv_cache(cache)
     key, value = (_device(a, dtype) for a in (cache.key, cache.value))
     return KVCache(key, value, _device(cache.lengths, np.int32))
