@@ -19,11 +19,18 @@ from golden.specification.implementations import record
 from golden.specification.recurrent import RecurrentCache
 from golden.specification.tolerances import UNIT_ROUNDOFF, compare, delta_rule_bound
 from jax_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
-from tests.helpers import fresh_rng
+from tests.helpers import fresh_rng, matrix
 
 GDN = "gated_delta_net"
 SPEC = recurrent.get(GDN)
 IMPLEMENTATIONS = tuple(DELTA_RULE_IMPLEMENTATIONS)
+# The quick suite runs the first of each list; the whole matrix (ATTN_PARITY_MATRIX=1) every one.
+QUICK_LENGTHS = {(65, 16), (130, 64)}  # a padded last chunk; several whole chunks
+
+
+def _quick_first(values, ids=None):
+    return [pytest.param(v, id=None if ids is None else ids[i], marks=() if i == 0 else matrix)
+            for i, v in enumerate(values)]
 
 
 def _params(rng, config, scale=0.5):
@@ -50,7 +57,7 @@ def _module_grads(module, x, mask, dy, **call):
     return module(x, mask, **call), {"x": np.asarray(d_x), **held}
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", _quick_first(("chunked", "recurrent")))
 def test_module_matches_reference_float64(implementation):
     # 7 tokens in chunks of 3 (the last padded), the second row left-padded by 2; the output,
     # the input's and every parameter's gradient at the float64 rows of the table (a
@@ -86,8 +93,9 @@ def _core_inputs(rng, b, h, length, dk, dv, neg=True):
     return [jnp.asarray(a) for a in (q, k, v, g, beta, state)]
 
 
-@pytest.mark.parametrize("chunk_size", [64, 16])
-@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 130])
+@pytest.mark.parametrize("length, chunk_size", [
+    pytest.param(n, t, id=f"{n}-{t}", marks=() if (n, t) in QUICK_LENGTHS else matrix)
+    for t in (64, 16) for n in (1, 5, 63, 64, 65, 130)])
 def test_recurrent_equals_chunked_float64(length, chunk_size):
     # From a random initial state, β in (0, 2) (allow_neg_eigval's range): the outputs, the
     # final state and every input's gradient (the chunked custom_vjp against the recurrent
@@ -108,7 +116,7 @@ def test_recurrent_equals_chunked_float64(length, chunk_size):
         assert compare(got, want, "float64", "grad", terms=length).ok, seed
 
 
-@pytest.mark.parametrize("neg", [False, True], ids=["beta", "beta-2sigma"])
+@pytest.mark.parametrize("neg", _quick_first((True, False), ids=("beta-2sigma", "beta")))
 def test_module_implementations_agree_with_left_padding(neg):
     rng, seed = fresh_rng()
     config = dict(SPEC.sample, allow_neg_eigval=neg)
@@ -142,7 +150,7 @@ def test_chunked_backward_keeps_chunk_states_only():
     assert max(int(np.prod(s)) for s in residuals("recurrent")) >= per_token
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", _quick_first(("float32", "bfloat16")))
 def test_low_precision_error_against_reference(dtype):
     # One configuration, L = 64, 256, 1024, parameters and inputs on the dtype's grid (the
     # arithmetic alone): the output's relative error norm and its largest error relative to
