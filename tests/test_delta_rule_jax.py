@@ -2,7 +2,8 @@
 reference (golden.reference.delta_rule) forward and gradients through nnx.grad, both
 implementations; "recurrent" against "chunked" (its own custom_vjp included); the chunked
 backward's residuals O(L); float32 and bfloat16 errors against the reference; prefill then
-decoding through the cache; export and load; bad inputs."""
+decoding through the cache; export and load; bad inputs; Hugging Face's Qwen3NextGatedDeltaNet
+(its parameters read into the neutral layout here)."""
 
 from __future__ import annotations
 
@@ -272,3 +273,61 @@ def test_bad_inputs_name_the_argument():
         module(x, chunk_size=0)
     with pytest.raises(ValueError, match="max_length should be a positive int"):
         module.init_cache(2, 0)
+
+
+def _from_qwen3_next(module, hk, hv, dk, dv):
+    """Neutral parameters of Hugging Face's Qwen3NextGatedDeltaNet: in_proj_qkvz's rows are per
+    key head [q (Dk) | k (Dk) | v (g·Dv) | z (g·Dv)], in_proj_ba's [b (g) | a (g)], g = Hv/Hk;
+    conv1d's channels [q | k | v]."""
+    g = hv // hk
+    w = module.in_proj_qkvz.weight.detach().numpy()
+    w = w.reshape(hk, 2 * dk + 2 * g * dv, -1)  # (Hk, rows, d_in)
+    ba = module.in_proj_ba.weight.detach().numpy().reshape(hk, 2 * g, -1)
+    conv = module.conv1d.weight.detach().numpy()[:, 0, :]  # (C, K)
+
+    def cols(rows):
+        return rows.reshape(-1, rows.shape[-1]).T  # (d_in, heads·width)
+    return {"W_query": cols(w[:, :dk]), "W_key": cols(w[:, dk:2 * dk]),
+            "W_value": cols(w[:, 2 * dk:2 * dk + g * dv]), "W_gate": cols(w[:, 2 * dk + g * dv:]),
+            "W_beta": cols(ba[:, :g]), "W_decay": cols(ba[:, g:]),
+            "W_out": module.out_proj.weight.detach().numpy().T,
+            "conv_query": conv[:hk * dk], "conv_key": conv[hk * dk:2 * hk * dk],
+            "conv_value": conv[2 * hk * dk:], "A_log": module.A_log.detach().numpy(),
+            "dt_bias": module.dt_bias.detach().numpy(),
+            "norm_weight": module.norm.weight.detach().numpy()}
+
+
+@matrix
+def test_against_hugging_face_qwen3_next():
+    # HF's own module (a tiny random float64 Qwen3-Next config, its torch fallback kernels),
+    # 100 tokens, a left-padded row: HF runs the delta rule in float32 even for a float64
+    # model, so ours (float64) is held to the float32 bound of the table; seen 3.6e-7 = 6u at
+    # L = 100 (1.0e-7 at L = 7). allow_neg_eigval (β = 2σ, which Qwen3-Next lacks) moves it
+    # far outside.
+    torch = pytest.importorskip("torch")
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    from transformers import Qwen3NextConfig
+    rng, seed = fresh_rng()
+    torch.manual_seed(seed)
+    hk, hv, dk, dv, d, kernel, length = 2, 4, 8, 6, 16, 4, 100
+    hf_config = Qwen3NextConfig(
+        hidden_size=d, linear_num_key_heads=hk, linear_num_value_heads=hv,
+        linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=kernel,
+        rms_norm_eps=1e-6, num_hidden_layers=1, layer_types=["linear_attention"])
+    hf = qwen3_next.Qwen3NextGatedDeltaNet(hf_config, 0).double()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    params = _from_qwen3_next(hf, hk, hv, dk, dv)
+    config = dict(d_in=d, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                  conv_kernel=kernel)
+    x, mask = rng.standard_normal((2, length, d)), _padded(2, length, 3)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(x), attention_mask=torch.tensor(mask.astype(np.int64))).numpy()
+    bound = delta_rule_bound("float32", length)
+    with jax.enable_x64(True):
+        for neg in (False, True):
+            module = jax_attn.build(GDN, dict(config, allow_neg_eigval=neg), params)
+            ours = np.asarray(module(jnp.asarray(x), jnp.asarray(mask)))
+            rel_norm = np.linalg.norm(ours - theirs) / np.linalg.norm(theirs)
+            assert (rel_norm <= bound) != neg, (neg, rel_norm, seed)
