@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from golden.specification import recurrent as recurrent_spec
 from golden.specification.positions import KVCache, LatentCache
+from golden.specification.recurrent import RecurrentCache
 from golden.specification.validate import check_any_cache, check_build_args, check_param_arrays
 from golden.specification.variants import export_layers, load_layers, module_variant
-from jax_attn import modules
+from jax_attn import modules, recurrent
 
 
 def _ours(module) -> None:
@@ -59,12 +61,16 @@ def build(variant, config, params, *, rngs=None):
     ``rngs`` seeds the dropout stream (default ``nnx.Rngs(0)``).
     """
     check_build_args(variant, config, params)
-    cls = getattr(modules, module_variant(variant).class_name)
+    if variant in recurrent_spec.MIXERS:  # the recurrent mixers (jax_attn.recurrent)
+        cls = getattr(recurrent, recurrent_spec.get(variant).class_name)
+    else:
+        cls = getattr(modules, module_variant(variant).class_name)
     # The structure only: nnx.eval_shape runs the constructor abstractly, so no weights are drawn
     # (each new shape of a random initialiser costs a compilation) just to be overwritten.
     module = nnx.eval_shape(lambda: cls(**config, rngs=nnx.Rngs(0)))
     load_params(module, params)
-    module.seed_dropout(nnx.Rngs(0) if rngs is None else rngs)
+    if hasattr(module, "seed_dropout"):  # the recurrent mixers have no dropout
+        module.seed_dropout(nnx.Rngs(0) if rngs is None else rngs)
     abstract = [p for p, v in nnx.to_flat_state(nnx.state(module))
                 if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
     if abstract:
@@ -80,20 +86,30 @@ def _kind(fields):
     return KVCache if fields == KVCache._fields else LatentCache
 
 
-def export_cache(cache) -> KVCache | LatentCache:
-    """A KV cache, or MultiHeadLatentAttention's LatentCache, as NumPy copies of the same class
-    (bfloat16 and float16 as float32, exactly, as in torch's ``export_cache``), for the other
-    framework's ``load_cache``."""
-    fields = check_any_cache(cache)
-    arrays = (getattr(cache, f) for f in fields)
-    return _kind(fields)(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
-                           for a in arrays))
+def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:
+    """A KV cache, MultiHeadLatentAttention's LatentCache or a recurrent mixer's RecurrentCache,
+    as NumPy copies of the same class (bfloat16 and float16 as float32, exactly, as in torch's
+    ``export_cache``), for the other framework's ``load_cache``."""
+    if isinstance(cache, RecurrentCache):
+        kind, arrays = RecurrentCache, tuple(cache)
+    else:
+        fields = check_any_cache(cache)
+        kind, arrays = _kind(fields), (getattr(cache, f) for f in fields)
+    return kind(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
+                  for a in arrays))
 
 
-def load_cache(cache, dtype=None) -> KVCache | LatentCache:
+def load_cache(cache, dtype=None) -> KVCache | LatentCache | RecurrentCache:
     """A KVCache or LatentCache of NumPy (or any array) fields on the default device, of the
     same class: key and value, or latent and rope_key, in ``dtype`` (default theirs; float64
-    needs ``jax.enable_x64``), lengths int32."""
+    needs ``jax.enable_x64``), lengths int32. A RecurrentCache: conv in ``dtype``, the state in
+    float64 for float64 and float32 otherwise (a recurrence's state is never kept narrower),
+    lengths int32."""
+    if isinstance(cache, RecurrentCache):
+        wide = None if dtype is None else (np.float64 if jnp.dtype(dtype) == jnp.float64
+                                           else np.float32)
+        return RecurrentCache(_device(cache.conv, dtype), _device(cache.state, wide),
+                              _device(cache.lengths, np.int32))
     fields = check_any_cache(cache)
     arrays = (_device(getattr(cache, f), dtype) for f in fields[:-1])
     return _kind(fields)(*arrays, _device(cache.lengths, np.int32))
