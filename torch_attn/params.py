@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from golden.specification import recurrent as recurrent_spec
 from golden.specification.positions import KVCache
+from golden.specification.recurrent import RecurrentCache
 from golden.specification.validate import check_build_args, check_kv_cache, check_param_arrays
 from golden.specification.variants import export_layers, load_layers, module_variant
-from torch_attn import modules
+from torch_attn import modules, recurrent
 
 
 def _numpy(t):
@@ -70,23 +72,35 @@ def build(variant, config, params):
     made on PyTorch's meta device (no initial weights drawn: 10 ms a 2048² layer, and
     ``params`` replaces every one), then given memory and every parameter."""
     check_build_args(variant, config, params)
+    if variant in recurrent_spec.MIXERS:  # the recurrent mixers (torch_attn.recurrent)
+        room, described = recurrent, recurrent_spec.MIXERS[variant]
+    else:
+        room, described = modules, module_variant(variant)
     with torch.device("meta"):
-        module = getattr(modules, module_variant(variant).class_name)(**config)
+        module = getattr(room, described.class_name)(**config)
     module = module.to_empty(device="cpu")
     load_params(module, params)
     return module
 
 
-def export_cache(cache) -> KVCache:
-    """A KV cache as NumPy copies (detached; bfloat16 and float16 as float32, exactly), for the
-    other framework's ``load_cache``."""
+def export_cache(cache):
+    """A KV cache or a RecurrentCache as NumPy copies (detached; bfloat16 and float16 as
+    float32, exactly), for the other framework's ``load_cache``."""
+    if isinstance(cache, RecurrentCache):
+        return RecurrentCache(*(_numpy(t) for t in cache[:3]), cache.max_length)
     check_kv_cache(cache)
     return KVCache(*(_numpy(t) for t in cache))
 
 
-def load_cache(cache, device=None, dtype=None) -> KVCache:
-    """A KV cache of NumPy (or any array) fields as tensors (copies): key and value in ``dtype``
-    (default theirs), lengths int32, on ``device``."""
+def load_cache(cache, device=None, dtype=None):
+    """A KV cache (or a RecurrentCache) of NumPy (or any array) fields as tensors (copies): key
+    and value (a RecurrentCache's conv) in ``dtype`` (default theirs), lengths int32, on
+    ``device``; a RecurrentCache's state keeps its dtype (float32, or float64)."""
+    if isinstance(cache, RecurrentCache):
+        conv = torch.tensor(np.asarray(cache.conv), device=device, dtype=dtype)
+        state = torch.tensor(np.asarray(cache.state), device=device)
+        lengths = torch.tensor(np.asarray(cache.lengths), dtype=torch.int32, device=device)
+        return RecurrentCache(conv, state, lengths, cache.max_length)
     check_kv_cache(cache)
     key, value = (torch.tensor(np.asarray(a), device=device, dtype=dtype)
                   for a in (cache.key, cache.value))

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from golden.specification.settings import epsilon, positive, positive_or_none
-from golden.specification.validate import check_flags, check_sequence
+from golden.specification.validate import check_flags, check_sequence, dtype_name
 from golden.specification.variants import Arg, Variant
 
 
@@ -45,11 +45,13 @@ class RecurrentCache(NamedTuple):
     S after the last token; lengths: (B,) int32, the tokens seen per row (padding included).
     Unbatched: the same without B. A call never changes the cache it is given: it returns a new
     one. Made by a module's ``init_cache(batch_size, max_length)`` (zeros; max_length bounds
-    the tokens a cache takes, as the KV cache's, though the state's size does not grow)."""
+    the tokens a cache takes, as the KV cache's, though the state's size does not grow: kept in
+    the optional fourth field, a Python int, None where the cache has no bound)."""
 
     conv: Any
     state: Any
     lengths: Any
+    max_length: Any = None  # the most tokens the cache takes (init_cache's); None: no bound
 
 
 def cache_shapes(config, batch_size=None) -> dict:
@@ -61,6 +63,59 @@ def cache_shapes(config, batch_size=None) -> dict:
     return {"conv": lead + (c["conv_kernel"] - 1, channels),
             "state": lead + (c["num_v_heads"], c["head_k_dim"], c["head_v_dim"]),
             "lengths": lead}
+
+
+def check_cache(config, cache, x) -> None:
+    """A RecurrentCache for the mixer's full configuration and its input x (B, L, d_in) or
+    (L, d_in): conv and state of the shapes ``cache_shapes`` gives for x's batch, both float,
+    lengths integers. Only shapes and dtypes are read (never the lengths' values)."""
+    if not all(hasattr(cache, f) for f in RecurrentCache._fields[:3]):
+        raise ValueError(f"cache should be a RecurrentCache (conv, state, lengths), got "
+                         f"{type(cache).__name__}")
+    lead = tuple(x.shape[:-2])
+    want = cache_shapes(config, lead[0] if lead else None)
+    for field, letters in (("conv", "(B, K − 1, C)"), ("state", "(B, Hv, Dk, Dv)"),
+                           ("lengths", "(B,)")):
+        got = tuple(getattr(cache, field).shape)
+        if got != want[field]:
+            raise ValueError(f"cache.{field} shape should be {letters} = {want[field]} for x of "
+                             f"shape {tuple(x.shape)}, got {got}")
+    for field, kinds, what in (("conv", ("float", "bfloat"), "a float"),
+                               ("state", ("float", "bfloat"), "a float"),
+                               ("lengths", ("int", "uint"), "an integer")):
+        name = dtype_name(getattr(cache, field).dtype)
+        if not name.startswith(kinds):
+            raise ValueError(f"cache.{field} dtype should be {what} dtype, got {name}")
+
+
+def check_room(lengths, new, max_length) -> None:
+    """ValueError unless each row's ``lengths`` (read on the host) plus ``new`` tokens fit
+    within ``max_length`` (None: no bound)."""
+    if max_length is None:
+        return
+    held = [int(n) for n in lengths]
+    if any(n + new > max_length for n in held):
+        raise ValueError(f"cache is full: rows holding {held} tokens cannot take {new} more "
+                         f"within max_length = {max_length}")
+
+
+def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64) -> None:
+    """The delta-rule core's arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), g and beta (B, H,
+    L), initial_state (B, H, Dk, Dv) or None; chunk_size a positive int."""
+    if len(q.shape) != 4:
+        raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
+    b, h, length, dk = q.shape
+    dv = v.shape[-1] if len(v.shape) == 4 else None
+    wants = [("k", k, "(B, H, L, Dk)", (b, h, length, dk)),
+             ("v", v, "(B, H, L, Dv)", (b, h, length, dv)),
+             ("g", g, "(B, H, L)", (b, h, length)), ("beta", beta, "(B, H, L)", (b, h, length))]
+    if initial_state is not None:
+        wants.append(("initial_state", initial_state, "(B, H, Dk, Dv)", (b, h, dk, dv)))
+    for name, a, letters, want in wants:
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} shape should be {letters} = {want}, got {tuple(a.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size should be a positive int, got {chunk_size!r}")
 
 
 def _flag(name, b) -> None:
@@ -94,7 +149,7 @@ def _sequence_inputs(c, arrays, rate=0.0):
 def check_padding_mask(mask, lead, length) -> None:
     """A recurrent mixer's mask: booleans of shape lead + (L,), True = a real token."""
     want = tuple(lead) + (length,)
-    if getattr(mask, "dtype", None) is None or str(mask.dtype) != "bool":
+    if getattr(mask, "dtype", None) is None or dtype_name(mask.dtype) != "bool":
         raise ValueError(f"mask dtype should be bool (True = a real token), got "
                          f"{getattr(mask, 'dtype', type(mask).__name__)}")
     if tuple(mask.shape) != want:

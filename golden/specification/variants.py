@@ -682,14 +682,24 @@ def _resolve(module, path):
     return [f for f in found if f is not None]
 
 
+def described(module) -> Variant:
+    """The description of a torch_attn or jax_attn module: its ``variant`` among VARIANTS'
+    modules, or among the recurrent mixers (golden.specification.recurrent.MIXERS)."""
+    from golden.specification import recurrent  # it builds on this module
+
+    variant = getattr(module, "variant", None)
+    if variant in VARIANTS and VARIANTS[variant].is_module:
+        return VARIANTS[variant]
+    if variant in recurrent.MIXERS:
+        return recurrent.MIXERS[variant]
+    raise ValueError(f"module should be a torch_attn or jax_attn variant, "
+                     f"got {type(module).__name__}")
+
+
 def projections(module) -> dict:
     """{role: ([layer, ...], stacked)} for a torch_attn or jax_attn module."""
-    variant = getattr(module, "variant", None)
-    if variant not in VARIANTS or not VARIANTS[variant].is_module:
-        raise ValueError(f"module should be a torch_attn or jax_attn variant, "
-                         f"got {type(module).__name__}")
     out = {}
-    for role, path in VARIANTS[variant].layers.items():
+    for role, path in described(module).layers.items():
         layers = _resolve(module, path)
         if layers:
             out[role] = (layers, "*" in path)
@@ -711,7 +721,7 @@ def vector_starts(variant, config) -> dict:
 
 def _vectors(module) -> dict:
     """{name: the module's array} for the variant's ``vectors`` the module holds (not None)."""
-    held = ((n, getattr(module, n, None)) for n in VARIANTS[module.variant].vectors)
+    held = ((n, getattr(module, n, None)) for n in described(module).vectors)
     return {n: a for n, a in held if a is not None}
 
 
@@ -737,7 +747,7 @@ def load_layers(module, params, set_weight, set_bias, set_vector, *, xp=np) -> N
     ``set_vector(module's array, array)``; each taken with ``xp.asarray`` (``jax.numpy`` for
     traced arrays)."""
     found = projections(module)
-    VARIANTS[module.variant].check_params(module.config, params)
+    described(module).check_params(module.config, params)
     for role, (layers, stacked) in found.items():
         for i, layer in enumerate(layers):
             pick = (lambda a: xp.asarray(a)[i]) if stacked else xp.asarray
