@@ -199,7 +199,8 @@ class GatedDeltaNet(nn.Module):
         y, new = self._mix(x, mask, cache, implementation)
         if single:
             y = y[0]
-            new = RecurrentCache(*(t[0] for t in new[:3]), new.max_length)
+            new = None if new is None else RecurrentCache(*(t[0] for t in new[:3]),
+                                                          new.max_length)
         return y if cache is None else (y, new)
 
     def _mix(self, x, mask, cache, implementation):

@@ -149,9 +149,9 @@ def _sequence_inputs(c, arrays, rate=0.0):
 def check_padding_mask(mask, lead, length) -> None:
     """A recurrent mixer's mask: booleans of shape lead + (L,), True = a real token."""
     want = tuple(lead) + (length,)
-    if getattr(mask, "dtype", None) is None or dtype_name(mask.dtype) != "bool":
-        raise ValueError(f"mask dtype should be bool (True = a real token), got "
-                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    got = dtype_name(mask.dtype) if hasattr(mask, "dtype") else type(mask).__name__
+    if got != "bool":
+        raise ValueError(f"mask dtype should be bool (True = a real token), got {got}")
     if tuple(mask.shape) != want:
         raise ValueError(f"mask shape should be {want} (one flag per token, True = real, as "
                          f"Hugging Face's attention_mask), got {tuple(mask.shape)}")

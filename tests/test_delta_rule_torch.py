@@ -1,0 +1,294 @@
+"""The PyTorch twin of Gated DeltaNet (issue 43, torch_attn.recurrent) against the float64
+reference (golden.reference.delta_rule): forward and gradients, "recurrent" against "chunked",
+float32 and bfloat16 within a bound growing with L, prefill then decode through the cache, the
+cache's export and load, bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_attn
+from golden.reference.delta_rule import MIXERS
+from golden.specification import implementations, recurrent
+from golden.specification.recurrent import RecurrentCache
+from golden.specification.tolerances import compare, delta_rule_bounds
+from tests.helpers import fresh_rng
+from torch_attn.params import export_grads
+from torch_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
+
+GDN = "gated_delta_net"
+SAMPLE = recurrent.get(GDN).sample  # d_in 5, Hk 2, Hv 4, Dk 3, Dv 6, d_out 7, K 3
+
+
+def _params(rng, config, scale=0.5):
+    shapes = recurrent.get(GDN).param_shapes(config)
+    return {n: rng.standard_normal(s) * scale for n, s in shapes.items()}
+
+
+def _padded_mask(batch, length, pad):
+    mask = np.ones((batch, length), bool)
+    mask[-1, :pad] = False  # the last row left-padded
+    return mask
+
+
+@pytest.fixture(autouse=True)
+def _float64_default():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+# ---- against the reference ------------------------------------------------------------------
+
+@pytest.mark.parametrize("neg", [False, True], ids=["beta", "beta-2sigma"])
+@pytest.mark.parametrize("implementation", sorted(DELTA_RULE_IMPLEMENTATIONS))
+def test_module_equals_the_reference_forward_and_gradients(implementation, neg):
+    rng, seed = fresh_rng()
+    config = dict(SAMPLE, allow_neg_eigval=neg)
+    params = _params(rng, config)
+    x, mask = rng.standard_normal((2, 9, config["d_in"])), _padded_mask(2, 9, 3)
+    forward, backward = MIXERS[GDN]
+    y, _, saved = forward(config, {"x": x, "mask": mask}, params)
+    dy = rng.standard_normal(y.shape)
+    expected = backward(saved, dy)
+    module = torch_attn.build(GDN, config, params)
+    xt = torch.tensor(x, requires_grad=True)
+    with implementations.record() as ran:
+        out = module(xt, torch.tensor(mask), implementation=implementation)
+    assert ran == [("torch", implementation)]  # the path under test ran
+    assert compare(out.detach().numpy(), y, "float64").ok, f"seed {seed}"
+    (out * torch.tensor(dy)).sum().backward()
+    got = {**export_grads(module), "x": xt.grad.numpy()}
+    assert sorted(got) == sorted(expected)
+    for name, g in expected.items():  # a parameter's gradient sums over B·L positions
+        c = compare(got[name], g, "float64", "grad", terms=1 if name == "x" else x.size)
+        assert c.ok, f"{name} {c}, seed {seed}"
+
+
+def test_unbatched_equals_one_row():
+    rng, seed = fresh_rng()
+    module = torch_attn.build(GDN, SAMPLE, _params(rng, SAMPLE))
+    x = torch.tensor(rng.standard_normal((6, SAMPLE["d_in"])))
+    y = module(x)
+    expected = MIXERS[GDN][0](SAMPLE, {"x": x.numpy()}, torch_attn.export_params(module))[0]
+    assert y.shape == (6, 7) and compare(y.detach().numpy(), expected, "float64").ok, seed
+
+
+# ---- the implementations against each other ---------------------------------------------------
+
+def _core_inputs(rng, length, heads=3, dk=4, dv=5, neg=False):
+    """q, k L2-normalised (q scaled), v, g ≤ 0, beta in (0, 1) or (0, 2), a random state."""
+    def unit(a):
+        return a / np.linalg.norm(a, axis=-1, keepdims=True)
+    q = unit(rng.standard_normal((2, heads, length, dk))) * dk ** -0.5
+    k = unit(rng.standard_normal((2, heads, length, dk)))
+    v = rng.standard_normal((2, heads, length, dv))
+    g = -rng.uniform(0.0, 0.5, (2, heads, length))
+    beta = rng.uniform(0.0, 2.0 if neg else 1.0, (2, heads, length))
+    state = rng.standard_normal((2, heads, dk, dv))
+    return [torch.tensor(a) for a in (q, k, v, g, beta, state)]
+
+
+@pytest.mark.parametrize("chunk_size", [64, 16])
+@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 130])
+def test_recurrent_equals_chunked(length, chunk_size):
+    rng, seed = fresh_rng()
+    for neg in (False, True):
+        *arrays, state = _core_inputs(rng, length, neg=neg)
+        o_r, s_r = gated_delta_rule(*arrays, initial_state=state, implementation="recurrent")
+        o_c, s_c = gated_delta_rule(*arrays, initial_state=state, implementation="chunked",
+                                    chunk_size=chunk_size)
+        assert compare(o_c.numpy(), o_r.numpy(), "float64").ok, f"o, neg {neg}, seed {seed}"
+        assert compare(s_c.numpy(), s_r.numpy(), "float64").ok, f"S, neg {neg}, seed {seed}"
+
+
+def test_the_core_equals_the_reference_recurrence():
+    from golden.reference.delta_rule import delta_rule
+    rng, seed = fresh_rng()
+    q, k, v, g, beta, state = _core_inputs(rng, 20)
+    o, states = delta_rule(*(a.numpy() for a in (q, k, v)), np.exp(g.numpy()), beta.numpy(),
+                           state.numpy())
+    for name in DELTA_RULE_IMPLEMENTATIONS:
+        got, final = gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                      implementation=name, chunk_size=8)
+        assert compare(got.numpy(), o, "float64").ok, f"{name}, seed {seed}"
+        assert compare(final.numpy(), states[-1], "float64").ok, f"{name}, seed {seed}"
+
+
+@pytest.mark.parametrize("neg", [False, True], ids=["beta", "beta-2sigma"])
+def test_module_recurrent_equals_chunked_with_left_padding(neg):
+    rng, seed = fresh_rng()
+    config = dict(SAMPLE, allow_neg_eigval=neg)
+    module = torch_attn.build(GDN, config, _params(rng, config))
+    x = torch.tensor(rng.standard_normal((3, 70, config["d_in"])))
+    mask = torch.tensor(_padded_mask(3, 70, 11))
+    with torch.no_grad():
+        a = module(x, mask, implementation="recurrent")
+        b = module(x, mask, implementation="chunked")
+    assert compare(b.numpy(), a.numpy(), "float64").ok, f"seed {seed}"
+
+
+def test_the_default_implementation():
+    rng, _ = fresh_rng()
+    arrays = _core_inputs(rng, 5)[:5]
+    for length, name in ((1, "recurrent"), (5, "chunked")):
+        with implementations.record() as ran:
+            gated_delta_rule(*(a[:, :, :length] for a in arrays))
+        assert ran == [("torch", name)]
+
+
+# ---- float32 and bfloat16 -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_error_within_a_bound_growing_with_length(dtype):
+    # golden.specification.tolerances.DELTA_RULE_GROWTH (the numbers measured there): inputs
+    # and weights on the dtype's grid, so the error is the arithmetic alone.
+    rng, seed = fresh_rng()
+    config = dict(d_in=24, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
+                  d_out=20, conv_kernel=4)
+    shapes = recurrent.get(GDN).param_shapes(config)
+    params = {n: rng.standard_normal(s) / (s[0] ** 0.5 if n.startswith("W_") else 1)
+              for n, s in shapes.items()}
+    params["A_log"] = rng.uniform(-8.0, 0.0, shapes["A_log"])  # slow and fast decays
+    low = getattr(torch, dtype)
+
+    def grid(a):
+        return torch.tensor(a).to(low).double().numpy()
+    params = {n: grid(a) for n, a in params.items()}
+    module = torch_attn.build(GDN, config, params).to(low)
+    for length in (64, 256, 1024):
+        x = grid(rng.standard_normal((2, length, config["d_in"])))
+        expected = MIXERS[GDN][0](config, {"x": x}, params)[0]
+        with torch.no_grad():
+            y = module(torch.tensor(x).to(low))
+        assert y.dtype == low
+        err = y.double().numpy() - expected
+        rel_norm = np.linalg.norm(err) / np.linalg.norm(expected)
+        elem = np.abs(err).max() / np.abs(expected).max()
+        bound_norm, bound_elem = delta_rule_bounds(dtype, length)
+        assert rel_norm <= bound_norm and elem <= bound_elem, (
+            f"L {length}: {rel_norm:.3g} (bound {bound_norm:.3g}), {elem:.3g} "
+            f"(bound {bound_elem:.3g}), seed {seed}")
+
+
+# ---- the cache -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefill", [1, 4, 9])
+def test_prefill_then_decode_equals_the_full_forward(prefill):
+    rng, seed = fresh_rng()
+    module = torch_attn.build(GDN, SAMPLE, _params(rng, SAMPLE))
+    length = 13
+    x = torch.tensor(rng.standard_normal((3, length, SAMPLE["d_in"])))
+    mask = torch.tensor(_padded_mask(3, length, 3))
+    with torch.no_grad():
+        full = module(x, mask)
+        cache = module.init_cache(3, length)
+        with implementations.record() as ran:
+            first, cache = module(x[:, :prefill], mask[:, :prefill], cache=cache)
+        outs = [first]
+        for t in range(prefill, length):
+            y, cache = module(x[:, t:t + 1], mask[:, t:t + 1], cache=cache)
+            outs.append(y)
+    assert ran == [("torch", "chunked" if prefill > 1 else "recurrent")]
+    assert compare(torch.cat(outs, dim=1).numpy(), full.numpy(), "float64").ok, f"seed {seed}"
+    assert cache.lengths.tolist() == [length] * 3 and cache.lengths.dtype == torch.int32
+    with pytest.raises(ValueError, match="cache is full.*max_length = 13"):
+        module(x[:, :1], cache=cache)
+
+
+def test_a_call_returns_a_new_cache_and_leaves_the_old_one():
+    rng, _ = fresh_rng()
+    module = torch_attn.build(GDN, SAMPLE, _params(rng, SAMPLE))
+    cache = module.init_cache(2, 8)
+    assert cache.conv.shape == (2, 2, 2 * 2 * 3 + 4 * 6) and cache.state.dtype == torch.float64
+    x = torch.tensor(rng.standard_normal((2, 3, SAMPLE["d_in"])))
+    _, new = module(x, cache=cache)
+    assert not cache.conv.any() and not cache.state.any() and not cache.lengths.any()
+    assert new.state.abs().sum() > 0 and new.lengths.tolist() == [3, 3]
+
+
+def test_a_float32_module_keeps_a_float32_state_and_a_bfloat16_one_too():
+    for dtype in (torch.float32, torch.bfloat16):
+        module = torch_attn.GatedDeltaNet(**SAMPLE).to(dtype)
+        cache = module.init_cache(2, 4)
+        assert cache.conv.dtype == dtype and cache.state.dtype == torch.float32
+        _, new = module(torch.randn(2, 2, SAMPLE["d_in"], dtype=dtype), cache=cache)
+        assert new.conv.dtype == dtype and new.state.dtype == torch.float32
+
+
+def test_the_cache_exports_and_loads_back_equal_and_a_copy():
+    rng, _ = fresh_rng()
+    module = torch_attn.build(GDN, SAMPLE, _params(rng, SAMPLE))
+    x = torch.tensor(rng.standard_normal((2, 5, SAMPLE["d_in"])))
+    with torch.no_grad():
+        _, cache = module(x, cache=module.init_cache(2, 9))
+    exported = torch_attn.export_cache(cache)
+    assert isinstance(exported, RecurrentCache) and exported.max_length == 9
+    assert all(isinstance(a, np.ndarray) for a in exported[:3])
+    loaded = torch_attn.load_cache(exported)
+    for a, b, c in zip(cache[:3], exported[:3], loaded[:3]):
+        np.testing.assert_array_equal(a.numpy(), b)
+        np.testing.assert_array_equal(c.numpy(), b)
+        assert c.dtype == a.dtype
+    exported.state[...] = 7.0  # neither the loaded cache nor the module's shares its memory
+    assert not (loaded.state == 7).any() and not (cache.state == 7).any()
+    loaded.conv.zero_()
+    assert exported.conv.any()
+    y_a, _ = module(x[:, :1], cache=cache)
+    y_b, _ = module(x[:, :1], cache=torch_attn.load_cache(torch_attn.export_cache(cache)))
+    np.testing.assert_array_equal(y_a.detach().numpy(), y_b.detach().numpy())
+
+
+# ---- build, export, load --------------------------------------------------------------------
+
+def test_build_export_round_trip_is_a_copy():
+    rng, _ = fresh_rng()
+    params = _params(rng, SAMPLE)
+    module = torch_attn.build(GDN, SAMPLE, params)
+    assert isinstance(module, torch_attn.GatedDeltaNet)
+    exported = torch_attn.export_params(module)
+    assert sorted(exported) == sorted(params)
+    for n, a in params.items():
+        np.testing.assert_array_equal(exported[n], a)
+    exported["A_log"][...] = 0.0
+    exported["W_query"][...] = 0.0
+    assert module.A_log.abs().sum() > 0 and module.W_query.weight.abs().sum() > 0
+    other = torch_attn.GatedDeltaNet(**SAMPLE)
+    torch_attn.load_params(other, params)
+    x = torch.tensor(rng.standard_normal((2, 4, SAMPLE["d_in"])))
+    np.testing.assert_array_equal(other(x).detach().numpy(), module(x).detach().numpy())
+
+
+# ---- bad inputs -----------------------------------------------------------------------------
+
+def test_bad_inputs_are_refused_by_name():
+    module = torch_attn.GatedDeltaNet(**SAMPLE)
+    x = torch.randn(2, 4, SAMPLE["d_in"])
+    with pytest.raises(ValueError, match=r"x shape should be .*d_in.*got"):
+        module(torch.randn(2, 4, SAMPLE["d_in"] + 1))
+    with pytest.raises(ValueError, match="mask dtype should be bool.*got float"):
+        module(x, torch.ones(2, 4))
+    with pytest.raises(ValueError, match=r"mask shape should be \(2, 4\).*got \(2, 5\)"):
+        module(x, torch.ones(2, 5, dtype=torch.bool))
+    other = torch_attn.GatedDeltaNet(**dict(SAMPLE, conv_kernel=4)).init_cache(2, 8)
+    with pytest.raises(ValueError, match=r"cache.conv shape should be \(B, K − 1, C\) = "
+                                         r"\(2, 2, 36\).*got \(2, 3, 36\)"):
+        module(x, cache=other)
+    with pytest.raises(ValueError, match=r"cache.state shape should be .* = \(2, 4, 3, 6\)"):
+        module(x, cache=module.init_cache(3, 8)._replace(conv=torch.zeros(2, 2, 36),
+                                                         lengths=torch.zeros(2, dtype=int)))
+    with pytest.raises(ValueError, match="implementation should be None or one of "
+                                         "'recurrent', 'chunked', got 'fused'"):
+        module(x, implementation="fused")
+    with pytest.raises(ValueError, match="cache should be a RecurrentCache"):
+        module(x, cache=torch_attn.KVCache(x, x, x))
+    with pytest.raises(ValueError, match="max_length should be a positive int, got 0"):
+        module.init_cache(2, 0)
+    q = torch.randn(2, 3, 4, 5)
+    with pytest.raises(ValueError, match=r"g shape should be \(B, H, L\) = \(2, 3, 4\)"):
+        gated_delta_rule(q, q, q, q, q[..., 0])
+    with pytest.raises(ValueError, match="chunk_size should be a positive int, got 0"):
+        gated_delta_rule(q, q, q, q[..., 0], q[..., 0], chunk_size=0)
