@@ -13,7 +13,7 @@ import torch_attn
 from golden.reference.delta_rule import MIXERS
 from golden.specification import implementations, recurrent
 from golden.specification.recurrent import RecurrentCache
-from golden.specification.tolerances import compare, delta_rule_bounds
+from golden.specification.tolerances import compare, delta_rule_bound
 from tests.helpers import fresh_rng
 from torch_attn.params import export_grads
 from torch_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
@@ -144,8 +144,12 @@ def test_the_default_implementation():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_low_precision_error_within_a_bound_growing_with_length(dtype):
-    # golden.specification.tolerances.DELTA_RULE_GROWTH (the numbers measured there): inputs
-    # and weights on the dtype's grid, so the error is the arithmetic alone.
+    # golden.specification.tolerances.DELTA_RULE_BOUNDS: u·(a + c·√L) on the relative error
+    # norm, 4x that relative to max|e| elementwise. Inputs and weights on the dtype's grid, so
+    # the error is the arithmetic alone. Seen for torch on this machine (7 seeds, this config,
+    # A_log in [−3, 0] and [−8, −4]), the largest (rel. norm, elementwise) in u at L = 64, 256,
+    # 1024: float32 (6.5, 15), (6.7, 33), (6.5, 19) (both implementations within 1u of each
+    # other); bfloat16 (1.4, 2.3), (1.2, 2.1), (1.2, 2.5). No growth with L seen.
     rng, seed = fresh_rng()
     config = dict(d_in=24, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
                   d_out=20, conv_kernel=4)
@@ -168,7 +172,8 @@ def test_low_precision_error_within_a_bound_growing_with_length(dtype):
         err = y.double().numpy() - expected
         rel_norm = np.linalg.norm(err) / np.linalg.norm(expected)
         elem = np.abs(err).max() / np.abs(expected).max()
-        bound_norm, bound_elem = delta_rule_bounds(dtype, length)
+        bound_norm = delta_rule_bound(dtype, length)
+        bound_elem = 4 * bound_norm
         assert rel_norm <= bound_norm and elem <= bound_elem, (
             f"L {length}: {rel_norm:.3g} (bound {bound_norm:.3g}), {elem:.3g} "
             f"(bound {bound_elem:.3g}), seed {seed}")
@@ -274,10 +279,10 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match=r"mask shape should be \(2, 4\).*got \(2, 5\)"):
         module(x, torch.ones(2, 5, dtype=torch.bool))
     other = torch_attn.GatedDeltaNet(**dict(SAMPLE, conv_kernel=4)).init_cache(2, 8)
-    with pytest.raises(ValueError, match=r"cache.conv shape should be \(B, K − 1, C\) = "
-                                         r"\(2, 2, 36\).*got \(2, 3, 36\)"):
+    with pytest.raises(ValueError, match=r"cache.conv shape should be \(2, 2, 36\).*got "
+                                         r"\(2, 3, 36\)"):
         module(x, cache=other)
-    with pytest.raises(ValueError, match=r"cache.state shape should be .* = \(2, 4, 3, 6\)"):
+    with pytest.raises(ValueError, match=r"cache.state shape should be \(2, 4, 3, 6\)"):
         module(x, cache=module.init_cache(3, 8)._replace(conv=torch.zeros(2, 2, 36),
                                                          lengths=torch.zeros(2, dtype=int)))
     with pytest.raises(ValueError, match="implementation should be None or one of "
@@ -285,6 +290,8 @@ def test_bad_inputs_are_refused_by_name():
         module(x, implementation="fused")
     with pytest.raises(ValueError, match="cache should be a RecurrentCache"):
         module(x, cache=torch_attn.KVCache(x, x, x))
+    with pytest.raises(ValueError, match="cache.lengths dtype should be an integer dtype"):
+        module(x, cache=module.init_cache(2, 8)._replace(lengths=torch.zeros(2)))
     with pytest.raises(ValueError, match="max_length should be a positive int, got 0"):
         module.init_cache(2, 0)
     q = torch.randn(2, 3, 4, 5)

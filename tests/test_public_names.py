@@ -29,7 +29,9 @@ ENTRY_POINTS = ["golden.cli:main", "golden.convert.from_hf", "golden.convert.to_
                 "golden.report.write_json",
                 "golden.report.write_junit", "golden.report.write_html", "golden.bench.main",
                 "torch_attn.modules.GroupedQueryAttention", "jax_attn.modules.GroupedQueryAttention",
-                "torch_attn.build", "jax_attn.build", "golden.load", "golden.names"]
+                "torch_attn.build", "jax_attn.build", "golden.load", "golden.names",
+                "torch_attn.GatedDeltaNet", "torch_attn.recurrent.gated_delta_rule",
+                "torch_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS"]
 
 
 def resolve(name: str):

@@ -186,7 +186,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, mask=None, *, cache=None, implementation=None):
         recurrent.get(self.variant).check_inputs(self.config, {"x": x, "mask": mask})
         if cache is not None:
-            recurrent.check_cache(self.config, cache, x)
+            recurrent.check_cache(self.config, cache, tuple(x.shape[:-2]))
+            recurrent.check_cache_dtypes(cache)
         _choose(implementation, 2)  # an unknown name refused before any work
         single = x.dim() == 2
         if single:  # (L, d_in) -> (1, L, d_in), and the cache and mask alike

@@ -65,57 +65,19 @@ def cache_shapes(config, batch_size=None) -> dict:
             "lengths": lead}
 
 
-def check_cache(config, cache, x) -> None:
-    """A RecurrentCache for the mixer's full configuration and its input x (B, L, d_in) or
-    (L, d_in): conv and state of the shapes ``cache_shapes`` gives for x's batch, both float,
-    lengths integers. Only shapes and dtypes are read (never the lengths' values)."""
-    if not all(hasattr(cache, f) for f in RecurrentCache._fields[:3]):
-        raise ValueError(f"cache should be a RecurrentCache (conv, state, lengths), got "
-                         f"{type(cache).__name__}")
-    lead = tuple(x.shape[:-2])
+def check_cache(config, cache, lead) -> None:
+    """ValueError unless ``cache`` is a RecurrentCache whose fields have the shapes
+    ``cache_shapes`` gives for the full ``config`` and the input's leading (batch) shape
+    ``lead`` (() unbatched), each field named."""
+    if not isinstance(cache, RecurrentCache):
+        raise ValueError(f"cache should be a RecurrentCache (conv, state, lengths), as the "
+                         f"module's init_cache makes, got {type(cache).__name__}")
     want = cache_shapes(config, lead[0] if lead else None)
-    for field, letters in (("conv", "(B, K − 1, C)"), ("state", "(B, Hv, Dk, Dv)"),
-                           ("lengths", "(B,)")):
-        got = tuple(getattr(cache, field).shape)
-        if got != want[field]:
-            raise ValueError(f"cache.{field} shape should be {letters} = {want[field]} for x of "
-                             f"shape {tuple(x.shape)}, got {got}")
-    for field, kinds, what in (("conv", ("float", "bfloat"), "a float"),
-                               ("state", ("float", "bfloat"), "a float"),
-                               ("lengths", ("int", "uint"), "an integer")):
-        name = dtype_name(getattr(cache, field).dtype)
-        if not name.startswith(kinds):
-            raise ValueError(f"cache.{field} dtype should be {what} dtype, got {name}")
-
-
-def check_room(lengths, new, max_length) -> None:
-    """ValueError unless each row's ``lengths`` (read on the host) plus ``new`` tokens fit
-    within ``max_length`` (None: no bound)."""
-    if max_length is None:
-        return
-    held = [int(n) for n in lengths]
-    if any(n + new > max_length for n in held):
-        raise ValueError(f"cache is full: rows holding {held} tokens cannot take {new} more "
-                         f"within max_length = {max_length}")
-
-
-def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64) -> None:
-    """The delta-rule core's arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), g and beta (B, H,
-    L), initial_state (B, H, Dk, Dv) or None; chunk_size a positive int."""
-    if len(q.shape) != 4:
-        raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
-    b, h, length, dk = q.shape
-    dv = v.shape[-1] if len(v.shape) == 4 else None
-    wants = [("k", k, "(B, H, L, Dk)", (b, h, length, dk)),
-             ("v", v, "(B, H, L, Dv)", (b, h, length, dv)),
-             ("g", g, "(B, H, L)", (b, h, length)), ("beta", beta, "(B, H, L)", (b, h, length))]
-    if initial_state is not None:
-        wants.append(("initial_state", initial_state, "(B, H, Dk, Dv)", (b, h, dk, dv)))
-    for name, a, letters, want in wants:
-        if tuple(a.shape) != want:
-            raise ValueError(f"{name} shape should be {letters} = {want}, got {tuple(a.shape)}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size should be a positive int, got {chunk_size!r}")
+    for name, shape in want.items():
+        got = tuple(getattr(getattr(cache, name), "shape", ()))
+        if got != shape:
+            raise ValueError(f"cache.{name} shape should be {shape} (for this module and an "
+                             f"input of batch shape {tuple(lead)}), got {got}")
 
 
 def _flag(name, b) -> None:
@@ -179,3 +141,46 @@ def get(name) -> Variant:
     if name not in MIXERS:
         raise ValueError(f"mixer should be one of {', '.join(MIXERS)}, got {name!r}")
     return MIXERS[name]
+
+
+# ---- the twins' checks of a call (issue 43's torch twin) --------------------------------------
+
+def check_cache_dtypes(cache) -> None:
+    """ValueError unless a RecurrentCache's conv and state are float and its lengths integers
+    (``check_cache`` reads the shapes)."""
+    for field, kinds, what in (("conv", ("float", "bfloat"), "a float"),
+                               ("state", ("float", "bfloat"), "a float"),
+                               ("lengths", ("int", "uint"), "an integer")):
+        name = dtype_name(getattr(cache, field).dtype)
+        if not name.startswith(kinds):
+            raise ValueError(f"cache.{field} dtype should be {what} dtype, got {name}")
+
+
+def check_room(lengths, new, max_length) -> None:
+    """ValueError unless each row's ``lengths`` (read on the host) plus ``new`` tokens fit
+    within ``max_length`` (None: no bound)."""
+    if max_length is None:
+        return
+    held = [int(n) for n in lengths]
+    if any(n + new > max_length for n in held):
+        raise ValueError(f"cache is full: rows holding {held} tokens cannot take {new} more "
+                         f"within max_length = {max_length}")
+
+
+def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64) -> None:
+    """The delta-rule core's arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), g and beta (B, H,
+    L), initial_state (B, H, Dk, Dv) or None; chunk_size a positive int."""
+    if len(q.shape) != 4:
+        raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
+    b, h, length, dk = q.shape
+    dv = v.shape[-1] if len(v.shape) == 4 else None
+    wants = [("k", k, "(B, H, L, Dk)", (b, h, length, dk)),
+             ("v", v, "(B, H, L, Dv)", (b, h, length, dv)),
+             ("g", g, "(B, H, L)", (b, h, length)), ("beta", beta, "(B, H, L)", (b, h, length))]
+    if initial_state is not None:
+        wants.append(("initial_state", initial_state, "(B, H, Dk, Dv)", (b, h, dk, dv)))
+    for name, a, letters, want in wants:
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} shape should be {letters} = {want}, got {tuple(a.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size should be a positive int, got {chunk_size!r}")
