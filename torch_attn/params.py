@@ -87,7 +87,7 @@ def export_cache(cache):
     """A KV cache or a RecurrentCache as NumPy copies (detached; bfloat16 and float16 as
     float32, exactly), for the other framework's ``load_cache``."""
     if isinstance(cache, RecurrentCache):
-        return RecurrentCache(*(_numpy(t) for t in cache[:3]), cache.max_length)
+        return RecurrentCache(*(_numpy(t) for t in cache))
     check_kv_cache(cache)
     return KVCache(*(_numpy(t) for t in cache))
 
@@ -100,7 +100,7 @@ def load_cache(cache, device=None, dtype=None):
         conv = torch.tensor(np.asarray(cache.conv), device=device, dtype=dtype)
         state = torch.tensor(np.asarray(cache.state), device=device)
         lengths = torch.tensor(np.asarray(cache.lengths), dtype=torch.int32, device=device)
-        return RecurrentCache(conv, state, lengths, cache.max_length)
+        return RecurrentCache(conv, state, lengths)
     check_kv_cache(cache)
     key, value = (torch.tensor(np.asarray(a), device=device, dtype=dtype)
                   for a in (cache.key, cache.value))

@@ -141,7 +141,8 @@ class GatedDeltaNet(nn.Module):
     conv_query, conv_key (Hk·Dk, K), conv_value (Hv·Dv, K), A_log, dt_bias (Hv,), norm_weight
     (Dv,). Call ``module(x, mask=None, *, cache=None, implementation=None)``: x (B, L, d_in) or
     (L, d_in), mask (B, L) bool, True = a real token (padded tokens' x zeroed at the input);
-    returns y (B, L, d_out), or (y, new cache) when a RecurrentCache is given.
+    returns y (B, L, d_out), or (y, new cache) when a RecurrentCache is given; ``chunk_size``
+    is the "chunked" implementation's.
 
     Dtypes: the projections in x's dtype; the convolution, gates, normalisations, the delta
     rule and the gated RMSNorm in x's dtype if float32 or float64, else in float32, the
@@ -169,42 +170,52 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(head_v_dim))
 
     def init_cache(self, batch_size, max_length) -> RecurrentCache:
-        """A cache of zeros for ``batch_size`` rows and at most ``max_length`` tokens: conv (B,
-        K − 1, C) in the parameters' dtype, state (B, Hv, Dk, Dv) in float32 (float64 for a
-        float64 module), lengths (B,) int32, on the parameters' device."""
+        """A cache of zeros for ``batch_size`` rows: conv (B, K − 1, C) in the parameters'
+        dtype, state (B, Hv, Dk, Dv) in float32 (float64 for a float64 module), lengths (B,)
+        int32, on the parameters' device. ``max_length`` bounds the tokens the cache may take:
+        kept by the module, as JAX's twin does (the RecurrentCache has no field for it), and
+        checked by each call with a cache against the cache's lengths (read on the host)."""
         for name, n in (("batch_size", batch_size), ("max_length", max_length)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} should be a positive int, got {n!r}")
+        self.max_length = max_length
         shapes = recurrent.cache_shapes(self.config, batch_size)
         weight = self.W_query.weight
         state_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         return RecurrentCache(
             torch.zeros(shapes["conv"], dtype=weight.dtype, device=weight.device),
             torch.zeros(shapes["state"], dtype=state_dtype, device=weight.device),
-            torch.zeros(shapes["lengths"], dtype=torch.int32, device=weight.device), max_length)
+            torch.zeros(shapes["lengths"], dtype=torch.int32, device=weight.device))
 
-    def forward(self, x, mask=None, *, cache=None, implementation=None):
+    def forward(self, x, mask=None, *, cache=None, implementation=None, chunk_size=64):
         recurrent.get(self.variant).check_inputs(self.config, {"x": x, "mask": mask})
         if cache is not None:
             recurrent.check_cache(self.config, cache, tuple(x.shape[:-2]))
             recurrent.check_cache_dtypes(cache)
+            self._check_fits(cache, x.shape[-2])
         _choose(implementation, 2)  # an unknown name refused before any work
         single = x.dim() == 2
         if single:  # (L, d_in) -> (1, L, d_in), and the cache and mask alike
             x = x[None]
             mask = None if mask is None else mask[None]
-            cache = None if cache is None else RecurrentCache(
-                *(t[None] for t in cache[:3]), cache.max_length)
-        if cache is not None:
-            recurrent.check_room(cache.lengths.tolist(), x.shape[1], cache.max_length)
-        y, new = self._mix(x, mask, cache, implementation)
+            cache = None if cache is None else RecurrentCache(*(t[None] for t in cache))
+        y, new = self._mix(x, mask, cache, implementation, chunk_size)
         if single:
             y = y[0]
-            new = None if new is None else RecurrentCache(*(t[0] for t in new[:3]),
-                                                          new.max_length)
+            new = None if new is None else RecurrentCache(*(t[0] for t in new))
         return y if cache is None else (y, new)
 
-    def _mix(self, x, mask, cache, implementation):
+    def _check_fits(self, cache, length):
+        """ValueError when a row would pass init_cache's max_length (a host read)."""
+        limit = getattr(self, "max_length", None)
+        if limit is None:
+            return
+        reach = int(cache.lengths.max()) + length if cache.lengths.numel() else length
+        if reach > limit:
+            raise ValueError(f"cache max_length is {limit} (init_cache), but this call of "
+                             f"{length} tokens would reach {reach}")
+
+    def _mix(self, x, mask, cache, implementation, chunk_size):
         """(y (B, L, d_out), the new cache or None) for batched x (B, L, d_in)."""
         c = self.config
         hk, hv, width = c["num_k_heads"], c["num_v_heads"], c["conv_kernel"]
@@ -224,14 +235,15 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(compute).exp()[:, None] * _softplus(
             self.W_decay(x).to(compute).transpose(1, 2) + self.dt_bias.to(compute)[:, None])
         o, state = gated_delta_rule(q, k, v, g, beta, implementation=implementation,
-                                    initial_state=None if cache is None else cache.state)
+                                    initial_state=None if cache is None else cache.state,
+                                    chunk_size=chunk_size)
         y = self.out_proj(self._gated_norm(o, x).to(x.dtype))
         if cache is None:
             return y, None
         padded = torch.cat([held, u], dim=1)
         conv = padded[:, padded.shape[1] - (width - 1):]  # the last K − 1 inputs
         return y, RecurrentCache(conv.to(cache.conv.dtype), state.to(cache.state.dtype),
-                                 cache.lengths + x.shape[1], cache.max_length)
+                                 cache.lengths + x.shape[1])
 
     def _convolve(self, padded, compute):
         """SiLU of the causal depthwise convolution over ``padded`` (B, K − 1 + L, C), as q, k

@@ -45,13 +45,11 @@ class RecurrentCache(NamedTuple):
     S after the last token; lengths: (B,) int32, the tokens seen per row (padding included).
     Unbatched: the same without B. A call never changes the cache it is given: it returns a new
     one. Made by a module's ``init_cache(batch_size, max_length)`` (zeros; max_length bounds
-    the tokens a cache takes, as the KV cache's, though the state's size does not grow: kept in
-    the optional fourth field, a Python int, None where the cache has no bound)."""
+    the tokens a cache takes, as the KV cache's, though the state's size does not grow)."""
 
     conv: Any
     state: Any
     lengths: Any
-    max_length: Any = None  # the most tokens the cache takes (init_cache's); None: no bound
 
 
 def cache_shapes(config, batch_size=None) -> dict:
@@ -154,17 +152,6 @@ def check_cache_dtypes(cache) -> None:
         name = dtype_name(getattr(cache, field).dtype)
         if not name.startswith(kinds):
             raise ValueError(f"cache.{field} dtype should be {what} dtype, got {name}")
-
-
-def check_room(lengths, new, max_length) -> None:
-    """ValueError unless each row's ``lengths`` (read on the host) plus ``new`` tokens fit
-    within ``max_length`` (None: no bound)."""
-    if max_length is None:
-        return
-    held = [int(n) for n in lengths]
-    if any(n + new > max_length for n in held):
-        raise ValueError(f"cache is full: rows holding {held} tokens cannot take {new} more "
-                         f"within max_length = {max_length}")
 
 
 def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64) -> None:
