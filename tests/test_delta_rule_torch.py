@@ -306,8 +306,9 @@ def test_bad_inputs_are_refused_by_name():
 # ---- against transformers' own module -----------------------------------------------------
 
 def _qwen3_5_pair(rng):
-    """(HF's Qwen3_5GatedDeltaNet at float64 with random weights, our module holding them): the
-    mapping of in_proj_qkv ([q; k; v] rows), conv1d (C, 1, K), in_proj_z/b/a, norm, out_proj."""
+    """(HF's Qwen3_5GatedDeltaNet at float64 with random weights, the neutral parameters and
+    configuration of ours holding them, HF's config for its cache): the mapping of in_proj_qkv
+    ([q; k; v] rows), conv1d (C, 1, K), in_proj_z/b/a, norm, out_proj."""
     q35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     from transformers import Qwen3_5TextConfig
     hf_config = Qwen3_5TextConfig(
@@ -329,7 +330,7 @@ def _qwen3_5_pair(rng):
               "A_log": t(hf.A_log), "dt_bias": t(hf.dt_bias), "norm_weight": t(hf.norm.weight)}
     config = dict(d_in=10, num_k_heads=2, num_v_heads=4, head_k_dim=3, head_v_dim=6,
                   conv_kernel=4)
-    return hf, params, config
+    return hf, params, config, hf_config
 
 
 def test_module_equals_transformers_qwen3_5_with_left_padding():
@@ -337,7 +338,7 @@ def test_module_equals_transformers_qwen3_5_with_left_padding():
     # casts), so its float32 steps are the floor: measured at L = 70 over 4 seeds, relative
     # error norm 6.0e-7 to 8.0e-7 for the output and 2.9e-6 for the input gradient. Bounds 5x.
     rng, seed = fresh_rng()
-    hf, params, config = _qwen3_5_pair(rng)
+    hf, params, config, _ = _qwen3_5_pair(rng)
     ours = torch_attn.build(GDN, config, params)
     x = rng.standard_normal((2, 70, 10))
     mask = torch.tensor(_padded_mask(2, 70, 5))
@@ -354,3 +355,27 @@ def test_module_equals_transformers_qwen3_5_with_left_padding():
     swapped = torch_attn.build(GDN, config, {**params, "W_beta": params["W_decay"],
                                              "W_decay": params["W_beta"]})
     assert rel(y_hf, swapped(x_ours, mask)) > 1e-2  # a mapping undone moves far
+
+
+def test_decode_equals_transformers_qwen3_5_through_both_caches():
+    # HF's prefill (its chunked rule) then one token at a time (its recurrent rule, its conv
+    # update) through its DynamicCache, against ours through the RecurrentCache, left padding.
+    # HF's float32 delta rule is the floor: seen 1e-7 relative error norm; bound as above.
+    from transformers.cache_utils import DynamicCache
+    rng, seed = fresh_rng()
+    hf, params, config, hf_config = _qwen3_5_pair(rng)
+    ours = torch_attn.build(GDN, config, params)
+    x = torch.tensor(rng.standard_normal((2, 12, 10)))
+    mask = torch.tensor(_padded_mask(2, 12, 3))
+    hf_cache, cache = DynamicCache(config=hf_config), ours.init_cache(2, 12)
+    with torch.no_grad():
+        hf_out = [hf(x[:, :5], cache_params=hf_cache, attention_mask=mask[:, :5])]
+        first, cache = ours(x[:, :5], mask[:, :5], cache=cache)
+        out = [first]
+        for t in range(5, 12):
+            hf_out.append(hf(x[:, t:t + 1], cache_params=hf_cache,
+                             attention_mask=mask[:, t:t + 1]))
+            y, cache = ours(x[:, t:t + 1], mask[:, t:t + 1], cache=cache)
+            out.append(y)
+    a, b = torch.cat(hf_out, dim=1), torch.cat(out, dim=1)
+    assert float((a - b).norm() / b.norm()) <= 4e-6, f"seed {seed}"
