@@ -139,10 +139,10 @@ class GatedDeltaNet(nn.Module):
     Parameters: linear layers W_query, W_key (d_in → Hk·Dk), W_value, W_gate (d_in → Hv·Dv),
     W_beta, W_decay (d_in → Hv), out_proj (Hv·Dv → d_out), none with a bias; plain arrays
     conv_query, conv_key (Hk·Dk, K), conv_value (Hv·Dv, K), A_log, dt_bias (Hv,), norm_weight
-    (Dv,). Call ``module(x, mask=None, *, cache=None, implementation=None)``: x (B, L, d_in) or
-    (L, d_in), mask (B, L) bool, True = a real token (padded tokens' x zeroed at the input);
-    returns y (B, L, d_out), or (y, new cache) when a RecurrentCache is given; ``chunk_size``
-    is the "chunked" implementation's.
+    (Dv,). Call ``module(x, mask=None, *, cache=None, implementation=None, chunk_size=64)``:
+    x (B, L, d_in) or (L, d_in), mask (B, L) bool, True = a real token (padded tokens' x
+    zeroed at the input); returns y (B, L, d_out), or (y, new cache) when a RecurrentCache is
+    given; ``implementation`` and ``chunk_size`` as ``gated_delta_rule`` takes them.
 
     Dtypes: the projections in x's dtype; the convolution, gates, normalisations, the delta
     rule and the gated RMSNorm in x's dtype if float32 or float64, else in float32, the
