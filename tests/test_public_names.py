@@ -30,7 +30,10 @@ ENTRY_POINTS = ["golden.cli:main", "golden.convert.from_hf", "golden.convert.to_
                 "golden.report.write_junit", "golden.report.write_html", "golden.bench.main",
                 "torch_attn.modules.GroupedQueryAttention", "jax_attn.modules.GroupedQueryAttention",
                 "torch_attn.build", "jax_attn.build", "golden.load", "golden.names",
-                "jax_attn.GatedDeltaNet", "jax_attn.recurrent.gated_delta_rule"]
+                "jax_attn.GatedDeltaNet", "jax_attn.recurrent.gated_delta_rule",
+                "torch_attn.GatedDeltaNet", "torch_attn.recurrent.gated_delta_rule",
+                "torch_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS",
+                "jax_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS"]
 
 
 def resolve(name: str):

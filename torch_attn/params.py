@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from golden.specification import recurrent as recurrent_spec
 from golden.specification.positions import KVCache, LatentCache
+from golden.specification.recurrent import RecurrentCache
 from golden.specification.validate import check_any_cache, check_build_args, check_param_arrays
 from golden.specification.variants import export_layers, load_layers, module_variant
-from torch_attn import modules
+from torch_attn import modules, recurrent
 
 
 def _numpy(t):
@@ -70,8 +72,12 @@ def build(variant, config, params):
     made on PyTorch's meta device (no initial weights drawn: 10 ms a 2048² layer, and
     ``params`` replaces every one), then given memory and every parameter."""
     check_build_args(variant, config, params)
+    if variant in recurrent_spec.MIXERS:  # the recurrent mixers (torch_attn.recurrent)
+        room, described = recurrent, recurrent_spec.MIXERS[variant]
+    else:
+        room, described = modules, module_variant(variant)
     with torch.device("meta"):
-        module = getattr(modules, module_variant(variant).class_name)(**config)
+        module = getattr(room, described.class_name)(**config)
     module = module.to_empty(device="cpu")
     load_params(module, params)
     return module
@@ -82,18 +88,28 @@ def _kind(fields):
     return KVCache if fields == KVCache._fields else LatentCache
 
 
-def export_cache(cache) -> KVCache | LatentCache:
-    """A KV cache, or MultiHeadLatentAttention's LatentCache, as NumPy copies of the same class
-    (detached; bfloat16 and float16 as float32, exactly), for the other framework's
-    ``load_cache``."""
+def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:
+    """A KV cache, MultiHeadLatentAttention's LatentCache or a recurrent mixer's RecurrentCache,
+    as NumPy copies of the same class (detached; bfloat16 and float16 as float32, exactly), for
+    the other framework's ``load_cache``."""
+    if isinstance(cache, RecurrentCache):
+        return RecurrentCache(*(_numpy(t) for t in cache))
     fields = check_any_cache(cache)
     return _kind(fields)(*(_numpy(getattr(cache, f)) for f in fields))
 
 
-def load_cache(cache, device=None, dtype=None) -> KVCache | LatentCache:
+def load_cache(cache, device=None, dtype=None) -> KVCache | LatentCache | RecurrentCache:
     """A KVCache or LatentCache of NumPy (or any array) fields as tensors (copies) of the same
     class: key and value, or latent and rope_key, in ``dtype`` (default theirs), lengths int32,
-    on ``device``."""
+    on ``device``. A RecurrentCache: conv in ``dtype``, the state in float64 for float64 and
+    float32 otherwise (a recurrence's state is never kept narrower), as jax_attn's."""
+    if isinstance(cache, RecurrentCache):
+        wide = None if dtype is None else (torch.float64 if dtype == torch.float64
+                                           else torch.float32)
+        return RecurrentCache(
+            torch.tensor(np.asarray(cache.conv), device=device, dtype=dtype),
+            torch.tensor(np.asarray(cache.state), device=device, dtype=wide),
+            torch.tensor(np.asarray(cache.lengths), dtype=torch.int32, device=device))
     fields = check_any_cache(cache)
     arrays = (torch.tensor(np.asarray(getattr(cache, f)), device=device, dtype=dtype)
               for f in fields[:-1])

@@ -53,7 +53,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from golden.specification.settings import epsilon, positive, positive_or_none
-from golden.specification.validate import check_flags, check_sequence
+from golden.specification.validate import check_flags, check_sequence, dtype_name
 from golden.specification.variants import Arg, Variant
 
 
@@ -108,6 +108,21 @@ def check_cache(config, cache, lead) -> None:
                              f"input of batch shape {tuple(lead)}), got {got}")
 
 
+def check_cache(config, cache, lead) -> None:
+    """ValueError unless ``cache`` is a RecurrentCache whose fields have the shapes
+    ``cache_shapes`` gives for the full ``config`` and the input's leading (batch) shape
+    ``lead`` (() unbatched), each field named."""
+    if not isinstance(cache, RecurrentCache):
+        raise ValueError(f"cache should be a RecurrentCache (conv, state, lengths), as the "
+                         f"module's init_cache makes, got {type(cache).__name__}")
+    want = cache_shapes(config, lead[0] if lead else None)
+    for name, shape in want.items():
+        got = tuple(getattr(getattr(cache, name), "shape", ()))
+        if got != shape:
+            raise ValueError(f"cache.{name} shape should be {shape} (for this module and an "
+                             f"input of batch shape {tuple(lead)}), got {got}")
+
+
 def _flag(name, b) -> None:
     check_flags(**{name: b})
 
@@ -139,9 +154,9 @@ def _sequence_inputs(c, arrays, rate=0.0):
 def check_padding_mask(mask, lead, length) -> None:
     """A recurrent mixer's mask: booleans of shape lead + (L,), True = a real token."""
     want = tuple(lead) + (length,)
-    if getattr(mask, "dtype", None) is None or str(mask.dtype) != "bool":
-        raise ValueError(f"mask dtype should be bool (True = a real token), got "
-                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    got = dtype_name(mask.dtype) if hasattr(mask, "dtype") else type(mask).__name__
+    if got != "bool":
+        raise ValueError(f"mask dtype should be bool (True = a real token), got {got}")
     if tuple(mask.shape) != want:
         raise ValueError(f"mask shape should be {want} (one flag per token, True = real, as "
                          f"Hugging Face's attention_mask), got {tuple(mask.shape)}")
@@ -244,3 +259,35 @@ def get(name) -> Variant:
     if name not in MIXERS:
         raise ValueError(f"mixer should be one of {', '.join(MIXERS)}, got {name!r}")
     return MIXERS[name]
+
+
+# ---- the twins' checks of a call (issue 43's torch twin) --------------------------------------
+
+def check_cache_dtypes(cache) -> None:
+    """ValueError unless a RecurrentCache's conv and state are float and its lengths integers
+    (``check_cache`` reads the shapes)."""
+    for field, kinds, what in (("conv", ("float", "bfloat"), "a float"),
+                               ("state", ("float", "bfloat"), "a float"),
+                               ("lengths", ("int", "uint"), "an integer")):
+        name = dtype_name(getattr(cache, field).dtype)
+        if not name.startswith(kinds):
+            raise ValueError(f"cache.{field} dtype should be {what} dtype, got {name}")
+
+
+def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64) -> None:
+    """The delta-rule core's arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), g and beta (B, H,
+    L), initial_state (B, H, Dk, Dv) or None; chunk_size a positive int."""
+    if len(q.shape) != 4:
+        raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
+    b, h, length, dk = q.shape
+    dv = v.shape[-1] if len(v.shape) == 4 else None
+    wants = [("k", k, "(B, H, L, Dk)", (b, h, length, dk)),
+             ("v", v, "(B, H, L, Dv)", (b, h, length, dv)),
+             ("g", g, "(B, H, L)", (b, h, length)), ("beta", beta, "(B, H, L)", (b, h, length))]
+    if initial_state is not None:
+        wants.append(("initial_state", initial_state, "(B, H, Dk, Dv)", (b, h, dk, dv)))
+    for name, a, letters, want in wants:
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} shape should be {letters} = {want}, got {tuple(a.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size should be a positive int, got {chunk_size!r}")
