@@ -133,3 +133,94 @@ def test_the_attention_layers_of_a_hybrid_still_convert_as_attention():
     variant, _, _ = golden.convert.from_hf(config, state_dict(model.layers[1].self_attn),
                                            layer_idx=1)
     assert variant == "grouped_query_attention"
+
+
+def _lib(twin):
+    import jax_attn
+    import torch_attn
+    return torch_attn if twin.name == "torch" else jax_attn
+
+
+@pytest.mark.parametrize("mt", FAMILIES)
+def test_twins_match_hugging_faces_module_and_decode_as_its_forward(twin, mt):
+    # Our twin built from from_hf's result, on the layer's captured input (left padding), equals
+    # HF's module at DELTA_FLOAT32(L) past one of HF's chunks; prefill (chunked) of the first
+    # 70 tokens then one token at a time (recurrent) through the RecurrentCache gives the same.
+    from golden.specification import recurrent
+    length = 100
+    rng, seed = fresh_rng()
+    config, sd, (x, expected), mask = _run(FAMILIES[mt], length, rng)
+    variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=0)
+    if not hasattr(_lib(twin), recurrent.get(variant).class_name):
+        pytest.skip(f"{twin.name} has no {recurrent.get(variant).class_name} yet")
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        y = twin.numpy(module(twin.array(x), twin.array(mask)))
+        assert rel(y, expected) <= DELTA_FLOAT32(length), (mt, rel(y, expected), seed)
+        cache = module.init_cache(B, length)
+        pieces = []
+        for start, stop in [(0, 70), *((t, t + 1) for t in range(70, length))]:
+            out, cache = module(twin.array(x[:, start:stop]), twin.array(mask[:, start:stop]),
+                                cache=cache)
+            pieces.append(twin.numpy(out))
+    decoded = np.concatenate(pieces, axis=1)
+    assert rel(decoded, expected) <= DELTA_FLOAT32(length), (mt, rel(decoded, expected), seed)
+
+
+@pytest.mark.parametrize("mt", ["qwen3_next", "olmo_hybrid"])
+def test_input_gradient_through_the_torch_twin_matches_hfs(mt):
+    # dL/dx of Σ y ⊙ dy through HF's module (its float32 delta rule) and through our torch twin
+    # at float64, on 40 tokens with left padding: within 10 · DELTA_FLOAT32 (a gradient runs
+    # the recurrence twice, forward and back).
+    import torch_attn
+    rng, seed = fresh_rng()
+    family = FAMILIES[mt]
+    config, model = build_model(family, rng)
+    hf = attention_of(family, model, 0)
+    length = 40
+    x = rng.standard_normal((B, length, BASE["hidden_size"]))
+    mask = np.ones((B, length), bool)
+    mask[1, :3] = False
+    dy = rng.standard_normal((B, length, BASE["hidden_size"]))
+    xt = torch.from_numpy(x).requires_grad_(True)
+    (hf(xt, attention_mask=torch.from_numpy(mask)) * torch.from_numpy(dy)).sum().backward()
+    variant, ours, params = golden.convert.from_hf(config, state_dict(hf), layer_idx=0)
+    module = torch_attn.build(variant, dict(ours), params).double()
+    xo = torch.from_numpy(x).requires_grad_(True)
+    (module(xo, torch.from_numpy(mask)) * torch.from_numpy(dy)).sum().backward()
+    error = rel(xo.grad.numpy(), xt.grad.numpy())
+    assert error <= 10 * DELTA_FLOAT32(length), (mt, error, seed)
+
+
+@pytest.mark.parametrize("first", ["torch", "jax"])
+def test_a_cache_moves_between_frameworks(first):
+    # GatedDeltaNet: a prefill of 70 tokens in one framework, its RecurrentCache exported and
+    # loaded into the other, which decodes the next 5 tokens one at a time: equal to the full
+    # forward at float64.
+    import jax
+    import jax_attn
+    import torch_attn
+    rng, seed = fresh_rng()
+    config, sd, (x, _), mask = _run(FAMILIES["olmo_hybrid"], 75, rng)
+    variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=0)
+    with jax.enable_x64(True):
+        built = {"torch": torch_attn.build(variant, dict(ours), params).double(),
+                 "jax": jax_attn.build(variant, dict(ours), params)}
+        arrays = {"torch": lambda a: torch.from_numpy(np.asarray(a)),
+                  "jax": lambda a: jax.numpy.asarray(a)}
+        second = "jax" if first == "torch" else "torch"
+        lib = {"torch": torch_attn, "jax": jax_attn}
+        full = np.asarray(built[first](arrays[first](x), arrays[first](mask)).detach()
+                          if first == "torch" else built[first](arrays[first](x),
+                                                                arrays[first](mask)))
+        _, cache = built[first](arrays[first](x[:, :70]), arrays[first](mask[:, :70]),
+                                cache=built[first].init_cache(B, 75))
+        cache = lib[second].load_cache(lib[first].export_cache(cache))
+        built[second].init_cache(B, 75)  # the module's own bound on the tokens it takes
+        pieces = []
+        for t in range(70, 75):
+            out, cache = built[second](arrays[second](x[:, t:t + 1]),
+                                       arrays[second](mask[:, t:t + 1]), cache=cache)
+            pieces.append(np.asarray(out.detach() if second == "torch" else out))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full[:, 70:], rtol=1e-11,
+                               atol=1e-13, err_msg=f"seed {seed}")
