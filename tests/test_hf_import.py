@@ -1367,6 +1367,12 @@ def test_options_42_settings_we_do_not_express_are_named():
         golden.convert.from_hf(lfm3, {}, layer_idx=0)
 
 
+def test_step3p7_is_refused_by_name_and_its_text_config_converts():
+    with pytest.raises(ValueError, match=r"model_type 'step3p7' is not supported: .*pass its "
+                                         r"text_config \(model_type 'step3p5'"):
+        golden.convert.from_hf({"model_type": "step3p7"}, {})
+
+
 def test_chameleon_norm_weight_and_bias_gradients_equal_hfs():
     # dL/d(q_norm, q_norm_bias, k_norm, k_norm_bias) of Σ out ⊙ dO: HF's ChameleonLayerNorm's
     # weight and bias gradients (N, Dh) and (Nkv, Dh), its attention called as the model called

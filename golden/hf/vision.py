@@ -265,7 +265,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Towers we do not convert, with why: from_hf names the reason.
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    "step3p7": "Step 3.7's checkpoint is a composite whose text tower is Step 3.5's: pass its "
+               "text_config (model_type 'step3p5', converted); attn-parity hf does not read "
+               "step3p7 checkpoints (save_pretrained writes its text layers at model.layers.N "
+               "beside its vision model's model.vision_model.layers.N, a kind we do not "
+               "convert)"}
 
 # Vision-language checkpoints, tower by tower: {model_type: {sub-config: key prefix}} (the
 # text tower's layers.N.self_attn under any prefix: "model." as save_pretrained writes it,
