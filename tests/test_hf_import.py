@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import golden.convert
+import golden.hf
 from golden.hf import FAMILIES as SUPPORTED
 from tests.helpers import TWINS, fresh_rng, kind, sweep
 
@@ -768,8 +769,11 @@ def test_every_supported_family_is_tested():
     """Every model_type golden.hf converts has its tiny model in a tests/test_hf_import*.py."""
     tested = set()
     for path in sorted(Path(__file__).parent.glob("test_hf_import*.py")):
-        tested |= set(importlib.import_module(f"tests.{path.stem}").FAMILIES)
+        if path.stem != "test_hf_import_linear":  # the linear layers' families: LINEAR's
+            tested |= set(importlib.import_module(f"tests.{path.stem}").FAMILIES)
     assert tested == set(SUPPORTED)
+    linear = importlib.import_module("tests.test_hf_import_linear").FAMILIES
+    assert set(linear) == set(golden.hf.LINEAR)
 
 
 @pytest.mark.parametrize("name", PER_FAMILY)
@@ -842,9 +846,12 @@ def test_unsupported_family_and_settings_are_named():
                                                                    0)))[1]
     assert "mrope_section" not in kwargs.get("rope_parameters", {})
     config, model = build_model(FAMILIES["qwen3_next"], rng)
-    with pytest.raises(ValueError, match=r"model_type 'qwen3_next': layer 0 is a "
-                                         r"'linear_attention' layer"):
-        golden.convert.from_hf(config, {}, layer_idx=0)
+    # its linear_attention layer 0 converts as Gated DeltaNet (tests/test_hf_import_linear.py):
+    # given the attention's arrays instead, the linear layer's are named missing
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_next': the state dict has no "
+                                         r"'in_proj_qkvz.weight'"):
+        golden.convert.from_hf(config, state_dict(attention_of(FAMILIES["qwen3_next"], model,
+                                                               1)), layer_idx=0)
     sd = state_dict(attention_of(FAMILIES["qwen3_next"], model, 1))
     del sd["k_proj.weight"]
     with pytest.raises(ValueError, match=r"model_type 'qwen3_next': the state dict has no "

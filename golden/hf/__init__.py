@@ -24,6 +24,9 @@ The rooms of the importer, each importing only those above it (NumPy only):
     family     what a family is (``Family``, ``Kinds``, ``HFConfig``; ``Stack``, where a
                checkpoint keeps its attention modules) and the helpers its entries share:
                reading an HF config and a state dict
+    text_towers  the multimodal (MRoPE) text towers' settings, for decoders' entries
+    gemma      Gemma 4's and Gemma 3n's text attention (per-layer widths, K = V, the value
+               norm, cross-layer KV sharing: ``kv_source``), for decoders' entries
     decoders   decoders of the Llama shape (q_proj, k_proj, v_proj, o_proj): a table of
                ``_llama_like`` entries
     fused      one projection for q, k and v (Phi-3, GPT-NeoX, Falcon, BLOOM, MPT, GPT-2): a
@@ -63,7 +66,7 @@ from __future__ import annotations
 
 from golden.hf.convert import (COMPOSITES, FAMILIES, LINEAR, REFUSED, expected_state, from_hf,
                                to_hf)
-from golden.hf.decoders import kv_source
+from golden.hf.gemma import kv_source
 from golden.hf.encoders import MHCA, T5_TABLE
 from golden.hf.family import GQA, Family, HFConfig, Kinds, Stack, _layer_type
 from golden.hf.latent import MLA

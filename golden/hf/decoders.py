@@ -7,7 +7,8 @@ besides the four projections (GPT-OSS's sinks, Qwen3-Next's output gate, StableL
 norms, Chameleon's norm biases). Each
 keeps its attention at ``layers.N.self_attn`` in a checkpoint's keys, the Family's default
 ``stacks``. ``REFUSED``: text towers of the same shape we do not convert, each with why
-(from_hf names it).
+(from_hf names it). The multimodal text towers' settings (MRoPE) are golden.hf.text_towers',
+Gemma 4's and Gemma 3n's golden.hf.gemma's; their entries are in this table.
 
 Shape legend: D (= d_in) the model's width, N query heads, Dh head width.
 """
@@ -20,7 +21,11 @@ import numpy as np
 
 from golden.hf.family import (GQA, LLAMA_NAMES, Family, Stack, _bias_flags, _decoder_settings,
                               _heads, _layer_type, _linears_to_neutral, _neutral_to_linears,
-                              _read, llama4_scaling)
+                              _no_window, _qwen3, _read, _whole_head, llama4_scaling)
+from golden.hf.gemma import _gemma4_text
+from golden.hf.text_towers import (_ernie4_5_vl_text, _glm4v_moe_text, _glm4v_text, _mrope,
+                                   _paddleocr_vl_text, _qwen2_5_omni_text, _qwen2_vl_text,
+                                   _qwen3_omni_moe_text, _qwen3_vl_text)
 
 
 def _qk_norm_entries(sd, mt, q="q_norm.weight", k="k_norm.weight") -> dict:
@@ -67,10 +72,6 @@ def _gemma(c, layer_idx, ours):
 def _gemma3(c, layer_idx, ours):
     _gemma(c, layer_idx, ours)
     ours.update(qk_norm="rms_one_plus", qk_norm_eps=float(c["rms_norm_eps"]))
-
-
-def _qwen3(c, layer_idx, ours):
-    ours.update(qk_norm="rms", qk_norm_eps=float(c["rms_norm_eps"]))
 
 
 def _olmo2(c, layer_idx, ours):
@@ -247,224 +248,6 @@ def _per_head_norms_out(params, ours, sd):
             for h, w in enumerate(np.asarray(params[ours_name])):
                 sd[f"{hf_name}.norms.{h}.weight"] = np.array(w)
     return sd
-
-
-def _mrope(section, interleaved, temporal_last=False):
-    """Multimodal RoPE of a vision-language model's text tower: ``mrope_section`` from the
-    config's rope_parameters, or the family's default when it has none (HF's rotary embedding
-    falls back to it: Qwen2-VL [16, 24, 24], Qwen3-VL [24, 20, 20]); the layout is the family's
-    whatever the config says (HF's Qwen3-VL always interleaves, Qwen2-VL never). With
-    ``temporal_last`` (ERNIE 4.5 VL) the config lists its section in the order of its pairs,
-    (s_h, s_w, s_t): kept as ours, (s_t, s_h, s_w)."""
-
-    def extra(c, layer_idx, ours):
-        # A config.json of before transformers 5 keeps θ at the top and the section in
-        # rope_scaling ({"type": "mrope", "mrope_section": ...}).
-        given = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if "rope_parameters" not in ours:
-            ours["rope_parameters"] = {"rope_theta": ours.pop("rope_theta")}
-        rope = ours["rope_parameters"]
-        rope["mrope_section"] = list(given.get("mrope_section", section))
-        if interleaved:
-            rope["mrope_interleaved"] = True
-        if temporal_last:
-            rope["mrope_section"] = rope["mrope_section"][2:] + rope["mrope_section"][:2]
-            rope["mrope_temporal_last"] = True
-    return extra
-
-
-def _qwen2_vl_text(c, layer_idx, ours):
-    ours["head_dim"] = c["hidden_size"] // c["num_attention_heads"]  # HF's attention's, always
-    _mrope([16, 24, 24], False)(c, layer_idx, ours)
-
-
-def _glm4v_text(c, layer_idx, ours):
-    ours["head_dim"] = c["hidden_size"] // c["num_attention_heads"]  # HF's attention's, always
-    ours["rope_interleaved"] = True  # GLM's pairs (2i, 2i + 1), on its rotary slice
-    _mrope([8, 12, 12], False)(c, layer_idx, ours)
-
-
-def _qwen3_vl_text(c, layer_idx, ours):
-    _qwen3(c, layer_idx, ours)
-    _mrope([24, 20, 20], True)(c, layer_idx, ours)
-
-
-def _whole_head(mt, ours):
-    """HF's rotary embedding of these towers turns the whole head: its default frequencies
-    ignore partial_rotary_factor, and its apply_rotary_pos_emb has no slice for the others'."""
-    fraction = ours["rope_parameters"].get("partial_rotary_factor", 1.0)
-    if fraction != 1.0:
-        raise ValueError(f"model_type {mt!r}: rope_parameters['partial_rotary_factor'] = "
-                         f"{fraction!r} is not supported (HF's attention of this family turns "
-                         f"the whole head whatever it says)")
-
-
-def _no_window(ours, fixed_dropout=False):
-    """A family whose HF attention has no sliding window whatever the config's sliding_window
-    says (and, with ``fixed_dropout``, an attention dropout of 0 whatever attention_dropout
-    says): both dropped, as HF ignores them."""
-    ours.pop("sliding_window", None)
-    if fixed_dropout:
-        ours.pop("dropout", None)
-
-
-def _qwen2_5_omni_text(c, layer_idx, ours):
-    """Qwen2.5-Omni's thinker: Qwen2-VL's chunked MRoPE, but the config's head_dim (D / N
-    without one), and HF's Qwen2 rule for its sliding layers: with use_sliding_window, those
-    of layer_types, or (a config.json listing none) the layers from max_window_layers on."""
-    mt = "qwen2_5_omni_text"
-    window = c.get("sliding_window") if c.get("use_sliding_window") else None
-    kind = _layer_type(c, layer_idx)
-    if kind is None:
-        kind = ("sliding_attention" if layer_idx >= c.get("max_window_layers", 28)
-                else "full_attention")
-    _no_window(ours)
-    if kind == "sliding_attention" and window is not None:
-        ours["sliding_window"] = int(window)
-    _mrope([16, 24, 24], False)(c, layer_idx, ours)
-    _whole_head(mt, ours)
-
-
-def _qwen3_omni_moe_text(c, layer_idx, ours):
-    """Qwen3-Omni-MoE's thinker: Qwen3-VL's attention (per-head QK RMSNorm, interleaved MRoPE
-    [24, 20, 20] by default); its config's sliding_window is not read by its attention."""
-    _qwen3(c, layer_idx, ours)
-    _no_window(ours)
-    _mrope([24, 20, 20], True)(c, layer_idx, ours)
-    _whole_head("qwen3_omni_moe_text", ours)
-
-
-def _glm4v_moe_text(c, layer_idx, ours):
-    """GLM-4.5V's text tower: GLM-4V's chunked MRoPE ([8, 12, 12]) on half of each head by
-    default (HF's config sets partial_rotary_factor 0.5 when neither rope_parameters nor the
-    config gives one), but rotate-half pairs, unlike GLM-4V's, and the config's head_dim."""
-    _no_window(ours)
-    _mrope([8, 12, 12], False)(c, layer_idx, ours)
-    rope = ours["rope_parameters"]
-    if "partial_rotary_factor" not in rope:
-        top = c.get("partial_rotary_factor")
-        rope["partial_rotary_factor"] = 0.5 if top is None else top
-
-
-def _paddleocr_vl_text(c, layer_idx, ours):
-    """PaddleOCR-VL's ERNIE-4.5-0.3B text tower: q/k/v/o biases (use_bias), Qwen2-VL's chunked
-    MRoPE [16, 24, 24]; head_dim 128 when the config has none (HF's class default; D / N
-    when it is null); no window and an attention dropout of 0 whatever the config says."""
-    mt = "paddleocr_vl_text"
-    dh = c.get("head_dim", 128)
-    ours["head_dim"] = c["hidden_size"] // c["num_attention_heads"] if dh is None else dh
-    _no_window(ours, fixed_dropout=True)
-    _mrope([16, 24, 24], False)(c, layer_idx, ours)
-    _whole_head(mt, ours)
-
-
-def _ernie4_5_vl_text(c, layer_idx, ours):
-    """ERNIE 4.5 VL's text tower: interleaved pairs (2i, 2i + 1), MRoPE with the height and
-    width pairs alternating first and the temporal ones last (mrope_section (s_h, s_w, s_t) in
-    HF's config, [22, 22, 20] by default, s_h = s_w), the default rope_type only (HF's rotary
-    embedding raises on another); no window and an attention dropout of 0 whatever the config
-    says."""
-    mt = "ernie4_5_vl_moe_text"
-    _no_window(ours, fixed_dropout=True)
-    ours["rope_interleaved"] = True
-    _mrope([22, 22, 20], True, temporal_last=True)(c, layer_idx, ours)
-    rope = ours["rope_parameters"]
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"model_type {mt!r}: rope_parameters['rope_type'] = "
-                         f"{rope['rope_type']!r} is not supported (HF's ERNIE 4.5 VL takes "
-                         f"'default' only)")
-    _whole_head(mt, ours)
-    section = rope["mrope_section"]
-    if len(section) == 3 and section[1] != section[2]:
-        raise ValueError(f"model_type {mt!r}: rope_parameters['mrope_section'] = "
-                         f"{section[1:] + section[:1]} is not supported (HF's ERNIE 4.5 VL "
-                         f"alternates height and width pairs: their sections should be equal)")
-
-
-def _gemma4_layer(c, layer_idx, mt="gemma4_text"):
-    """Gemma 4's layer ``layer_idx``: its per_layer_config's overrides (the full layers' wider
-    heads and fewer KV heads), whether its values are its keys' (attention_k_eq_v, full layers
-    only), and whether it reuses a storing layer's keys and values (num_kv_shared_layers:
-    golden.hf.kv_source names that layer). Gemma 3n's config has neither per_layer_config nor
-    attention_k_eq_v: its layers are the same with every head alike."""
-    if c.get("use_bidirectional_attention") == "all":
-        raise ValueError(f"model_type {mt!r}: use_bidirectional_attention = 'all' is not "
-                         f"supported (HF's bidirectional Gemma 4 halves its sliding window, "
-                         f"(W // 2) + 1 on each side, which no option of ours says)")
-    reuses = kv_source(c, layer_idx) is not None
-    overrides = dict((c.get("per_layer_config") or {}).get(str(layer_idx))
-                     or (c.get("per_layer_config") or {}).get(layer_idx) or {})
-    sliding = _layer_type(c, layer_idx) == "sliding_attention"
-    return overrides, bool(c.get("attention_k_eq_v")) and not sliding, reuses
-
-
-def kv_source(config, layer_idx):
-    """The index of the layer whose keys and values layer ``layer_idx`` attends with, for
-    Gemma 4's and Gemma 3n's cross-layer KV sharing: the last ``num_kv_shared_layers`` layers
-    (no k_proj, v_proj, k_norm, v_norm; our ``kv_shared=True``) reuse those of the last layer
-    before them of their own ``layer_types`` entry (HF's kv_sharing_modes "store"); None for a
-    layer that computes its own (every layer without num_kv_shared_layers). ``config`` a
-    transformers config's ``to_dict()`` (or an object with one)."""
-    c = config.to_dict() if hasattr(config, "to_dict") else config
-    count, shared = int(c["num_hidden_layers"]), int(c.get("num_kv_shared_layers") or 0)
-    if not 0 <= layer_idx < count:
-        raise ValueError(f"layer_idx should be in [0, {count}) (num_hidden_layers), got "
-                         f"{layer_idx}")
-    first = count - shared
-    if not shared or layer_idx < first:
-        return None
-    kind = _layer_type(c, layer_idx)
-    stores = [i for i in range(first) if _layer_type(c, i) == kind]
-    if not stores:
-        raise ValueError(f"num_kv_shared_layers = {shared}: layer {layer_idx} ({kind!r}) has no "
-                         f"earlier layer of its type to reuse the keys and values of, got "
-                         f"layer_types {c.get('layer_types')}")
-    return stores[-1]
-
-
-def _gemma4_text(mt="gemma4_text") -> Family:
-    """Gemma 4's text attention: LLAMA_NAMES' projections (no v_proj on a k_eq_v layer), RMSNorm
-    of q and k with weight and of v without, scale 1, RoPE per layer type (proportional on the
-    full layers), sliding windows on the sliding layers; a layer of the last
-    num_kv_shared_layers has q_proj, q_norm and o_proj only (``kv_shared=True``: called with
-    the cache of the layer kv_source names). Gemma 3n's text attention (``mt``
-    "gemma3n_text", Gemma3nTextAttention) is the same without per-layer head widths or K = V."""
-
-    def names(ours):
-        if ours.get("kv_shared"):
-            return {r: n for r, n in LLAMA_NAMES.items() if r in ("query", "out")}
-        return ({r: n for r, n in LLAMA_NAMES.items() if r != "value"} if ours.get("k_eq_v")
-                else LLAMA_NAMES)
-
-    def settings(c, layer_idx, sd):
-        overrides, k_eq_v, reuses = _gemma4_layer(c, layer_idx, mt)
-        ours = _decoder_settings(c, layer_idx, mt=mt)
-        ours.update({n: int(overrides[k]) for n, k in (("head_dim", "head_dim"),
-                                                       ("num_kv_heads", "num_key_value_heads"))
-                     if overrides.get(k) is not None})
-        ours.update(scale=1.0, qk_norm="rms", qk_norm_eps=float(c["rms_norm_eps"]))
-        if reuses:  # the storing layer's v_norm and k_eq_v made its cache
-            ours["kv_shared"] = True
-        else:
-            ours["v_norm"] = True
-            if k_eq_v:
-                ours["k_eq_v"] = True
-        ours.update(_bias_flags(sd, names(ours), mt))
-        return ours
-
-    def norms(ours):
-        return ("q_norm",) if ours.get("kv_shared") else ("q_norm", "k_norm")
-
-    def to_neutral(sd, ours):
-        return {**_linears_to_neutral(sd, names(ours), mt),
-                **{n: _read(sd, f"{n}.weight", mt) for n in norms(ours)}}
-
-    def from_neutral(params, ours):
-        sd = _neutral_to_linears(params, names(ours))
-        sd.update({f"{n}.weight": np.array(params[n]) for n in norms(ours)})
-        return sd
-
-    return Family(GQA, settings, to_neutral, from_neutral)
 
 
 def _plain_no_window(c, layer_idx, ours):

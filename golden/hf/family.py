@@ -325,3 +325,28 @@ def _bias_flags(sd, names, mt) -> dict:
         raise ValueError(f"model_type {mt!r}: q, k and v should all have a bias or none, got "
                          f"{', '.join(f'{names[r]}: {has[r]}' for r in ROLES[:3] if r in has)}")
     return dict(qkv_bias=qkv.pop(), out_bias=has.get("out", False))
+
+
+# ---- settings several kinds of decoder share -----------------------------------------------
+
+def _qwen3(c, layer_idx, ours):
+    ours.update(qk_norm="rms", qk_norm_eps=float(c["rms_norm_eps"]))
+
+
+def _whole_head(mt, ours):
+    """HF's rotary embedding of these towers turns the whole head: its default frequencies
+    ignore partial_rotary_factor, and its apply_rotary_pos_emb has no slice for the others'."""
+    fraction = ours["rope_parameters"].get("partial_rotary_factor", 1.0)
+    if fraction != 1.0:
+        raise ValueError(f"model_type {mt!r}: rope_parameters['partial_rotary_factor'] = "
+                         f"{fraction!r} is not supported (HF's attention of this family turns "
+                         f"the whole head whatever it says)")
+
+
+def _no_window(ours, fixed_dropout=False):
+    """A family whose HF attention has no sliding window whatever the config's sliding_window
+    says (and, with ``fixed_dropout``, an attention dropout of 0 whatever attention_dropout
+    says): both dropped, as HF ignores them."""
+    ours.pop("sliding_window", None)
+    if fixed_dropout:
+        ours.pop("dropout", None)
