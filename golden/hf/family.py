@@ -52,7 +52,8 @@ class Stack:
     Conformer block's norm); ``beside``: arrays of the model beside the stack (keys at the
     stack's own prefix, e.g. "encoder." before "encoders.N."), each layer converted with them
     under the same names and HF's one-layer model given them (Phi-4's audio encoder's table of
-    position biases)."""
+    position biases); ``linear``: the stack holds the config's ``linear_attention`` layers (a
+    hybrid's recurrent mixers, golden.hf.linear), not its softmax attention."""
 
     stack: str
     module: str
@@ -65,6 +66,7 @@ class Stack:
     in_model: tuple | None = None
     input: str | None = None
     beside: tuple = ()
+    linear: bool = False
 
     def rename(self, key):
         """The module's name of a state-dict key of the file."""

@@ -46,6 +46,7 @@ from golden.specification.fixture import Fixture
 from golden.specification.validate import rope_axis_count, rope_settings
 from golden.hf import GQA, from_hf, kv_source
 from golden.verifier import exercise as hf_exercise
+from golden.verifier import linear as hf_linear
 from golden.verifier.checkpoint import Checkpoint, CheckpointError
 from golden.verifier.exercise import BASE_LENGTH, MAX_LENGTH
 from golden.verifier.layout import LAYOUTS, read_config
@@ -212,9 +213,13 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
             state_dict, source = layer_state(ckpt, layer, config), sources[id(layer)]
             if source is not None:  # the source's k and v entries, the layer's own q and o
                 state_dict = {**layer_state(ckpt, source, config), **state_dict}
-            part = _check_layer(layer, plan, state_dict, twins,
-                                models if source is None else None, dtypes, rng, weights,
-                                outputs, index=None if source is None else source.index)
+            if layer.stack.linear:  # a hybrid's linear-attention layer (golden.verifier.linear)
+                part = hf_linear.check_layer(layer, plan, state_dict, twins, models, dtypes,
+                                             rng, outputs)
+            else:
+                part = _check_layer(layer, plan, state_dict, twins,
+                                    models if source is None else None, dtypes, rng, weights,
+                                    outputs, index=None if source is None else source.index)
             for row in part["rows"]:
                 row["model_type"] = layer.config["model_type"]
                 log(row)
@@ -351,7 +356,10 @@ def _cache(on):
 
 def describe(layer) -> str:
     """A layer's attention in a line: the variant, heads, positions and the options it has
-    ("grouped-query, 32 heads (8 key-value) of 64; RoPE llama3 θ 500000 x32")."""
+    ("grouped-query, 32 heads (8 key-value) of 64; RoPE llama3 θ 500000 x32"); a
+    linear-attention layer's as golden.verifier.linear says it."""
+    if layer.stack.linear:
+        return hf_linear.describe(layer)
     c = layer.settings
     kind = {GQA: "grouped-query", "multi_head_latent_attention": "latent (MLA)",
             "multi_head_cross_attention": "cross"}.get(layer.variant, layer.variant)

@@ -143,7 +143,15 @@ def layer_only(config, layer_idx):
         if c.get("model_type") == "gemma4_text" and c.get("layer_types") == [
                 "sliding_attention"]:  # HF's Gemma 4 makes a last layer full: a second,
             c["layer_types"] = ["sliding_attention", "full_attention"]  # never run
+    if c.get("model_type") in ATTENTION_REQUIRED and c.get("layer_types") == [
+            "linear_attention"]:  # its config refuses a model without attention: a second
+        c["layer_types"] = ["linear_attention", "full_attention"]  # layer, never run
     return c
+
+
+# The families whose config wants at least one attention layer (OLMo hybrid's
+# validate_architecture): a linear layer's one-layer model gets a second, never run.
+ATTENTION_REQUIRED = ("olmo_hybrid",)
 
 
 def _hybrid_one_layer(c) -> dict:
@@ -360,6 +368,9 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
         if positions.ndim < 3:
             positions = np.broadcast_to(positions, (b, length))
         given["position_ids"] = torch.from_numpy(np.array(positions, np.int64))
+    if "attention_mask" in inputs:  # (B, L) bool, True = a real token: a linear layer's
+        given["attention_mask"] = torch.from_numpy(np.asarray(inputs["attention_mask"],
+                                                              np.int64))
     if getattr(c, "is_encoder_decoder", False):
         given["decoder_input_ids"] = torch.zeros((b, length), dtype=torch.long)
     if getattr(c, "is_encoder_decoder", False) and stack.kind != "encoder":

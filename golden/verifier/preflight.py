@@ -24,8 +24,8 @@ import numpy as np
 
 from golden.hf import expected_state
 from golden.verifier.checkpoint import REFUSED, SCALES, CheckpointError, expand_scale, scale_keys
-from golden.verifier.layout import (expected_layers, layer_count, layer_name, other_layers, stacks,
-                                    unread_towers)
+from golden.verifier.layout import (expected_layers, is_attention, layer_count, layer_name,
+                                    other_kind, other_layers, stacks, unread_towers)
 
 SHOWN = 12  # problems listed in the error; the rest counted
 
@@ -69,7 +69,7 @@ def account(config, checkpoint) -> Accounting:
         found_any = found_any or bool(by_layer)
         want = expected_layers(c, stack)
         others = other_layers(c, stack)
-        skipped = {i for where in others.values() for i in where}
+        skipped = {i for where in others.values() for i in where} | other_kind(c, stack)
         label = " ".join(dict.fromkeys(x for x in (stack.label, stack.kind) if x))
         said = f"{label}: " if label else ""
         if want is None:
@@ -93,8 +93,10 @@ def account(config, checkpoint) -> Accounting:
                             f"the checkpoint has no '{stack.form()}' for layer(s) "
                             f"{_ranges(missing)}")
         for kind, where in others.items():  # a hybrid's Mamba layers, ...: named, not checked
-            notes.append(f"{said}layer(s) {_ranges(where)} ({kind}): not softmax attention, "
-                         f"not checked")
+            notes.append(f"{said}layer(s) {_ranges(where)} ({kind}): "
+                         + (f"model_type {c['model_type']!r}'s softmax attention is not "
+                            f"converted (only its linear-attention layers), not checked"
+                            if is_attention(kind) else "not softmax attention, not checked"))
         extra = sorted(set(by_layer) - set(want) - skipped)
         if extra:
             notes.append(f"{said}layer(s) {_ranges(extra)}: beyond {field_name} = {count} "
