@@ -30,10 +30,14 @@ from tests.hf_harness import BASE  # noqa: E402
 from tests.test_hf_command import _save  # noqa: E402
 from tests.test_hf_import_linear import FAMILIES as LINEAR_FAMILIES  # noqa: E402
 
-# A second linear layer where the family converts its softmax layer (MiniMax's with a window
-# shorter than the input, as tests/test_hf_import.py's); Kimi Linear's softmax layer is
-# latent attention we do not convert for it: named in the notes, not checked.
-KW = {"qwen3_next": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+# Beyond tests/test_hf_import_linear.py's: a second linear layer (Qwen3-Next), the softmax
+# layer's settings as tests/test_hf_import.py's (MiniMax's window shorter than the input,
+# Qwen3.5's MRoPE sections on its rotary slice). OLMo hybrid's and Kimi Linear's softmax
+# layers are not converted: named in the notes, not checked.
+KW = {"qwen3_5_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                                           "partial_rotary_factor": 0.67,
+                                           "mrope_section": [1, 1, 0]}),
+      "qwen3_next": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
                                                              "linear_attention"],
                          head_dim=8),
       "minimax": dict(sliding_window=4)}

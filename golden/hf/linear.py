@@ -293,8 +293,15 @@ _FLAT = (lambda h: (h,))
 # Where the checkpoint verifier (attn-parity hf) finds each family's linear-attention modules:
 # "model.layers.N.linear_attn" (the Gated DeltaNet families), or "model.layers.N.self_attn"
 # beside the softmax layers' (Kimi Linear, GLM-5.3, Ling 3.0, MiniMax name both so).
+# Their checkpoints keep the convolution's q, k and v channels apart (FLA's layout, which
+# transformers' conversion_mapping joins on loading) where noted, and Kimi's forget gate's
+# arrays beside the attention's (renamed into its forget_gate on loading).
 LINEAR_ATTN = (Stack("layers", "linear_attn", linear=True),)
 SELF_ATTN = (Stack("layers", "self_attn", linear=True),)
+_CONV = (("conv1d.weight", ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")),)
+OLMO_ATTN = (Stack("layers", "linear_attn", linear=True, joined=_CONV),)
+KIMI_ATTN = (Stack("layers", "self_attn", linear=True, joined=_CONV, renames=tuple(
+    (name, f"forget_gate.{name}") for name in ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log"))),)
 FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(GDN, _settings("qwen3_next"), _qwen3_next_in, _qwen3_next_out,
                          stacks=LINEAR_ATTN),
@@ -304,13 +311,13 @@ FAMILIES: dict[str, Family] = {
                                _qwen3_5_in("qwen3_5_moe_text"), _qwen3_5_out,
                                stacks=LINEAR_ATTN),
     "olmo_hybrid": Family(GDN, _settings("olmo_hybrid", norm_eps=1e-5), _olmo_in, _olmo_out,
-                          stacks=LINEAR_ATTN),
+                          stacks=OLMO_ATTN),
     "kimi_linear": Family(KDA, _kda_settings("kimi_linear", lambda c: None),
                           _kda_in("kimi_linear"), _kda_out(lambda h: (1, 1, h, 1)),
-                          stacks=SELF_ATTN),
+                          stacks=KIMI_ATTN),
     "glm5_next_text": Family(KDA, _kda_settings("glm5_next_text",
                                                 lambda c: c.get("linear_lower_bound")),
-                             _kda_in("glm5_next_text"), _kda_out(_FLAT), stacks=SELF_ATTN),
+                             _kda_in("glm5_next_text"), _kda_out(_FLAT), stacks=KIMI_ATTN),
     "bailing_hybrid": Family(KDA, _kda_settings(
         "bailing_hybrid", lambda c: c["kda_lower_bound"] if c.get("kda_safe_gate") else None),
         _kda_in("bailing_hybrid"), _kda_out(_FLAT), stacks=SELF_ATTN),

@@ -308,13 +308,17 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
                                  else ""))
     run_dtypes = [d for d in ("float32", "float64") if not dtypes or d in dtypes]
     runs = [f"{', '.join(twins)} at {' and '.join(run_dtypes)}"] if twins else []
+    softmax = [la for la in chosen if not la.stack.linear]
     if with_hf:
         hf_dtypes = (run_dtypes if all(la.config["model_type"] in FLOAT64 for la in chosen)
                      else [d for d in run_dtypes if d == "float32"])
+        why = [FLOAT32_ONLY.split(':')[0]] if softmax else []
+        why += [hf_linear.HF_FLOAT32.split(':')[0] + " (its linear-attention layers)"
+                ] if len(softmax) < len(chosen) else []
         runs.append(f"hf (the checkpoint's own module) at "
                     f"{' and '.join(hf_dtypes) or 'no dtype selected'}"
                     + ("" if "float64" in hf_dtypes or "float64" not in run_dtypes
-                       else f" ({FLOAT32_ONLY.split(':')[0]})")
+                       else f" ({'; '.join(why)})")
                     + (f"; {HF_ANGLES}" if any(rotates(la.variant, la.settings)
                                                for la in chosen) else ""))
     lengths = sorted({e.length for _, plan in plans for e in plan})
@@ -332,9 +336,11 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
              *(f"attention ({_count(n, 'layer')}): {text}" for text, n in
                Counter(describe(la) for la in chosen).items()),
              f"runs: {'; '.join(runs) or 'nothing (--framework)'}",
-             f"inputs: drawn N(0, 1) rounded to float32, batch {batch(max(lengths))}, "
-             f"{'/'.join(map(str, lengths))} tokens (the most a setting below needs, at least "
-             f"{BASE_LENGTH})"]
+             f"inputs: drawn N(0, 1) rounded to float32, batch {batch(max(lengths))}"
+             + (" (linear-attention layers: 2, the second left-padded)"
+                if len(softmax) < len(chosen) else "")
+             + f", {'/'.join(map(str, lengths))} tokens (the most a setting below needs, at "
+             f"least {BASE_LENGTH})"]
     lines += [f"note: {n}" for n in found.notes]
     lines += [f"exercised: {note} ({_names(names)})" for note, names in where.items()]
     return {"model_type": mt, "files": files, "layers_expected": found.expected,
