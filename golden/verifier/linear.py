@@ -35,7 +35,8 @@ from golden.reference.delta_rule import MIXERS as REFERENCE
 from golden.runners.adapt import NotSupported
 from golden.runners.frameworks import ADAPTERS
 from golden.specification import recurrent
-from golden.specification.tolerances import compare_recurrence, compare_to_plain
+from golden.specification.tolerances import compare_recurrence, compare_to_plain, profile
+from golden.verifier.checkpoint import CheckpointError
 
 IMPLEMENTATIONS = ("recurrent", "chunked")  # the twins' recurrence, each a row
 HF_FLOAT32 = ("HF computes the recurrence in float32 even in a float64 model: compared at "
@@ -74,7 +75,6 @@ def check_layer(layer, plan, state_dict, twins, models, dtypes, rng, outputs=Non
             variant, ours, params = from_hf(exercise.config, state_dict, layer_idx=layer.index,
                                             kind=layer.stack.kind)
         except ValueError as e:
-            from golden.verifier.checkpoint import CheckpointError
             raise CheckpointError(f"{layer.name}: {e}") from None
         ours = dict(ours)
         width = ours["d_in"]
@@ -97,20 +97,16 @@ def check_layer(layer, plan, state_dict, twins, models, dtypes, rng, outputs=Non
             kept.update(run.kept)
         labels = list(twins) + (["hf"] if models is not None else [])
         part = _report(rows, labels)
-        report = part if report is None else check_merge(report, part)
+        if report is not None:  # golden.verifier.check's merge (it imports this module)
+            from golden.verifier.check import _merge
+            part = _merge(report, part)
+        report = part
     return report
-
-
-def check_merge(report, part):
-    from golden.verifier.check import _merge
-
-    return _merge(report, part)
 
 
 def _report(rows, labels) -> dict:
     """check.run's report shape around ``rows``."""
     from golden.report import SCHEMA, SCHEMA_VERSION
-    from golden.specification.tolerances import profile
 
     prof = profile("exact")
     report = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "created": check._now(),
