@@ -135,3 +135,19 @@ def test_a_wrong_conversion_of_a_linear_layer_fails_hfs_row(tmp_path, monkeypatc
     assert rows == {("torch", "recurrent"): "pass", ("torch", "chunked"): "pass",
                     ("hf", ""): "fail"}
     assert not report["summary"]["ok"]
+
+
+@matrix
+def test_a_qwen3_5_composite_checks_its_text_towers_linear_layers(tmp_path):
+    # Qwen3.5's vision-language checkpoint (tests/test_hf_import_vision.py's tiny one): its
+    # text tower's linear-attention layer is checked beside its full-attention layer and the
+    # vision tower's blocks, HF's row among them.
+    from tests.test_hf_import_vision import _vl_config
+    config, make = _vl_config("qwen3_5")
+    make(config).save_pretrained(tmp_path)
+    report = hf_check.run(tmp_path, frameworks=["torch"], log=lambda row: None)
+    linear = [r for r in report["rows"] if r["fixture"] == "layer 0 (linear_attention)"]
+    assert {(r["implementation"], r["status"]) for r in linear
+            if r["dtype"] == "float32"} == {("torch", "pass"), ("hf", "pass")}
+    assert report["summary"]["ok"], [r for r in report["rows"] if r["status"] != "pass"]
+    assert not any("linear_attention" in n for n in report["checkpoint"]["notes"])
