@@ -169,15 +169,17 @@ def test_every_layer_passes(name, tmp_path, capsys):
 
 
 def config_layers(name):
-    """The softmax attention layers of the family's tiny config (not Qwen3-Next's
-    linear_attention nor LFM3's conv layers; a hybrid's, its test's layers:
-    tests/test_hf_import.py HYBRIDS_42)."""
+    """The layers the verifier checks of the family's tiny config: its softmax attention
+    layers and, where the family's are converted (golden.hf.LINEAR), its linear_attention
+    layers (tests/test_hf_linear_command.py), not LFM3's conv layers; a hybrid's, its test's
+    layers: tests/test_hf_import.py HYBRIDS_42)."""
     if name in HYBRIDS_42:
         return list(HYBRIDS_42[name].layers)
     kw = FAMILIES[name].kw
     count = kw.get("num_hidden_layers", kw.get("n_layer", kw.get("n_layers", 1)))
     types = kw.get("layer_types") or ["full_attention"] * count
-    return [i for i in range(count) if types[i] not in ("linear_attention", "conv")]
+    skipped = ("conv",) if name in hf.LINEAR else ("linear_attention", "conv")
+    return [i for i in range(count) if types[i] not in skipped]
 
 
 def test_a_text_towers_multimodal_rope_is_exercised(tmp_path, monkeypatch):

@@ -52,7 +52,11 @@ class Stack:
     Conformer block's norm); ``beside``: arrays of the model beside the stack (keys at the
     stack's own prefix, e.g. "encoder." before "encoders.N."), each layer converted with them
     under the same names and HF's one-layer model given them (Phi-4's audio encoder's table of
-    position biases)."""
+    position biases); ``joined``: ((the module's key, (the file's keys, ...)), ...), arrays the
+    module holds as one that the file keeps apart, joined along their first axis as
+    transformers' loading does (its ``Concatenate(dim=0)``: OLMo hybrid's and Kimi's q, k and v
+    convolutions); ``linear``: the stack holds the config's ``linear_attention`` layers (a
+    hybrid's recurrent mixers, golden.hf.linear), not its softmax attention."""
 
     stack: str
     module: str
@@ -65,6 +69,8 @@ class Stack:
     in_model: tuple | None = None
     input: str | None = None
     beside: tuple = ()
+    joined: tuple = ()
+    linear: bool = False
 
     def rename(self, key):
         """The module's name of a state-dict key of the file."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import Family, _layer_type, _read
+from golden.hf.family import Family, Stack, _layer_type, _read
 from golden.specification import recurrent
 
 LINEAR = "linear_attention"
@@ -290,21 +290,37 @@ def _lightning_out():
 
 GDN, KDA = "gated_delta_net", "kimi_delta_attention"
 _FLAT = (lambda h: (h,))
+# Where the checkpoint verifier (attn-parity hf) finds each family's linear-attention modules:
+# "model.layers.N.linear_attn" (the Gated DeltaNet families), or "model.layers.N.self_attn"
+# beside the softmax layers' (Kimi Linear, GLM-5.3, Ling 3.0, MiniMax name both so).
+# Their checkpoints keep the convolution's q, k and v channels apart (FLA's layout, which
+# transformers' conversion_mapping joins on loading) where noted, and Kimi's forget gate's
+# arrays beside the attention's (renamed into its forget_gate on loading).
+LINEAR_ATTN = (Stack("layers", "linear_attn", linear=True),)
+SELF_ATTN = (Stack("layers", "self_attn", linear=True),)
+_CONV = (("conv1d.weight", ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")),)
+OLMO_ATTN = (Stack("layers", "linear_attn", linear=True, joined=_CONV),)
+KIMI_ATTN = (Stack("layers", "self_attn", linear=True, joined=_CONV, renames=tuple(
+    (name, f"forget_gate.{name}") for name in ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log"))),)
 FAMILIES: dict[str, Family] = {
-    "qwen3_next": Family(GDN, _settings("qwen3_next"), _qwen3_next_in, _qwen3_next_out),
+    "qwen3_next": Family(GDN, _settings("qwen3_next"), _qwen3_next_in, _qwen3_next_out,
+                         stacks=LINEAR_ATTN),
     "qwen3_5_text": Family(GDN, _settings("qwen3_5_text"), _qwen3_5_in("qwen3_5_text"),
-                           _qwen3_5_out),
+                           _qwen3_5_out, stacks=LINEAR_ATTN),
     "qwen3_5_moe_text": Family(GDN, _settings("qwen3_5_moe_text"),
-                               _qwen3_5_in("qwen3_5_moe_text"), _qwen3_5_out),
-    "olmo_hybrid": Family(GDN, _settings("olmo_hybrid", norm_eps=1e-5), _olmo_in, _olmo_out),
+                               _qwen3_5_in("qwen3_5_moe_text"), _qwen3_5_out,
+                               stacks=LINEAR_ATTN),
+    "olmo_hybrid": Family(GDN, _settings("olmo_hybrid", norm_eps=1e-5), _olmo_in, _olmo_out,
+                          stacks=OLMO_ATTN),
     "kimi_linear": Family(KDA, _kda_settings("kimi_linear", lambda c: None),
-                          _kda_in("kimi_linear"), _kda_out(lambda h: (1, 1, h, 1))),
+                          _kda_in("kimi_linear"), _kda_out(lambda h: (1, 1, h, 1)),
+                          stacks=KIMI_ATTN),
     "glm5_next_text": Family(KDA, _kda_settings("glm5_next_text",
                                                 lambda c: c.get("linear_lower_bound")),
-                             _kda_in("glm5_next_text"), _kda_out(_FLAT)),
+                             _kda_in("glm5_next_text"), _kda_out(_FLAT), stacks=KIMI_ATTN),
     "bailing_hybrid": Family(KDA, _kda_settings(
         "bailing_hybrid", lambda c: c["kda_lower_bound"] if c.get("kda_safe_gate") else None),
-        _kda_in("bailing_hybrid"), _kda_out(_FLAT)),
+        _kda_in("bailing_hybrid"), _kda_out(_FLAT), stacks=SELF_ATTN),
     "minimax": Family("lightning_attention", _lightning_settings, _lightning_in,
-                      _lightning_out()),
+                      _lightning_out(), stacks=SELF_ATTN),
 }

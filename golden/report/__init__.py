@@ -30,7 +30,7 @@ keys appear in this order, and a float that is not finite (inf, NaN) is stored a
             "abs_err": 1.2e-07,                 # |a - e| at the deciding element, held to
             "bound_abs": 1.3e-06,               # its bound atol' + rtol |e| (see below)
             "bound_rel_norm": 1e-06,            # rel_norm's bound; null: not applied (zero)
-            "rule": "table",                    # "table", "terms" or "profile"
+            "rule": "table",                    # "table", "terms", "profile", "recurrence"
             "ok": true, "zero": false,          # zero: the array is zero by structure
             "missing": false}                   # missing: the implementation returned none
         ]}
@@ -51,7 +51,9 @@ passes when ``rel_norm <= bound_rel_norm``. ``rule`` says which bounds decided: 
 tolerance table), "profile" (``--profile tf32/bf16`` at float32, tried when the table fails:
 ``bound_abs`` = k × the plain implementation's max|b − e| + atol', ``bound_rel_norm`` = k × its
 relative error norm + the table's, both flat, so ``abs_err`` = ``max_abs``) or "terms" (bounds
-relative to the terms' size, golden.specification.tolerances.compare_terms). For a missing array all
+relative to the terms' size, golden.specification.tolerances.compare_terms) or "recurrence" (a
+recurrent mixer's output, whose float32 error grows with its length: ``bound_rel_norm`` =
+delta_rule_bound(dtype, L), ``bound_abs`` = 4 × that × max|e|, compare_recurrence). For a missing array all
 four are null.
 
 Versions: 2, a row's "path" became "core"; 3, arrays gained ``abs_err``, ``bound_abs``,

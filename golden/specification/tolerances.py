@@ -107,7 +107,7 @@ class Comparison:
     abs_err: float | None = None         # |aᵢ − eᵢ| at the elementwise check's deciding element
     bound_abs: float | None = None       # the bound that element was held to
     bound_rel_norm: float | None = None  # the bound rel_norm was held to; None: not applied
-    rule: str = "table"                  # "table", "terms" or "profile": what decided
+    rule: str = "table"                  # "table", "terms", "profile" or "recurrence"
 
 
 def _deciding(diff, bound, within=False) -> tuple[float | None, float | None]:
@@ -292,3 +292,26 @@ def delta_rule_bound(dtype: str, length: int) -> float:
     ``dtype`` against the float64 reference (DELTA_RULE_BOUNDS)."""
     a, c = DELTA_RULE_BOUNDS[dtype]
     return UNIT_ROUNDOFF[dtype] * (a + c * float(np.sqrt(length)))
+
+
+def compare_recurrence(actual, expected, dtype: str, length: int) -> Comparison:
+    """A recurrent mixer's output of ``length`` tokens against the float64 reference: at
+    float32 and bfloat16 the relative error norm within ``delta_rule_bound(dtype, length)`` and
+    every element within 4 times that bound times max|e| (the rule above); at float64 the
+    table's values (``compare``). ``rule`` "recurrence"."""
+    if dtype not in DELTA_RULE_BOUNDS:
+        return compare(actual, expected, dtype)
+    bound = delta_rule_bound(dtype, length)
+    a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    if a.shape != e.shape:
+        return Comparison(np.inf, np.inf, np.inf, False)
+    diff = np.abs(a - e)
+    scale, norm = float(np.abs(e).max(initial=0.0)), float(np.linalg.norm(e))
+    max_abs = float(diff.max(initial=0.0))
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
+    rel_norm = (float(np.linalg.norm(diff)) / norm if norm > 0
+                else (0.0 if max_abs == 0 else np.inf))
+    bound_abs = 4 * bound * scale
+    ok = bool(np.all(np.isfinite(a))) and rel_norm <= bound and max_abs <= bound_abs
+    return Comparison(max_abs, max_rel, rel_norm, ok, False, max_abs, bound_abs, bound,
+                      "recurrence")

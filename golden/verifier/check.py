@@ -18,6 +18,9 @@ for, converted (golden.hf.from_hf) and checked.
    ``attn-parity check`` does; with transformers and torch installed the checkpoint's own HF
    attention module runs it too (golden.verifier.model): at float32, and at float64 too for the
    families with no float32 step in HF (``FLOAT64``).
+5. A hybrid model's linear-attention layers (golden.hf.LINEAR) are checked likewise by
+   golden.verifier.linear: the twins' modules with each implementation of the recurrence, the
+   float64 reference and HF's own module, against the recurrence's bound.
 
 The text output: a header (what was read and how, what runs, the drawn inputs, which settings
 were exercised and how), one row per layer, implementation and dtype with its bound, one line
@@ -46,6 +49,7 @@ from golden.specification.fixture import Fixture
 from golden.specification.validate import rope_axis_count, rope_settings
 from golden.hf import GQA, from_hf, kv_source
 from golden.verifier import exercise as hf_exercise
+from golden.verifier import linear as hf_linear
 from golden.verifier.checkpoint import Checkpoint, CheckpointError
 from golden.verifier.exercise import BASE_LENGTH, MAX_LENGTH
 from golden.verifier.layout import LAYOUTS, read_config
@@ -212,9 +216,13 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
             state_dict, source = layer_state(ckpt, layer, config), sources[id(layer)]
             if source is not None:  # the source's k and v entries, the layer's own q and o
                 state_dict = {**layer_state(ckpt, source, config), **state_dict}
-            part = _check_layer(layer, plan, state_dict, twins,
-                                models if source is None else None, dtypes, rng, weights,
-                                outputs, index=None if source is None else source.index)
+            if layer.stack.linear:  # a hybrid's linear-attention layer (golden.verifier.linear)
+                part = hf_linear.check_layer(layer, plan, state_dict, twins, models, dtypes,
+                                             rng, outputs)
+            else:
+                part = _check_layer(layer, plan, state_dict, twins,
+                                    models if source is None else None, dtypes, rng, weights,
+                                    outputs, index=None if source is None else source.index)
             for row in part["rows"]:
                 row["model_type"] = layer.config["model_type"]
                 log(row)
@@ -303,13 +311,17 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
                                  else ""))
     run_dtypes = [d for d in ("float32", "float64") if not dtypes or d in dtypes]
     runs = [f"{', '.join(twins)} at {' and '.join(run_dtypes)}"] if twins else []
+    softmax = [la for la in chosen if not la.stack.linear]
     if with_hf:
         hf_dtypes = (run_dtypes if all(la.config["model_type"] in FLOAT64 for la in chosen)
                      else [d for d in run_dtypes if d == "float32"])
+        why = [FLOAT32_ONLY.split(':')[0]] if softmax else []
+        why += [hf_linear.HF_FLOAT32.split(':')[0] + " (its linear-attention layers)"
+                ] if len(softmax) < len(chosen) else []
         runs.append(f"hf (the checkpoint's own module) at "
                     f"{' and '.join(hf_dtypes) or 'no dtype selected'}"
                     + ("" if "float64" in hf_dtypes or "float64" not in run_dtypes
-                       else f" ({FLOAT32_ONLY.split(':')[0]})")
+                       else f" ({'; '.join(why)})")
                     + (f"; {HF_ANGLES}" if any(rotates(la.variant, la.settings)
                                                for la in chosen) else ""))
     lengths = sorted({e.length for _, plan in plans for e in plan})
@@ -327,9 +339,11 @@ def _header(config, ckpt, found, values, chosen, plans, twins, with_hf, dtypes) 
              *(f"attention ({_count(n, 'layer')}): {text}" for text, n in
                Counter(describe(la) for la in chosen).items()),
              f"runs: {'; '.join(runs) or 'nothing (--framework)'}",
-             f"inputs: drawn N(0, 1) rounded to float32, batch {batch(max(lengths))}, "
-             f"{'/'.join(map(str, lengths))} tokens (the most a setting below needs, at least "
-             f"{BASE_LENGTH})"]
+             f"inputs: drawn N(0, 1) rounded to float32, batch {batch(max(lengths))}"
+             + (" (linear-attention layers: 2, the second left-padded)"
+                if len(softmax) < len(chosen) else "")
+             + f", {'/'.join(map(str, lengths))} tokens (the most a setting below needs, at "
+             f"least {BASE_LENGTH})"]
     lines += [f"note: {n}" for n in found.notes]
     lines += [f"exercised: {note} ({_names(names)})" for note, names in where.items()]
     return {"model_type": mt, "files": files, "layers_expected": found.expected,
@@ -351,7 +365,10 @@ def _cache(on):
 
 def describe(layer) -> str:
     """A layer's attention in a line: the variant, heads, positions and the options it has
-    ("grouped-query, 32 heads (8 key-value) of 64; RoPE llama3 θ 500000 x32")."""
+    ("grouped-query, 32 heads (8 key-value) of 64; RoPE llama3 θ 500000 x32"); a
+    linear-attention layer's as golden.verifier.linear says it."""
+    if layer.stack.linear:
+        return hf_linear.describe(layer)
     c = layer.settings
     kind = {GQA: "grouped-query", "multi_head_latent_attention": "latent (MLA)",
             "multi_head_cross_attention": "cross"}.get(layer.variant, layer.variant)

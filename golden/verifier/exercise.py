@@ -29,6 +29,13 @@ the same config, is the judge:
   Pixtral's, Gemma 4's, Llama 4's); HF's model is given the image, and computes the positions
   itself.
 
+- a hybrid's linear-attention layers (golden.hf.LINEAR): HF computes them in chunks (64 tokens
+  in its chunked delta rule, ``torch_chunk_gated_delta_rule`` and Kimi's ``chunk_kda``;
+  MiniMax's ``block_size``), and so do our twins' "chunked" implementation: at least a chunk
+  and 3 tokens, so that the state crosses a chunk's boundary (at most ``max_length``). Two
+  batch rows, the second left-padded by ``PADDED`` tokens as HF's ``attention_mask`` says
+  (the mixers zero a padded token's input: the state must not see it).
+
 Every layer is drawn at one length, the longest any setting needs, so that layers of one
 configuration share their compiled programs.
 """
@@ -40,7 +47,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from golden.hf import FAMILIES
+from golden.hf import FAMILIES, LINEAR
+from golden.hf.linear import LINEAR as LINEAR_TYPE
 from golden.verifier.speech import encoder
 from golden.verifier.towers import tower
 
@@ -49,6 +57,8 @@ MAX_LENGTH = 640  # the longest input drawn (``attn-parity hf --max-length``)
 SCALED = 6        # a window, chunk or temperature step set in a scaled copy of the config
 SWITCHES = ("longrope", "dynamic")  # RoPE scalings that change past a length
 POSITIONED = ("grouped_query_attention", "multi_head_latent_attention")  # take positions
+HF_CHUNK = 64  # the chunk of HF's chunked delta rule (torch_chunk_gated_delta_rule, chunk_kda)
+PADDED = 3     # the left padding of a linear-attention layer's second row
 
 
 @dataclass
@@ -72,6 +82,21 @@ def _window_layer(c, i):
     if isinstance(types, list) and i < len(types):
         return types[i] == "sliding_attention"
     return c.get("use_sliding_window", True) is not False
+
+
+def _linear_layer(c, i):
+    types = c.get("layer_types")
+    return isinstance(types, list) and i < len(types) and types[i] == LINEAR_TYPE
+
+
+def linear_chunk(config) -> int | None:
+    """The chunk HF computes the config's linear-attention layers in (MiniMax's block_size,
+    else HF_CHUNK); None for a config without such layers that we convert."""
+    types = config.get("layer_types")
+    if config.get("model_type") not in LINEAR or not isinstance(types, list) \
+            or LINEAR_TYPE not in types:
+        return None
+    return int(config.get("block_size") or HF_CHUNK)
 
 
 def _chunk_layer(c, i):
@@ -123,6 +148,16 @@ def plan(config, max_length=MAX_LENGTH) -> Plan:
                          f"relative buckets (max_distance {distance}): "
                          f"{'exercised' if distance + 2 <= max_length else 'partly exercised'}"
                          f" (on {reach} tokens or more)", lambda c, i: True))
+    chunk = linear_chunk(config)
+    if chunk is not None:
+        reach = min(chunk + 3, max_length)
+        length = max(length, reach)
+        settings.append(("linear_chunk", f"linear attention in chunks of {chunk} (HF's chunked "
+                         f"form, our 'chunked'): "
+                         f"{'exercised' if chunk + 3 <= max_length else 'not crossed'} (on "
+                         f"{reach} tokens or more; a chunk's boundary crossed from {chunk + 1}"
+                         f"); left padding: the second row's first {PADDED} tokens",
+                         _linear_layer))
     if speech is not None:  # golden.verifier.speech: the encoder's own needs
         length, notes = speech.needs(config, length, max_length)
         settings += [("speech", note, lambda c, i: True) for note in notes]
@@ -141,6 +176,10 @@ def exercises(layer, stack_plan, length) -> list[Exercise]:
                      f"HF's module runs)")
     if _axes(layer) == 2:
         return [_vision_exercise(layer, c, notes)]
+    if layer.stack.linear:  # two rows, the second left-padded (HF's attention_mask)
+        mask = np.ones((2, length), bool)
+        mask[1, :PADDED] = False
+        return [Exercise(c, length, notes=notes, rows=2, mask=mask)]
     speech = encoder(c)
     first = Exercise(c, length, notes=notes,
                      mask=None if speech is None else speech.mask(c, length))

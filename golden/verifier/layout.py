@@ -6,6 +6,13 @@ A family's attention modules sit in one or more stacks: a decoder's ``layers.N.s
 T5's encoder self-attention, decoder self-attention and cross-attention, each converted with
 its ``kind``; a composite CLIP's or SigLIP's two towers, each with its sub-config.
 
+A hybrid model's ``linear_attention`` layers (``golden.hf.LINEAR``: Gated DeltaNet, Kimi Delta
+Attention, lightning attention) sit in a stack of their own (``Stack.linear``, the family's
+entry of ``golden.hf.LINEAR`` names it: ``layers.N.linear_attn``, or ``layers.N.self_attn``
+beside the softmax layers'); a model_type whose linear layers convert but whose softmax layers
+do not (Kimi Linear's latent attention, OLMo hybrid's) is read for its linear layers alone, the
+others named in the notes.
+
 Each family states its own in its entry of ``golden.hf.FAMILIES`` (``Family``'s or
 ``Kinds``' ``stacks``, ``hf_float64``, ``model_class``, ``own_index``); the tables below are
 derived from those entries once, at import, and this module keeps only the reading of them.
@@ -17,14 +24,15 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from golden.hf import COMPOSITES, FAMILIES, REFUSED, Stack, _layer_type
+from golden.hf import COMPOSITES, FAMILIES, LINEAR, REFUSED, Stack, _layer_type
 from golden.hf.hybrids import layer_kinds
+from golden.hf.linear import LINEAR as LINEAR_TYPE
 from golden.hf.vision import OPTIONAL_TOWERS
 from golden.verifier.checkpoint import CheckpointError
 
-__all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "MODELS", "OWN_INDEX", "Stack",
-           "attention_layers", "expected_layers", "is_attention", "layer_count", "layer_name",
-           "other_layers",
+__all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "LINEAR_LAYOUTS", "MODELS", "OWN_INDEX",
+           "Stack", "attention_layers", "expected_layers", "is_attention", "layer_count",
+           "layer_name", "layouts", "other_kind", "other_layers",
            "read_config", "stacks", "unread_towers"]
 
 # {model_type: (Stack, ...)}: where each family's attention modules sit in a checkpoint's keys
@@ -32,6 +40,8 @@ __all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "MODELS", "OWN_INDEX", 
 # {sub-config: key prefix}}) has each tower's under its prefix. A family without stacks (a
 # Kinds that states none) is not here: the command refuses it by name.
 LAYOUTS = {mt: entry.stacks for mt, entry in FAMILIES.items() if entry.stacks}
+# {model_type: (Stack, ...)}: where a hybrid's linear-attention modules sit (each Stack.linear).
+LINEAR_LAYOUTS = {mt: entry.stacks for mt, entry in LINEAR.items()}
 # The families whose HF attention has no float32 step: their HF rows run at float64 too.
 FLOAT64 = tuple(mt for mt, entry in FAMILIES.items() if entry.hf_float64)
 # {model_type: transformers class name} of the configs AutoModel does not take.
@@ -87,6 +97,12 @@ def read_config(directory) -> dict:
     return config
 
 
+def layouts(mt) -> tuple:
+    """The model_type's stacks: its softmax attention's (LAYOUTS), then its linear-attention
+    layers' (LINEAR_LAYOUTS)."""
+    return LAYOUTS.get(mt, ()) + LINEAR_LAYOUTS.get(mt, ())
+
+
 def _unconverted(tower) -> str | None:
     """Why a tower's config is not converted (its model_type unknown, refused, or its
     family's checkpoints not read yet), None when it is."""
@@ -94,42 +110,45 @@ def _unconverted(tower) -> str | None:
     entry = FAMILIES.get(mt)
     if entry is not None:
         return entry.unverified or None
+    if mt in LINEAR:  # its linear-attention layers alone
+        return None
     return REFUSED.get(mt, "its attention is not converted")
 
 
 def _supported(config, composite=None):
-    if composite is not None and config.get("model_type") not in FAMILIES:
+    known = set(FAMILIES) | set(LINEAR)
+    if composite is not None and config.get("model_type") not in known:
         raise CheckpointError(f"model_type {composite!r}: its text tower's model_type "
                               f"{config.get('model_type')!r} is not supported "
                               f"({_unconverted(config)}); supported: "
-                              f"{', '.join(sorted(FAMILIES))}")
-    if config.get("model_type") not in FAMILIES:
+                              f"{', '.join(sorted(known))}")
+    if config.get("model_type") not in known:
         raise CheckpointError(f"model_type {config.get('model_type')!r} is not supported; "
-                              f"supported: {', '.join(sorted(FAMILIES))}")
+                              f"supported: {', '.join(sorted(known))}")
     if config["model_type"] in ("bert", "roberta") and config.get("add_cross_attention"):
         raise CheckpointError(f"model_type {config['model_type']!r}: add_cross_attention = "
                               f"True: its crossattention layers are not converted (from_hf "
                               f"reads its self-attention only), so not every layer would be "
                               f"checked")
-    if FAMILIES[config["model_type"]].unverified:
-        raise CheckpointError(f"model_type {config['model_type']!r}: "
-                              f"{FAMILIES[config['model_type']].unverified}")
-    if config["model_type"] not in LAYOUTS:
+    entry = FAMILIES.get(config["model_type"])
+    if entry is not None and entry.unverified:
+        raise CheckpointError(f"model_type {config['model_type']!r}: {entry.unverified}")
+    if not layouts(config["model_type"]):
         raise CheckpointError(f"model_type {config['model_type']!r}: attn-parity hf does not "
                               f"know where its attention modules sit (it reads "
-                              f"{', '.join(sorted(LAYOUTS))})")
+                              f"{', '.join(sorted(set(LAYOUTS) | set(LINEAR_LAYOUTS)))})")
 
 
 def stacks(config) -> list:
     """[(the config the stack converts with, Stack)]: a composite model's towers each with
     its own sub-config and key prefix."""
     if config["model_type"] not in COMPOSITES:
-        return [(config, stack) for stack in LAYOUTS[config["model_type"]]]
+        return [(config, stack) for stack in layouts(config["model_type"])]
     return [(config[sub], replace(stack, within=within, label=stack.label or _tower_label(sub)))
             for sub, within in COMPOSITES[config["model_type"]].items()
             if config.get(sub) is not None  # an optional tower left out (OPTIONAL_TOWERS)
             and _unconverted(config[sub]) is None  # not converted: unread_towers' note
-            for stack in LAYOUTS[config[sub]["model_type"]]]
+            for stack in layouts(config[sub]["model_type"])]
 
 
 def _tower_label(sub) -> str:
@@ -207,25 +226,50 @@ def _types(config, stack) -> list:
     return types if isinstance(types, list) else []
 
 
+def _linear(config, types, i) -> bool:
+    """Whether layer ``i`` is a linear-attention layer the model_type converts (LINEAR)."""
+    return config.get("model_type") in LINEAR and i < len(types) and types[i] == LINEAR_TYPE
+
+
+
 def other_layers(config, stack) -> dict:
     """{kind: [layer index, ...]} of the stack's layers the config says are not softmax
-    attention (Qwen3-Next's linear_attention, a hybrid's Mamba, RG-LRU, MLP or MoE layers):
-    the report names them, unchecked."""
-    others = {}
-    for i, kind in enumerate(_types(config, stack)):
-        if not is_attention(kind):
+    attention (a hybrid's Mamba, RG-LRU, MLP or MoE layers; linear_attention where the
+    model_type's are not converted): the report names them, unchecked. A linear stack names
+    the softmax layers where its model_type has no softmax stack (their attention is not
+    converted: Kimi Linear's latent attention)."""
+    others, types = {}, _types(config, stack)
+    if stack.linear:
+        if config.get("model_type") in LAYOUTS:
+            return {}
+        for i, kind in enumerate(types):
+            if kind != LINEAR_TYPE:
+                others.setdefault(str(kind), []).append(i)
+        return others
+    for i, kind in enumerate(types):
+        if not is_attention(kind) and not _linear(config, types, i):
             others.setdefault(str(kind), []).append(i)
     return others
 
 
+def other_kind(config, stack) -> set[int]:
+    """The indices of the layers of the other stack of a hybrid model (its linear-attention
+    layers for a softmax stack, and the reverse): neither checked here nor beyond the
+    count."""
+    types = _types(config, stack)
+    return {i for i in range(len(types)) if _linear(config, types, i) != stack.linear}
+
+
 def expected_layers(config, stack) -> list[int] | None:
     """The indices of the stack's attention layers that the config implies (its layer count,
-    less the layers its ``layer_types`` says are not softmax attention); None when the config
-    gives no count."""
+    less the layers its ``layer_types`` says are not softmax attention; of a linear stack,
+    its ``linear_attention`` layers); None when the config gives no count."""
     count = layer_count(config, stack)
     if count is None:
         return None
     types = _types(config, stack)
+    if stack.linear:
+        return [i for i in range(count[1]) if _linear(config, types, i)]
     return [i for i in range(count[1]) if i >= len(types) or is_attention(types[i])]
 
 

@@ -117,7 +117,8 @@ def layer_only(config, layer_idx):
     whether it is one of Qwen2.5-VL's full layers or Molmo 2's rope_scaling_layers, its
     per_layer_config (Gemma 4, Step 3.5), no num_kv_shared_layers (the one layer keeps its k and
     v); no DeepStack outputs; a speech encoder's own changes
-    (golden.verifier.speech)."""
+    (golden.verifier.speech); a linear-attention layer's one-layer model with a second,
+    softmax layer, never run, where the config wants one (ATTENTION_REQUIRED)."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
                 "layers_block_type",  # Nemotron-H's, Zamba's kinds
@@ -143,7 +144,15 @@ def layer_only(config, layer_idx):
         if c.get("model_type") == "gemma4_text" and c.get("layer_types") == [
                 "sliding_attention"]:  # HF's Gemma 4 makes a last layer full: a second,
             c["layer_types"] = ["sliding_attention", "full_attention"]  # never run
+    if c.get("model_type") in ATTENTION_REQUIRED and c.get("layer_types") == [
+            "linear_attention"]:  # its config refuses a model without attention: a second
+        c["layer_types"] = ["linear_attention", "full_attention"]  # layer, never run
     return c
+
+
+# The families whose config wants at least one attention layer (OLMo hybrid's
+# validate_architecture): a linear layer's one-layer model gets a second, never run.
+ATTENTION_REQUIRED = ("olmo_hybrid",)
 
 
 def _hybrid_one_layer(c) -> dict:
@@ -331,7 +340,8 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
     of them; a vision tower with axial RoPE: the one image of the positions, as
     golden.verifier.towers gives it; a speech encoder: features its subsampling takes to x's
     L frames, as golden.verifier.speech gives them); a decoder's positions as its
-    position_ids; an encoder-decoder's decoder tokens and, for a decoder's attention, in place
+    position_ids; a linear-attention layer's padding (B, L) as its attention_mask; an
+    encoder-decoder's decoder tokens and, for a decoder's attention, in place
     of its encoder's output the drawn context (or zeros)."""
     import torch
 
@@ -360,6 +370,9 @@ def _model_inputs(model, stack, inputs, dtype) -> dict:
         if positions.ndim < 3:
             positions = np.broadcast_to(positions, (b, length))
         given["position_ids"] = torch.from_numpy(np.array(positions, np.int64))
+    if "attention_mask" in inputs:  # (B, L) bool, True = a real token: a linear layer's
+        given["attention_mask"] = torch.from_numpy(np.asarray(inputs["attention_mask"],
+                                                              np.int64))
     if getattr(c, "is_encoder_decoder", False):
         given["decoder_input_ids"] = torch.zeros((b, length), dtype=torch.long)
     if getattr(c, "is_encoder_decoder", False) and stack.kind != "encoder":

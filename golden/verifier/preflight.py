@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from golden.hf import expected_state
 from golden.verifier.checkpoint import REFUSED, SCALES, CheckpointError, expand_scale, scale_keys
-from golden.verifier.layout import (expected_layers, layer_count, layer_name, other_layers, stacks,
-                                    unread_towers)
+from golden.verifier.layout import (expected_layers, is_attention, layer_count, layer_name,
+                                    other_kind, other_layers, stacks, unread_towers)
 
 SHOWN = 12  # problems listed in the error; the rest counted
 
@@ -69,7 +69,7 @@ def account(config, checkpoint) -> Accounting:
         found_any = found_any or bool(by_layer)
         want = expected_layers(c, stack)
         others = other_layers(c, stack)
-        skipped = {i for where in others.values() for i in where}
+        skipped = {i for where in others.values() for i in where} | other_kind(c, stack)
         label = " ".join(dict.fromkeys(x for x in (stack.label, stack.kind) if x))
         said = f"{label}: " if label else ""
         if want is None:
@@ -93,8 +93,10 @@ def account(config, checkpoint) -> Accounting:
                             f"the checkpoint has no '{stack.form()}' for layer(s) "
                             f"{_ranges(missing)}")
         for kind, where in others.items():  # a hybrid's Mamba layers, ...: named, not checked
-            notes.append(f"{said}layer(s) {_ranges(where)} ({kind}): not softmax attention, "
-                         f"not checked")
+            notes.append(f"{said}layer(s) {_ranges(where)} ({kind}): "
+                         + (f"softmax attention of model_type {c['model_type']!r}, not "
+                            f"converted (its linear-attention layers are), not checked"
+                            if is_attention(kind) else "not softmax attention, not checked"))
         extra = sorted(set(by_layer) - set(want) - skipped)
         if extra:
             notes.append(f"{said}layer(s) {_ranges(extra)}: beyond {field_name} = {count} "
@@ -113,7 +115,8 @@ def account(config, checkpoint) -> Accounting:
         raise CheckpointError("the checkpoint does not hold what its config.json implies:\n  "
                               + "\n  ".join(problems[:SHOWN])
                               + (f"\n  ... and {more} more" if more > 0 else ""))
-    dtypes = Counter(entries[k].dtype for layer in layers for k in layer.keys.values())
+    dtypes = Counter(entries[k].dtype for layer in layers for v in layer.keys.values()
+                     for k in pieces(v))
     return Accounting(layers, expected, list(dict.fromkeys(notes)), dtypes)
 
 
@@ -135,7 +138,32 @@ def _keys_by_layer(stack, entries) -> dict:
                     f"layer is ambiguous (a composite model's towers each need their key "
                     f"prefix: golden.hf.COMPOSITES)")
             found[stack.rename(key[len(m.group(1)):])] = key
+    for found in layers.values():  # the module's arrays the file keeps apart: one, joined
+        for target, parts in stack.joined:
+            if target not in found and all(p in found for p in parts):
+                found[target] = tuple(found.pop(p) for p in parts)
     return dict(sorted(layers.items()))
+
+
+def pieces(value) -> tuple:
+    """The checkpoint's keys of one of a layer's arrays: itself, or the pieces the module
+    holds joined along their first axis (``Stack.joined``)."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _joined_entry(parts, key, problems):
+    """The entry of an array the file keeps in ``parts`` (pieces joined along their first
+    axis, Stack.joined): the first piece's, with the joined shape; None (a problem appended)
+    when the pieces' other axes or dtypes differ."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if len({(p.shape[1:], p.dtype) for p in parts}) != 1:
+        problems.append(f"{first.path.name}: {', '.join(p.key for p in parts)} should differ "
+                        f"in their first axis alone (the module's {key}, joined), got "
+                        f"{', '.join(f'{p.dtype} {p.shape}' for p in parts)}")
+        return None
+    return replace(first, shape=(sum(p.shape[0] for p in parts),) + tuple(first.shape[1:]))
 
 
 def _layer(c, stack, i, by_layer, entries, config, problems, notes):
@@ -152,7 +180,8 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
             keys[name] = base + name
     name = layer_name(c, stack, i)
     try:
-        variant, ours, shapes = expected_state(c, {k: entries[v] for k, v in keys.items()},
+        variant, ours, shapes = expected_state(c, {k: entries[pieces(v)[0]]
+                                                   for k, v in keys.items()},
                                                layer_idx=i, kind=stack.kind)
     except ValueError as e:
         problems.append(f"{name}: {e}")
@@ -163,7 +192,9 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
             problems.append(f"{name}: the checkpoint has no {prefix}{stack.file_name(key)} "
                             f"(expected shape {shape})")
             continue
-        entry = entries[keys[key]]
+        entry = _joined_entry([entries[k] for k in pieces(keys[key])], key, problems)
+        if entry is None:
+            continue
         if entry.dtype in REFUSED:
             problems.append(f"{entry.path.name}: {entry.key} is {entry.dtype}, "
                             f"{REFUSED[entry.dtype][1]}")
@@ -179,7 +210,8 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
     if len(problems) > before:
         return None
     return Layer(c, stack, i, name, {k: v for k, v in keys.items()
-                                     if k in shapes or entries[v].is_float}, variant, ours,
+                                     if k in shapes or entries[pieces(v)[0]].is_float}, variant,
+                 ours,
                  frozenset(k for k in keys if k in shapes or k in scales))
 
 
@@ -229,8 +261,13 @@ def _ranges(indices) -> str:
 def layer_state(checkpoint, layer, config) -> dict:
     """The layer's arrays by the module's names, read (FP8 dequantised), scales left out."""
     block = _block(config)
-    return {k: checkpoint.read_weight(v, block) for k, v in layer.keys.items()
+    return {k: _read(checkpoint, v, block) for k, v in layer.keys.items()
             if not k.endswith(SCALES)}
+
+
+def _read(checkpoint, value, block):
+    parts = [checkpoint.read_weight(k, block) for k in pieces(value)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
 
 def check_values(checkpoint, layers, config) -> dict:
@@ -242,12 +279,13 @@ def check_values(checkpoint, layers, config) -> dict:
             full = layer.keys[key]
             if full in seen:
                 continue
-            seen[full] = checkpoint.entries[full].nbytes
+            seen[full] = sum(checkpoint.entries[k].nbytes for k in pieces(full))
             if key not in layer.converted:  # HF's own module's, given as they are
                 continue
             nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
             if nan or inf:
-                problems.append(f"{checkpoint.entries[full].path.name}: {full}: {nan} NaN and "
+                first = checkpoint.entries[pieces(full)[0]]
+                problems.append(f"{first.path.name}: {' + '.join(pieces(full))}: {nan} NaN and "
                                 f"{inf} infinite of {array.size} values")
     if problems:
         more = len(problems) - SHOWN
