@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import golden
-from golden.specification.variants import REQUIRED, VARIANTS
+from golden.specification.variants import REQUIRED, VARIANTS, lookup
 
 
 def describe(fixture) -> dict:
@@ -26,7 +26,10 @@ def describe(fixture) -> dict:
 def non_default(variant: str, config: dict) -> dict:
     """The entries of ``config`` a reader needs: required arguments and those that differ from
     the variant's default (a key the variant does not declare is kept as well)."""
-    defaults = {a.name: a.default for a in VARIANTS[variant].args} if variant in VARIANTS else {}
+    try:
+        defaults = {a.name: a.default for a in lookup(variant).args}
+    except ValueError:  # a variant this version does not know
+        defaults = {}
     return {k: v for k, v in config.items()
             if k not in defaults or defaults[k] is REQUIRED or defaults[k] != v}
 
