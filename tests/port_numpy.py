@@ -858,7 +858,9 @@ class _Recurrent(Module):
         return table
 
     def masked(self, x, mask):
-        return x if mask is None else x * mask[..., None].astype(x.dtype)
+        """x with padded tokens zeroed; the mask read through the core's hook (a real token is
+        one that may be attended), so that a planted mask mistake reaches the mixers too."""
+        return x if mask is None else x * self.core.user_mask(mask)[..., None].astype(x.dtype)
 
     def project(self, x, role):
         """x W_role, or (x W_role_a) W_role_b where the module holds the low-rank pair."""

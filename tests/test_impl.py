@@ -65,8 +65,8 @@ def untransposed_query(variant, config) -> dict:
 
 
 # ---- which (fixture, dtype) rows can see each mistake, from the fixture alone ------------------
-# A recurrent mixer's fixture (no expected weights) calls no attention core: no core mistake
-# reaches it (the untransposed W_query does).
+# A recurrent mixer's fixture (no expected weights) calls no attention core: no softmax, scale,
+# dropout or causal mistake reaches it (a flipped mask and the untransposed W_query do).
 
 def _attends(f) -> bool:
     """The fixture's variant runs the attention core (it has attention weights)."""
@@ -99,8 +99,9 @@ def _square_query(f) -> bool:
 def _has_mask(f, dtype) -> bool:
     """(c) A mask input. Any mask sees a flipped polarity, even an all-True one (flipped, it
     blocks every key: zeros); none of the shipped masks is all True or all False anyway. A
-    merged_context fixture too: its causal and context masks reach the core as its mask."""
-    return _attends(f) and ("mask" in f.inputs or bool(f.config.get("merged_context")))
+    merged_context fixture too: its causal and context masks reach the core as its mask. A
+    recurrent mixer's padding mask too (the port reads it through the core's hook)."""
+    return "mask" in f.inputs or bool(f.config.get("merged_context"))
 
 
 def _is_float64(f, dtype) -> bool:
