@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import golden
+from golden.specification.recurrent import MIXERS
 from golden.specification.variants import REQUIRED, VARIANTS, lookup
 
 
@@ -40,9 +41,10 @@ def entries(names=(), *, pattern=None, variants=()) -> list[dict]:
     from golden.harness.check import select
 
     if variants:
-        unknown = [v for v in variants if v not in VARIANTS]
+        known = [*VARIANTS, *MIXERS]  # the recurrent mixers' fixtures too
+        unknown = [v for v in variants if v not in known]
         if unknown:
-            raise ValueError(f"variants should be among {', '.join(VARIANTS)}, got {unknown}")
+            raise ValueError(f"variants should be among {', '.join(known)}, got {unknown}")
     fixtures = [golden.load(n) for n in select(list(names or golden.names()), pattern)]
     return [describe(f) for f in fixtures if not variants or f.variant in variants]
 
