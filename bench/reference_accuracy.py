@@ -60,12 +60,18 @@ def oracle(fixture, real):
     and the names that are zero by structure."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
-    forward, backward = reference.VARIANTS[fixture.variant]
+    forward, backward = reference.pair(fixture.variant)
     with reference.exact_arithmetic(real):
         out, weights, saved = forward(fixture.config, inputs, fixture.params)
-        grads = backward(saved, *(fixture.cotangents[n].astype(np.float64)
-                                  for n in ("output", "weights")))
-    return {"output": out, "weights": weights, **{f"grad {n}": g for n, g in grads.items()}}
+        grads = backward(saved, *_cotangents(fixture))
+    kept = {"output": out} if weights is None else {"output": out, "weights": weights}
+    return {**kept, **{f"grad {n}": g for n, g in grads.items()}}
+
+
+def _cotangents(fixture):
+    """(dO, dA) as float64; dA None for a recurrent mixer (no attention weights)."""
+    return tuple(None if fixture.cotangents.get(n) is None
+                 else fixture.cotangents[n].astype(np.float64) for n in ("output", "weights"))
 
 
 def ulp_errors(got, want):
@@ -119,10 +125,9 @@ def fast(fixture):
     """The NumPy float64 reference's raw result (residue left where zero_grads would zero)."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
-    forward, backward = reference.VARIANTS[fixture.variant]
+    forward, backward = reference.pair(fixture.variant)
     out, weights, saved = forward(fixture.config, inputs, fixture.params)
-    grads = backward(saved, *(fixture.cotangents[n].astype(np.float64)
-                              for n in ("output", "weights")))
+    grads = backward(saved, *_cotangents(fixture))
     return {"output": out, "weights": weights, "grads": grads}
 
 

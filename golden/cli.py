@@ -14,6 +14,7 @@ import sys
 from golden.runners import FRAMEWORKS
 from golden.specification.tolerances import PROFILES
 from golden.specification.validate import DTYPES
+from golden.specification.recurrent import MIXERS
 from golden.specification.variants import VARIANTS
 
 
@@ -22,7 +23,7 @@ def _fixture_selection(parser) -> None:
     parser.add_argument("names", nargs="*", help="fixture names or paths (default: all shipped)")
     parser.add_argument("-k", dest="pattern", metavar="PATTERN",
                         help="fixtures whose name contains PATTERN (a glob if it has * ? [)")
-    parser.add_argument("--variant", action="append", choices=list(VARIANTS), default=[],
+    parser.add_argument("--variant", action="append", choices=[*VARIANTS, *MIXERS], default=[],
                         help="only fixtures of this variant (repeatable)")
 
 

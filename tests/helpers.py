@@ -222,6 +222,19 @@ def other(twin) -> Twin:
     return next(t for name, t in TWINS.items() if name != twin.name)
 
 
+def missing_mixer(twin_name, variant) -> str | None:
+    """Why ``twin_name`` ("torch", "jax") cannot run a recurrent mixer ``variant`` yet (its
+    module class is not in the twin: the class named), or None (an attention variant, or a
+    mixer the twin has)."""
+    from golden.specification import recurrent
+
+    if variant not in recurrent.MIXERS:
+        return None
+    name = recurrent.MIXERS[variant].class_name
+    package = {"torch": torch_attn, "jax": jax_attn}[twin_name]
+    return None if hasattr(package, name) else f"{package.__name__}.{name} does not exist yet"
+
+
 def random_cotangents(rng, output_shape, weights_shape) -> dict:
     """Fixed random cotangents dO and dA of the fixtures' loss, float32-valued (exact at
     float32 and float64)."""

@@ -812,7 +812,208 @@ def _turn(x, cos, sin, interleaved):
     return np.concatenate(turned, axis=-1)
 
 
+# ---- the recurrent token mixers (issue 43): no attention, no weights returned ----------------
+# Written from golden.specification.recurrent's formulas: a state S (Dk, Dv) per head carried
+# token by token (the loop over t is the definition), everything in x's dtype. mask (..., L)
+# bool, True = a real token: padded tokens' x zeroed at the input.
+
+def _sigmoid(z):
+    return 1 / (1 + np.exp(-z))
+
+
+def _silu(z):
+    return z * _sigmoid(z)
+
+
+def _softplus(z):
+    return np.logaddexp(0, z).astype(z.dtype)
+
+
+def _heads(y, heads):
+    """(..., L, H·D) -> (..., L, H, D)."""
+    return y.reshape(y.shape[:-1] + (heads, y.shape[-1] // heads))
+
+
+def _rms(o, eps):
+    """o / √(mean o² + ε) over the last axis."""
+    return o / np.sqrt((o * o).mean(axis=-1, keepdims=True) + eps)
+
+
+def _causal_conv(u, w):
+    """y_t[c] = Σ_i w[c, i] u_{t−K+1+i}[c], zeros before the first token: u (..., L, C), w (C,
+    K)."""
+    k, length = w.shape[-1], u.shape[-2]
+    padded = np.concatenate([np.zeros(u.shape[:-2] + (k - 1, u.shape[-1]), u.dtype), u], -2)
+    return sum(padded[..., i:i + length, :] * w[:, i] for i in range(k))
+
+
+class _Recurrent(Module):
+    """What the three mixers share: the masked input, the projections, the recurrence."""
+
+    vectors: tuple = ()
+
+    def mapping(self) -> dict:
+        table = super().mapping()
+        table.update({n: (n, "") for n in self.vectors})
+        return table
+
+    def masked(self, x, mask):
+        """x with padded tokens zeroed; the mask read through the core's hook (a real token is
+        one that may be attended), so that a planted mask mistake reaches the mixers too."""
+        return x if mask is None else x * self.core.user_mask(mask)[..., None].astype(x.dtype)
+
+    def project(self, x, role):
+        """x W_role, or (x W_role_a) W_role_b where the module holds the low-rank pair."""
+        if getattr(self, f"{role}_proj", None) is not None:
+            return getattr(self, f"{role}_proj")(x)
+        return getattr(self, f"{role}_b_proj")(getattr(self, f"{role}_a_proj")(x))
+
+    def delta_rule(self, q, k, v, decay, beta):
+        """o (..., L, H, Dv): S′ = decay_t ⊙ S, S = S′ + k_t ⊗ β_t (v_t − S′ᵀ k_t), o_t = Sᵀ q_t;
+        q, k (..., L, H, Dk), v (..., L, H, Dv), decay (..., L, H, Dk) (or (..., L, H, 1)),
+        beta (..., L, H)."""
+        s = np.zeros(q.shape[:-3] + q.shape[-2:] + v.shape[-1:], q.dtype)  # (..., H, Dk, Dv)
+        out = []
+        for t in range(q.shape[-3]):
+            s = decay[..., t, :, :, None] * s
+            recalled = np.einsum("...kv,...k->...v", s, k[..., t, :, :])
+            delta = beta[..., t, :, None] * (v[..., t, :, :] - recalled)
+            s = s + k[..., t, :, :, None] * delta[..., None, :]
+            out.append(np.einsum("...kv,...k->...v", s, q[..., t, :, :]))
+        return np.stack(out, axis=-3)
+
+    def convolved(self, x, heads):
+        """SiLU of each causal convolution, q̂ and k̂ L2-normalised (q̂ times Dk^−1/2): q, k
+        (..., L, Hk, Dk), v (..., L, Hv, Dv)."""
+        hk, hv = heads
+        q, k, v = (_silu(_causal_conv(getattr(self, f"{r}_proj")(x), getattr(self, f"conv_{r}")))
+                   for r in ("query", "key", "value"))
+        q, k, v = _heads(q, hk), _heads(k, hk), _heads(v, hv)
+        eps = self.l2norm_eps
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + eps) / np.sqrt(q.shape[-1])
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + eps)
+        return q, k, v
+
+
+class GatedDeltaNet(_Recurrent):
+    """x (..., L, d_in), mask (..., L) -> (..., L, d_out): golden.specification.recurrent's
+    gated_delta_net, one decay per value head."""
+
+    layers = {"query": "query_proj", "key": "key_proj", "value": "value_proj",
+              "gate": "gate_proj", "beta": "beta_proj", "decay": "decay_proj", "out": "out_proj"}
+    vectors = ("conv_query", "conv_key", "conv_value", "A_log", "dt_bias", "norm_weight")
+
+    def __init__(self, d_in, num_k_heads, num_v_heads, head_k_dim, head_v_dim, d_out=None,
+                 conv_kernel=4, norm_eps=1e-6, l2norm_eps=1e-6, allow_neg_eigval=False, *,
+                 core=None):
+        super().__init__(core)
+        hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.heads, self.norm_eps, self.l2norm_eps = (hk, hv), norm_eps, l2norm_eps
+        self.beta_factor = 2.0 if allow_neg_eigval else 1.0
+        self.query_proj, self.key_proj = Linear(d_in, hk * dk, False), Linear(d_in, hk * dk, False)
+        self.value_proj, self.gate_proj = (Linear(d_in, hv * dv, False),
+                                           Linear(d_in, hv * dv, False))
+        self.beta_proj, self.decay_proj = Linear(d_in, hv, False), Linear(d_in, hv, False)
+        self.out_proj = Linear(hv * dv, d_in if d_out is None else d_out, False)
+        self.conv_query, self.conv_key = (np.zeros((hk * dk, conv_kernel)) for _ in range(2))
+        self.conv_value = np.zeros((hv * dv, conv_kernel))
+        self.A_log, self.dt_bias, self.norm_weight = np.zeros(hv), np.zeros(hv), np.zeros(dv)
+
+    def __call__(self, x, mask=None):
+        x = self.masked(x, mask)
+        hk, hv = self.heads
+        q, k, v = self.convolved(x, self.heads)
+        q, k = (np.repeat(a, hv // hk, axis=-2) for a in (q, k))  # value head h: key h // G
+        beta = self.beta_factor * _sigmoid(self.beta_proj(x))  # (..., L, Hv)
+        g = -np.exp(self.A_log) * _softplus(self.decay_proj(x) + self.dt_bias)
+        o = self.delta_rule(q, k, v, np.exp(g)[..., None], beta)  # (..., L, Hv, Dv)
+        gated = _rms(o, self.norm_eps) * self.norm_weight * _silu(_heads(self.gate_proj(x), hv))
+        return self.out_proj(gated.reshape(gated.shape[:-2] + (-1,)))
+
+
+class KimiDeltaAttention(_Recurrent):
+    """x (..., L, d_in), mask (..., L) -> (..., L, d_out): kimi_delta_attention, the decay per
+    key channel (softplus, or λ σ(·) bounded), low-rank decay and gate projections, a σ gate."""
+
+    layers = {"query": "query_proj", "key": "key_proj", "value": "value_proj",
+              "beta": "beta_proj", "decay": "decay_proj", "decay_a": "decay_a_proj",
+              "decay_b": "decay_b_proj", "gate": "gate_proj", "gate_a": "gate_a_proj",
+              "gate_b": "gate_b_proj", "out": "out_proj"}
+    vectors = ("conv_query", "conv_key", "conv_value", "A_log", "dt_bias", "norm_weight")
+
+    def __init__(self, d_in, num_heads, head_dim, d_out=None, conv_kernel=4, norm_eps=1e-6,
+                 l2norm_eps=1e-6, decay_rank=None, gate_rank=None, forget_gate="softplus",
+                 decay_lower_bound=None, *, core=None):
+        super().__init__(core)
+        h, d, width = num_heads, head_dim, num_heads * head_dim
+        self.heads, self.norm_eps, self.l2norm_eps = (h, h), norm_eps, l2norm_eps
+        self.forget_gate, self.bound = forget_gate, decay_lower_bound
+        for role in ("query", "key", "value"):
+            setattr(self, f"{role}_proj", Linear(d_in, width, False))
+            setattr(self, f"conv_{role}", np.zeros((width, conv_kernel)))
+        self.beta_proj = Linear(d_in, h, False)
+        for role, rank in (("decay", decay_rank), ("gate", gate_rank)):
+            full = None if rank is not None else Linear(d_in, width, False)
+            setattr(self, f"{role}_proj", full)
+            setattr(self, f"{role}_a_proj", None if full else Linear(d_in, rank, False))
+            setattr(self, f"{role}_b_proj", None if full else Linear(rank, width, False))
+        self.out_proj = Linear(width, d_in if d_out is None else d_out, False)
+        self.A_log, self.dt_bias, self.norm_weight = np.zeros(h), np.zeros(width), np.zeros(d)
+
+    def __call__(self, x, mask=None):
+        x = self.masked(x, mask)
+        h = self.heads[0]
+        q, k, v = self.convolved(x, self.heads)
+        f = _heads(self.project(x, "decay") + self.dt_bias, h)  # (..., L, H, D)
+        rate = np.exp(self.A_log)[:, None]
+        if self.forget_gate == "softplus":
+            g = -rate * _softplus(f)
+        else:
+            g = self.bound * _sigmoid(rate * f)
+        o = self.delta_rule(q, k, v, np.exp(g), _sigmoid(self.beta_proj(x)))
+        gated = _rms(o, self.norm_eps) * self.norm_weight * _sigmoid(
+            _heads(self.project(x, "gate"), h))
+        return self.out_proj(gated.reshape(gated.shape[:-2] + (-1,)))
+
+
+class LightningAttention(_Recurrent):
+    """x (..., L, d_in), mask (..., L) -> (..., L, d_out): lightning_attention, MiniMax's
+    S_t = e^{−slope_h} S_{t−1} + k_t ⊗ v_t, o_t = S_tᵀ q_t, SiLU q, k, v, the RMSNorm over all
+    heads gated by σ. ``block_size`` changes nothing here (one token at a time)."""
+
+    layers = {"query": "query_proj", "key": "key_proj", "value": "value_proj",
+              "gate": "gate_proj", "out": "out_proj"}
+    vectors = ("norm_weight", "slope")
+
+    def __init__(self, d_in, num_heads, head_dim, d_out=None, norm_eps=1e-6, block_size=256, *,
+                 core=None):
+        super().__init__(core)
+        width = num_heads * head_dim
+        self.heads, self.norm_eps = num_heads, norm_eps
+        for role in ("query", "key", "value", "gate"):
+            setattr(self, f"{role}_proj", Linear(d_in, width, False))
+        self.out_proj = Linear(width, d_in if d_out is None else d_out, False)
+        self.norm_weight, self.slope = np.zeros(width), np.zeros(num_heads)
+
+    def __call__(self, x, mask=None):
+        x = self.masked(x, mask)
+        q, k, v = (_heads(_silu(getattr(self, f"{r}_proj")(x)), self.heads)
+                   for r in ("query", "key", "value"))
+        s = np.zeros(q.shape[:-3] + q.shape[-2:] + v.shape[-1:], q.dtype)  # (..., H, Dk, Dv)
+        decay, out = np.exp(-self.slope)[:, None, None], []
+        for t in range(q.shape[-3]):
+            s = decay * s + k[..., t, :, :, None] * v[..., t, :, None, :]
+            out.append(np.einsum("...kv,...k->...v", s, q[..., t, :, :]))
+        o = np.stack(out, axis=-3)
+        merged = o.reshape(o.shape[:-2] + (-1,))  # (..., L, H·D)
+        normed = _rms(merged, self.norm_eps) * self.norm_weight
+        return self.out_proj(_sigmoid(self.gate_proj(x)) * normed)
+
+
 MODULES = {
+    "gated_delta_net": GatedDeltaNet,
+    "kimi_delta_attention": KimiDeltaAttention,
+    "lightning_attention": LightningAttention,
     "simple_self_attention": SimpleSelfAttention,
     "self_attention": SelfAttention,
     "causal_self_attention": CausalSelfAttention,
@@ -832,7 +1033,7 @@ def build(variant, config, core=None):
     cls = MODULES.get(variant)
     if cls is None:
         return None
-    defaults = {a.name: a.default for a in variants.get(variant).args}
+    defaults = {a.name: a.default for a in variants.lookup(variant).args}
     takes = inspect.signature(cls).parameters
     if any(n not in takes and v != defaults[n] for n, v in config.items()):
         return None

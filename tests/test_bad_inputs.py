@@ -46,7 +46,7 @@ from golden.specification import mapping, variants
 from golden.cli import main
 from golden.specification.positions import KVCache, LatentCache
 from golden.runners import adapt
-from tests.helpers import FRAMEWORKS, TWINS, Reference, other
+from tests.helpers import FRAMEWORKS, TWINS, Reference, missing_mixer, other
 
 ROOT = Path(__file__).resolve().parents[1]
 Q, K, V = (2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 6)
@@ -857,6 +857,52 @@ case("mapping-bad-path", lambda: mapping.parse({"a": "x..y"}), ValueError,
 case("mapping-missing-file", lambda: mapping.parse("/no/such/mapping.json"), ValueError,
      E("mapping should be a JSON file of {source: [target, rule]}, could not read "
        "'/no/such/mapping.json'"), says_got=False)
+
+
+# ---- the recurrent mixers (golden.specification.recurrent): built by name, called on x, mask ----
+# A mixer whose module the twin lacks yet is skipped, the class named (tests/helpers.py).
+
+GDN, KDA, LIGHTNING = "gated_delta_net", "kimi_delta_attention", "lightning_attention"
+
+
+def mixer_build(t, variant, **changes):
+    """``t.lib.build`` of ``variant`` with its sample configuration updated by ``changes`` and
+    ones of the sample's parameter shapes (a bad configuration is refused before they load)."""
+    from golden.specification import recurrent
+
+    if missing_mixer(t.name, variant):
+        pytest.skip(missing_mixer(t.name, variant))
+    sample = recurrent.get(variant).sample
+    ones = {n: np.ones(s, np.float32)
+            for n, s in recurrent.get(variant).param_shapes(sample).items()}
+    return t.lib.build(variant, {**sample, **changes}, ones)
+
+
+for _mixer, _heads in ((GDN, "num_k_heads"), (KDA, "num_heads"), (LIGHTNING, "num_heads")):
+    twin_case(f"mixer-{_mixer}-negative-heads",
+              lambda t, m=_mixer, h=_heads: mixer_build(t, m, **{h: -2}), ValueError,
+              E(f"{_heads} should be a positive int, got -2"))
+    twin_case(f"mixer-{_mixer}-mask-float",  # the sample's d_in is 5: x (2, 7, 5)
+              lambda t, m=_mixer: mixer_build(t, m)(arr(t, X), arr(t, (2, 7))), ValueError,
+              E("mask dtype should be bool (True = a real token), got float32"))
+twin_case("mixer-gated_delta_net-heads-not-dividing",
+          lambda t: mixer_build(t, GDN, num_k_heads=3), ValueError,
+          E("num_k_heads should divide num_v_heads = 4 (each key head serves num_v_heads // "
+            "num_k_heads value heads), got 3"))
+twin_case("mixer-gated_delta_net-mask-shape",
+          lambda t: mixer_build(t, GDN)(arr(t, X), arr(t, (2, 6), bool)), ValueError,
+          E("mask shape should be (2, 7) (one flag per token, True = real, as Hugging Face's "
+            "attention_mask), got (2, 6)"))
+twin_case("mixer-kimi_delta_attention-lower-bound-positive",
+          lambda t: mixer_build(t, KDA, forget_gate="bounded_sigmoid", decay_lower_bound=0.0),
+          ValueError, E("decay_lower_bound should be None or a finite number < 0 (the "
+                        "log-decay's lower bound), got 0.0"))
+twin_case("mixer-kimi_delta_attention-forget-gate-unknown",
+          lambda t: mixer_build(t, KDA, forget_gate="relu"), ValueError,
+          E("forget_gate should be one of 'softplus', 'bounded_sigmoid', got 'relu'"))
+twin_case("mixer-lightning_attention-block-size-zero",
+          lambda t: mixer_build(t, LIGHTNING, block_size=0), ValueError,
+          E("block_size should be a positive int, got 0"))
 
 
 @pytest.mark.parametrize("bad", [pytest.param(c, id=c.id) for c in CASES])

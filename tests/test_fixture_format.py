@@ -167,6 +167,25 @@ def _edit_meta(members, **changes):
     ("multi_head_attention_causal",  # x shorter than the stored weights (B, N, L, L) imply
      lambda m: m.update({n: m[n][:, :-1] for n in ("inputs/x", "grads/x")}),
      r"expected/weights shape \(2, 3, 7, 7\) should be \(2, 3, 6, 6\)"),
+    ("multi_head_attention_causal",  # an attention module's weights dropped
+     lambda m: [m.pop(n) for n in ("expected/weights", "cotangents/weights")],
+     r"members do not match meta: missing \['cotangents/weights', 'expected/weights'\] of "
+     r"shape \(2, 3, 7, 7\)"),
+    ("lightning_left_padding",  # a recurrent mixer given attention weights
+     lambda m: m.update({n: np.zeros((2, 9, 9), dt) for n, dt in
+                         (("expected/weights", np.float64), ("cotangents/weights", np.float32))}),
+     "expected/weights should be absent: lightning_attention returns no attention weights"),
+    ("lightning_left_padding",  # one of the two weights members alone
+     lambda m: m.__setitem__("expected/weights", np.zeros((2, 9, 9))),
+     r"members do not match meta: missing \['cotangents/weights'\]"),
+    ("gated_delta_net_neg_eigval_left_padding",
+     lambda m: m.__setitem__("inputs/mask", m["inputs/mask"].astype(np.int32)),
+     "inputs inconsistent with config: mask dtype should be bool"),
+    ("kimi_delta_bounded_sigmoid_full_rank",
+     lambda m: _edit_meta(m, config={**json.loads(str(m["meta"][()]))["config"],
+                                     "decay_lower_bound": None}),
+     "variant, config and params disagree: decay_lower_bound should be a number < 0 with "
+     "forget_gate 'bounded_sigmoid'"),
 ])
 def test_module_fixture_params_checked(tmp_path, name, edit, message):
     p = _rewrite(fx.FIXTURE_DIR / f"{name}.npz", tmp_path / "bad.npz", edit)

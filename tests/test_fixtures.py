@@ -15,7 +15,7 @@ from golden.specification.cases import CASES
 from golden.harness.check import compare_all
 from golden.harness.regenerate import regenerate
 from golden.specification.tolerances import compare
-from tests.helpers import DTYPES, TWINS, fixture_features, sweep
+from tests.helpers import DTYPES, TWINS, fixture_features, missing_mixer, sweep
 
 
 def test_every_case_is_shipped():
@@ -51,6 +51,8 @@ def test_framework_matches_fixture(twin_name, fixture_name, dtype):
     twin = TWINS[twin_name]
     fixture = golden.load(fixture_name)
     assert fixture.name == fixture_name and fixture.path.stem == fixture_name
+    if missing_mixer(twin_name, fixture.variant):
+        pytest.skip(missing_mixer(twin_name, fixture.variant))
     result = runners.get(twin.name)(fixture, dtype)
     assert result["dtype"] == dtype, "the computation ran in another dtype"
     assert set(result["grads"]) == set(fixture.grads), "a gradient was not computed"
@@ -63,7 +65,9 @@ def test_reference_reproduces_fixture(fixture_name):
     fixture = golden.load(fixture_name)
     result = runners.run_reference(fixture)
     np.testing.assert_array_equal(result["output"], fixture.expected["output"])
-    np.testing.assert_array_equal(result["weights"], fixture.expected["weights"])
+    assert ("weights" in result) == ("weights" in fixture.expected)  # a mixer has none
+    if "weights" in result:
+        np.testing.assert_array_equal(result["weights"], fixture.expected["weights"])
     for n, g in fixture.grads.items():
         np.testing.assert_array_equal(result["grads"][n], g)
 

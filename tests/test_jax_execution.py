@@ -39,7 +39,8 @@ from tests.helpers import (
     reference_fixture,
 )
 
-CORE_FIXTURES = [n for n in golden.names() if not variants.get(golden.load(n).variant).is_module]
+CORE_FIXTURES = [n for n in golden.names()
+                 if not variants.lookup(golden.load(n).variant).is_module]
 
 
 def _core_inputs(rng, dtype="float32"):

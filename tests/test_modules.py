@@ -36,7 +36,9 @@ from tests.helpers import (
     sweep,
 )
 
-MODULE_CASES = [c for c in CASES if variants.get(c.variant).is_module]  # every module case
+# every attention module case (the recurrent mixers' cases: tests/test_fixtures.py)
+MODULE_CASES = [c for c in CASES if c.variant in variants.VARIANTS
+                and variants.get(c.variant).is_module]
 # Modules whose keep-mask has a head axis (B, N, Lq, Lk).
 PER_HEAD_KEEP = [v for v in DROPOUT_MODULES if any(a.name == "num_heads" for a in v.args)]
 

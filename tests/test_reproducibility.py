@@ -28,7 +28,10 @@ import golden
 from golden.specification import exact
 from golden import reference
 from golden.specification.cases import CASES
+from golden.specification.recurrent import MIXERS
 from tests.helpers import WHOLE, fixture_share
+
+MIXER_CASES = {c.name for c in CASES if c.variant in MIXERS}
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("reference_accuracy",
@@ -57,7 +60,7 @@ for case in CASES:
     result = runners.run_reference(golden.load(case.name), exact=False)
     for name in sorted(result["grads"]):
         fast.update(result["grads"][name].tobytes())
-    fast.update(result["output"].tobytes() + result["weights"].tobytes())
+    fast.update(result["output"].tobytes() + result.get("weights", np.empty(0)).tobytes())
 print(json.dumps({"differ": differ, "log": lines[-5:], "raw": raw.hexdigest(),
                   "fast": fast.hexdigest()}))
 """
@@ -161,6 +164,16 @@ def test_softcap_key_bias_gradient_is_not_zero():
 # another CPU's kernels, still inside the float64 tolerance row (1e-13 ≈ 450 ulp).
 FAST_BOUND_FIXTURES = 32
 FAST_BOUND_RANDOM = 256
+# The recurrent mixers' fixtures (gated_delta_net_*, kimi_delta_*, lightning_*): a state carried
+# over up to 70 tokens and parameters' gradients summed over them, cancelling; seen 189 ulp
+# normwise (kimi_delta_softplus_low_rank_left_padding, conv_key; outputs at most 11), inside
+# their float64 gradient row (RECURRENT_TOLERANCES: 2e-13 ≈ 900 ulp).
+FAST_BOUND_RECURRENT = 512
+# Chameleon's key-norm bias in the one-key-head fixture: a shift of every key before RoPE, whose
+# gradient nearly cancels (a shift after RoPE would change no softmax row): its largest element
+# is 0.22 against 1.5 to 1.7 for k_norm's and b_key's, and the fast path is off by 38 ulp of it
+# (7 to 7.5 for theirs). Held to twice that, still far inside the float64 row.
+FAST_BOUND_CANCELLING = {("gqa_qk_layer_with_bias_mqa_unbatched", "grad k_norm_bias"): 76}
 
 
 def test_fast_path_agrees_with_stored_fixtures():
@@ -168,13 +181,22 @@ def test_fast_path_agrees_with_stored_fixtures():
     for case in CASES:
         fixture = golden.load(case.name)
         fast = accuracy.fast(fixture)
-        pairs = [("output", fast["output"], fixture.expected["output"]),
-                 ("weights", fast["weights"], fixture.expected["weights"])]
+        pairs = [("output", fast["output"], fixture.expected["output"])]
+        if "weights" in fixture.expected:  # a recurrent mixer has none
+            pairs.append(("weights", fast["weights"], fixture.expected["weights"]))
         pairs += [(f"grad {n}", g, fixture.grads[n]) for n, g in fast["grads"].items()
                   if n not in fixture.zero]
         for what, got, want in pairs:
             worst[(case.name, what)] = accuracy.normwise(got, exact.array(want))
-    assert max(worst.values()) <= FAST_BOUND_FIXTURES, max(worst.items(), key=lambda kv: kv[1])
+    recurrent = {k: v for k, v in worst.items() if k[0] in MIXER_CASES}
+    attention = {k: v for k, v in worst.items()
+                 if k[0] not in MIXER_CASES and k not in FAST_BOUND_CANCELLING}
+    assert max(attention.values()) <= FAST_BOUND_FIXTURES, max(attention.items(),
+                                                               key=lambda kv: kv[1])
+    for key, bound in FAST_BOUND_CANCELLING.items():
+        assert worst[key] <= bound, (key, worst[key])
+    assert max(recurrent.values()) <= FAST_BOUND_RECURRENT, max(recurrent.items(),
+                                                                key=lambda kv: kv[1])
 
 
 @pytest.mark.parametrize("seed", range(4))

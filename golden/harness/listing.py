@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 
 import golden
-from golden.specification.variants import REQUIRED, VARIANTS
+from golden.specification.recurrent import MIXERS
+from golden.specification.variants import REQUIRED, VARIANTS, lookup
 
 
 def describe(fixture) -> dict:
@@ -26,7 +27,10 @@ def describe(fixture) -> dict:
 def non_default(variant: str, config: dict) -> dict:
     """The entries of ``config`` a reader needs: required arguments and those that differ from
     the variant's default (a key the variant does not declare is kept as well)."""
-    defaults = {a.name: a.default for a in VARIANTS[variant].args} if variant in VARIANTS else {}
+    try:
+        defaults = {a.name: a.default for a in lookup(variant).args}
+    except ValueError:  # a variant this version does not know
+        defaults = {}
     return {k: v for k, v in config.items()
             if k not in defaults or defaults[k] is REQUIRED or defaults[k] != v}
 
@@ -37,9 +41,10 @@ def entries(names=(), *, pattern=None, variants=()) -> list[dict]:
     from golden.harness.check import select
 
     if variants:
-        unknown = [v for v in variants if v not in VARIANTS]
+        known = [*VARIANTS, *MIXERS]  # the recurrent mixers' fixtures too
+        unknown = [v for v in variants if v not in known]
         if unknown:
-            raise ValueError(f"variants should be among {', '.join(VARIANTS)}, got {unknown}")
+            raise ValueError(f"variants should be among {', '.join(known)}, got {unknown}")
     fixtures = [golden.load(n) for n in select(list(names or golden.names()), pattern)]
     return [describe(f) for f in fixtures if not variants or f.variant in variants]
 

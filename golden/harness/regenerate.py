@@ -58,7 +58,7 @@ def to_grid(a):
 def draw_params(variant, config, rng, grid=False):
     """Weights N(0, 1/fan_in) and biases N(0, 1), rounded to float32 (or to the grid), in sorted
     name order."""
-    shapes = sorted(variants.get(variant).param_shapes(config).items())
+    shapes = sorted(variants.lookup(variant).param_shapes(config).items())
     params = {name: rng.standard_normal(shape) / np.sqrt(shape[-2] if name.startswith("W_") else 1)
               for name, shape in shapes}
     return {n: to_grid(a) if grid else a.astype(np.float32) for n, a in params.items()}
@@ -70,17 +70,20 @@ def build(case: Case) -> Fixture:
     inputs = {name: draw(spec, rng) for name, spec in case.inputs.items()}
     low = {"bfloat16", "float16"} & set(case.dtypes)
     params = draw_params(case.variant, case.config, rng, grid=bool(low))
-    forward, backward = reference.VARIANTS[case.variant]
+    params.update({n: np.array(v, dtype=np.float32) for n, v in case.fixed.items()})
+    forward, backward = reference.pair(case.variant)
     # the same bits on every machine (golden.specification.exact)
     with reference.exact_arithmetic():
         out, weights, saved = forward(case.config, inputs, params)
-        cot = {"output": rng.standard_normal(out.shape).astype(np.float32),
-               "weights": rng.standard_normal(weights.shape).astype(np.float32)}
-        grads = backward(saved, cot["output"], cot["weights"])
+        cot = {"output": rng.standard_normal(out.shape).astype(np.float32)}
+        if weights is not None:  # a recurrent mixer has no attention weights
+            cot["weights"] = rng.standard_normal(weights.shape).astype(np.float32)
+        grads = backward(saved, cot["output"], cot.get("weights"))
     out, weights, grads, zero = reference.stored(case.config, out, weights, grads)
+    expected = {"output": out} if weights is None else {"output": out, "weights": weights}
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
                    dtypes=list(case.dtypes), inputs=inputs, params=params, cotangents=cot,
-                   expected={"output": out, "weights": weights}, grads=grads, zero=zero)
+                   expected=expected, grads=grads, zero=zero)
 
 
 def regenerate(check: bool = False, directory=FIXTURE_DIR, log=print) -> int:

@@ -69,8 +69,19 @@ VARIANTS = {
     "multi_head_latent_attention": (_latent, _latent_backward),
 }
 
+
+
+def pair(name):
+    """(forward, backward) of a fixture's variant: an attention variant's (``VARIANTS``) or a
+    recurrent mixer's (golden.reference.delta_rule.MIXERS, whose forward returns no weights:
+    (output, None, saved), and whose backward takes d_weights None)."""
+    from golden.reference import delta_rule  # the mixers' room, below nothing here
+
+    return delta_rule.MIXERS[name] if name in delta_rule.MIXERS else VARIANTS[name]
+
+
 __all__ = [
-    "VARIANTS", "ZERO_GRADS", "Stage", "alibi_term", "allowed_positions", "blas_products",
+    "VARIANTS", "pair", "ZERO_GRADS", "Stage", "alibi_term", "allowed_positions", "blas_products",
     "block_backward", "block_forward", "bucket_sums", "conformer_timing_backward",
     "conformer_timing_term", "einsum", "exact_arithmetic",
     "latent_mscale", "latent_rope_stage", "linear", "linear_backward", "masked_softmax",

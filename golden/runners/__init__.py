@@ -45,18 +45,21 @@ def run_reference(fixture, dtype="float64", *, weights_cotangent=True, exact=Tru
     it (``exact``: golden.reference.exact_arithmetic, then rounded once to float64; the same
     bits on every machine), or with ``exact=False`` in NumPy float64 (fast; the last bits
     depend on the CPU). Without ``weights_cotangent``, the gradients are of Σ output ⊙ dO
-    alone."""
+    alone. A recurrent mixer's result has no "weights"."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
-    forward, backward = reference.VARIANTS[fixture.variant]
+    forward, backward = reference.pair(fixture.variant)
     cot = {n: a.astype(np.float64) for n, a in fixture.cotangents.items()}
-    if not weights_cotangent:
+    if not weights_cotangent and "weights" in cot:
         cot["weights"] = np.zeros_like(cot["weights"])
     with reference.exact_arithmetic() if exact else contextlib.nullcontext():
         out, weights, saved = forward(fixture.config, inputs, fixture.params)
-        grads = backward(saved, cot["output"], cot["weights"])
+        grads = backward(saved, cot["output"], cot.get("weights"))
     out, weights, grads, _ = reference.stored(fixture.config, out, weights, grads)
-    return {"output": out, "weights": weights, "dtype": "float64", "grads": grads}
+    result = {"output": out, "weights": weights, "dtype": "float64", "grads": grads}
+    if weights is None:  # a recurrent mixer: no attention weights
+        del result["weights"]
+    return result
 
 
 def refuses(framework, core, fixture) -> str | None:

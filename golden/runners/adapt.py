@@ -219,7 +219,7 @@ def from_module(factory, framework: str, *, mapping, name: str | None = None,
         return built[key]
 
     def unsupported(fixture, dtype):
-        if not variants.get(fixture.variant).is_module:
+        if not variants.lookup(fixture.variant).is_module:
             return f"{name} runs module variants; {fixture.variant} is the core"
         if module_for(fixture) is None:
             return f"{name} builds no {fixture.variant} with {fixture.config}"
@@ -241,7 +241,7 @@ def from_module(factory, framework: str, *, mapping, name: str | None = None,
 
 def full_config(fixture) -> dict:
     """The fixture's module configuration with every default filled in (a copy)."""
-    return variants.get(fixture.variant).config(dict(fixture.config))
+    return variants.lookup(fixture.variant).config(dict(fixture.config))
 
 
 def combine(*runners, name: str | None = None) -> Runner:
@@ -375,7 +375,7 @@ _RUN = {"numpy": _run_numpy_call, "torch": _run_torch, "jax": _run_jax}
 def _module_call(module, fixture, arrays):
     """The module on the fixture's inputs, as this project's modules are called; (out, weights
     or None)."""
-    args, kwargs = variants.get(fixture.variant).call_args(arrays)
+    args, kwargs = variants.lookup(fixture.variant).call_args(arrays)
     takes, weights = _takes(getattr(module, "forward", module))  # torch: the forward's signature
     out = module(*args, **kwargs, **({"return_weights": True} if weights else {}))
     return out if weights else (out, None)

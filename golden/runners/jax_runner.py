@@ -34,7 +34,7 @@ def run_fixture(fixture, dtype: str = "float32") -> dict:
         if directory is not None:
             return _run_stored(fixture, dtype, directory)
         module = None
-        if variants.get(fixture.variant).is_module:
+        if variants.lookup(fixture.variant).is_module:
             module = jax_attn.build(fixture.variant, fixture.config,
                                     JAX.leaves(fixture.params, dtype))
             module.train() if "dropout_mask" in fixture.inputs else module.eval()
@@ -71,9 +71,11 @@ def _split(arrays) -> tuple[dict, dict]:
 
 
 def _result(out, weights, grads, core) -> dict:
-    """The runner contract's dict (golden.runners): float64 NumPy copies."""
-    return {"output": JAX.numpy(out), "weights": JAX.numpy(weights), "grads": grads,
-            "dtype": JAX.dtype_name(out), "core": core}
+    """The runner contract's dict (golden.runners): float64 NumPy copies; no "weights" where
+    there are none (a recurrent mixer)."""
+    result = {"output": JAX.numpy(out), "weights": JAX.numpy(weights), "grads": grads,
+              "dtype": JAX.dtype_name(out), "core": core}
+    return result if weights is not None else {k: v for k, v in result.items() if k != "weights"}
 
 
 def _run_stored(fixture, dtype, directory) -> dict:
@@ -81,7 +83,7 @@ def _run_stored(fixture, dtype, directory) -> dict:
     when missing): the same computation, its parameters' gradients taken in the neutral
     layout's arrays (each the module's weight itself, or a slice of it stacked per head)."""
     floats, others = _split(JAX.leaves(fixture.inputs, dtype))
-    is_module = variants.get(fixture.variant).is_module
+    is_module = variants.lookup(fixture.variant).is_module
     args = (floats, others, JAX.leaves(fixture.params, dtype) if is_module else {},
             JAX.leaves(fixture.cotangents, dtype))
     train = "dropout_mask" in fixture.inputs
@@ -152,13 +154,15 @@ def _static(config) -> tuple:
 def _forward_backward(floats, others, params, rest, cot, *, variant, graphdef, config):
     """Output, weights and the loss's gradients for the float inputs and the parameters."""
     def loss(floats, params):
-        args, kwargs = variants.get(variant).call_args({**others, **floats})
+        args, kwargs = variants.lookup(variant).call_args({**others, **floats})
         if graphdef is None:  # the core itself, its settings from the fixture's config
             out, weights = jax_attn.scaled_dot_product_attention(
                 *args, **kwargs, **dict(config), return_weights=True)
-        else:
+        elif variant in variants.VARIANTS:
             out, weights = nnx.merge(graphdef, params, rest)(*args, **kwargs,
                                                              return_weights=True)
+        else:  # a recurrent mixer (golden.specification.recurrent): y alone, no weights
+            out, weights = nnx.merge(graphdef, params, rest)(*args, **kwargs), None
         return JAX.loss(cot, out, weights, None), (out, weights)
 
     (g_in, g_params), (out, weights) = jax.grad(loss, argnums=(0, 1), has_aux=True)(floats,

@@ -24,18 +24,27 @@ def run_module(call, fixture, dtype: str = "float32") -> dict:
     """The runner's result for ``call``, a module of the fixture's variant in the mode and
     dtype it has (or the core with the fixture's settings), on the fixture's inputs."""
     inputs = TORCH.leaves(fixture.inputs, dtype)
-    args, kwargs = variants.get(fixture.variant).call_args(inputs)
+    args, kwargs = variants.lookup(fixture.variant).call_args(inputs)
     if isinstance(call, torch.nn.Module):
         call.zero_grad(set_to_none=True)
     with implementations.record() as ran:
-        out, weights = call(*args, **kwargs, return_weights=True)
+        out, weights = _called(call, fixture, args, kwargs)
     TORCH.loss(fixture.cotangents, out, weights, dtype).backward()
     grads = {n: TORCH.numpy(t.grad) for n, t in inputs.items() if t.requires_grad}
     if isinstance(call, torch.nn.Module):
         grads.update({n: np.ascontiguousarray(g, dtype=np.float64)  # (in, out) in C order,
                       for n, g in export_grads(call).items()})  # as the expected arrays
-    return {"output": TORCH.numpy(out), "weights": TORCH.numpy(weights), "grads": grads,
-            "dtype": TORCH.dtype_name(out), "core": implementations.names(ran)}
+    result = {"output": TORCH.numpy(out), "weights": TORCH.numpy(weights), "grads": grads,
+              "dtype": TORCH.dtype_name(out), "core": implementations.names(ran)}
+    return result if weights is not None else {k: v for k, v in result.items() if k != "weights"}
+
+
+def _called(call, fixture, args, kwargs):
+    """(output, weights): with ``return_weights=True`` where the fixture holds weights; a
+    recurrent mixer's fixture holds none (its module returns y alone): (y, None)."""
+    if "weights" in fixture.expected:
+        return call(*args, **kwargs, return_weights=True)
+    return call(*args, **kwargs), None
 
 
 def run_fused(fixture, dtype: str = "float32") -> dict:
@@ -47,7 +56,7 @@ def run_fused(fixture, dtype: str = "float32") -> dict:
     if not isinstance(call, torch.nn.Module):
         call = partial(call, implementation="fused")
     inputs = TORCH.leaves(fixture.inputs, dtype)
-    args, kwargs = variants.get(fixture.variant).call_args(inputs)
+    args, kwargs = variants.lookup(fixture.variant).call_args(inputs)
     with torch.no_grad(), implementations.record() as ran:
         out = call(*args, **kwargs)
     return {"output": TORCH.numpy(out), "dtype": TORCH.dtype_name(out),
@@ -57,6 +66,8 @@ def run_fused(fixture, dtype: str = "float32") -> dict:
 def refuses(core, fixture) -> str | None:
     """Why torch's core implementation ``core`` cannot run the fixture's forward (its own rule,
     from torch_attn.IMPLEMENTATIONS), or None."""
+    if "weights" not in fixture.expected:
+        return f"{fixture.variant} is a recurrent mixer: no attention core to choose"
     asked = implementations.Asked(softcap=fixture.config.get("softcap") is not None,
                                   dropout="dropout_mask" in fixture.inputs,
                                   sinks="sinks" in fixture.inputs or "sinks" in fixture.params)
@@ -66,7 +77,7 @@ def refuses(core, fixture) -> str | None:
 def _prepared(fixture, dtype, train):
     """(the core with the fixture's settings, or the module built from its parameters in
     ``dtype``, in training mode when ``train``; the torch dtype)."""
-    variant, dt = variants.get(fixture.variant), TORCH.dtype(dtype)
+    variant, dt = variants.lookup(fixture.variant), TORCH.dtype(dtype)
     if not variant.is_module:
         return partial(torch_attn.scaled_dot_product_attention, **fixture.config), dt
     params = fixture.params  # float32 and float64 built as such (one copy); others cast after

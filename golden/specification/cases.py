@@ -41,6 +41,10 @@ class Case:
     inputs: dict
     config: dict = field(default_factory=dict)
     dtypes: tuple = ("float32", "float64")
+    # parameters given exactly ({name: values}, stored as float32) in place of the drawn ones,
+    # drawn all the same so that the generator's stream is unchanged: a decay rate that only
+    # makes sense positive (lightning attention's slope)
+    fixed: dict = field(default_factory=dict)
 
 
 def _qkv(lead=(B, H), lq=LQ, lk=LK, dk=DK, dv=DV, kv_lead=None, kind="normal"):
@@ -820,4 +824,46 @@ CASES += [
           "mask": ("mask", (5, 9), 0.8, ())},
          {"d_in": 6, "num_heads": 3, "num_kv_heads": 1, "head_dim": 4, "qkv_bias": True,
           "out_bias": True, "rope_theta": 100.0, "qk_norm": "layer", "merged_context": True}),
+]
+
+# The recurrent token mixers (issue 43, golden.specification.recurrent.MIXERS): no attention
+# weights (the fixture holds none; the loss is Σ y ⊙ dO), x (B, L, d_in) or (L, d_in) and a mask
+# (B, L) of booleans, True = a real token (here left padding: the first tokens of a row False).
+# L = 70 crosses the twins' chunk of 64 (and lightning's block_size 16); Hv = 2·Hk where the
+# heads are grouped. Lightning's slope is fixed (positive: a decay e^−slope < 1 per token).
+def _left_padded(pads, length):
+    """A (B, L) mask, row b's first pads[b] tokens False (``pads`` an int: one (L,) row)."""
+    row = lambda n: [False] * n + [True] * (length - n)  # noqa: E731
+    return ("values", row(pads) if isinstance(pads, int) else [row(n) for n in pads], "bool")
+
+
+GDN, KDA, LIGHTNING = "gated_delta_net", "kimi_delta_attention", "lightning_attention"
+CASES += [
+    Case("gated_delta_net_grouped_chunks", GDN, 870, {"x": ("normal", (2, 70, 6))},
+         {"d_in": 6, "num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 3, "head_v_dim": 4,
+          "d_out": 5, "conv_kernel": 4}),
+    Case("gated_delta_net_neg_eigval_left_padding", GDN, 871,
+         {"x": ("normal", (2, 9, 5)), "mask": _left_padded([3, 0], 9)},
+         {"d_in": 5, "num_k_heads": 1, "num_v_heads": 2, "head_k_dim": 4, "head_v_dim": 3,
+          "conv_kernel": 3, "allow_neg_eigval": True}),
+    Case("gated_delta_net_unbatched", GDN, 872, {"x": ("normal", (11, 4))},
+         {"d_in": 4, "num_k_heads": 2, "num_v_heads": 2, "head_k_dim": 2, "head_v_dim": 3,
+          "d_out": 6, "conv_kernel": 2, "norm_eps": 1e-5}),
+    Case("kimi_delta_softplus_low_rank_left_padding", KDA, 873,
+         {"x": ("normal", (2, 70, 5)), "mask": _left_padded([0, 6], 70)},
+         {"d_in": 5, "num_heads": 2, "head_dim": 3, "d_out": 7, "conv_kernel": 4,
+          "decay_rank": 2, "gate_rank": 4}),
+    Case("kimi_delta_bounded_sigmoid_full_rank", KDA, 874, {"x": ("normal", (2, 9, 6))},
+         {"d_in": 6, "num_heads": 3, "head_dim": 4, "conv_kernel": 3,
+          "forget_gate": "bounded_sigmoid", "decay_lower_bound": -5.0}),
+    Case("lightning_blocks", LIGHTNING, 875, {"x": ("normal", (2, 70, 5))},
+         {"d_in": 5, "num_heads": 3, "head_dim": 4, "d_out": 6, "block_size": 16},
+         fixed={"slope": [0.5, 0.125, 0.03125]}),
+    Case("lightning_left_padding", LIGHTNING, 876,
+         {"x": ("normal", (2, 9, 6)), "mask": _left_padded([4, 1], 9)},
+         {"d_in": 6, "num_heads": 2, "head_dim": 3, "block_size": 4},
+         fixed={"slope": [0.25, 0.0625]}),
+    Case("lightning_unbatched", LIGHTNING, 877, {"x": ("normal", (10, 4))},
+         {"d_in": 4, "num_heads": 4, "head_dim": 2, "d_out": 3, "block_size": 4,
+          "norm_eps": 1e-5}, fixed={"slope": [1.0, 0.5, 0.25, 0.125]}),
 ]

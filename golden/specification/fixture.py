@@ -11,6 +11,8 @@ A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pick
     params/<name>        module weights in the neutral layout (y = x W + b, W is (in, out))
     cotangents/output    dO, cotangents/weights dA: the fixed loss is Σ O⊙dO + Σ A⊙dA
     expected/output      float64 reference output, expected/weights the float64 weights
+                         (a recurrent mixer, golden.specification.recurrent, has no attention
+                         weights: neither weights member, the loss Σ O⊙dO)
     grads/<name>         float64 dL/d<name> for every float input and every parameter
 
 Beside the shipped fixtures, ``MANIFEST.json`` (written last by ``golden.harness.regenerate``)
@@ -452,8 +454,10 @@ def _from_members(path, members) -> Fixture:
             or not all(isinstance(d, str) and d in DTYPES for d in dtypes)):
         fail(f"meta.dtypes should be a non-empty list drawn from {DTYPES}, got {_short(dtypes)}")
     _check_meta_fields(fail, meta)
-    required = {"meta", "cotangents/output", "cotangents/weights", "expected/output",
-                "expected/weights"}
+    required = {"meta", "cotangents/output", "expected/output"}
+    weights = {"cotangents/weights", "expected/weights"}  # none for a recurrent mixer
+    if weights & set(members):
+        required |= weights
     for group in ("inputs", "params", "grads"):
         required |= {f"{group}/{n}" for n in meta[group]}
     missing, extra = sorted(required - set(members)), sorted(set(members) - required)
@@ -522,7 +526,7 @@ def _check_consistency(fail, meta, groups) -> None:
     for n, g in groups["grads"].items():
         if n not in sources or g.shape != sources[n].shape:
             fail(f"grads/{n} shape {g.shape} does not match the array it differentiates")
-    for n in ("output", "weights"):
+    for n in groups["expected"]:
         if groups["cotangents"][n].shape != groups["expected"][n].shape:
             fail(f"cotangents/{n} shape {groups['cotangents'][n].shape} differs from "
                  f"expected/{n} shape {groups['expected'][n].shape}")
@@ -531,7 +535,7 @@ def _check_consistency(fail, meta, groups) -> None:
             if a.dtype != np.float64 or not np.all(np.isfinite(a)):
                 fail(f"{group}/{n} should be finite float64, got {a.dtype}")
     try:
-        variant = variants.get(meta["variant"])
+        variant = variants.lookup(meta["variant"])
         config = variant.config(meta["config"])
         variant.check_params(config, groups["params"])
     except (ValueError, KeyError, TypeError) as e:
@@ -542,5 +546,12 @@ def _check_consistency(fail, meta, groups) -> None:
         shape = variant.check_inputs(config, inputs, rate)
     except (ValueError, KeyError) as e:
         fail(f"inputs inconsistent with config: {e}")
-    if groups["expected"]["weights"].shape != tuple(shape):
+    if shape is None:  # a recurrent mixer: no attention weights
+        if "weights" in groups["expected"]:
+            fail(f"expected/weights should be absent: {meta['variant']} returns no attention "
+                 f"weights")
+    elif "weights" not in groups["expected"]:
+        fail(f"members do not match meta: missing ['cotangents/weights', 'expected/weights'] "
+             f"of shape {tuple(shape)}")
+    elif groups["expected"]["weights"].shape != tuple(shape):
         fail(f"expected/weights shape {groups['expected']['weights'].shape} should be {shape}")

@@ -676,6 +676,20 @@ def get(name) -> Variant:
     return VARIANTS[name]
 
 
+def lookup(name) -> Variant:
+    """The description of a fixture's variant: an attention variant (``get``) or a recurrent
+    token mixer (golden.specification.recurrent.MIXERS, kept out of VARIANTS: no attention
+    weights); ValueError listing both otherwise."""
+    from golden.specification import recurrent  # it builds on this module
+
+    if name in recurrent.MIXERS:
+        return recurrent.MIXERS[name]
+    if name not in VARIANTS:
+        raise ValueError(f"variant should be one of {', '.join([*VARIANTS, *recurrent.MIXERS])}"
+                         f", got {name!r}")
+    return VARIANTS[name]
+
+
 def module_variant(name) -> Variant:
     """Like ``get``, for a variant that is a module class (what ``build`` makes)."""
     if name not in VARIANTS or not VARIANTS[name].is_module:
