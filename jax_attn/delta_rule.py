@@ -16,8 +16,9 @@ Implementations (``DELTA_RULE_IMPLEMENTATIONS``, ``LIGHTNING_IMPLEMENTATIONS``;
     chunked    delta rule: the WY/UT form (Hugging Face's ``torch_chunk_gated_delta_rule`` and
                ``chunk_kimi_delta_attention``, FLA's): within a chunk the T updates solved as
                one unit lower-triangular system; with a decay per key channel the within-chunk
-               decays are the differences e^{Γ_i − Γ_j} per channel, a (T, T, Dk) array as HF's
-               (never e^{−Γ} alone, which overflows for strong decays).
+               decays e^{Γ_i − Γ_j} per channel, a (T, T, Dk) array as HF's (never e^{−Γ}
+               alone, which overflows for strong decays), each exponent summed over its own
+               segment rather than as a difference of cumulative sums (accurate dg in float32).
                lightning: MiniMax's block form, intra-block (Q Kᵀ ⊙ D) V with D_ij = e^{−s(i−j)}
                (i ≥ j), inter-block (Q ⊙ e^{−s(i+1)}) S, S ← e^{−sT} S + (K ⊙ e^{−s(T−1−i)})ᵀ V.
                Both: ``lax.scan`` over chunks carrying S; L not a multiple of T padded with
@@ -69,18 +70,27 @@ def _recurrent_head(q, k, v, g, beta, state):
     return o, final
 
 
-def _decayed_scores(a, b, cum):
-    """(a bᵀ) ⊙ D, D_ij = e^{Γ_i − Γ_j} for j ≤ i and 0 above, for a, b (T, Dk) and Γ = ``cum``
-    (T,) per head, or Σ_c a_ic b_jc e^{Γ_ic − Γ_jc} for Γ (T, Dk) per key channel (HF's
-    (T, T, Dk) decay mask: every exponent ≤ 0 where it is kept)."""
+def _segment_sums(g):
+    """Σ_{j<m≤i} g′_m at [i, j] (0 for i ≤ j), (T + 1, T + 1) or (T + 1, T + 1, Dk), of g′ = [0,
+    g_1 … g_T]: each exponent summed over its own segment (Mamba-2's stable segsum), never as a
+    difference Γ_i − Γ_j of two large cumulative sums, whose rounding (|Γ| u, Γ reaching −320 in
+    a chunk of strong decays) would swamp the short segments that carry the gradient of g."""
+    t = g.shape[0] + 1
+    padded = jnp.concatenate([jnp.zeros_like(g[:1]), g])  # g′ (T + 1, …)
+    strict = jnp.tril(jnp.ones((t, t), bool), -1)  # [m, j]: m > j
+    strict = strict.reshape(strict.shape + (1,) * (g.ndim - 1))
+    return jnp.cumsum(jnp.where(strict, padded[:, None], 0), axis=0)
+
+
+def _decayed_scores(a, b, inner):
+    """(a bᵀ) ⊙ D for a, b (T, Dk) and D_ij = e^{Γ_i − Γ_j} for j ≤ i (0 above), ``inner`` the
+    segment sums Γ_i − Γ_j (T, T) per head, or Σ_c a_ic b_jc e^{Γ_ic − Γ_jc} for ``inner``
+    (T, T, Dk) per key channel (HF's (T, T, Dk) decay mask: every exponent ≤ 0 where kept)."""
     t = a.shape[0]
     lower = jnp.tril(jnp.ones((t, t), bool))
-    if cum.ndim == 1:
-        decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], 0)), 0)
-        return _dot("ik,jk->ij", a, b) * decay
-    keep = lower[:, :, None]
-    diff = jnp.where(keep, cum[:, None, :] - cum[None, :, :], 0)  # (T, T, Dk)
-    return _dot("ik,jk,ijk->ij", a, b, jnp.where(keep, jnp.exp(diff), 0))
+    if inner.ndim == 2:
+        return _dot("ik,jk->ij", a, b) * jnp.where(lower, jnp.exp(inner), 0)
+    return _dot("ik,jk,ijk->ij", a, b, jnp.where(lower[:, :, None], jnp.exp(inner), 0))
 
 
 def _chunk(state, q, k, v, g, beta):
@@ -89,19 +99,21 @@ def _chunk(state, q, k, v, g, beta):
     ``_decayed_scores``,
         (I + strict_lower((β k) kᵀ ⊙ D)) [U | W] = [β v | β k ⊙ e^Γ]
         V̂ = U − W S;   o = (q ⊙ e^Γ) S + ((q kᵀ) ⊙ D) V̂;
-        S′ = diag(e^{Γ_T}) S + (k ⊙ e^{Γ_T − Γ})ᵀ V̂."""
+        S′ = diag(e^{Γ_T}) S + (k ⊙ e^{Γ_T − Γ})ᵀ V̂,
+    every exponent a segment sum (``_segment_sums``)."""
     t = q.shape[0]
-    cum = jnp.cumsum(g, axis=0)  # Γ (T,) or (T, Dk)
+    seg = _segment_sums(g)
+    cum, tail, inner = seg[1:, 0], seg[-1, 1:], seg[1:, 1:]  # Γ, Γ_T − Γ (T, …); (T, T, …)
     k_beta = k * beta[:, None]  # (T, Dk)
-    system = jnp.eye(t, dtype=q.dtype) + jnp.tril(_decayed_scores(k_beta, k, cum), -1)
+    system = jnp.eye(t, dtype=q.dtype) + jnp.tril(_decayed_scores(k_beta, k, inner), -1)
     rhs = jnp.concatenate([v * beta[:, None], k_beta * _per_key(jnp.exp(cum))], axis=-1)
     solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
     u, w = solved[:, :v.shape[-1]], solved[:, v.shape[-1]:]  # (T, Dv), (T, Dk)
     fresh = u - _dot("ik,kv->iv", w, state)  # V̂ (T, Dv)
     o = (_dot("ik,kv->iv", q * _per_key(jnp.exp(cum)), state)
-         + _dot("ij,jv->iv", _decayed_scores(q, k, cum), fresh))
+         + _dot("ij,jv->iv", _decayed_scores(q, k, inner), fresh))
     new = (state * _on_state(jnp.exp(cum[-1]))
-           + _dot("ik,iv->kv", k * _per_key(jnp.exp(cum[-1] - cum)), fresh))
+           + _dot("ik,iv->kv", k * _per_key(jnp.exp(tail)), fresh))
     return o, new
 
 
