@@ -2,8 +2,9 @@
 Gated DeltaNet module, in a tiny float64 model of Hugging Face's own, against our float64
 reference converted by ``golden.convert.from_hf`` (the module's own state dict as HF names it),
 on the layer's captured input from the model's forward, with left padding; ``to_hf`` giving the
-state dict back; each family's distinctive setting undone moving the output far. For Kimi Delta Attention and
-lightning attention the JAX twin (jax_attn.build from the same conversion, float64) too.
+state dict back; each family's distinctive setting undone moving the output far. For Kimi Delta
+Attention and lightning attention the JAX twin (jax_attn.build from the same conversion,
+float64) too.
 
 HF computes the delta rule and the gated norm in float32 even in a float64 model
 (``torch_chunk_gated_delta_rule`` casts to float32): its float32 error grows with the length,
