@@ -1,27 +1,17 @@
-"""Gated delta-rule linear attention in JAX (issue 43): the functional core ``gated_delta_rule``
-with its named implementations, and the Flax NNX module ``GatedDeltaNet`` over it.
+"""The recurrent token mixers in JAX (issue 43), Flax NNX modules over the functional cores of
+jax_attn.delta_rule (re-exported here): ``GatedDeltaNet`` and ``KimiDeltaAttention`` over
+``gated_delta_rule`` (a decay per head, or per key channel), ``LightningAttention`` over
+``lightning_rule``.
 
-The mixer is described in golden.specification.recurrent (arguments, neutral parameters, inputs,
-the cache) and written plainly in float64 in golden.reference.delta_rule; this is its twin of
-torch_attn.recurrent.
+The mixers are described in golden.specification.recurrent (arguments, neutral parameters,
+inputs, the cache) and written plainly in float64 in golden.reference.delta_rule; these are the
+twins of torch_attn.recurrent's.
 
 Shape legend: B batch, L tokens, H heads (the value heads Hv; Hk key heads, each serving Hv/Hk
-value heads), Dk and Dv the key and value widths, C = 2·Hk·Dk + Hv·Dv the convolution's
-channels, K its width, T the chunk size, N = ⌈L/T⌉ chunks. Per head the state S is (Dk, Dv):
-    S′_t = e^{g_t} S_{t−1};  S_t = S′_t + k_t ⊗ β_t (v_t − S′_tᵀ k_t);  o_t = S_tᵀ q_t
-
-Implementations (``DELTA_RULE_IMPLEMENTATIONS``; ``implementation=None``: "recurrent" for
-L = 1, "chunked" otherwise):
-    recurrent  one token at a time (``lax.scan`` over L); its autodiff keeps every S_t, so its
-               gradient's memory is O(L·Dk·Dv)
-    chunked    the WY/UT form (Hugging Face's ``torch_chunk_gated_delta_rule``, FLA's): within
-               a chunk of T tokens the T updates solved as one unit lower-triangular system,
-               ``lax.scan`` over chunks carrying S; L not a multiple of T is padded with
-               g = 0, β = 0, k = q = v = 0 (as HF pads), which leave S unchanged. Its
-               ``jax.custom_vjp`` keeps only the inputs and the N chunk-boundary states and
-               recomputes each chunk's forward in reverse chunk order: O(L) memory.
-Both compute in the inputs' dtype when it is float32 or float64, in float32 otherwise (state
-and gates in float32, as FLA); every product at ``Precision.HIGHEST``.
+value heads), Dk and Dv the key and value widths, C the projected channels (2·Hk·Dk + Hv·Dv),
+K the convolution's width. All three share the call (x, mask, cache, implementation), the
+RecurrentCache (lightning attention: a convolution of width 0, conv (B, 0, C)) and the input
+masking; the delta-rule pair share the convolution, the L2 normalisation and the output norm.
 """
 
 from __future__ import annotations
@@ -33,164 +23,18 @@ from flax import nnx
 from jax import lax
 
 from golden.specification import recurrent
-from golden.specification.implementations import ran
 from golden.specification.recurrent import RecurrentCache
 from golden.specification.variants import freeze, thaw
+from jax_attn.delta_rule import (  # noqa: F401  (public here: jax_attn.recurrent.<name>)
+    DELTA_RULE_IMPLEMENTATIONS,
+    HIGHEST,
+    LIGHTNING_IMPLEMENTATIONS,
+    _check_choice,
+    compute_dtype,
+    gated_delta_rule,
+    lightning_rule,
+)
 
-HIGHEST = jax.lax.Precision.HIGHEST
-FRAMEWORK = "jax"
-
-
-def _dot(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=HIGHEST)
-
-
-# ---- one head -----------------------------------------------------------------------------------
-
-def _recurrent_head(q, k, v, g, beta, state):
-    """(o (L, Dv), S_L (Dk, Dv)) token by token, for q, k (L, Dk), v (L, Dv), g, beta (L,),
-    S_0 ``state`` (Dk, Dv)."""
-    def step(s, token):
-        qt, kt, vt, gt, bt = token
-        s = s * jnp.exp(gt)  # S′_t
-        delta = bt * (vt - _dot("kv,k->v", s, kt))  # β_t (v_t − S′_tᵀ k_t)   (Dv,)
-        s = s + kt[:, None] * delta[None, :]
-        return s, _dot("kv,k->v", s, qt)
-    final, o = lax.scan(step, state, (q, k, v, g, beta))
-    return o, final
-
-
-def _chunk(state, q, k, v, g, beta):
-    """(o (T, Dv), S after the chunk) of one chunk of T tokens from ``state`` S (Dk, Dv), in the
-    WY/UT form: with Γ_i = Σ_{j≤i} g_j and D_ij = e^{Γ_i − Γ_j} (j ≤ i, else 0),
-        (I + strict_lower((β k) kᵀ ⊙ D)) [U | W] = [β v | β k e^Γ]
-        V̂ = U − W S;   o = (q e^Γ) S + ((q kᵀ) ⊙ D) V̂;   S′ = e^{Γ_T} S + (k e^{Γ_T − Γ})ᵀ V̂."""
-    t = q.shape[0]
-    cum = jnp.cumsum(g)  # Γ (T,)
-    lower = jnp.tril(jnp.ones((t, t), bool))
-    decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], 0)), 0)
-    k_beta = k * beta[:, None]  # (T, Dk)
-    system = jnp.eye(t, dtype=q.dtype) + jnp.tril(_dot("ik,jk->ij", k_beta, k) * decay, -1)
-    rhs = jnp.concatenate([v * beta[:, None], k_beta * jnp.exp(cum)[:, None]], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-    u, w = solved[:, :v.shape[-1]], solved[:, v.shape[-1]:]  # (T, Dv), (T, Dk)
-    fresh = u - _dot("ik,kv->iv", w, state)  # V̂ (T, Dv)
-    o = (_dot("ik,kv->iv", q * jnp.exp(cum)[:, None], state)
-         + _dot("ij,jv->iv", _dot("ik,jk->ij", q, k) * decay, fresh))
-    new = (state * jnp.exp(cum[-1])
-           + _dot("ik,iv->kv", k * jnp.exp(cum[-1] - cum)[:, None], fresh))
-    return o, new
-
-
-@jax.custom_vjp
-def _chunk_scan(state, q, k, v, g, beta):
-    """(o (N, T, Dv), S_final) of chunked inputs q, k (N, T, Dk), v (N, T, Dv), g, beta (N, T)."""
-    (o, final), _ = _chunk_scan_fwd(state, q, k, v, g, beta)
-    return o, final
-
-
-def _chunk_scan_fwd(state, q, k, v, g, beta):
-    def step(s, chunk):
-        o, new = _chunk(s, *chunk)
-        return new, (o, s)  # s: the state entering the chunk
-    final, (o, starts) = lax.scan(step, state, (q, k, v, g, beta))
-    return (o, final), (starts, q, k, v, g, beta)  # residuals: inputs, N boundary states
-
-
-def _chunk_scan_bwd(residuals, cotangents):
-    starts, q, k, v, g, beta = residuals
-    d_o, d_final = cotangents
-
-    def step(d_s, chunk):
-        start, qc, kc, vc, gc, bc, d_oc = chunk
-        _, pullback = jax.vjp(_chunk, start, qc, kc, vc, gc, bc)  # the chunk recomputed
-        d_start, *d_inputs = pullback((d_oc, d_s))
-        return d_start, tuple(d_inputs)
-    d_state, d_inputs = lax.scan(step, d_final, (starts, q, k, v, g, beta, d_o), reverse=True)
-    return (d_state, *d_inputs)
-
-
-_chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
-
-
-def _chunked_head(q, k, v, g, beta, state, chunk_size):
-    """As ``_recurrent_head``, by chunks of ``chunk_size`` tokens (the last padded)."""
-    length = q.shape[0]
-    pad = -length % chunk_size
-    tokens = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, k, v, g, beta)]
-    chunks = [a.reshape((-1, chunk_size) + a.shape[1:]) for a in tokens]  # (N, T, ...)
-    o, final = _chunk_scan(state, *chunks)
-    return o.reshape((-1, v.shape[-1]))[:length], final  # (L, Dv)
-
-
-DELTA_RULE_IMPLEMENTATIONS = {
-    "recurrent": lambda q, k, v, g, beta, state, chunk_size: _recurrent_head(
-        q, k, v, g, beta, state),
-    "chunked": _chunked_head,
-}
-
-
-# ---- the functional core ------------------------------------------------------------------------
-
-def compute_dtype(dtype):
-    """The dtype the delta rule runs in: float32 and float64 as they are, float32 for the rest."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-
-
-def _check_choice(implementation, chunk_size):
-    """ValueError unless ``implementation`` is None or a registered name and ``chunk_size`` a
-    positive int."""
-    if implementation is not None and implementation not in DELTA_RULE_IMPLEMENTATIONS:
-        raise ValueError(f"implementation should be None or one of "
-                         f"{', '.join(map(repr, DELTA_RULE_IMPLEMENTATIONS))}, got "
-                         f"{implementation!r}")
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size should be a positive int, got {chunk_size!r}")
-
-
-def _check_core(q, k, v, g, beta, initial_state, implementation, chunk_size):
-    _check_choice(implementation, chunk_size)
-    if q.ndim != 4:
-        raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
-    b, h, length, dk = q.shape
-    want = {"k": (k, (b, h, length, dk)), "v": (v, (b, h, length, v.shape[-1])),
-            "g": (g, (b, h, length)), "beta": (beta, (b, h, length))}
-    if initial_state is not None:
-        want["initial_state"] = (initial_state, (b, h, dk, v.shape[-1]))
-    for name, (a, shape) in want.items():
-        if tuple(a.shape) != shape:
-            raise ValueError(f"{name} shape should be {shape}, got {tuple(a.shape)}")
-
-
-def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, implementation=None,
-                     chunk_size=64):
-    """The gated delta rule over L tokens: (o (B, H, L, Dv), final_state (B, H, Dk, Dv)).
-
-    q, k (B, H, L, Dk): already L2-normalised, q already scaled by Dk^−1/2, both repeated to the
-    value heads; v (B, H, L, Dv); g (B, H, L) the log-decay (≤ 0); beta (B, H, L).
-    ``initial_state`` S_0 (B, H, Dk, Dv) (None: zeros). ``implementation``: a name of
-    ``DELTA_RULE_IMPLEMENTATIONS`` or None ("recurrent" for L = 1, else "chunked"); the one
-    that runs is recorded (golden.specification.implementations.record). The result and the
-    state are in the compute dtype (``compute_dtype`` of q's)."""
-    _check_core(q, k, v, g, beta, initial_state, implementation, chunk_size)
-    if implementation is None:
-        implementation = "recurrent" if q.shape[-2] == 1 else "chunked"
-    ran(FRAMEWORK, implementation)
-    dtype = compute_dtype(q.dtype)
-    if initial_state is None:
-        initial_state = jnp.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]), dtype)
-    return _core(*(a.astype(dtype) for a in (q, k, v, g, beta, initial_state)),
-                 implementation=implementation, chunk_size=chunk_size)
-
-
-@jax.jit(static_argnames=("implementation", "chunk_size"))
-def _core(q, k, v, g, beta, state, *, implementation, chunk_size):
-    head = DELTA_RULE_IMPLEMENTATIONS[implementation]
-    per_batch = jax.vmap(jax.vmap(head, in_axes=(0,) * 6 + (None,)), in_axes=(0,) * 6 + (None,))
-    return per_batch(q, k, v, g, beta, state, chunk_size)
-
-
-# ---- the module ---------------------------------------------------------------------------------
 
 def _silu(z):
     return z * jax.nn.sigmoid(z)
@@ -209,12 +53,155 @@ def _l2_normalize(a, eps):
     return a * lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + eps)
 
 
+def _rms(a, eps):
+    return a * lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + eps)
+
+
 def _heads(y, heads):
     """(B, L, H·D) -> (B, H, L, D)."""
     return jnp.swapaxes(y.reshape(y.shape[:-1] + (heads, -1)), 1, 2)
 
 
-class GatedDeltaNet(nnx.Module):
+def _merge(y):
+    """(B, H, L, D) -> (B, L, H·D)."""
+    return jnp.swapaxes(y, 1, 2).reshape(y.shape[:1] + y.shape[2:3] + (-1,))
+
+
+def _conv_init(rngs, shape, kernel):
+    """PyTorch's Conv1d default: U(±K^−1/2)."""
+    bound = 1 / np.sqrt(kernel)
+    return nnx.Param(jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound))
+
+
+class _Mixer(nnx.Module):
+    """What the recurrent mixers share: the configuration (checked by its description), the
+    projections (``nnx.Linear``, no bias, kernels (in, out); a low-rank one as two), the cache,
+    and the call's checks and unbatching. A subclass sets ``variant`` and defines ``_call(x,
+    mask, cache, *, implementation, size) -> (y, new cache)`` on a batch."""
+
+    variant = ""
+
+    def _setup(self, config, rngs, precision):
+        """The checked configuration (kept static) and one ``nnx.Linear`` per projection of the
+        description that the configuration has (the others None); returns the shapes."""
+        described = recurrent.get(self.variant)
+        config = described.config(config)
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs should be a flax.nnx.Rngs (nnx.Rngs(seed)), got "
+                            f"{type(rngs).__name__}")
+        self._config = tuple((n, freeze(v)) for n, v in config.items())  # static under jit
+        shapes = described.shapes(config)
+        for role, name in described.layers.items():
+            shape = shapes.get(f"W_{role}")
+            setattr(self, name, None if shape is None else nnx.Linear(
+                *shape, use_bias=False, precision=precision, rngs=rngs))
+        return shapes
+
+    def _project(self, role, x):
+        """x W_role, or (x W_role_a) W_role_b where the projection is low-rank."""
+        layer = getattr(self, f"W_{role}")
+        if layer is not None:
+            return layer(x)
+        return getattr(self, f"W_{role}_b")(getattr(self, f"W_{role}_a")(x))
+
+    @property
+    def config(self) -> dict:
+        """The constructor arguments, complete (what ``build`` needs besides the parameters)."""
+        return {n: thaw(v) for n, v in self._config}
+
+    def init_cache(self, batch_size, max_length) -> RecurrentCache:
+        """A RecurrentCache of zeros: conv (B, K − 1, C) in the projections' dtype, state
+        (B, Hv, Dk, Dv) in the compute dtype (float32, or float64 for a float64 module),
+        lengths (B,) int32. ``max_length`` bounds the tokens the cache may take (checked on
+        the host by the call when the lengths are concrete)."""
+        shapes = recurrent.cache_shapes(self.config, batch_size)
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length should be a positive int, got {max_length!r}")
+        self.max_length = max_length  # static: what the calls with a cache may reach
+        dtype = self.W_query.kernel.get_value().dtype
+        return RecurrentCache(jnp.zeros(shapes["conv"], dtype),
+                              jnp.zeros(shapes["state"], compute_dtype(dtype)),
+                              jnp.zeros(shapes["lengths"], jnp.int32))
+
+    def _checked_call(self, x, mask, cache, implementation, size, registry, size_name):
+        recurrent.get(self.variant).check_inputs(self.config, {"x": x, "mask": mask})
+        lead = tuple(x.shape[:-2])
+        if cache is not None:
+            recurrent.check_cache(self.config, cache, lead)
+            self._check_fits(cache, x.shape[-2])
+        _check_choice(implementation, size, registry, size_name)
+        if not lead:  # unbatched: a batch of one
+            x = x[None]
+            mask = None if mask is None else mask[None]
+            cache = None if cache is None else RecurrentCache(*(a[None] for a in cache))
+        y, new = self._call(x, mask, cache, implementation=implementation, size=size)
+        if not lead:
+            y, new = y[0], RecurrentCache(*(a[0] for a in new))
+        return y if cache is None else (y, new)
+
+    def _check_fits(self, cache, length):
+        limit = getattr(self, "max_length", None)
+        if limit is None or isinstance(cache.lengths, jax.core.Tracer):
+            return
+        reach = int(np.max(np.asarray(cache.lengths), initial=0)) + length
+        if reach > limit:
+            raise ValueError(f"cache max_length is {limit} (init_cache), but this call of "
+                             f"{length} tokens would reach {reach}")
+
+    def _new_cache(self, cache, x, kept, final):
+        """The RecurrentCache after x: the convolution's inputs ``kept``, the state ``final``
+        (in the given cache's dtype), the lengths advanced by L."""
+        lengths = jnp.zeros(x.shape[:1], jnp.int32) if cache is None else cache.lengths
+        state_dtype = final.dtype if cache is None else cache.state.dtype
+        return RecurrentCache(kept, final.astype(state_dtype), lengths + x.shape[1])
+
+
+class _DeltaMixer(_Mixer):
+    """The delta-rule mixers' shared call: x masked, q, k, v through the causal convolution and
+    SiLU, q and k L2-normalised per head (q scaled by Dk^−1/2, both repeated to the value
+    heads), ``gated_delta_rule`` with the subclass's β (``_beta``) and log-decay (``_decay``),
+    then RMSNorm(o)·norm_weight ⊙ act(gate) (``_gate``) through out_proj."""
+
+    def _conv_params(self, shapes, kernel, rngs):
+        for name in ("conv_query", "conv_key", "conv_value"):
+            setattr(self, name, _conv_init(rngs, shapes[name], kernel))
+
+    def __call__(self, x, mask=None, *, cache=None, implementation=None, chunk_size=64):
+        return self._checked_call(x, mask, cache, implementation, chunk_size,
+                                  DELTA_RULE_IMPLEMENTATIONS, "chunk_size")
+
+    @nnx.jit(graph=False, static_argnames=("implementation", "size"))
+    def _call(self, x, mask, cache, *, implementation, size):
+        c = self.config
+        hk, hv, dk, dv = recurrent.sizes(c)
+        if mask is not None:
+            x = x * mask[..., None].astype(x.dtype)
+        dtype = compute_dtype(x.dtype)
+        u = jnp.concatenate([self.W_query(x), self.W_key(x), self.W_value(x)], axis=-1)
+        held = (jnp.zeros(x.shape[:1] + (c["conv_kernel"] - 1, u.shape[-1]), u.dtype)
+                if cache is None else cache.conv.astype(u.dtype))
+        w = jnp.concatenate([p.get_value() for p in
+                             (self.conv_query, self.conv_key, self.conv_value)], axis=0)
+        pre, kept = _causal_conv(u.astype(dtype), w.astype(dtype), held.astype(dtype))
+        act = _silu(pre)  # (B, L, C)
+        q_end, k_end = hk * dk, 2 * hk * dk
+        eps = c["l2norm_eps"]
+        q = _l2_normalize(_heads(act[..., :q_end], hk), eps) * (dk ** -0.5)
+        k = _l2_normalize(_heads(act[..., q_end:k_end], hk), eps)
+        v = _heads(act[..., k_end:], hv)
+        q, k = (jnp.repeat(a, hv // hk, axis=1) for a in (q, k))  # value head h: key h // group
+        beta = jax.nn.sigmoid(jnp.swapaxes(self.W_beta(x).astype(dtype), 1, 2))  # (B, Hv, L)
+        state = None if cache is None else cache.state
+        o, final = gated_delta_rule(q, k, v, self._decay(x, dtype), self._beta(beta),
+                                    initial_state=state, implementation=implementation,
+                                    chunk_size=size)
+        out = (_rms(o, c["norm_eps"]) * self.norm_weight.get_value().astype(dtype)
+               * self._gate(_heads(self._project("gate", x), hv).astype(dtype)))
+        y = self.out_proj(_merge(out).astype(x.dtype))
+        return y, self._new_cache(cache, x, kept.astype(u.dtype), final)
+
+
+class GatedDeltaNet(_DeltaMixer):
     """Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid; golden.specification.recurrent): a
     causal depthwise convolution and SiLU on the query, key and value projections, per-head
     L2-normalised q and k, the gated delta rule (``gated_delta_rule``) with β = σ(x W_beta)
@@ -237,110 +224,123 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, d_in, num_k_heads, num_v_heads, head_k_dim, head_v_dim, d_out=None,
                  conv_kernel=4, norm_eps=1e-6, l2norm_eps=1e-6, allow_neg_eigval=False, *,
                  rngs, precision=HIGHEST):
-        described = recurrent.get(self.variant)
-        config = described.config(dict(
+        shapes = self._setup(dict(
             d_in=d_in, num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
             head_v_dim=head_v_dim, d_out=d_out, conv_kernel=conv_kernel, norm_eps=norm_eps,
-            l2norm_eps=l2norm_eps, allow_neg_eigval=allow_neg_eigval))
-        if not isinstance(rngs, nnx.Rngs):
-            raise TypeError(f"rngs should be a flax.nnx.Rngs (nnx.Rngs(seed)), got "
-                            f"{type(rngs).__name__}")
-        self._config = tuple((n, freeze(v)) for n, v in config.items())  # static under jit
-        shapes = described.shapes(config)
-        for role, name in described.layers.items():
-            d_from, d_to = shapes[f"W_{role}"]
-            setattr(self, name, nnx.Linear(d_from, d_to, use_bias=False, precision=precision,
-                                           rngs=rngs))
-        for name in ("conv_query", "conv_key", "conv_value"):  # PyTorch's Conv1d default
-            bound = 1 / np.sqrt(conv_kernel)
-            setattr(self, name, nnx.Param(jax.random.uniform(
-                rngs.params(), shapes[name], jnp.float32, -bound, bound)))
+            l2norm_eps=l2norm_eps, allow_neg_eigval=allow_neg_eigval), rngs, precision)
+        self._conv_params(shapes, conv_kernel, rngs)
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(  # HF: A ~ U(0, 16)
             rngs.params(), (num_v_heads,), jnp.float32, 1.0, 16.0)))
         self.dt_bias = nnx.Param(jnp.ones((num_v_heads,), jnp.float32))
         self.norm_weight = nnx.Param(jnp.ones((head_v_dim,), jnp.float32))
 
-    @property
-    def config(self) -> dict:
-        """The constructor arguments, complete (what ``build`` needs besides the parameters)."""
-        return {n: thaw(v) for n, v in self._config}
+    def _beta(self, sig):
+        return 2 * sig if self.config["allow_neg_eigval"] else sig
 
-    def init_cache(self, batch_size, max_length) -> RecurrentCache:
-        """A RecurrentCache of zeros: conv (B, K − 1, C) in the projections' dtype, state
-        (B, Hv, Dk, Dv) in the compute dtype (float32, or float64 for a float64 module),
-        lengths (B,) int32. ``max_length`` bounds the tokens the cache may take (checked on
-        the host by the call when the lengths are concrete)."""
-        shapes = recurrent.cache_shapes(self.config, batch_size)
-        if not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length should be a positive int, got {max_length!r}")
-        self.max_length = max_length  # static: what the calls with a cache may reach
-        dtype = self.W_query.kernel.get_value().dtype
-        return RecurrentCache(jnp.zeros(shapes["conv"], dtype),
-                              jnp.zeros(shapes["state"], compute_dtype(dtype)),
-                              jnp.zeros(shapes["lengths"], jnp.int32))
+    def _decay(self, x, dtype):
+        """g = −e^{A_log} softplus(x W_decay + dt_bias), (B, Hv, L)."""
+        decay_in = self.W_decay(x).astype(dtype) + self.dt_bias.get_value().astype(dtype)
+        return -jnp.exp(self.A_log.get_value().astype(dtype))[:, None] * jax.nn.softplus(
+            jnp.swapaxes(decay_in, 1, 2))
 
-    def __call__(self, x, mask=None, *, cache=None, implementation=None, chunk_size=64):
-        described = recurrent.get(self.variant)
-        described.check_inputs(self.config, {"x": x, "mask": mask})
-        lead = tuple(x.shape[:-2])
-        if cache is not None:
-            recurrent.check_cache(self.config, cache, lead)
-            self._check_fits(cache, x.shape[-2])
-        _check_choice(implementation, chunk_size)
-        if not lead:  # unbatched: a batch of one
-            x = x[None]
-            mask = None if mask is None else mask[None]
-            cache = None if cache is None else RecurrentCache(*(a[None] for a in cache))
-        y, new = self._call(x, mask, cache, implementation=implementation,
-                            chunk_size=chunk_size)
-        if not lead:
-            y, new = y[0], RecurrentCache(*(a[0] for a in new))
-        return y if cache is None else (y, new)
+    def _gate(self, z):
+        return _silu(z)
 
-    def _check_fits(self, cache, length):
-        limit = getattr(self, "max_length", None)
-        if limit is None or isinstance(cache.lengths, jax.core.Tracer):
-            return
-        reach = int(np.max(np.asarray(cache.lengths), initial=0)) + length
-        if reach > limit:
-            raise ValueError(f"cache max_length is {limit} (init_cache), but this call of "
-                             f"{length} tokens would reach {reach}")
 
-    @nnx.jit(graph=False, static_argnames=("implementation", "chunk_size"))
-    def _call(self, x, mask, cache, *, implementation, chunk_size):
+class KimiDeltaAttention(_DeltaMixer):
+    """Kimi Delta Attention (Kimi Linear, GLM-5.3-Flash, Ling 3.0;
+    golden.specification.recurrent): Gated DeltaNet's layer with H heads of D (no grouping), a
+    decay per key channel, f = x W_decay (or (x W_decay_a) W_decay_b with ``decay_rank``),
+        g = −e^{A_log_h} softplus(f + dt_bias)            ``forget_gate`` "softplus"
+        g = λ σ(e^{A_log_h} (f + dt_bias)), λ < 0          "bounded_sigmoid", λ =
+                                                            ``decay_lower_bound``
+    (B, H, L, D), β = σ(x W_beta), and the output RMSNorm(o)·norm_weight ⊙ σ(x W_gate) (W_gate
+    low-rank with ``gate_rank``) through out_proj.
+
+    Parameters: W_query, W_key, W_value, W_beta, W_decay or W_decay_a and W_decay_b, W_gate or
+    W_gate_a and W_gate_b, out_proj (``nnx.Linear``, no bias); conv_query, conv_key,
+    conv_value (H·D, K), A_log (H,), dt_bias (H·D,), norm_weight (D,) as ``nnx.Param``. The
+    call and the cache are GatedDeltaNet's.
+    """
+
+    variant = "kimi_delta_attention"
+
+    def __init__(self, d_in, num_heads, head_dim, d_out=None, conv_kernel=4, norm_eps=1e-6,
+                 l2norm_eps=1e-6, decay_rank=None, gate_rank=None, forget_gate="softplus",
+                 decay_lower_bound=None, *, rngs, precision=HIGHEST):
+        shapes = self._setup(dict(
+            d_in=d_in, num_heads=num_heads, head_dim=head_dim, d_out=d_out,
+            conv_kernel=conv_kernel, norm_eps=norm_eps, l2norm_eps=l2norm_eps,
+            decay_rank=decay_rank, gate_rank=gate_rank, forget_gate=forget_gate,
+            decay_lower_bound=decay_lower_bound), rngs, precision)
+        self._conv_params(shapes, conv_kernel, rngs)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+            rngs.params(), (num_heads,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(jnp.ones((num_heads * head_dim,), jnp.float32))
+        self.norm_weight = nnx.Param(jnp.ones((head_dim,), jnp.float32))
+
+    def _beta(self, sig):
+        return sig
+
+    def _decay(self, x, dtype):
+        """g per key channel (B, H, L, D) by ``forget_gate``."""
         c = self.config
-        hk, hv, dk, dv = c["num_k_heads"], c["num_v_heads"], c["head_k_dim"], c["head_v_dim"]
+        u = _heads(self._project("decay", x).astype(dtype)
+                   + self.dt_bias.get_value().astype(dtype), c["num_heads"])
+        rate = jnp.exp(self.A_log.get_value().astype(dtype))[:, None, None]
+        if c["forget_gate"] == "softplus":
+            return -rate * jax.nn.softplus(u)
+        return c["decay_lower_bound"] * jax.nn.sigmoid(rate * u)
+
+    def _gate(self, z):
+        return jax.nn.sigmoid(z)
+
+
+class LightningAttention(_Mixer):
+    """Lightning attention (MiniMax-Text-01 / M1's linear layers;
+    golden.specification.recurrent): q, k, v = SiLU(x W_query), SiLU(x W_key), SiLU(x W_value)
+    (no convolution, no normalisation), per head S_t = e^{−slope_h} S_{t−1} + k_t ⊗ v_t and
+    o_t = S_tᵀ q_t (``lightning_rule``), then σ(x W_gate) ⊙ RMSNorm_{H·D}(merge(o))·norm_weight
+    through out_proj.
+
+    Parameters: W_query, W_key, W_value, W_gate, out_proj (``nnx.Linear``, no bias);
+    norm_weight (H·D,), slope (H,) as ``nnx.Param``. ``block_size``: the chunked
+    implementation's block length (the function does not depend on it).
+
+    Call: as GatedDeltaNet's, without ``chunk_size`` (the block is the configuration's); its
+    RecurrentCache's conv is (B, 0, 3·H·D) (no convolution), state (B, H, D, D).
+    """
+
+    variant = "lightning_attention"
+
+    def __init__(self, d_in, num_heads, head_dim, d_out=None, norm_eps=1e-6, block_size=256, *,
+                 rngs, precision=HIGHEST):
+        self._setup(dict(d_in=d_in, num_heads=num_heads, head_dim=head_dim, d_out=d_out,
+                         norm_eps=norm_eps, block_size=block_size), rngs, precision)
+        self.norm_weight = nnx.Param(jnp.ones((num_heads * head_dim,), jnp.float32))
+        self.slope = nnx.Param(  # MiniMax's slope_rate of a first layer: 2^{−8(h+1)/H}
+            2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads))
+
+    def __call__(self, x, mask=None, *, cache=None, implementation=None):
+        return self._checked_call(x, mask, cache, implementation, self.config["block_size"],
+                                  LIGHTNING_IMPLEMENTATIONS, "block_size")
+
+    @nnx.jit(graph=False, static_argnames=("implementation", "size"))
+    def _call(self, x, mask, cache, *, implementation, size):
+        c = self.config
         if mask is not None:
             x = x * mask[..., None].astype(x.dtype)
         dtype = compute_dtype(x.dtype)
-        u = jnp.concatenate([self.W_query(x), self.W_key(x), self.W_value(x)], axis=-1)
-        held = (jnp.zeros(x.shape[:1] + (c["conv_kernel"] - 1, u.shape[-1]), u.dtype)
-                if cache is None else cache.conv.astype(u.dtype))
-        w = jnp.concatenate([p.get_value() for p in
-                             (self.conv_query, self.conv_key, self.conv_value)], axis=0)
-        pre, kept = _causal_conv(u.astype(dtype), w.astype(dtype), held.astype(dtype))
-        act = _silu(pre)  # (B, L, C)
-        q_end, k_end = hk * dk, 2 * hk * dk
-        eps = c["l2norm_eps"]
-        q = _l2_normalize(_heads(act[..., :q_end], hk), eps) * (dk ** -0.5)
-        k = _l2_normalize(_heads(act[..., q_end:k_end], hk), eps)
-        v = _heads(act[..., k_end:], hv)
-        q, k = (jnp.repeat(a, hv // hk, axis=1) for a in (q, k))  # value head h: key h // group
-        beta = jax.nn.sigmoid(jnp.swapaxes(self.W_beta(x).astype(dtype), 1, 2))  # (B, Hv, L)
-        if c["allow_neg_eigval"]:
-            beta = 2 * beta
-        decay_in = self.W_decay(x).astype(dtype) + self.dt_bias.get_value().astype(dtype)
-        g = -jnp.exp(self.A_log.get_value().astype(dtype))[:, None] * jax.nn.softplus(
-            jnp.swapaxes(decay_in, 1, 2))  # (B, Hv, L)
+        q, k, v = (_heads(_silu(self._project(role, x).astype(dtype)), c["num_heads"])
+                   for role in ("query", "key", "value"))  # (B, H, L, D)
         state = None if cache is None else cache.state
-        o, final = gated_delta_rule(q, k, v, g, beta, initial_state=state,
-                                    implementation=implementation, chunk_size=chunk_size)
-        z = _heads(self.W_gate(x), hv).astype(dtype)  # (B, Hv, L, Dv)
-        normed = o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + c["norm_eps"])
-        out = normed * self.norm_weight.get_value().astype(dtype) * _silu(z)
-        merged = jnp.swapaxes(out, 1, 2).reshape(x.shape[:2] + (hv * dv,)).astype(x.dtype)
-        y = self.out_proj(merged)
-        lengths = (jnp.zeros(x.shape[:1], jnp.int32) if cache is None else cache.lengths)
-        new = RecurrentCache(kept.astype(u.dtype), final.astype(
-            final.dtype if cache is None else cache.state.dtype), lengths + x.shape[1])
-        return y, new
+        o, final = lightning_rule(q, k, v, self.slope.get_value().astype(dtype),
+                                  initial_state=state, implementation=implementation,
+                                  block_size=size)
+        out = (jax.nn.sigmoid(self._project("gate", x).astype(dtype))
+               * _rms(_merge(o), c["norm_eps"]) * self.norm_weight.get_value().astype(dtype))
+        y = self.out_proj(out.astype(x.dtype))
+        width = 3 * c["num_heads"] * c["head_dim"]
+        kept = (jnp.zeros(x.shape[:1] + (0, width), x.dtype) if cache is None
+                else cache.conv)
+        return y, self._new_cache(cache, x, kept, final)

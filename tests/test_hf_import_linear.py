@@ -2,7 +2,9 @@
 Gated DeltaNet module, in a tiny float64 model of Hugging Face's own, against our float64
 reference converted by ``golden.convert.from_hf`` (the module's own state dict as HF names it),
 on the layer's captured input from the model's forward, with left padding; ``to_hf`` giving the
-state dict back; each family's distinctive setting undone moving the output far.
+state dict back; each family's distinctive setting undone moving the output far. For Kimi Delta
+Attention and lightning attention the JAX twin (jax_attn.build from the same conversion,
+float64) too.
 
 HF computes the delta rule and the gated norm in float32 even in a float64 model
 (``torch_chunk_gated_delta_rule`` casts to float32): its float32 error grows with the length,
@@ -10,10 +12,13 @@ so the bound is DELTA_FLOAT32(L) (measured below)."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import golden.convert
+import jax_attn
 from golden.reference.delta_rule import MIXERS as REFERENCE
 
 transformers = pytest.importorskip("transformers")
@@ -124,6 +129,11 @@ def test_linear_layer_matches_hugging_faces_module(mt, length):
     far, _, _ = REFERENCE[variant][0]({**dict(ours), **UNDONE[mt]}, {"x": x, "mask": mask},
                                       params)
     assert rel(far, expected) > 1e3 * DELTA_FLOAT32(length), (mt, seed)
+    if mt in VARIANT:  # the JAX twin (chunked, HF's chunk of 64) from the same conversion
+        with jax.enable_x64(True):
+            module = jax_attn.build(variant, dict(ours), params)
+            twin = np.asarray(module(jnp.asarray(x), jnp.asarray(mask)))
+        assert rel(twin, expected) <= DELTA_FLOAT32(length), (mt, length, rel(twin, expected))
 
 
 def test_the_attention_layers_of_a_hybrid_still_convert_as_attention():

@@ -33,7 +33,10 @@ ENTRY_POINTS = ["golden.cli:main", "golden.convert.from_hf", "golden.convert.to_
                 "jax_attn.GatedDeltaNet", "jax_attn.recurrent.gated_delta_rule",
                 "torch_attn.GatedDeltaNet", "torch_attn.recurrent.gated_delta_rule",
                 "torch_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS",
-                "jax_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS"]
+                "jax_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS",
+                "jax_attn.KimiDeltaAttention", "jax_attn.LightningAttention",
+                "jax_attn.recurrent.lightning_rule",
+                "jax_attn.recurrent.LIGHTNING_IMPLEMENTATIONS"]
 
 
 def resolve(name: str):
