@@ -126,6 +126,22 @@ def test_linear_layer_matches_hugging_faces_module(mt, length):
     assert rel(far, expected) > 1e3 * DELTA_FLOAT32(length), (mt, seed)
 
 
+@pytest.mark.parametrize("mt", [*KDA_FAMILIES, "minimax"])
+def test_the_torch_twin_matches_hugging_faces_module(mt):
+    # torch_attn's module built from from_hf's parameters, at float64 by both implementations,
+    # against HF's captured output: HF's float32 steps are the floor, as for the reference
+    import torch_attn
+    rng, seed = fresh_rng()
+    config, sd, (x, expected), mask = _run(FAMILIES[mt], 100, rng)
+    variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=0)
+    module = torch_attn.build(variant, dict(ours), params)
+    with torch.no_grad():
+        for implementation in ("recurrent", "chunked"):
+            y = module(torch.from_numpy(x), torch.from_numpy(mask),
+                       implementation=implementation).numpy()
+            assert rel(y, expected) <= DELTA_FLOAT32(100), (mt, implementation, seed)
+
+
 def test_the_attention_layers_of_a_hybrid_still_convert_as_attention():
     rng, _ = fresh_rng()
     family = FAMILIES["qwen3_next"]

@@ -33,6 +33,9 @@ ENTRY_POINTS = ["golden.cli:main", "golden.convert.from_hf", "golden.convert.to_
                 "jax_attn.GatedDeltaNet", "jax_attn.recurrent.gated_delta_rule",
                 "torch_attn.GatedDeltaNet", "torch_attn.recurrent.gated_delta_rule",
                 "torch_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS",
+                "torch_attn.KimiDeltaAttention", "torch_attn.LightningAttention",
+                "torch_attn.recurrent.lightning_rule",
+                "torch_attn.recurrent.LIGHTNING_IMPLEMENTATIONS",
                 "jax_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS"]
 
 
