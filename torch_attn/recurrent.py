@@ -52,11 +52,12 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     """The WY / UT form over chunks of T tokens (transformers' torch_chunk_gated_delta_rule and
     chunk_kimi_delta_attention, flash-linear-attention's chunk_gated_delta_rule / chunk_kda):
     within a chunk, with G the cumulative log-decay from the chunk's start (per head, or per key
-    channel) and (X ⋆ Y)_ij = Σ_d X_id Y_jd e^{G_id − G_jd} for j ≤ i (``_decayed_products``),
-    A = I + diag(β)(K ⋆ K) strictly below the diagonal; the corrections are U = A⁻¹(β ⊙ V) −
-    A⁻¹(β ⊙ e^G ⊙ K) S; then O = (e^G ⊙ Q) S + (Q ⋆ K) U and S ← e^{G_T} S + (e^{G_T − G} ⊙
-    K)ᵀ U. L not a multiple of T: the last chunk is padded with g = 0, β = 0, k = 0 (and q =
-    v = 0), which leave S unchanged. Every exponent taken is ≤ 0 (no overflow at any decay)."""
+    channel) and (X ⋆ Y)_ij = Σ_d X_id Y_jd e^{G_id − G_jd} for j ≤ i, 0 above
+    (``_decayed_products``), A = I + diag(β)(K ⋆ K) strictly below the diagonal; the
+    corrections are U = A⁻¹(β ⊙ V) − A⁻¹(β ⊙ e^G ⊙ K) S; then O = (e^G ⊙ Q) S + (Q ⋆ K) U and
+    S ← e^{G_T} S + (e^{G_T − G} ⊙ K)ᵀ U. L not a multiple of T: the last chunk is padded
+    with g = 0, β = 0, k = 0 (and q = v = 0), which leave S unchanged. Every exponent taken is
+    ≤ 0 (no overflow at any decay)."""
     length, size = q.shape[-2], chunk_size
     pad = -length % size
     g = g if g.dim() == 4 else g[..., None]  # (B, H, L, Dk) or (B, H, L, 1): one per head
@@ -66,13 +67,12 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     beta = beta.reshape(beta.shape[:2] + (-1, size))  # (B, H, N, T)
     cum = g.cumsum(dim=-2)  # G (B, H, N, T, Dk or 1)
     k_beta = k * beta[..., None]
-    system = torch.eye(size, dtype=q.dtype, device=q.device) + _decayed_products(
-        k_beta, k, cum, strict=True)  # A (B, H, N, T, T)
+    written, within = _decayed_products(cum, (k_beta, k), (q, k))  # (B, H, N, T, T)
+    system = torch.eye(size, dtype=q.dtype, device=q.device) + written.tril(-1)  # A
     new_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
                                                unitriangular=True)  # (B, H, N, T, Dv)
     recall = torch.linalg.solve_triangular(system, k_beta * cum.exp(), upper=False,
                                            unitriangular=True)  # (B, H, N, T, Dk)
-    within = _decayed_products(q, k, cum, strict=False)  # (B, H, N, T, T)
     q_read = q * cum.exp()
     k_write = k * (cum[..., -1:, :] - cum).exp()
     chunk_decay = cum[..., -1, :].exp()[..., None]  # (B, H, N, Dk or 1, 1)
@@ -88,36 +88,39 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
 SUB_CHUNK = 16  # the per-channel products' sub-chunk, as flash-linear-attention's chunk_kda
 
 
-def _decayed_products(a, b, cum, *, strict):
-    """M (..., T, T), M_ij = Σ_d a_id b_jd e^{G_id − G_jd} for j ≤ i (j < i if ``strict``), 0
-    above, for a, b (..., T, D) and G = ``cum`` (..., T, D), or (..., T, 1) for one decay per
-    head (then M = (a bᵀ) ⊙ Γ). Per channel, never e^{G} and e^{−G} apart (e^{−G} overflows
-    when the decay is strong): within a sub-chunk of s tokens the differences G_i − G_j
-    themselves (s × s × D, as transformers' chunk_kimi_delta_attention does for the whole
-    chunk); across sub-chunks through the query's sub-chunk start r, e^{G_i − G_r} e^{G_r −
-    G_j}, both factors ≤ 1."""
-    size = a.shape[-2]
+def _decayed_products(cum, *pairs):
+    """[M (..., T, T) for each (a, b) of ``pairs``], M_ij = Σ_d a_id b_jd e^{G_id − G_jd} for
+    j ≤ i, 0 above, for a, b (..., T, D) and G = ``cum`` (..., T, D), or (..., T, 1) for one
+    decay per head (then M = (a bᵀ) ⊙ Γ); the decay factors computed once for all pairs. Per
+    channel, never e^{G} and e^{−G} apart (e^{−G} overflows when the decay is strong): within
+    a sub-chunk of s tokens the differences G_i − G_j themselves (s × s × D, as transformers'
+    chunk_kimi_delta_attention does for the whole chunk); across sub-chunks through the
+    query's sub-chunk start r, e^{G_i − G_r} e^{G_r − G_j}, both factors ≤ 1."""
+    size = cum.shape[-2]
     if cum.shape[-1] == 1:  # one decay per head
-        lower = torch.ones(size, size, dtype=torch.bool, device=a.device).tril(-int(strict))
-        gamma = torch.where(lower, cum[..., :, None, 0] - cum[..., None, :, 0], -torch.inf)
-        return (a @ b.transpose(-1, -2)) * gamma.exp()
+        lower = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
+        gamma = torch.where(lower, cum[..., :, None, 0] - cum[..., None, :, 0], -torch.inf).exp()
+        return [(a @ b.transpose(-1, -2)) * gamma for a, b in pairs]
     s = max(d for d in range(1, min(SUB_CHUNK, size) + 1) if size % d == 0)
     n = size // s
-    a, b, cum = (t.unflatten(-2, (n, s)) for t in (a, b, cum))  # (..., n, s, D)
-    keep = torch.ones(s, s, dtype=torch.bool, device=a.device).tril(-int(strict))
+    cum = cum.unflatten(-2, (n, s))  # (..., n, s, D)
+    keep = torch.ones(s, s, dtype=torch.bool, device=cum.device).tril()
     diff = cum[..., :, None, :] - cum[..., None, :, :]  # (..., n, s_i, s_j, D)
     decay = torch.where(keep[..., None], diff, -torch.inf).exp()
-    diag = (a[..., :, None, :] * b[..., None, :, :] * decay).sum(dim=-1)  # (..., n, s, s)
     start = cum[..., :, :1, :]  # G_r (..., n, 1, D): each sub-chunk's first token
-    a_read = a * (cum - start).exp()  # (..., n, s, D)
-    before = torch.ones(n, n, dtype=torch.bool, device=a.device).tril(-1)  # b < a
+    read = (cum - start).exp()  # e^{G_i − G_r} (..., n, s, D)
+    before = torch.ones(n, n, dtype=torch.bool, device=cum.device).tril(-1)  # b < a
     cross = start[..., :, None, :, :] - cum[..., None, :, :, :]  # (..., n_a, n_b, s, D)
-    b_read = b[..., None, :, :, :] * torch.where(before[:, :, None, None], cross,
-                                                 -torch.inf).exp()
-    full = torch.einsum("...aid,...abjd->...aibj", a_read, b_read)  # (..., n, s, n, s)
-    full = full + torch.einsum("...aij,ab->...aibj", diag,
-                               torch.eye(n, dtype=a.dtype, device=a.device))
-    return full.reshape(full.shape[:-4] + (size, size))
+    written = torch.where(before[:, :, None, None], cross, -torch.inf).exp()  # e^{G_r − G_j}
+    eye = torch.eye(n, dtype=cum.dtype, device=cum.device)
+    out = []
+    for a, b in pairs:
+        a, b = a.unflatten(-2, (n, s)), b.unflatten(-2, (n, s))  # (..., n, s, D)
+        diag = (a[..., :, None, :] * b[..., None, :, :] * decay).sum(dim=-1)  # (..., n, s, s)
+        full = torch.einsum("...aid,...abjd->...aibj", a * read, b[..., None, :, :, :] * written)
+        full = full + torch.einsum("...aij,ab->...aibj", diag, eye)  # (..., n, s, n, s)
+        out.append(full.reshape(full.shape[:-4] + (size, size)))
+    return out
 
 
 DELTA_RULE_IMPLEMENTATIONS = {"recurrent": _recurrent, "chunked": _chunked}
