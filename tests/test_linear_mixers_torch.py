@@ -125,6 +125,26 @@ def _lightning_inputs(rng, length, heads=3, dk=4, dv=5):
     return [torch.tensor(a) for a in (q, k, v, slope, state)]
 
 
+@pytest.mark.parametrize("name", sorted(DELTA_RULE_IMPLEMENTATIONS))
+def test_tiny_cases_worked_by_hand(name):
+    # Kimi Delta Attention, Dk 2, Dv 1: S_1 = k_0 β_0 v_0 = (1, 0)ᵀ, o_0 = (1, 1)·S_1 = 1; the
+    # decay (1/2, 1/4) per channel gives S′ = (1/2, 0)ᵀ, which recalls 0 for k_1 = (0, 1), so
+    # S_2 = (1/2, 4)ᵀ and o_1 = 4.5. Lightning, D 1, e^{−s} = 1/2: S_1 = 3, o_0 = 3;
+    # S_2 = 3/2 + 4, o_1 = 2 · 5.5 = 11.
+    def t(a):  # (B, H) = (1, 1) in front
+        return torch.tensor(a, dtype=torch.float64)[None, None]
+    q, k = t([[1.0, 1.0], [1.0, 1.0]]), t([[1.0, 0.0], [0.0, 1.0]])
+    g = t([[0.0, 0.0], [np.log(0.5), np.log(0.25)]])
+    o, state = gated_delta_rule(q, k, t([[2.0], [4.0]]), g, t([0.5, 1.0]),
+                                implementation=name, chunk_size=2)
+    np.testing.assert_allclose(o.flatten(), [1.0, 4.5], rtol=1e-14)  # e^{ln ½}: one rounding
+    np.testing.assert_allclose(state.flatten(), [0.5, 4.0], rtol=1e-14)
+    o, state = lightning_rule(t([[1.0], [2.0]]), t([[3.0], [1.0]]), t([[1.0], [4.0]]),
+                              torch.tensor([np.log(2.0)]), implementation=name, block_size=2)
+    np.testing.assert_allclose(o.flatten(), [3.0, 11.0], rtol=1e-14)
+    np.testing.assert_allclose(state.flatten(), [5.5], rtol=1e-14)
+
+
 @pytest.mark.parametrize("chunk_size", [64, 16])
 @pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 130])
 def test_per_channel_recurrent_equals_chunked(length, chunk_size):
