@@ -374,3 +374,20 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="implementation should be None or one of "
                                          "'recurrent', 'chunked', got 'scan'"):
         lightning_rule(q, q, q, torch.ones(3), implementation="scan")
+
+
+@pytest.mark.parametrize("case", ["kda-bounded-low-rank", "lightning"])
+def test_the_cache_exports_and_loads_back_and_decodes_the_same(case):
+    rng, _ = fresh_rng()
+    variant, config = CONFIGS[case]
+    module = torch_attn.build(variant, config, _params(rng, variant, config))
+    x = torch.tensor(rng.standard_normal((2, 6, config["d_in"])))
+    with torch.no_grad():
+        _, cache = module(x[:, :5], cache=module.init_cache(2, 9))
+        loaded = torch_attn.load_cache(torch_attn.export_cache(cache))
+        for a, b in zip(cache, loaded):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+            assert a.dtype == b.dtype and a.shape == b.shape
+        y_a, _ = module(x[:, 5:], cache=cache)
+        y_b, _ = module(x[:, 5:], cache=loaded)
+    np.testing.assert_array_equal(y_a.numpy(), y_b.numpy())

@@ -10,5 +10,6 @@ from torch_attn.recurrent import GatedDeltaNet, KimiDeltaAttention, LightningAtt
 from torch_attn.rotary import rotary_embedding
 
 __all__ = [*_classes, "GatedDeltaNet", "KimiDeltaAttention", "LightningAttention", "ContextCache",
-           "IMPLEMENTATIONS", "KVCache", "LatentCache", "convert", "build", "export_cache", "export_params", "load_cache",
-           "load_params", "rotary_embedding", "scaled_dot_product_attention"]
+           "IMPLEMENTATIONS", "KVCache", "LatentCache", "convert", "build", "export_cache",
+           "export_params", "load_cache", "load_params", "rotary_embedding",
+           "scaled_dot_product_attention"]

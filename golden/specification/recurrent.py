@@ -276,7 +276,8 @@ def check_cache_dtypes(cache) -> None:
 
 def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64) -> None:
     """The delta-rule core's arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), g (B, H, L) or per key
-    channel (B, H, L, Dk), beta (B, H, L), initial_state (B, H, Dk, Dv) or None; chunk_size a positive int."""
+    channel (B, H, L, Dk), beta (B, H, L), initial_state (B, H, Dk, Dv) or None; chunk_size a
+    positive int."""
     if len(q.shape) != 4:
         raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
     b, h, length, dk = q.shape
