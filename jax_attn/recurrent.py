@@ -307,8 +307,9 @@ class LightningAttention(_Mixer):
     norm_weight (H·D,), slope (H,) as ``nnx.Param``. ``block_size``: the chunked
     implementation's block length (the function does not depend on it).
 
-    Call: as GatedDeltaNet's, without ``chunk_size`` (the block is the configuration's); its
-    RecurrentCache's conv is (B, 0, 3·H·D) (no convolution), state (B, H, D, D).
+    Call: as GatedDeltaNet's, with ``block_size`` (None: the configuration's) in place of
+    ``chunk_size``, as torch_attn's; its RecurrentCache's conv is (B, 0, 3·H·D) (no
+    convolution), state (B, H, D, D).
     """
 
     variant = "lightning_attention"
@@ -321,8 +322,9 @@ class LightningAttention(_Mixer):
         self.slope = nnx.Param(  # MiniMax's slope_rate of a first layer: 2^{−8(h+1)/H}
             2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads))
 
-    def __call__(self, x, mask=None, *, cache=None, implementation=None):
-        return self._checked_call(x, mask, cache, implementation, self.config["block_size"],
+    def __call__(self, x, mask=None, *, cache=None, implementation=None, block_size=None):
+        size = self.config["block_size"] if block_size is None else block_size
+        return self._checked_call(x, mask, cache, implementation, size,
                                   LIGHTNING_IMPLEMENTATIONS, "block_size")
 
     @nnx.jit(graph=False, static_argnames=("implementation", "size"))

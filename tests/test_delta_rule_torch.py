@@ -297,8 +297,12 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="max_length should be a positive int, got 0"):
         module.init_cache(2, 0)
     q = torch.randn(2, 3, 4, 5)
-    with pytest.raises(ValueError, match=r"g shape should be \(B, H, L\) = \(2, 3, 4\)"):
-        gated_delta_rule(q, q, q, q, q[..., 0])
+    with pytest.raises(ValueError, match=r"g shape should be \(B, H, L\) or \(B, H, L, Dk\) "
+                                         r"= \(2, 3, 4\), got \(2, 3\)"):
+        gated_delta_rule(q, q, q, q[..., 0, 0], q[..., 0])
+    with pytest.raises(ValueError, match=r"g shape should be \(B, H, L\) or \(B, H, L, Dk\) "
+                                         r"= \(2, 3, 4, 5\), got \(2, 3, 4, 2\)"):
+        gated_delta_rule(q, q, q, q[..., :2], q[..., 0])
     with pytest.raises(ValueError, match="chunk_size should be a positive int, got 0"):
         gated_delta_rule(q, q, q, q[..., 0], q[..., 0], chunk_size=0)
 

@@ -2,23 +2,20 @@
 Gated DeltaNet module, in a tiny float64 model of Hugging Face's own, against our float64
 reference converted by ``golden.convert.from_hf`` (the module's own state dict as HF names it),
 on the layer's captured input from the model's forward, with left padding; ``to_hf`` giving the
-state dict back; each family's distinctive setting undone moving the output far. For Kimi Delta
-Attention and lightning attention the JAX twin (jax_attn.build from the same conversion,
-float64) too.
+state dict back; each family's distinctive setting undone moving the output far; both twins
+built from the same conversion, decoding through their caches; gradients; a cache moving between
+the frameworks.
 
 HF computes the delta rule and the gated norm in float32 even in a float64 model
 (``torch_chunk_gated_delta_rule`` casts to float32): its float32 error grows with the length,
-so the bound is DELTA_FLOAT32(L) (measured below)."""
+so the bound is DELTA_FLOAT32(L), KDA_FLOAT32(L) for Kimi Delta Attention (measured below)."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import golden.convert
-import jax_attn
 from golden.reference.delta_rule import MIXERS as REFERENCE
 
 transformers = pytest.importorskip("transformers")
@@ -36,6 +33,21 @@ def DELTA_FLOAT32(length):
     A recurrence's float32 error accumulates over the tokens the decay has not yet forgotten,
     so the bound grows with L: 1.5e-6 · (1 + √(L/8)), about twice the largest seen at L = 100."""
     return 1.5e-6 * (1 + (length / 8) ** 0.5)
+
+
+def KDA_FLOAT32(length):
+    """The same for HF's Kimi Delta Attention (chunk_kimi_delta_attention in float32, its
+    decay per key channel taken as e^{G_i − G_j} over the chunk): measured at L = 100 over 31
+    seeds each of kimi_linear / glm5_next_text / bailing_hybrid, median 1.6e-6 / 2.5e-6 /
+    2.6e-6, max 6.9e-6 / 1.08e-5 / 8.9e-6 (DELTA_FLOAT32(100) = 6.8e-6 failed about one draw
+    in 25); at L = 9 max 1.5e-6 / 7.9e-7 / 1.6e-6. 5e-6 · (1 + √(L/8)): twice the largest
+    seen at L = 100, six times at L = 9."""
+    return 5e-6 * (1 + (length / 8) ** 0.5)
+
+
+def floor(mt, length):
+    """HF's float32 floor for the family ``mt`` at ``length`` tokens."""
+    return (KDA_FLOAT32 if mt in KDA_FAMILIES else DELTA_FLOAT32)(length)
 
 
 LINEAR_KW = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
@@ -119,8 +131,9 @@ def test_linear_layer_matches_hugging_faces_module(mt, length):
     variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=0)
     assert variant == VARIANT.get(mt, "gated_delta_net")
     y, _, _ = REFERENCE[variant][0](dict(ours), {"x": x, "mask": mask}, params)
+    bound = floor(mt, length)
     error = rel(y, expected)
-    assert error <= DELTA_FLOAT32(length), (mt, length, error, seed)
+    assert error <= bound, (mt, length, error, seed)
     back = golden.convert.to_hf(variant, ours, params)
     if mt == "minimax":  # its decay tables written back in float64 from the slopes: HF's are
         for name in ("query_decay", "key_decay", "diagonal_decay"):  # formed in float32
@@ -128,12 +141,7 @@ def test_linear_layer_matches_hugging_faces_module(mt, length):
     assert_gives_back(sd, back)
     far, _, _ = REFERENCE[variant][0]({**dict(ours), **UNDONE[mt]}, {"x": x, "mask": mask},
                                       params)
-    assert rel(far, expected) > 1e3 * DELTA_FLOAT32(length), (mt, seed)
-    if mt in VARIANT:  # the JAX twin (chunked, HF's chunk of 64) from the same conversion
-        with jax.enable_x64(True):
-            module = jax_attn.build(variant, dict(ours), params)
-            twin = np.asarray(module(jnp.asarray(x), jnp.asarray(mask)))
-        assert rel(twin, expected) <= DELTA_FLOAT32(length), (mt, length, rel(twin, expected))
+    assert rel(far, expected) > 1e3 * bound, (mt, seed)
 
 
 def test_the_attention_layers_of_a_hybrid_still_convert_as_attention():
@@ -154,7 +162,7 @@ def _lib(twin):
 @pytest.mark.parametrize("mt", FAMILIES)
 def test_twins_match_hugging_faces_module_and_decode_as_its_forward(twin, mt):
     # Our twin built from from_hf's result, on the layer's captured input (left padding), equals
-    # HF's module at DELTA_FLOAT32(L) past one of HF's chunks; prefill (chunked) of the first
+    # HF's module at its float32 floor past one of HF's chunks; prefill (chunked) of the first
     # 70 tokens then one token at a time (recurrent) through the RecurrentCache gives the same.
     from golden.specification import recurrent
     length = 100
@@ -166,7 +174,7 @@ def test_twins_match_hugging_faces_module_and_decode_as_its_forward(twin, mt):
     with twin.float64():
         module = twin.build(variant, ours, params)
         y = twin.numpy(module(twin.array(x), twin.array(mask)))
-        assert rel(y, expected) <= DELTA_FLOAT32(length), (mt, rel(y, expected), seed)
+        assert rel(y, expected) <= floor(mt, length), (mt, rel(y, expected), seed)
         cache = module.init_cache(B, length)
         pieces = []
         for start, stop in [(0, 70), *((t, t + 1) for t in range(70, length))]:
@@ -174,7 +182,7 @@ def test_twins_match_hugging_faces_module_and_decode_as_its_forward(twin, mt):
                                 cache=cache)
             pieces.append(twin.numpy(out))
     decoded = np.concatenate(pieces, axis=1)
-    assert rel(decoded, expected) <= DELTA_FLOAT32(length), (mt, rel(decoded, expected), seed)
+    assert rel(decoded, expected) <= floor(mt, length), (mt, rel(decoded, expected), seed)
 
 
 @pytest.mark.parametrize("mt", ["qwen3_next", "olmo_hybrid"])

@@ -336,3 +336,22 @@ def test_bad_inputs_name_the_argument():
         lightning_rule(q, k, v, slope, block_size=0)
     with pytest.raises(ValueError, match="implementation should be None or one of"):
         lightning_rule(q, k, v, slope, implementation="fused")
+
+
+def test_the_twins_call_signatures_agree():
+    # the house's twin APIs: each recurrent mixer's call and constructor take the same names in
+    # the same order with the same defaults in both frameworks (JAX's constructor adds its
+    # keyword-only rngs and precision)
+    import inspect
+
+    import jax_attn
+    import torch_attn
+    for name in ("GatedDeltaNet", "KimiDeltaAttention", "LightningAttention"):
+        torch_call = inspect.signature(getattr(torch_attn, name).forward)
+        jax_call = inspect.signature(getattr(jax_attn, name).__call__)
+        assert list(torch_call.parameters.values()) == list(jax_call.parameters.values()), name
+        torch_init = list(inspect.signature(getattr(torch_attn, name).__init__).parameters
+                          .values())
+        jax_init = [p for p in inspect.signature(getattr(jax_attn, name).__init__).parameters
+                    .values() if p.name not in ("rngs", "precision")]
+        assert torch_init == jax_init, name

@@ -36,7 +36,10 @@ ENTRY_POINTS = ["golden.cli:main", "golden.convert.from_hf", "golden.convert.to_
                 "jax_attn.recurrent.DELTA_RULE_IMPLEMENTATIONS",
                 "jax_attn.KimiDeltaAttention", "jax_attn.LightningAttention",
                 "jax_attn.recurrent.lightning_rule",
-                "jax_attn.recurrent.LIGHTNING_IMPLEMENTATIONS"]
+                "jax_attn.recurrent.LIGHTNING_IMPLEMENTATIONS",
+                "torch_attn.KimiDeltaAttention", "torch_attn.LightningAttention",
+                "torch_attn.recurrent.lightning_rule",
+                "torch_attn.recurrent.LIGHTNING_IMPLEMENTATIONS"]
 
 
 def resolve(name: str):

@@ -275,15 +275,18 @@ def check_cache_dtypes(cache) -> None:
 
 
 def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64) -> None:
-    """The delta-rule core's arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), g and beta (B, H,
-    L), initial_state (B, H, Dk, Dv) or None; chunk_size a positive int."""
+    """The delta-rule core's arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), g (B, H, L) or per key
+    channel (B, H, L, Dk), beta (B, H, L), initial_state (B, H, Dk, Dv) or None; chunk_size a
+    positive int."""
     if len(q.shape) != 4:
         raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
     b, h, length, dk = q.shape
     dv = v.shape[-1] if len(v.shape) == 4 else None
     wants = [("k", k, "(B, H, L, Dk)", (b, h, length, dk)),
              ("v", v, "(B, H, L, Dv)", (b, h, length, dv)),
-             ("g", g, "(B, H, L)", (b, h, length)), ("beta", beta, "(B, H, L)", (b, h, length))]
+             ("g", g, "(B, H, L) or (B, H, L, Dk)",
+              (b, h, length) + ((dk,) if len(g.shape) == 4 else ())),
+             ("beta", beta, "(B, H, L)", (b, h, length))]
     if initial_state is not None:
         wants.append(("initial_state", initial_state, "(B, H, Dk, Dv)", (b, h, dk, dv)))
     for name, a, letters, want in wants:
@@ -291,3 +294,21 @@ def check_delta_rule_inputs(q, k, v, g, beta, initial_state=None, chunk_size=64)
             raise ValueError(f"{name} shape should be {letters} = {want}, got {tuple(a.shape)}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size should be a positive int, got {chunk_size!r}")
+
+
+def check_lightning_inputs(q, k, v, slope, initial_state=None, block_size=256) -> None:
+    """Lightning attention's core arrays: q, k (B, H, L, Dk), v (B, H, L, Dv), slope (H,),
+    initial_state (B, H, Dk, Dv) or None; block_size a positive int."""
+    if len(q.shape) != 4:
+        raise ValueError(f"q shape should be (B, H, L, Dk), got {tuple(q.shape)}")
+    b, h, length, dk = q.shape
+    dv = v.shape[-1] if len(v.shape) == 4 else None
+    wants = [("k", k, "(B, H, L, Dk)", (b, h, length, dk)),
+             ("v", v, "(B, H, L, Dv)", (b, h, length, dv)), ("slope", slope, "(H,)", (h,))]
+    if initial_state is not None:
+        wants.append(("initial_state", initial_state, "(B, H, Dk, Dv)", (b, h, dk, dv)))
+    for name, a, letters, want in wants:
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name} shape should be {letters} = {want}, got {tuple(a.shape)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size should be a positive int, got {block_size!r}")
