@@ -71,6 +71,13 @@ def _csm_backbone(config):
 # Issue 42's decoders: each attention a supported one's after mapping config fields; every
 # window shorter than L, MoE configs as small as HF builds them.
 DECODERS_42 = {
+    # OLMo hybrid: its softmax layer (layer 1; layer 0 Gated DeltaNet, tests/
+    # test_hf_import_linear.py), OLMo 2's norms over all heads
+    "olmo_hybrid": Family("OlmoHybridConfig", dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+        linear_value_head_dim=6, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        layers=(1,), float32="OlmoHybridRMSNorm"),
     # MiniMax: its softmax layer (layer 1; layer 0 lightning attention, tests/
     # test_hf_import_linear.py) with the config's sliding window, which HF applies to every
     # softmax layer whatever layer_types says
@@ -711,6 +718,7 @@ DISTINCT = {
               (1, {"rope_parameters": {"rope_theta": 10000.0}})],
     # Issue 42's hybrids
     "minimax": [(1, {"sliding_window": None})],
+    "olmo_hybrid": [(1, {"qk_norm": None})],
     "falcon_h1": [(0, {"scale": None})],  # key_multiplier undone
     **{mt: [(1, {"rope_parameters": {"rope_theta": 100.0}})] for mt in ("jamba", "nemotron_h")},
     "bamba": [(1, {"partial_rotary_factor": 1.0})],

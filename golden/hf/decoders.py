@@ -834,6 +834,9 @@ FAMILIES: dict[str, Family] = {
     # OLMo 2's RMSNorm of the whole q and k (OLMo 3: sliding layers, RoPE per layer type)
     "flex_olmo": _llama_like("flex_olmo", _olmo2_no_window, norms=QK_NORMS),
     "olmo3": _llama_like("olmo3", _olmo2, norms=QK_NORMS),
+    # OLMo hybrid's softmax layers (its linear layers: golden.hf.linear): OLMo 3's attention
+    # (its config always gives a rope_theta, so HF's NoPE mode is never reached)
+    "olmo_hybrid": _llama_like("olmo_hybrid", _olmo2, norms=QK_NORMS),
     "helium": _llama_like("helium", _interleaved_no_window),
     **{mt: _llama_like(mt, _partial_interleaved) for mt in ("glm", "glm4")},
     **{mt: _llama_like(mt, _cohere2) for mt in ("cohere2", "cohere2_moe")},

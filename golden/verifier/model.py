@@ -118,7 +118,7 @@ def layer_only(config, layer_idx):
     per_layer_config (Gemma 4, Step 3.5), no num_kv_shared_layers (the one layer keeps its k and
     v); no DeepStack outputs; a speech encoder's own changes
     (golden.verifier.speech); a linear-attention layer's one-layer model with a second,
-    softmax layer, never run, where the config wants one (ATTENTION_REQUIRED)."""
+    layer of the other kind, never run, where the config wants both (BOTH_KINDS_REQUIRED)."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
                 "layers_block_type",  # Nemotron-H's, Zamba's kinds
@@ -144,15 +144,18 @@ def layer_only(config, layer_idx):
         if c.get("model_type") == "gemma4_text" and c.get("layer_types") == [
                 "sliding_attention"]:  # HF's Gemma 4 makes a last layer full: a second,
             c["layer_types"] = ["sliding_attention", "full_attention"]  # never run
-    if c.get("model_type") in ATTENTION_REQUIRED and c.get("layer_types") == [
-            "linear_attention"]:  # its config refuses a model without attention: a second
-        c["layer_types"] = ["linear_attention", "full_attention"]  # layer, never run
+    if c.get("model_type") in BOTH_KINDS_REQUIRED:  # its config refuses a model without each
+        kind = (c.get("layer_types") or [None])[0]  # kind: a second layer, never run
+        if kind in ("linear_attention", "full_attention"):
+            c["layer_types"] = [kind, "full_attention" if kind == "linear_attention"
+                                else "linear_attention"]
     return c
 
 
-# The families whose config wants at least one attention layer (OLMo hybrid's
-# validate_architecture): a linear layer's one-layer model gets a second, never run.
-ATTENTION_REQUIRED = ("olmo_hybrid",)
+# The families whose config wants at least one attention layer and one linear-attention layer
+# (OLMo hybrid's validate_architecture): a one-layer model gets a second of the other kind,
+# never run.
+BOTH_KINDS_REQUIRED = ("olmo_hybrid",)
 
 
 def _hybrid_one_layer(c) -> dict:
