@@ -310,6 +310,14 @@ OPTIONS_42 = {
 MLA_SIZES = dict(num_key_value_heads=N, head_dim=4, q_lora_rank=8, kv_lora_rank=6,
                  qk_nope_head_dim=3, qk_rope_head_dim=4, v_head_dim=5)
 LATENT_42 = {
+    # Kimi Linear: its softmax layer (layer 1; layer 0 Kimi Delta Attention, tests/
+    # test_hf_import_linear.py), latent attention without RoPE, no q LoRA
+    "kimi_linear": Family("KimiLinearConfig", dict(
+        num_hidden_layers=2, **dict(MLA_SIZES, q_lora_rank=None, head_dim=None),
+        layer_types=["linear_attention", "full_attention"], linear_num_heads=2,
+        linear_head_dim=4, num_experts=2, num_experts_per_token=1, moe_intermediate_size=8,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2), layers=(1,),
+        float32="KimiLinearRMSNorm"),
     # DeepSeek-V2: its complex RoPE (interleaved pairs, in float32) with yarn's mscale
     # (Dn 10: HF's view_as_complex needs q's rotary slice at an even offset in float32)
     "deepseek_v2": Family("DeepseekV2Config", dict(
@@ -719,6 +727,7 @@ DISTINCT = {
     # Issue 42's hybrids
     "minimax": [(1, {"sliding_window": None})],
     "olmo_hybrid": [(1, {"qk_norm": None})],
+    "kimi_linear": [(1, {"rope": True, "rope_theta": 100.0})],
     "falcon_h1": [(0, {"scale": None})],  # key_multiplier undone
     **{mt: [(1, {"rope_parameters": {"rope_theta": 100.0}})] for mt in ("jamba", "nemotron_h")},
     "bamba": [(1, {"partial_rotary_factor": 1.0})],

@@ -391,3 +391,27 @@ def test_the_cache_exports_and_loads_back_and_decodes_the_same(case):
         y_a, _ = module(x[:, 5:], cache=cache)
         y_b, _ = module(x[:, 5:], cache=loaded)
     np.testing.assert_array_equal(y_a.numpy(), y_b.numpy())
+
+
+def test_chunked_per_channel_decay_keeps_float32_accuracy_at_moderate_decays():
+    # Decays of e^{-0.2} … e^{-1} per token and channel: over a chunk of 64 the cumulative
+    # log-decay G reaches −60 while neighbouring tokens differ by under 1, so G's differences
+    # formed in float32 err by u·|G| in every factor e^(G_i − G_j). Formed in float64, the
+    # float32 chunked core errs no more than twice the float32 recurrence does against the
+    # float64 one (measured over 6 seeds: 1.7u chunked against 1.6u recurrent; 7.3u to 8.4u
+    # with the differences in float32, which this bound fails).
+    from torch_attn.recurrent import gated_delta_rule
+    rng, seed = fresh_rng()
+    b, h, length, dk, dv = 1, 2, 128, 8, 8
+    q, k = (rng.standard_normal((b, h, length, dk)) for _ in range(2))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = rng.standard_normal((b, h, length, dv))
+    g = -rng.uniform(0.2, 1.0, (b, h, length, dk))
+    beta = rng.uniform(0, 1, (b, h, length))
+    as64 = [torch.from_numpy(a) for a in (q, k, v, g, beta)]
+    want, _ = gated_delta_rule(*as64, implementation="recurrent")
+    errors = {}
+    for implementation in ("recurrent", "chunked"):
+        got, _ = gated_delta_rule(*(a.float() for a in as64), implementation=implementation)
+        errors[implementation] = float((got.double() - want).norm() / want.norm())
+    assert errors["chunked"] <= 2 * errors["recurrent"], (errors, seed)

@@ -57,7 +57,10 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     corrections are U = A⁻¹(β ⊙ V) − A⁻¹(β ⊙ e^G ⊙ K) S; then O = (e^G ⊙ Q) S + (Q ⋆ K) U and
     S ← e^{G_T} S + (e^{G_T − G} ⊙ K)ᵀ U. L not a multiple of T: the last chunk is padded
     with g = 0, β = 0, k = 0 (and q = v = 0), which leave S unchanged. Every exponent taken is
-    ≤ 0 (no overflow at any decay)."""
+    ≤ 0 (no overflow at any decay). G and its differences are formed in float64 whatever the
+    compute dtype, each factor e^(·) then rounded to it once: in float32 a difference of two
+    cumulative sums of size |G| errs by u·|G|, which e^(·) turns into a relative error of the
+    same size (a hundred roundoffs at strong decays, measured on Kimi Linear's checkpoint)."""
     length, size = q.shape[-2], chunk_size
     pad = -length % size
     g = g if g.dim() == 4 else g[..., None]  # (B, H, L, Dk) or (B, H, L, 1): one per head
@@ -65,17 +68,18 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     beta = F.pad(beta, (0, pad))
     q, k, v, g = (t.reshape(t.shape[:2] + (-1, size, t.shape[-1])) for t in (q, k, v, g))
     beta = beta.reshape(beta.shape[:2] + (-1, size))  # (B, H, N, T)
-    cum = g.cumsum(dim=-2)  # G (B, H, N, T, Dk or 1)
+    cum = g.to(torch.float64).cumsum(dim=-2)  # G (B, H, N, T, Dk or 1), in float64
+    exp = (lambda t: t.exp().to(q.dtype))  # a factor e^(·), rounded once
     k_beta = k * beta[..., None]
     written, within = _decayed_products(cum, (k_beta, k), (q, k))  # (B, H, N, T, T)
     system = torch.eye(size, dtype=q.dtype, device=q.device) + written.tril(-1)  # A
     new_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
                                                unitriangular=True)  # (B, H, N, T, Dv)
-    recall = torch.linalg.solve_triangular(system, k_beta * cum.exp(), upper=False,
+    recall = torch.linalg.solve_triangular(system, k_beta * exp(cum), upper=False,
                                            unitriangular=True)  # (B, H, N, T, Dk)
-    q_read = q * cum.exp()
-    k_write = k * (cum[..., -1:, :] - cum).exp()
-    chunk_decay = cum[..., -1, :].exp()[..., None]  # (B, H, N, Dk or 1, 1)
+    q_read = q * exp(cum)
+    k_write = k * exp(cum[..., -1:, :] - cum)
+    chunk_decay = exp(cum[..., -1, :])[..., None]  # (B, H, N, Dk or 1, 1)
     outs = []
     for n in range(q.shape[2]):
         u = new_values[:, :, n] - recall[:, :, n] @ state  # (B, H, T, Dv)
@@ -95,24 +99,26 @@ def _decayed_products(cum, *pairs):
     channel, never e^{G} and e^{−G} apart (e^{−G} overflows when the decay is strong): within
     a sub-chunk of s tokens the differences G_i − G_j themselves (s × s × D, as transformers'
     chunk_kimi_delta_attention does for the whole chunk); across sub-chunks through the
-    query's sub-chunk start r, e^{G_i − G_r} e^{G_r − G_j}, both factors ≤ 1."""
-    size = cum.shape[-2]
+    query's sub-chunk start r, e^{G_i − G_r} e^{G_r − G_j}, both factors ≤ 1. ``cum`` may be
+    wider than a and b (float64: ``_chunked``): each factor is rounded to their dtype."""
+    size, dtype = cum.shape[-2], pairs[0][0].dtype
     if cum.shape[-1] == 1:  # one decay per head
         lower = torch.ones(size, size, dtype=torch.bool, device=cum.device).tril()
-        gamma = torch.where(lower, cum[..., :, None, 0] - cum[..., None, :, 0], -torch.inf).exp()
+        gamma = torch.where(lower, cum[..., :, None, 0] - cum[..., None, :, 0],
+                            -torch.inf).exp().to(dtype)
         return [(a @ b.transpose(-1, -2)) * gamma for a, b in pairs]
     s = max(d for d in range(1, min(SUB_CHUNK, size) + 1) if size % d == 0)
     n = size // s
     cum = cum.unflatten(-2, (n, s))  # (..., n, s, D)
     keep = torch.ones(s, s, dtype=torch.bool, device=cum.device).tril()
     diff = cum[..., :, None, :] - cum[..., None, :, :]  # (..., n, s_i, s_j, D)
-    decay = torch.where(keep[..., None], diff, -torch.inf).exp()
+    decay = torch.where(keep[..., None], diff, -torch.inf).exp().to(dtype)
     start = cum[..., :, :1, :]  # G_r (..., n, 1, D): each sub-chunk's first token
-    read = (cum - start).exp()  # e^{G_i − G_r} (..., n, s, D)
+    read = (cum - start).exp().to(dtype)  # e^{G_i − G_r} (..., n, s, D)
     before = torch.ones(n, n, dtype=torch.bool, device=cum.device).tril(-1)  # b < a
     cross = start[..., :, None, :, :] - cum[..., None, :, :, :]  # (..., n_a, n_b, s, D)
-    written = torch.where(before[:, :, None, None], cross, -torch.inf).exp()  # e^{G_r − G_j}
-    eye = torch.eye(n, dtype=cum.dtype, device=cum.device)
+    written = torch.where(before[:, :, None, None], cross, -torch.inf).exp().to(dtype)
+    eye = torch.eye(n, dtype=dtype, device=cum.device)  # written: e^{G_r − G_j}
     out = []
     for a, b in pairs:
         a, b = a.unflatten(-2, (n, s)), b.unflatten(-2, (n, s))  # (..., n, s, D)

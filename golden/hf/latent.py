@@ -26,6 +26,19 @@ MLA_NAMES = {"W_query": "q_proj", "W_q_a": "q_a_proj", "W_q_b": "q_b_proj",
 MLA_NORMS = {"q_a_norm": "q_a_layernorm.weight", "kv_a_norm": "kv_a_layernorm.weight"}
 
 
+def _kimi_linear_settings(c, layer_idx, sd):
+    """Kimi Linear's softmax layers (KimiLinearAttention; its linear layers are golden.hf.linear's
+    Kimi Delta Attention): DeepSeek-V3's latent attention with no RoPE at all (its rotary key
+    head and q's rotary features enter the scores unturned: ``rope=False``), no q LoRA when
+    q_lora_rank is None, the norms' eps 1e-6 (KimiLinearRMSNorm's default)."""
+    mt = "kimi_linear"
+    ours = _latent_settings(mt)({**c, "head_dim": None}, layer_idx, sd)
+    for name in ("rope_parameters", "rope_theta", "rope_interleaved"):
+        ours.pop(name, None)
+    ours["rope"] = False
+    return ours
+
+
 def _latent_settings(mt, interleaved=None):
     """The settings function of a DeepSeek-V3-like model_type ``mt``: its pairs interleaved as
     the config's ``rope_interleave`` says (default True), or always (True) or never (False)
@@ -160,6 +173,7 @@ FAMILIES: dict[str, Family] = {
     # float32; MiniCPM3: Llama's rotate-half pairs (i, i + Dr/2); both whatever the config says.
     "deepseek_v2": _mla(_latent_settings("deepseek_v2", interleaved=True)),
     "minicpm3": _mla(_latent_settings("minicpm3", interleaved=False)),
+    "kimi_linear": _mla(_kimi_linear_settings),
     # DeepseekV3Attention itself (A.X-K1's always with a q LoRA): rope_interleave read
     **{mt: _mla(_latent_settings(mt)) for mt in ("glm4_moe_lite", "youtu", "axk1")},
     # Mistral Small 4: with Llama 4's query temperature

@@ -117,7 +117,7 @@ def layer_only(config, layer_idx):
     whether it is one of Qwen2.5-VL's full layers or Molmo 2's rope_scaling_layers, its
     per_layer_config (Gemma 4, Step 3.5), no num_kv_shared_layers (the one layer keeps its k and
     v); no DeepStack outputs; a speech encoder's own changes
-    (golden.verifier.speech); a linear-attention layer's one-layer model with a second,
+    (golden.verifier.speech); a one-layer model given a second
     layer of the other kind, never run, where the config wants both (BOTH_KINDS_REQUIRED)."""
     c = dict(config)
     for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
