@@ -18,6 +18,9 @@ float16 inputs (state and gates in float32, as flash-linear-attention does).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,7 +71,8 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     beta = F.pad(beta, (0, pad))
     q, k, v, g = (t.reshape(t.shape[:2] + (-1, size, t.shape[-1])) for t in (q, k, v, g))
     beta = beta.reshape(beta.shape[:2] + (-1, size))  # (B, H, N, T)
-    cum = g.to(torch.float64).cumsum(dim=-2)  # G (B, H, N, T, Dk or 1), in float64
+    wide = q.dtype if _HF_DECAYS.get() else torch.float64
+    cum = g.to(wide).cumsum(dim=-2)  # G (B, H, N, T, Dk or 1), in float64
     exp = (lambda t: t.exp().to(q.dtype))  # a factor e^(·), rounded once
     k_beta = k * beta[..., None]
     written, within = _decayed_products(cum, (k_beta, k), (q, k))  # (B, H, N, T, T)
@@ -89,7 +93,23 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     return o[:, :, :length], state
 
 
-SUB_CHUNK = 16  # the per-channel products' sub-chunk, as flash-linear-attention's chunk_kda
+SUB_CHUNK = 16
+# HF's arithmetic for the decays (``hf_decay_arithmetic``): G and its differences formed in the
+# compute dtype, as transformers' and flash-linear-attention's chunked kernels form them.
+_HF_DECAYS = contextvars.ContextVar("hf_decays", default=False)
+
+
+@contextlib.contextmanager
+def hf_decay_arithmetic():
+    """Inside, the "chunked" implementation forms the cumulative log-decay G and its differences
+    in the compute dtype (float32 for a float32 call), as Hugging Face's chunked kernels do,
+    instead of float64: what a checker measuring HF's own float32 error needs as HF's peer
+    (golden.verifier.linear). Not for computing with: the result is less accurate."""
+    token = _HF_DECAYS.set(True)
+    try:
+        yield
+    finally:
+        _HF_DECAYS.reset(token)  # the per-channel products' sub-chunk, as flash-linear-attention's chunk_kda
 
 
 def _decayed_products(cum, *pairs):

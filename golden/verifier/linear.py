@@ -16,8 +16,9 @@ drawn inputs x (2, L, D) whose second row is left-padded (golden.verifier.exerci
 The bound: the recurrence's, which grows with L (golden.specification.tolerances.
 compare_recurrence, rule "recurrence") at float32, the table at float64. HF's float32 row that
 misses it is judged as the verifier judges HF's RoPE rows (golden.verifier.check.hf_peer):
-within twice the error of our float32 torch twin ("chunked", the form HF computes) plus the
-table's float32 bound (compare_to_plain). The rows are those of golden.harness.check's
+within twice the error of our float32 torch twin ("chunked", the form HF computes, run with
+HF's float32 decay arithmetic: torch_attn.recurrent.hf_decay_arithmetic, where ours forms the
+cumulative log-decays in float64) plus the table's float32 bound (compare_to_plain). The rows are those of golden.harness.check's
 report, one per implementation, core (the recurrence's implementation) and dtype.
 
 Shape legend: B batch rows (2), L tokens, D the model's width.
@@ -150,7 +151,9 @@ class _Layer:
             return {**row, "status": "error", "reason": f"{type(e).__name__}: {e}",
                     "seconds": time.perf_counter() - start}
         if (framework, implementation, dtype) == (*PEER, "float32"):
-            self.peer = output
+            from torch_attn.recurrent import hf_decay_arithmetic
+            with hf_decay_arithmetic():  # HF's float32 steps in the decays, for HF's peer
+                self.peer = self._twin_output(framework, implementation, dtype)
         return self._judged(row, output, compare_recurrence(output, self.expected, dtype,
                                                             self.length), start)
 
