@@ -108,21 +108,6 @@ def check_cache(config, cache, lead) -> None:
                              f"input of batch shape {tuple(lead)}), got {got}")
 
 
-def check_cache(config, cache, lead) -> None:
-    """ValueError unless ``cache`` is a RecurrentCache whose fields have the shapes
-    ``cache_shapes`` gives for the full ``config`` and the input's leading (batch) shape
-    ``lead`` (() unbatched), each field named."""
-    if not isinstance(cache, RecurrentCache):
-        raise ValueError(f"cache should be a RecurrentCache (conv, state, lengths), as the "
-                         f"module's init_cache makes, got {type(cache).__name__}")
-    want = cache_shapes(config, lead[0] if lead else None)
-    for name, shape in want.items():
-        got = tuple(getattr(getattr(cache, name), "shape", ()))
-        if got != shape:
-            raise ValueError(f"cache.{name} shape should be {shape} (for this module and an "
-                             f"input of batch shape {tuple(lead)}), got {got}")
-
-
 def _flag(name, b) -> None:
     check_flags(**{name: b})
 
