@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 
 from golden.specification.settings import epsilon, positive, positive_or_none
 from golden.specification.validate import check_flags, check_sequence, dtype_name
-from golden.specification.variants import Arg, Variant
+from golden.specification.description import Arg, Variant
 
 
 class RecurrentCache(NamedTuple):

@@ -17,22 +17,25 @@ shape and input functions it names) and the few functions every reader of the ta
 split, a variant's description would sit in two places. Grouped-query attention's position
 terms, which grow with each family of relative positions, are checked and shaped in
 golden.specification.position_terms (its ``Arg`` checks and ``position_shapes``), the checks of
-one value every variant shares in golden.specification.settings. The next mixers
-(docs/architecture.md, "Where the next token mixers go") get descriptions of their own beside
-it, not in it.
+one value every variant shares in golden.specification.settings. What a description is
+(``Arg``, ``Input``, ``Variant``) is golden.specification.description's; the recurrent token
+mixers' descriptions are golden.specification.recurrent's, found here by ``lookup`` and
+``described`` beside the attention variants.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from golden.specification.description import (REQUIRED, Arg, Input, Variant,  # noqa: F401
+                                              check_param_shapes)
 from golden.specification.outputs import (check_output_gate, check_output_norm, gate_kind,
                                           output_shapes)
+from golden.specification import recurrent
 from golden.specification.position_terms import (
     check_alibi,
     check_alibi_bias_max,
@@ -47,7 +50,6 @@ from golden.specification.settings import epsilon, positive, positive_or_none
 from golden.specification.temperature import (TEMPERATURE_FIELDS, check_temperature,
                                               temperature_shapes)
 from golden.specification.validate import (
-    FLOAT_DTYPES,
     check_attention_args,
     check_chunk_size,
     check_context_inputs,
@@ -59,14 +61,12 @@ from golden.specification.validate import (
     check_rate,
     check_scale,
     check_self_inputs,
-    dtype_name,
     rope_axis_count,
     rope_settings,
     rotary_dims,
     window,
 )
 
-REQUIRED = object()  # the default of an argument that has none
 
 
 # one validator per kind of argument, shared with the core (golden.specification.validate)
@@ -95,104 +95,7 @@ def _rope_precision(name, x) -> None:
     rope_settings(None, None, 1.0, x)  # "exact" or "hf"
 
 
-@dataclass(frozen=True)
-class Arg:
-    """A constructor argument: its name, its check (raises ValueError) and its default."""
-
-    name: str
-    check: Callable[[str, object], None]
-    default: object = REQUIRED
-
-
-@dataclass(frozen=True)
-class Input:
-    """An array the variant is called with, before ``mask``: its name, the configuration key of
-    its feature width (None: any width), and whether it is on the query or the key side."""
-
-    name: str
-    width: str | None
-    side: str = "query"  # "query" (length Lq) or "key" (length Lk)
-    optional: bool = False
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str                          # snake_case of the class name: fixtures, build, the CLI
-    class_name: str | None             # None for the core function itself
-    args: tuple[Arg, ...]              # constructor arguments in order (the core: its settings)
-    shapes: Callable[[dict], dict]     # full configuration -> {parameter: shape}, neutral layout
-    check_inputs: Callable             # (config, {name: array}, dropout rate) -> weights shape
-    inputs: tuple[Input, ...] = (Input("x", "d_in"),)
-    call_names: tuple[str, ...] = ()  # positional inputs of the core beyond inputs and mask
-    dropout: bool = False              # the call takes ``dropout_mask=`` (training mode)
-    layers: dict = field(default_factory=dict)  # role -> attribute path; "*" = one per head
-    vectors: tuple = ()  # parameters the module holds as plain arrays, each under its own name
-    sample: dict = field(default_factory=dict)  # small configuration for tests, sizes distinct
-
-    @property
-    def is_module(self) -> bool:
-        return self.class_name is not None
-
-    @property
-    def positional(self) -> tuple[str, ...]:
-        """The call's positional argument names, in order."""
-        return tuple(i.name for i in self.inputs) + ("mask",) + self.call_names
-
-    def config(self, given: dict) -> dict:
-        """Check a configuration; return it complete, defaults filled in, in argument order."""
-        known = {a.name for a in self.args}
-        for name in given:
-            if name not in known:
-                raise ValueError(f"{name} is not an argument of {self.class_name or self.name}; "
-                                 f"it takes {', '.join(a.name for a in self.args) or 'none'}")
-        full = {}
-        for a in self.args:
-            if a.name not in given and a.default is REQUIRED:
-                raise ValueError(f"{a.name} is required by {self.class_name or self.name}")
-            full[a.name] = given.get(a.name, a.default)
-            a.check(a.name, full[a.name])
-        self.shapes(full)  # the checks across arguments (d_out divisible by num_heads)
-        return full
-
-    def param_shapes(self, config: dict) -> dict:
-        """Check the configuration; return {parameter name: shape} in the neutral layout."""
-        return self.shapes(self.config(config))
-
-    def check_params(self, config: dict, params: dict) -> None:
-        """Raise ValueError naming a missing, unexpected or wrongly shaped parameter."""
-        want = self.param_shapes(config)
-        check_param_shapes(want, params, f"{self.name} with config {config}")
-        for name in want:
-            if dtype_name(params[name].dtype) not in FLOAT_DTYPES:
-                raise ValueError(f"parameter {name} dtype should be one of "
-                                 f"{', '.join(FLOAT_DTYPES)}, got {dtype_name(params[name].dtype)}")
-
-    def call_args(self, arrays: dict):
-        """(positional arguments, keyword arguments) for calling the variant on named arrays."""
-        args = [arrays.get(n) for n in self.positional]
-        while args and args[-1] is None:
-            args.pop()
-        kwargs = {n: a for n, a in arrays.items() if n not in self.positional}
-        return args, kwargs
-
-
 # ---- parameter shapes -------------------------------------------------------------------------
-
-def check_param_shapes(want: dict, params: dict, where: str) -> None:
-    """Raise ValueError naming a parameter of ``params`` that is missing from, unexpected in
-    (``where`` says for what) or shaped unlike ``want`` ({name: shape})."""
-    for name in sorted(set(want) - set(params)):
-        raise ValueError(f"parameter {name} is missing: expected shape {want[name]}; "
-                         f"parameters should be {', '.join(sorted(want))}, got "
-                         f"{', '.join(sorted(params)) or 'none'}")
-    for name in sorted(set(params) - set(want)):
-        raise ValueError(f"parameters should be exactly {', '.join(sorted(want))} for {where}, "
-                         f"got an unexpected {name}")
-    for name, shape in want.items():
-        got = tuple(np.shape(params[name]))
-        if got != tuple(shape):
-            raise ValueError(f"parameter {name} shape should be {tuple(shape)}, got {got}")
-
 
 def _qkv(prefix, d_q_in, d_kv_in, d_k, d_v, qkv_bias):
     """Shapes of the query, key and value projections (weights, then biases)."""
@@ -680,7 +583,6 @@ def lookup(name) -> Variant:
     """The description of a fixture's variant: an attention variant (``get``) or a recurrent
     token mixer (golden.specification.recurrent.MIXERS, kept out of VARIANTS: no attention
     weights); ValueError listing both otherwise."""
-    from golden.specification import recurrent  # it builds on this module
 
     if name in recurrent.MIXERS:
         return recurrent.MIXERS[name]
@@ -747,7 +649,6 @@ def _resolve(module, path):
 def described(module) -> Variant:
     """The description of a torch_attn or jax_attn module: its ``variant`` among VARIANTS'
     modules, or among the recurrent mixers (golden.specification.recurrent.MIXERS)."""
-    from golden.specification import recurrent  # it builds on this module
 
     variant = getattr(module, "variant", None)
     if variant in VARIANTS and VARIANTS[variant].is_module:

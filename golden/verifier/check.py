@@ -226,7 +226,7 @@ def run(directory, *, frameworks=(), with_hf=True, log=print, progress=None, see
             for row in part["rows"]:
                 row["model_type"] = layer.config["model_type"]
                 log(row)
-            report = part if report is None else _merge(report, part)
+            report = part if report is None else hf_linear.merge(report, part)
             info["checked"] = info.get("checked", 0) + 1
             if fail_fast and not part["summary"]["ok"]:
                 info["stopped"] = f"stopped after {layer.name} (--fail-fast)"
@@ -278,18 +278,10 @@ def _check_layer(layer, plan, state_dict, twins, models, dtypes, rng, weights, o
             for row in hf_part["rows"]:
                 _judge_by_peer(row, seen.get(row["dtype"]), fixture, peer)
             hf_part["summary"] = check._summary(hf_part, 0.0)
-            part = hf_part if part is None else _merge(part, hf_part)
+            part = hf_part if part is None else hf_linear.merge(part, hf_part)
         for row in part["rows"]:
             row["exercised"] = list(exercise.notes)
-        report = part if report is None else _merge(report, part)
-    return report
-
-
-def _merge(report, part):
-    report["rows"] += part["rows"]
-    report["implementations"] = list(dict.fromkeys(report["implementations"]
-                                                   + part["implementations"]))
-    report["summary"] = check._summary(report, 0.0)
+        report = part if report is None else hf_linear.merge(report, part)
     return report
 
 

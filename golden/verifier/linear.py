@@ -98,10 +98,19 @@ def check_layer(layer, plan, state_dict, twins, models, dtypes, rng, outputs=Non
             kept.update(run.kept)
         labels = list(twins) + (["hf"] if models is not None else [])
         part = _report(rows, labels)
-        if report is not None:  # golden.verifier.check's merge (it imports this module)
-            from golden.verifier.check import _merge
-            part = _merge(report, part)
+        if report is not None:
+            part = merge(report, part)
         report = part
+    return report
+
+
+def merge(report, part) -> dict:
+    """``report`` with ``part``'s rows and implementations added and its summary made again
+    (golden.verifier.check merges its stacks' reports with it too)."""
+    report["rows"] += part["rows"]
+    report["implementations"] = list(dict.fromkeys(report["implementations"]
+                                                   + part["implementations"]))
+    report["summary"] = check._summary(report, 0.0)
     return report
 
 
