@@ -61,9 +61,10 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     S ← e^{G_T} S + (e^{G_T − G} ⊙ K)ᵀ U. L not a multiple of T: the last chunk is padded
     with g = 0, β = 0, k = 0 (and q = v = 0), which leave S unchanged. Every exponent taken is
     ≤ 0 (no overflow at any decay). G and its differences are formed in float64 whatever the
-    compute dtype, each factor e^(·) then rounded to it once: in float32 a difference of two
-    cumulative sums of size |G| errs by u·|G|, which e^(·) turns into a relative error of the
-    same size (a hundred roundoffs at strong decays, measured on Kimi Linear's checkpoint)."""
+    compute dtype (except on Apple's MPS, which has no float64), each factor e^(·) then
+    rounded to it once: in float32 a difference of two cumulative sums of size |G| errs by
+    u·|G|, which e^(·) turns into a relative error of the same size (ten times the
+    recurrence's float32 error on Kimi Linear's checkpoint)."""
     length, size = q.shape[-2], chunk_size
     pad = -length % size
     g = g if g.dim() == 4 else g[..., None]  # (B, H, L, Dk) or (B, H, L, 1): one per head
@@ -71,7 +72,8 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     beta = F.pad(beta, (0, pad))
     q, k, v, g = (t.reshape(t.shape[:2] + (-1, size, t.shape[-1])) for t in (q, k, v, g))
     beta = beta.reshape(beta.shape[:2] + (-1, size))  # (B, H, N, T)
-    wide = q.dtype if _HF_DECAYS.get() else torch.float64
+    # float64 where the device has it (Apple's MPS has none: there, the compute dtype)
+    wide = q.dtype if _HF_DECAYS.get() or q.device.type == "mps" else torch.float64
     cum = g.to(wide).cumsum(dim=-2)  # G (B, H, N, T, Dk or 1), in float64
     exp = (lambda t: t.exp().to(q.dtype))  # a factor e^(·), rounded once
     k_beta = k * beta[..., None]
