@@ -47,9 +47,7 @@ REFUSED: dict[str, str] = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSE
 LINEAR: dict[str, Family] = dict(linear.FAMILIES)
 
 
-def _spec(variant):
-    """The description of ``variant``: an attention variant's or a recurrent mixer's."""
-    return recurrent.MIXERS[variant] if variant in recurrent.MIXERS else variants.get(variant)
+_spec = variants.lookup  # an attention variant's description or a recurrent mixer's
 
 
 # ---- the family lookup --------------------------------------------------------------------------

@@ -583,7 +583,6 @@ def lookup(name) -> Variant:
     """The description of a fixture's variant: an attention variant (``get``) or a recurrent
     token mixer (golden.specification.recurrent.MIXERS, kept out of VARIANTS: no attention
     weights); ValueError listing both otherwise."""
-
     if name in recurrent.MIXERS:
         return recurrent.MIXERS[name]
     if name not in VARIANTS:
