@@ -52,6 +52,22 @@ MHCA = "multi_head_cross_attention"
 NORMS = ("q_norm.weight", "k_norm.weight")
 
 
+def _normed_linears(mt):
+    """(to_neutral, from_neutral) of LLAMA_NAMES' projections with per-head q_norm and k_norm
+    (NORMS' keys): Mllama's cross layers and T5Gemma 2's attention name them alike."""
+
+    def to_neutral(sd, ours):
+        return {**_linears_to_neutral(sd, LLAMA_NAMES, mt), **_qk_norm_entries(sd, mt, *NORMS)}
+
+    def from_neutral(params, ours):
+        sd = _neutral_to_linears({n: a for n, a in params.items() if n not in ("q_norm", "k_norm")},
+                                 LLAMA_NAMES)
+        sd[NORMS[0]], sd[NORMS[1]] = np.array(params["q_norm"]), np.array(params["k_norm"])
+        return sd
+
+    return to_neutral, from_neutral
+
+
 def _no_dropout(c, mt, name):
     if c.get(name):
         raise ValueError(f"model_type {mt!r}: {name} = {c[name]!r} is not supported for the "
@@ -102,14 +118,7 @@ def _mllama_cross() -> Family:
                     **_bias_flags(sd, LLAMA_NAMES, mt), qk_norm="rms",
                     qk_norm_eps=float(c["rms_norm_eps"]))
 
-    def to_neutral(sd, ours):
-        return {**_linears_to_neutral(sd, LLAMA_NAMES, mt), **_qk_norm_entries(sd, mt, *NORMS)}
-
-    def from_neutral(params, ours):
-        sd = _neutral_to_linears({n: a for n, a in params.items() if n not in ("q_norm", "k_norm")},
-                                 LLAMA_NAMES)
-        sd[NORMS[0]], sd[NORMS[1]] = np.array(params["q_norm"]), np.array(params["k_norm"])
-        return sd
+    to_neutral, from_neutral = _normed_linears(mt)
 
     return Family(MHCA, settings, to_neutral, from_neutral)
 
@@ -136,14 +145,7 @@ def _t5gemma2(kind) -> Family:
             ours["sliding_window"] = ((w + 1) // 2 - 1, w // 2)
         return ours
 
-    def to_neutral(sd, ours):
-        return {**_linears_to_neutral(sd, LLAMA_NAMES, mt), **_qk_norm_entries(sd, mt, *NORMS)}
-
-    def from_neutral(params, ours):
-        sd = _neutral_to_linears({n: a for n, a in params.items() if n not in ("q_norm", "k_norm")},
-                                 LLAMA_NAMES)
-        sd[NORMS[0]], sd[NORMS[1]] = np.array(params["q_norm"]), np.array(params["k_norm"])
-        return sd
+    to_neutral, from_neutral = _normed_linears(mt)
 
     return Family(GQA, settings, to_neutral, from_neutral)
 
