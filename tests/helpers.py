@@ -235,6 +235,20 @@ def missing_mixer(twin_name, variant) -> str | None:
     return None if hasattr(package, name) else f"{package.__name__}.{name} does not exist yet"
 
 
+def missing_option(twin_name, fixture) -> str | None:
+    """Why ``twin_name`` cannot run ``fixture`` yet: a recurrent mixer it lacks
+    (missing_mixer), or an option its module refuses with NotImplementedError on building
+    (latent attention's learned indexer, issue 44); None when it can."""
+    reason = missing_mixer(twin_name, fixture.variant)
+    if reason or not variants.lookup(fixture.variant).is_module:
+        return reason
+    try:
+        TWINS[twin_name].build(fixture.variant, fixture.config, fixture.params)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def random_cotangents(rng, output_shape, weights_shape) -> dict:
     """Fixed random cotangents dO and dA of the fixtures' loss, float32-valued (exact at
     float32 and float64)."""

@@ -663,14 +663,37 @@ class MultiHeadLatentAttention(Module):
 
     layers = {"query": "q_proj", "q_a": "q_a_proj", "q_b": "q_b_proj",
               "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj", "out": "o_proj",
-              "gate": "gate_proj"}
+              "gate": "gate_proj", "index_q": "index_q_proj", "index_k": "index_k_proj",
+              "index_weights": "index_weights_proj"}
+    index_vectors = ("index_k_norm", "index_k_norm_bias", "index_q_norm", "index_q_norm_bias",
+                     "index_temperature_scale", "index_temperature_bias")
 
     def __init__(self, d_in, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
-                 output_gate=False, *, core=None):
+                 output_gate=False, index_topk=None, index_heads=None, index_head_dim=None,
+                 index_rope="half", index_rope_dims="first", index_query="latent",
+                 index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
+                 index_select="tokens", *, core=None):
         super().__init__(core)
+        self.index = None if index_topk is None else dict(  # DeepSeek-V3.2's indexer
+            topk=index_topk, heads=index_heads, dim=index_head_dim, rope=index_rope,
+            last=index_rope_dims == "last", layer_norm=index_query == "layer_norm",
+            on_weights=index_scale == "weights", eps=index_norm_eps)
+        on = self.index is not None
+        width = d_in if index_query == "layer_norm" else q_lora_rank
+        self.index_q_proj = Linear(width, index_heads * index_head_dim, False) if on else None
+        self.index_k_proj = Linear(d_in, index_head_dim, False) if on else None
+        self.index_weights_proj = Linear(d_in, index_heads, False) if on else None
+        self.index_k_norm = np.ones(index_head_dim) if on else None
+        self.index_k_norm_bias = np.zeros(index_head_dim) if on else None
+        q_norm = on and index_query == "layer_norm"  # Mistral Large 4's LayerNorm(x)
+        self.index_q_norm = np.ones(d_in) if q_norm else None
+        self.index_q_norm_bias = np.zeros(d_in) if q_norm else None
+        learned = on and index_temperature  # Mistral Large 4's per-head temperature
+        self.index_temperature_scale = np.zeros(index_heads) if learned else None
+        self.index_temperature_bias = np.ones(index_heads) if learned else None
         self.sinks = np.zeros(num_heads) if sinks else None  # HY-V4's
         gate = "sigmoid" if output_gate is True else output_gate  # False: none
         self.gate_softplus = bool(gate) and gate.startswith("softplus")
@@ -682,6 +705,7 @@ class MultiHeadLatentAttention(Module):
         learned = query_temperature is not None and query_temperature.get("kind") == "learned"
         self.temperature_scale, self.temperature_bias = (
             (np.zeros(num_heads), np.ones(num_heads)) if learned else (None, None))
+        self.rope_dim = qk_rope_head_dim
         self.heads, self.rank, self.nope, self.eps = (num_heads, kv_lora_rank, qk_nope_head_dim,
                                                       rms_norm_eps)
         self.causal, self.interleaved = causal, rope_interleaved
@@ -707,11 +731,17 @@ class MultiHeadLatentAttention(Module):
         positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
         if positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
+        q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.rms(self.q_a_proj(x), self.q_a_norm))
+            q_resid = self.rms(self.q_a_proj(x), self.q_a_norm)
+            q = self.q_b_proj(q_resid)
         q = _split(q, self.heads)                                   # (..., N, L, Dk)
+        if self.index is not None:  # the attention sees only the keys the indexer chose
+            chosen = self.chosen_keys(x, q_resid, mask, query_seq_lengths, positions)
+            mask = chosen if mask is None else mask & (
+                chosen[..., None, :, :] if mask.ndim == x.ndim + 1 else chosen)
         kv_a = self.kv_a_proj_with_mqa(x)
         c = self.rms(kv_a[..., :self.rank], self.kv_a_norm)          # (..., L, r)
         k_pe = kv_a[..., None, :, self.rank:]                        # (..., 1, L, Dr)
@@ -746,12 +776,74 @@ class MultiHeadLatentAttention(Module):
         return t / np.sqrt((t * t).mean(-1, keepdims=True) + self.eps).astype(t.dtype) * (
             weight.astype(t.dtype))
 
+    def index_rope(self, t, positions):
+        """RoPE on t (..., N, L, D)'s first or last qk_rope_head_dim features."""
+        r = self.rope_dim
+        if self.index["rope"] is None:
+            return t
+        inter = self.index["rope"] == "interleaved"
+        if self.index["last"]:
+            return np.concatenate([t[..., :-r], rope(t[..., -r:], self.rope_settings, inter,
+                                                     positions)], axis=-1)
+        return np.concatenate([rope(t[..., :r], self.rope_settings, inter, positions),
+                               t[..., r:]], axis=-1)
+
+    def index_scores(self, x, q_resid, positions):
+        """I (..., Lq, Lk) = Σ_h w_h H^−1/2 ReLU(D^−1/2 q_h · k), in x's dtype."""
+        ix, dt = self.index, x.dtype
+        h, d = ix["heads"], ix["dim"]
+        if ix["layer_norm"]:
+            q_resid = _layer_norm(x, self.index_q_norm, self.index_q_norm_bias, ix["eps"])
+        q = _split(self.index_q_proj(q_resid), h)                     # (..., H, L, D)
+        if self.index_temperature_scale is not None:  # (s_h ln(p + 1) + b_h), before RoPE
+            logs = np.log(np.asarray(positions, np.float64) + 1)[..., None]   # (..., 1, L, 1)
+            q = q * (self.index_temperature_scale[:, None, None] * logs
+                     + self.index_temperature_bias[:, None, None]).astype(dt)
+        q = self.index_rope(q, positions)
+        k = _layer_norm(self.index_k_proj(x), self.index_k_norm, self.index_k_norm_bias,
+                        ix["eps"])[..., None, :, :]                   # (..., 1, L, D)
+        k = self.index_rope(k, positions)
+        dot = q @ np.swapaxes(k, -1, -2)                              # (..., H, Lq, Lk)
+        w = self.index_weights_proj(x) * dt.type(h ** -0.5)           # (..., L, H)
+        if ix["on_weights"]:  # HY-V4: D^−1/2 on the head weights
+            w = w * dt.type(d ** -0.5)
+        else:
+            dot = dot * dt.type(d ** -0.5)
+        return np.einsum("...ht,...hts->...ts", np.swapaxes(w, -1, -2), np.maximum(dot, 0))
+
+    def chosen_keys(self, x, q_resid, mask, lengths, positions):
+        """Boolean (..., Lq, Lk): each query's top min(index_topk, Lk) keys among those it may
+        see (mask, causal, lengths), ties to the lower index, rows seeing fewer filled with
+        the lowest unseen."""
+        scores = self.index_scores(x, q_resid, positions)
+        lq = lk = x.shape[-2]
+        seen = np.broadcast_to(np.tril(np.ones((lq, lk), bool)) if self.causal
+                               else np.ones((lq, lk), bool), scores.shape).copy()
+        if lengths is not None:
+            n = np.asarray(lengths)[..., None, None]
+            seen &= (np.arange(lk) < n) & (np.arange(lq)[:, None] < n)
+        if mask is not None:
+            seen &= mask[..., 0, :, :] if mask.ndim == x.ndim + 1 else mask
+        k, chosen = min(self.index["topk"], lk), np.zeros(scores.shape, bool)
+        for row in np.ndindex(scores.shape[:-1]):
+            s, ok = scores[row], seen[row]
+            best = sorted(range(lk), key=lambda j: (not ok[j], -s[j] if ok[j] else 0, j))[:k]
+            chosen[row + (best,)] = True
+        return chosen
+
     def mapping(self) -> dict:
         table = super().mapping()
         table.update({n: (n, "") for n in ("q_a_norm", "kv_a_norm", "temperature_scale",
-                                           "temperature_bias", "sinks")
+                                           "temperature_bias", "sinks", *self.index_vectors)
                       if getattr(self, n) is not None})
         return table
+
+
+def _layer_norm(t, weight, bias, eps):
+    """(t − mean) / √(var + ε) · weight + bias over the last axis (torch.nn.LayerNorm)."""
+    c = t - t.mean(-1, keepdims=True)
+    return c / np.sqrt((c * c).mean(-1, keepdims=True) + eps).astype(t.dtype) * (
+        weight.astype(t.dtype)) + bias.astype(t.dtype)
 
 
 def rope(x, settings, interleaved, positions, multi=False):

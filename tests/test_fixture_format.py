@@ -46,7 +46,11 @@ def test_inputs_are_float32_bool_or_int32_and_expectations_float64(fixture_name)
         want = (np.int32,) if name in INTEGER_INPUTS else (np.float32, np.bool_)
         assert a.dtype in want, f"inputs/{name} is {a.dtype}"
     assert not set(INTEGER_INPUTS) & set(f.grads), "an integer input has a gradient"
-    assert all(a.dtype == np.float64 for a in {**f.expected, **f.grads}.values())
+    assert all(a.dtype == np.float64 for n, a in {**f.expected, **f.grads}.items()
+               if n != "key_indices")
+    assert ("key_indices" in f.expected) == (f.config.get("index_topk") is not None)
+    if "key_indices" in f.expected:  # an indexer's choice: keys, not values
+        assert f.expected["key_indices"].dtype == np.int32
 
 
 def test_integer_inputs_are_stored_exactly():

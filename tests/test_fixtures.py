@@ -15,7 +15,7 @@ from golden.specification.cases import CASES
 from golden.harness.check import compare_all
 from golden.harness.regenerate import regenerate
 from golden.specification.tolerances import compare
-from tests.helpers import DTYPES, TWINS, fixture_features, missing_mixer, sweep
+from tests.helpers import DTYPES, TWINS, fixture_features, missing_option, sweep
 
 
 def test_every_case_is_shipped():
@@ -51,8 +51,8 @@ def test_framework_matches_fixture(twin_name, fixture_name, dtype):
     twin = TWINS[twin_name]
     fixture = golden.load(fixture_name)
     assert fixture.name == fixture_name and fixture.path.stem == fixture_name
-    if missing_mixer(twin_name, fixture.variant):
-        pytest.skip(missing_mixer(twin_name, fixture.variant))
+    if missing_option(twin_name, fixture):
+        pytest.skip(missing_option(twin_name, fixture))
     result = runners.get(twin.name)(fixture, dtype)
     assert result["dtype"] == dtype, "the computation ran in another dtype"
     assert set(result["grads"]) == set(fixture.grads), "a gradient was not computed"
@@ -66,6 +66,9 @@ def test_reference_reproduces_fixture(fixture_name):
     result = runners.run_reference(fixture)
     np.testing.assert_array_equal(result["output"], fixture.expected["output"])
     assert ("weights" in result) == ("weights" in fixture.expected)  # a mixer has none
+    assert ("key_indices" in result) == ("key_indices" in fixture.expected)  # an indexer's
+    if "key_indices" in result:
+        np.testing.assert_array_equal(result["key_indices"], fixture.expected["key_indices"])
     if "weights" in result:
         np.testing.assert_array_equal(result["weights"], fixture.expected["weights"])
     for n, g in fixture.grads.items():
@@ -83,7 +86,8 @@ def test_regenerate_check_is_clean():
 
 
 # Those torch's "fused" takes (its registry's rule: not dropout nor soft-capping).
-FUSED_RUNS = [(n, d) for n, d in RUNS if not runners.refuses("torch", "fused", golden.load(n))]
+FUSED_RUNS = [(n, d) for n, d in RUNS if not runners.refuses("torch", "fused", golden.load(n))
+              and not missing_option("torch", golden.load(n))]
 
 
 @pytest.mark.parametrize("fixture_name, dtype", FUSED_RUNS, ids=[f"{n}-{d}" for n, d in FUSED_RUNS])

@@ -81,6 +81,8 @@ def build(case: Case) -> Fixture:
         grads = backward(saved, cot["output"], cot.get("weights"))
     out, weights, grads, zero = reference.stored(case.config, out, weights, grads)
     expected = {"output": out} if weights is None else {"output": out, "weights": weights}
+    if reference.selected_keys(saved) is not None:  # an indexer's choice: the keys, int32
+        expected["key_indices"] = reference.selected_keys(saved)
     return Fixture(name=case.name, variant=case.variant, seed=case.seed, config=case.config,
                    dtypes=list(case.dtypes), inputs=inputs, params=params, cotangents=cot,
                    expected=expected, grads=grads, zero=zero)

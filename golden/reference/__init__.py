@@ -23,15 +23,19 @@ The rooms, each importing only those above it:
     modules        the module variants: plain core, one-head, multi-head, the wrapper,
                    GroupedQueryAttention (the decoder family)
     cross          CrossAttention and MultiHeadCrossAttention
-    latent         MultiHeadLatentAttention (MLA)
+    indexer        the learned indexer of latent attention (DeepSeek-V3.2's): scores, top-k
+                   selection, the chosen keys as a mask
+    latent         MultiHeadLatentAttention (MLA), with the indexer's choice
 
 The next two kinds of token mixer get rooms of their own. Gated delta-rule linear attention, a
 recurrence carrying a state from token to token, goes in ``delta_rule``: the plain step-by-step
 recurrence and its backward. Learned sparse top-k selection, each query attending only the keys
-an indexer scores highest, goes in ``sparse_topk``.
+an indexer scores highest, is ``indexer``'s (token top-k; block selection to come).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from golden.reference.arithmetic import (blas_products, einsum, exact_arithmetic, number,
                                          number_type, real, round_to_bits, rounded_products)
@@ -42,6 +46,7 @@ from golden.reference.core import (allowed_positions, masked_softmax, per_batch,
                                    sdpa_term_sizes, sink_logits, sum_groups, unbroadcast)
 from golden.reference.cross import (_cross, _cross_backward, _multi_head_cross,
                                     _multi_head_cross_backward)
+from golden.reference.indexer import index_keys, index_scores, select_keys, selected_mask
 from golden.reference.latent import _latent, _latent_backward, latent_mscale, latent_rope_stage
 from golden.reference.modules import (_causal, _grouped_query, _grouped_query_backward,
                                       _multi_head, _multi_head_backward, _sdpa, _self,
@@ -94,3 +99,10 @@ __all__ = [
     "transformer_xl_backward", "transformer_xl_term", "turn", "unbroadcast",
     "zero_elements", "zero_grads",
 ]
+
+
+def selected_keys(saved):
+    """The keys a learned indexer chose, key_indices (..., Lq, k) int32 (golden.reference.indexer),
+    from a forward's ``saved``; None for a variant or configuration without an indexer."""
+    chosen = saved.get("key_indices") if isinstance(saved, dict) else None
+    return None if chosen is None else np.asarray(chosen).astype(np.int32)

@@ -15,7 +15,9 @@ from golden.specification import variants
 from golden.specification.outputs import gate_kind
 from golden.reference.arithmetic import number, real
 from golden.reference.block import Stage, block_backward, block_forward, linear, linear_backward
-from golden.reference.core import unbroadcast
+from golden.reference.core import allowed_positions, unbroadcast
+from golden.reference.indexer import index_keys, selected_mask
+from golden.specification.indexer import check_key_indices
 from golden.reference.rotary import rope_cos_sin, turn
 from golden.reference.norms import normalize, normalize_backward
 from golden.reference.stages import (learned_temperature_stage, temperature_factors,
@@ -109,17 +111,48 @@ def _latent(config, inputs, params):
                                                 p["temperature_bias"]))
     elif t is not None:
         stages.append(temperature_stage(temperature_factors(positions, t)[heads_axis][..., None]))
+    mask, key_indices = _indexed_mask(c, x, x_q, positions, cos, sin, p, inputs)
     w_k, w_v = _split_kv_b(p["W_kv_b"], heads, nope)
     block = {"W_query": p.get("W_q_b", p.get("W_query")), "W_key": w_k, "W_value": w_v,
              "W_out": p["W_out"], **{n: p[n] for n in ("b_out", "W_gate", "sinks") if n in p}}
     lengths = inputs.get("query_seq_lengths")
     y, weights, saved = block_forward(x_q, latent, latent, block, num_heads=heads,
-                                      stages=stages, mask=inputs.get("mask"),
+                                      stages=stages, mask=mask,
                                       gate=gate_kind(c["output_gate"]), gate_input=x,
                                       is_causal=c["causal"], scale=c["scale"],
                                       query_seq_lengths=lengths, key_value_seq_lengths=lengths)
     return y, weights, dict(block=saved, x=x, p=p, q_norm=q_norm, kv_norm=kv_norm, r=r,
-                            heads=heads)
+                            heads=heads, key_indices=key_indices)
+
+
+def _indexed_mask(c, x, q_resid, positions, cos, sin, p, inputs):
+    """(the attention's mask, key_indices or None): with index_topk, the caller's mask AND the
+    keys the indexer chose (golden.reference.indexer), or chose for it (``key_indices`` among
+    the inputs: the given-selection mode, no indexer run), the choice among the keys each query
+    may see (mask, causal, lengths); without, the caller's mask."""
+    mask, given = inputs.get("mask"), inputs.get("key_indices")
+    if c["index_topk"] is None:
+        if given is not None:
+            raise ValueError("key_indices should be None without index_topk (no indexer), got "
+                             "an array")
+        return mask, None
+    lead, length = x.shape[:-2], x.shape[-2]
+    flat = None if mask is None else np.asarray(mask)
+    if flat is not None and flat.ndim == len(lead) + 3:  # (..., 1, Lq, Lk): one for all heads
+        flat = flat[..., 0, :, :]
+    lengths = inputs.get("query_seq_lengths")
+    allowed = allowed_positions(lead + (length, length), flat, c["causal"],
+                                query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    if given is None:
+        key_indices = index_keys(c, x, q_resid, positions, cos, sin, p, allowed)
+    else:
+        check_key_indices(given, lead, length, length, min(c["index_topk"], length))
+        key_indices = np.asarray(given).astype(np.int64)
+    chosen = selected_mask(key_indices, length)                  # (..., Lq, Lk)
+    if mask is None:
+        return chosen, key_indices
+    mask = np.asarray(mask)
+    return mask & (chosen[..., None, :, :] if mask.ndim == len(lead) + 3 else chosen), key_indices
 
 
 def _latent_backward(saved, d_y, d_weights):

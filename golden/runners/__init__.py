@@ -45,7 +45,8 @@ def run_reference(fixture, dtype="float64", *, weights_cotangent=True, exact=Tru
     it (``exact``: golden.reference.exact_arithmetic, then rounded once to float64; the same
     bits on every machine), or with ``exact=False`` in NumPy float64 (fast; the last bits
     depend on the CPU). Without ``weights_cotangent``, the gradients are of Σ output ⊙ dO
-    alone. A recurrent mixer's result has no "weights"."""
+    alone. A recurrent mixer's result has no "weights"; latent attention with an indexer's
+    has "key_indices" (int32), the keys it chose."""
     inputs = {n: (a.astype(np.float64) if a.dtype.kind == "f" else a)
               for n, a in fixture.inputs.items()}
     forward, backward = reference.pair(fixture.variant)
@@ -57,6 +58,8 @@ def run_reference(fixture, dtype="float64", *, weights_cotangent=True, exact=Tru
         grads = backward(saved, cot["output"], cot.get("weights"))
     out, weights, grads, _ = reference.stored(fixture.config, out, weights, grads)
     result = {"output": out, "weights": weights, "dtype": "float64", "grads": grads}
+    if reference.selected_keys(saved) is not None:  # the keys a learned indexer chose
+        result["key_indices"] = reference.selected_keys(saved)
     if weights is None:  # a recurrent mixer: no attention weights
         del result["weights"]
     return result

@@ -768,6 +768,41 @@ CASES += [
           "output_gate": "sigmoid_per_head"}),
 ]
 
+# The learned indexer (issue 44, golden.specification.indexer): each query attends only the
+# index_topk keys its indexer scores highest, L above index_topk so that the choice matters.
+# DeepSeek-V3.2's (rotate-half on the first features, the scale on q·k) with padding; GLM-5's
+# interleaved indexer RoPE with a mask; HY-V4's (RoPE on the last features, the scale on the
+# head weights, its LayerNorm ε, with its gate and sinks); Mistral Large 4's unbatched (no
+# q_lora: the indexer reads LayerNorm(x), a learned temperature per indexer head). The seeds
+# are those whose draws separate every row's k-th and (k+1)-th scores by far more than
+# float32's error (tests/test_indexer_reference.py measures the gaps).
+CASES += [
+    Case("mla_indexer_deepseek_v32", MLA, 880,
+         {"x": ("normal", (2, 24, 6)), "query_seq_lengths": _ints([24, 19])},
+         {"d_in": 6, "num_heads": 3, "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 4, "v_head_dim": 3, "q_lora_rank": 5, "rope_theta": 100.0,
+          "index_topk": 8, "index_heads": 8, "index_head_dim": 6}),
+    Case("mla_indexer_glm5_interleaved", MLA, 881,
+         {"x": ("normal", (2, 16, 5)), "mask": ("mask", (2, 16, 16), 0.9, ())},
+         {"d_in": 5, "num_heads": 2, "kv_lora_rank": 3, "qk_nope_head_dim": 3,
+          "qk_rope_head_dim": 2, "v_head_dim": 4, "q_lora_rank": 4, "rope_theta": 300.0,
+          "index_topk": 6, "index_heads": 6, "index_head_dim": 4,
+          "index_rope": "interleaved"}),
+    Case("mla_indexer_hy_v4", MLA, 884,
+         {"x": ("normal", (2, 14, 5)), "query_seq_lengths": _ints([14, 11])},
+         {"d_in": 5, "num_heads": 3, "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 2, "v_head_dim": 3, "q_lora_rank": 4, "rope_theta": 100.0,
+          "rope_interleaved": False, "rms_norm_eps": 1e-5, "sinks": True,
+          "output_gate": "sigmoid", "index_topk": 5, "index_heads": 6, "index_head_dim": 5,
+          "index_rope_dims": "last", "index_scale": "weights", "index_norm_eps": 1e-5}),
+    Case("mla_indexer_mistral_large4_unbatched", MLA, 887, {"x": ("normal", (15, 6))},
+         {"d_in": 6, "num_heads": 2, "kv_lora_rank": 3, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 2, "v_head_dim": 3, "rope_theta": 300.0,
+          "query_temperature": {"kind": "learned"}, "index_topk": 6, "index_heads": 3,
+          "index_head_dim": 4, "index_rope": "interleaved", "index_query": "layer_norm",
+          "index_temperature": True}),
+]
+
 # Key width = value width (issue 26). Every core fixture above has Dv ≠ Dk, which fast kernels
 # (cuDNN, FlashAttention, Pallas, splash) and jax.nn.dot_product_attention refuse: these run
 # the core's features at Dk = Dv = D, so that JAX's, Flax's and PyTorch's own attention can be

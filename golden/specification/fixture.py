@@ -13,6 +13,9 @@ A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pick
     expected/output      float64 reference output, expected/weights the float64 weights
                          (a recurrent mixer, golden.specification.recurrent, has no attention
                          weights: neither weights member, the loss Σ O⊙dO)
+    expected/key_indices with a learned indexer (latent attention's index_topk) alone: the
+                         keys it chose, int32 (..., Lq, k) (golden.reference.indexer); no
+                         cotangent, no gradient (a choice, not a value)
     grads/<name>         float64 dL/d<name> for every float input and every parameter
 
 Beside the shipped fixtures, ``MANIFEST.json`` (written last by ``golden.harness.regenerate``)
@@ -458,6 +461,8 @@ def _from_members(path, members) -> Fixture:
     weights = {"cotangents/weights", "expected/weights"}  # none for a recurrent mixer
     if weights & set(members):
         required |= weights
+    if isinstance(meta.get("config"), dict) and meta["config"].get("index_topk") is not None:
+        required.add("expected/key_indices")  # the indexer's choice
     for group in ("inputs", "params", "grads"):
         required |= {f"{group}/{n}" for n in meta[group]}
     missing, extra = sorted(required - set(members)), sorted(set(members) - required)
@@ -526,6 +531,7 @@ def _check_consistency(fail, meta, groups) -> None:
     for n, g in groups["grads"].items():
         if n not in sources or g.shape != sources[n].shape:
             fail(f"grads/{n} shape {g.shape} does not match the array it differentiates")
+    chosen = groups["expected"].pop("key_indices", None)  # checked apart: ints, no cotangent
     for n in groups["expected"]:
         if groups["cotangents"][n].shape != groups["expected"][n].shape:
             fail(f"cotangents/{n} shape {groups['cotangents'][n].shape} differs from "
@@ -555,3 +561,19 @@ def _check_consistency(fail, meta, groups) -> None:
              f"of shape {tuple(shape)}")
     elif groups["expected"]["weights"].shape != tuple(shape):
         fail(f"expected/weights shape {groups['expected']['weights'].shape} should be {shape}")
+    if chosen is not None:
+        _check_key_indices(fail, chosen, config, shape)
+        groups["expected"]["key_indices"] = chosen
+
+
+def _check_key_indices(fail, chosen, config, shape) -> None:
+    """expected/key_indices: int32 (..., Lq, k), k = min(index_topk, Lk), in [0, Lk), each
+    row's keys distinct."""
+    want = tuple(shape[:-3]) + (shape[-2], min(config["index_topk"], shape[-1]))
+    if chosen.dtype != np.int32 or chosen.shape != want:
+        fail(f"expected/key_indices should be int32 of shape {want}, got {chosen.dtype} of "
+             f"shape {chosen.shape}")
+    ordered = np.sort(chosen, axis=-1)
+    if chosen.size and (ordered.min() < 0 or ordered.max() >= shape[-1]
+                        or (np.diff(ordered, axis=-1) == 0).any()):
+        fail(f"expected/key_indices should be distinct keys in [0, {shape[-1]}) per row")

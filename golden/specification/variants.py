@@ -36,6 +36,9 @@ from golden.specification.description import (REQUIRED, Arg, Input, Variant,  # 
 from golden.specification.outputs import (check_output_gate, check_output_norm, gate_kind,
                                           output_shapes)
 from golden.specification import recurrent
+from golden.specification.indexer import (check_index_query, check_index_rope,
+                                          check_index_rope_dims, check_index_scale,
+                                          check_index_select, check_index_mask, index_shapes)
 from golden.specification.position_terms import (
     check_alibi,
     check_alibi_bias_max,
@@ -392,6 +395,7 @@ def _latent_shapes(c):
         shapes["W_gate"] = (c["d_in"], n if gate[1] else n * dv)
     if c["sinks"]:  # HY-V4's: one logit per head in every softmax row
         shapes["sinks"] = (n,)
+    shapes.update(index_shapes(c))  # DeepSeek-V3.2's indexer (golden.specification.indexer)
     return shapes
 
 
@@ -439,8 +443,11 @@ def _context_inputs(c, i, rate):
 
 
 def _latent_inputs(c, i, rate):
-    return check_latent_inputs(i["x"], c["d_in"], i.get("mask"), i.get("query_seq_lengths"),
-                               heads=c["num_heads"], positions=i.get("positions"))
+    shape = check_latent_inputs(i["x"], c["d_in"], i.get("mask"), i.get("query_seq_lengths"),
+                                heads=c["num_heads"], positions=i.get("positions"))
+    if c["index_topk"] is not None:
+        check_index_mask(i.get("mask"), shape[:-3])
+    return shape
 
 
 # ---- the variants -----------------------------------------------------------------------------
@@ -558,11 +565,25 @@ _VARIANTS = [
              Arg("rope_interleaved", _flag, True), Arg("causal", _flag, True),
              Arg("scale", _scale, None), Arg("query_temperature", check_temperature, None),
              Arg("rope", _flag, True), Arg("sinks", _flag, False),
-             Arg("output_gate", check_output_gate, False)),
+             Arg("output_gate", check_output_gate, False),
+             Arg("index_topk", positive_or_none, None),
+             Arg("index_heads", positive_or_none, None),
+             Arg("index_head_dim", positive_or_none, None),
+             Arg("index_rope", check_index_rope, "half"),
+             Arg("index_rope_dims", check_index_rope_dims, "first"),
+             Arg("index_query", check_index_query, "latent"),
+             Arg("index_temperature", _flag, False),
+             Arg("index_scale", check_index_scale, "scores"),
+             Arg("index_norm_eps", epsilon, 1e-6),
+             Arg("index_select", check_index_select, "tokens")),
             shapes=_latent_shapes, check_inputs=_latent_inputs,
             layers={"query": "W_query", "q_a": "W_q_a", "q_b": "W_q_b", "kv_a": "W_kv_a",
-                    "kv_b": "W_kv_b", "out": "out_proj", "gate": "W_gate"},
-            vectors=("q_a_norm", "kv_a_norm", "temperature_scale", "temperature_bias", "sinks"),
+                    "kv_b": "W_kv_b", "out": "out_proj", "gate": "W_gate",
+                    "index_q": "W_index_q", "index_k": "W_index_k",
+                    "index_weights": "W_index_weights"},
+            vectors=("q_a_norm", "kv_a_norm", "temperature_scale", "temperature_bias", "sinks",
+                     "index_k_norm", "index_k_norm_bias", "index_q_norm", "index_q_norm_bias",
+                     "index_temperature_scale", "index_temperature_bias"),
             sample=dict(d_in=5, num_heads=3, kv_lora_rank=7, qk_nope_head_dim=2,
                         qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=9, d_out=8,
                         attention_bias=True, rope_theta=100.0)),
@@ -677,7 +698,8 @@ def vector_starts(variant, config) -> dict:
     shapes = VARIANTS[variant].shapes(config)
     norm = 0.0 if config.get("qk_norm") == "rms_one_plus" else 1.0
     starts = {"q_norm": norm, "k_norm": norm, "input_norm_weight": 1.0,
-              "output_norm_weight": 1.0, "temperature_bias": 1.0}  # factor 0·ln(p + 1) + 1
+              "output_norm_weight": 1.0, "temperature_bias": 1.0,  # factor 0·ln(p + 1) + 1
+              "index_k_norm": 1.0, "index_q_norm": 1.0, "index_temperature_bias": 1.0}
     return {n: (shapes[n], starts.get(n, 0.0)) for n in VARIANTS[variant].vectors if n in shapes}
 
 

@@ -62,7 +62,10 @@ class MultiHeadLatentAttention(nn.Module):
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
-                 output_gate=False):
+                 output_gate=False, index_topk=None, index_heads=None, index_head_dim=None,
+                 index_rope="half", index_rope_dims="first", index_query="latent",
+                 index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
+                 index_select="tokens"):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
@@ -71,7 +74,16 @@ class MultiHeadLatentAttention(nn.Module):
                               rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
                               rope_parameters=rope_parameters, rope_interleaved=rope_interleaved,
                               causal=causal, scale=scale, query_temperature=query_temperature,
-                              rope=rope, sinks=sinks, output_gate=output_gate)
+                              rope=rope, sinks=sinks, output_gate=output_gate,
+                              index_topk=index_topk, index_heads=index_heads,
+                              index_head_dim=index_head_dim, index_rope=index_rope,
+                              index_rope_dims=index_rope_dims, index_query=index_query,
+                              index_temperature=index_temperature, index_scale=index_scale,
+                              index_norm_eps=index_norm_eps, index_select=index_select)
+        if index_topk is not None:  # issue 44: the indexer is golden.reference's alone so far
+            raise NotImplementedError("index_topk: torch_attn's MultiHeadLatentAttention has no "
+                                      "learned indexer yet (golden.reference.indexer has it)")
+        self.W_index_q = self.W_index_k = self.W_index_weights = None
         sizes = variants.latent_sizes(self.config)
         self.rotary = variants.latent_rope(self.config)
         self.scale = variants.latent_scale(self.config)
