@@ -93,14 +93,14 @@ def _decayed_scores(a, b, inner):
     return _dot("ik,jk,ijk->ij", a, b, jnp.where(lower[:, :, None], jnp.exp(inner), 0))
 
 
-def _chunk(state, q, k, v, g, beta):
-    """(o (T, Dv), S after the chunk) of one chunk of T tokens from ``state`` S (Dk, Dv), in the
-    WY/UT form: with Γ_i = Σ_{j≤i} g_j (per head or per key channel) and D as
-    ``_decayed_scores``,
-        (I + strict_lower((β k) kᵀ ⊙ D)) [U | W] = [β v | β k ⊙ e^Γ]
-        V̂ = U − W S;   o = (q ⊙ e^Γ) S + ((q kᵀ) ⊙ D) V̂;
-        S′ = diag(e^{Γ_T}) S + (k ⊙ e^{Γ_T − Γ})ᵀ V̂,
-    every exponent a segment sum (``_segment_sums``)."""
+def _chunk_local(q, k, v, g, beta):
+    """What one chunk of T tokens computes without the state, for q, k (T, Dk), v (T, Dv), g (T,)
+    or (T, Dk), beta (T,): with Γ_i = Σ_{j≤i} g_j (per head or per key channel), D as
+    ``_decayed_scores`` and every exponent a segment sum (``_segment_sums``), the WY/UT form's
+        (I + strict_lower((β k) kᵀ ⊙ D)) [U | W] = [β v | β k ⊙ e^Γ],
+    returned as (U (T, Dv), W (T, Dk), q ⊙ e^Γ (T, Dk), (q kᵀ) ⊙ D (T, T), k ⊙ e^{Γ_T − Γ}
+    (T, Dk), e^{Γ_T} () or (Dk,)). From the state S entering the chunk (``_chunks_core``):
+        V̂ = U − W S;   o = (q ⊙ e^Γ) S + ((q kᵀ) ⊙ D) V̂;   S′ = diag(e^{Γ_T}) S + (k ⊙ e^{Γ_T − Γ})ᵀ V̂."""
     t = q.shape[0]
     seg = _segment_sums(g)
     cum, tail, inner = seg[1:, 0], seg[-1, 1:], seg[1:, 1:]  # Γ, Γ_T − Γ (T, …); (T, T, …)
@@ -109,12 +109,8 @@ def _chunk(state, q, k, v, g, beta):
     rhs = jnp.concatenate([v * beta[:, None], k_beta * _per_key(jnp.exp(cum))], axis=-1)
     solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
     u, w = solved[:, :v.shape[-1]], solved[:, v.shape[-1]:]  # (T, Dv), (T, Dk)
-    fresh = u - _dot("ik,kv->iv", w, state)  # V̂ (T, Dv)
-    o = (_dot("ik,kv->iv", q * _per_key(jnp.exp(cum)), state)
-         + _dot("ij,jv->iv", _decayed_scores(q, k, inner), fresh))
-    new = (state * _on_state(jnp.exp(cum[-1]))
-           + _dot("ik,iv->kv", k * _per_key(jnp.exp(tail)), fresh))
-    return o, new
+    return (u, w, q * _per_key(jnp.exp(cum)), _decayed_scores(q, k, inner),
+            k * _per_key(jnp.exp(tail)), jnp.exp(cum[-1]))
 
 
 # ---- chunks with boundary states only ----------------------------------------------------------
@@ -159,12 +155,74 @@ def _in_chunks(arrays, chunk_size):
     return tuple(a.reshape((-1, chunk_size) + a.shape[1:]) for a in padded)
 
 
-_chunk_scan = _boundary_scan(_chunk)
+_all_chunks_local = jax.vmap(_chunk_local)  # (N, T, …) inputs: every chunk at once
+
+
+def _propagate(state, u, w, k_decayed, decay):
+    """The one serial step across chunks: S_{n+1} = diag(e^{Γ_T}) S_n + (k ⊙ e^{Γ_T − Γ})ᵀ
+    (U − W S_n) over the N chunks of ``_chunk_local``'s outputs, from S_0 ``state``. Returns
+    (the states entering each chunk (N, Dk, Dv), V̂ (N, T, Dv), S_N)."""
+    def step(s, chunk):
+        u_n, w_n, kd_n, decay_n = chunk
+        fresh = u_n - _dot("ik,kv->iv", w_n, s)
+        return s * _on_state(decay_n) + _dot("ik,iv->kv", kd_n, fresh), (s, fresh)
+    final, (starts, fresh) = lax.scan(step, state, (u, w, k_decayed, decay))
+    return starts, fresh, final
+
+
+@jax.custom_vjp
+def _chunks_core(state, chunks):
+    """(o (N, T, Dv), S_N) of the delta rule over ``chunks`` (q, k, v, g, beta, each (N, T, …))
+    from ``state`` S_0: every chunk's state-free part (``_chunk_local``) computed for all chunks
+    at once, then only the state carried across chunks one after another (``_propagate``), then
+    every chunk's output at once. The custom VJP keeps the inputs and the N states entering the
+    chunks (O(L) memory, no per-token state); its backward recomputes the state-free part for
+    all chunks at once, carries the state's cotangent back across the chunks one after another,
+    and pulls the rest back through the state-free part for all chunks at once."""
+    return _chunks_forward(state, chunks)[0]
+
+
+def _chunks_forward(state, chunks):
+    u, w, q_decayed, scores, k_decayed, decay = _all_chunks_local(*chunks)
+    starts, fresh, final = _propagate(state, u, w, k_decayed, decay)
+    o = _dot("nik,nkv->niv", q_decayed, starts) + _dot("nij,njv->niv", scores, fresh)
+    return (o, final), (starts, chunks)
+
+
+def _chunks_backward(residuals, cotangents):
+    starts, chunks = residuals
+    d_o, d_final = cotangents
+    local, pullback = jax.vjp(_all_chunks_local, *chunks)
+    u, w, q_decayed, scores, k_decayed, decay = local
+    fresh = u - _dot("nik,nkv->niv", w, starts)  # V̂, again for all chunks at once
+    # o = (q ⊙ e^Γ) S_n + ((q kᵀ) ⊙ D) V̂: the terms that need no later state.
+    d_q_decayed = _dot("niv,nkv->nik", d_o, starts)
+    d_scores = _dot("niv,njv->nij", d_o, fresh)
+    d_fresh_o = _dot("nij,niv->njv", scores, d_o)
+    d_start_o = _dot("nik,niv->nkv", q_decayed, d_o)
+
+    def step(d_after, chunk):  # d_after: the cotangent of S_{n+1}, the state chunk n leaves
+        w_n, kd_n, decay_n, d_fresh_n, d_start_n = chunk
+        d_fresh_n = d_fresh_n + _dot("ik,kv->iv", kd_n, d_after)
+        d_start = (d_start_n + d_after * _on_state(decay_n)
+                   - _dot("ik,iv->kv", w_n, d_fresh_n))
+        return d_start, (d_after, d_fresh_n)
+    d_state, (d_after, d_fresh) = lax.scan(
+        step, d_final, (w, k_decayed, decay, d_fresh_o, d_start_o), reverse=True)
+    d_w = -_dot("niv,nkv->nik", d_fresh, starts)
+    d_k_decayed = _dot("niv,nkv->nik", fresh, d_after)
+    d_decay = (d_after * starts).sum(-1)  # (N, Dk): per key channel
+    if decay.ndim == 1:
+        d_decay = d_decay.sum(-1)  # (N,): one per head
+    return d_state, pullback((d_fresh, d_w, d_q_decayed, d_scores, d_k_decayed, d_decay))
+
+
+_chunks_core.defvjp(_chunks_forward, _chunks_backward)
 
 
 def _chunked_head(q, k, v, g, beta, state, chunk_size):
     """As ``_recurrent_head``, by chunks of ``chunk_size`` tokens (the last padded)."""
-    o, final = _chunk_scan(state, _in_chunks((q, k, v, g, beta), chunk_size))
+    o, final = _chunks_core(state, _in_chunks((q, k, v, g, beta), chunk_size))
     return o.reshape((-1, v.shape[-1]))[:q.shape[0]], final  # (L, Dv)
 
 
