@@ -12,6 +12,8 @@ docstring says what a run measures and writes). One room a section, imports poin
   choice;
 - ``positions``: axial RoPE and MRoPE against 1-D RoPE in the twin modules (``--only``
   alone);
+- ``linear``: the gated delta rule's chunked cores against transformers' functions, the
+  decode step, peak memory (``--only`` alone);
 - ``report``: every section into one report (``run``) and its Markdown (``markdown``);
 - ``cli``: the command (``main``; ``--only`` runs one of ``SECTIONS``).
 
@@ -29,5 +31,6 @@ from golden.bench.long import *  # noqa: F403
 from golden.bench.modern import *  # noqa: F403
 from golden.bench.choice import *  # noqa: F403
 from golden.bench.positions import *  # noqa: F403
+from golden.bench.linear import *  # noqa: F403
 from golden.bench.report import *  # noqa: F403
 from golden.bench.cli import *  # noqa: F403

@@ -34,6 +34,7 @@ import numpy as np
 from golden.bench.choice import choice_markdown, run_choice
 from golden.bench.grid import FULL, QUICK
 from golden.bench.host import cpu_flags, emulation_gap, machine, machine_markdown
+from golden.bench.linear import linear_markdown, run_linear
 from golden.bench.modern import modern_markdown, run_modern
 from golden.bench.positions import positions_markdown, run_positions
 from golden.bench.modules import (
@@ -53,7 +54,8 @@ SECTIONS = {"modern": (run_modern, modern_markdown),  # --only: (run, markdown)
             "choice": (run_choice, choice_markdown),
             "decode_features": (run_decode_features, decode_features_markdown),
             "latent_decode": (run_latent_decode, latent_decode_markdown),
-            "positions": (run_positions, positions_markdown)}
+            "positions": (run_positions, positions_markdown),
+            "linear": (run_linear, linear_markdown)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
                              "latent_decode = MultiHeadLatentAttention's decode step (plain, "
                              "absorbed) against GroupedQueryAttention's; positions = a "
                              "vision tower's layer with axial RoPE and a text tower's prefill "
-                             "with MRoPE, each against 1-D RoPE, both twins (not part of the "
-                             "whole run)")
+                             "with MRoPE, each against 1-D RoPE, both twins; linear = the "
+                             "gated delta rule's chunked cores against transformers' "
+                             "torch_chunk_gated_delta_rule, forward, forward+backward, the "
+                             "decode step and peak memory (positions and linear are not part "
+                             "of the whole run)")
     args = parser.parse_args(argv)
     gap = emulation_gap(cpu_flags(), os.environ)
     if gap is not None:

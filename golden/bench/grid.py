@@ -47,6 +47,9 @@ class Grid:
     # the S of an S × S image inside the text, MRoPE's chunked and interleaved mrope_section)
     positions_vision: tuple = (1, 32, 1280, 16, 80)
     positions_text: tuple = (1, 4096, 2048, 16, 2, 128, 32, (16, 24, 24), (24, 20, 20))
+    # gated delta-rule linear attention, float32: H, D, and per batch size B the lengths L of
+    # its forward rows and the longest L of its forward+backward rows (a decode step each B)
+    linear: tuple = (16, 128, ((1, (1024, 4096, 16384, 32768), 16384), (4, (1024, 4096), 4096)))
 
 
 def _self(L, B=4, H=8, D=64):
@@ -62,4 +65,5 @@ QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
              gqa=(1, 4, 2, 64, 16), decode=(1, 32, 4, 2, 8, 64, 16),
              long=((1, 1, 16), (256, 512), 256), modern=(1, 2, 256, 16, 64),
              positions_vision=(1, 4, 32, 2, 16),
-             positions_text=(1, 48, 32, 4, 2, 16, 4, (2, 3, 3), (4, 2, 2)))
+             positions_text=(1, 48, 32, 4, 2, 16, 4, (2, 3, 3), (4, 2, 2)),
+             linear=(2, 16, ((1, (64, 160), 64),)))
