@@ -49,11 +49,13 @@ def sparse(query, key, value, key_indices, mask, bias, where, scale, softcap, si
     q, k, v = (_lift(x) for x in (query, key, value))  # (B, H, Lq, Dk), (B, Hkv, Lk, D)
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     q = q.reshape(q.shape[:1] + (hkv, g) + q.shape[2:])  # (B, Hkv, G, Lq, Dk)
-    indices, _ = torch.sort(_group(_lift(with_head_axis(key_indices, query)), hkv, g).long(), dim=-1)
-    first = torch.ones_like(indices, dtype=torch.bool)  # (B|1, Hkv|1, G|1, Lq, k)
+    indices = _group(_lift(with_head_axis(key_indices, query)), hkv, g).long()
+    indices, _ = torch.sort(indices, dim=-1)  # (B|1, Hkv|1, G|1, Lq, k)
+    first = torch.ones_like(indices, dtype=torch.bool)
     first[..., 1:] = indices[..., 1:] != indices[..., :-1]  # a repeat counts once
     mask, bias = (None if x is None else _group(_lift(x), hkv, g) for x in (mask, bias))
-    sinks = None if sinks is None else sinks.reshape(hkv, g) if sinks.dim() else sinks.reshape(1, 1)
+    if sinks is not None:  # (Hkv, G), or (1, 1) unbatched
+        sinks = sinks.reshape(hkv, g) if sinks.dim() else sinks.reshape(1, 1)
     rows = rows or max(1, BLOCK_ELEMENTS // (k.shape[0] * hkv * indices.shape[-1]))
     block = functools.partial(_block, where=where, scale=scale, softcap=softcap)
     remember = torch.is_grad_enabled() and any(
@@ -115,7 +117,7 @@ def _gathered(x, indices):
 
 def _rows(x, start, stop):
     """Rows start:stop of x (..., Lq|1, Lk|1) (None stays None)."""
-    return None if x is None or x.shape[-2] == 1 else x[..., start:stop, :]
+    return x if x is None or x.shape[-2] == 1 else x[..., start:stop, :]
 
 
 def _lift(x):
