@@ -42,6 +42,7 @@ def _common_refusal(asked, name) -> str | None:
         (asked.offset, "query_offset"), (asked.chunk, "attention_chunk_size"),
         (asked.distance_bias, "distance_bias"),
         (asked.distance_keys, "distance_query and distance_keys"),
+        (asked.key_indices, "key_indices (a selection: 'sparse' reads it)"),
         (asked.block_sizes is not None, "block_sizes (for 'blockwise')"),
         (asked.sharded, "arrays on a mesh with explicit axes")]
     given = [what for flag, what in taken_elsewhere if flag]

@@ -23,9 +23,11 @@ from golden.specification.validate import (
     check_distance_bias,
     check_distance_product,
     check_flags,
+    check_key_indices,
     window,
+    with_head_axis,
 )
-from jax_attn import accelerators, blockwise, explicit, splash
+from jax_attn import accelerators, blockwise, explicit, sparse, splash
 from jax_attn.sharding import (
     check_head_sharding,
     explicit_spec,
@@ -43,8 +45,8 @@ def scaled_dot_product_attention(
     is_causal=False, scale=None, softcap=None, local_window_size=None, attention_chunk_size=None,
     query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
     dropout_rate=0.0, dropout_mask=None, dropout_rng=None, implementation=None,
-    return_weights=False, block_sizes=None, precision=DEFAULT_PRECISION, distance_bias=None,
-    distance_query=None, distance_keys=None,
+    return_weights=False, block_sizes=None, key_indices=None, precision=DEFAULT_PRECISION,
+    distance_bias=None, distance_query=None, distance_keys=None,
 ):
     """softmax(c · tanh(scale · Q Kᵀ / c) + bias, over allowed keys) V (without ``softcap`` c:
     scale · Q Kᵀ + bias).
@@ -87,6 +89,14 @@ def scaled_dot_product_attention(
     term costs O(L·Dr) memory.
     dropout_mask: bool, True = kept (weights kept are scaled by 1/(1 − dropout_rate)); without it,
     one is drawn from ``dropout_rng`` (a ``jax.random`` key), which is then required.
+    key_indices: a selection (DeepSeek-V3.2's indexer's top-k): an integer array (Lq, k), or
+    (B, Lq, k) for (B, H, Lq, Dk) inputs, shared by every head, or one per head, (H', Lq, k) or
+    (B, H', Lq, k) with H' = H or 1; values in [0, Lk) (checked where concrete; under jit an
+    index outside chooses nothing); traced. Query row i may attend key j only when j is one of
+    key_indices[..., i, :] and every rule above allows it; a repeated index means what it means
+    once. Not differentiable. "sparse" reads only the chosen keys; "explicit" and "blockwise"
+    take it as the boolean mask it stands for (jax_attn.sparse.selected_mask: an (..., Lq, Lk)
+    array, so blockwise's memory is then O(Lq·Lk) bits); the accelerator kernels refuse it.
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
     (..., H, Lq, Lk), after masking and dropout, in the query's dtype.
 
@@ -102,6 +112,14 @@ def scaled_dot_product_attention(
       key blocks, static ints (default blockwise.DEFAULT_BLOCK_SIZES = (1024, 1024)); each
       length is split into the fewest blocks of at most that size, evenly, the last one masked
       where ragged.
+    - "sparse" (jax_attn.sparse): with ``key_indices`` only, each row's k chosen keys and values
+      gathered (the G query heads of a kv head share one gather when the selection has no
+      head axis), the rules, the mask and the bias taken at those keys, the softmax over the k
+      (scale, soft-cap, sinks), by blocks of query rows, and a backward of its own that
+      recomputes each block from the saved log-sum-exp: memory O(Lq·k) plus one block's
+      gathered keys and values, never an (Lq, Lk) array. ``block_sizes``: (Bq, Bk), Bq the rows
+      per block (default sparse.default_rows: 2¹⁶ // k), Bk unused. No weights, no dropout, no
+      distance terms.
     - "cudnn" (jax_attn.accelerators): cuDNN's fused flash attention through
       ``jax.nn.dot_product_attention(implementation="cudnn")``, on an NVIDIA GPU, float16 and
       bfloat16, Dk = Dv: mask, bias, is_causal, scale, GQA, a window (left, 0) or causal, the
@@ -114,7 +132,8 @@ def scaled_dot_product_attention(
       is_causal, scale, softcap, a window, attention_chunk_size with is_causal, the lengths,
       sinks, GQA; compiled on a TPU, Pallas's interpret mode elsewhere
       (jax_attn.splash.splash_refuses).
-    - None: ``choose``, "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
+    - None: ``choose``, "sparse" first when ``key_indices`` chooses k ≤ Lk / SPARSE_UP_TO keys
+      per row; then "blockwise" first when one head's Lq·Lk is above BLOCKWISE_ABOVE = 2²⁰
       (L > 1024 for Lq = Lk; on a GPU GPU_BLOCKWISE_ABOVE = 2²⁴, L > 4096), else "explicit"
       first, and on a GPU "cudnn" then "pallas", on a TPU "splash", before both; the first that
       takes the call runs it. "explicit" chosen so, without the weights and forming more than
@@ -148,6 +167,8 @@ def scaled_dot_product_attention(
     if distance_bias is not None:
         check_distance_bias(distance_bias, query)
     check_distance_product(distance_query, distance_keys, query)
+    if key_indices is not None:
+        check_key_indices(key_indices, query, key)
     check_flags(is_causal=is_causal, return_weights=return_weights)
     block_sizes = check_block_sizes(block_sizes)
     asked = _asked(query, key, value, mask, bias, is_causal=is_causal, softcap=softcap,
@@ -155,9 +176,14 @@ def scaled_dot_product_attention(
                    lengths=(query_seq_lengths, key_value_seq_lengths), sinks=sinks,
                    dropout_rate=dropout_rate, return_weights=return_weights,
                    block_sizes=block_sizes, chunk_size=attention_chunk_size,
-                   distance_bias=distance_bias, distance_keys=distance_keys)
+                   distance_bias=distance_bias, distance_keys=distance_keys,
+                   key_indices=key_indices)
+    selected = None if key_indices is None else key_indices.shape[-1]
     chosen = IMPLEMENTATIONS.select(implementation, asked,
-                                    choose(query.shape, key.shape, asked.platform))
+                                    choose(query.shape, key.shape, asked.platform, selected))
+    if key_indices is not None and chosen.name != "sparse":  # the mask it stands for
+        mask = sparse.selected_mask(with_head_axis(key_indices, query), mask, key.shape[-2])
+        key_indices = None
     passes = None if implementation is not None else forward_passes(
         chosen.name, asked, query, key, query_offset, is_causal, local_window_size,
         attention_chunk_size)
@@ -189,9 +215,12 @@ def scaled_dot_product_attention(
     key, value = (heads_as_query(query, x, spec) for x in (key, value))
     one_device = on_one_device(query, key, value)
     attention = on_mesh(_attention, query, spec, return_weights)
+    if key_indices is not None:  # (..., H'|1, Lq, k)
+        key_indices = jnp.asarray(with_head_axis(key_indices, query), dtype=jnp.int32)
+        one_device = False  # no chunks of heads: a head's gathered keys are O(Lq·k)
     out, weights = attention(query, key, value, mask, bias, dropout_mask, dropout_rng,
                              *positions, sinks, distance_bias, distance_query, distance_keys,
-                             scale=scale,
+                             key_indices, scale=scale,
                              is_causal=bool(is_causal),
                              softcap=None if softcap is None else float(softcap),
                              window=window(local_window_size),
@@ -200,8 +229,10 @@ def scaled_dot_product_attention(
                              return_weights=bool(return_weights),
                              chunk=heads_per_step(query.shape, key.shape) if one_device else None,
                              implementation=chosen.name,
-                             block_sizes=block_sizes or none_blocks(
-                                 implementation, asked, query, key),
+                             block_sizes=block_sizes or (
+                                 (sparse.default_rows(query.shape[-2], selected), 1)
+                                 if chosen.name == "sparse" else
+                                 none_blocks(implementation, asked, query, key)),
                              passes=passes)
     return (out, weights) if return_weights else out
 
@@ -293,7 +324,7 @@ def _tiles(query, key, query_offset, is_causal, local_window_size, chunk_size) -
 
 def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_size, query_offset,
            lengths, sinks, dropout_rate, return_weights, block_sizes, chunk_size,
-           distance_bias, distance_keys=None) -> Asked:
+           distance_bias, distance_keys=None, key_indices=None) -> Asked:
     """What the call asks of an implementation (golden.specification.implementations.Asked)."""
     return Asked(return_weights=bool(return_weights), softcap=softcap is not None,
                  dropout=dropout_rate > 0.0, block_sizes=block_sizes, sinks=sinks is not None,
@@ -308,6 +339,7 @@ def _asked(query, key, value, mask, bias, *, is_causal, softcap, local_window_si
                  offset=query_offset is not None, chunk=chunk_size is not None,
                  distance_bias=distance_bias is not None,
                  distance_keys=distance_keys is not None,
+                 key_indices=key_indices is not None,
                  sharded=explicit_spec(query) is not None)
 
 
@@ -367,17 +399,24 @@ GPU_BLOCKWISE_ABOVE = 2**24
 
 
 ACCELERATORS = {"gpu": ("cudnn", "pallas"), "tpu": ("splash",)}  # preferred there, in order
+# None takes "sparse" first when key_indices chooses k ≤ Lk / SPARSE_UP_TO keys per row: a
+# rule of thumb (the gathered keys a quarter of the dense path's), not yet measured here.
+SPARSE_UP_TO = 4
 
 
-def choose(q_shape, k_shape, platform=None) -> tuple:
+def choose(q_shape, k_shape, platform=None, selected=None) -> tuple:
     """The order of preference of ``implementation=None`` for these shapes on ``platform``
     (default: the default backend): the first that takes the call runs it. On a GPU the
     accelerator kernels come first ("cudnn", then "pallas"), on a TPU "splash", each taking
     only the calls it can (dtypes, lengths, no weights, ...: their refusals), then the
     portable order; on a CPU the portable order alone ("pallas" and "splash" on a CPU are
     interpret mode: only when asked for by name). The portable order: "blockwise" first above
-    BLOCKWISE_ABOVE (a GPU: GPU_BLOCKWISE_ABOVE) of one head's Lq·Lk, else "explicit" first."""
+    BLOCKWISE_ABOVE (a GPU: GPU_BLOCKWISE_ABOVE) of one head's Lq·Lk, else "explicit" first.
+    With ``selected`` keys per row (key_indices' k) at most Lk / SPARSE_UP_TO, "sparse" comes
+    before all (the accelerators refuse a selection)."""
     platform = platform or jax.default_backend()
+    if selected is not None and selected * SPARSE_UP_TO <= k_shape[-2]:
+        return ("sparse",) + choose(q_shape, k_shape, platform)
     above = GPU_BLOCKWISE_ABOVE if platform == "gpu" else BLOCKWISE_ABOVE
     portable = (("blockwise", "explicit") if q_shape[-2] * k_shape[-2] > above
                 else ("explicit", "blockwise"))
@@ -396,6 +435,18 @@ def _blockwise_refuses(asked):
     return None
 
 
+def _sparse_refuses(asked):
+    reasons = [why for why, asks in [
+        ("it needs key_indices (the keys each query row may choose from)",
+         not asked.key_indices),
+        ("it never forms the (Lq, Lk) weights, which is what keeps its memory O(Lq·k): "
+         "return_weights=True needs 'explicit'", asked.return_weights),
+        ("a dropout mask is (Lq, Lk): use 'explicit' or 'blockwise'", asked.dropout),
+        ("it takes no distance_bias, distance_query or distance_keys: use 'explicit' or "
+         "'blockwise'", asked.distance_bias or asked.distance_keys)] if asks]
+    return "; ".join(reasons) or None
+
+
 # Each implementation runs one head: run(q, k, v, mask, bias, dropout_mask, rng, offset,
 # q_lengths, kv_lengths, sink, distance_bias, distance_query, distance_keys, *, static) ->
 # (output, weights | None); the core vmaps it.
@@ -403,6 +454,7 @@ IMPLEMENTATIONS = Registry(
     "jax",
     Implementation("explicit", explicit.attend, _explicit_refuses),
     Implementation("blockwise", blockwise.attend, _blockwise_refuses),
+    Implementation("sparse", sparse.attend, _sparse_refuses),
     Implementation("cudnn", accelerators.cudnn, accelerators.cudnn_refuses, whole=True),
     Implementation("pallas", accelerators.pallas, accelerators.pallas_refuses, whole=True),
     Implementation("splash", splash.splash, splash.splash_refuses, whole=True),
@@ -414,7 +466,7 @@ IMPLEMENTATIONS = Registry(
                                    "block_sizes", "chunk_size", "passes"))
 def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_lengths=None,
                kv_lengths=None, sinks=None, distance_bias=None, distance_query=None,
-               distance_keys=None, *, scale, is_causal, dropout_rate,
+               distance_keys=None, key_indices=None, *, scale, is_causal, dropout_rate,
                precision, return_weights, softcap=None, window=NO_WINDOW, chunk_size=None,
                chunk=None, implementation="explicit", block_sizes=blockwise.DEFAULT_BLOCK_SIZES,
                passes=None):
@@ -445,6 +497,8 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
     drawn = blocks and dropout_rate > 0.0 and dropout_mask is None
     extras += (jnp.arange(math.prod(q.shape[:3]), dtype=jnp.int32).reshape(q.shape[:3])
                if drawn else None,)  # (B, Hkv, G): the head's dropout stream
+    extras += (None if key_indices is None else _group(_lift(key_indices), groups),)
+    # (B|1, Hkv|1, G|1, Lq, k): "sparse"'s selection
 
     static = blockwise.Static(scale, is_causal, softcap, window, dropout_rate, precision,
                               *block_sizes, chunk_size=chunk_size)
@@ -453,11 +507,12 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
               partial(explicit.attend_split, passes=passes))
 
     def one(q, k, v, mask, bias, dropout_mask, offset, q_lengths, kv_lengths, sink, distance,
-            distance_query, distance_keys, stream):
+            distance_query, distance_keys, stream, indices):
         head_rng = None if stream is None else jax.random.fold_in(rng, stream)
+        selection = {} if indices is None else {"key_indices": indices}  # "sparse" alone
         out, weights = attend(q, k, v, mask, bias, dropout_mask, head_rng, offset, q_lengths,
                               kv_lengths, sink, distance, distance_query, distance_keys,
-                              static=static)
+                              static=static, **selection)
         return (out, weights) if return_weights else (out, None)  # weights only when asked for
 
     run = _vmap_all if chunk is None else partial(_vmap_chunks, chunk=chunk)

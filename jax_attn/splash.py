@@ -61,6 +61,7 @@ def splash_refuses(asked) -> str | None:
         (asked.offset, "query_offset (its masks' offsets are static, ours traced)"),
         (asked.distance_bias, "distance_bias"),
         (asked.distance_keys, "distance_query and distance_keys"),
+        (asked.key_indices, "key_indices (a selection: 'sparse' reads it)"),
         (asked.block_sizes is not None, "block_sizes (for 'blockwise')"),
         (asked.sharded, "arrays on a mesh with explicit axes (jax_attn.splash.sharded runs "
                         "it under shard_map)")]

@@ -518,8 +518,8 @@ def test_an_argument_it_cannot_honour_raises_instead_of_falling_back(implementat
 
 @pytest.mark.parametrize("kw, match", [
     (dict(implementation="flash"), "implementation should be None or one of 'explicit', "
-                                   r"'blockwise', 'cudnn', 'pallas', 'splash' \(jax\), "
-                                   "got 'flash'"),
+                                   r"'blockwise', 'sparse', 'cudnn', 'pallas', 'splash' "
+                                   r"\(jax\), got 'flash'"),
     (dict(implementation="dense"), r"got 'dense' \('dense' is now 'explicit'"),
     (dict(implementation="row_chunks"), "got 'row_chunks'"),
     (dict(block_sizes=(0, 4)), r"block_sizes should be None or a pair \(block_q, block_k\) of "

@@ -157,8 +157,8 @@ def test_twin_signatures():
     # vectors over distances that it forms per block (torch has no blockwise path: its modules
     # form the bias)
     jax_only = ["precision", "distance_bias", "distance_query", "distance_keys"]
-    assert list(t) == CORE_PARAMETERS + ["block_sizes"]
-    assert list(j) == CORE_PARAMETERS + ["block_sizes"] + jax_only
+    assert list(t) == CORE_PARAMETERS + ["block_sizes", "key_indices"]
+    assert list(j) == CORE_PARAMETERS + ["block_sizes", "key_indices"] + jax_only
     assert list(t) == [n for n in j if n not in jax_only]
     for name, p in t.items():
         assert (p.kind, p.default) == (j[name].kind, j[name].default), name
@@ -172,10 +172,11 @@ def test_twin_signatures():
 
 def test_reference_signature_follows_the_twins():
     # The reference has no drawn dropout, one implementation, and always returns (output,
-    # weights).
+    # weights); the selection comes last, as in the twins.
     r = inspect.signature(reference.scaled_dot_product_attention).parameters
     assert list(r) == [n for n in CORE_PARAMETERS
-                       if n not in ("dropout_rng", "implementation", "return_weights")]
+                       if n not in ("dropout_rng", "implementation", "return_weights")] + [
+                           "key_indices"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(r.values())[5:])
 
 

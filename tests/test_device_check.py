@@ -119,7 +119,10 @@ def test_the_files_fit_what_comes_back_from_a_device():
 def test_every_named_jax_implementation_is_timed():
     from jax_attn import IMPLEMENTATIONS
 
-    assert {i.name for i in IMPLS if i.framework == "jax"} == {None, *IMPLEMENTATIONS.names}
+    # but "sparse", which runs only given key_indices: the grid draws no selection (its timing
+    # against dense attention is issue 44's bench, still to come)
+    assert {i.name for i in IMPLS if i.framework == "jax"} == {
+        None, *IMPLEMENTATIONS.names} - {"sparse"}
     assert IMPLS[0] == Impl("jax", None)  # the baseline first in every group
 
 

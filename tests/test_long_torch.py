@@ -351,7 +351,7 @@ def test_block_sizes_set_the_rows_per_chunk(monkeypatch):
 def test_unknown_implementation(implementation):
     q = torch.zeros(LQ, DK)
     with pytest.raises(ValueError, match=r"implementation should be None or one of 'explicit', "
-                                         rf"'fused', 'row_chunks' \(torch\), "
+                                         rf"'fused', 'row_chunks', 'sparse' \(torch\), "
                                          rf"got '{implementation}'"):
         sdpa(q, q, q, implementation=implementation)
 

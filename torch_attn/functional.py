@@ -15,10 +15,12 @@ import torch.nn.functional as F
 
 from golden.specification.implementations import Asked, Implementation, Registry
 from golden.specification.validate import (
-    check_attention_args, check_block_sizes, check_flags, window,
+    check_attention_args, check_block_sizes, check_flags, check_key_indices, window,
+    with_head_axis,
 )
 from torch_attn.explicit import Where, draw_dropout_mask, explicit
 from torch_attn.row_chunks import row_chunks
+from torch_attn.sparse import selected_mask, sparse
 
 
 def scaled_dot_product_attention(
@@ -26,7 +28,7 @@ def scaled_dot_product_attention(
     is_causal=False, scale=None, softcap=None, local_window_size=None, attention_chunk_size=None,
     query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None, sinks=None,
     dropout_rate=0.0, dropout_mask=None, dropout_rng=None, implementation=None,
-    return_weights=False, block_sizes=None,
+    return_weights=False, block_sizes=None, key_indices=None,
 ):
     """softmax(cap(scale · Q Kᵀ) + bias, over allowed keys) V, cap(s) = c·tanh(s/c) with
     ``softcap`` c (no cap when None).
@@ -50,6 +52,14 @@ def scaled_dot_product_attention(
     Returns the output (..., H, Lq, Dv), and with ``return_weights`` also the applied weights
     (..., H, Lq, Lk), after masking and dropout, in the query's dtype.
 
+    key_indices: a selection (DeepSeek-V3.2's indexer's top-k): an integer tensor (Lq, k), or
+    (B, Lq, k) for (B, H, Lq, Dk) inputs, shared by every head, or one per head, (H', Lq, k) or
+    (B, H', Lq, k) with H' = H or 1; values in [0, Lk) (checked: the tensor is read). Query row
+    i may attend key j only when j is one of key_indices[..., i, :] and every rule above allows
+    it; a repeated index means what it means once. Not differentiable. "sparse" reads only the
+    chosen keys; the others take it as the boolean mask it stands for (scattered into
+    (..., Lq, Lk) and ANDed into ``mask``).
+
     ``implementation`` names one of IMPLEMENTATIONS, each the same function of the arguments;
     one that cannot honour an argument raises a ValueError saying why (never a fallback):
     - "explicit": the (..., H, Lq, Lk) weights formed, autograd through them. Takes everything
@@ -64,13 +74,20 @@ def scaled_dot_product_attention(
       cannot return the weights; a mask drawn from ``dropout_rng`` is drawn chunk by chunk (not
       the one "explicit" draws from the same generator state); its gradients cannot be
       differentiated again nor taken by ``torch.func`` transforms.
-    - None: ``choose``, the first of "fused", then ("row_chunks" when B·H·Lq·Lk is above
+    - "sparse" (torch_attn.sparse): with ``key_indices`` only, the k chosen keys and values of
+      each query row gathered (grouped query heads share one gather per kv head), the rules, the
+      gathered mask and bias applied to them, the softmax over those k (sinks, soft-cap),
+      blocks of query rows, each recomputed in the backward: O(Lq·k) work and memory, never
+      an (Lq, Lk) array. ``block_sizes=(rows, None)`` sets the rows per block. No weights,
+      no dropout.
+    - None: ``choose``, the first of ("sparse" when ``key_indices`` chooses k ≤ Lk /
+      SPARSE_UP_TO keys per row) "fused", then ("row_chunks" when B·H·Lq·Lk is above
       ROW_CHUNKS_ABOVE, i.e. from 2²⁴ up) "explicit", that takes the call. The measurements
       behind it: docs/performance.md.
     ``golden.specification.implementations.record()`` collects the name each call ran.
     """
     _expect_tensors(query=query, key=key, value=value, mask=mask, bias=bias,
-                    dropout_mask=dropout_mask, sinks=sinks)
+                    dropout_mask=dropout_mask, sinks=sinks, key_indices=key_indices)
     check_flags(is_causal=is_causal, return_weights=return_weights)
     if dropout_rng is not None and not isinstance(dropout_rng, torch.Generator):
         raise TypeError(f"dropout_rng should be a torch.Generator or None, "
@@ -81,18 +98,25 @@ def scaled_dot_product_attention(
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         dropout_rate=dropout_rate, dropout_mask=dropout_mask, sinks=sinks,
         attention_chunk_size=attention_chunk_size)
+    if key_indices is not None:
+        check_key_indices(key_indices, query, key)
     block_sizes = check_block_sizes(block_sizes, key_blocks=False)
     asked = Asked(return_weights=bool(return_weights), softcap=softcap is not None,
                   dropout=dropout_rate > 0.0,
                   gradients=_needs_grad(query, key, value, bias, sinks),
-                  block_sizes=block_sizes, sinks=sinks is not None)
-    chosen = IMPLEMENTATIONS.select(implementation, asked, choose(shape))
+                  block_sizes=block_sizes, sinks=sinks is not None,
+                  key_indices=key_indices is not None)
+    chosen = IMPLEMENTATIONS.select(implementation, asked, choose(
+        shape, None if key_indices is None else key_indices.shape[-1]))
+    if key_indices is not None and chosen.name != "sparse":  # the mask it stands for
+        mask, key_indices = selected_mask(with_head_axis(key_indices, query), mask,
+                                          shape[-1]), None
     call = Call(query, key, value, mask, bias, dropout_mask, dropout_rng,
                 Where(bool(is_causal), window(local_window_size), query_offset,
                       query_seq_lengths, key_value_seq_lengths, attention_chunk_size),
                 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
                 None if softcap is None else float(softcap), float(dropout_rate), block_sizes,
-                shape, sinks)
+                shape, sinks, key_indices)
     out, weights = chosen.run(call)
     return (out, weights) if return_weights else out
 
@@ -115,6 +139,7 @@ class Call(NamedTuple):
     block_sizes: object
     shape: tuple  # the weights' (..., H, Lq, Lk)
     sinks: object = None  # (H,) or (), or None
+    key_indices: object = None  # (..., H'|1, Lq, k) or (Lq, k) for "sparse" alone, or None
 
 
 def _expect_tensors(**arrays) -> None:
@@ -135,12 +160,20 @@ def _needs_grad(*tensors) -> bool:
 ROW_CHUNKS_ABOVE = 2**24 - 1
 
 
-def choose(shape) -> tuple:
+# None takes "sparse" first when key_indices chooses k ≤ Lk / SPARSE_UP_TO keys per row: a
+# quarter, where the gathered keys are a quarter of the dense path's (a rule of thumb, not yet
+# measured here: docs/core.md).
+SPARSE_UP_TO = 4
+
+
+def choose(shape, selected=None) -> tuple:
     """The order of preference of ``implementation=None`` for weights of ``shape`` (..., H, Lq,
-    Lk): the first that takes the call runs it."""
+    Lk), given ``selected`` keys per row (key_indices' k; None without a selection): the first
+    that takes the call runs it."""
+    sparse = ("sparse",) if selected is not None and selected * SPARSE_UP_TO <= shape[-1] else ()
     if math.prod(shape) > ROW_CHUNKS_ABOVE:
-        return ("fused", "row_chunks", "explicit")
-    return ("fused", "explicit", "row_chunks")
+        return sparse + ("fused", "row_chunks", "explicit")
+    return sparse + ("fused", "explicit", "row_chunks")
 
 
 def _run_explicit(call):
@@ -173,6 +206,12 @@ def _explicit_refuses(asked):
     return _NO_BLOCKS if asked.block_sizes is not None else None
 
 
+def _run_sparse(call):
+    rows = None if call.block_sizes is None else call.block_sizes[0]
+    return sparse(call.query, call.key, call.value, call.key_indices, call.mask, call.bias,
+                  call.where, call.scale, call.softcap, call.sinks, rows), None
+
+
 def _fused_refuses(asked):
     reasons = [why for why, asks in [
         ("PyTorch's kernel does not return the weights", asked.return_weights),
@@ -184,6 +223,16 @@ def _fused_refuses(asked):
         ("its backward loses accuracy on large scores (docs/core.md); use 'explicit' or "
          "'row_chunks' for gradients", asked.gradients),
         (_NO_BLOCKS, asked.block_sizes is not None)] if asks]
+    return "; ".join(reasons) or None
+
+
+def _sparse_refuses(asked):
+    reasons = [why for why, asks in [
+        ("it needs key_indices (the keys each query row may choose from)",
+         not asked.key_indices),
+        ("it never forms the (Lq, Lk) weights, which is what keeps its memory O(Lq·k): "
+         "return_weights=True needs 'explicit'", asked.return_weights),
+        ("a dropout mask is (Lq, Lk): use 'explicit' or 'row_chunks'", asked.dropout)] if asks]
     return "; ".join(reasons) or None
 
 
@@ -199,6 +248,7 @@ IMPLEMENTATIONS = Registry(
     Implementation("explicit", _run_explicit, _explicit_refuses),
     Implementation("fused", _run_fused, _fused_refuses),
     Implementation("row_chunks", _run_row_chunks, _row_chunks_refuses),
+    Implementation("sparse", _run_sparse, _sparse_refuses),
 )
 
 

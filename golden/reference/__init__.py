@@ -10,8 +10,9 @@ The rooms, each importing only those above it:
     arithmetic     the numbers: float64 or exact, ``real``/``number``/``einsum``, and the
                    switches exact_arithmetic, rounded_products, blas_products
     core           scaled dot-product attention forward and backward: the allowed set (masks,
-                   causal, windows, chunks, lengths), the masked softmax with sinks, GQA's
-                   repeated heads, the terms' sizes
+                   causal, windows, chunks, lengths, a given selection key_indices as the mask
+                   it stands for), the masked softmax with sinks, GQA's repeated heads, the
+                   terms' sizes
     storage        what a fixture stores: values rounded once, gradients zero by structure
     rotary         RoPE: every rope_type's frequencies, angles, the turn of pairs
     position_bias  ALiBi's and T5's score biases, the bucket table's gradient, Transformer-XL's

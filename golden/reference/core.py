@@ -24,6 +24,8 @@ Key j sits at position j, query i at i + query_offset. Query i may attend key j 
 allows it, j ≤ position (is_causal), position − left ≤ j ≤ position + right (the window),
 j // C = position // C (attention_chunk_size C: Llama 4's chunks of C tokens),
 j < key_value_seq_lengths and i < query_seq_lengths (rows past it attend nothing).
+With key_indices (a selection, DeepSeek-V3.2's indexer's top-k), query i may attend key j
+only when j is also one of key_indices[..., i, :] (selected_mask: the boolean mask it stands for).
 With sinks (GPT-OSS), head h's logit s_h joins every row's softmax as one more entry that takes
 no value: P = exp(S − m) · allowed / (Σ_row + exp(s_h − m)), m = max(max_row S, s_h), so a
 row's weights sum to 1 − p_sink and a row with nothing allowed gives zeros.
@@ -35,7 +37,9 @@ from __future__ import annotations
 import numpy as np
 
 from golden.reference.arithmetic import einsum, number, number_type, real
-from golden.specification.validate import check_attention_args, window
+from golden.specification.validate import (
+    check_attention_args, check_key_indices, window, with_head_axis,
+)
 
 
 def _checkable(a):
@@ -77,6 +81,15 @@ def allowed_positions(weights_shape, mask=None, is_causal=False, *, local_window
     if mask is not None:
         allowed = allowed & mask
     return allowed
+
+
+def selected_mask(key_indices, lk):
+    """key_indices (..., Lq, k) as the boolean (..., Lq, Lk) it stands for: row i's entry j is
+    True when j is one of key_indices[..., i, :] (a repeated index means what it means once),
+    as Hugging Face scatters the indexer's top-k into its mask."""
+    chosen = np.zeros(key_indices.shape[:-1] + (lk,), dtype=bool)
+    np.put_along_axis(chosen, key_indices.astype(np.intp), True, axis=-1)
+    return chosen
 
 
 def repeat_kv(x, heads):
@@ -122,7 +135,7 @@ def scaled_dot_product_attention(
     query, key, value, mask=None, bias=None, *, is_causal=False, scale=None, softcap=None,
     local_window_size=None, attention_chunk_size=None, query_offset=None,
     query_seq_lengths=None, key_value_seq_lengths=None, sinks=None, dropout_rate=0.0,
-    dropout_mask=None,
+    dropout_mask=None, key_indices=None,
 ):
     """Return (output, weights) in float64."""
     out, weights, _ = sdpa_forward(
@@ -130,7 +143,7 @@ def scaled_dot_product_attention(
         local_window_size=local_window_size, attention_chunk_size=attention_chunk_size,
         query_offset=query_offset, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, sinks=sinks, dropout_rate=dropout_rate,
-        dropout_mask=dropout_mask,
+        dropout_mask=dropout_mask, key_indices=key_indices,
     )
     return out, weights
 
@@ -138,11 +151,15 @@ def scaled_dot_product_attention(
 def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, scale=None,
                  softcap=None, local_window_size=None, attention_chunk_size=None,
                  query_offset=None, query_seq_lengths=None, key_value_seq_lengths=None,
-                 sinks=None, dropout_rate=0.0, dropout_mask=None, position_term=None):
+                 sinks=None, dropout_rate=0.0, dropout_mask=None, position_term=None,
+                 key_indices=None):
     """Forward pass; also returns what the backward pass needs. The sink logits are added
     after the scale and the soft-cap (never capped) and no mask or bias touches them.
     ``position_term`` T (broadcastable to (..., H, Lq, Lk)) is added to R before the cap;
-    sdpa_backward returns its gradient dL/dR as "position_term"."""
+    sdpa_backward returns its gradient dL/dR as "position_term". ``key_indices`` (integer
+    (..., Lq, k), or (..., H'|1, Lq, k) with heads: golden.specification.validate.
+    check_key_indices) is the selection as the boolean mask it stands for (selected_mask),
+    ANDed into ``mask``."""
     lengths = dict(query_offset=query_offset, query_seq_lengths=query_seq_lengths,
                    key_value_seq_lengths=key_value_seq_lengths)
     shape = check_attention_args(*map(_checkable, (query, key, value)), mask,
@@ -151,6 +168,10 @@ def sdpa_forward(query, key, value, mask=None, bias=None, *, is_causal=False, sc
                                  dropout_rate=dropout_rate, dropout_mask=dropout_mask,
                                  sinks=None if sinks is None else _checkable(sinks),
                                  attention_chunk_size=attention_chunk_size)
+    if key_indices is not None:
+        check_key_indices(key_indices, query, key)
+        chosen = selected_mask(with_head_axis(np.asarray(key_indices), query), shape[-1])
+        mask = chosen if mask is None else mask & chosen
     q, k, v = (real(a) for a in (query, key, value))
     kv_heads = k.shape[-3] if k.ndim >= 3 else None
     if kv_heads is not None:

@@ -13,6 +13,9 @@ refuse. A name means one algorithm in both twins; the names in use:
     fused        PyTorch's scaled_dot_product_attention kernel (torch only)
     row_chunks   the explicit path by chunks of query rows, the backward recomputing each
                  chunk's weights (torch only: O(rows · Lk) memory)
+    sparse       the keys each query row chose (key_indices) gathered, a softmax over those k
+                 alone, by blocks of query rows, each recomputed in the backward: O(Lq·k)
+                 work and memory, never an (Lq, Lk) array
     blockwise    FlashAttention-2: an online softmax over key blocks and a backward of its own
                  from the saved log-sum-exp (JAX only: O(L) memory)
     cudnn        cuDNN's fused flash attention through jax.nn.dot_product_attention
@@ -47,6 +50,7 @@ class Asked(NamedTuple):
     gradients: bool = False
     block_sizes: object = None  # as the caller gave it (None: not given)
     sinks: bool = False
+    key_indices: bool = False  # a selection given (the keys each query row may choose from)
     platform: str = ""  # the backend the call runs on ("cpu", "gpu", "tpu"; "" unknown)
     dtype: str = ""  # the query's dtype name ("" unknown)
     lengths: tuple = ()  # (Lq, Lk), () unknown

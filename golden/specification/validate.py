@@ -21,6 +21,8 @@ import functools
 import math
 from collections.abc import Mapping
 
+import numpy as np
+
 # The dtypes everything here runs at: fixtures, the command line, the runners. FLOAT_DTYPES, the
 # same set by width, is what argument messages list.
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -192,6 +194,55 @@ def check_distance_product(distance_query, distance_keys, query) -> None:
     if distance_keys.shape[-2] % 2 == 0:
         raise ValueError(f"distance_keys's axis D should be odd (2S + 1: distances −S … S), "
                          f"got D = {distance_keys.shape[-2]}")
+
+
+def check_key_indices(key_indices, query, key) -> None:
+    """The core's ``key_indices``: the keys each query row may choose from, an integer array
+    shared by every head, (Lq, k) for (Lq, Dk) or (H, Lq, Dk) queries and (B, Lq, k) for
+    (B, H, Lq, Dk) ones, or one per head, (H', Lq, k) or (B, H', Lq, k) with H' = H or 1;
+    k ≥ 1. Its values must lie in [0, Lk): checked where they can be read without a trace (a
+    NumPy array, a torch tensor, a JAX array outside jit)."""
+    _expect_array("key_indices", key_indices)
+    q_shape, got = tuple(query.shape), tuple(key_indices.shape)
+    batch, heads, lq = q_shape[:-3], q_shape[-3:-2], q_shape[-2]
+    shared, letters = batch + (lq, None), ("B",) * len(batch) + ("Lq", "k")
+    if heads and len(got) == len(shared) + 1:
+        want = batch + ((got[len(batch)] if got[len(batch)] in (1,) + heads else heads[0]),
+                        lq, None)
+        _expect_shape("key_indices", got, letters[:-2] + ("H",) + letters[-2:], want)
+    else:
+        _expect_shape("key_indices", got, letters, shared)
+    name = dtype_name(key_indices.dtype)
+    if not name.startswith(("int", "uint")):
+        raise ValueError(f"key_indices dtype should be an integer type, got {name}")
+    if got[-1] < 1:
+        raise ValueError(f"key_indices's last axis k should be at least 1, got k = {got[-1]}")
+    values = _concrete(key_indices)
+    lk = key.shape[-2]
+    if values is not None and values.size and (values.min() < 0 or values.max() >= lk):
+        bad = values.min() if values.min() < 0 else values.max()
+        raise ValueError(f"key_indices values should lie in [0, Lk) = [0, {lk}), got {bad}")
+
+
+def _concrete(x):
+    """``x``'s values as a NumPy array, or None when they cannot be read without a trace (a
+    JAX tracer)."""
+    if hasattr(x, "detach"):  # a torch tensor: read back from its device
+        return x.detach().cpu().numpy()
+    try:
+        return np.asarray(x)
+    except TypeError:  # jax.errors.TracerArrayConversionError and its kin are TypeErrors
+        return None
+
+
+def with_head_axis(key_indices, query):
+    """``key_indices`` with a head axis: (..., H'|1, Lq, k) to broadcast against (..., H, Lq, k),
+    the shared (B, Lq, k) or (Lq, k) of a query with heads given a head axis of size 1
+    (``reshape`` alone: NumPy, torch and JAX alike)."""
+    shape = tuple(key_indices.shape)
+    if len(query.shape) >= 3 and len(shape) == len(query.shape) - 1:
+        return key_indices.reshape(shape[:-2] + (1,) + shape[-2:])
+    return key_indices
 
 
 def _real_number(x) -> bool:

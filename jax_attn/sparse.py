@@ -1,0 +1,193 @@
+"""The JAX core's "sparse" implementation for one head: attention over the keys each query row
+chose, with a backward of its own; jax_attn.functional vmaps it over heads and batch.
+
+DeepSeek-V3.2's lightning indexer (and GLM-5's, Mistral Large 4's, ...) gives every query row k
+keys, ``key_indices``; the dense implementations read it as the boolean mask it stands for
+(``selected_mask``). "sparse" gathers only those k keys and values per row, applies the other
+rules at the gathered positions (causal, window, chunks, lengths, the mask gathered there:
+``allowed``), adds the bias gathered there, takes the softmax over the k scores (scale,
+soft-cap, sinks) and their weighted sum. The query rows go in blocks of Bq (``lax.map``); the
+forward saves the output and each row's log-sum-exp, and the backward (``jax.custom_vjp``)
+recomputes each block's gathered keys, values and probabilities from them (``lax.scan``),
+scattering dK and dV back to the keys read. Memory O(Lq·k) (the indices, the allowed set, the
+gathered bias) plus one block's gathered keys and values (Bq·k·D): never an (Lq, Lk) array.
+Vmapped over a kv head's G query heads with key, value and a shared selection not mapped, the
+gather is one per kv head. The indices are sorted per row first and a repeat of an index is
+masked after its first occurrence, so a repeated index counts once (the mask's meaning); an
+index outside [0, Lk), which golden.specification.validate refuses where it can read it (not
+under jit), chooses nothing.
+
+Shape legend: Lq query length, Lk key length, k keys chosen per row, Bq rows per block,
+Nq = ⌈Lq / Bq⌉ blocks, Dk key width, Dv value width.
+"""
+
+from __future__ import annotations
+
+from functools import partial, reduce
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from golden.specification.positions import allowed_terms
+from jax_attn.explicit import _widened, wide_products
+
+# Rows per block when block_sizes is None: as many as keep one block's chosen keys (Bq·k) near
+# BLOCK_ELEMENTS, at least one and at most Lq. Not measured yet (docs/core.md).
+BLOCK_ELEMENTS = 2**16
+
+
+def default_rows(lq, selected) -> int:
+    """Bq when block_sizes is None: BLOCK_ELEMENTS // k rows, within 1 … Lq."""
+    return max(1, min(lq, BLOCK_ELEMENTS // selected))
+
+
+def selected_mask(key_indices, mask, lk):
+    """key_indices (..., Lq, k) as the boolean (..., Lq, Lk) it stands for (row i's entry j True
+    when j is one of key_indices[..., i, :]; an index outside [0, Lk) chooses nothing), ANDed
+    with ``mask`` (None: alone)."""
+    indices = jnp.asarray(key_indices)
+    rows = indices.reshape(-1, indices.shape[-1])  # (N, k), N = every row of every head
+    rows = jnp.where((rows >= 0) & (rows < lk), rows, lk)  # lk: dropped below
+    chosen = jnp.zeros((rows.shape[0], lk), dtype=bool)
+    chosen = chosen.at[jnp.arange(rows.shape[0])[:, None], rows].set(True, mode="drop")
+    chosen = chosen.reshape(indices.shape[:-1] + (lk,))
+    return chosen if mask is None else mask & chosen
+
+
+def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None,
+           distance_bias=None, distance_query=None, distance_keys=None, *, static,
+           key_indices):
+    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv), key_indices (Lq, k) integers; mask and
+    bias broadcastable to (Lq, Lk) with size-1 axes kept, gathered at the chosen keys; offset,
+    q_lengths, kv_lengths int scalars or None; sink the head's sink logit or None; ``static``
+    a jax_attn.blockwise.Static (block_q: the rows per block; block_k unused). Dropout and the
+    distance terms are refused (jax_attn.functional). Returns (the output (Lq, Dv) in q's
+    dtype, None): the weights are never formed."""
+    del dropout_mask, rng, distance_bias, distance_query, distance_keys  # refused
+    lk = k.shape[0]
+    indices = jnp.sort(key_indices.astype(jnp.int32), axis=-1)  # (Lq, k)
+    allowed = _allowed(static, indices, mask, offset, q_lengths, kv_lengths, lk)
+    indices = jnp.clip(indices, 0, lk - 1)  # an index out of range is not allowed, above
+    gathered = None
+    if bias is not None:  # (Lq, k): JAX differentiates the gather (a scatter into bias)
+        gathered = bias if bias.shape[-1] == 1 else jnp.take_along_axis(bias, indices, axis=-1)
+        gathered = jnp.broadcast_to(gathered, indices.shape)
+    return _sparse(static, q, k, v, indices, allowed, gathered, sink), None
+
+
+def _allowed(st, indices, mask, offset, q_lengths, kv_lengths, lk):
+    """Where row i may attend its chosen key indices[i, t]: bool (Lq, k), a repeat after its
+    first occurrence and an index outside [0, Lk) excluded."""
+    row = jnp.arange(indices.shape[0])[:, None]  # (Lq, 1)
+    first = jnp.concatenate([jnp.ones_like(indices[:, :1], dtype=bool),
+                             indices[:, 1:] != indices[:, :-1]], axis=-1)  # sorted rows
+    terms = [first, indices >= 0, indices < lk] + allowed_terms(
+        row, indices, row if offset is None else row + offset, is_causal=st.is_causal,
+        window=st.window, chunk=st.chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    if mask is not None:
+        safe = jnp.clip(indices, 0, lk - 1)
+        terms.append(mask if mask.shape[-1] == 1 else jnp.take_along_axis(mask, safe, axis=-1))
+    return jnp.broadcast_to(reduce(jnp.logical_and, terms), indices.shape)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sparse(st, q, k, v, indices, allowed, bias, sink):
+    return _forward(st, q, k, v, indices, allowed, bias, sink)[0]
+
+
+def _sparse_fwd(st, q, k, v, indices, allowed, bias, sink):
+    out, lse = _forward(st, q, k, v, indices, allowed, bias, sink)
+    return out, (q, k, v, indices, allowed, bias, sink, out, lse)
+
+
+def _blocks(st, x, fill):
+    """x (Lq, ...) as (Nq, Bq, ...), the last block padded with ``fill``."""
+    rows = min(st.block_q, x.shape[0])
+    count = -(-x.shape[0] // rows)
+    pad = [(0, count * rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+    x = jnp.pad(x, pad, constant_values=fill)
+    return x.reshape((count, rows) + x.shape[1:])
+
+
+def _scores(st, q_b, keys, bias_b, compute):
+    """(raw scale · q·k (Bq, k), the scores after the cap and the bias) of one block."""
+    raw = st.scale * jnp.einsum("rd,rkd->rk", *_widened(wide_products(q_b.dtype), q_b, keys),
+                                precision=st.precision, preferred_element_type=compute)
+    scores = raw if st.softcap is None else st.softcap * jnp.tanh(raw / st.softcap)
+    return raw, scores if bias_b is None else scores + bias_b.astype(compute)
+
+
+def _forward(st, q, k, v, indices, allowed, bias, sink):
+    """(output (Lq, Dv) in q's dtype, each row's log-sum-exp (Lq,), +inf for a row with nothing
+    allowed and no sink): the blocks one after another."""
+    compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
+    wide = wide_products(q.dtype)
+    sink_c = None if sink is None else sink.astype(compute)
+
+    def block(args):
+        q_b, i_b, a_b, bias_b = args  # (Bq, Dk), (Bq, k), (Bq, k), (Bq, k) | None
+        keys, values = k[i_b], v[i_b]  # (Bq, k, Dk), (Bq, k, Dv): the one gather
+        _, s = _scores(st, q_b, keys, bias_b, compute)
+        m = jnp.max(jnp.where(a_b, s, -jnp.inf), axis=-1)  # (Bq,)
+        if sink_c is not None:
+            m = jnp.maximum(m, sink_c)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        e = jnp.where(a_b, jnp.exp(jnp.where(a_b, s - m[:, None], 0.0)), 0.0)
+        total = e.sum(axis=-1) + (0.0 if sink_c is None else jnp.exp(sink_c - m))
+        p = e / jnp.where(total > 0, total, 1.0)[:, None]
+        out = jnp.einsum("rk,rkv->rv", *_widened(wide, p.astype(q.dtype), values),
+                         precision=st.precision, preferred_element_type=compute)
+        lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), jnp.inf)
+        return out.astype(q.dtype), lse
+
+    args = (_blocks(st, q, 0), _blocks(st, indices, 0), _blocks(st, allowed, False),
+            None if bias is None else _blocks(st, bias, 0))
+    out, lse = lax.map(block, args)  # (Nq, Bq, Dv), (Nq, Bq)
+    lq = q.shape[0]
+    return out.reshape((-1,) + out.shape[2:])[:lq], lse.reshape(-1)[:lq]
+
+
+def _sparse_bwd(st, res, d_out):
+    """Each block's probabilities again from the saved log-sum-exp, P = exp(S − lse) where
+    allowed; dP = dO·Vᵀ at the chosen keys, dS = P ⊙ (dP − Σ P ⊙ dP) (the bias's gradient at
+    those keys), through the cap to dR; dQ per block, dK and dV scattered onto the keys read
+    (in at least float32), the sink's −Σ_rows p_sink Σ P ⊙ dP."""
+    q, k, v, indices, allowed, bias, sink, out, lse = res
+    compute = jnp.promote_types(q.dtype, jnp.float32)
+    wide = wide_products(q.dtype)
+
+    def block(carry, args):
+        dk, dv, dsink = carry
+        q_b, i_b, a_b, bias_b, do_b, lse_b = args
+        keys, values = k[i_b], v[i_b]  # (Bq, k, Dk), (Bq, k, Dv)
+        raw, s = _scores(st, q_b, keys, bias_b, compute)
+        p = jnp.where(a_b, jnp.exp(jnp.where(a_b, s - lse_b[:, None], 0.0)), 0.0)  # (Bq, k)
+        do_c = do_b.astype(compute)
+        dp = jnp.einsum("rv,rkv->rk", *_widened(wide, do_b, values), precision=st.precision,
+                        preferred_element_type=compute)
+        row = (p * dp).sum(axis=-1)  # Σ P ⊙ dP (Bq,)
+        ds = p * (dp - row[:, None])  # dL/dS, the bias's gradient
+        d_raw = ds if st.softcap is None else ds * (1.0 - jnp.tanh(raw / st.softcap) ** 2)
+        dq_b = st.scale * jnp.einsum("rk,rkd->rd", d_raw, keys.astype(compute),
+                                     precision=st.precision)
+        dk = dk.at[i_b].add(st.scale * d_raw[..., None] * q_b.astype(compute)[:, None, :])
+        dv = dv.at[i_b].add(p.astype(q.dtype).astype(compute)[..., None] * do_c[:, None, :])
+        if sink is not None:
+            dsink = dsink - (jnp.exp(sink.astype(compute) - lse_b) * row).sum()
+        return (dk, dv, dsink), (dq_b, ds)
+
+    args = (_blocks(st, q, 0), _blocks(st, indices, 0), _blocks(st, allowed, False),
+            None if bias is None else _blocks(st, bias, 0), _blocks(st, d_out, 0),
+            _blocks(st, lse, jnp.inf))
+    start = (jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute), jnp.zeros((), compute))
+    (dk, dv, dsink), (dq, dbias) = lax.scan(block, start, args)
+    lq = q.shape[0]
+    dq = dq.reshape((-1,) + dq.shape[2:])[:lq].astype(q.dtype)
+    dbias = None if bias is None else dbias.reshape((-1,) + dbias.shape[2:])[:lq].astype(
+        bias.dtype)
+    dsink = None if sink is None else dsink.astype(sink.dtype).reshape(sink.shape)
+    return (dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, dbias, dsink)
+
+
+_sparse.defvjp(_sparse_fwd, _sparse_bwd)
