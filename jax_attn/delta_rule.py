@@ -93,6 +93,34 @@ def _decayed_scores(a, b, inner):
     return _dot("ik,jk,ijk->ij", a, b, jnp.where(lower[:, :, None], jnp.exp(inner), 0))
 
 
+def _unit_lower_inverse(m):
+    """The inverse of a unit lower-triangular (T, T) matrix, by blocks: from the 1 × 1 diagonal
+    blocks up, each pair of diagonal blocks A, B (inverses known) with the block C below A joins
+    into [[A, 0], [C, B]]⁻¹ = [[A⁻¹, 0], [−B⁻¹ C A⁻¹, B⁻¹]], all pairs of a level at once
+    (log2 T levels of matrix products; T padded with the identity to a power of two). The same
+    arithmetic as forward substitution grouped into products: XLA's CPU triangular solve, a
+    loop of small steps, took most of the chunked form's time (0.18 s for 16 chunks of 64
+    against 256 right-hand sides on this project's 2-core host)."""
+    t = m.shape[-1]
+    size = 1 << max(t - 1, 0).bit_length()
+    if size != t:
+        m = jnp.pad(m, [(0, size - t)] * 2) + jnp.diag(
+            jnp.concatenate([jnp.zeros(t, m.dtype), jnp.ones(size - t, m.dtype)]))
+    blocks = jnp.ones((size, 1, 1), m.dtype)  # the inverses of the diagonal blocks (n, s, s)
+    s = 1
+    while s < size:
+        n = size // (2 * s)
+        grid = m.reshape(n, 2, s, n, 2, s)[:, 1, :, :, 0, :]  # (n, s, n, s): block rows × columns
+        below = jnp.moveaxis(jnp.diagonal(grid, axis1=0, axis2=2), -1, 0)  # C of each pair (n, s, s)
+        upper, lower = blocks[0::2], blocks[1::2]  # A⁻¹, B⁻¹ (n, s, s)
+        corner = -_dot("nab,nbc,ncd->nad", lower, below, upper)
+        zero = jnp.zeros_like(corner)
+        blocks = jnp.concatenate([jnp.concatenate([upper, zero], axis=2),
+                                  jnp.concatenate([corner, lower], axis=2)], axis=1)
+        s *= 2
+    return blocks[0, :t, :t]
+
+
 def _chunk_local(q, k, v, g, beta):
     """What one chunk of T tokens computes without the state, for q, k (T, Dk), v (T, Dv), g (T,)
     or (T, Dk), beta (T,): with Γ_i = Σ_{j≤i} g_j (per head or per key channel), D as
@@ -107,7 +135,7 @@ def _chunk_local(q, k, v, g, beta):
     k_beta = k * beta[:, None]  # (T, Dk)
     system = jnp.eye(t, dtype=q.dtype) + jnp.tril(_decayed_scores(k_beta, k, inner), -1)
     rhs = jnp.concatenate([v * beta[:, None], k_beta * _per_key(jnp.exp(cum))], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    solved = _dot("ij,jc->ic", _unit_lower_inverse(system), rhs)
     u, w = solved[:, :v.shape[-1]], solved[:, v.shape[-1]:]  # (T, Dv), (T, Dk)
     return (u, w, q * _per_key(jnp.exp(cum)), _decayed_scores(q, k, inner),
             k * _per_key(jnp.exp(tail)), jnp.exp(cum[-1]))
