@@ -130,7 +130,8 @@ def test_equal_scores_go_to_the_lowest_key_index():
                             [True, False, False, True, False, False]])  # 2 allowed < k = 3
     want = [[0, 2, 4], [0, 1, 2], [2, 3, 0], [0, 3, 1]]
     assert select_keys(scores, allowed, 3).tolist() == want
-    np.testing.assert_array_equal(reference.select_keys(scores.numpy(), allowed.numpy(), 3), want)
+    np.testing.assert_array_equal(reference.select_keys(scores.numpy(), allowed.numpy(), 3),
+                                  want)
     rng = np.random.default_rng(0)
     many = rng.integers(-2, 3, (40, 9, 17)).astype(np.float64)  # every row full of ties
     ok = rng.random(many.shape) < 0.7

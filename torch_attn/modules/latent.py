@@ -59,6 +59,18 @@ class MultiHeadLatentAttention(nn.Module):
     q_lat = q_nope W_kb per head (B, N, L, r), scores [q_lat | q_pe] · [c | k_pe] on the one latent
     "head" (the core's multi-query attention), weights · c (B, N, L, r) then W_kv_b's value half per
     head.
+
+    With ``index_topk`` k (DeepSeek-V3.2's learned indexer and its relatives; the options and
+    the maths are golden.specification.indexer's and golden.reference.indexer's) each query
+    attends only the k keys (of those it may see) that a small scorer ranks highest, equal
+    scores won by the lowest key index (two stable sorts, ``select_keys``): q^I from q_resid or
+    LayerNorm(x) through W_index_q (B, H_I, L, D_I), k^I = LayerNorm(x W_index_k) (B, L, D_I),
+    RoPE on qk_rope_head_dim of their features, w = x W_index_weights (B, L, H_I), scores
+    Σ_h w · H_I^−1/2 · ReLU(D_I^−1/2 q^I · k^I) in at least float32, all under no_grad (the
+    indexer's parameters get no gradient). The choice reaches the core as a mask ANDed into the
+    call's (``_selection_mask``). ``key_indices`` (B, Lq, k) gives the choice instead;
+    ``return_key_indices=True`` returns it, int32, after the output (and weights). The cache
+    keeps k^I after RoPE as ``index_key`` (B, M, D_I).
     """
 
     variant = "multi_head_latent_attention"
@@ -218,11 +230,11 @@ class MultiHeadLatentAttention(nn.Module):
         """ValueError for an indexer argument without the indexer, a mask with several heads,
         a cache without index_key, or given key_indices of another shape, dtype or range."""
         if self.W_index_k is None:
-            for name, given in (("key_indices", key_indices is not None),
-                                ("return_key_indices", return_key_indices)):
+            for name, given, got in (("key_indices", key_indices is not None, "an array"),
+                                     ("return_key_indices", return_key_indices, "True")):
                 if given:
                     raise ValueError(f"{name} should be None/False without index_topk (no "
-                                     f"indexer), got {'an array' if name == 'key_indices' else True}")
+                                     f"indexer), got {got}")
             return
         lead = tuple(x.shape[:-2])
         check_index_mask(mask, lead)
