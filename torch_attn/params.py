@@ -42,11 +42,16 @@ def export_params(module) -> dict:
 
 
 def export_grads(module) -> dict:
-    """The parameters' ``.grad`` in the neutral layout (after a backward pass)."""
+    """The parameters' ``.grad`` in the neutral layout (after a backward pass). A parameter
+    without one is left out: the learned indexer's (golden.specification.indexer.INDEX_PARAMS),
+    which no gradient reaches, as the reference gives them none."""
     _ours(module)
-    return export_layers(module, lambda lin: _numpy(lin.weight.grad).T,
-                         lambda lin: None if lin.bias is None else _numpy(lin.bias.grad),
-                         lambda p: _numpy(p.grad))
+
+    def grad(t):
+        return None if t is None or t.grad is None else _numpy(t.grad)
+    grads = export_layers(module, lambda lin: None if lin.weight.grad is None
+                          else grad(lin.weight).T, lambda lin: grad(lin.bias), grad)
+    return {n: g for n, g in grads.items() if g is not None}
 
 
 def load_params(module, params) -> None:
@@ -95,13 +100,14 @@ def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:
     if isinstance(cache, RecurrentCache):
         return RecurrentCache(*(_numpy(t) for t in cache))
     fields = check_any_cache(cache)
-    return _kind(fields)(*(_numpy(getattr(cache, f)) for f in fields))
+    out = _kind(fields)(*(_numpy(getattr(cache, f)) for f in fields))
+    return _with_index_key(out, cache, _numpy)
 
 
 def load_cache(cache, device=None, dtype=None) -> KVCache | LatentCache | RecurrentCache:
     """A KVCache or LatentCache of NumPy (or any array) fields as tensors (copies) of the same
-    class: key and value, or latent and rope_key, in ``dtype`` (default theirs), lengths int32,
-    on ``device``. A RecurrentCache: conv in ``dtype``, the state in float64 for float64 and
+    class: key and value, or latent and rope_key (and index_key), in ``dtype`` (default
+    theirs), lengths int32, on ``device``. A RecurrentCache: conv in ``dtype``, the state in float64 for float64 and
     float32 otherwise (a recurrence's state is never kept narrower), as jax_attn's."""
     if isinstance(cache, RecurrentCache):
         wide = None if dtype is None else (torch.float64 if dtype == torch.float64
@@ -111,7 +117,17 @@ def load_cache(cache, device=None, dtype=None) -> KVCache | LatentCache | Recurr
             torch.tensor(np.asarray(cache.state), device=device, dtype=wide),
             torch.tensor(np.asarray(cache.lengths), dtype=torch.int32, device=device))
     fields = check_any_cache(cache)
-    arrays = (torch.tensor(np.asarray(getattr(cache, f)), device=device, dtype=dtype)
-              for f in fields[:-1])
-    return _kind(fields)(*arrays, torch.tensor(np.asarray(cache.lengths), dtype=torch.int32,
-                                               device=device))
+
+    def tensor(a):
+        return torch.tensor(np.asarray(a), device=device, dtype=dtype)
+    arrays = (tensor(getattr(cache, f)) for f in fields[:-1])
+    out = _kind(fields)(*arrays, torch.tensor(np.asarray(cache.lengths), dtype=torch.int32,
+                                              device=device))
+    return _with_index_key(out, cache, tensor)
+
+
+def _with_index_key(out, cache, convert):
+    """``out`` with the LatentCache's index_key (the learned indexer's keys) converted when
+    ``cache`` holds one."""
+    held = getattr(cache, "index_key", None)
+    return out if held is None else out._replace(index_key=convert(held))
