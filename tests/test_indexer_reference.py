@@ -271,36 +271,6 @@ def test_fixture_gaps_and_given_selection(name):
 
 # ---- Hugging Face's DeepSeek-V3.2 at float64 --------------------------------------------------
 
-def _hf_layer(seed, topk):
-    torch = pytest.importorskip("torch")
-    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
-
-    config = hf.DeepseekV32Config(
-        hidden_size=6, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=7,
-        kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=4, v_head_dim=5,
-        index_topk=topk, index_head_dim=6, index_n_heads=4, num_hidden_layers=1,
-        vocab_size=16, intermediate_size=8, moe_intermediate_size=4, n_routed_experts=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    layer = hf.DeepseekV32Attention(config, 0).double().eval()
-    with torch.no_grad():
-        for t in layer.parameters():
-            t.copy_(torch.randn_like(t) / math.sqrt(t.shape[-1] if t.ndim == 2 else 1))
-    for norm in (layer.q_a_layernorm, layer.kv_a_layernorm):  # HF's RMSNorm is float32 inside:
-        norm.forward = lambda h, n=norm: n.weight * h * torch.rsqrt(  # the same sum in float64
-            h.pow(2).mean(-1, keepdim=True) + n.variance_epsilon)
-    return torch, layer
-
-
-HF_NAMES = {"W_q_a": "q_a_proj.weight", "W_q_b": "q_b_proj.weight",
-            "W_kv_a": "kv_a_proj_with_mqa.weight", "W_kv_b": "kv_b_proj.weight",
-            "W_out": "o_proj.weight", "W_index_q": "indexer.wq_b.weight",
-            "W_index_k": "indexer.wk.weight", "W_index_weights": "indexer.weights_proj.weight"}
-HF_VECTORS = {"q_a_norm": "q_a_layernorm.weight", "kv_a_norm": "kv_a_layernorm.weight",
-              "index_k_norm": "indexer.k_norm.weight", "index_k_norm_bias": "indexer.k_norm.bias"}
-
-
 @pytest.mark.parametrize("length", [12, 4])  # above and below index_topk = 5
 def test_hugging_face_deepseek_v32_at_float64(length):
     """HF's indexer (its scores in float32, as it computes them even in a float64 model) picks
@@ -308,23 +278,17 @@ def test_hugging_face_deepseek_v32_at_float64(length):
     attention (its RMSNorms' float32 step replaced by the same formula in float64, RoPE's cos
     and sin ours) equals the reference layer given HF's own choice to float64's floor, and
     our own choice where every row agrees."""
-    torch, layer = _hf_layer(44, topk=5)
-    sd = {n: t.detach().numpy() for n, t in layer.state_dict().items()}
-    params = {n: sd[h].T.copy() for n, h in HF_NAMES.items()}
-    params.update({n: sd[h].copy() for n, h in HF_VECTORS.items()})
-    config = {**BASE, "v_head_dim": 5, **INDEX}
+    pytest.importorskip("torch")
+    from tests.hf_harness import indexer_hf_case
+
+    case = indexer_hf_case(44, topk=5)
+    config, params = case.config, case.params
+    assert config == {**BASE, "v_head_dim": 5, **INDEX}
     c = variants.get(MLA).config(config)
     rng = np.random.default_rng(length)
     x = rng.standard_normal((2, length, 6))
     positions = np.arange(length)
-    cos, sin = rope_cos_sin(variants.latent_rope(c), 4, positions)  # ours, exact, in HF's layout
-    emb = tuple(torch.tensor(np.concatenate([a, a], -1)[None].repeat(2, 0)) for a in (cos, sin))
-    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))[None, None].repeat(2, 1, 1, 1)
-    xt = torch.tensor(x)
-    with torch.no_grad():
-        q_resid = layer.q_a_layernorm(layer.q_a_proj(xt))
-        hf_keys = layer.indexer(xt, q_resid, emb, causal[:, 0], None).numpy()
-        hf_out = layer(xt, emb, causal)[0].numpy()
+    hf_keys, hf_out = case.run(x)
     assert hf_keys.shape == (2, length, min(5, length))
     forward, _ = reference.pair(MLA)
     ours, _, saved = forward(config, {"x": x}, params)

@@ -242,9 +242,7 @@ class MultiHeadLatentAttention(_Variant):
         lk = index_key.shape[-2]
         scores = self._index_scores(x, q_resid, index_key, offset, positions, bound)
         allowed = self._allowed(mask, scores.shape, offset, q_lengths, kv_lengths)
-        scores = jnp.where(scores == 0, 0, scores)  # -0.0 is 0.0 (top_k orders -0.0 first)
-        scores = jnp.where(allowed, scores, -jnp.inf)  # (B, Lq, Lk)
-        return jax.lax.top_k(scores, min(self.index_topk, lk))[1]  # ties: lowest index
+        return _select_keys(scores, allowed, min(self.index_topk, lk))
 
     def _allowed(self, mask, shape, offset, q_lengths, kv_lengths):
         """Where each query may attend, bool ``shape`` (B, Lq, Lk): the call's mask (its head
@@ -411,6 +409,16 @@ class MultiHeadLatentAttention(_Variant):
         return qk_normalize(t.astype(compute), "rms", weight.get_value().astype(compute),
                             self.rms_norm_eps, mean=lambda a: a.mean(-1, keepdims=True),
                             rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+
+def _select_keys(scores, allowed, k):
+    """key_indices (..., Lq, k) int32: each row's k highest ``scores`` (..., Lq, Lk) among its
+    ``allowed`` keys, best first, equal scores won by the lowest key index, then the keys it
+    may not see, lowest index first (golden.reference.indexer.select_keys's rule): ``lax.top_k``
+    orders equal values by index, but -0.0 before 0.0, so zeros are made 0.0 first (by a
+    select: XLA folds x + 0.0 away), and the unseen keys are put at -inf."""
+    scores = jnp.where(scores == 0, 0, scores)
+    return jax.lax.top_k(jnp.where(allowed, scores, -jnp.inf), k)[1]
 
 
 def _append_rows(held, new, lengths, count):
