@@ -82,9 +82,8 @@ _LOW = (jnp.bfloat16, jnp.float16)
 
 
 def _kind(fields):
-    """The cache class with these field names (golden.specification.validate.check_any_cache):
-    a latent cache's index_key (a learned indexer's) among them or not."""
-    return LatentCache if "latent" in fields else KVCache
+    """The cache class with these field names (golden.specification.validate.check_any_cache)."""
+    return KVCache if fields == KVCache._fields else LatentCache
 
 
 def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:
@@ -97,9 +96,15 @@ def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:
     else:
         fields = check_any_cache(cache)
         kind = _kind(fields)
-    arrays = {f: getattr(cache, f) for f in fields}
     return kind(**{f: np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
-                   for f, a in arrays.items()})
+                   for f, a in _arrays(cache, fields).items()})
+
+
+def _arrays(cache, fields) -> dict:
+    """{field: array} of ``fields``, and a LatentCache's index_key (the learned indexer's keys)
+    when it holds one."""
+    held = getattr(cache, "index_key", None)
+    return {f: getattr(cache, f) for f in fields} | ({} if held is None else {"index_key": held})
 
 
 def load_cache(cache, dtype=None) -> KVCache | LatentCache | RecurrentCache:
@@ -114,5 +119,6 @@ def load_cache(cache, dtype=None) -> KVCache | LatentCache | RecurrentCache:
         return RecurrentCache(_device(cache.conv, dtype), _device(cache.state, wide),
                               _device(cache.lengths, np.int32))
     fields = check_any_cache(cache)
-    arrays = {f: _device(getattr(cache, f), dtype) for f in fields[:-1]}
-    return _kind(fields)(**arrays, lengths=_device(cache.lengths, np.int32))
+    arrays = {f: _device(a, np.int32 if f == "lengths" else dtype)
+              for f, a in _arrays(cache, fields).items()}
+    return _kind(fields)(**arrays)

@@ -7,6 +7,7 @@ Shape legend: B batch, L tokens, D model width, N heads, Nkv key-value heads, Dh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -265,70 +266,40 @@ def assert_each_undone_moves_the_output(family, config, model, changes, rng, see
         assert rel(out, expected) > 1e3 * FLOAT32_LEVEL, (layer, change, seed)
 
 
-# ---- DeepSeek-V3.2's attention with its learned indexer (issue 44; no from_hf for it yet) ------
+# ---- Hugging Face's DeepSeek-V3.2 attention with its learned indexer (issue 44) --------------
 
 INDEXER_CONFIG = dict(d_in=6, num_heads=3, kv_lora_rank=4, qk_nope_head_dim=2,
                       qk_rope_head_dim=4, v_head_dim=5, q_lora_rank=7, rope_theta=100.0,
                       index_heads=4, index_head_dim=6)
-INDEXER_HF_NAMES = {  # neutral name: HF's, of the W (in, out) stored transposed
-    "W_q_a": "q_a_proj.weight", "W_q_b": "q_b_proj.weight", "W_kv_a": "kv_a_proj_with_mqa.weight",
-    "W_kv_b": "kv_b_proj.weight", "W_out": "o_proj.weight", "W_index_q": "indexer.wq_b.weight",
+INDEXER_HF_NAMES = {  # ours: HF's, weights (out, in) there, (in, out) here
+    "W_q_a": "q_a_proj.weight", "W_q_b": "q_b_proj.weight",
+    "W_kv_a": "kv_a_proj_with_mqa.weight", "W_kv_b": "kv_b_proj.weight",
+    "W_out": "o_proj.weight", "W_index_q": "indexer.wq_b.weight",
     "W_index_k": "indexer.wk.weight", "W_index_weights": "indexer.weights_proj.weight"}
 INDEXER_HF_VECTORS = {"q_a_norm": "q_a_layernorm.weight", "kv_a_norm": "kv_a_layernorm.weight",
                       "index_k_norm": "indexer.k_norm.weight",
                       "index_k_norm_bias": "indexer.k_norm.bias"}
 
 
-@dataclass
-class IndexerCase:
-    """HF's DeepseekV32Attention (float64, random weights, its RMSNorms' float32 step replaced
-    by the same formula in float64), our configuration ``config`` (index_topk included) and the
-    same weights as neutral float64 ``params``."""
-
-    layer: object
-    config: dict
-    params: dict
-
-    def run(self, x):
-        """(HF's indexer's key_indices (B, L, k) int32, HF's attention output (B, L, d_in)) for x
-        (B, L, d_in) float64 at positions 0 … L − 1, causal, RoPE's cos and sin ours (exact)."""
-        from golden.reference.rotary import rope_cos_sin
-        from golden.specification import variants
-
-        b, length = x.shape[:2]
-        c = variants.get("multi_head_latent_attention").config(self.config)
-        cos, sin = rope_cos_sin(variants.latent_rope(c), c["qk_rope_head_dim"],
-                                np.arange(length))
-        emb = tuple(torch.tensor(np.concatenate([a, a], -1)[None].repeat(b, 0))
-                    for a in (cos, sin))  # HF's layout: each angle twice
-        causal = torch.tril(torch.ones(length, length, dtype=torch.bool))[None, None]
-        causal = causal.repeat(b, 1, 1, 1)
-        xt, layer = torch.tensor(x), self.layer
-        with torch.no_grad():
-            q_resid = layer.q_a_layernorm(layer.q_a_proj(xt))
-            keys = layer.indexer(xt, q_resid, emb, causal[:, 0], None).numpy()
-            out = layer(xt, emb, causal)[0].numpy()
-        return keys, out
-
-
-def indexer_hf_case(seed, topk) -> IndexerCase:
-    """A tiny DeepseekV32Attention (INDEXER_CONFIG's sizes, ``index_topk`` = topk), its
-    weights drawn with torch's generator seeded ``seed`` (N(0, 1/fan_in)), moved by hand
-    (INDEXER_HF_NAMES, INDEXER_HF_VECTORS)."""
-    import math
-
+def indexer_hf_case(seed, topk=5):
+    """(layer, config, params): Hugging Face's DeepseekV32Attention (float64, eval; every
+    weight drawn N(0, 1/in) after torch.manual_seed(seed); its RMSNorms' float32 step replaced
+    by the same formula in float64), and the same layer as ours, MultiHeadLatentAttention's
+    arguments (INDEXER_CONFIG, index_topk = ``topk``) and its parameters in the neutral layout
+    (NumPy float64, moved from the layer's state dict by hand: no from_hf for deepseek_v32
+    yet). The layer is called as layer(x, (cos, sin), mask (B, 1, L, L) bool), cos and sin
+    (B, L, qk_rope_head_dim) in HF's rotate-half layout (indexer_hf_rope)."""
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
 
-    s = INDEXER_CONFIG
+    c = INDEXER_CONFIG
     config = hf.DeepseekV32Config(
-        hidden_size=s["d_in"], num_attention_heads=s["num_heads"],
-        num_key_value_heads=s["num_heads"], q_lora_rank=s["q_lora_rank"],
-        kv_lora_rank=s["kv_lora_rank"], qk_nope_head_dim=s["qk_nope_head_dim"],
-        qk_rope_head_dim=s["qk_rope_head_dim"], v_head_dim=s["v_head_dim"], index_topk=topk,
-        index_head_dim=s["index_head_dim"], index_n_heads=s["index_heads"],
-        num_hidden_layers=1, vocab_size=16, intermediate_size=8, moe_intermediate_size=4,
-        n_routed_experts=2, rope_parameters={"rope_type": "default",
-                                             "rope_theta": s["rope_theta"]})
+        hidden_size=c["d_in"], num_attention_heads=c["num_heads"],
+        num_key_value_heads=c["num_heads"], q_lora_rank=c["q_lora_rank"],
+        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"], index_topk=topk,
+        index_head_dim=c["index_head_dim"], index_n_heads=c["index_heads"], num_hidden_layers=1,
+        vocab_size=16, intermediate_size=8, moe_intermediate_size=4, n_routed_experts=2,
+        rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     layer = hf.DeepseekV32Attention(config, 0).double().eval()
@@ -338,7 +309,20 @@ def indexer_hf_case(seed, topk) -> IndexerCase:
     for norm in (layer.q_a_layernorm, layer.kv_a_layernorm):  # HF's RMSNorm is float32 inside:
         norm.forward = lambda h, n=norm: n.weight * h * torch.rsqrt(  # the same sum in float64
             h.pow(2).mean(-1, keepdim=True) + n.variance_epsilon)
-    sd = {n: t.detach().numpy() for n, t in layer.state_dict().items()}
+    sd = state_dict(layer)
     params = {n: sd[h].T.copy() for n, h in INDEXER_HF_NAMES.items()}
     params.update({n: sd[h].copy() for n, h in INDEXER_HF_VECTORS.items()})
-    return IndexerCase(layer, {**INDEXER_CONFIG, "index_topk": topk}, params)
+    return layer, {**c, "index_topk": topk}, params
+
+
+def indexer_hf_rope(config, length, batch):
+    """HF's position_embeddings (cos, sin), each (B, L, r) float64, made from ours
+    (golden.reference.rotary.rope_cos_sin, exact) at positions 0 … L − 1, in its rotate-half
+    layout [c | c]."""
+    from golden.reference.rotary import rope_cos_sin
+    from golden.specification import variants
+
+    c = variants.get("multi_head_latent_attention").config(config)
+    cos, sin = rope_cos_sin(variants.latent_rope(c), c["qk_rope_head_dim"], np.arange(length))
+    return tuple(torch.tensor(np.concatenate([a, a], -1)[None].repeat(batch, 0))
+                 for a in (cos, sin))

@@ -278,17 +278,21 @@ def test_hugging_face_deepseek_v32_at_float64(length):
     attention (its RMSNorms' float32 step replaced by the same formula in float64, RoPE's cos
     and sin ours) equals the reference layer given HF's own choice to float64's floor, and
     our own choice where every row agrees."""
-    pytest.importorskip("torch")
-    from tests.hf_harness import indexer_hf_case
-
-    case = indexer_hf_case(44, topk=5)
-    config, params = case.config, case.params
+    torch = pytest.importorskip("torch")
+    harness = pytest.importorskip("tests.hf_harness")
+    layer, config, params = harness.indexer_hf_case(44, topk=5)
     assert config == {**BASE, "v_head_dim": 5, **INDEX}
     c = variants.get(MLA).config(config)
     rng = np.random.default_rng(length)
     x = rng.standard_normal((2, length, 6))
     positions = np.arange(length)
-    hf_keys, hf_out = case.run(x)
+    emb = harness.indexer_hf_rope(config, length, 2)  # ours, exact, in HF's layout
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))[None, None].repeat(2, 1, 1, 1)
+    xt = torch.tensor(x)
+    with torch.no_grad():
+        q_resid = layer.q_a_layernorm(layer.q_a_proj(xt))
+        hf_keys = layer.indexer(xt, q_resid, emb, causal[:, 0], None).numpy()
+        hf_out = layer(xt, emb, causal)[0].numpy()
     assert hf_keys.shape == (2, length, min(5, length))
     forward, _ = reference.pair(MLA)
     ours, _, saved = forward(config, {"x": x}, params)

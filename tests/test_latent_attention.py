@@ -325,8 +325,8 @@ def test_a_latent_cache_filled_in_one_framework_continues_in_the_other(start, na
             out[new == 1, pos[new == 1]] = y[new == 1, 0]
             pos = pos + new
     assert type(exported) is LatentCache and isinstance(moved, second.lib.LatentCache)
-    assert exported.index_key is None  # no learned indexer: tests/test_indexer_*.py have it
     assert all(isinstance(f, np.ndarray) for f in exported[:3])
+    assert exported.index_key is None  # no learned indexer here (tests/test_indexer_*.py)
     assert rel(full, reference.VARIANTS[MLA][0](config, {"x": x}, params)[0]) <= EXACT
     assert np.abs(out - full).max() <= EXACT, f"seed {seed}"
 

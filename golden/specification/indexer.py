@@ -154,3 +154,17 @@ def check_key_indices(key_indices, lead, lq, lk, k) -> None:
     if a.size and (a.min() < 0 or a.max() >= lk):
         raise ValueError(f"key_indices should lie in [0, Lk) = [0, {lk}), got values in "
                          f"[{a.min()}, {a.max()}]")
+
+
+def check_index_cache(cache, index_dim, dtype) -> None:
+    """A LatentCache for a layer with the indexer: index_key (B, M, D_I) beside its latent
+    (B, M, kv_lora_rank), in x's ``dtype``."""
+    held = getattr(cache, "index_key", None)
+    want = tuple(cache.latent.shape[:2]) + (index_dim,)
+    if held is None:
+        raise ValueError(f"cache.index_key should be an array of shape (B, M, index_head_dim) = "
+                         f"{want} with index_topk (the indexer's keys: init_cache makes it), "
+                         f"got None")
+    if tuple(held.shape) != want or held.dtype != dtype:
+        raise ValueError(f"cache.index_key should be (B, M, index_head_dim) = {want} in x's "
+                         f"dtype {dtype}, got {tuple(held.shape)} {held.dtype}")

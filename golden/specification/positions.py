@@ -55,10 +55,9 @@ class LatentCache(NamedTuple):
     latent: (B, M, kv_lora_rank), the normalised latent c_kv (after kv_a_layernorm, before
     kv_b_proj); rope_key: (B, M, qk_rope_head_dim), the one rotary key head shared by every
     query head, already rotated; lengths: (B,) int32, tokens held per row; index_key: (B, M,
-    index_head_dim), the learned indexer's one key per token k^I (golden.specification.indexer),
-    after its LayerNorm and RoPE (Hugging Face's DynamicIndexedLayer's ``indexer_keys``), or None
-    for a module without indexer. A call never changes the cache it is given: it returns a new
-    one.
+    index_head_dim), the learned indexer's keys k^I after RoPE (Hugging Face's
+    DynamicIndexedLayer), None without an indexer (index_topk). A call never changes the cache
+    it is given: it returns a new one.
     """
 
     latent: Any

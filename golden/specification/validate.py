@@ -804,27 +804,25 @@ def check_cache(cache, x, kv_heads, head_dim, value_dim=None) -> int:
 
 
 def check_latent_inputs(x, d_in, mask=None, query_seq_lengths=None, *, heads, positions=None,
-                        cache=None, kv_lora_rank=None, rope_dim=None, index_dim=None):
+                        cache=None, kv_lora_rank=None, rope_dim=None):
     """MultiHeadLatentAttention's call: as GroupedQueryAttention's (check_decoder_inputs), the
-    cache a golden.specification.positions.LatentCache (check_latent_cache; ``index_dim``: the
-    learned indexer's key width, None without one). Returns the weights' shape
+    cache a golden.specification.positions.LatentCache (check_latent_cache). Returns the weights'
+    shape
     (B, N, L, L or M)."""
     lead = check_sequence("x", x, "d_in", d_in)
     check_decoder_inputs(x, d_in, None, None, query_seq_lengths, heads=heads,
                          positions=positions)
-    lk = x.shape[-2] if cache is None else check_latent_cache(cache, x, kv_lora_rank, rope_dim,
-                                                              index_dim)
+    lk = x.shape[-2] if cache is None else check_latent_cache(cache, x, kv_lora_rank, rope_dim)
     return check_module_masks(lead, x.shape[-2], lk, mask, heads=heads, head_axis=True)
 
 
 LATENT_FIELDS = ("latent", "rope_key", "lengths")
 
 
-def check_latent_cache(cache, x, kv_lora_rank, rope_dim, index_dim=None) -> int:
+def check_latent_cache(cache, x, kv_lora_rank, rope_dim) -> int:
     """A latent cache for x (B, L, d_in): latent (B, M, kv_lora_rank) and rope_key (B, M,
-    qk_rope_head_dim) in x's dtype, lengths (B,) integers, L ≤ M; index_key (B, M,
-    index_head_dim) in x's dtype for a module with a learned indexer (``index_dim``), None
-    without. Returns M. Only shapes and dtypes are read (never the lengths' values)."""
+    qk_rope_head_dim) in x's dtype, lengths (B,) integers, L ≤ M. Returns M. Only shapes and
+    dtypes are read (never the lengths' values)."""
     if not all(hasattr(cache, f) for f in LATENT_FIELDS):
         raise ValueError("cache should be a LatentCache (latent, rope_key, lengths) from "
                          f"init_cache, got {type(cache).__name__}")
@@ -838,26 +836,7 @@ def check_latent_cache(cache, x, kv_lora_rank, rope_dim, index_dim=None) -> int:
     m = cache.latent.shape[1]
     _expect_shape("cache.rope_key", tuple(cache.rope_key.shape), ("B", "M", "qk_rope_head_dim"),
                   (b, m, rope_dim))
-    _check_index_key(getattr(cache, "index_key", None), index_dim, (b, m))
-    return _cache_takes(cache, ("latent", "rope_key") if index_dim is None else
-                        ("latent", "rope_key", "index_key"), x, m)
-
-
-def _check_index_key(index_key, index_dim, lead) -> None:
-    """A latent cache's index_key: (B, M, index_head_dim) with a learned indexer, None
-    without."""
-    if index_dim is None:
-        if index_key is not None:
-            raise ValueError("cache.index_key should be None without index_topk (no indexer), "
-                             "got an array")
-        return
-    if index_key is None:
-        raise ValueError(f"cache.index_key should be an array (B, M, index_head_dim) = "
-                         f"{_fmt(lead + (index_dim,))} with index_topk (the indexer's keys: a "
-                         f"cache from this module's init_cache), got None")
-    _expect_array("cache.index_key", index_key)
-    _expect_shape("cache.index_key", tuple(index_key.shape), ("B", "M", "index_head_dim"),
-                  lead + (index_dim,))
+    return _cache_takes(cache, ("latent", "rope_key"), x, m)
 
 
 def _cache_takes(cache, arrays, x, m) -> int:
@@ -899,7 +878,8 @@ def check_kv_cache(cache) -> None:
 
 def check_latent_fields(cache) -> None:
     """A latent cache on its own (export_cache, load_cache): latent (B, M, kv_lora_rank) and
-    rope_key (B, M, qk_rope_head_dim) of one float dtype, lengths (B,) integers."""
+    rope_key (B, M, qk_rope_head_dim) (and a learned indexer's index_key (B, M,
+    index_head_dim) when it holds one) of one float dtype, lengths (B,) integers."""
     shape = tuple(cache.latent.shape)
     if len(shape) != 3:
         raise ValueError(f"cache.latent shape should be (B, M, kv_lora_rank), got {_fmt(shape)}")
@@ -920,15 +900,12 @@ def check_latent_fields(cache) -> None:
 
 def check_any_cache(cache) -> tuple:
     """export_cache's and load_cache's argument: a KVCache (check_kv_cache) or a LatentCache
-    (check_latent_fields), told apart by its fields. Returns the field names, lengths last
-    (a latent cache's index_key, when it holds one, before it)."""
+    (check_latent_fields), told apart by its fields. Returns the field names, lengths last."""
     if all(hasattr(cache, f) for f in LATENT_FIELDS):
         for name in LATENT_FIELDS:
             _expect_array(f"cache.{name}", getattr(cache, name))
         check_latent_fields(cache)
-        if getattr(cache, "index_key", None) is None:
-            return LATENT_FIELDS
-        return ("latent", "rope_key", "index_key", "lengths")
+        return LATENT_FIELDS
     if not all(hasattr(cache, f) for f in ("key", "value", "lengths")):
         raise ValueError("cache should be a KVCache (key, value, lengths) or a LatentCache "
                          f"(latent, rope_key, lengths) from init_cache, got {type(cache).__name__}")

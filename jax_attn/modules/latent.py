@@ -17,12 +17,12 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
-from golden.specification.indexer import check_index_mask, check_key_indices
+from golden.specification.indexer import check_index_cache, check_index_mask, check_key_indices
 from golden.specification.outputs import gate_kind, gated_output
 from golden.specification.positions import KVCache, LatentCache, allowed_terms
 from golden.specification.temperature import learned_temperature
 from golden.specification.validate import (
-    cache_shape, check_flags, check_latent_inputs, rope_arguments,
+    cache_shape, check_flags, check_latent_cache, check_latent_inputs, rope_arguments,
 )
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
@@ -176,7 +176,7 @@ class MultiHeadLatentAttention(_Variant):
         if key_indices is None:
             return
         lq = np.shape(x)[-2]
-        lk = lq if cache is None else np.shape(cache.latent)[1]
+        lk = lq if cache is None else check_latent_cache(cache, x, self.kv_lora_rank, self.rope)
         if isinstance(key_indices, jax.core.Tracer):  # shape and dtype only: values unknown
             key_indices = np.broadcast_to(np.zeros((), key_indices.dtype), key_indices.shape)
         check_key_indices(key_indices, lead, lq, lk, min(self.index_topk, lk))
@@ -186,7 +186,9 @@ class MultiHeadLatentAttention(_Variant):
               return_weights=False, absorb=False, key_indices=None, return_key_indices=False):
         check_latent_inputs(x, self.d_in, mask, query_seq_lengths, heads=self.num_heads,
                             positions=positions, cache=cache, kv_lora_rank=self.kv_lora_rank,
-                            rope_dim=self.rope, index_dim=self.index_head_dim)
+                            rope_dim=self.rope)
+        if cache is not None and self.index_topk is not None:
+            check_index_cache(cache, self.index_head_dim, x.dtype)
         q, q_resid = self._query(x)
         q = self._split(q, self.nope + self.rope)                # (B, N, L, Dk)
         kv_a = self.W_kv_a(x)                                    # (B, L, r + Dr)
