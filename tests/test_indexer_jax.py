@@ -28,7 +28,7 @@ from golden.specification import variants
 from golden.specification.indexer import INDEX_PARAMS
 from golden.specification.tolerances import TOLERANCES, compare
 from jax_attn.modules.latent import _select_keys
-from tests.helpers import TWINS, missing_option
+from tests.helpers import TWINS, count_compiles, missing_option
 from tests.test_indexer_reference import BASE, FIXTURES, INDEX, KINDS, MLA, _scores, _setup
 
 J = TWINS["jax"]
@@ -117,6 +117,21 @@ def test_equal_scores_go_to_the_lowest_key_index():
         got = jax.jit(_select_keys, static_argnums=2)(jnp.asarray(scores, dtype), allowed, 3)
         np.testing.assert_array_equal(np.asarray(got), want)
     assert np.asarray(jax.lax.top_k(jnp.array([-0.0, 0.0]), 1)[1]) == [1]  # why zeros are made 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lk, k", [(100, 7), (5000, 2048)])
+def test_many_random_ties_follow_the_rule(lk, k, dtype):
+    """Rows of Lk scores drawn from a few integers (most of them tied, a third of the zeros
+    -0.0), a tenth of the keys unseen and one row seeing only k // 2: _select_keys equals the
+    reference's select_keys (two stable sorts) exactly, k up to DeepSeek-V3.2's 2048."""
+    rng = np.random.default_rng(lk)
+    scores = rng.integers(-3, 4, (6, lk)) * (rng.random((6, lk)) < 0.5) * 1.0
+    scores = np.where(rng.random((6, lk)) < 0.3, -0.0, scores)
+    allowed = rng.random((6, lk)) < 0.9
+    allowed[0] = np.arange(lk) < k // 2
+    got = jax.jit(_select_keys, static_argnums=2)(jnp.asarray(scores, dtype), allowed, k)
+    np.testing.assert_array_equal(np.asarray(got), reference.select_keys(scores, allowed, k))
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v32", "hy_v4"])
@@ -246,7 +261,7 @@ def test_decoding_equals_the_full_forward(kind, absorb):
     """Prefill ragged prompts (5 and 7 tokens, L = 12 > index_topk = 5, so the selection
     matters from the first step), then one token a step, the cache exported and loaded midway:
     every output equals the full forward's at float64; the cache's index_key holds each
-    token's k^I (its rows beyond a row's length zeros)."""
+    token's k^I (its rows beyond a row's length zeros); the step compiles once."""
     c, p, x, _ = _setup(kind, 894, length=L)
     with J.float64():
         module = _build(c, p)
@@ -261,15 +276,18 @@ def test_decoding_equals_the_full_forward(kind, absorb):
         assert not held[0, 5:].any() and held[0, :5].all(axis=-1).any()
         for r in range(B):
             out[r, :prompt[r]] = np.asarray(y)[r, :prompt[r]]
-        pos = prompt.copy()
+        pos, steps = prompt.copy(), 0
         while (pos < L).any():
             if (pos == 9).any():  # midway: the cache through NumPy and back
                 cache = jax_attn.load_cache(jax_attn.export_cache(cache))
             new = (pos < L).astype(np.int32)
             step = x[np.arange(B), np.minimum(pos, L - 1)][:, None]
-            (y, chosen), cache = module(J.array(step), cache=cache,
-                                        query_seq_lengths=J.array(new), absorb=absorb,
-                                        return_key_indices=True)
+            with count_compiles() as compiled:
+                (y, chosen), cache = module(J.array(step), cache=cache,
+                                            query_seq_lengths=J.array(new), absorb=absorb,
+                                            return_key_indices=True)
+            assert steps == 0 or not [f for f in compiled if "_call" in f], compiled
+            steps += 1
             assert chosen.shape == (B, 1, 5)
             out[new == 1, pos[new == 1]] = np.asarray(y)[new == 1, 0]
             pos = pos + new
