@@ -209,7 +209,7 @@ class MultiHeadLatentAttention(_Variant):
             q_nope, q_pe = (_query_temperature(self, t, offset, positions)
                             for t in (q_nope, q_pe))
         latent = latent[..., None, :, :]                         # (B, 1, L, r)
-        given = cache
+        before = cache  # the call's cache (the indexer's keys appended to it below)
         if cache is not None:
             held = _append(held, latent, k_pe, q_lengths)
             latent, k_pe = held.key, held.value                  # (B, 1, M, r), (B, 1, M, Dr)
@@ -217,8 +217,8 @@ class MultiHeadLatentAttention(_Variant):
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         if self.index_topk is not None:  # the learned indexer's choice, as a mask
             index_key = self._index_key(x, offset, positions, bound)  # (B, L, D_I)
-            if given is not None:
-                index_key = _append_rows(given.index_key, index_key, given.lengths, q_lengths)
+            if before is not None:
+                index_key = _append_rows(before.index_key, index_key, before.lengths, q_lengths)
                 cache = cache._replace(index_key=index_key)      # (B, M, D_I)
             if key_indices is None:
                 key_indices = self._choose(x, q_resid, index_key, mask, offset, positions,
