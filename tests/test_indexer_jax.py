@@ -29,7 +29,7 @@ from golden.specification.indexer import INDEX_PARAMS
 from golden.specification.tolerances import TOLERANCES, compare
 from jax_attn.modules.latent import _select_keys
 from tests.helpers import TWINS, count_compiles, missing_option
-from tests.test_indexer_reference import BASE, FIXTURES, INDEX, KINDS, MLA, _scores, _setup
+from tests.test_indexer_reference import FIXTURES, KINDS, MLA, _scores, _setup
 
 J = TWINS["jax"]
 EXACT = 1e-12  # float64 against float64, summation orders apart (test_latent_attention's bound)
