@@ -87,22 +87,30 @@ def _kind(fields):
 
 
 def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:
-    """A KV cache, MultiHeadLatentAttention's LatentCache or a recurrent mixer's RecurrentCache,
-    as NumPy copies of the same class (bfloat16 and float16 as float32, exactly, as in torch's
-    ``export_cache``), for the other framework's ``load_cache``."""
+    """A KV cache, MultiHeadLatentAttention's LatentCache (with a learned indexer's index_key
+    when it holds one) or a recurrent mixer's RecurrentCache, as NumPy copies of the same class
+    (bfloat16 and float16 as float32, exactly, as in torch's ``export_cache``), for the other
+    framework's ``load_cache``."""
     if isinstance(cache, RecurrentCache):
-        kind, arrays = RecurrentCache, tuple(cache)
+        kind, fields = RecurrentCache, RecurrentCache._fields
     else:
         fields = check_any_cache(cache)
-        kind, arrays = _kind(fields), (getattr(cache, f) for f in fields)
-    return kind(*(np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
-                  for a in arrays))
+        kind = _kind(fields)
+    return kind(**{f: np.array(a, dtype=np.float32 if a.dtype in _LOW else a.dtype)
+                   for f, a in _arrays(cache, fields).items()})
+
+
+def _arrays(cache, fields) -> dict:
+    """{field: array} of ``fields``, and a LatentCache's index_key (the learned indexer's keys)
+    when it holds one."""
+    held = getattr(cache, "index_key", None)
+    return {f: getattr(cache, f) for f in fields} | ({} if held is None else {"index_key": held})
 
 
 def load_cache(cache, dtype=None) -> KVCache | LatentCache | RecurrentCache:
     """A KVCache or LatentCache of NumPy (or any array) fields on the default device, of the
-    same class: key and value, or latent and rope_key, in ``dtype`` (default theirs; float64
-    needs ``jax.enable_x64``), lengths int32. A RecurrentCache: conv in ``dtype``, the state in
+    same class: key and value, or latent and rope_key (and index_key), in ``dtype`` (default
+    theirs; float64 needs ``jax.enable_x64``), lengths int32. A RecurrentCache: conv in ``dtype``, the state in
     float64 for float64 and float32 otherwise (a recurrence's state is never kept narrower),
     lengths int32."""
     if isinstance(cache, RecurrentCache):
@@ -111,5 +119,6 @@ def load_cache(cache, dtype=None) -> KVCache | LatentCache | RecurrentCache:
         return RecurrentCache(_device(cache.conv, dtype), _device(cache.state, wide),
                               _device(cache.lengths, np.int32))
     fields = check_any_cache(cache)
-    arrays = (_device(getattr(cache, f), dtype) for f in fields[:-1])
-    return _kind(fields)(*arrays, _device(cache.lengths, np.int32))
+    arrays = {f: _device(a, np.int32 if f == "lengths" else dtype)
+              for f, a in _arrays(cache, fields).items()}
+    return _kind(fields)(**arrays)

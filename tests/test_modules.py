@@ -16,6 +16,7 @@ import torch_attn
 from golden import reference
 from golden.specification import variants
 from golden.specification.cases import CASES
+from golden.specification.indexer import INDEX_PARAMS
 from golden.harness.check import compare_all
 from golden.harness.regenerate import build as build_fixture
 from golden.specification.tolerances import compare
@@ -59,8 +60,11 @@ def test_reference_module_gradients_match_finite_differences(case):
     inputs = {n: a.astype(np.float64) if a.dtype.kind == "f" else a for n, a in f.inputs.items()}
     params = {n: a.astype(np.float64) for n, a in f.params.items()}
     cot = {n: a.astype(np.float64) for n, a in f.cotangents.items()}
+    # A learned indexer's parameters have no gradient (the reference gives none): their
+    # central differences are zeros, the fixtures' score gaps (>= 1e-3) far above h's move.
+    none = {n: np.zeros_like(params[n]) for n in INDEX_PARAMS if n in params}
     assert_central_differences(lambda: _loss(case, inputs, params, cot), (inputs, params),
-                               f.grads, case.name)
+                               {**f.grads, **none}, case.name)
 
 
 # ---- framework against framework --------------------------------------------------------------

@@ -18,6 +18,7 @@ from flax import nnx
 
 import jax_attn
 from golden.specification import implementations, variants
+from golden.specification.indexer import INDEX_PARAMS
 from golden.runners.frameworks import JAX
 from golden.runners import cache, stored
 
@@ -59,9 +60,16 @@ def run_module(module, fixture, dtype: str = "float32") -> dict:
     core = _TRACED.setdefault(key, implementations.names(ran)) if ran else _TRACED.get(key, "")
     grads = {n: JAX.numpy(g) for n, g in g_in.items()}
     if module is not None:  # a module holding the gradients in its weights' places, exported
-        grads.update({n: JAX.numpy(g) for n, g in
-                      jax_attn.export_params(nnx.merge(graphdef, g_params, rest)).items()})
+        grads.update({n: JAX.numpy(g) for n, g in _graded(
+            jax_attn.export_params(nnx.merge(graphdef, g_params, rest))).items()})
     return _result(out, weights, grads, core)
+
+
+def _graded(grads) -> dict:
+    """The parameters' gradients less a learned indexer's (golden.specification.indexer's
+    INDEX_PARAMS: the indexer runs without gradient, so the reference gives them none; the
+    module's are zeros)."""
+    return {n: g for n, g in grads.items() if n not in INDEX_PARAMS}
 
 
 def _split(arrays) -> tuple[dict, dict]:
@@ -139,7 +147,7 @@ def _program(fixture, params, train):
             nnx.merge(structure, g_weights, rest), lambda lin: lin.kernel.get_value(),
             lambda lin: None if lin.bias is None else lin.bias.get_value(),
             lambda held: held.get_value(), xp=jnp)
-        return out, attention, g_in, grads
+        return out, attention, g_in, _graded(grads)
     return program
 
 

@@ -929,7 +929,8 @@ def check_kv_cache(cache) -> None:
 
 def check_latent_fields(cache) -> None:
     """A latent cache on its own (export_cache, load_cache): latent (B, M, kv_lora_rank) and
-    rope_key (B, M, qk_rope_head_dim) of one float dtype, lengths (B,) integers."""
+    rope_key (B, M, qk_rope_head_dim) (and a learned indexer's index_key (B, M,
+    index_head_dim) when it holds one) of one float dtype, lengths (B,) integers."""
     shape = tuple(cache.latent.shape)
     if len(shape) != 3:
         raise ValueError(f"cache.latent shape should be (B, M, kv_lora_rank), got {_fmt(shape)}")
@@ -938,6 +939,13 @@ def check_latent_fields(cache) -> None:
     _expect_float("cache.latent", cache.latent)
     _expect_float("cache.rope_key", cache.rope_key, like=dtype_name(cache.latent.dtype),
                   whose="cache.latent's")
+    index_key = getattr(cache, "index_key", None)
+    if index_key is not None:  # a learned indexer's keys (B, M, index_head_dim)
+        _expect_array("cache.index_key", index_key)
+        _expect_shape("cache.index_key", tuple(index_key.shape), ("B", "M", "index_head_dim"),
+                      shape[:2] + (None,))
+        _expect_float("cache.index_key", index_key, like=dtype_name(cache.latent.dtype),
+                      whose="cache.latent's")
     _expect_integers("cache.lengths", cache.lengths, shape[:1], "B")
 
 

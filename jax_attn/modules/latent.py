@@ -1,21 +1,28 @@
 """MultiHeadLatentAttention (MLA), the twin of torch_attn.modules.latent's, whose class docstring
 gives the maths: its latent cache a pytree, appended to with GroupedQueryAttention's
 ``_cache_positions`` and ``_append`` (the latent seen as one key-value head), and ``absorb`` a
-compiled program of its own. Shape legend as in jax_attn.modules.
+compiled program of its own; with ``index_topk`` a learned indexer (DeepSeek-V3.2's and its
+relatives', golden.specification.indexer) chooses the keys each query attends. Shape legend as
+in jax_attn.modules; H_I indexer heads, D_I their width, k the keys kept per query.
 """
 
 from __future__ import annotations
 
+from functools import reduce
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
+from golden.specification.indexer import check_index_cache, check_index_mask, check_key_indices
 from golden.specification.outputs import gate_kind, gated_output
-from golden.specification.positions import KVCache, LatentCache
+from golden.specification.positions import KVCache, LatentCache, allowed_terms
+from golden.specification.temperature import learned_temperature
 from golden.specification.validate import (
-    cache_shape, check_flags, check_latent_inputs, rope_arguments,
+    cache_shape, check_flags, check_latent_cache, check_latent_inputs, rope_arguments,
 )
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
@@ -36,6 +43,24 @@ class MultiHeadLatentAttention(_Variant):
     call appends each token's normalised latent and rotated k_pe (a scatter; the lengths traced, so
     a decode step compiles once per max_length) and returns (output, new cache). ``absorb=True``
     folds W_kv_b into the query and the output (static: its own compiled program).
+
+    The learned indexer (``index_topk`` and the other ``index_*`` options,
+    golden.specification.indexer, where the maths and the one selection rule are): its
+    parameters W_index_q, W_index_k, W_index_weights (``nnx.Linear``, no bias) and the vectors
+    index_k_norm, index_k_norm_bias (index_q_norm, index_q_norm_bias; index_temperature_scale,
+    index_temperature_bias where the options ask), in the neutral layout of export_params and
+    load_params. Its scores are computed in at least float32 (q^I and k^I made in the parameters'
+    dtype, as Hugging Face's), without gradient (``lax.stop_gradient``: the indexer's parameters
+    get zero gradients, the choice is a constant to the attention); each query keeps the
+    k = min(index_topk, Lk) best keys it may see, equal scores won by the lowest key index
+    (``lax.top_k`` on the scores with -0.0 made 0.0 and the keys it may not see at -inf, which
+    also fills a row seeing fewer than k keys with its unseen keys, lowest index first). The
+    chosen keys reach the core as a boolean mask ANDed into the call's (``_selection_mask``).
+    ``key_indices`` (B, Lq, k) int (k = min(index_topk, Lk), Lk = L, or the cache's max_length
+    M) gives the selection instead (no scores computed); ``return_key_indices=True`` appends the
+    selection used, int32 (B, Lq, k), to what the call returns: ``(y, key_indices)``, ``(y,
+    weights, key_indices)`` with ``return_weights``. The cache then holds each token's indexer key
+    k^I (after its LayerNorm and RoPE) in ``index_key`` (B, M, D_I).
     """
 
     variant = "multi_head_latent_attention"
@@ -62,10 +87,6 @@ class MultiHeadLatentAttention(_Variant):
                         index_rope_dims=index_rope_dims, index_query=index_query,
                         index_temperature=index_temperature, index_scale=index_scale,
                         index_norm_eps=index_norm_eps, index_select=index_select)
-        if index_topk is not None:  # issue 44: the indexer is golden.reference's alone so far
-            raise NotImplementedError("index_topk: jax_attn's MultiHeadLatentAttention has no "
-                                      "learned indexer yet (golden.reference.indexer has it)")
-        self.W_index_q = self.W_index_k = self.W_index_weights = None
         sizes = variants.latent_sizes(self.config)
         self.rotary = variants.latent_rope(self.config)  # hashable (static)
         self.scale = variants.latent_scale(self.config)
@@ -89,41 +110,87 @@ class MultiHeadLatentAttention(_Variant):
         self.query_temperature = (None if query_temperature is None else tuple(
             sorted(query_temperature.items())))  # Mistral Small 4's, after RoPE; static
         starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
-        for n in ("temperature_scale", "temperature_bias", "sinks"):  # sinks: HY-V4's
+        for n in ("temperature_scale", "temperature_bias", "sinks",  # sinks: HY-V4's
+                  "index_k_norm", "index_k_norm_bias", "index_q_norm", "index_q_norm_bias",
+                  "index_temperature_scale", "index_temperature_bias"):  # the indexer's
             setattr(self, n, nnx.Param(jnp.full(*starts[n])) if n in starts else None)
+        self._init_indexer(rngs)
         self.gate = gate_kind(output_gate)  # (activation, per head) or None: static
         self.W_gate = None if self.gate is None else _linear(
             d_in, num_heads if self.gate[1] else num_heads * v_head_dim, False, rngs, precision)
 
+    def _init_indexer(self, rngs) -> None:
+        """The learned indexer's settings (static) and projections; None without index_topk."""
+        c = self.config
+        self.index_topk, self.index_heads, self.index_head_dim = (
+            c["index_topk"], c["index_heads"], c["index_head_dim"])
+        self.index_options = tuple((n, c[n]) for n in (  # static
+            "index_rope", "index_rope_dims", "index_query", "index_temperature", "index_scale",
+            "index_norm_eps"))
+        shapes, p = variants.VARIANTS[self.variant].shapes(c), self.precision
+        for n in ("W_index_q", "W_index_k", "W_index_weights"):
+            setattr(self, n, None if n not in shapes else _linear(*shapes[n], False, rngs, p))
+
     def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
         """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
         max_length, qk_rope_head_dim) in ``dtype`` (default the parameters'), lengths zeros
-        (B,) int32."""
+        (B,) int32; with a learned indexer index_key zeros (B, max_length, index_head_dim)."""
         cache_shape(batch_size, max_length, 1, 1)  # checks the sizes
         dtype = self.W_kv_a.kernel.get_value().dtype if dtype is None else dtype
+        index_key = None if self.index_topk is None else jnp.zeros(
+            (batch_size, max_length, self.index_head_dim), dtype)
         return LatentCache(jnp.zeros((batch_size, max_length, self.kv_lora_rank), dtype),
                            jnp.zeros((batch_size, max_length, self.rope), dtype),
-                           jnp.zeros((batch_size,), jnp.int32))
+                           jnp.zeros((batch_size,), jnp.int32), index_key)
 
     def cache_bytes_per_token(self, dtype=None) -> int:
-        """Bytes the cache holds per token and layer: (kv_lora_rank + qk_rope_head_dim) ·
-        itemsize of ``dtype`` (default the parameters'), whatever num_heads."""
+        """Bytes the cache holds per token and layer: (kv_lora_rank + qk_rope_head_dim
+        [+ index_head_dim with a learned indexer]) · itemsize of ``dtype`` (default the
+        parameters'), whatever num_heads."""
         dtype = self.W_kv_a.kernel.get_value().dtype if dtype is None else dtype
-        return (self.kv_lora_rank + self.rope) * jnp.dtype(dtype).itemsize
+        width = self.kv_lora_rank + self.rope + (self.index_head_dim or 0)
+        return width * jnp.dtype(dtype).itemsize
 
     def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-                 return_weights=False, absorb=False):
-        check_flags(absorb=absorb)
+                 return_weights=False, absorb=False, key_indices=None,
+                 return_key_indices=False):
+        check_flags(absorb=absorb, return_key_indices=return_key_indices)
+        self._check_selection(x, mask, cache, key_indices, return_key_indices)
         return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
-                          positions=positions, return_weights=return_weights, absorb=absorb)
+                          positions=positions, return_weights=return_weights, absorb=absorb,
+                          key_indices=key_indices, return_key_indices=return_key_indices)
 
-    @nnx.jit(graph=False, static_argnames=("return_weights", "absorb"))
+    def _check_selection(self, x, mask, cache, key_indices, return_key_indices) -> None:
+        """The indexer's arguments: none without index_topk; a mask with no head axis (or one
+        of size 1); ``key_indices`` integers (B, Lq, k) (their range too when concrete)."""
+        if self.index_topk is None:
+            if key_indices is not None:
+                raise ValueError("key_indices should be None without index_topk (no indexer), "
+                                 "got an array")
+            if return_key_indices:
+                raise ValueError("return_key_indices should be False without index_topk (no "
+                                 "indexer), got True")
+            return
+        lead = tuple(np.shape(x))[:-2]
+        check_index_mask(mask, lead)
+        if key_indices is None:
+            return
+        lq = np.shape(x)[-2]
+        lk = lq if cache is None else check_latent_cache(cache, x, self.kv_lora_rank, self.rope)
+        if isinstance(key_indices, jax.core.Tracer):  # shape and dtype only: values unknown
+            key_indices = np.broadcast_to(np.zeros((), key_indices.dtype), key_indices.shape)
+        check_key_indices(key_indices, lead, lq, lk, min(self.index_topk, lk))
+
+    @nnx.jit(graph=False, static_argnames=("return_weights", "absorb", "return_key_indices"))
     def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
-              return_weights=False, absorb=False):
+              return_weights=False, absorb=False, key_indices=None, return_key_indices=False):
         check_latent_inputs(x, self.d_in, mask, query_seq_lengths, heads=self.num_heads,
                             positions=positions, cache=cache, kv_lora_rank=self.kv_lora_rank,
                             rope_dim=self.rope)
-        q = self._split(self._query(x), self.nope + self.rope)  # (B, N, L, Dk)
+        if cache is not None and self.index_topk is not None:
+            check_index_cache(cache, self.index_head_dim, x.dtype)
+        q, q_resid = self._query(x)
+        q = self._split(q, self.nope + self.rope)                # (B, N, L, Dk)
         kv_a = self.W_kv_a(x)                                    # (B, L, r + Dr)
         latent = self._norm(kv_a[..., :self.kv_lora_rank], self.kv_a_norm)  # (B, L, r)
         k_pe = kv_a[..., None, :, self.kv_lora_rank:]            # (B, 1, L, Dr)
@@ -142,19 +209,139 @@ class MultiHeadLatentAttention(_Variant):
             q_nope, q_pe = (_query_temperature(self, t, offset, positions)
                             for t in (q_nope, q_pe))
         latent = latent[..., None, :, :]                         # (B, 1, L, r)
+        before = cache  # the call's cache (the indexer's keys appended to it below)
         if cache is not None:
             held = _append(held, latent, k_pe, q_lengths)
             latent, k_pe = held.key, held.value                  # (B, 1, M, r), (B, 1, M, Dr)
             cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
+        if self.index_topk is not None:  # the learned indexer's choice, as a mask
+            index_key = self._index_key(x, offset, positions, bound)  # (B, L, D_I)
+            if before is not None:
+                index_key = _append_rows(before.index_key, index_key, before.lengths, q_lengths)
+                cache = cache._replace(index_key=index_key)      # (B, M, D_I)
+            if key_indices is None:
+                key_indices = self._choose(x, q_resid, index_key, mask, offset, positions,
+                                           bound, q_lengths, kv_lengths)
+            key_indices = jnp.asarray(key_indices, jnp.int32)
+            head_mask = self._selection_mask(head_mask, key_indices, index_key.shape[-2])
         attend = self._absorbed if absorb else self._expanded
         o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights)                   # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o, None if self.W_gate is None else (  # (B, L, d_out)
             lambda merged: self._gated(merged, x)))
-        out = (y, w) if return_weights else y
+        out = ((y, w) if return_weights else (y,)) + (
+            (key_indices,) if return_key_indices else ())
+        out = out if len(out) > 1 else y
         return out if cache is None else (out, cache)
+
+    def _choose(self, x, q_resid, index_key, mask, offset, positions, bound, q_lengths,
+                kv_lengths):
+        """key_indices (B, Lq, k) int32, k = min(index_topk, Lk): each query's best keys
+        among those it may see (golden.specification.indexer's rule), the indexer's scores
+        against ``index_key`` (B, Lk, D_I)."""
+        lk = index_key.shape[-2]
+        scores = self._index_scores(x, q_resid, index_key, offset, positions, bound)
+        allowed = self._allowed(mask, scores.shape, offset, q_lengths, kv_lengths)
+        return _select_keys(scores, allowed, min(self.index_topk, lk))
+
+    def _allowed(self, mask, shape, offset, q_lengths, kv_lengths):
+        """Where each query may attend, bool ``shape`` (B, Lq, Lk): the call's mask (its head
+        axis of size 1 dropped), causality at the queries' positions (offset + i), lengths."""
+        if mask is not None and mask.ndim == len(shape) + 1:
+            mask = mask[..., 0, :, :]                            # (B, Lq, Lk)
+        row = jnp.arange(shape[-2])[:, None]                     # (Lq, 1)
+        key = jnp.arange(shape[-1])[None, :]                     # (1, Lk)
+        pos = row if offset is None else row + offset[:, None, None]  # (B, Lq, 1)
+        q_lengths, kv_lengths = (None if n is None else n[..., None, None]
+                                 for n in (q_lengths, kv_lengths))
+        terms = allowed_terms(row, key, pos, is_causal=self.causal, window=(None, None),
+                              q_lengths=q_lengths, kv_lengths=kv_lengths)
+        terms += [] if mask is None else [mask]
+        return jnp.broadcast_to(reduce(jnp.logical_and, terms, jnp.ones((), bool)), shape)
+
+    def _selection_mask(self, mask, key_indices, lk):
+        """The call's mask (B, 1 or N, Lq, Lk) or None AND the chosen keys, True at
+        ``key_indices`` (B, Lq, k): the one place where the selection reaches the core, as a
+        boolean mask (the reference's and Hugging Face's eager path; the core's own
+        ``key_indices`` argument, gathering only the chosen keys, can take its place here)."""
+        chosen = jnp.zeros(key_indices.shape[:-1] + (lk,), bool)   # (B, Lq, Lk)
+        chosen = jnp.put_along_axis(chosen, key_indices, True, axis=-1, inplace=False)
+        chosen = chosen[..., None, :, :]                           # (B, 1, Lq, Lk)
+        return chosen if mask is None else mask & chosen
+
+    def _index_key(self, x, offset, positions, bound):
+        """k^I (B, L, D_I) = RoPE(LayerNorm(x W_index_k)), no gradient."""
+        x = jax.lax.stop_gradient(x)
+        k = self._layer_norm(self.W_index_k(x), self.index_k_norm, self.index_k_norm_bias)
+        k = self._index_rope(k[..., None, :, :], offset, positions, bound)[..., 0, :, :]
+        return jax.lax.stop_gradient(k)
+
+    def _index_scores(self, x, q_resid, index_key, offset, positions, bound):
+        """I (B, Lq, Lk) = Σ_h w[t, h] · H_I^−1/2 · ReLU(D_I^−1/2 · q^I[t, h] · k^I[s]) (or
+        D_I^−1/2 on w: index_scale "weights"), in at least float32, in the reference's order;
+        q^I from the query's latent or LayerNorm(x), times the temperature, turned."""
+        o = dict(self.index_options)
+        h, d = self.index_heads, self.index_head_dim
+        x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
+        source = q_resid if o["index_query"] == "latent" else self._layer_norm(
+            x, self.index_q_norm, self.index_q_norm_bias)
+        q = self.W_index_q(source)                               # (B, L, H_I·D_I)
+        q = jnp.swapaxes(q.reshape(q.shape[:-1] + (h, d)), -2, -3)  # (B, H_I, L, D_I)
+        if o["index_temperature"]:  # Mistral Large 4's, before RoPE
+            q = self._index_temperature(q, offset, positions)
+        q = self._index_rope(q, offset, positions, bound)
+        compute = jnp.promote_types(x.dtype, jnp.float32)
+        dot = jnp.einsum("...htd,...sd->...hts", q.astype(compute), index_key.astype(compute),
+                         precision=self.precision)              # (B, H_I, Lq, Lk)
+        w = self.W_index_weights(x).astype(compute) * (1 / np.sqrt(h))  # (B, Lq, H_I)
+        if o["index_scale"] == "scores":  # DeepSeek-V3.2: on q·k, before the ReLU
+            dot = dot * (1 / np.sqrt(d))
+        else:  # HY-V4: on the head weights
+            w = w * (1 / np.sqrt(d))
+        relu = jnp.where(dot > 0, dot, 0)
+        scores = jnp.einsum("...th,...hts->...ts", w, relu, precision=self.precision)
+        return jax.lax.stop_gradient(scores)
+
+    def _index_rope(self, t, offset, positions, bound):
+        """t (B, H, L, D_I) with its first or last qk_rope_head_dim features turned
+        (index_rope: rotate-half or interleaved pairs; None: t itself)."""
+        o = dict(self.index_options)
+        if o["index_rope"] is None:
+            return t
+        d, r = t.shape[-1], self.rope
+        start = 0 if o["index_rope_dims"] == "first" else d - r
+        turned = rotary_embedding(t[..., start:start + r],
+                                  interleaved=o["index_rope"] == "interleaved", offset=offset,
+                                  positions=positions, max_position=bound,
+                                  **rope_arguments(self.rotary))
+        return jnp.concatenate([t[..., :start], turned, t[..., start + r:]], -1)
+
+    def _index_temperature(self, q, offset, positions):
+        """q^I (B, H_I, L, D_I) times index_temperature_scale[h] · ln(p + 1) +
+        index_temperature_bias[h] at each token's position p, in at least float32, rounded
+        once."""
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        if positions is None:
+            positions = jnp.arange(q.shape[-2])                  # (L,)
+            if offset is not None:
+                positions = positions + offset[:, None]          # (B, L)
+        factors = learned_temperature(
+            positions, self.index_temperature_scale.get_value().astype(compute),
+            self.index_temperature_bias.get_value().astype(compute),
+            real=lambda n: n.astype(compute), log1p=jnp.log1p)  # (H_I, L) or (B, H_I, L)
+        return (q.astype(compute) * factors[..., None]).astype(q.dtype)
+
+    def _layer_norm(self, t, weight, bias):
+        """LayerNorm of t over its last axis with ``weight`` and ``bias`` (the indexer's, ε
+        index_norm_eps), in at least float32, rounded once to t's dtype."""
+        compute = jnp.promote_types(t.dtype, jnp.float32)
+        eps = dict(self.index_options)["index_norm_eps"]
+        return qk_normalize(t.astype(compute), "layer_with_bias",
+                            weight.get_value().astype(compute), eps,
+                            mean=lambda a: a.mean(-1, keepdims=True), rsqrt=jax.lax.rsqrt,
+                            bias=bias.get_value().astype(compute)).astype(t.dtype)
 
     def _expanded(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
                   return_weights):
@@ -205,10 +392,12 @@ class MultiHeadLatentAttention(_Variant):
                                 z.astype(compute)).astype(z.dtype))
 
     def _query(self, x):
-        """(B, L, N·Dk): x W_query, or RMSNorm(x W_q_a + b_q_a) W_q_b."""
+        """(q (B, L, N·Dk), q_resid): x W_query and None, or RMSNorm(x W_q_a + b_q_a) W_q_b and
+        the query's latent q_resid = RMSNorm(x W_q_a + b_q_a) (B, L, q_lora_rank)."""
         if self.W_query is not None:
-            return self.W_query(x)
-        return self.W_q_b(self._norm(self.W_q_a(x), self.q_a_norm))
+            return self.W_query(x), None
+        q_resid = self._norm(self.W_q_a(x), self.q_a_norm)
+        return self.W_q_b(q_resid), q_resid
 
     def _split(self, y, width):
         """(B, L, N·width) -> (B, N, L, width)."""
@@ -222,6 +411,26 @@ class MultiHeadLatentAttention(_Variant):
         return qk_normalize(t.astype(compute), "rms", weight.get_value().astype(compute),
                             self.rms_norm_eps, mean=lambda a: a.mean(-1, keepdims=True),
                             rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+
+def _select_keys(scores, allowed, k):
+    """key_indices (..., Lq, k) int32: each row's k highest ``scores`` (..., Lq, Lk) among its
+    ``allowed`` keys, best first, equal scores won by the lowest key index, then the keys it
+    may not see, lowest index first (golden.reference.indexer.select_keys's rule): ``lax.top_k``
+    orders equal values by index, but -0.0 before 0.0, so zeros are made 0.0 first (by a
+    select: XLA folds x + 0.0 away), and the unseen keys are put at -inf."""
+    scores = jnp.where(scores == 0, 0, scores)
+    return jax.lax.top_k(jnp.where(allowed, scores, -jnp.inf), k)[1]
+
+
+def _append_rows(held, new, lengths, count):
+    """``held`` (B, M, D) with row b's first count[b] of ``new`` (B, L, D) written after its
+    lengths[b] tokens, by one scatter (as grouped_query's _append; those that do not fit are
+    dropped)."""
+    i = jnp.arange(new.shape[1])
+    pos = jnp.where(i < count[:, None], lengths[:, None] + i, held.shape[1])  # (B, L)
+    rows = jnp.arange(new.shape[0])[:, None]                                 # (B, 1)
+    return held.at[rows, pos].set(new.astype(held.dtype), mode="drop")
 
 
 def _as_kv(cache) -> KVCache:
