@@ -18,9 +18,10 @@ from golden.reference.delta_rule import MIXERS
 from golden.specification import recurrent
 from golden.specification.implementations import record
 from golden.specification.recurrent import RecurrentCache
-from golden.specification.tolerances import UNIT_ROUNDOFF, compare, delta_rule_bound
+from golden.specification.tolerances import compare, delta_rule_bound
 from jax_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
 from tests.helpers import fresh_rng, matrix
+from tests.recurrent_checks import assert_low_precision_within_bound, jax_output
 
 GDN = "gated_delta_net"
 SPEC = recurrent.get(GDN)
@@ -166,16 +167,9 @@ def test_low_precision_error_against_reference(dtype):
     module = jax_attn.build(GDN, config, {n: a.astype(np.float32) for n, a in params.items()})
     nnx.update(module, jax.tree.map(lambda a: a.astype(dtype), nnx.state(module, nnx.Param)))
     x_all = on_grid(rng.standard_normal((1, 1024, 16)))
-    for length in (64, 256, 1024):
-        x = x_all[:, :length]
-        expected = _reference(config, x, None, params)[0]
-        y = module(jnp.asarray(x, dtype))
-        assert y.dtype == jnp.dtype(dtype)
-        err = np.asarray(y.astype(jnp.float32), np.float64) - expected
-        bound = delta_rule_bound(dtype, length)
-        rel_norm = np.linalg.norm(err) / np.linalg.norm(expected)
-        assert rel_norm <= bound, (length, rel_norm / UNIT_ROUNDOFF[dtype], seed)
-        assert np.abs(err).max() <= 4 * bound * np.abs(expected).max(), (length, seed)
+    assert_low_precision_within_bound(
+        lambda x: jax_output(module, x, dtype), lambda x: _reference(config, x, None, params)[0],
+        lambda length: x_all[:, :length], dtype, seed)
 
 
 def test_prefill_then_decode_through_the_cache_float64():

@@ -13,8 +13,9 @@ import torch_attn
 from golden.reference.delta_rule import MIXERS
 from golden.specification import implementations, recurrent
 from golden.specification.recurrent import RecurrentCache
-from golden.specification.tolerances import compare, delta_rule_bound
+from golden.specification.tolerances import compare
 from tests.helpers import fresh_rng
+from tests.recurrent_checks import assert_low_precision_within_bound, torch_output
 from torch_attn.params import export_grads
 from torch_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
 
@@ -165,20 +166,10 @@ def test_low_precision_error_within_a_bound_growing_with_length(dtype):
         return torch.tensor(a).to(low).double().numpy()
     params = {n: grid(a) for n, a in params.items()}
     module = torch_attn.build(GDN, config, params).to(low)
-    for length in (64, 256, 1024):
-        x = grid(rng.standard_normal((2, length, config["d_in"])))
-        expected = MIXERS[GDN][0](config, {"x": x}, params)[0]
-        with torch.no_grad():
-            y = module(torch.tensor(x).to(low))
-        assert y.dtype == low
-        err = y.double().numpy() - expected
-        rel_norm = np.linalg.norm(err) / np.linalg.norm(expected)
-        elem = np.abs(err).max() / np.abs(expected).max()
-        bound_norm = delta_rule_bound(dtype, length)
-        bound_elem = 4 * bound_norm
-        assert rel_norm <= bound_norm and elem <= bound_elem, (
-            f"L {length}: {rel_norm:.3g} (bound {bound_norm:.3g}), {elem:.3g} "
-            f"(bound {bound_elem:.3g}), seed {seed}")
+    assert_low_precision_within_bound(
+        lambda x: torch_output(module, x, dtype),
+        lambda x: MIXERS[GDN][0](config, {"x": x}, params)[0],
+        lambda length: grid(rng.standard_normal((2, length, config["d_in"]))), dtype, seed)
 
 
 # ---- the cache -----------------------------------------------------------------------------

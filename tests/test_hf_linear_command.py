@@ -2,13 +2,17 @@
 tests/test_hf_import_linear.py's families written by transformers' ``save_pretrained`` (float32
 safetensors, random weights), every layer accounted for; each linear-attention layer converted
 and run by the twins ("recurrent" and "chunked"), the float64 reference and HF's own module in
-its one-layer model, on inputs past a chunk of HF's chunked form with a left-padded row. Gated
-DeltaNet's rows pass; a mixer a twin has no module for yet (Kimi Delta Attention, lightning
-attention) says "not supported", naming the class. A wrong conversion of a linear layer (A_log
-scaled) passes the twins, which use it, and fails HF's row.
+its one-layer model, on inputs past a chunk of HF's chunked form with a left-padded row: the
+output and dL/dx (each row's "grad x", against the reference's analytic backward), and decoding
+(a prefill, then one token at a time: the twins through their RecurrentCache, HF through its
+model's own cache) against the reference's full forward. A mixer a twin has no module for says
+"not supported", naming the class. A wrong conversion of a linear layer (A_log scaled) passes
+the twins, which use it, and fails HF's rows.
 
 Quick tier: Qwen3-Next (one linear and one full-attention layer); the whole matrix
-(``matrix``): OLMo hybrid, Qwen3.5's text model, Kimi Linear, MiniMax.
+(``matrix``): OLMo hybrid, Qwen3.5's text model, Kimi Linear, GLM-5.3-Flash's text model (no
+causal-LM class in transformers: its base model's checkpoint, as the verifier loads it with
+AutoModel), Ling 3.0 (its files in Ling's own names, layers.N.attention), MiniMax.
 """
 
 from __future__ import annotations
@@ -43,14 +47,19 @@ KW = {"qwen3_5_text": dict(rope_parameters={"rope_type": "default", "rope_theta"
       "minimax": dict(sliding_window=4)}
 QUICK = ("qwen3_next",)
 NAMES = [pytest.param(n, marks=[] if n in QUICK else [matrix])
-         for n in ("qwen3_next", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "minimax")]
+         for n in ("qwen3_next", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "glm5_next_text",
+                   "bailing_hybrid", "minimax")]
+# transformers has no causal-LM class for GLM-5.3-Flash's text model: its base model is saved
+BASE_MODEL_ONLY = ("glm5_next_text",)
 
 
 def _checkpoint(name, directory):
     family = LINEAR_FAMILIES[name]
     config = getattr(transformers, family.config)(**{**BASE, **family.kw, **KW.get(name, {})})
     config._experts_implementation = "eager"
-    return _save(transformers.AutoModelForCausalLM.from_config(config), directory, 0), config
+    auto = (transformers.AutoModel if name in BASE_MODEL_ONLY
+            else transformers.AutoModelForCausalLM)
+    return _save(auto.from_config(config), directory, 0), config
 
 
 def _kinds(config):
@@ -92,15 +101,27 @@ def test_every_layer_of_both_kinds_is_checked(name, tmp_path, capsys):
     assert any("linear attention in chunks of" in n and "exercised" in n
                for r in linear for n in r["exercised"])
     hf_rows = {r["fixture"]: r for r in linear if r["implementation"] == "hf"
-               and r["dtype"] == "float32"}
+               and r["core"] == "" and r["dtype"] == "float32"}
     assert set(hf_rows) == {f"layer {i} (linear_attention)" for i, k in enumerate(kinds)
                             if k == "linear_attention"}
     assert all(r["status"] == "pass" for r in hf_rows.values()), hf_rows
+    assert {(r["core"], r["dtype"]) for r in linear if r["implementation"] == "hf"} == {
+        (core, d) for core in ("", "decode") for d in ("float32", "float64")}
+    hf_decode = [r for r in linear if r["implementation"] == "hf" and r["core"] == "decode"
+                 and r["dtype"] == "float32"]
+    assert hf_decode and all(r["status"] == "pass" for r in hf_decode), hf_decode
+    assert all([a["name"] for a in r["arrays"]] == ["output", "grad x"]
+               for r in hf_rows.values())
     twins = [r for r in linear if r["implementation"] in ("torch", "jax")]
     if _supported(name):
         assert {(r["implementation"], r["core"], r["dtype"]) for r in twins} == {
-            (fw, impl, d) for fw in ("torch", "jax") for impl in ("recurrent", "chunked")
+            (fw, impl, d) for fw in ("torch", "jax") for impl in ("recurrent", "chunked",
+                                                                  "decode")
             for d in ("float32", "float64")}
+        assert all([a["name"] for a in r["arrays"]] == (
+            ["output"] if r["core"] == "decode" else ["output", "grad x"]) for r in twins)
+        assert all(a["rule"] == "table" for r in twins for a in r["arrays"]
+                   if a["name"] == "grad x")
         assert all(r["status"] == "pass" for r in twins), twins
         assert status == 0
         assert "passed, 0 failed" in out
@@ -133,7 +154,9 @@ def test_a_wrong_conversion_of_a_linear_layer_fails_hfs_row(tmp_path, monkeypatc
                           log=lambda row: None, layers=[0])
     rows = {(r["implementation"], r["core"]): r["status"] for r in report["rows"]}
     assert rows == {("torch", "recurrent"): "pass", ("torch", "chunked"): "pass",
-                    ("hf", ""): "fail"}
+                    ("torch", "decode"): "pass", ("hf", ""): "fail", ("hf", "decode"): "fail"}
+    hf_row = next(r for r in report["rows"] if (r["implementation"], r["core"]) == ("hf", ""))
+    assert hf_row["reason"] == "output, grad x"  # its gradient moved far too
     assert not report["summary"]["ok"]
 
 

@@ -17,7 +17,7 @@ import jax_attn
 from golden.reference.delta_rule import MIXERS
 from golden.specification import recurrent
 from golden.specification.implementations import record
-from golden.specification.tolerances import UNIT_ROUNDOFF, compare, delta_rule_bound
+from golden.specification.tolerances import compare, delta_rule_bound
 from jax_attn.recurrent import (
     DELTA_RULE_IMPLEMENTATIONS,
     LIGHTNING_IMPLEMENTATIONS,
@@ -25,6 +25,7 @@ from jax_attn.recurrent import (
     lightning_rule,
 )
 from tests.helpers import fresh_rng, matrix
+from tests.recurrent_checks import assert_low_precision_within_bound, jax_output
 
 KDA, LIGHTNING = "kimi_delta_attention", "lightning_attention"
 IMPLEMENTATIONS = tuple(DELTA_RULE_IMPLEMENTATIONS)
@@ -238,16 +239,9 @@ def test_low_precision_error_against_reference(mixer, dtype):
     module = jax_attn.build(mixer, config, {n: a.astype(np.float32) for n, a in params.items()})
     nnx.update(module, jax.tree.map(lambda a: a.astype(dtype), nnx.state(module, nnx.Param)))
     x_all = _on_grid(rng.standard_normal((1, 1024, 16)), dtype)
-    for length in (64, 256, 1024):
-        x = x_all[:, :length]
-        expected = MIXERS[mixer][0](config, {"x": x}, params)[0]
-        y = module(jnp.asarray(x, dtype))
-        assert y.dtype == jnp.dtype(dtype)
-        err = np.asarray(y.astype(jnp.float32), np.float64) - expected
-        bound = delta_rule_bound(dtype, length)
-        rel_norm = np.linalg.norm(err) / np.linalg.norm(expected)
-        assert rel_norm <= bound, (length, rel_norm / UNIT_ROUNDOFF[dtype], seed)
-        assert np.abs(err).max() <= 4 * bound * np.abs(expected).max(), (length, seed)
+    assert_low_precision_within_bound(
+        lambda x: jax_output(module, x, dtype), lambda x: MIXERS[mixer][0](config, {"x": x}, params)[0],
+        lambda length: x_all[:, :length], dtype, seed)
 
 
 @pytest.mark.parametrize("core", ["kda", pytest.param("lightning", marks=matrix)])

@@ -15,6 +15,7 @@ from golden.reference.delta_rule import MIXERS, decayed_sum, delta_rule
 from golden.specification import implementations, recurrent
 from golden.specification.tolerances import compare, delta_rule_bound
 from tests.helpers import fresh_rng, matrix
+from tests.recurrent_checks import assert_low_precision_within_bound, torch_output
 from torch_attn.params import export_grads
 from torch_attn.recurrent import (DELTA_RULE_IMPLEMENTATIONS, LIGHTNING_IMPLEMENTATIONS,
                                   gated_delta_rule, lightning_rule)
@@ -266,19 +267,10 @@ def test_low_precision_error_within_a_bound_growing_with_length(dtype, variant):
         return torch.tensor(a).to(low).double().numpy()
     params = {n: grid(a) for n, a in params.items()}
     module = torch_attn.build(variant, config, params).to(low)
-    for length in (64, 256, 1024):
-        x = grid(rng.standard_normal((2, length, config["d_in"])))
-        expected = MIXERS[variant][0](config, {"x": x}, params)[0]
-        with torch.no_grad():
-            y = module(torch.tensor(x).to(low))
-        assert y.dtype == low
-        err = y.double().numpy() - expected
-        rel_norm = np.linalg.norm(err) / np.linalg.norm(expected)
-        elem = np.abs(err).max() / np.abs(expected).max()
-        bound_norm = delta_rule_bound(dtype, length)
-        assert rel_norm <= bound_norm and elem <= 4 * bound_norm, (
-            f"L {length}: {rel_norm:.3g} (bound {bound_norm:.3g}), {elem:.3g} "
-            f"(bound {4 * bound_norm:.3g}), seed {seed}")
+    assert_low_precision_within_bound(
+        lambda x: torch_output(module, x, dtype),
+        lambda x: MIXERS[variant][0](config, {"x": x}, params)[0],
+        lambda length: grid(rng.standard_normal((2, length, config["d_in"]))), dtype, seed)
 
 
 # ---- the cache -----------------------------------------------------------------------------

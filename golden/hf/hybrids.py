@@ -269,13 +269,13 @@ FAMILIES: dict[str, Family] = {
     "recurrent_gemma": _hybrid("recurrent_gemma", _recurrent_gemma,
                                stacks=(Stack("layers", "temporal_block"),),
                                model_class="RecurrentGemmaModel"),
-    # Ling 3.0: its full_attention layers are latent attention with a σ gate per head; its
-    # linear_attention layers (Kimi Delta Attention) are refused by kind
+    # Ling 3.0: its full_attention layers are latent attention with a σ gate per head (its
+    # linear_attention layers: golden.hf.linear). Its files keep Ling's own names, which
+    # transformers renames on loading (conversion_mapping's "bailing_hybrid"):
+    # layers.N.attention (the module's self_attn), its dense (o_proj)
     "bailing_hybrid": Family(MLA, _bailing_settings, _bailing_to_neutral, _bailing_from_neutral,
-                             unverified="attn-parity hf does not check Ling 3.0 checkpoints "
-                                        "yet: its latent-attention layers are tested against "
-                                        "HF's own module, its one-layer model in the verifier "
-                                        "has not been run"),
+                             stacks=(Stack("layers", "attention", in_model=("layers", "self_attn"),
+                                           renames=(("dense.", "o_proj."),)),)),
 }
 
 

@@ -302,6 +302,13 @@ _CONV = (("conv1d.weight", ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weig
 OLMO_ATTN = (Stack("layers", "linear_attn", linear=True, joined=_CONV),)
 KIMI_ATTN = (Stack("layers", "self_attn", linear=True, joined=_CONV, renames=tuple(
     (name, f"forget_gate.{name}") for name in ("f_a_proj.", "f_b_proj.", "dt_bias", "A_log"))),)
+# Ling 3.0's files keep its own names, which transformers renames on loading (its
+# conversion_mapping's "bailing_hybrid"): layers.N.attention (the module's self_attn), dense
+# (o_proj), the forget gate's f_proj, dt_bias and A_log at the module's top, q/k/v_conv1d apart
+LING_ATTN = (Stack("layers", "attention", linear=True, in_model=("layers", "self_attn"),
+                   joined=_CONV, renames=(("dense.", "o_proj."), *(
+                       (name, f"forget_gate.{name}") for name in ("f_proj.", "dt_bias",
+                                                                   "A_log")))),)
 FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(GDN, _settings("qwen3_next"), _qwen3_next_in, _qwen3_next_out,
                          stacks=LINEAR_ATTN),
@@ -320,7 +327,7 @@ FAMILIES: dict[str, Family] = {
                              _kda_in("glm5_next_text"), _kda_out(_FLAT), stacks=KIMI_ATTN),
     "bailing_hybrid": Family(KDA, _kda_settings(
         "bailing_hybrid", lambda c: c["kda_lower_bound"] if c.get("kda_safe_gate") else None),
-        _kda_in("bailing_hybrid"), _kda_out(_FLAT), stacks=SELF_ATTN),
+        _kda_in("bailing_hybrid"), _kda_out(_FLAT), stacks=LING_ATTN),
     "minimax": Family("lightning_attention", _lightning_settings, _lightning_in,
                       _lightning_out(), stacks=SELF_ATTN),
 }

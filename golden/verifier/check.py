@@ -20,7 +20,8 @@ for, converted (golden.hf.from_hf) and checked.
    families with no float32 step in HF (``FLOAT64``).
 5. A hybrid model's linear-attention layers (golden.hf.LINEAR) are checked likewise by
    golden.verifier.linear: the twins' modules with each implementation of the recurrence, the
-   float64 reference and HF's own module, against the recurrence's bound.
+   float64 reference and HF's own module, against the recurrence's bound: outputs, input
+   gradients, and decoding through the caches (the twins' RecurrentCache, HF's own).
 
 The text output: a header (what was read and how, what runs, the drawn inputs, which settings
 were exercised and how), one row per layer, implementation and dtype with its bound, one line

@@ -238,6 +238,24 @@ class Models:
         """The HF attention module's output on the fixture's inputs: the layer's weights
         loaded into the one-layer model's attention, x fed in place of the attention's input
         by a pre-hook, the output read by a hook, which ends the forward there."""
+        return self._run(config, stack, state_dict, inputs, dtype_name, layer_idx)[0]
+
+    def gradient(self, config, stack, state_dict, inputs, cotangent, dtype_name, layer_idx=0):
+        """(output, dL/dx) of L = Σ output ⊙ ``cotangent`` through the HF attention module
+        (torch's autograd), fed and read as ``output`` does."""
+        return self._run(config, stack, state_dict, inputs, dtype_name, layer_idx,
+                         cotangent=cotangent)
+
+    def decoded(self, config, stack, state_dict, inputs, prefill, dtype_name, layer_idx=0):
+        """The HF attention module's output through the model's own cached decoding: x's first
+        ``prefill`` tokens in one call, then one token per call, each with the model's cache
+        (the one its forward makes with use_cache=True, read from the attention's arguments)
+        and the attention_mask of the tokens so far, as ``generate`` gives them."""
+        return self._run(config, stack, state_dict, inputs, dtype_name, layer_idx,
+                         prefill=prefill)[0]
+
+    def _run(self, config, stack, state_dict, inputs, dtype_name, layer_idx, cotangent=None,
+             prefill=None):
         import torch
 
         dtype = getattr(torch, dtype_name)
@@ -252,42 +270,84 @@ class Models:
         with torch.no_grad():  # the model's arrays beside the stack (Phi-4's position table)
             for name in stack.beside:
                 model.get_parameter(name).copy_(torch.from_numpy(np.asarray(state_dict[name])))
-        fed = torch.from_numpy(np.asarray(inputs["x"])).to(dtype)
+        whole = torch.from_numpy(np.asarray(inputs["x"])).to(dtype)
+        if cotangent is not None:
+            whole.requires_grad_(True)
+        fed = {"x": whole}
         seen = {}
         speech = encoder(model.config) is not None
+        from transformers import Cache
 
         def feed(mod, args, kwargs):  # a Qwen-VL tower's attention takes (L, D): x's one row
             given = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            x = fed[0] if given.dim() == fed.dim() - 1 else fed
+            x = fed["x"][0] if given.dim() == fed["x"].dim() - 1 else fed["x"]
             if speech and given.shape != x.shape:  # its tables and masks are for its length
                 raise RuntimeError(f"the one-layer encoder's attention input should have x's "
                                    f"shape {tuple(x.shape)} (golden.verifier.speech), got "
                                    f"{tuple(given.shape)}")
+            seen["cache"] = next((a for a in (*args, *kwargs.values())
+                                  if isinstance(a, Cache)), None)
             if "hidden_states" in kwargs:
                 return args, dict(kwargs, hidden_states=x)
             return (x,) + tuple(args[1:]), kwargs
 
         def read(mod, args, kwargs, out):
             out = out if isinstance(out, torch.Tensor) else out[0]
-            out = out[None] if out.dim() == fed.dim() - 1 else out
-            seen["out"] = out.detach().numpy().astype(np.float64)
+            seen["out"] = out[None] if out.dim() == fed["x"].dim() - 1 else out
             raise _Stop
+
+        def forward(x, given):
+            fed["x"] = x
+            seen.pop("out", None)
+            try:
+                with torch.set_grad_enabled(cotangent is not None), quiet():
+                    model(**given)
+            except _Stop:
+                pass
+            if "out" not in seen:
+                raise RuntimeError(f"the one-layer model's forward did not run its "
+                                   f"{stack.module}")
+            return seen["out"]
 
         read_from = attn if stack.output is None else attn.get_submodule(stack.output)
         feed_at = attn if stack.input is None else attn.get_submodule(stack.input)
         handles = [feed_at.register_forward_pre_hook(feed, with_kwargs=True),
                    read_from.register_forward_hook(read, with_kwargs=True)]
         try:
-            with torch.no_grad(), quiet():
-                model(**_model_inputs(model, stack, inputs, dtype))
-        except _Stop:
-            pass
+            if prefill is not None:
+                out = self._decode(model, stack, inputs, dtype, prefill, whole, forward, seen)
+            else:
+                out = forward(whole, _model_inputs(model, stack, inputs, dtype))
+            grad = None
+            if cotangent is not None:
+                cot = torch.from_numpy(np.asarray(cotangent)).to(dtype)
+                grad, = torch.autograd.grad(out, whole, cot)
+                grad = grad.numpy().astype(np.float64)
         finally:
             for h in handles:
                 h.remove()
-        if "out" not in seen:
-            raise RuntimeError(f"the one-layer model's forward did not run its {stack.module}")
-        return seen["out"]
+        return out.detach().numpy().astype(np.float64), grad
+
+    @staticmethod
+    def _decode(model, stack, inputs, dtype, prefill, whole, forward, seen):
+        """The outputs of ``decoded``'s calls, joined along L."""
+        import torch
+
+        length, pieces, cache = whole.shape[1], [], None
+        mask = np.asarray(inputs.get("attention_mask", np.ones(whole.shape[:2], bool)))
+        for start, stop in [(0, prefill), *((t, t + 1) for t in range(prefill, length))]:
+            given = _model_inputs(model, stack, {"x": inputs["x"][:, start:stop],
+                                                 "attention_mask": mask[:, :stop]}, dtype)
+            given.update(use_cache=True, past_key_values=cache)
+            if "position_ids" in inspect.signature(model.forward).parameters:  # a cache of
+                given["position_ids"] = torch.arange(start, stop)[None]  # linear layers alone
+                # has no length to count them from (get_seq_length)
+            pieces.append(forward(whole[:, start:stop], given))
+            cache = seen["cache"]
+            if cache is None:
+                raise RuntimeError(f"the one-layer {type(model).__name__} gave its "
+                                   f"{stack.module} no cache with use_cache=True")
+        return torch.cat(pieces, dim=1)
 
 
 def _one_layer_model(config, dtype):
