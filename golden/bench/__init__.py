@@ -14,6 +14,8 @@ docstring says what a run measures and writes). One room a section, imports poin
   alone);
 - ``linear``: the gated delta rule's chunked cores against transformers' functions, the
   decode step, peak memory (``--only`` alone);
+- ``sparse``: a given selection, the cores' sparse implementation against dense causal
+  attention, the crossover length, memory against L (``--only`` alone);
 - ``report``: every section into one report (``run``) and its Markdown (``markdown``);
 - ``cli``: the command (``main``; ``--only`` runs one of ``SECTIONS``).
 
@@ -32,5 +34,6 @@ from golden.bench.modern import *  # noqa: F403
 from golden.bench.choice import *  # noqa: F403
 from golden.bench.positions import *  # noqa: F403
 from golden.bench.linear import *  # noqa: F403
+from golden.bench.sparse import *  # noqa: F403
 from golden.bench.report import *  # noqa: F403
 from golden.bench.cli import *  # noqa: F403

@@ -35,6 +35,7 @@ from golden.bench.choice import choice_markdown, run_choice
 from golden.bench.grid import FULL, QUICK
 from golden.bench.host import cpu_flags, emulation_gap, machine, machine_markdown
 from golden.bench.linear import linear_markdown, run_linear
+from golden.bench.sparse import run_sparse, sparse_markdown
 from golden.bench.modern import modern_markdown, run_modern
 from golden.bench.positions import positions_markdown, run_positions
 from golden.bench.modules import (
@@ -55,7 +56,8 @@ SECTIONS = {"modern": (run_modern, modern_markdown),  # --only: (run, markdown)
             "decode_features": (run_decode_features, decode_features_markdown),
             "latent_decode": (run_latent_decode, latent_decode_markdown),
             "positions": (run_positions, positions_markdown),
-            "linear": (run_linear, linear_markdown)}
+            "linear": (run_linear, linear_markdown),
+            "sparse": (run_sparse, sparse_markdown)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
                              "with MRoPE, each against 1-D RoPE, both twins; linear = the "
                              "gated delta rule's chunked cores against transformers' "
                              "torch_chunk_gated_delta_rule, forward, forward+backward, the "
-                             "decode step and peak memory (positions and linear are not part "
-                             "of the whole run)")
+                             "decode step and peak memory; sparse = the cores' sparse "
+                             "implementation with a given selection (k = 2048 keys per row) "
+                             "against dense causal attention at L = 8k to 64k, forward, "
+                             "forward+backward, the decode step, the crossover length and "
+                             "memory against L (positions, linear and sparse are not part of "
+                             "the whole run)")
     args = parser.parse_args(argv)
     gap = emulation_gap(cpu_flags(), os.environ)
     if gap is not None:

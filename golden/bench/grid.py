@@ -50,6 +50,12 @@ class Grid:
     # gated delta-rule linear attention, float32: H, D, and per batch size B the lengths L of
     # its forward rows and the longest L of its forward+backward rows (a decode step each B)
     linear: tuple = (16, 128, ((1, (1024, 4096, 16384, 32768), 16384), (4, (1024, 4096), 4096)))
+    # a given selection, causal, float32 (golden.bench.sparse): B, H, the widths D, the lengths
+    # L, k keys chosen per row, the longest L of the dense call with the selection as an (L, L)
+    # mask, the section's budget in seconds. H = 1: every contender's work is linear in H, so the
+    # ratios and crossovers do not depend on it, and on 2 cores H = 8 would leave the budget
+    # only L = 8k (torch's sparse forward+backward took ~100 s per call per head there).
+    sparse: tuple = (1, 1, (64, 128), (8192, 16384, 32768, 65536), 2048, 16384, 840.0)
 
 
 def _self(L, B=4, H=8, D=64):
@@ -66,4 +72,5 @@ QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
              long=((1, 1, 16), (256, 512), 256), modern=(1, 2, 256, 16, 64),
              positions_vision=(1, 4, 32, 2, 16),
              positions_text=(1, 48, 32, 4, 2, 16, 4, (2, 3, 3), (4, 2, 2)),
-             linear=(2, 16, ((1, (64, 160), 64),)))
+             linear=(2, 16, ((1, (64, 160), 64),)),
+             sparse=(1, 2, (16,), (128, 256, 512), 16, 256, 300.0))
