@@ -21,6 +21,7 @@ from golden.reference.arithmetic import number, real
 from golden.reference.block import block_backward, block_forward
 from golden.reference.core import allowed_positions, sdpa_backward, sdpa_forward
 from golden.reference.indexer import block_keys, selected_mask
+from golden.specification.indexer import BLOCK_DEFAULTS
 from golden.reference.norms import normalize, normalize_backward
 from golden.reference.merged import merged_backward, merged_forward
 from golden.reference.position_bias import alibi_term, relative_term
@@ -198,8 +199,9 @@ def _block_mask(c, x, inputs, positions, settings, dh, multi, params):
     chosen among the keys each query may see (mask, causal, window, lengths); without, the
     caller's mask. No gradient reaches the indexer."""
     mask = inputs.get("mask")
-    if c["index_blocks"] is None:
+    if c.get("index_blocks") is None:
         return mask, None
+    c = {**dict(BLOCK_DEFAULTS), **c}  # the options not given at their defaults
     if multi:
         raise ValueError("positions should be (L,) or (B, L) with index_blocks (the indexer "
                          "turns by one position per token), got multimodal positions of shape "

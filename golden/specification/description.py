@@ -18,11 +18,14 @@ REQUIRED = object()  # the default of an argument that has none
 
 @dataclass(frozen=True)
 class Arg:
-    """A constructor argument: its name, its check (raises ValueError) and its default."""
+    """A constructor argument: its name, its check (raises ValueError) and its default.
+    ``pending``: the twins' constructors do not take it yet (the reference has it first): a
+    configuration holds it only where given, and its readers take the default otherwise."""
 
     name: str
     check: Callable[[str, object], None]
     default: object = REQUIRED
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class Variant:
                                  f"it takes {', '.join(a.name for a in self.args) or 'none'}")
         full = {}
         for a in self.args:
+            if a.pending and a.name not in given:  # not yet the twins': left out, not filled
+                continue
             if a.name not in given and a.default is REQUIRED:
                 raise ValueError(f"{a.name} is required by {self.class_name or self.name}")
             full[a.name] = given.get(a.name, a.default)

@@ -155,7 +155,8 @@ def check_local_blocks(name, value) -> None:
 def block_shapes(c, rotary) -> dict:
     """The block indexer's parameters for a full GroupedQueryAttention configuration ``c`` whose
     RoPE turns ``rotary`` features (0 without RoPE), {} without index_blocks; ValueError naming
-    a setting that does not fit the others."""
+    a setting that does not fit the others. Options not in ``c`` take their defaults."""
+    c = {**dict(BLOCK_DEFAULTS), **c}
     if c["index_blocks"] is None:
         for name, default in BLOCK_DEFAULTS[1:]:
             if c[name] != default:
