@@ -191,6 +191,16 @@ def block_shapes(c, rotary) -> dict:
             "index_q_norm": (d,), "index_k_norm": (d,)}
 
 
+def block_key_shape(c, weights_shape) -> tuple:
+    """The shape of a block indexer's key_indices for a full configuration ``c`` and attention
+    weights (..., H, Lq, Lk): (..., H, Lq, k) for "max", (..., Lq, k) for "mean", k =
+    min(index_topk_blocks · b, Lk) or min(index_topk_blocks · b + b − 1, Lk)."""
+    b, n, lk = c["index_block_size"], c["index_topk_blocks"], weights_shape[-1]
+    if c["index_blocks"] == "max":
+        return tuple(weights_shape[:-1]) + (min(n * b, lk),)
+    return tuple(weights_shape[:-3]) + (weights_shape[-2], min(n * b + b - 1, lk))
+
+
 def index_shapes(c) -> dict:
     """The indexer's parameters (neutral layout, W (in, out)) for a full MultiHeadLatentAttention
     configuration ``c``, {} without index_topk; ValueError naming a setting that does not fit
