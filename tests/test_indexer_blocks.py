@@ -159,3 +159,16 @@ def test_fixture_choice_equals_the_loop_and_gaps_are_clear(case):
                 got, want = [got], [want]
             assert [g & seen for g in got] == [w & seen for w in want], (i, t)
     assert GAP <= least < np.inf, f"{case.name}: least gap {least:.2e} (inf: nothing dropped)"
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: c.name)
+def test_numpy_port_reproduces_the_fixture(case):
+    """The NumPy port (tests/port_numpy.py, its own code: vectorised max-pooling, its own loop
+    for "mean") against the fixture, every dtype, through the harness's check."""
+    import golden.harness.check
+    from tests import port_numpy
+
+    report = golden.harness.check.run([case.name], impls=[port_numpy.RUNNER],
+                                      progress=False)
+    rows = [r for r in report["rows"] if r["implementation"] == port_numpy.RUNNER.name]
+    assert rows and all(r["status"] == "pass" for r in rows), rows
