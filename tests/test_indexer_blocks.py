@@ -381,3 +381,186 @@ def test_hugging_face_at_float64(family, length, seed):
         assert agree[real].all() and _rel(ours["dense"], hf["out"], rows) <= bound
     else:
         assert _rel(ours["dense"], hf["out"], rows) > 1e-3
+
+
+# ---- the rules, by hand: ties, local blocks, everything kept, gradients, refusals ------------
+
+FAMILIES = {"max": MINIMAX, "mean": QWEN4}
+
+
+def _draw(family, seed, lead=(2,), length=11):
+    c = FAMILIES[family]
+    rng = np.random.default_rng(seed)
+    p = {n: a.astype(np.float64) for n, a in draw_params(GQA, c, rng).items()}
+    for n in ("index_q_norm", "index_k_norm"):  # multipliers near 1, as in a checkpoint
+        p[n] = 1 + 0.3 * rng.standard_normal(p[n].shape)
+    return c, p, rng.standard_normal(lead + (length, c["d_in"])), rng
+
+
+def _dense(c, p):
+    return ({n: v for n, v in c.items() if not n.startswith("index_")},
+            {n: a for n, a in p.items() if "index" not in n})
+
+
+def _unturned(at):
+    """RoPE that turns nothing (cos 1, sin 0 at every position): equal keys stay equal."""
+    shape = np.shape(at) + (1,)
+    return np.ones(shape), np.zeros(shape)
+
+
+def test_equal_block_scores_go_to_the_lowest_block_index():
+    """Every key equal: every block scores the same, so the lowest blocks win ("max": after the
+    local ones; "mean": ReLU's zero ties too, every q·key < 0); the rest of the k slots repeat
+    the row's first chosen key."""
+    from golden.reference.indexer import max_block_keys, mean_block_keys
+
+    c = {"index_block_size": 2, "index_topk_blocks": 2, "index_local_blocks": 1,
+         "index_norm_eps": 1e-6}
+    q = np.ones((9, 1, 3))                                       # (Lq, H_I, D_I)
+    k = np.ones((9, 3))                                          # (Lk, D_I): one key, repeated
+    causal = np.tril(np.ones((9, 9), bool))
+    got = max_block_keys(c, q, k, causal, np.arange(9))[0]       # (Lq, k = 4)
+    # query 8 (block 4 local): then block 0; query 5 (block 2): then 0; query 1: block 0 only
+    np.testing.assert_array_equal(got[8], [8, 0, 1, 8])      # block 4 is key 8 alone
+    np.testing.assert_array_equal(got[5], [4, 5, 0, 1])
+    np.testing.assert_array_equal(got[1], [0, 1, 0, 0])
+    for sign in (1, -1):                                         # equal scores; all zero (ReLU)
+        raw = np.tile([[1.0, 2.0, 3.0]], (9, 1))
+        got = mean_block_keys({**c, "index_local_blocks": 0}, sign * np.ones((9, 2, 3)), raw,
+                              causal, np.arange(9), _unturned,
+                              {"index_k_norm": np.ones(3)})      # (Lq, k = 5)
+        np.testing.assert_array_equal(got[8], [0, 1, 2, 3, 8])   # blocks 0, 1 and the tail
+        np.testing.assert_array_equal(got[6], [0, 1, 2, 3, 6])
+        np.testing.assert_array_equal(got[4], [0, 1, 2, 3, 4])
+        np.testing.assert_array_equal(got[0], [0, 0, 0, 0, 0])   # the tail alone, repeated
+
+
+def test_local_blocks_are_kept_whatever_they_score():
+    """Keys scoring lower the later they come: without local blocks the earliest blocks win;
+    with index_local_blocks = 2 the query's own block and the one before it are always kept."""
+    from golden.reference.indexer import max_block_keys
+
+    c = {"index_block_size": 2, "index_topk_blocks": 3, "index_local_blocks": 2}
+    q = np.ones((12, 2, 1))                                      # (Lq, H_I, D_I)
+    k = np.linspace(2.0, -1.0, 12)[:, None]                      # (Lk, D_I): falling scores
+    causal = np.tril(np.ones((12, 12), bool))
+    local = max_block_keys(c, q, k, causal, np.arange(12))       # (H_I, Lq, 6)
+    none = max_block_keys({**c, "index_local_blocks": 0}, q, k, causal, np.arange(12))
+    for t in range(12):
+        own = {t // 2 * 2, t // 2 * 2 + 1, max(t // 2 - 1, 0) * 2, max(t // 2 - 1, 0) * 2 + 1}
+        assert own <= set(local[0, t].tolist()), t
+        assert own & set(range(t + 1)) <= set(local[1, t].tolist()), t
+    np.testing.assert_array_equal(none[0, 11], [0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(local[0, 11], [8, 9, 10, 11, 0, 1])  # local first, then 0
+
+
+@pytest.mark.parametrize("family, length", [("max", 9), ("max", 5), ("mean", 7), ("mean", 4)])
+def test_every_block_kept_when_short_equals_dense_attention(family, length):
+    """L at most the kept budget (MINIMAX: 3 blocks of 3; QWEN4: 3 blocks of 2 and a tail of
+    1): every visible key is kept, and the layer equals dense attention bit for bit, forward
+    and backward, with lengths and a mask."""
+    c, p, x, rng = _draw(family, 894, length=length)
+    inputs = {"x": x, "query_seq_lengths": np.array([length, length - 2], np.int32),
+              "mask": (rng.random((2, length, length)) < 0.8) | np.eye(length, dtype=bool)}
+    forward, backward = reference.pair(GQA)
+    y, w, saved = forward(c, inputs, p)
+    dc, dp = _dense(c, p)
+    y0, w0, saved0 = forward(dc, inputs, dp)
+    np.testing.assert_array_equal(y, y0)
+    np.testing.assert_array_equal(w, w0)
+    dy, dw = rng.standard_normal(y.shape), rng.standard_normal(w.shape)
+    g, g0 = backward(saved, dy, dw), backward(saved0, dy, dw)
+    assert set(g) == set(g0) == {"x", *dp}                       # none for the indexer
+    for n in g0:
+        np.testing.assert_array_equal(g[n], g0[n], err_msg=n)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layer_is_dense_attention_under_the_chosen_mask(family):
+    """Above the budget: forward and backward equal the dense layer given the chosen keys as its
+    mask, bit for bit (the choice is a constant to the gradient), and the choice drops keys."""
+    c, p, x, rng = _draw(family, 895, length=16)
+    mask = (rng.random((2, 16, 16)) < 0.9) | np.eye(16, dtype=bool)
+    forward, backward = reference.pair(GQA)
+    y, w, saved = forward(c, {"x": x, "mask": mask}, p)
+    chosen = reference.selected_mask(saved["key_indices"], 16)
+    chosen = chosen if family == "max" else chosen[:, None]      # (B, H or 1, L, L)
+    causal = np.tril(np.ones((16, 16), bool))
+    assert (causal & mask[:, None] & ~chosen).any(), "the choice dropped nothing"
+    dc, dp = _dense(c, p)
+    y0, w0, saved0 = forward(dc, {"x": x, "mask": mask[:, None] & chosen}, dp)
+    np.testing.assert_array_equal(y, y0)
+    dy, dw = rng.standard_normal(y.shape), rng.standard_normal(w.shape)
+    g, g0 = backward(saved, dy, dw), backward(saved0, dy, dw)
+    for n in g0:
+        np.testing.assert_array_equal(g[n], g0[n], err_msg=n)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_equal_central_differences(family):
+    """dL/dx and the attention's weights against central differences (step 1e-6), where the
+    choice does not flip under the step (checked: the same key_indices both ways)."""
+    c, p, x, rng = _draw(family, 896, length=14)
+    forward, backward = reference.pair(GQA)
+    y, w, saved = forward(c, {"x": x}, p)
+    dy, dw = rng.standard_normal(y.shape), rng.standard_normal(w.shape)
+    grads = backward(saved, dy, dw)
+    assert (saved["key_indices"] != saved["key_indices"][..., :1]).any()
+
+    def loss(xx, pp):
+        out, weights, s = forward(c, {"x": xx}, pp)
+        return float((out * dy).sum() + (weights * dw).sum()), s["key_indices"]
+
+    step, checked = 1e-6, 0
+    for name in ("x", "W_query", "W_key", "W_value", "W_out", "q_norm"):
+        base = x if name == "x" else p[name]
+        for flat in rng.choice(base.size, 3, replace=False):
+            idx = np.unravel_index(flat, base.shape)
+            moved = []
+            for sign in (1, -1):
+                b = base.copy()
+                b[idx] += sign * step
+                moved.append(loss(b, p) if name == "x" else loss(x, {**p, name: b}))
+            if any(not np.array_equal(k, saved["key_indices"]) for _, k in moved):
+                continue  # the choice flipped under the step: no derivative there
+            numeric = (moved[0][0] - moved[1][0]) / (2 * step)
+            assert abs(numeric - grads[name][idx]) <= 1e-6 * max(1.0, abs(numeric)), (name, idx)
+            checked += 1
+    assert checked >= 15
+
+
+@pytest.mark.parametrize("given, match", [
+    (dict(index_blocks="sum"), "index_blocks should be one of 'max', 'mean', None, got 'sum'"),
+    (dict(index_blocks=None), "index_heads should be None without index_blocks"),
+    (dict(index_heads=None), "index_heads should be a positive int with index_blocks = 'max', "
+                             "got None"),
+    (dict(index_block_size=None), "index_block_size should be a positive int with "
+                                  "index_blocks = 'max'"),
+    (dict(index_topk_blocks=0), "index_topk_blocks should be a positive int, got 0"),
+    (dict(index_heads=4), "index_heads should be num_kv_heads = 2 with index_blocks = 'max'"),
+    (dict(index_local_blocks=4), "index_local_blocks should be at most index_topk_blocks = 3"),
+    (dict(index_local_blocks=-1), "index_local_blocks should be an int ≥ 0, got -1"),
+    (dict(index_local_blocks=True), "index_local_blocks should be an int ≥ 0, got True"),
+    (dict(index_blocks="mean"), "index_local_blocks should be 0 with index_blocks = 'mean'"),
+    (dict(index_head_dim=3), r"index_head_dim should be at least the layer's rotary features "
+                             r"= 4 \(the indexer turns that many\), got 3"),
+    (dict(rope_theta=None, partial_rotary_factor=1.0), "index_blocks should be None without rotate-half RoPE"),
+    (dict(rope_interleaved=True), "index_blocks should be None without rotate-half RoPE"),
+    (dict(index_norm_eps=0), "index_norm_eps should be a positive number, got 0"),
+])
+def test_bad_settings_are_refused_by_name(given, match):
+    with pytest.raises(ValueError, match=match):
+        variants.get(GQA).config({**MINIMAX, **given})
+
+
+def test_bad_calls_are_refused_by_name():
+    c, p, x, _ = _draw("mean", 897, length=8)
+    with pytest.raises(ValueError, match=r"mask should have no head axis, or one of size 1"):
+        variants.get(GQA).check_inputs(variants.get(GQA).config(c),
+                                       {"x": x, "mask": np.ones((2, 4, 8, 8), bool)}, 0.0)
+    forward, _ = reference.pair(GQA)
+    three = np.broadcast_to(np.arange(8), (3, 2, 8))             # multimodal positions
+    with pytest.raises(ValueError, match=r"positions should be \(L,\) or \(B, L\) with "
+                                         r"index_blocks"):
+        forward({**c, "rope_parameters": {"rope_theta": 100.0, "mrope_section": [1, 0, 0]}},
+                {"x": x, "positions": three}, p)
