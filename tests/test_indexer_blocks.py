@@ -564,3 +564,27 @@ def test_bad_calls_are_refused_by_name():
                                          r"index_blocks"):
         forward({**c, "rope_parameters": {"rope_theta": 100.0, "mrope_section": [1, 0, 0]}},
                 {"x": x, "positions": three}, p)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ties_in_the_numpy_port_go_to_the_lowest_block_too(family):
+    """W_index_k = 0: every block scores exactly 0 in both the reference and the NumPy port
+    (its own stable argsort); both keep the same, lowest, blocks (after the local ones)."""
+    from tests import port_numpy
+
+    c, p, x, rng = _draw(family, 898, lead=(2,), length=13)
+    p["W_index_k"] = np.zeros_like(p["W_index_k"])
+    forward, _ = reference.pair(GQA)
+    _, _, saved = forward(c, {"x": x}, p)
+    want = reference.selected_mask(saved["key_indices"], 13)
+    want = want if family == "max" else want[:, None]
+    causal = np.tril(np.ones((13, 13), bool))
+    port = port_numpy.build(GQA, c)
+    port.index_q_proj.weight = p["W_index_q"].T
+    port.index_k_proj.weight = p["W_index_k"].T
+    port.index_q_norm, port.index_k_norm = p["index_q_norm"], p["index_k_norm"]
+    got = port.blocks(x, np.arange(13), None, None)
+    np.testing.assert_array_equal(got & causal, want & causal)
+    # the last query keeps keys 0 … 5: "max" blocks 0, 1 of 3 (and its own, local), "mean"
+    # blocks 0, 1, 2 of 2 (and its tail, key 12)
+    assert want[..., -1, :6].all() and not want[..., -1, 6:-1].any()
