@@ -555,7 +555,8 @@ def test_bad_settings_are_refused_by_name(given, match):
 
 def test_bad_calls_are_refused_by_name():
     c, p, x, _ = _draw("mean", 897, length=8)
-    with pytest.raises(ValueError, match=r"mask should have no head axis, or one of size 1"):
+    with pytest.raises(ValueError, match=r"mask should have no head axis, or one of size 1, "
+                                         r"with index_blocks .*got shape \(2, 4, 8, 8\)"):
         variants.get(GQA).check_inputs(variants.get(GQA).config(c),
                                        {"x": x, "mask": np.ones((2, 4, 8, 8), bool)}, 0.0)
     forward, _ = reference.pair(GQA)

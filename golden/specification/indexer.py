@@ -236,13 +236,14 @@ def index_shapes(c) -> dict:
     return shapes
 
 
-def check_index_mask(mask, lead) -> None:
-    """The indexer chooses one set of keys for every head (Hugging Face reads
-    attention_mask[:, 0]): a mask with a head axis must have it of size 1."""
+def check_index_mask(mask, lead, option="index_topk") -> None:
+    """The indexer chooses among the keys one mask lets a query see (Hugging Face reads
+    attention_mask[:, 0]): a mask with a head axis must have it of size 1. ``option`` names
+    the indexer's setting (index_topk, or GroupedQueryAttention's index_blocks)."""
     if mask is not None and np.ndim(mask) == len(lead) + 3 and np.shape(mask)[-3] != 1:
-        raise ValueError(f"mask should have no head axis, or one of size 1, with index_topk (the "
-                         f"indexer chooses the same keys for every head), got shape "
-                         f"{tuple(np.shape(mask))}")
+        raise ValueError(f"mask should have no head axis, or one of size 1, with {option} (the "
+                         f"indexer chooses among the keys one mask lets each query see), got "
+                         f"shape {tuple(np.shape(mask))}")
 
 
 def check_key_indices(key_indices, lead, lq, lk, k) -> None:

@@ -422,7 +422,7 @@ def _self_inputs(c, i, rate):
 
 def _decoder_inputs(c, i, rate):
     if c.get("index_blocks") is not None:  # one visible set per query, as Hugging Face's mask[:, 0]
-        check_index_mask(i.get("mask"), np.shape(i["x"])[:-2])
+        check_index_mask(i.get("mask"), np.shape(i["x"])[:-2], "index_blocks")
     return check_decoder_inputs(i["x"], c["d_in"], i.get("mask"), i.get("dropout_mask"),
                                 i.get("query_seq_lengths"), heads=c["num_heads"], rate=rate,
                                 positions=i.get("positions"),
