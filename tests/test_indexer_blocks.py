@@ -589,3 +589,39 @@ def test_ties_in_the_numpy_port_go_to_the_lowest_block_too(family):
     # the last query keeps keys 0 … 5: "max" blocks 0, 1 of 3 (and its own, local), "mean"
     # blocks 0, 1, 2 of 2 (and its tail, key 12)
     assert want[..., -1, :6].all() and not want[..., -1, 6:-1].any()
+
+
+def test_hugging_face_minimax_m3_scores_every_causal_key_whatever_the_mask():
+    """A documented difference: HF's MiniMaxM3VLIndexer never reads attention_mask (only the
+    future by position_ids), so with a mask other than right padding it pools keys the query
+    may not see; ours chooses among the keys the mask lets it see. HF's choice equals ours
+    given causal-only visibility (clear rows), and differs from the layer's own choice."""
+    torch, layer, config, params = _hf_minimax(53)
+    length, rng = 20, np.random.default_rng(7)
+    x = rng.standard_normal((2, length, config["d_in"]))
+    causal = np.tril(np.ones((length, length), bool))
+    mask = (rng.random((2, length, length)) < 0.7) | np.eye(length, dtype=bool)
+    emb, positions = _hf_rope(torch, config, 2, length), torch.arange(length)[None].expand(2, -1)
+    with torch.no_grad():
+        blocks = layer.indexer(torch.tensor(x), emb, None, positions)
+        keep = lambda visible: layer.indexer.build_block_mask(   # noqa: E731
+            blocks, torch.tensor(np.ascontiguousarray(visible[:, None])), length, torch.float64,
+            None, positions).numpy() == 0                       # (B, H, L, L)
+        hf_causal, hf_masked = keep(np.broadcast_to(causal, mask.shape)), keep(causal & mask)
+    forward, _ = reference.pair(GQA)
+    per = config["num_heads"] // config["index_heads"]
+    checked = 0
+    for i in range(2):
+        c, rows = loop_scores(config, x[i], params, causal)
+        chosen, gaps = loop_choice(c, rows, np.arange(length))
+        for t in range(length):
+            for h in range(config["num_heads"]):
+                if gaps[t][h // per] >= NEAR_TIE:
+                    assert set(np.flatnonzero(hf_causal[i, h, t])) == chosen[t][h // per] & set(
+                        range(t + 1)), (i, h, t)
+                    checked += 1
+    assert checked >= 0.9 * 2 * config["num_heads"] * length
+    _, _, saved = forward(config, {"x": x, "mask": mask}, params)
+    ours = reference.selected_mask(saved["key_indices"], length) & (causal & mask)[:, None]
+    differ = (~(ours == hf_masked).all(-1)).sum()
+    assert differ >= 10, differ  # 40 of 160 rows with this draw
