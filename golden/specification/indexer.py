@@ -49,7 +49,9 @@ keeps whole blocks of b consecutive keys:
       "max"   MiniMax M3 (MiniMaxM3VLIndexer): q^I = RMS(x W_index_q)·index_q_norm, (L, H_I, D_I),
               k^I = RMS(x W_index_k)·index_k_norm, (L, D_I), both turned by the layer's RoPE
               (rotate-half, its rotary features); token scores S[h, t, j] = q^I[t, h]·k^I[j] (no
-              scale), those of keys t may not see dropped; block m = keys m·b … m·b + b − 1 (by key
+              scale), those of keys t may not see dropped (Hugging Face drops only the
+              future, by position: the same under right padding; under another mask it pools
+              keys the mask hides, ours does not); block m = keys m·b … m·b + b − 1 (by key
               index); its score the max of its keys' (a block with none: not eligible); the
               index_local_blocks blocks q_b, q_b − 1, … (q_b = position_t // b, clipped at 0)
               always kept; then the highest-scoring eligible blocks, index_topk_blocks in all.
@@ -69,7 +71,8 @@ keeps whole blocks of b consecutive keys:
                         otherwise: Qwen4-Exp keeps its tail instead, not built for "mean")
     index_norm_eps      ε of the indexer's two RMSNorms (their weights are the multipliers:
                         Hugging Face's Gemma-style 1 + w is converted on import)
-Equal block scores: the lowest block index wins (as for tokens). The choice expanded to
+Equal block scores: the lowest block index wins (as for tokens; torch.topk in Hugging Face's
+may break a tie otherwise, e.g. Qwen4-Exp's blocks whose every ReLU is 0). The choice expanded to
 key_indices (..., [H,] Lq, k): the chosen blocks' keys best block first, each block's in index
 order (then the tail), the rest of the k slots repeating the row's first chosen key (key 0 if
 it chose none); k = min(index_topk_blocks · b, Lk) ("max", per query head) or
