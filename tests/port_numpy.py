@@ -358,7 +358,8 @@ class GroupedQueryAttention(Module):
     """N query heads over Nkv key/value heads, RoPE, causal by default:
     x (..., L, d_in) -> (..., L, d_out), weights (..., N, L, L)."""
 
-    layers = {**QKV, "out": "out_proj", "gate": "gate_proj", "pos": "pos_proj"}
+    layers = {**QKV, "out": "out_proj", "gate": "gate_proj", "pos": "pos_proj",
+              "index_q": "index_q_proj", "index_k": "index_k_proj"}
 
     def __init__(self, d_in, num_heads, num_kv_heads, head_dim=None, d_out=None, qkv_bias=False,
                  out_bias=False, causal=True, scale=None, softcap=None, sliding_window=None,
@@ -372,10 +373,20 @@ class GroupedQueryAttention(Module):
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
                  v_head_dim=None, value_scale=None, clip_qkv_after_norm=False,
-                 merged_context=False, *, core=None):
+                 merged_context=False, index_blocks=None, index_heads=None,
+                 index_head_dim=None, index_block_size=None, index_topk_blocks=None,
+                 index_local_blocks=0, index_norm_eps=1e-6, *, core=None):
         super().__init__(core)
         self.merged_context, self.sliding_window = merged_context, sliding_window
         dh = d_in // num_heads if head_dim is None else head_dim
+        self.dh, self.index_blocks = dh, index_blocks  # the block indexer (MiniMax M3, Qwen4-Exp)
+        self.index = (index_heads, index_head_dim, index_block_size, index_topk_blocks,
+                      index_local_blocks, index_norm_eps)
+        on = index_blocks is not None
+        self.index_q_proj = Linear(d_in, index_heads * index_head_dim, False) if on else None
+        self.index_k_proj = Linear(d_in, index_head_dim, False) if on else None
+        self.index_q_norm, self.index_k_norm = ((np.ones(index_head_dim) if on else None)
+                                                for _ in "qk")
         projected = relative_positions in ("transformer_xl", "conformer_timing")
         self.pos_proj = Linear(d_in, num_heads * dh, False) if projected else None
         xl = relative_positions == "transformer_xl"
@@ -503,7 +514,11 @@ class GroupedQueryAttention(Module):
         if self.merged_context:  # T5Gemma 2: [k ; k_c], [v ; v_c], one softmax
             return self.merged(x, q, k, v, context, context_mask, mask, query_seq_lengths,
                                dropout_mask, return_weights)
-        o, w = self.core.sdpa(q, k, v, _head_mask(mask), bias, **attend, position_term=term,
+        head_mask = _head_mask(mask)
+        if self.index_blocks is not None:  # the keys the block indexer chose, AND the mask
+            chosen = self.blocks(x, positions, mask, query_seq_lengths)  # (..., N | 1, L, L)
+            head_mask = chosen if mask is None else head_mask & chosen
+        o, w = self.core.sdpa(q, k, v, head_mask, bias, **attend, position_term=term,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths,
                               sinks=None if self.sinks is None else self.sinks.astype(q.dtype),
@@ -552,6 +567,66 @@ class GroupedQueryAttention(Module):
                               dropout_mask=self.keep(dropout_mask), return_weights=True)
         y = self.out_proj(_merge(o))
         return (y, w) if return_weights else y
+
+    def index_rope(self, t, positions):
+        """t (..., L, D_I) with its first rd features turned as the layer's heads' are."""
+        rd = self.rope_settings and int(self.dh * dict(self.rope_settings)["partial_rotary_factor"])
+        wide = np.zeros(t.shape[:-1] + (self.dh,))
+        wide[..., :rd] = t[..., :rd]
+        return np.concatenate([rope(wide, self.rope_settings, False, positions)[..., :rd],
+                               t[..., rd:]], -1)
+
+    def blocks(self, x, positions, mask, lengths):
+        """Boolean (..., N, L, L) ("max") or (..., 1, L, L) ("mean"): the keys each query's
+        blocks hold (golden.specification.indexer), chosen among those it may see."""
+        h, d, b, n, local, eps = self.index
+        length = x.shape[-2]
+        i, j = np.arange(length)[:, None], np.arange(length)
+        seen = np.broadcast_to(j <= i, x.shape[:-2] + (length, length))
+        if lengths is not None:
+            ln = np.asarray(lengths)[..., None, None]
+            seen = seen & (i < ln) & (j < ln)
+        if mask is not None:
+            seen = seen & np.asarray(mask).reshape(seen.shape)
+        rms = lambda t, w: t / np.sqrt((t * t).mean(-1, keepdims=True) + eps) * w
+        pos = np.broadcast_to(positions.reshape(positions.shape[:-2] + positions.shape[-1:])
+                              if positions.ndim == 3 else positions, x.shape[:-1])
+        qi = rms(np.moveaxis(self.index_q_proj(x).reshape(x.shape[:-1] + (h, d)), -2, -3),
+                 self.index_q_norm)                                  # (..., H_I, L, D_I)
+        qi = self.index_rope(qi, pos[..., None, :])
+        ki = self.index_k_proj(x)                                   # (..., L, D_I)
+        if self.index_blocks == "max":
+            ki = self.index_rope(rms(ki, self.index_k_norm), pos)
+            s = np.where(seen[..., None, :, :], qi @ np.swapaxes(ki, -1, -2)[..., None, :, :],
+                         -np.inf)                                    # (..., H_I, L, L)
+            blocks = -(-length // b)
+            padded = np.full(s.shape[:-1] + (blocks * b,), -np.inf)
+            padded[..., :length] = s
+            score = padded.reshape(s.shape[:-1] + (blocks, b)).max(-1)  # (..., H_I, L, M)
+            qb = pos[..., None, :, None] // b
+            near = (qb - np.arange(blocks) >= 0) & (qb - np.arange(blocks) < local)
+            near |= (np.arange(blocks) == 0) & (qb - local + 1 <= 0)  # the clip at block 0
+            score = np.where(near, np.inf, score)
+            order = np.argsort(-score, axis=-1, kind="stable")[..., :n]
+            top = np.take_along_axis(score, order, -1) > -np.inf
+            keep = np.zeros(score.shape, bool)
+            np.put_along_axis(keep, order, top, -1)
+            keep = np.repeat(keep, b, -1)[..., :length]              # (..., H_I, L, L)
+            return np.repeat(keep, self.heads // h, axis=-3)
+        keep = np.zeros(seen.shape, bool)
+        for idx in np.ndindex(seen.shape[:-1]):                     # one query at a time
+            row, vis = idx[:-1], np.flatnonzero(seen[idx])
+            c = len(vis) // b
+            keep[idx + (vis[c * b:],)] = True                        # the tail
+            if c == 0:
+                continue
+            groups = vis[:c * b].reshape(c, b)
+            key = rms(ki[row][groups].mean(-2), self.index_k_norm)  # (C, D_I)
+            key = self.index_rope(key, pos[row][groups[:, 0]])
+            score = np.maximum(qi[row][:, idx[-1]] @ key.T, 0).sum(0) / np.sqrt(d)
+            best = np.argsort(-score, kind="stable")[:n]
+            keep[idx + (groups[best].ravel(),)] = True
+        return keep[..., None, :, :]
 
     def transformer_xl(self, qv):
         """scale · (q_i + v)·r_ij (..., N, L, L), r_ij head n's slice of W_pos R(i − j), R(t) =
@@ -606,7 +681,8 @@ class GroupedQueryAttention(Module):
                                            "bias_u", "bias_v", "relative_key_table",
                                            "input_norm_weight", "input_norm_bias",
                                            "per_dim_scale", "output_norm_weight",
-                                           "temperature_scale", "temperature_bias")
+                                           "temperature_scale", "temperature_bias",
+                                           "index_q_norm", "index_k_norm")
                       if getattr(self, n) is not None})
         return table
 

@@ -180,7 +180,10 @@ def test_twins_define_each_class_in_the_same_room():
 def test_twin_class_signatures(variant):
     t, j = getattr(torch_attn, variant.class_name), getattr(jax_attn, variant.class_name)
     assert _params(t.__init__) == _params(j.__init__, drop=("rngs", "precision"))
-    assert [n for n, *_ in _params(t.__init__, drop=("self",))] == [a.name for a in variant.args]
+    # the arguments marked pending (the reference's, not yet the twins': issue 44 part 4's block
+    # indexer) are exactly those the twins lack; unmark them when the twins take them
+    assert [n for n, *_ in _params(t.__init__, drop=("self",))] == [
+        a.name for a in variant.args if not a.pending]
     assert _params(t.forward) == _params(j.__call__)
     call = [n for n, *_ in _params(t.forward, drop=("self",))]
     assert call[:len(variant.positional)] == list(variant.positional)

@@ -19,7 +19,9 @@ from golden.specification.decoder import sliding_window
 from golden.specification.outputs import gate_kind
 from golden.reference.arithmetic import number, real
 from golden.reference.block import block_backward, block_forward
-from golden.reference.core import sdpa_backward, sdpa_forward
+from golden.reference.core import allowed_positions, sdpa_backward, sdpa_forward
+from golden.reference.indexer import block_keys, selected_mask
+from golden.specification.indexer import BLOCK_DEFAULTS
 from golden.reference.norms import normalize, normalize_backward
 from golden.reference.merged import merged_backward, merged_forward
 from golden.reference.position_bias import alibi_term, relative_term
@@ -170,9 +172,10 @@ def _grouped_query(config, inputs, params):
         core["bias"], buckets = relative_term(c, x.shape[-2], params["relative_attention_bias"])
     causal = c.get("causal", True)
     x, normed = _input_norm(c, x, params)  # Granite Speech's pre_norm, before the projections
+    mask, key_indices = _block_mask(c, x, inputs, positions, settings, dh, multi, params)
     y, weights, saved = block_forward(
         x, x, x, params, num_heads=num_heads, kv_heads=c["num_kv_heads"], stages=stages,
-        mask=inputs.get("mask"), is_causal=causal, scale=c.get("scale"), softcap=c.get("softcap"),
+        mask=mask, is_causal=causal, scale=c.get("scale"), softcap=c.get("softcap"),
         local_window_size=sliding_window(c.get("sliding_window"), causal),
         query_seq_lengths=lengths, key_value_seq_lengths=lengths,
         dropout_rate=c.get("dropout", 0.0) if train else 0.0,
@@ -184,9 +187,46 @@ def _grouped_query(config, inputs, params):
         output_norm=None if c["output_norm"] is None else (c["output_norm"],
                                                            number(c["output_norm_eps"])),
         **core)
+    saved["key_indices"] = key_indices  # the block indexer's choice, or None
     saved["buckets"] = buckets  # T5's, for the table's gradient (block_backward)
     saved["input_norm"] = normed
     return y, weights, saved
+
+
+def _block_mask(c, x, inputs, positions, settings, dh, multi, params):
+    """(the attention's mask, key_indices or None): with index_blocks (MiniMax M3's, Qwen4-Exp's
+    block indexer, golden.reference.indexer.block_keys) the caller's mask AND the chosen keys,
+    chosen among the keys each query may see (mask, causal, window, lengths); without, the
+    caller's mask. No gradient reaches the indexer."""
+    mask = inputs.get("mask")
+    if c.get("index_blocks") is None:
+        return mask, None
+    c = {**dict(BLOCK_DEFAULTS), **c}  # the options not given at their defaults
+    if multi:
+        raise ValueError("positions should be (L,) or (B, L) with index_blocks (the indexer "
+                         "turns by one position per token), got multimodal positions of shape "
+                         f"{positions.shape}")
+    lead, length = x.shape[:-2], x.shape[-2]
+    flat = None if mask is None else np.asarray(mask)
+    if flat is not None and flat.ndim == len(lead) + 3:  # (..., 1, Lq, Lk): one for all heads
+        flat = flat[..., 0, :, :]
+    lengths = inputs.get("query_seq_lengths")
+    causal = c.get("causal", True)
+    allowed = allowed_positions(lead + (length, length), flat, causal,
+                                local_window_size=sliding_window(c.get("sliding_window"), causal),
+                                attention_chunk_size=c.get("attention_chunk_size"),
+                                query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    key_indices = block_keys(c, real(x), positions, lambda at: rope_cos_sin(settings, dh, at),
+                             {n: real(params[n]) for n in ("W_index_q", "W_index_k",
+                                                           "index_q_norm", "index_k_norm")},
+                             allowed)
+    chosen = selected_mask(key_indices, length)        # (..., [H,] Lq, Lk)
+    if c["index_blocks"] == "mean":
+        chosen = chosen[..., None, :, :]               # (..., 1, Lq, Lk)
+    if mask is None:
+        return chosen, key_indices
+    mask = np.asarray(mask)
+    return (mask if mask.ndim == len(lead) + 3 else mask[..., None, :, :]) & chosen, key_indices
 
 
 def _input_norm(c, x, params):

@@ -803,6 +803,39 @@ CASES += [
           "index_temperature": True}),
 ]
 
+# Block selection (issue 44 part 4, golden.specification.indexer, GroupedQueryAttention's
+# index_blocks): each query attends whole blocks of keys, L above the kept keys so that the
+# choice matters. MiniMax M3's "max" (per-KV-group max-pooled token scores, local blocks; its
+# per-head Gemma QK norm and partial RoPE) with right padding, and unbatched; Qwen4-Exp's
+# "mean" (pooled, normed, rotated blocks of the keys each query may see, the tail kept; its
+# gated attention, partial RoPE 1/4) with a mask, and unbatched. The seeds are those whose
+# draws separate every row's last kept and first dropped block scores by ≥ 1e-3 relative
+# (tests/test_indexer_blocks.py measures the gaps).
+CASES += [
+    Case("gqa_blocks_minimax_m3", GQA, 890,
+         {"x": ("normal", (2, 20, 6)), "query_seq_lengths": _ints([20, 17])},
+         {"d_in": 6, "num_heads": 4, "num_kv_heads": 2, "head_dim": 6, "rope_theta": 100.0,
+          "partial_rotary_factor": 2 / 3, "qk_norm": "rms_one_plus", "index_blocks": "max",
+          "index_heads": 2, "index_head_dim": 5, "index_block_size": 3,
+          "index_topk_blocks": 3, "index_local_blocks": 1}),
+    Case("gqa_blocks_qwen4_exp", GQA, 891,
+         {"x": ("normal", (2, 18, 6)), "mask": ("mask", (2, 18, 18), 0.85, ())},
+         {"d_in": 6, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "rope_theta": 100.0,
+          "partial_rotary_factor": 0.25, "qk_norm": "rms_one_plus", "output_gate": "sigmoid",
+          "index_blocks": "mean", "index_heads": 3, "index_head_dim": 4,
+          "index_block_size": 2, "index_topk_blocks": 3}),
+    Case("gqa_blocks_minimax_m3_unbatched", GQA, 892, {"x": ("normal", (15, 5))},
+         {"d_in": 5, "num_heads": 3, "num_kv_heads": 3, "head_dim": 4, "rope_theta": 300.0,
+          "qk_norm": "rms_one_plus", "index_blocks": "max", "index_heads": 3,
+          "index_head_dim": 4, "index_block_size": 2, "index_topk_blocks": 3,
+          "index_local_blocks": 2}),
+    Case("gqa_blocks_qwen4_exp_unbatched", GQA, 893, {"x": ("normal", (16, 5))},
+         {"d_in": 5, "num_heads": 2, "num_kv_heads": 1, "head_dim": 8, "rope_theta": 300.0,
+          "partial_rotary_factor": 0.25, "qk_norm": "rms_one_plus", "output_gate": "sigmoid",
+          "index_blocks": "mean", "index_heads": 4, "index_head_dim": 4,
+          "index_block_size": 3, "index_topk_blocks": 2}),
+]
+
 # Key width = value width (issue 26). Every core fixture above has Dv ≠ Dk, which fast kernels
 # (cuDNN, FlashAttention, Pallas, splash) and jax.nn.dot_product_attention refuse: these run
 # the core's features at Dk = Dv = D, so that JAX's, Flax's and PyTorch's own attention can be

@@ -13,8 +13,9 @@ A fixture is a zip of ``.npy`` members (readable by ``numpy.load(..., allow_pick
     expected/output      float64 reference output, expected/weights the float64 weights
                          (a recurrent mixer, golden.specification.recurrent, has no attention
                          weights: neither weights member, the loss Σ O⊙dO)
-    expected/key_indices with a learned indexer (latent attention's index_topk) alone: the
-                         keys it chose, int32 (..., Lq, k) (golden.reference.indexer); no
+    expected/key_indices with a learned indexer (latent attention's index_topk, or
+                         grouped-query attention's block indexer index_blocks) alone: the
+                         keys it chose, int32 (..., [H,] Lq, k) (golden.reference.indexer); no
                          cotangent, no gradient (a choice, not a value)
     grads/<name>         float64 dL/d<name> for every float input and every parameter
 
@@ -46,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from golden.specification import variants
+from golden.specification.indexer import block_key_shape
 from golden.specification.validate import DTYPES
 
 FORMAT = "attn-parity-fixture"
@@ -461,7 +463,8 @@ def _from_members(path, members) -> Fixture:
     weights = {"cotangents/weights", "expected/weights"}  # none for a recurrent mixer
     if weights & set(members):
         required |= weights
-    if isinstance(meta.get("config"), dict) and meta["config"].get("index_topk") is not None:
+    if isinstance(meta.get("config"), dict) and (meta["config"].get("index_topk") is not None
+                                                 or meta["config"].get("index_blocks")):
         required.add("expected/key_indices")  # the indexer's choice
     for group in ("inputs", "params", "grads"):
         required |= {f"{group}/{n}" for n in meta[group]}
@@ -568,7 +571,16 @@ def _check_consistency(fail, meta, groups) -> None:
 
 def _check_key_indices(fail, chosen, config, shape) -> None:
     """expected/key_indices: int32 (..., Lq, k), k = min(index_topk, Lk), in [0, Lk), each
-    row's keys distinct."""
+    row's keys distinct; a block indexer's (index_blocks, golden.specification.indexer):
+    (..., [H,] Lq, k) of block_key_width, in [0, Lk), repeats allowed (its fill rule)."""
+    if config.get("index_blocks"):
+        want = block_key_shape(config, shape)
+        if chosen.dtype != np.int32 or chosen.shape != want:
+            fail(f"expected/key_indices should be int32 of shape {want}, got {chosen.dtype} "
+                 f"of shape {chosen.shape}")
+        if chosen.size and (chosen.min() < 0 or chosen.max() >= shape[-1]):
+            fail(f"expected/key_indices should be keys in [0, {shape[-1]})")
+        return
     want = tuple(shape[:-3]) + (shape[-2], min(config["index_topk"], shape[-1]))
     if chosen.dtype != np.int32 or chosen.shape != want:
         fail(f"expected/key_indices should be int32 of shape {want}, got {chosen.dtype} of "

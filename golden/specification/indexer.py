@@ -31,9 +31,9 @@ The options (constructor arguments of MultiHeadLatentAttention, all inert withou
                       DeepSeek-V3.2) or "weights" (on w: HY-V4); equal in exact arithmetic (ReLU(a·x) =
                       a·ReLU(x), a > 0), rounded differently
     index_norm_eps    ε of the indexer's LayerNorms (1e-6; HY-V4's is its rms_norm_eps)
-    index_select      "tokens" (the top-k keys); "blocks" (MiniMax M3's max-pooled key blocks
-                      with local blocks, Qwen4-Exp's pooled rotated blocks) is refused by name:
-                      not built yet
+    index_select      "tokens" (the top-k keys); "blocks" is refused by name here: MiniMax M3's
+                      and Qwen4-Exp's block selection sits on grouped-query (softmax) attention,
+                      not latent attention: GroupedQueryAttention's index_blocks (below)
 
 The selection rule (one, in every implementation): among the keys a query may see (its mask,
 causal, lengths), the k = min(index_topk, Lk) highest scores, equal scores won by the lowest key
@@ -41,8 +41,47 @@ index; a row that sees fewer than k keys fills its remaining slots with the keys
 see, lowest index first (harmless: the attention's own mask still excludes them). The result,
 key_indices (..., Lq, k) int, lists each row's keys best first.
 
+Block selection (issue 44 part 4), options of GroupedQueryAttention (all inert without
+index_blocks). Both families put it on ordinary GQA softmax attention (transformers 5.23.0:
+MiniMaxM3VLAttention(MiniMaxM2Attention), Qwen4ExpTextAttention(Qwen3_5Attention)); each query
+keeps whole blocks of b consecutive keys:
+    index_blocks        None (no indexer), "max" or "mean", the family's scorer:
+      "max"   MiniMax M3 (MiniMaxM3VLIndexer): q^I = RMS(x W_index_q)·index_q_norm, (L, H_I, D_I),
+              k^I = RMS(x W_index_k)·index_k_norm, (L, D_I), both turned by the layer's RoPE
+              (rotate-half, its rotary features); token scores S[h, t, j] = q^I[t, h]·k^I[j] (no
+              scale), those of keys t may not see dropped (Hugging Face drops only the
+              future, by position: the same under right padding; under another mask it pools
+              keys the mask hides, ours does not); block m = keys m·b … m·b + b − 1 (by key
+              index); its score the max of its keys' (a block with none: not eligible); the
+              index_local_blocks blocks q_b, q_b − 1, … (q_b = position_t // b, clipped at 0)
+              always kept; then the highest-scoring eligible blocks, index_topk_blocks in all.
+              One choice per indexer head: H_I = num_kv_heads, each KV group's query heads
+              attend their group's blocks.
+      "mean"  Qwen4-Exp (Qwen4ExpTextQSAIndexer): q^I = RMS(x W_index_q)·index_q_norm turned at
+              its position; the raw keys x W_index_k; for query t, the keys it may see, in
+              order, cut into complete blocks of b (the last < b of them, the tail, always
+              kept); a block's key = RMS(mean of its raw keys)·index_k_norm turned at its first
+              token's position; its score Σ_h ReLU(q^I[t, h]·key) / √D_I; the index_topk_blocks
+              highest-scoring blocks kept, and the tail. One choice for all heads.
+    index_heads, index_head_dim   H_I, D_I (D_I at least the layer's rotary features)
+    index_block_size    b (MiniMax index_block_size; Qwen4-Exp indexer_compress_ratio)
+    index_topk_blocks   blocks kept (MiniMax index_topk_blocks, local ones included; Qwen4-Exp
+                        indexer_budget / indexer_compress_ratio)
+    index_local_blocks  MiniMax's local blocks (≤ index_topk_blocks); 0 with "mean" (refused
+                        otherwise: Qwen4-Exp keeps its tail instead, not built for "mean")
+    index_norm_eps      ε of the indexer's two RMSNorms (their weights are the multipliers:
+                        Hugging Face's Gemma-style 1 + w is converted on import)
+Equal block scores: the lowest block index wins (as for tokens; torch.topk in Hugging Face's
+may break a tie otherwise, e.g. Qwen4-Exp's blocks whose every ReLU is 0). The choice expanded to
+key_indices (..., [H,] Lq, k): the chosen blocks' keys best block first, each block's in index
+order (then the tail), the rest of the k slots repeating the row's first chosen key (key 0 if
+it chose none); k = min(index_topk_blocks · b, Lk) ("max", per query head) or
+min(index_topk_blocks · b + b − 1, Lk) ("mean", shared). The attention then sees only the keys
+its mask allows AND the chosen ones; no gradient through the choice (the chosen keys are
+integers; Hugging Face's indexer parameters get none, and neither do ours).
+
 Shape legend: L tokens (Lq queries, Lk keys), H_I indexer heads, D_I indexer head width,
-d_in the model width, q_lora the query latent's width.
+d_in the model width, q_lora the query latent's width, b the block size.
 """
 
 from __future__ import annotations
@@ -54,8 +93,16 @@ INDEX_ROPE_DIMS = ("first", "last")
 INDEX_QUERIES = ("latent", "layer_norm")
 INDEX_SCALES = ("scores", "weights")
 INDEX_SELECTS = ("tokens",)
-REFUSED_SELECTS = {"blocks": "MiniMax M3's max-pooled key blocks with local blocks and "
-                             "Qwen4-Exp's pooled rotated blocks are not built yet (issue 44)"}
+REFUSED_SELECTS = {"blocks": "MiniMax M3's and Qwen4-Exp's block selection sits on "
+                             "grouped-query attention: GroupedQueryAttention's index_blocks"}
+INDEX_BLOCKS = ("max", "mean", None)
+
+# (name, default) of every block-selection option of GroupedQueryAttention, in its order
+BLOCK_DEFAULTS = (("index_blocks", None), ("index_heads", None), ("index_head_dim", None),
+                  ("index_block_size", None), ("index_topk_blocks", None),
+                  ("index_local_blocks", 0), ("index_norm_eps", 1e-6))
+# The parameters only the block indexer reads: they have no gradient.
+BLOCK_PARAMS = ("W_index_q", "W_index_k", "index_q_norm", "index_k_norm")
 
 # (name, default) of every indexer option, in the constructor's order after output_gate
 INDEX_DEFAULTS = (("index_topk", None), ("index_heads", None), ("index_head_dim", None),
@@ -99,6 +146,64 @@ def check_index_select(name, value) -> None:
     _one_of(name, value, INDEX_SELECTS)
 
 
+def check_index_blocks(name, value) -> None:
+    _one_of(name, value, INDEX_BLOCKS)
+
+
+def check_local_blocks(name, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} should be an int ≥ 0, got {value!r}")
+
+
+def block_shapes(c, rotary) -> dict:
+    """The block indexer's parameters for a full GroupedQueryAttention configuration ``c`` whose
+    RoPE turns ``rotary`` features (0 without RoPE), {} without index_blocks; ValueError naming
+    a setting that does not fit the others. Options not in ``c`` take their defaults."""
+    c = {**dict(BLOCK_DEFAULTS), **c}
+    if c["index_blocks"] is None:
+        for name, default in BLOCK_DEFAULTS[1:]:
+            if c[name] != default:
+                raise ValueError(f"{name} should be {default!r} without index_blocks (no "
+                                 f"indexer), got {c[name]!r}")
+        return {}
+    for name in ("index_heads", "index_head_dim", "index_block_size", "index_topk_blocks"):
+        if c[name] is None:
+            raise ValueError(f"{name} should be a positive int with index_blocks = "
+                             f"{c['index_blocks']!r}, got None")
+    h, d, kind = c["index_heads"], c["index_head_dim"], c["index_blocks"]
+    if rotary == 0 or c["rope_interleaved"]:
+        raise ValueError(f"index_blocks should be None without rotate-half RoPE (both families "
+                         f"turn the indexer by the layer's rotate-half RoPE), got {kind!r} with "
+                         f"rope_theta = {c['rope_theta']!r}, rope_interleaved = "
+                         f"{c['rope_interleaved']!r}")
+    if rotary > d:
+        raise ValueError(f"index_head_dim should be at least the layer's rotary features = "
+                         f"{rotary} (the indexer turns that many), got {d}")
+    if kind == "max" and h != c["num_kv_heads"]:
+        raise ValueError(f"index_heads should be num_kv_heads = {c['num_kv_heads']} with "
+                         f"index_blocks = 'max' (one choice per KV group), got {h}")
+    if kind == "max" and c["index_local_blocks"] > c["index_topk_blocks"]:
+        raise ValueError(f"index_local_blocks should be at most index_topk_blocks = "
+                         f"{c['index_topk_blocks']} (the local blocks are among those kept), "
+                         f"got {c['index_local_blocks']}")
+    if kind == "mean" and c["index_local_blocks"] != 0:
+        raise ValueError(f"index_local_blocks should be 0 with index_blocks = 'mean' (Qwen4-Exp "
+                         f"keeps its tail, not local blocks: not built), got "
+                         f"{c['index_local_blocks']}")
+    return {"W_index_q": (c["d_in"], h * d), "W_index_k": (c["d_in"], d),
+            "index_q_norm": (d,), "index_k_norm": (d,)}
+
+
+def block_key_shape(c, weights_shape) -> tuple:
+    """The shape of a block indexer's key_indices for a full configuration ``c`` and attention
+    weights (..., H, Lq, Lk): (..., H, Lq, k) for "max", (..., Lq, k) for "mean", k =
+    min(index_topk_blocks · b, Lk) or min(index_topk_blocks · b + b − 1, Lk)."""
+    b, n, lk = c["index_block_size"], c["index_topk_blocks"], weights_shape[-1]
+    if c["index_blocks"] == "max":
+        return tuple(weights_shape[:-1]) + (min(n * b, lk),)
+    return tuple(weights_shape[:-3]) + (weights_shape[-2], min(n * b + b - 1, lk))
+
+
 def index_shapes(c) -> dict:
     """The indexer's parameters (neutral layout, W (in, out)) for a full MultiHeadLatentAttention
     configuration ``c``, {} without index_topk; ValueError naming a setting that does not fit
@@ -134,13 +239,14 @@ def index_shapes(c) -> dict:
     return shapes
 
 
-def check_index_mask(mask, lead) -> None:
-    """The indexer chooses one set of keys for every head (Hugging Face reads
-    attention_mask[:, 0]): a mask with a head axis must have it of size 1."""
+def check_index_mask(mask, lead, option="index_topk") -> None:
+    """The indexer chooses among the keys one mask lets a query see (Hugging Face reads
+    attention_mask[:, 0]): a mask with a head axis must have it of size 1. ``option`` names
+    the indexer's setting (index_topk, or GroupedQueryAttention's index_blocks)."""
     if mask is not None and np.ndim(mask) == len(lead) + 3 and np.shape(mask)[-3] != 1:
-        raise ValueError(f"mask should have no head axis, or one of size 1, with index_topk (the "
-                         f"indexer chooses the same keys for every head), got shape "
-                         f"{tuple(np.shape(mask))}")
+        raise ValueError(f"mask should have no head axis, or one of size 1, with {option} (the "
+                         f"indexer chooses among the keys one mask lets each query see), got "
+                         f"shape {tuple(np.shape(mask))}")
 
 
 def check_key_indices(key_indices, lead, lq, lk, k) -> None:

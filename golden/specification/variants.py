@@ -36,9 +36,11 @@ from golden.specification.description import (REQUIRED, Arg, Input, Variant,  # 
 from golden.specification.outputs import (check_output_gate, check_output_norm, gate_kind,
                                           output_shapes)
 from golden.specification import recurrent
-from golden.specification.indexer import (check_index_query, check_index_rope,
+from golden.specification.indexer import (block_shapes, check_index_blocks,
+                                          check_index_query, check_index_rope,
                                           check_index_rope_dims, check_index_scale,
-                                          check_index_select, check_index_mask, index_shapes)
+                                          check_index_select, check_index_mask,
+                                          check_local_blocks, index_shapes)
 from golden.specification.position_terms import (
     check_alibi,
     check_alibi_bias_max,
@@ -203,8 +205,7 @@ def _grouped_query_shapes(c):
                          f"got {dh}")
     rope = rope_settings(c["rope_theta"], c["rope_parameters"], c["partial_rotary_factor"],
                          c["rope_precision"])
-    if rope is not None:
-        rotary_dims(dh, rope)
+    rotary = 0 if rope is None else rotary_dims(dh, rope)
     d_out = c["d_in"] if c["d_out"] is None else c["d_out"]
     if c["clip_qkv_after_norm"] and (c["clip_qkv"] is None or c["qk_norm"] is None
                                      or c["qk_norm"] in AFTER_ROPE):
@@ -232,6 +233,7 @@ def _grouped_query_shapes(c):
         shapes["k_norm"] = QK_NORMS[c["qk_norm"]][0](hkv, dh)
     if c["qk_norm"] in BIASED_QK_NORMS:  # Chameleon: each head's norm has a bias
         shapes["q_norm_bias"], shapes["k_norm_bias"] = shapes["q_norm"], shapes["k_norm"]
+    shapes.update(block_shapes(c, rotary))  # MiniMax M3's, Qwen4-Exp's block indexer
     if c.get("kv_shared"):  # Gemma 4's, Gemma 3n's reusing layers: the storing layer's k and v
         _check_kv_shared(c)
         for name in ("W_key", "b_key", "W_value", "b_value", "k_norm", "k_norm_bias"):
@@ -419,6 +421,8 @@ def _self_inputs(c, i, rate):
 
 
 def _decoder_inputs(c, i, rate):
+    if c.get("index_blocks") is not None:  # one visible set per query, as Hugging Face's mask[:, 0]
+        check_index_mask(i.get("mask"), np.shape(i["x"])[:-2], "index_blocks")
     return check_decoder_inputs(i["x"], c["d_in"], i.get("mask"), i.get("dropout_mask"),
                                 i.get("query_seq_lengths"), heads=c["num_heads"], rate=rate,
                                 positions=i.get("positions"),
@@ -530,14 +534,23 @@ _VARIANTS = [
              Arg("gate_bias", _flag_or_none, None), Arg("v_head_dim", positive_or_none, None),
              Arg("value_scale", _value_scale, None),
              Arg("clip_qkv_after_norm", _flag, False), Arg("kv_shared", _flag, False),
-             Arg("merged_context", _flag, False)),
+             Arg("merged_context", _flag, False),
+             # the block indexer (issue 44 part 4): the reference's, not yet the twins'
+             Arg("index_blocks", check_index_blocks, None, pending=True),
+             Arg("index_heads", positive_or_none, None, pending=True),
+             Arg("index_head_dim", positive_or_none, None, pending=True),
+             Arg("index_block_size", positive_or_none, None, pending=True),
+             Arg("index_topk_blocks", positive_or_none, None, pending=True),
+             Arg("index_local_blocks", check_local_blocks, 0, pending=True),
+             Arg("index_norm_eps", epsilon, 1e-6, pending=True)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
+            # (the block indexer's W_index_q, W_index_k join the layers when the twins hold them)
             layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
             vectors=("q_norm", "k_norm", "q_norm_bias", "k_norm_bias", "sinks",
                      "relative_attention_bias", "bias_u",
                      "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias",
                      "per_dim_scale", "output_norm_weight", "temperature_scale",
-                     "temperature_bias"),
+                     "temperature_bias", "index_q_norm", "index_k_norm"),
             sample=dict(d_in=5, num_heads=6, num_kv_heads=2, head_dim=4, d_out=3, qkv_bias=True,
                         out_bias=True, rope_theta=100.0, dropout=0.1)),
     Variant("multi_head_cross_attention", "MultiHeadCrossAttention",
