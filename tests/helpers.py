@@ -341,6 +341,15 @@ def sweep(params: list, features: list) -> list:
             for i, p in enumerate(params)]
 
 
+def one(params: list, keep: str) -> list:
+    """``params`` (pytest.param) with the ``matrix`` mark on all but the one of id ``keep``: for
+    a sweep whose every case costs seconds of compiling (tests/devices8's programs on 8
+    devices), the quick suite runs one representative, the whole matrix every case."""
+    assert keep in [p.id for p in params], keep
+    return [p if p.id == keep else pytest.param(*p.values, id=p.id, marks=[*p.marks, matrix])
+            for p in params]
+
+
 def fixture_sweep(runs) -> list:
     """pytest parameters (name, dtype), ids "name-dtype", of the fixture runs ``runs``: a
     covering few in the quick suite (``sweep`` over ``fixture_features``), all in the matrix."""

@@ -20,7 +20,7 @@ import torch
 from golden import hf
 from golden.verifier import check as hf_check
 from golden.verifier import speech
-from tests.helpers import matrix
+from tests.helpers import matrix, sweep
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -260,8 +260,15 @@ def test_the_verifiers_chunked_limited_mask_is_hfs(length, left, right):
     np.testing.assert_array_equal(speech.chunked_limited(length, left, right), theirs)
 
 
-@pytest.mark.parametrize("name", ["parakeet_encoder", "nemotron_asr_streaming_encoder"])
-@pytest.mark.parametrize("factor", [2, 4, 8])
+# Each family and each factor once in the quick suite (a covering few: three of the six, each
+# a tiny checkpoint checked end to end, seconds apiece), every pair in the whole matrix.
+SUBSAMPLED = sweep([pytest.param(f, n, id=f"{f}-{n}") for n in
+                    ("parakeet_encoder", "nemotron_asr_streaming_encoder") for f in (2, 4, 8)],
+                   [{("name", n), ("factor", f)} for n in
+                    ("parakeet_encoder", "nemotron_asr_streaming_encoder") for f in (2, 4, 8)])
+
+
+@pytest.mark.parametrize("factor, name", SUBSAMPLED)
 def test_the_features_drawn_are_subsampled_to_the_frames_drawn(name, factor):
     """feature_frames(model, L): HF's subsampling module turns T frames into L, T − 1 into
     fewer, for every L up to 40."""

@@ -14,7 +14,6 @@ key/value width, L module sequence length, d_* feature widths.
 from __future__ import annotations
 
 import functools
-import os
 import re
 
 import jax
@@ -31,7 +30,7 @@ from golden.reference import ZERO_GRADS
 from golden.specification.tolerances import compare
 from jax_attn import functional
 from jax_attn.sharding import BATCH, HEADS, layer_specs, shard_module
-from tests.helpers import fresh_rng, sweep
+from tests.helpers import fresh_rng, matrix, one
 
 B, H, LQ, LK, DK, DV = 4, 8, 24, 40, 6, 10
 DATA, MODEL = 2, 4  # the mesh's shape
@@ -152,10 +151,12 @@ def _core_reference(name):
     return seed, arrays, cot, *result
 
 
-# Each case on both mesh kinds in the whole matrix; in the quick suite on one kind each, in turn.
-@pytest.mark.parametrize("kind, name", sweep(
-    [pytest.param(k, n, id=f"{k}-{n}") for n in CORE_CASES for k in KINDS],
-    [{("case", n), ("kind", k)} for n in CORE_CASES for k in KINDS]))
+# Each case on both mesh kinds, in the whole matrix: each compiles the core on 8 devices, and
+# the quick suite keeps tests/devices8 to one ring (test_ring.py) and one sharded module
+# (test_module_sharded_equals_one_device, below).
+@matrix
+@pytest.mark.parametrize("kind, name", [pytest.param(k, n, id=f"{k}-{n}") for n in CORE_CASES
+                                        for k in KINDS])
 def test_core_sharded_equals_one_device(kind, name):
     mesh = _mesh(kind)
     dtype, hkv, kv_spec, settings, extras = CORE_CASES[name]
@@ -200,6 +201,7 @@ def test_the_collective_reader_sees_an_all_gather(mesh):
     assert [op for op, _ in _collectives(text)] == ["all-gather"]
 
 
+@matrix  # a program compiled on 8 devices: the whole matrix (see above)
 def test_sharded_arrays_skip_the_cpu_chunks(mesh, monkeypatch):
     # At these scores (B·H·Lq·Lk = 2²¹) CPU runs one device's (batch, head) pairs in chunks
     # (lax.map); sharded arrays take the one vmap, so that nothing is gathered, and agree.
@@ -342,14 +344,12 @@ def _build(name, config, params):
 
 
 def _module_params():
-    """Each head-parallel case on both mesh kinds; the others, whose parameters are only
-    replicated, on one kind each, in turn (every module on both in the whole matrix,
-    ATTN_PARITY_MATRIX=1): each sharded compilation costs about a second here."""
-    both = os.environ.get("ATTN_PARITY_MATRIX") == "1"
-    replicated = [c for c in MODULE_CASES if c.split("-")[0] not in HEAD_PARALLEL]
-    return [pytest.param(kind, case, id=f"{kind}-{case}") for case in MODULE_CASES
-            for kind in KINDS if both or case not in replicated
-            or kind == KINDS[replicated.index(case) % 2]]
+    """Every module case on both mesh kinds in the whole matrix (ATTN_PARITY_MATRIX=1); in the
+    quick suite one, head-parallel grouped-query attention with issue 23's options (norms,
+    gate, temperature, sinks, chunks) on explicit axes: each sharded compilation costs
+    seconds here."""
+    return one([pytest.param(kind, case, id=f"{kind}-{case}") for case in MODULE_CASES
+                for kind in KINDS], "explicit-grouped_query_attention-options")
 
 
 @pytest.mark.parametrize("kind, case", _module_params())
@@ -433,6 +433,7 @@ def test_latent_attention_is_split_by_head(mesh):
         _sharded_like(getattr(mla, norm).get_value(), mesh, P())
 
 
+@matrix  # a program compiled on 8 devices: the whole matrix (see above)
 @pytest.mark.parametrize("kind", KINDS)
 def test_latent_attention_absorbed_sharded_equals_one_device(kind):
     """absorb=True on the layout above (W_kv_b's halves read per head from its column-split

@@ -29,7 +29,7 @@ import jax_attn
 from golden.specification import decoder
 from golden.specification.tolerances import compare
 from jax_attn import ring
-from tests.helpers import count_compiles, fresh_rng, sweep
+from tests.helpers import count_compiles, fresh_rng, matrix, one
 
 B, H, HKV, L, DK, DV = 2, 4, 2, 64, 8, 6  # G = 2; zig-zag chunks of L / 16 = 4 on 8 devices
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,20 +128,13 @@ def _pairs(got, expected):
             ("grad key", "grad", dk, dk_e), ("grad value", "grad", dv, dv_e)]
 
 
-def _features(name):
-    """What a ring case sets: its mesh axes, the ring's arguments, the core's arguments, and
-    whether its queries or heads differ from the keys'."""
-    axes, ring_kw, core_kw, shapes = CASES[name]
-    return {("axes", tuple(axes)), *(("ring", k, str(v)) for k, v in ring_kw.items()
-                                     if k != "block_sizes"),
-            ("blocks", "block_sizes" in ring_kw), *(("core", k) for k in core_kw),
-            *(("shape", k) for k in shapes)}
-
-
-# A covering few cases in the quick suite (each mesh, layout, argument and shape at least
-# once), every case in the whole matrix.
-@pytest.mark.parametrize("name", sweep([pytest.param(n, id=n) for n in CASES],
-                                       [_features(n) for n in CASES]))
+# One case in the quick suite (the zig-zag ring with the most of the core's arguments: causal,
+# soft-cap, window, offsets, lengths), every case in the whole matrix: each compiles a ring on
+# 8 devices, seconds apiece, and the quick suite keeps tests/devices8 to one ring and one
+# sharded module (tests/devices8/test_mesh.py); the other ring tests below compile too and
+# run in the whole matrix.
+@pytest.mark.parametrize("name", one([pytest.param(n, id=n) for n in CASES],
+                                     "zigzag_causal_softcap_window_offsets_lengths"))
 def test_matches_single_device_float64(name):
     # The same maths as the single-device core in another order (per chunk, per ring step):
     # float64 agrees to rounding. The reference is the dense path, which shares no code with
@@ -156,6 +149,7 @@ def test_matches_single_device_float64(name):
     assert "all-gather" not in hlo and "all-to-all" not in hlo
 
 
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
 @pytest.mark.parametrize("name", FLOAT32_CASES)
 def test_matches_single_device_float32(name):
     # float32 ring against the float64 single-device result, by the tolerance table (the
@@ -167,6 +161,7 @@ def test_matches_single_device_float32(name):
     assert not bad, f"seed {seed}: {bad}"
 
 
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
 def test_new_offsets_and_lengths_do_not_recompile():
     rng, _ = fresh_rng()
     q, k, v = (jnp.asarray(x, "float32") for x in _inputs(rng, dv=DK))
@@ -193,6 +188,7 @@ SINK_CASES = {  # (mesh, ring_attention's own arguments, the core's arguments)
 }
 
 
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
 @pytest.mark.parametrize("name", SINK_CASES)
 def test_sinks_and_chunks_match_single_device(name):
     # Sinks (H,) start every row's online softmax on each device; dL/dsinks sums every
@@ -316,24 +312,7 @@ def _distance_case(name, dtype, rng):
 DISTANCE_NAMES = ("output", "query", "key", "value", "distance_bias")
 
 
-def _distance_features(name):
-    """What a distance case sets: its mesh axes, the ring's and the core's arguments, its
-    shapes, and its table (its name's ALiBi or T5, shared or per row)."""
-    axes, ring_kw, core_kw, shapes, _ = DISTANCE_CASES[name]
-    return {("axes", tuple(axes)), *(("ring", k, str(v)) for k, v in ring_kw.items()
-                                     if k != "block_sizes"),
-            *(("core", k) for k in core_kw), *(("shape", k) for k in shapes),
-            ("table", "t5" if "t5" in name else "alibi"), ("per_row", "per_row" in name)}
-
-
-# float64: every case (a covering few is all of them). float32: a covering few of the tables,
-# meshes and layouts in the quick suite (each case takes seconds), every case in the matrix.
-DISTANCE_FLOAT32 = sweep([pytest.param(n, id=n) for n in DISTANCE_CASES],
-                         [{f for f in _distance_features(n) if f[0] in ("axes", "table")}
-                          | {("layout", DISTANCE_CASES[n][1].get("layout", "zigzag")[:6])}
-                          for n in DISTANCE_CASES])
-
-
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
 @pytest.mark.parametrize("name", DISTANCE_CASES)
 def test_distance_bias_matches_single_device_float64(name):
     # Each pair of chunks reads the table at its global distances (its shifted positions):
@@ -349,7 +328,8 @@ def test_distance_bias_matches_single_device_float64(name):
     assert "all-gather" not in hlo and "all-to-all" not in hlo
 
 
-@pytest.mark.parametrize("name", DISTANCE_FLOAT32)
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
+@pytest.mark.parametrize("name", DISTANCE_CASES)
 def test_distance_bias_matches_single_device_float32(name):
     # The float32 ring against the float64 one-device core, by the tolerance table.
     rng, seed = fresh_rng()
@@ -361,6 +341,7 @@ def test_distance_bias_matches_single_device_float32(name):
     assert not bad, f"seed {seed}: {bad}"
 
 
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
 def test_distance_bias_moves_the_output():
     # The bias reaches the ring: without it the output is far from the biased one.
     rng, _ = fresh_rng()
@@ -391,6 +372,7 @@ def _output_and_grads(f):
     return run
 
 
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
 @pytest.mark.parametrize("layout", ["zigzag", "zigzag_ordered"])
 def test_compiled_program_sends_the_formulas_bytes(layout):
     # Read from the compiled forward and forward+backward programs: every collective-permute's
@@ -420,6 +402,7 @@ def test_compiled_program_sends_the_formulas_bytes(layout):
 
 # ---- how the work is spread --------------------------------------------------------------------
 
+@matrix  # a ring compiled on 8 devices: the whole matrix (see above)
 def test_zigzag_gives_every_device_the_same_causal_work():
     # Blocks of 2 × 2 scores the forward computes per device (blockwise.visited: the loop
     # bounds the forward runs). Zig-zag, chunks of c = L/2P = 4, n = 2 blocks a side: step 0

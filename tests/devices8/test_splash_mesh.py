@@ -34,7 +34,10 @@ def _mesh(kind):
     return jax.make_mesh((2, 2, 2), ("data", "model", "seq"), axis_types=axis_types)
 
 
-@pytest.mark.parametrize("kind", ["explicit", pytest.param("auto", marks=matrix)])
+# Compiled on 8 devices (interpret mode): the whole matrix, as the rest of tests/devices8 but one
+# ring and one sharded module (tests/devices8/test_ring.py, test_mesh.py).
+@matrix
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_sharded_splash_equals_the_core_on_one_device(kind):
     rng, seed = fresh_rng()
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
