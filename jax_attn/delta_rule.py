@@ -79,18 +79,26 @@ def _segment_sums(g):
     padded = jnp.concatenate([jnp.zeros_like(g[:1]), g])  # g′ (T + 1, …)
     strict = jnp.tril(jnp.ones((t, t), bool), -1)  # [m, j]: m > j
     strict = strict.reshape(strict.shape + (1,) * (g.ndim - 1))
-    return jnp.cumsum(jnp.where(strict, padded[:, None], 0), axis=0)
+    # The running sum down each column as a product with the lower-triangular ones (the same
+    # summands, each multiplied by 1 or 0 exactly): XLA's CPU cumsum of (T + 1, T + 1) blocks
+    # took twice as long as this product.
+    ones = jnp.tril(jnp.ones((t, t), g.dtype))
+    return _dot("im,mj...->ij...", ones, jnp.where(strict, padded[:, None], 0))
 
 
 def _decayed_scores(a, b, inner):
-    """(a bᵀ) ⊙ D for a, b (T, Dk) and D_ij = e^{Γ_i − Γ_j} for j ≤ i (0 above), ``inner`` the
-    segment sums Γ_i − Γ_j (T, T) per head, or Σ_c a_ic b_jc e^{Γ_ic − Γ_jc} for ``inner``
-    (T, T, Dk) per key channel (HF's (T, T, Dk) decay mask: every exponent ≤ 0 where kept)."""
-    t = a.shape[0]
+    """(a bᵀ) ⊙ D for a (R·T, Dk) (R blocks of T rows, each scored alike), b (T, Dk) and D_ij =
+    e^{Γ_i − Γ_j} for j ≤ i (0 above), ``inner`` the segment sums Γ_i − Γ_j (T, T) per head,
+    or Σ_c a_ic b_jc e^{Γ_ic − Γ_jc} for ``inner`` (T, T, Dk) per key channel (HF's (T, T, Dk)
+    decay mask: every exponent ≤ 0 where kept). (R·T, T)."""
+    t = b.shape[0]
+    blocks = a.reshape(-1, t, a.shape[-1])  # (R, T, Dk): one product for the R blocks
     lower = jnp.tril(jnp.ones((t, t), bool))
     if inner.ndim == 2:
-        return _dot("ik,jk->ij", a, b) * jnp.where(lower, jnp.exp(inner), 0)
-    return _dot("ik,jk,ijk->ij", a, b, jnp.where(lower[:, :, None], jnp.exp(inner), 0))
+        out = _dot("rik,jk->rij", blocks, b) * jnp.where(lower, jnp.exp(inner), 0)
+    else:
+        out = _dot("rik,jk,ijk->rij", blocks, b, jnp.where(lower[:, :, None], jnp.exp(inner), 0))
+    return out.reshape(a.shape[0], t)
 
 
 def _unit_lower_inverse(m):

@@ -21,7 +21,7 @@ from golden.specification.recurrent import RecurrentCache
 from golden.specification.tolerances import compare, delta_rule_bound
 from jax_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
 from tests.helpers import fresh_rng, matrix
-from tests.recurrent_checks import assert_low_precision_within_bound, jax_output
+from tests.recurrent_checks import assert_low_precision_within_bound, jax_output, x_terms
 
 GDN = "gated_delta_net"
 SPEC = recurrent.get(GDN)
@@ -79,7 +79,7 @@ def test_module_matches_reference_float64(implementation):
     assert compare(y, expected, "float64").ok, seed
     assert set(grads) == set(want)
     for name, g in grads.items():
-        terms = 1 if name == "x" else 2 * 7
+        terms = x_terms(params, config["d_in"], 7) if name == "x" else 2 * 7
         assert compare(g, want[name], "float64", "grad", terms=terms).ok, (name, seed)
 
 

@@ -15,7 +15,7 @@ from golden.specification import implementations, recurrent
 from golden.specification.recurrent import RecurrentCache
 from golden.specification.tolerances import compare
 from tests.helpers import fresh_rng
-from tests.recurrent_checks import assert_low_precision_within_bound, torch_output
+from tests.recurrent_checks import assert_low_precision_within_bound, torch_output, x_terms
 from torch_attn.params import export_grads
 from torch_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
 
@@ -65,7 +65,8 @@ def test_module_equals_the_reference_forward_and_gradients(implementation, neg):
     got = {**export_grads(module), "x": xt.grad.numpy()}
     assert sorted(got) == sorted(expected)
     for name, g in expected.items():  # a parameter's gradient sums over B·L positions
-        c = compare(got[name], g, "float64", "grad", terms=1 if name == "x" else x.size)
+        terms = x_terms(params, config["d_in"], x.shape[1]) if name == "x" else x.size
+        c = compare(got[name], g, "float64", "grad", terms=terms)
         assert c.ok, f"{name} {c}, seed {seed}"
 
 

@@ -25,7 +25,7 @@ from jax_attn.recurrent import (
     lightning_rule,
 )
 from tests.helpers import fresh_rng, matrix
-from tests.recurrent_checks import assert_low_precision_within_bound, jax_output
+from tests.recurrent_checks import assert_low_precision_within_bound, jax_output, x_terms
 
 KDA, LIGHTNING = "kimi_delta_attention", "lightning_attention"
 IMPLEMENTATIONS = tuple(DELTA_RULE_IMPLEMENTATIONS)
@@ -104,7 +104,7 @@ def test_module_matches_reference_float64(name, implementation):
     assert compare(y, expected, "float64").ok, seed
     assert set(grads) == set(want)
     for param, g in grads.items():
-        terms = 1 if param == "x" else 2 * 7
+        terms = x_terms(params, config["d_in"], 7) if param == "x" else 2 * 7
         assert compare(g, want[param], "float64", "grad", terms=terms).ok, (param, seed)
 
 

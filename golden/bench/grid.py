@@ -49,7 +49,9 @@ class Grid:
     positions_text: tuple = (1, 4096, 2048, 16, 2, 128, 32, (16, 24, 24), (24, 20, 20))
     # gated delta-rule linear attention, float32: H, D, and per batch size B the lengths L of
     # its forward rows and the longest L of its forward+backward rows (a decode step each B)
-    linear: tuple = (16, 128, ((1, (1024, 4096, 16384, 32768), 16384), (4, (1024, 4096), 4096)))
+    # (transformers' forward+backward grows faster than L: 5.7 s at L = 4096, B = 1, on this
+    # project's 2-core host, about 18 times its 1024's, hence the shorter backward rows)
+    linear: tuple = (16, 128, ((1, (1024, 4096, 8192, 16384, 32768), 8192), (4, (1024, 4096), 1024)))
     # a given selection, causal, float32 (golden.bench.sparse): B, H, the widths D, the lengths
     # L, k keys chosen per row, the longest L of the dense call with the selection as an (L, L)
     # mask, the section's budget in seconds. H = 1: every contender's work is linear in H, so the
