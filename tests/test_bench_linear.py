@@ -91,3 +91,14 @@ def test_the_excerpt_is_transformers_own_functions(tmp_path):
             theirs = getattr(hf, name)(q, k, v, g, beta, **kw)
             for a, b in zip(ours, theirs):
                 assert (a is None and b is None) or torch.equal(a, b), (name, kw)
+
+
+def test_performance_table_is_the_committed_report():
+    """docs/performance.md's linear-attention table is linear_markdown's on the committed rows
+    (bench/results/linear/linear.json), line for line and in one block: no figure typed by
+    hand."""
+    from golden.bench.linear import linear_markdown
+    rows = json.loads((ROOT / "bench" / "results" / "linear" / "linear.json").read_text())
+    lines = [x for x in linear_markdown(rows["linear"]) if x.startswith("|")]
+    doc = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert "\n".join(lines) in doc
