@@ -421,3 +421,39 @@ def assert_central_differences(loss, groups, grads, what=""):
                 numeric[idx] = (plus - minus) / (2 * h)
             np.testing.assert_allclose(grads[name], numeric, rtol=1e-6, atol=1e-7,
                                        err_msg=f"{what} {name}")
+
+
+def score_gaps(scores, allowed, k):
+    """A learned selection's margin per row (*lead, Lq): the k-th minus the (k+1)-th allowed
+    score over the row's largest |score| (inf where the row sees k keys or fewer: its choice
+    cannot differ)."""
+    gaps = np.full(scores.shape[:-1], np.inf)
+    for row in np.ndindex(scores.shape[:-1]):
+        v = np.sort(scores[row][allowed[row]])[::-1]
+        if len(v) > k:
+            gaps[row] = (v[k - 1] - v[k]) / np.abs(v).max()
+    return gaps
+
+
+def selection_central_differences(loss, x, params, grads, chosen, names, rng, per_name,
+                                  step=1e-6):
+    """Central differences of ``loss(x, params) -> (value, key_indices)`` at ``per_name``
+    random entries of x and each parameter of ``names`` against ``grads``, skipping an entry
+    whose step changes the chosen keys (``chosen``: no derivative there); returns how many
+    entries were checked (each within 1e-6 · max(1, |numeric|))."""
+    checked = 0
+    for name in names:
+        base = x if name == "x" else params[name]
+        for flat in rng.choice(base.size, per_name, replace=False):
+            idx = np.unravel_index(flat, base.shape)
+            moved = []
+            for sign in (1, -1):
+                b = base.copy()
+                b[idx] += sign * step
+                moved.append(loss(b, params) if name == "x" else loss(x, {**params, name: b}))
+            if any(not np.array_equal(k, chosen) for _, k in moved):
+                continue  # the choice flipped under the step: no derivative there
+            numeric = (moved[0][0] - moved[1][0]) / (2 * step)
+            assert abs(numeric - grads[name][idx]) <= 1e-6 * max(1.0, abs(numeric)), (name, idx)
+            checked += 1
+    return checked

@@ -21,6 +21,7 @@ from golden.specification import variants
 from golden.specification.cases import CASES
 from golden.specification.tolerances import TOLERANCES
 from golden.specification.validate import rope_settings
+from tests.helpers import selection_central_differences
 
 GQA = "grouped_query_attention"
 BLOCK_CASES = [c for c in CASES if c.name.startswith("gqa_blocks_")]
@@ -511,21 +512,8 @@ def test_gradients_equal_central_differences(family):
         out, weights, s = forward(c, {"x": xx}, pp)
         return float((out * dy).sum() + (weights * dw).sum()), s["key_indices"]
 
-    step, checked = 1e-6, 0
-    for name in ("x", "W_query", "W_key", "W_value", "W_out", "q_norm"):
-        base = x if name == "x" else p[name]
-        for flat in rng.choice(base.size, 3, replace=False):
-            idx = np.unravel_index(flat, base.shape)
-            moved = []
-            for sign in (1, -1):
-                b = base.copy()
-                b[idx] += sign * step
-                moved.append(loss(b, p) if name == "x" else loss(x, {**p, name: b}))
-            if any(not np.array_equal(k, saved["key_indices"]) for _, k in moved):
-                continue  # the choice flipped under the step: no derivative there
-            numeric = (moved[0][0] - moved[1][0]) / (2 * step)
-            assert abs(numeric - grads[name][idx]) <= 1e-6 * max(1.0, abs(numeric)), (name, idx)
-            checked += 1
+    checked = selection_central_differences(
+        loss, x, p, grads, saved["key_indices"], ("x", "W_query", "W_key", "W_value", "W_out", "q_norm"), rng, 3)
     assert checked >= 15
 
 

@@ -28,7 +28,7 @@ from golden.specification import variants
 from golden.specification.indexer import INDEX_PARAMS
 from golden.specification.tolerances import TOLERANCES, compare
 from jax_attn.modules.latent import _select_keys
-from tests.helpers import TWINS, count_compiles, missing_option
+from tests.helpers import TWINS, count_compiles, missing_option, score_gaps
 from tests.test_indexer_reference import FIXTURES, KINDS, MLA, _scores, _setup
 
 J = TWINS["jax"]
@@ -50,17 +50,6 @@ def _allowed(c, x, mask=None, lengths=None):
     lead, length = x.shape[:-2], x.shape[-2]
     return allowed_positions(lead + (length, length), mask, c["causal"],
                              query_seq_lengths=lengths, key_value_seq_lengths=lengths)
-
-
-def _gaps(scores, allowed, k):
-    """Each row's gap between its k-th and (k+1)-th allowed scores over its largest |score|
-    (inf where the row sees at most k keys: its choice cannot differ)."""
-    gaps = np.full(scores.shape[:-1], np.inf)
-    for row in np.ndindex(scores.shape[:-1]):
-        v = np.sort(scores[row][allowed[row]])[::-1]
-        if len(v) > k:
-            gaps[row] = (v[k - 1] - v[k]) / np.abs(v).max()
-    return gaps
 
 
 def _same_keys(a, b, allowed):
@@ -174,7 +163,7 @@ def test_choice_and_output_equal_the_reference_at_float64(kind, setting):
         y, keys = _chosen(_build(c, p), x, **{n: J.array(a) for n, a in inputs.items()})
     positions = inputs.get("positions", np.arange(x.shape[-2]))
     allowed = _allowed(c, x, inputs.get("mask"), inputs.get("query_seq_lengths"))
-    gaps = _gaps(_scores(c, p, x, positions), allowed, 5)
+    gaps = score_gaps(_scores(c, p, x, positions), allowed, 5)
     assert (gaps < np.inf).sum() >= 10, "the choice never mattered"
     clear = gaps > 1e-9  # float64's error on the scores is ~1e-15 of the largest
     assert clear.all(), f"{(~clear).sum()} float64 near-ties"
@@ -197,7 +186,7 @@ def test_float32_chooses_float64s_keys_where_the_gap_is_clear(kind):
     y32, keys32 = _chosen(_build(c, p, "float32"), x, **calls)
     allowed = _allowed(c, x, None, inputs["query_seq_lengths"])
     scores = _scores(c, p, x, np.arange(24))
-    gaps = _gaps(scores, allowed, 5)
+    gaps = score_gaps(scores, allowed, 5)
     clear, same = gaps > near_band, _same_keys(keys32, keys64, allowed)
     assert same[clear].all(), np.argwhere(clear & ~same)
     matters = gaps < np.inf
@@ -405,7 +394,7 @@ def test_hugging_face_deepseek_v32_at_float64(length):
         given = J.numpy(module(J.array(x), key_indices=J.array(hf_keys)))
         grad = np.asarray(jax.grad(lambda xx: (module(xx) * dy).sum())(J.array(x)))
     allowed = _allowed(c, x)
-    gaps = _gaps(_scores(c, params, x, np.arange(length)), allowed, 5)
+    gaps = score_gaps(_scores(c, params, x, np.arange(length)), allowed, 5)
     clear, same = gaps > 1e-4, _same_keys(keys, hf_keys, allowed)
     assert same[clear].all() and clear.mean() >= 0.9
     bound = TOLERANCES[("float64", "value")].rel_norm

@@ -21,6 +21,7 @@ from golden.reference.rotary import rope_cos_sin
 from golden.specification import variants
 from golden.specification.tolerances import TOLERANCES
 from tests import port_numpy
+from tests.helpers import selection_central_differences
 
 MLA = "multi_head_latent_attention"
 BASE = dict(d_in=6, num_heads=3, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=4,
@@ -184,21 +185,8 @@ def test_gradients_equal_central_differences(kind):
         out, weights, s = forward(c, {"x": xx}, pp)
         return float((out * dy).sum() + (weights * dw).sum()), s["key_indices"]
 
-    step, checked = 1e-6, 0
-    for name in ("x", "W_q_a" if "W_q_a" in p else "W_query", "W_kv_b", "W_out"):
-        base = x if name == "x" else p[name]
-        for flat in rng.choice(base.size, 4, replace=False):
-            idx = np.unravel_index(flat, base.shape)
-            moved = []
-            for sign in (1, -1):
-                b = base.copy()
-                b[idx] += sign * step
-                moved.append(loss(b, p) if name == "x" else loss(x, {**p, name: b}))
-            if any(not np.array_equal(k, saved["key_indices"]) for _, k in moved):
-                continue  # the choice flipped under the step: no derivative there
-            numeric = (moved[0][0] - moved[1][0]) / (2 * step)
-            assert abs(numeric - grads[name][idx]) <= 1e-6 * max(1.0, abs(numeric)), (name, idx)
-            checked += 1
+    checked = selection_central_differences(
+        loss, x, p, grads, saved["key_indices"], ("x", "W_q_a" if "W_q_a" in p else "W_query", "W_kv_b", "W_out"), rng, 4)
     assert checked >= 12
 
 

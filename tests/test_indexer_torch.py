@@ -24,7 +24,7 @@ from golden.runners import torch_runner
 from golden.specification import variants
 from golden.specification.tolerances import TOLERANCES, compare
 from tests.hf_harness import indexer_hf_case, indexer_hf_rope
-from tests.helpers import missing_option
+from tests.helpers import missing_option, score_gaps
 from torch_attn.modules.latent import select_keys
 from torch_attn.params import export_grads
 
@@ -54,17 +54,6 @@ def _case(kind, seed, length=11, lead=(2,)):
 
 def _module(c, p, dtype=F64):
     return torch_attn.build(MLA, c, p).to(dtype)
-
-
-def _gap_rows(scores, allowed, k):
-    """Per row (*lead, Lq): the k-th minus the (k+1)-th allowed score relative to the row's
-    largest |score| (inf where the row sees k keys or fewer)."""
-    gaps = np.full(scores.shape[:-1], np.inf)
-    for row in np.ndindex(scores.shape[:-1]):
-        v = np.sort(scores[row][allowed[row]])[::-1]
-        if len(v) > k:
-            gaps[row] = (v[k - 1] - v[k]) / np.abs(v).max()
-    return gaps
 
 
 def _reference_scores(c, p, x):
@@ -162,7 +151,7 @@ def test_the_choice_equals_the_references(kind):
     forward, _ = reference.pair(MLA)
     _, _, saved = forward(c, {"x": x}, p)
     scores, allowed = _reference_scores(c, p, x)
-    gaps = _gap_rows(scores, allowed, 5)
+    gaps = score_gaps(scores, allowed, 5)
     clear = gaps > 1e-12
     assert clear.sum() >= 0.9 * clear.size
     np.testing.assert_array_equal(chosen.numpy()[clear], saved["key_indices"][clear])
@@ -178,7 +167,7 @@ def test_float32_chooses_as_float64_where_the_gap_is_clear(kind):
     _, narrow = _module(c, p, torch.float32)(torch.tensor(x, dtype=torch.float32),
                                              return_key_indices=True)
     scores, allowed = _reference_scores(c, p, x)
-    gaps = _gap_rows(scores, allowed, 5)
+    gaps = score_gaps(scores, allowed, 5)
     clear = gaps > 1e-4
     near = int((~clear).sum())
     assert near <= 0.1 * clear.size, f"{near} near-ties of {clear.size} rows"
@@ -331,7 +320,7 @@ def test_hugging_face_deepseek_v32_at_float64(length):
     c = variants.get(MLA).config(config)
     scores, allowed = _reference_scores(c, params, x)
     k = min(5, length)
-    clear = _gap_rows(scores, allowed, k) > 1e-4
+    clear = score_gaps(scores, allowed, k) > 1e-4
     assert clear.sum() >= 0.9 * clear.size
     for row in zip(*np.nonzero(clear)):
         ok = allowed[row]
