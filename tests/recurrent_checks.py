@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.specification.tolerances import UNIT_ROUNDOFF, delta_rule_bound
+from golden.specification.tolerances import UNIT_ROUNDOFF, delta_rule_bound, mixer_input_terms
 
 LENGTHS = (64, 256, 1024)
 
@@ -56,12 +56,5 @@ def jax_output(module, x, dtype):
 
 
 def x_terms(params, d_in, length):
-    """The summands of one element of a mixer's input gradient: every input projection's output
-    (each (d_in, ·) matrix of the neutral layout) at each of the ``length`` tokens that read
-    the element through the causal convolution and the recurrence. With terms = 1 the float64
-    table's elementwise bound failed 3 of 200 seeds of the JAX module test (seeds 63, 135 and
-    149: 3.1e-13, 1.5e-13 and 2.2e-12 against 2.9e-13, 1.1e-13 and 6.0e-13), the old and the
-    current chunked code alike; the relative error norm stayed below 3e-14 against 1e-13."""
-    width = sum(int(np.shape(w)[-1]) for w in params.values()
-                if np.ndim(w) == 2 and np.shape(w)[0] == d_in)
-    return length * width
+    """golden.specification.tolerances.mixer_input_terms (its measurements there)."""
+    return mixer_input_terms(params, d_in, length)

@@ -48,7 +48,9 @@ def test_inputs_are_float32_bool_or_int32_and_expectations_float64(fixture_name)
     assert not set(INTEGER_INPUTS) & set(f.grads), "an integer input has a gradient"
     assert all(a.dtype == np.float64 for n, a in {**f.expected, **f.grads}.items()
                if n != "key_indices")
-    assert ("key_indices" in f.expected) == (f.config.get("index_topk") is not None)
+    selects = (f.config.get("index_topk") is not None
+               or f.config.get("index_blocks") is not None)  # a learned selection
+    assert ("key_indices" in f.expected) == selects
     if "key_indices" in f.expected:  # an indexer's choice: keys, not values
         assert f.expected["key_indices"].dtype == np.int32
 

@@ -101,9 +101,10 @@ def _has_mask(f, dtype) -> bool:
     blocks every key: zeros); none of the shipped masks is all True or all False anyway. A
     merged_context fixture too: its causal and context masks reach the core as its mask. A
     recurrent mixer's padding mask too (the port reads it through the core's hook). A learned
-    indexer's fixture too: the keys it chose reach the core as the mask."""
+    indexer's fixture too (tokens or blocks): the keys it chose reach the core as the mask."""
     return ("mask" in f.inputs or bool(f.config.get("merged_context"))
-            or f.config.get("index_topk") is not None)
+            or f.config.get("index_topk") is not None
+            or f.config.get("index_blocks") is not None)
 
 
 def _is_float64(f, dtype) -> bool:

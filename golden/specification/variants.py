@@ -637,9 +637,9 @@ def check_defaults(variant, config, supported, target) -> None:
     """ValueError naming the first argument of ``variant`` outside ``supported`` that ``config``
     sets to other than its default: an option ``target`` (another library's module) lacks."""
     for arg in VARIANTS[variant].args:
-        if arg.name not in supported and config[arg.name] != arg.default:
+        if arg.name not in supported and config.get(arg.name, arg.default) != arg.default:
             raise ValueError(f"{arg.name} should be {arg.default!r} for {target}, which has no "
-                             f"such option, got {config[arg.name]!r}")
+                             f"such option, got {config.get(arg.name)!r}")
 
 
 # Configuration values that are dicts (query_temperature), and the lists inside them, as

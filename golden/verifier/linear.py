@@ -46,6 +46,7 @@ from golden.runners.adapt import NotSupported
 from golden.runners.frameworks import ADAPTERS
 from golden.specification import recurrent
 from golden.specification.tolerances import (RECURRENT_TOLERANCES, compare, compare_recurrence,
+                                             mixer_input_terms,
                                              compare_to_floor, compare_to_plain,
                                              hf_recurrence_floor, profile)
 from golden.verifier.checkpoint import CheckpointError
@@ -182,8 +183,10 @@ class _Layer:
         return row
 
     def _grad_comparison(self, grad, dtype):
-        """dL/dx against the reference's: RECURRENT_TOLERANCES' gradient row."""
-        return compare(grad, self.dx, dtype, "grad", table=RECURRENT_TOLERANCES)
+        """dL/dx against the reference's: RECURRENT_TOLERANCES' gradient row, each element a
+        sum of mixer_input_terms summands."""
+        terms = mixer_input_terms(self.params, self.dx.shape[-1], self.dx.shape[-2])
+        return compare(grad, self.dx, dtype, "grad", terms=terms, table=RECURRENT_TOLERANCES)
 
     def twin(self, framework, implementation, dtype):
         row, start = self._row(framework, implementation, dtype), time.perf_counter()
