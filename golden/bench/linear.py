@@ -28,6 +28,7 @@ Shape legend: B batch, H value heads (= key heads here), D = Dk = Dv head width,
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -38,7 +39,7 @@ import torch
 from golden.bench.cells import _f, _ms
 from golden.bench.grid import Grid
 from golden.bench.positions import interleaved
-from golden.bench.timing import _call, _reset_peak_rss, _status_kb, xla_memory
+from golden.bench.timing import _call, peak_rss_call, xla_memory
 
 __all__ = ["LINEAR_PARTS", "PEER", "linear_inputs", "linear_calls", "run_linear",
            "linear_markdown"]
@@ -79,7 +80,9 @@ def _jax(part: str):
         q, k, v, g, b, initial_state=s, implementation="recurrent"))
 
 
+@functools.cache
 def _device() -> str:
+    """Where torch's tensors go, asked once (every timed call's synchronisation reads it)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -152,11 +155,7 @@ def _peak_mib(impl, fn, args) -> float | None:
         before = torch.cuda.memory_allocated()
         _call(fn, args)
         return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-    if not _reset_peak_rss():
-        return None
-    before = _status_kb("VmRSS")
-    _call(fn, args)
-    return (_status_kb("VmHWM") - before) / 1024
+    return peak_rss_call(fn, args)[0]
 
 
 def _cells(grid: Grid):

@@ -58,7 +58,7 @@ from golden.bench.cells import _f, _ms
 from golden.bench.grid import Grid
 from golden.bench.positions import interleaved
 from golden.bench.timing import (
-    STEADY_S, _call, _reset_peak_rss, _status_kb, steady_repeats, xla_memory)
+    STEADY_S, _call, peak_rss_call, steady_repeats, xla_memory)
 
 __all__ = ["SPARSE_PARTS", "SPARSE_CONTENDERS", "DENSE", "SAME_SELECTION", "WORK", "calls_per_row",
            "causal_selection", "sparse_calls", "run_sparse", "crossovers", "sparse_markdown"]
@@ -167,16 +167,6 @@ def sparse_calls(part: str, arrays, selection, impls=SPARSE_CONTENDERS) -> dict:
     return calls
 
 
-def _peak_call(fn, args):
-    """(the growth of the peak resident memory over one call of fn in MiB, or None where the
-    kernel's counter cannot be reset; that call's result)."""
-    if not _reset_peak_rss():
-        return None, jax.block_until_ready(fn(*args))
-    before = _status_kb("VmRSS")
-    out = jax.block_until_ready(fn(*args))
-    return (_status_kb("VmHWM") - before) / 1024, out
-
-
 def _flat(out) -> np.ndarray:
     """A call's output, or its gradients, as one float64 vector."""
     parts = out if isinstance(out, (tuple, list)) else (out,)
@@ -269,7 +259,7 @@ def run_sparse(grid: Grid, rng) -> list[dict]:
             fn, args = calls[impl]
             m = times[impl]
             measured[part, d, impl] = (m["median_ms"] / 1e3, length, selected)
-            peak, out = _peak_call(fn, args)
+            peak, _, out = peak_rss_call(fn, args)
             if impl == SAME_SELECTION or _kind(impl) == "sparse":
                 results[impl] = _flat(out)
             xla = xla_memory(fn, args) if impl.startswith("jax") else None

@@ -12,7 +12,7 @@ import time
 import jax
 
 __all__ = ["STEADY_S", "MIN_REPEATS", "SLOW_CALL_S", "SLOW_REPEATS", "other_cpu", "steady_repeats",
-           "measure", "xla_memory", "measure_long"]
+           "measure", "xla_memory", "measure_long", "peak_rss_call"]
 
 
 STEADY_S = 0.5  # aim for about this much steady-state time per measurement (at least 3 calls)
@@ -44,6 +44,18 @@ def _reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def peak_rss_call(fn, args):
+    """(the growth of the process's peak resident memory over one call of fn in MiB, or None
+    where the kernel's counter cannot be reset; the call's seconds, as ``_call`` times it; its
+    result)."""
+    reset = _reset_peak_rss()
+    before = _status_kb("VmRSS") if reset else None
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    seconds = time.perf_counter() - start
+    return (_status_kb("VmHWM") - before) / 1024 if reset else None, seconds, out
 
 
 def _cpu_seconds() -> tuple[float, float] | None:
@@ -91,13 +103,8 @@ def measure(fn, args, repeats: int, steady_s: float = STEADY_S) -> dict:
     times = [_call(fn, args)]
     n = steady_repeats(times[0], steady_s, repeats)
     times += [_call(fn, args) for _ in range(n - 2)]
-    rss = None
-    if _reset_peak_rss():
-        before = _status_kb("VmRSS")
-        times.append(_call(fn, args))
-        rss = (_status_kb("VmHWM") - before) / 1024
-    else:
-        times.append(_call(fn, args))
+    rss, last, _ = peak_rss_call(fn, args)
+    times.append(last)
     median = statistics.median(times)
     return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "repeats": len(times),
             "steady_s": steady_s, "most_repeats": repeats,
@@ -121,13 +128,8 @@ def measure_long(fn, args, steady: int) -> dict:
     first = _call(fn, args)
     cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
     times = [_call(fn, args) for _ in range(steady - 1)]
-    rss = None
-    if _reset_peak_rss():
-        before = _status_kb("VmRSS")
-        times.append(_call(fn, args))
-        rss = (_status_kb("VmHWM") - before) / 1024
-    else:
-        times.append(_call(fn, args))
+    rss, last, _ = peak_rss_call(fn, args)
+    times.append(last)
     median = statistics.median(times)
     return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "repeats": len(times),
             "times_ms": [t * 1e3 for t in times], "first_call_ms": first * 1e3,

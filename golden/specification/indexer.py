@@ -123,6 +123,16 @@ def _one_of(name, value, allowed) -> None:
                          f"got {value!r}")
 
 
+def _check_inert(c, defaults) -> None:
+    """ValueError naming the first option of ``defaults`` ((switch, default) first, then the
+    options it turns on) that ``c`` sets while the switch is off."""
+    switch = defaults[0][0]
+    for name, default in defaults[1:]:
+        if c[name] != default:
+            raise ValueError(f"{name} should be {default!r} without {switch} (no indexer), "
+                             f"got {c[name]!r}")
+
+
 def check_index_rope(name, value) -> None:
     _one_of(name, value, INDEX_ROPES)
 
@@ -161,10 +171,7 @@ def block_shapes(c, rotary) -> dict:
     a setting that does not fit the others. Options not in ``c`` take their defaults."""
     c = {**dict(BLOCK_DEFAULTS), **c}
     if c["index_blocks"] is None:
-        for name, default in BLOCK_DEFAULTS[1:]:
-            if c[name] != default:
-                raise ValueError(f"{name} should be {default!r} without index_blocks (no "
-                                 f"indexer), got {c[name]!r}")
+        _check_inert(c, BLOCK_DEFAULTS)
         return {}
     for name in ("index_heads", "index_head_dim", "index_block_size", "index_topk_blocks"):
         if c[name] is None:
@@ -209,10 +216,7 @@ def index_shapes(c) -> dict:
     configuration ``c``, {} without index_topk; ValueError naming a setting that does not fit
     the others."""
     if c["index_topk"] is None:
-        for name, default in INDEX_DEFAULTS[1:]:
-            if c[name] != default:
-                raise ValueError(f"{name} should be {default!r} without index_topk (no "
-                                 f"indexer), got {c[name]!r}")
+        _check_inert(c, INDEX_DEFAULTS)
         return {}
     for name in ("index_heads", "index_head_dim"):
         if c[name] is None:
