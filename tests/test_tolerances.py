@@ -129,3 +129,36 @@ def test_sdpa_term_sizes_bound_the_reference_arrays():
     assert set(sizes) == {"output", "query", "key", "value", "bias"}
     for name, x in dict(grads, output=out).items():
         assert np.all(sizes[name] >= np.abs(x) * (1 - 1e-12)), name
+
+
+def test_parameter_term_sizes_bound_a_module_gradients_and_hold_them_by_terms():
+    # golden.reference.parameter_term_sizes: M ≥ |gradient| for every projection's weight and
+    # bias (its premise), the key bias's terms far larger than its sum under RoPE (the
+    # cancellation that needs it), and a fixture carrying them held to compare_terms by
+    # compare_all: rounding relative to M passes, a wrong gradient still fails.
+    from dataclasses import replace
+
+    import golden
+    from golden import reference
+    from golden.harness.check import compare_all
+
+    f = golden.load("gqa_rope_half")
+    forward, backward = reference.VARIANTS[f.variant]
+    out, weights, saved = forward(f.config, f.inputs, f.params)
+    with reference.parameter_term_sizes() as sizes:
+        grads = backward(saved, f.cotangents["output"], f.cotangents["weights"])
+    assert {n for n in sizes if n in f.params} == {n for n in f.params if n.startswith(("W_", "b_"))}
+    for n, m in sizes.items():
+        assert np.all(m >= np.abs(grads[n]) * (1 - 1e-12)), n
+    key = grads["b_key"]
+    assert np.linalg.norm(sizes["b_key"]) > 3 * np.linalg.norm(key)  # it cancels
+    fixture = replace(f, term_sizes={n: m for n, m in sizes.items() if n in grads},
+                      grads=grads)
+    noise = np.random.default_rng(0).standard_normal(key.shape)
+    near = key + 1e-6 * np.linalg.norm(sizes["b_key"]) / np.linalg.norm(noise) * noise
+    result = {"output": out, "weights": weights, "grads": dict(grads, b_key=near)}
+    assert not compare(near, key, "float32", "grad").ok  # beyond the table's own bound
+    judged = compare_all(fixture, result, "float32")["grad b_key"]
+    assert judged.ok and judged.rule == "terms"
+    wrong = dict(result, grads=dict(grads, b_key=np.zeros_like(key)))
+    assert not compare_all(fixture, wrong, "float32")["grad b_key"].ok

@@ -21,7 +21,8 @@ from golden.specification.fixture import Fixture
 from golden.report import SCHEMA, SCHEMA_VERSION, STATUSES, worst_bound
 from golden.runners.adapt import NotSupported, as_runner
 from golden.specification.recurrent import MIXERS
-from golden.specification.tolerances import RECURRENT_TOLERANCES, compare_profile, profile
+from golden.specification.tolerances import (RECURRENT_TOLERANCES, compare_profile,
+                                              compare_terms, profile)
 
 # The runs check makes of each fixture: (framework, the core implementation asked for, None for
 # the framework's own choice). torch runs a fixture twice: forward and backward through autograd
@@ -50,15 +51,24 @@ def compare_all(fixture, result, dtype, *, profile_name="exact", baseline=None,
     implementation that returns no weights) is compared with the reference's gradients of
     Σ output ⊙ dO. ``baseline``: the plain low-precision implementation's result, for the
     tf32/bf16 profiles; ``expected``: ``expected_grads(fixture, loss)`` when the caller has
-    it. A recurrent mixer's fixture is held to RECURRENT_TOLERANCES (their reason there)."""
+    it. A recurrent mixer's fixture is held to RECURRENT_TOLERANCES (their reason there). A
+    fixture made in memory with ``term_sizes`` (random inputs: attn-parity hf) has those
+    parameters' gradients held to compare_terms (the table, or failing it the same bounds
+    relative to the terms' size)."""
     if expected is None:
         expected = expected_grads(fixture, result.get("loss", "both"))
     plain = {w: a for w, a, _ in _pairs(fixture, baseline, expected)} if baseline else {}
     table = RECURRENT_TOLERANCES if fixture.variant in MIXERS else None
-    return {what: None if a is None else compare_profile(
-                a, e, plain.get(what), dtype, _kind(what), terms=_terms(fixture, what),
-                zero=what.removeprefix("grad ") in fixture.zero, profile_name=profile_name,
-                table=table)
+    sizes = fixture.term_sizes if profile_name == "exact" and table is None else {}
+
+    def judged(what, a, e):
+        name, zero = what.removeprefix("grad "), what.removeprefix("grad ") in fixture.zero
+        if what.startswith("grad ") and name in sizes and not zero:
+            return compare_terms(a, e, sizes[name], dtype, "grad", terms=_terms(fixture, what))
+        return compare_profile(a, e, plain.get(what), dtype, _kind(what),
+                               terms=_terms(fixture, what), zero=zero,
+                               profile_name=profile_name, table=table)
+    return {what: None if a is None else judged(what, a, e)
             for what, a, e in _pairs(fixture, result, expected)}
 
 

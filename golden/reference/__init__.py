@@ -41,7 +41,8 @@ import numpy as np
 from golden.reference.arithmetic import (blas_products, einsum, exact_arithmetic, number,
                                          number_type, real, round_to_bits, rounded_products)
 from golden.reference.block import (Stage, block_backward, block_forward, linear,
-                                    linear_backward, merge_heads, split_heads)
+                                    linear_backward, merge_heads, parameter_term_sizes,
+                                    split_heads)
 from golden.reference.core import (allowed_positions, masked_softmax, per_batch, repeat_kv,
                                    scaled_dot_product_attention, sdpa_backward, sdpa_forward,
                                    sdpa_term_sizes, sink_logits, sum_groups, unbroadcast)
@@ -91,6 +92,7 @@ __all__ = [
     "block_backward", "block_forward", "bucket_sums", "conformer_timing_backward",
     "conformer_timing_term", "einsum", "exact_arithmetic",
     "latent_mscale", "latent_rope_stage", "linear", "linear_backward", "masked_softmax",
+    "parameter_term_sizes",
     "merge_heads", "number", "number_type", "per_batch", "qk_norm_stage", "real",
     "relative_term", "repeat_kv", "rope_angles", "rope_cos_sin", "rope_frequencies",
     "rope_stage", "rotate", "round_to_bits", "rounded_products", "scaled_dot_product_attention",

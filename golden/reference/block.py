@@ -17,6 +17,8 @@ its cap) ride in the block itself.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -36,6 +38,25 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
+_TERM_SIZES = contextvars.ContextVar("term_sizes", default=None)
+
+
+@contextlib.contextmanager
+def parameter_term_sizes():
+    """Inside, every ``linear_backward`` also records, in the dict this yields, the size of the
+    terms each element of its weight's and bias's gradients sums: |x|ᵀ|g| and Σ|g| over the
+    positions (golden.specification.tolerances.compare_terms's M). A projection's gradient may
+    cancel far below its terms (the key bias's, Σ over keys of dL/dk, is zero without RoPE and
+    small with it), and then carries their rounding, not its own. For references computed in
+    memory (``attn-parity hf``'s rows); nothing stored."""
+    sizes = {}
+    token = _TERM_SIZES.set(sizes)
+    try:
+        yield sizes
+    finally:
+        _TERM_SIZES.reset(token)
+
+
 def linear_backward(x, w, g_y, grads, names):
     """Accumulate dL/dW and dL/db into ``grads``; return dL/dx."""
     w_name, b_name = names
@@ -43,6 +64,11 @@ def linear_backward(x, w, g_y, grads, names):
     grads[w_name] = einsum("ni,no->io", x2, g2)  # Σ over positions of xᵀ g
     if b_name is not None:
         grads[b_name] = g2.sum(axis=0)
+    sizes = _TERM_SIZES.get()
+    if sizes is not None:
+        sizes[w_name] = einsum("ni,no->io", np.abs(x2), np.abs(g2))
+        if b_name is not None:
+            sizes[b_name] = np.abs(g2).sum(axis=0)
     return einsum("...o,io->...i", g_y, w)
 
 

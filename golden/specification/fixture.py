@@ -87,6 +87,10 @@ class Fixture:
     grads: dict = field(default_factory=dict)
     zero: list = field(default_factory=list)  # gradients zero in exact arithmetic
     path: Path | None = None
+    # {parameter: the size of the terms its gradient's elements sum}, for a fixture made in
+    # memory from random inputs (attn-parity hf: golden.reference.parameter_term_sizes); its
+    # gradients are held to compare_terms. Never stored: a file's gradients keep the table.
+    term_sizes: dict = field(default_factory=dict)
 
     def meta(self) -> dict:
         return {

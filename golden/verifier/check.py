@@ -104,12 +104,14 @@ def layer_fixture(config, layer, exercise, state_dict, rng, index=None) -> Fixtu
     with reference.blas_products():  # float64, its sums in BLAS's order (not stored)
         out, weights, saved = forward(dict(ours), inputs, params)
         cot = {"output": _drawn(rng, out.shape), "weights": _drawn(rng, weights.shape)}
-        grads = backward(saved, cot["output"], cot["weights"])
+        with reference.parameter_term_sizes() as sizes:  # random inputs: compare_terms
+            grads = backward(saved, cot["output"], cot["weights"])
     grads = {n: np.ascontiguousarray(g) for n, g in grads.items()}  # BLAS may give F order
     return Fixture(name=layer.name + exercise.suffix, variant=variant, seed=0,
                    config=dict(ours), inputs=inputs, dtypes=["float32", "float64"],
                    params=params, cotangents=cot, expected={"output": out, "weights": weights},
-                   grads=grads, zero=reference.zero_grads(dict(ours), grads))
+                   grads=grads, zero=reference.zero_grads(dict(ours), grads),
+                   term_sizes={n: m for n, m in sizes.items() if n in grads})
 
 
 HF_ANGLES = ("a RoPE layer past the table: within 2x the error of our float32 torch twin using "
