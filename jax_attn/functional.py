@@ -454,7 +454,7 @@ IMPLEMENTATIONS = Registry(
     "jax",
     Implementation("explicit", explicit.attend, _explicit_refuses),
     Implementation("blockwise", blockwise.attend, _blockwise_refuses),
-    Implementation("sparse", sparse.attend, _sparse_refuses),
+    Implementation("sparse", sparse.attend, _sparse_refuses, grouped=True),
     Implementation("cudnn", accelerators.cudnn, accelerators.cudnn_refuses, whole=True),
     Implementation("pallas", accelerators.pallas, accelerators.pallas_refuses, whole=True),
     Implementation("splash", splash.splash, splash.splash_refuses, whole=True),
@@ -515,7 +515,9 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
                               static=static, **selection)
         return (out, weights) if return_weights else (out, None)  # weights only when asked for
 
-    run = _vmap_all if chunk is None else partial(_vmap_chunks, chunk=chunk)
+    grouped = passes is None and IMPLEMENTATIONS[implementation].grouped
+    run = (partial(_vmap_all, grouped=grouped) if chunk is None else
+           partial(_vmap_chunks, chunk=chunk))
     out, weights = run(one, q, k, v, extras)  # (B, Hkv, G, Lq, Dv), (B, Hkv, G, Lq, Lk)
     return out.reshape(lead + out.shape[-2:]), (weights.reshape(shape) if return_weights else None)
 
@@ -531,13 +533,16 @@ def _group(x, groups):
     return x.reshape(x.shape[:1] + heads + x.shape[2:])
 
 
-def _vmap_all(one, q, k, v, extras):
+def _vmap_all(one, q, k, v, extras, grouped=False):
     """vmap over G with k and v not mapped (never copied per query head; G = 1 is not
-    vmapped: _over_groups), then over Hkv, then B; size-1 axes of the extras are not mapped."""
-    one = _over_groups(one, extras, q.shape[2])
+    vmapped: _over_groups), then over Hkv, then B; size-1 axes of the extras are not mapped.
+    ``grouped``: ``one`` takes a kv head's G query heads at once (the registry's
+    Implementation.grouped), the extras keeping their G|1 axis first."""
+    if not grouped:
+        one = _over_groups(one, extras, q.shape[2])
     for axis in (1, 0):  # Hkv, B
         one = _mapped(one, extras, axis, kv=True)
-    return one(q, k, v, *_squeezed(extras, 3))
+    return one(q, k, v, *_squeezed(extras, 2 if grouped else 3))
 
 
 def _over_groups(one, extras, groups):

@@ -34,7 +34,7 @@ from jax_attn.explicit import _widened, wide_products
 
 # Rows per block when block_sizes is None: as many as keep one block's chosen keys (Bq·k) near
 # BLOCK_ELEMENTS, at least one and at most Lq. Not measured yet (docs/core.md).
-BLOCK_ELEMENTS = 2**16
+BLOCK_ELEMENTS = 2**14
 
 
 def default_rows(lq, selected) -> int:
@@ -58,37 +58,68 @@ def selected_mask(key_indices, mask, lk):
 def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths, sink=None,
            distance_bias=None, distance_query=None, distance_keys=None, *, static,
            key_indices):
-    """One head: q (Lq, Dk), k (Lk, Dk), v (Lk, Dv), key_indices (Lq, k) integers; mask and
-    bias broadcastable to (Lq, Lk) with size-1 axes kept, gathered at the chosen keys; offset,
-    q_lengths, kv_lengths int scalars or None; sink the head's sink logit or None; ``static``
-    a jax_attn.blockwise.Static (block_q: the rows per block; block_k unused). Dropout and the
-    distance terms are refused (jax_attn.functional). Returns (the output (Lq, Dv) in q's
-    dtype, None): the weights are never formed."""
+    """One kv head's G query heads at once (the registry's ``grouped``): q (G, Lq, Dk), k (Lk,
+    Dk), v (Lk, Dv), key_indices (G|1, Lq, k) integers; mask and bias (G|1, Lq|1, Lk|1),
+    gathered at the chosen keys; offset, q_lengths, kv_lengths (1,) int or None; sink (G,) or
+    None; ``static`` a jax_attn.blockwise.Static (block_q: the rows per block; block_k
+    unused). A selection shared by the G heads is gathered once for all of them (their scores
+    one batched product per block, their key and value gradients summed before one scatter);
+    a selection per head runs each head alone (vmapped). Dropout and the distance terms are
+    refused (jax_attn.functional). Returns (the output (G, Lq, Dv) in q's dtype, None): the
+    weights are never formed."""
     del dropout_mask, rng, distance_bias, distance_query, distance_keys  # refused
+    offset, q_lengths, kv_lengths = (None if x is None else x.reshape(())
+                                     for x in (offset, q_lengths, kv_lengths))
+    if key_indices.shape[0] > 1:  # a selection per head: nothing shared to gather once
+        def head(q_h, i_h, m_h, b_h, s_h):  # one head, its arrays with a leading axis of 1
+            return _group(static, q_h[None], k, v, i_h[None], m_h, b_h,
+                          None if s_h is None else s_h[None], offset, q_lengths, kv_lengths)[0]
+
+        def split(x):  # (G|1, ...): a head's slice keeps a leading axis of 1
+            return (x, None) if x is None or x.shape[0] == 1 else (x[:, None], 0)
+        (mask, m_axis), (bias, b_axis) = split(mask), split(bias)
+        return jax.vmap(head, in_axes=(0, 0, m_axis, b_axis, None if sink is None else 0))(
+            q, key_indices, mask, bias, sink), None
+    return _group(static, q, k, v, key_indices, mask, bias, sink, offset, q_lengths,
+                  kv_lengths), None
+
+
+def _group(st, q, k, v, key_indices, mask, bias, sink, offset, q_lengths, kv_lengths):
+    """G heads sharing one selection key_indices (1, Lq, k): mask and bias (G|1, Lq|1, Lk|1);
+    the output (G, Lq, Dv). Inside, rows come first: (Lq, G, ...)."""
     lk = k.shape[0]
-    indices = jnp.sort(key_indices.astype(jnp.int32), axis=-1)  # (Lq, k)
-    allowed = _allowed(static, indices, mask, offset, q_lengths, kv_lengths, lk)
+    indices = jnp.sort(key_indices[0].astype(jnp.int32), axis=-1)  # (Lq, k)
+    allowed = _allowed(st, indices, mask, offset, q_lengths, kv_lengths, lk)  # (Lq, G|1, k)
     indices = jnp.clip(indices, 0, lk - 1)  # an index out of range is not allowed, above
     gathered = None
-    if bias is not None:  # (Lq, k): JAX differentiates the gather (a scatter into bias)
-        gathered = bias if bias.shape[-1] == 1 else jnp.take_along_axis(bias, indices, axis=-1)
-        gathered = jnp.broadcast_to(gathered, indices.shape)
-    return _sparse(static, q, k, v, indices, allowed, gathered, sink), None
+    if bias is not None:  # (Lq, G|1, k): JAX differentiates the gather (a scatter into bias)
+        rows = jnp.broadcast_to(bias, bias.shape[:1] + (indices.shape[0], bias.shape[-1]))
+        gathered = rows if bias.shape[-1] == 1 else jnp.take_along_axis(
+            rows, jnp.broadcast_to(indices, rows.shape[:1] + indices.shape), axis=-1)
+        gathered = jnp.moveaxis(jnp.broadcast_to(
+            gathered, gathered.shape[:1] + indices.shape), 0, 1)
+    out = _sparse(st, jnp.moveaxis(q, 0, 1), k, v, indices, allowed, gathered, sink)
+    return jnp.moveaxis(out, 1, 0)
 
 
 def _allowed(st, indices, mask, offset, q_lengths, kv_lengths, lk):
-    """Where row i may attend its chosen key indices[i, t]: bool (Lq, k), a repeat after its
-    first occurrence and an index outside [0, Lk) excluded."""
+    """Where row i may attend its chosen key indices[i, t]: bool (Lq, G|1, k) (G|1 the mask's
+    heads), a repeat after its first occurrence and an index outside [0, Lk) excluded."""
     row = jnp.arange(indices.shape[0])[:, None]  # (Lq, 1)
     first = jnp.concatenate([jnp.ones_like(indices[:, :1], dtype=bool),
                              indices[:, 1:] != indices[:, :-1]], axis=-1)  # sorted rows
     terms = [first, indices >= 0, indices < lk] + allowed_terms(
         row, indices, row if offset is None else row + offset, is_causal=st.is_causal,
         window=st.window, chunk=st.chunk_size, q_lengths=q_lengths, kv_lengths=kv_lengths)
-    if mask is not None:
+    rule = jnp.broadcast_to(reduce(jnp.logical_and, terms), indices.shape)[:, None, :]
+    if mask is None:
+        return rule
+    rows = jnp.broadcast_to(mask, mask.shape[:1] + (indices.shape[0], mask.shape[-1]))
+    if mask.shape[-1] > 1:
         safe = jnp.clip(indices, 0, lk - 1)
-        terms.append(mask if mask.shape[-1] == 1 else jnp.take_along_axis(mask, safe, axis=-1))
-    return jnp.broadcast_to(reduce(jnp.logical_and, terms), indices.shape)
+        rows = jnp.take_along_axis(rows, jnp.broadcast_to(safe, rows.shape[:1] + safe.shape),
+                                   axis=-1)
+    return rule & jnp.moveaxis(rows, 0, 1)  # (Lq, G|1, k)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -110,49 +141,66 @@ def _blocks(st, x, fill):
     return x.reshape((count, rows) + x.shape[1:])
 
 
+def _einsum(spec, *operands, **kw):
+    """``jnp.einsum`` of operands whose axis ``g`` (the heads, second) may have size 1: then
+    without that axis (a size-1 axis between the rows and the keys makes XLA:CPU copy the
+    scores into another layout, twice as slow for one head), put back on the result."""
+    ins, out = spec.split("->")
+    ins = ins.split(",")
+    if not any("g" in i and o.shape[i.index("g")] == 1 for i, o in zip(ins, operands)):
+        return jnp.einsum(spec, *operands, **kw)
+    flat = [o.reshape(o.shape[:i.index("g")] + o.shape[i.index("g") + 1:]) if "g" in i else o
+            for i, o in zip(ins, operands)]
+    r = jnp.einsum(",".join(i.replace("g", "") for i in ins) + "->" + out.replace("g", ""),
+                   *flat, **kw)
+    return jnp.expand_dims(r, out.index("g")) if "g" in out else r
+
+
 def _scores(st, q_b, keys, bias_b, compute):
-    """(raw scale · q·k (Bq, k), the scores after the cap and the bias) of one block."""
-    raw = st.scale * jnp.einsum("rd,rkd->rk", *_widened(wide_products(q_b.dtype), q_b, keys),
+    """(raw scale · q·k (Bq, G, k), the scores after the cap and the bias) of one block: one
+    product batched over the block's rows, the G heads its rows."""
+    raw = st.scale * _einsum("rgd,rkd->rgk", *_widened(wide_products(q_b.dtype), q_b, keys),
                                 precision=st.precision, preferred_element_type=compute)
     scores = raw if st.softcap is None else st.softcap * jnp.tanh(raw / st.softcap)
     return raw, scores if bias_b is None else scores + bias_b.astype(compute)
 
 
 def _forward(st, q, k, v, indices, allowed, bias, sink):
-    """(output (Lq, Dv) in q's dtype, each row's log-sum-exp (Lq,), +inf for a row with nothing
-    allowed and no sink): the blocks one after another."""
+    """q (Lq, G, Dk): (output (Lq, G, Dv) in q's dtype, each row's log-sum-exp (Lq, G), +inf
+    for a row with nothing allowed and no sink): the blocks one after another."""
     compute = jnp.promote_types(q.dtype, jnp.float32)  # softmax in at least float32
     wide = wide_products(q.dtype)
-    sink_c = None if sink is None else sink.astype(compute)
+    sink_c = None if sink is None else sink.astype(compute)  # (G,)
 
     def block(args):
-        q_b, i_b, a_b, bias_b = args  # (Bq, Dk), (Bq, k), (Bq, k), (Bq, k) | None
+        q_b, i_b, a_b, bias_b = args  # (Bq, G, Dk), (Bq, k), (Bq, G|1, k), (Bq, G|1, k)|None
         keys, values = k[i_b], v[i_b]  # (Bq, k, Dk), (Bq, k, Dv): the one gather
-        _, s = _scores(st, q_b, keys, bias_b, compute)
-        m = jnp.max(jnp.where(a_b, s, -jnp.inf), axis=-1)  # (Bq,)
+        _, s = _scores(st, q_b, keys, bias_b, compute)  # (Bq, G, k)
+        m = jnp.max(jnp.where(a_b, s, -jnp.inf), axis=-1)  # (Bq, G)
         if sink_c is not None:
             m = jnp.maximum(m, sink_c)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
-        e = jnp.where(a_b, jnp.exp(jnp.where(a_b, s - m[:, None], 0.0)), 0.0)
+        e = jnp.where(a_b, jnp.exp(jnp.where(a_b, s - m[..., None], 0.0)), 0.0)
         total = e.sum(axis=-1) + (0.0 if sink_c is None else jnp.exp(sink_c - m))
-        p = e / jnp.where(total > 0, total, 1.0)[:, None]
-        out = jnp.einsum("rk,rkv->rv", *_widened(wide, p.astype(q.dtype), values),
+        p = e / jnp.where(total > 0, total, 1.0)[..., None]
+        out = _einsum("rgk,rkv->rgv", *_widened(wide, p.astype(q.dtype), values),
                          precision=st.precision, preferred_element_type=compute)
         lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), jnp.inf)
         return out.astype(q.dtype), lse
 
     args = (_blocks(st, q, 0), _blocks(st, indices, 0), _blocks(st, allowed, False),
             None if bias is None else _blocks(st, bias, 0))
-    out, lse = lax.map(block, args)  # (Nq, Bq, Dv), (Nq, Bq)
+    out, lse = lax.map(block, args)  # (Nq, Bq, G, Dv), (Nq, Bq, G)
     lq = q.shape[0]
-    return out.reshape((-1,) + out.shape[2:])[:lq], lse.reshape(-1)[:lq]
+    return out.reshape((-1,) + out.shape[2:])[:lq], lse.reshape((-1,) + lse.shape[2:])[:lq]
 
 
 def _sparse_bwd(st, res, d_out):
     """Each block's probabilities again from the saved log-sum-exp, P = exp(S − lse) where
     allowed; dP = dO·Vᵀ at the chosen keys, dS = P ⊙ (dP − Σ P ⊙ dP) (the bias's gradient at
-    those keys), through the cap to dR; dQ per block, dK and dV scattered onto the keys read
-    (in at least float32), the sink's −Σ_rows p_sink Σ P ⊙ dP."""
+    those keys), through the cap to dR; dQ per block; the chosen keys' and values' gradients
+    summed over the G heads (one product each), then scattered onto the keys read (in at least
+    float32); the sink's −Σ_rows p_sink Σ P ⊙ dP."""
     q, k, v, indices, allowed, bias, sink, out, lse = res
     compute = jnp.promote_types(q.dtype, jnp.float32)
     wide = wide_products(q.dtype)
@@ -161,26 +209,32 @@ def _sparse_bwd(st, res, d_out):
         dk, dv, dsink = carry
         q_b, i_b, a_b, bias_b, do_b, lse_b = args
         keys, values = k[i_b], v[i_b]  # (Bq, k, Dk), (Bq, k, Dv)
-        raw, s = _scores(st, q_b, keys, bias_b, compute)
-        p = jnp.where(a_b, jnp.exp(jnp.where(a_b, s - lse_b[:, None], 0.0)), 0.0)  # (Bq, k)
-        do_c = do_b.astype(compute)
-        dp = jnp.einsum("rv,rkv->rk", *_widened(wide, do_b, values), precision=st.precision,
+        raw, s = _scores(st, q_b, keys, bias_b, compute)  # (Bq, G, k)
+        p = jnp.where(a_b, jnp.exp(jnp.where(a_b, s - lse_b[..., None], 0.0)), 0.0)
+        dp = _einsum("rgv,rkv->rgk", *_widened(wide, do_b, values), precision=st.precision,
                         preferred_element_type=compute)
-        row = (p * dp).sum(axis=-1)  # Σ P ⊙ dP (Bq,)
-        ds = p * (dp - row[:, None])  # dL/dS, the bias's gradient
+        row = (p * dp).sum(axis=-1)  # Σ P ⊙ dP (Bq, G)
+        ds = p * (dp - row[..., None])  # dL/dS, the bias's gradient
         d_raw = ds if st.softcap is None else ds * (1.0 - jnp.tanh(raw / st.softcap) ** 2)
-        dq_b = st.scale * jnp.einsum("rk,rkd->rd", d_raw, keys.astype(compute),
+        dq_b = st.scale * _einsum("rgk,rkd->rgd", d_raw, keys.astype(compute),
                                      precision=st.precision)
-        dk = dk.at[i_b].add(st.scale * d_raw[..., None] * q_b.astype(compute)[:, None, :])
-        dv = dv.at[i_b].add(p.astype(q.dtype).astype(compute)[..., None] * do_c[:, None, :])
+        d_keys = st.scale * _einsum("rgk,rgd->rkd", d_raw, q_b.astype(compute),
+                                       precision=st.precision)  # (Bq, k, Dk), heads summed
+        d_values = _einsum("rgk,rgv->rkv", p.astype(q.dtype).astype(compute),
+                              do_b.astype(compute), precision=st.precision)
+        dk, dv = dk.at[i_b].add(d_keys), dv.at[i_b].add(d_values)
         if sink is not None:
-            dsink = dsink - (jnp.exp(sink.astype(compute) - lse_b) * row).sum()
+            dsink = dsink - (jnp.exp(sink.astype(compute) - lse_b) * row).sum(axis=0)
+        if bias_b is not None and bias_b.shape[1] == 1:  # a bias shared by the G heads
+            ds = ds.sum(axis=1, keepdims=True)
         return (dk, dv, dsink), (dq_b, ds)
 
     args = (_blocks(st, q, 0), _blocks(st, indices, 0), _blocks(st, allowed, False),
             None if bias is None else _blocks(st, bias, 0), _blocks(st, d_out, 0),
             _blocks(st, lse, jnp.inf))
-    start = (jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute), jnp.zeros((), compute))
+    heads = q.shape[1:2]
+    start = (jnp.zeros(k.shape, compute), jnp.zeros(v.shape, compute),
+             jnp.zeros(heads, compute))
     (dk, dv, dsink), (dq, dbias) = lax.scan(block, start, args)
     lq = q.shape[0]
     dq = dq.reshape((-1,) + dq.shape[2:])[:lq].astype(q.dtype)

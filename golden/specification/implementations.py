@@ -71,12 +71,15 @@ class Asked(NamedTuple):
 class Implementation(NamedTuple):
     """One named implementation: ``run`` computes, ``refuses(asked)`` says why it cannot.
     ``whole``: ``run`` takes the whole (B, H, L, D) call rather than one head (the twin then
-    calls it as it is, without mapping it over heads; JAX's accelerator kernels)."""
+    calls it as it is, without mapping it over heads; JAX's accelerator kernels). ``grouped``:
+    ``run`` takes one kv head's G query heads at once, every per-head argument with a leading
+    G|1 axis (JAX's "sparse": one gather of the chosen keys for the G heads)."""
 
     name: str
     run: Callable
     refuses: Callable[[Asked], str | None]
     whole: bool = False
+    grouped: bool = False
 
 
 class Registry:
