@@ -516,8 +516,9 @@ def _attention(query, key, value, mask, bias, dropout_mask, rng, offset=None, q_
         return (out, weights) if return_weights else (out, None)  # weights only when asked for
 
     grouped = passes is None and IMPLEMENTATIONS[implementation].grouped
-    run = (partial(_vmap_all, grouped=grouped) if chunk is None else
-           partial(_vmap_chunks, chunk=chunk))
+    copies = implementation == "blockwise" or passes is not None  # _over_groups says why
+    run = (partial(_vmap_all, grouped=grouped, copies=copies) if chunk is None else
+           partial(_vmap_chunks, chunk=chunk, copies=copies))
     out, weights = run(one, q, k, v, extras)  # (B, Hkv, G, Lq, Dv), (B, Hkv, G, Lq, Lk)
     return out.reshape(lead + out.shape[-2:]), (weights.reshape(shape) if return_weights else None)
 
@@ -533,23 +534,38 @@ def _group(x, groups):
     return x.reshape(x.shape[:1] + heads + x.shape[2:])
 
 
-def _vmap_all(one, q, k, v, extras, grouped=False):
+def _vmap_all(one, q, k, v, extras, grouped=False, copies=False):
     """vmap over G with k and v not mapped (never copied per query head; G = 1 is not
     vmapped: _over_groups), then over Hkv, then B; size-1 axes of the extras are not mapped.
     ``grouped``: ``one`` takes a kv head's G query heads at once (the registry's
-    Implementation.grouped), the extras keeping their G|1 axis first."""
+    Implementation.grouped), the extras keeping their G|1 axis first. ``copies``: see
+    _over_groups."""
     if not grouped:
-        one = _over_groups(one, extras, q.shape[2])
+        one = _over_groups(one, extras, q.shape[2], copies)
     for axis in (1, 0):  # Hkv, B
         one = _mapped(one, extras, axis, kv=True)
     return one(q, k, v, *_squeezed(extras, 2 if grouped else 3))
 
 
-def _over_groups(one, extras, groups):
+def _over_groups(one, extras, groups, copies=False):
     """``one`` vmapped over the G query heads of a kv head (k and v not mapped), or for G = 1
     called on the single head: a vmap over a size-1 axis leaves it in the scores, which
     XLA:CPU then copies into a new layout between the two products (3 programs' steps where the
-    naive einsum has 1: docs/performance.md)."""
+    naive einsum has 1: docs/performance.md). ``copies``: k and v broadcast to the G heads and
+    mapped, for the implementations whose backward is a custom VJP ("blockwise", and explicit's
+    forward with blockwise's backward): with k and v not mapped, their gradients came out wrong
+    whenever the forward and the backward were compiled as one program with a constant
+    cotangent (jax.jit of jax.grad of out.sum(); JAX 0.10.2 on a CPU: errors of order 1 and
+    garbage up to 1e30, different at each compilation, at L = 64 and more with G = 2 or 4;
+    right with a drawn cotangent, and when each pass was its own program): tests/
+    test_jax_execution.py's regression test. Cause not found; the copies are what G separate
+    heads would cost."""
+    if groups > 1 and copies:
+        mapped = _mapped(one, extras, 2, kv=True)
+
+        def heads(q, k, v, *rest):
+            return mapped(q, *(jnp.broadcast_to(x, (groups,) + x.shape) for x in (k, v)), *rest)
+        return heads
     if groups > 1:
         return _mapped(one, extras, 2, kv=False)
 
@@ -559,13 +575,13 @@ def _over_groups(one, extras, groups):
     return single
 
 
-def _vmap_chunks(one, q, k, v, extras, chunk):
+def _vmap_chunks(one, q, k, v, extras, chunk, copies=False):
     """The B·Hkv (batch, kv head) pairs, each with its G query heads (vmapped, k and v not
     mapped), ``max(1, chunk // G)`` pairs at a time: vmapped within, sequential across; a group
     of more than ``chunk`` query heads is itself taken ``chunk`` heads at a time, so a step's
     scores stay as small as without groups. The extras are indexed per pair, never copied."""
     b, hkv, g = q.shape[:3]
-    per_group = _over_groups(one, extras, g)
+    per_group = _over_groups(one, extras, g, copies)
 
     def group_in_steps(qn, kn, vn, picked):
         """A group larger than a chunk: its query heads ``chunk`` at a time, k and v shared."""

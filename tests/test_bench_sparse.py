@@ -33,20 +33,20 @@ SAME_FUNCTION = 1e-5
 def test_only_sparse_times_sparse_against_dense(tmp_path, capsys):
     assert main(["bench", "--quick", "--only", "sparse", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sparse.json").read_text())["sparse"]
-    b, h, dims, lengths, k, masked_max, _ = QUICK.sparse
-    assert [(r["part"], r["L"], r["D"], r["impl"]) for r in rows] == [
-        (p, length, d, i) for p in SPARSE_PARTS for length in lengths for d in dims
-        for i in SPARSE_CONTENDERS]
-    at = {(r["part"], r["L"], r["D"], r["impl"]): r for r in rows}
+    b, heads, dims, lengths, k, masked_max, _ = QUICK.sparse
+    assert [(r["part"], r["L"], (r["H"], r["Hkv"]), r["D"], r["impl"]) for r in rows] == [
+        (p, length, h, d, i) for p in SPARSE_PARTS for length in lengths for h in heads
+        for d in dims for i in SPARSE_CONTENDERS]
+    at = {(r["part"], r["L"], r["H"], r["Hkv"], r["D"], r["impl"]): r for r in rows}
     compared = 0
     for r in rows:
-        assert (r["B"], r["H"], r["k"]) == (b, h, k)
+        assert (r["B"], r["k"]) == (b, k) and (r["H"], r["Hkv"]) in heads
         if r["impl"] == SAME_SELECTION and r["L"] > masked_max:
             assert r["skipped"].startswith(f"L > {masked_max}: its (L, L) boolean mask"), r
             continue
         assert r["skipped"] is None, r  # the quick grid fits its budget
         assert r["median_ms"] > 0 and r["repeats"] == len(r["times_ms"]) >= 2
-        dense = at[r["part"], r["L"], r["D"], DENSE[r["impl"].split("_")[0]]]
+        dense = at[r["part"], r["L"], r["H"], r["Hkv"], r["D"], DENSE[r["impl"].split("_")[0]]]
         assert r["dense_ratio"] == dense["median_ms"] / r["median_ms"]
         assert (r["xla_temp_mib"] is not None) == r["impl"].startswith("jax")
         if r["impl"].endswith("sparse") and r["L"] <= masked_max:
@@ -54,7 +54,7 @@ def test_only_sparse_times_sparse_against_dense(tmp_path, capsys):
             compared += 1
         else:
             assert r["diff_vs_masked"] is None
-        half = at.get((r["part"], r["L"] // 2, r["D"], r["impl"]))
+        half = at.get((r["part"], r["L"] // 2, r["H"], r["Hkv"], r["D"], r["impl"]))
         if r["impl"].startswith("jax") and half is not None and half["xla_temp_mib"]:
             assert r["mem_x2"] == r["xla_temp_mib"] / half["xla_temp_mib"]
             if r["part"] != "decode" and r["impl"] in ("jax_sparse", SAME_SELECTION) \
@@ -62,23 +62,28 @@ def test_only_sparse_times_sparse_against_dense(tmp_path, capsys):
                 # XLA's temporary bytes: O(L·k) for sparse, O(L²) with the (L, L) mask
                 want = 2.0 if r["impl"] == "jax_sparse" else 4.0
                 assert r["mem_x2"] == pytest.approx(want, rel=0.15), r
-    assert compared == 2 * len(SPARSE_PARTS) * len(dims) * sum(x <= masked_max for x in lengths)
+    assert compared == 2 * len(SPARSE_PARTS) * len(heads) * len(dims) * sum(
+        x <= masked_max for x in lengths)
     for c in crossovers(rows):
-        pairs = [(at[c["part"], x, c["D"], f"{c['framework']}_sparse"],
-                  at[c["part"], x, c["D"], DENSE[c["framework"]]]) for x in lengths]
+        cell = (c["part"], c["H"], c["Hkv"], c["D"])
+        pairs = [(at[(cell[0], x) + cell[1:] + (f"{c['framework']}_sparse",)],
+                  at[(cell[0], x) + cell[1:] + (DENSE[c["framework"]],)]) for x in lengths]
         wins = [s["L"] for s, d in pairs if s["median_ms"] < d["median_ms"]]
         assert c["L"] == (min(wins) if wins else None) and c["compared_at"] == list(lengths)
     assert not (tmp_path / "latest.json").exists()
     out = capsys.readouterr().out
     assert "## A given selection: sparse against dense causal attention (float32)" in out
-    assert f"| decode | {lengths[-1]} | {dims[0]} | {k} | jax_masked | skipped: L > " in out
-    assert "| framework | part | D | crossover L | compared at L |" in out
+    h = heads[0]
+    assert (f"| decode | {lengths[-1]} | {h[0]}/{h[1]} | {dims[0]} | {k} | jax_masked | "
+            f"skipped: L > ") in out
+    assert "| framework | part | H/Hkv | D | crossover L | compared at L |" in out
 
 
 def test_cells_past_the_budget_are_skipped_with_the_prediction():
     grid = replace(QUICK, sparse=QUICK.sparse[:-1] + (0.0,))
     rows = run_sparse(grid, np.random.default_rng(1))
-    assert len(rows) == len(SPARSE_PARTS) * len(QUICK.sparse[3]) * len(SPARSE_CONTENDERS)
+    assert len(rows) == (len(SPARSE_PARTS) * len(QUICK.sparse[3]) * len(QUICK.sparse[1])
+                         * len(SPARSE_CONTENDERS))
     for r in rows:
         assert r["median_ms"] is None and r["dense_ratio"] is None
         if not (r["impl"] == SAME_SELECTION and r["L"] > QUICK.sparse[5]):

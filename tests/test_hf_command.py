@@ -39,7 +39,7 @@ from tests.test_hf_import import HYBRID_OTHERS, HYBRIDS_42  # noqa: E402
 
 FAMILIES = {**DECODERS, **fused.FAMILIES}
 QUICK = ("qwen2", "gemma3_text", "gpt_oss", "gpt_neox", "bloom", "exaone_moe",
-         "granitemoe_swa", "nemotron_h", "modernbert")
+         "granitemoe_swa", "nemotron_h", "modernbert", "deepseek_v32")
 # (a family the verifier does not check yet, Family.unverified, is refused by it by name)
 NAMES = [n for n in FAMILIES if not hf.FAMILIES[n].unverified] if WHOLE else list(QUICK)
 # The encoders' checkpoints, saved from a model with a head where one is usual (its keys then

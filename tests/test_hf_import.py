@@ -473,6 +473,28 @@ ENCODERS_42 = {
                                                                 **TOKENS)),
 }
 
+# Issue 44's latent attentions with a learned token indexer: index_topk 4 of L = 9 keys, so the
+# selection matters on the later rows. HF's indexer computes its scores in float32 even in a
+# float64 model (q.float(), k.float(), weights_proj(...).float()), besides its RMSNorms. 16
+# indexer heads: a key's score is exactly 0 when every head's ReLU is (2⁻ᴴ of the pairs), and
+# exact ties are broken by torch.topk in HF's, by the lowest index in ours; with 2 heads a tie
+# at the k-th place moved the output of 2 of 6 tiny models (0.14 to 0.49), with 16 none.
+NO_INDEXER = {n: None for n in ("index_topk", "index_heads", "index_head_dim", "index_rope",
+                                "index_rope_dims", "index_query", "index_scale",
+                                "index_norm_eps")}
+INDEXER_44 = dict(index_topk=4, index_n_heads=16, index_head_dim=6)
+INDEXED_44 = {
+    "deepseek_v32": Family("DeepseekV32Config", dict(
+        num_hidden_layers=1, **MLA_SIZES, **INDEXER_44,
+        n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        first_k_dense_replace=1), float32="DeepseekV32RMSNorm, the indexer's scores"),
+    "glm_moe_dsa": Family("GlmMoeDsaConfig", dict(
+        num_hidden_layers=1, **{k: v for k, v in MLA_SIZES.items() if k != "head_dim"},
+        **INDEXER_44, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=8, first_k_dense_replace=1),
+        float32="GlmMoeDsaRMSNorm, the indexer's scores"),
+}
+
 FAMILIES = {
     "llama": Family("LlamaConfig", dict(num_hidden_layers=1, attention_bias=True,
                                         rope_parameters={
@@ -573,6 +595,7 @@ FAMILIES = {
     **LATENT_42,
     **HYBRIDS_42,
     **ENCODERS_42,
+    **INDEXED_44,
 }
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).
@@ -648,6 +671,9 @@ DISTINCT = {
        for mt in ("deepseek_v2", "youtu")},
     **{mt: [(0, {"rope_interleaved": True})] for mt in ("minicpm3", "glm4_moe_lite", "axk1")},
     "mistral4": [(0, {"query_temperature": None})],
+    # Issue 44: the selection dropped, the indexer's RoPE pairs the other way
+    "deepseek_v32": [(0, NO_INDEXER), (0, {"index_rope": "interleaved"})],
+    "glm_moe_dsa": [(0, NO_INDEXER), (0, {"index_rope": "half"})],
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs
     "longcat_flash": [(0, {"scale": None}), (1, {"rope_interleaved": False})],
     # Ling 3.0's MLA layers: the gate per head; their pairs
@@ -994,7 +1020,7 @@ def test_each_distinctive_setting_moves_the_output_far_more_than_the_agreement(n
 
 # Latent attention has exact angles only (its comparison with HF is at float32 level anyway:
 # HF's RMSNorm of the latent is float32).
-EXACT_ANGLES_ONLY = {"deepseek_v3", *LATENT_42, "bailing_hybrid"}
+EXACT_ANGLES_ONLY = {"deepseek_v3", *LATENT_42, *INDEXED_44, "bailing_hybrid"}
 
 
 def _angles(name):

@@ -431,3 +431,36 @@ def test_default_precision_reaches_every_core_dot(shapes, chunked):
         tiles = 4 if chunked else 1  # causal L = 512: explicit's four query tiles of 128 rows
         assert len(dots) == 2 * tiles and all(batched in d for d in dots), dots  # the path
         assert all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
+
+
+@pytest.mark.parametrize("heads", [(2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("length", [64, 256])
+def test_blockwise_gqa_gradients_compiled_with_their_forward(heads, length):
+    # jax.jit(jax.grad(...)) of "blockwise" with fewer kv heads than query heads: its custom
+    # VJP vmapped over a kv head's G query heads with k and v not mapped gave wrong key, value
+    # and query gradients (order 1, value gradients up to 1e30, different at each compilation)
+    # whenever forward and backward were one program and the loss was a plain out.sum() (its
+    # cotangent a constant: a random one was right); k and v are now broadcast to the G heads
+    # (jax_attn.functional._over_groups). Against the float64 reference, each of 3
+    # compilations.
+    rng = np.random.default_rng(length + 10 * heads[0] + heads[1])
+    q = rng.standard_normal((1, heads[0], length, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((1, heads[1], length, 16)).astype(np.float32) for _ in range(2))
+    d_out = np.ones(q.shape, np.float32)  # the loss out.sum(): a constant cotangent
+    g = heads[0] // heads[1]  # the reference on the kv heads repeated, their gradients summed
+    wide = [x.astype(np.float64) for x in (q, np.repeat(k, g, 1), np.repeat(v, g, 1))]
+    expected = reference.sdpa_backward(reference.sdpa_forward(*wide, None, None,
+                                                              is_causal=True)[2],
+                                       d_out.astype(np.float64),
+                                       np.zeros((1, heads[0], length, length)))
+    for name in ("key", "value"):
+        expected[name] = expected[name].reshape((1, heads[1], g) + k.shape[2:]).sum(2)
+    for _ in range(3):
+        def loss(q, k, v):
+            out = jax_attn.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation="blockwise")
+            return out.sum()
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        for name, got in zip(("query", "key", "value"), grads):
+            assert compare(np.asarray(got), expected[name], "float32", "grad",
+                           terms=length).ok, (name, heads, length)

@@ -7,11 +7,13 @@ rules at the gathered positions (causal, window, chunks, lengths, the mask and t
 there), takes the softmax over the k scores (scale, soft-cap, sinks) and their weighted sum:
 O(Lq·k) work and memory, never an (Lq, Lk) array. The query rows go in blocks, forward and
 backward (an autograd Function of its own, ``_Sparse``: what is kept between the passes is the
-inputs, the allowed set and each row's log-sum-exp, not the gathered keys). A kv head's G query
+inputs and each row's log-sum-exp, not the gathered keys; each block's rules are found again
+as it is read). A kv head's G query
 heads share one gather when the selection is shared by the heads (key_indices without a head
 axis, or with one of size 1): their scores one product batched over the rows, their key and
-value gradients summed before one index_add. The indices are sorted per row first and a repeat of an index is masked after
-its first occurrence, so a repeated index counts once (the mask's meaning).
+value gradients summed before one index_add. A repeat of an index in a row is masked after its
+first occurrence (each block's rows sorted to find them), so a repeated index counts once (the
+mask's meaning).
 
 Shape legend: B batch, H query heads, Hkv key-value heads, G = H / Hkv, Lq query length, Lk key
 length, k keys chosen per row, r rows of a block, Dk key width, Dv value width.
@@ -49,18 +51,15 @@ def sparse(query, key, value, key_indices, mask, bias, where, scale, softcap, si
     q, k, v = (_lift(x) for x in (query, key, value))  # (B, H, Lq, Dk), (B, Hkv, Lk, D)
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     q = q.reshape(q.shape[:1] + (hkv, g) + q.shape[2:])  # (B, Hkv, G, Lq, Dk)
-    indices = _group(_lift(with_head_axis(key_indices, query)), hkv, g).long()
-    indices, _ = torch.sort(indices, dim=-1)  # (B|1, Hkv|1, G|1, Lq, k)
-    first = torch.ones_like(indices, dtype=torch.bool)
-    first[..., 1:] = indices[..., 1:] != indices[..., :-1]  # a repeat counts once
+    indices = _group(_lift(with_head_axis(key_indices, query)), hkv, g)  # (B|1, Hkv|1, G|1,
+    # Lq, k), as given: each block's rows are sorted, their repeats found, as they are read
     mask, bias = (None if x is None else _group(_lift(x), hkv, g) for x in (mask, bias))
-    allowed = _allowed(where, indices, first, mask, 0)  # (B|1, Hkv|1, G|1, Lq, k)
-    chosen_bias = None if bias is None else _gathered(bias, indices)  # autograd: a scatter
+    chosen_bias = None if bias is None else _gathered(bias, indices.long())  # autograd: a scatter
     if sinks is not None:  # (Hkv, G), or (1, 1) unbatched
         sinks = sinks.reshape(hkv, g) if sinks.dim() else sinks.reshape(1, 1)
     rows = rows or max(1, BLOCK_ELEMENTS // (k.shape[0] * hkv * indices.shape[-1]))
-    out = _Sparse.apply(q, k, v, indices.expand(k.shape[:2] + indices.shape[2:]), allowed,
-                        chosen_bias, sinks, scale, softcap, rows)  # (B, Hkv, G, Lq, Dv)
+    out = _Sparse.apply(q, k, v, indices.expand(k.shape[:2] + indices.shape[2:]), mask,
+                        chosen_bias, sinks, (where, scale, softcap, rows))  # (B, Hkv, G, Lq, Dv)
     return out.reshape(lead + out.shape[-2:])
 
 
@@ -73,23 +72,24 @@ class _Sparse(torch.autograd.Function):
     kept. Not twice differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, allowed, bias, sinks, scale, softcap, rows):
+    def forward(ctx, q, k, v, indices, mask, bias, sinks, settings):
+        where, scale, softcap, rows = settings
         outs, lses = [], []
         for start in range(0, q.shape[-2], rows):
-            part = _part(start, rows, indices, allowed, bias)
+            part = _part(where, start, rows, indices, mask, bias)
             out, lse = _block_forward(q[..., start:start + rows, :], k, v, *part, sinks, scale,
                                       softcap)
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, indices, allowed, bias, sinks, lse)
-        ctx.settings = scale, softcap, rows
+        ctx.save_for_backward(q, k, v, indices, mask, bias, sinks, lse)
+        ctx.settings = settings
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, indices, allowed, bias, sinks, lse = ctx.saved_tensors
-        scale, softcap, rows = ctx.settings
+        q, k, v, indices, mask, bias, sinks, lse = ctx.saved_tensors
+        where, scale, softcap, rows = ctx.settings
         compute = _compute(q)
         dq = torch.empty(q.shape, dtype=compute, device=q.device)
         dk = torch.zeros(k.shape, dtype=compute, device=k.device)
@@ -99,7 +99,7 @@ class _Sparse(torch.autograd.Function):
         dsink = None if sinks is None else torch.zeros(sinks.shape, dtype=compute,
                                                        device=q.device)
         for start in range(0, q.shape[-2], rows):
-            part = _part(start, rows, indices, allowed, bias)
+            part = _part(where, start, rows, indices, mask, bias)
             stop = start + part[0].shape[-2]
             dq[..., start:stop, :], ds = _block_backward(
                 q[..., start:stop, :], k, v, *part, sinks, lse[..., start:stop],
@@ -109,7 +109,7 @@ class _Sparse(torch.autograd.Function):
         if dbias is not None:
             dbias = dbias.sum_to_size(bias.shape).to(bias.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, dbias,
-                None if dsink is None else dsink.to(sinks.dtype), None, None, None)
+                None if dsink is None else dsink.to(sinks.dtype), None)
 
 
 def _compute(q):
@@ -117,10 +117,17 @@ def _compute(q):
     return torch.float32 if q.dtype in LOW_PRECISION else q.dtype
 
 
-def _part(start, rows, indices, allowed, bias):
-    """Rows start:start + rows of the indices, the allowed set and the chosen keys' bias."""
+def _part(where, start, rows, indices, mask, bias):
+    """Rows start:start + rows: their chosen indices (as given), where they may attend them
+    (``_allowed``: a repeat of an index counts once, found by sorting the block's rows) and
+    the chosen keys' bias."""
     cut = lambda x: x if x is None or x.shape[-2] == 1 else x[..., start:start + rows, :]  # noqa: E731
-    return cut(indices), cut(allowed), cut(bias)
+    chosen = cut(indices).long()
+    ordered, order = torch.sort(chosen, dim=-1, stable=True)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    first = torch.empty_like(first).scatter_(-1, order, first)  # back to the given order
+    return chosen, _allowed(where, chosen, first, cut(mask), start), cut(bias)
 
 
 def _rows_first(x, shared):

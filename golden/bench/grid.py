@@ -52,12 +52,14 @@ class Grid:
     # (transformers' forward+backward grows faster than L: 5.7 s at L = 4096, B = 1, on this
     # project's 2-core host, about 18 times its 1024's, hence the shorter backward rows)
     linear: tuple = (16, 128, ((1, (1024, 4096, 8192, 16384, 32768), 8192), (4, (1024, 4096), 1024)))
-    # a given selection, causal, float32 (golden.bench.sparse): B, H, the widths D, the lengths
-    # L, k keys chosen per row, the longest L of the dense call with the selection as an (L, L)
-    # mask, the section's budget in seconds. H = 1: every contender's work is linear in H, so the
-    # ratios and crossovers do not depend on it, and on 2 cores H = 8 would leave the budget
-    # only L = 8k (torch's sparse forward+backward took ~100 s per call per head there).
-    sparse: tuple = (1, 1, (64, 128), (8192, 16384, 32768, 65536), 2048, 16384, 840.0)
+    # a given selection, causal, float32 (golden.bench.sparse): B, the heads (H, Hkv) of each
+    # row, the widths D, the lengths L, k keys chosen per row, the longest L of the dense call
+    # with the selection as an (L, L) mask, the section's budget in seconds. One head (every
+    # head its own keys: HF's DeepseekV32Attention expands its latent per head) and 16 query
+    # heads on one kv head (the absorbed MQA form of DeepSeek-V3.2's inference kernels: the
+    # sparse cores gather each row's keys once for the 16 heads).
+    sparse: tuple = (1, ((1, 1), (16, 1)), (128,), (8192, 16384, 32768, 65536), 2048, 16384,
+                     1500.0)
 
 
 def _self(L, B=4, H=8, D=64):
@@ -75,4 +77,4 @@ QUICK = Grid(shapes=(_self(64, B=1, H=2, D=16), Shape(1, 2, 32, 64, 16)),
              positions_vision=(1, 4, 32, 2, 16),
              positions_text=(1, 48, 32, 4, 2, 16, 4, (2, 3, 3), (4, 2, 2)),
              linear=(2, 16, ((1, (64, 160), 64),)),
-             sparse=(1, 2, (16,), (128, 256, 512), 16, 256, 300.0))
+             sparse=(1, ((2, 2), (4, 1)), (16,), (128, 256, 512), 16, 256, 300.0))

@@ -39,7 +39,9 @@ the kernel's counter is reset; that call's result is the one compared); XLA MiB:
 program's temporary buffers (its compiled memory analysis). ×2L: this row's memory ÷ the same
 contender's at L/2 (L·k grows ×2 per doubling, L² ×4).
 
-Shape legend: B batch, H heads (key heads too), L tokens, D head width, k keys chosen per row.
+Shape legend: B batch, H query heads, Hkv key-value heads (H / Hkv query heads share a kv head
+and its selection: Hkv = 1 is DeepSeek-V3.2's sparse attention in its absorbed, MQA form), L
+tokens, D head width, k keys chosen per row.
 """
 
 from __future__ import annotations
@@ -174,11 +176,12 @@ def _flat(out) -> np.ndarray:
                                       dtype=np.float64).ravel() for p in parts])
 
 
-def _inputs(rng, b, h, length, d, selected, seed, drawn=None, needed=True):
-    """Fresh q, k, v float32 (B, H, L, D) from rng; the selection (B, L, k) from ``seed`` (the
+def _inputs(rng, b, heads, length, d, selected, seed, drawn=None, needed=True):
+    """Fresh q float32 (B, H, L, D), k, v (B, Hkv, L, D) from rng (``heads`` = (H, Hkv)); the selection (B, L, k) from ``seed`` (the
     same at every part and D of a length), taken from ``drawn`` {(L, seed): selection} when
     there (the last one drawn is kept: 5 s at 64k); None when not ``needed``."""
-    q, k, v = (rng.standard_normal((b, h, length, d), dtype=np.float32) for _ in range(3))
+    q = rng.standard_normal((b, heads[0], length, d), dtype=np.float32)
+    k, v = (rng.standard_normal((b, heads[1], length, d), dtype=np.float32) for _ in range(2))
     if not needed:
         return (q, k, v), None
     if drawn is not None and (length, seed) in drawn:
@@ -192,30 +195,33 @@ def _inputs(rng, b, h, length, d, selected, seed, drawn=None, needed=True):
 
 
 def _calibrate(grid: Grid, rng) -> dict:
-    """{(part, D, contender): (seconds of one steady call, L, k)} at L/8 and k/8 of the grid's
-    first length (a first call apart)."""
-    b, h, dims, lengths, selected, _, _ = grid.sparse
+    """{(part, (H, Hkv, D), contender): (seconds of one steady call, L, k)} at L/8 and k/8 of
+    the grid's first length (a first call apart)."""
+    b, heads, dims, lengths, selected, _, _ = grid.sparse
     length, k = max(2, lengths[0] // 8), max(1, selected // 8)
     times = {}
-    for d in dims:
-        arrays, selection = _inputs(rng, b, h, length, d, k, rng.integers(2 ** 32))
-        for part in SPARSE_PARTS:
-            for impl, (fn, args) in sparse_calls(part, arrays, selection).items():
-                _call(fn, args)
-                times[part, d, impl] = (_call(fn, args), length, k)
+    for h in heads:
+        for d in dims:
+            arrays, selection = _inputs(rng, b, h, length, d, k, rng.integers(2 ** 32))
+            for part in SPARSE_PARTS:
+                for impl, (fn, args) in sparse_calls(part, arrays, selection).items():
+                    _call(fn, args)
+                    times[part, h + (d,), impl] = (_call(fn, args), length, k)
     return times
 
 
-def _predict(measured, part, d, impl, length, selected) -> tuple[float, str]:
-    """(seconds of one call at L, k; from what) scaled from ``measured``'s entry."""
-    seconds, at, k = measured[part, d, impl]
+def _predict(measured, part, shape, impl, length, selected) -> tuple[float, str]:
+    """(seconds of one call at L, k; from what) scaled from ``measured``'s entry of the same
+    (H, Hkv, D) ``shape``."""
+    seconds, at, k = measured[part, shape, impl]
     a, b = WORK[_kind(impl)][part]
     return seconds * (length / at) ** a * (selected / k) ** b, f"L={at},k={k}"
 
 
 def _cells(grid: Grid):
-    _, _, dims, lengths, _, _, _ = grid.sparse
-    return [(part, length, d) for part in SPARSE_PARTS for length in lengths for d in dims]
+    _, heads, dims, lengths, _, _, _ = grid.sparse
+    return [(part, length, h, d) for part in SPARSE_PARTS for length in lengths for h in heads
+            for d in dims]
 
 
 def run_sparse(grid: Grid, rng) -> list[dict]:
@@ -225,15 +231,16 @@ def run_sparse(grid: Grid, rng) -> list[dict]:
     (``skipped`` the reason); dense_ratio = the framework's dense median ÷ this row's (above
     1: faster than dense), mem_x2 = this row's memory ÷ its own at L/2 (``_doubling``)."""
     start = time.perf_counter()
-    b, h, dims, lengths, selected, masked_max, budget = grid.sparse
+    b, _, _, lengths, selected, masked_max, budget = grid.sparse
     measured = _calibrate(grid, rng)
     seeds = dict(zip(lengths, rng.integers(2 ** 32, size=len(lengths))))  # one selection per L
     rows, drawn = [], {}
-    for part, length, d in _cells(grid):
-        head = {"part": part, "B": b, "H": h, "L": length, "D": d, "k": selected}
+    for part, length, h, d in _cells(grid):
+        head = {"part": part, "B": b, "H": h[0], "Hkv": h[1], "L": length, "D": d,
+                "k": selected}
         run, skipped, spent = [], {}, time.perf_counter() - start
         for impl in SPARSE_CONTENDERS:
-            seconds, source = _predict(measured, part, d, impl, length, selected)
+            seconds, source = _predict(measured, part, h + (d,), impl, length, selected)
             if impl == SAME_SELECTION and length > masked_max:
                 skipped[impl] = (f"L > {masked_max}: its (L, L) boolean mask "
                                  f"({length ** 2 / 2 ** 20:.3g} MiB) past the grid's cap")
@@ -253,12 +260,12 @@ def run_sparse(grid: Grid, rng) -> list[dict]:
         for impl in SPARSE_CONTENDERS:
             if impl in skipped:
                 rows.append({**head, "impl": impl, "skipped": skipped[impl], "median_ms": None})
-                print(f"  sparse {part:16} L={length:6} D={d:3} {impl:12} skipped: "
-                      f"{skipped[impl]}", file=sys.stderr, flush=True)
+                print(f"  sparse {part:16} L={length:6} H={h[0]}/{h[1]} D={d:3} {impl:12} "
+                      f"skipped: {skipped[impl]}", file=sys.stderr, flush=True)
                 continue
             fn, args = calls[impl]
             m = times[impl]
-            measured[part, d, impl] = (m["median_ms"] / 1e3, length, selected)
+            measured[part, h + (d,), impl] = (m["median_ms"] / 1e3, length, selected)
             peak, _, out = peak_rss_call(fn, args)
             if impl == SAME_SELECTION or _kind(impl) == "sparse":
                 results[impl] = _flat(out)
@@ -266,7 +273,7 @@ def run_sparse(grid: Grid, rng) -> list[dict]:
             rows.append({**head, "impl": impl, "skipped": None, **m, "peak_mib": peak,
                          "xla_temp_mib": None if xla is None else
                          xla["temp_size_in_bytes"] / 2 ** 20})
-            print(f"  sparse {part:16} L={length:6} D={d:3} {impl:12} "
+            print(f"  sparse {part:16} L={length:6} H={h[0]}/{h[1]} D={d:3} {impl:12} "
                   f"{m['median_ms']:10.1f} ms ×{m['repeats']}", file=sys.stderr, flush=True)
         for r in rows[-len(SPARSE_CONTENDERS):]:
             r["diff_vs_masked"] = None
@@ -280,7 +287,7 @@ def run_sparse(grid: Grid, rng) -> list[dict]:
 
 
 def _same(r, s, *fields) -> bool:
-    return all(r[f] == s[f] for f in ("part", "B", "H", "D", "k") + fields)
+    return all(r[f] == s[f] for f in ("part", "B", "H", "Hkv", "D", "k") + fields)
 
 
 def _ratios(rows) -> None:
@@ -311,18 +318,19 @@ def _doubling(rows, r):
 
 
 def crossovers(rows) -> list[dict]:
-    """Per framework, part and D: the smallest L of the grid where the sparse row's median is
-    below the dense one's (``L`` None: none in the grid), and the lengths where both ran."""
+    """Per framework, part, heads (H, Hkv) and D: the smallest L of the grid where the sparse
+    row's median is below the dense one's (``L`` None: none in the grid), and the lengths where
+    both ran."""
     out = []
-    keys = sorted({(r["impl"].split("_")[0], r["part"], r["D"]) for r in rows},
-                  key=lambda x: (x[0], SPARSE_PARTS.index(x[1]), x[2]))
-    for framework, part, d in keys:
+    keys = sorted({(r["impl"].split("_")[0], r["part"], r["H"], r["Hkv"], r["D"]) for r in rows},
+                  key=lambda x: (x[0], SPARSE_PARTS.index(x[1])) + x[2:])
+    for framework, part, h, hkv, d in keys:
         pairs = [(r, next(s for s in rows if _same(r, s, "L") and s["impl"] == DENSE[framework]))
                  for r in rows if r["impl"] == f"{framework}_sparse" and r["part"] == part
-                 and r["D"] == d]
+                 and (r["H"], r["Hkv"], r["D"]) == (h, hkv, d)]
         both = sorted(r["L"] for r, s in pairs if r["skipped"] is None and s["skipped"] is None)
         wins = [r["L"] for r, s in pairs if r["L"] in both and r["median_ms"] < s["median_ms"]]
-        out.append({"framework": framework, "part": part, "D": d,
+        out.append({"framework": framework, "part": part, "H": h, "Hkv": hkv, "D": d,
                     "L": min(wins) if wins else None, "compared_at": both})
     return out
 
@@ -343,12 +351,13 @@ def sparse_markdown(rows: list[dict]) -> list[str]:
         "the JAX program's temporary buffers; ×2L: this row's memory (XLA's for JAX, the peak "
         "for torch) ÷ its own at L/2 (L·k: 2; L²: 4). Δ masked: max |x − x_masked| ÷ max "
         "|x_masked| of the output (forward+backward: the gradients). Skipped rows say why.", "",
-        "| part | L | D | k | contender | ms | n | ÷ dense | peak MiB | XLA MiB | ×2L "
+        "| part | L | H/Hkv | D | k | contender | ms | n | ÷ dense | peak MiB | XLA MiB | ×2L "
         "| Δ masked | others % |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: |"]
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |"]
     for r in rows:
-        lead = f"| {r['part']} | {r['L']} | {r['D']} | {r['k']} | {r['impl']} |"
+        lead = (f"| {r['part']} | {r['L']} | {r['H']}/{r['Hkv']} | {r['D']} | {r['k']} "
+                f"| {r['impl']} |")
         if r["skipped"] is not None:
             lines.append(f"{lead} skipped: {r['skipped']} | | | | | | | |")
             continue
@@ -359,11 +368,11 @@ def sparse_markdown(rows: list[dict]) -> list[str]:
             f"| {_f(r['mem_x2'])} | {_f(r['diff_vs_masked'], '{:.1e}')} "
             f"| {_f(r['other_cpu_pct'], '{:.0f}')} |")
     lines += ["", "- crossover: the smallest L where sparse's median is below dense's, same "
-              "framework, part and D (among the lengths where both ran).", "",
-              "| framework | part | D | crossover L | compared at L |",
-              "| --- | --- | ---: | ---: | --- |"]
+              "framework, part, heads and D (among the lengths where both ran).", "",
+              "| framework | part | H/Hkv | D | crossover L | compared at L |",
+              "| --- | --- | ---: | ---: | ---: | --- |"]
     for c in crossovers(rows):
         at = ", ".join(map(str, c["compared_at"])) or "none (skipped)"
-        lines.append(f"| {c['framework']} | {c['part']} | {c['D']} "
+        lines.append(f"| {c['framework']} | {c['part']} | {c['H']}/{c['Hkv']} | {c['D']} "
                      f"| {c['L'] if c['L'] is not None else 'none in the grid'} | {at} |")
     return lines

@@ -162,6 +162,61 @@ def _longcat_kv_scale(ours) -> float:
     return (ours["d_in"] / ours["kv_lora_rank"]) ** 0.5
 
 
+# The lightning indexer's arrays (DeepseekV32Indexer, at the attention's ``indexer.``): ours,
+# Hugging Face's; the projections (out, in) there, (in, out) here.
+INDEXER_NAMES = {"W_index_q": "indexer.wq_b", "W_index_k": "indexer.wk",
+                 "W_index_weights": "indexer.weights_proj"}
+INDEXER_NORMS = {"index_k_norm": "indexer.k_norm.weight",
+                 "index_k_norm_bias": "indexer.k_norm.bias"}
+
+
+def _indexer_settings(mt, index_rope):
+    """DeepSeek-V3.2's latent attention (its MLA RoPE always interleaved, whatever
+    rope_interleave says: DeepseekV32Attention calls apply_rotary_pos_emb_interleave) with its
+    lightning indexer (DeepseekV32Indexer): index_topk, index_n_heads, index_head_dim from the
+    config; the indexer's query from the query latent (a q LoRA required: wq_b reads it), its
+    RoPE on the first qk_rope_head_dim features, ``index_rope`` pairs ("half": DeepSeek-V3.2;
+    "interleaved": GLM-5's GlmMoeDsaIndexer), D_I^−1/2 on the scores, the key's LayerNorm eps
+    1e-6 (nn.LayerNorm(index_head_dim, eps=1e-6)). GLM-5's layers marked "shared" in
+    indexer_types reuse the previous layer's choice: refused by name (one layer alone cannot
+    be checked)."""
+
+    def settings(c, layer_idx, sd):
+        types = c.get("indexer_types")
+        if types is not None and types[layer_idx] != "full":
+            raise ValueError(f"model_type {mt!r}: layer {layer_idx} is an indexer_types "
+                             f"{types[layer_idx]!r} layer (it reuses the previous layer's top-k "
+                             f"choice), which is not supported yet; its full layers are")
+        if not c.get("q_lora_rank"):
+            raise ValueError(f"model_type {mt!r}: q_lora_rank should be a positive int (the "
+                             f"indexer's wq_b reads the query latent), got {c.get('q_lora_rank')!r}")
+        ours = _latent_settings(mt, interleaved=True)(c, layer_idx, sd)
+        ours.update(index_topk=int(c["index_topk"]), index_heads=int(c["index_n_heads"]),
+                    index_head_dim=int(c["index_head_dim"]), index_rope=index_rope,
+                    index_rope_dims="first", index_query="latent", index_scale="scores",
+                    index_norm_eps=1e-6)
+        return ours
+    return settings
+
+
+def _indexer_to_neutral(sd, ours):
+    params, mt = _deepseek_to_neutral(sd, ours), getattr(ours, "model_type", "deepseek_v32")
+    for name, hf_name in INDEXER_NAMES.items():
+        params[name] = np.ascontiguousarray(_read(sd, f"{hf_name}.weight", mt).T)
+    for name, key in INDEXER_NORMS.items():
+        params[name] = _read(sd, key, mt)
+    return params
+
+
+def _indexer_from_neutral(params, ours):
+    sd = _deepseek_from_neutral(params, ours)
+    for name, hf_name in INDEXER_NAMES.items():
+        sd[f"{hf_name}.weight"] = np.ascontiguousarray(np.asarray(params[name]).T)
+    for name, key in INDEXER_NORMS.items():
+        sd[key] = np.array(params[name])
+    return sd
+
+
 def _mla(settings, to_neutral=_deepseek_to_neutral, from_neutral=_deepseek_from_neutral,
          **family) -> Family:
     return Family(MLA, settings, to_neutral, from_neutral, **family)
@@ -176,6 +231,11 @@ FAMILIES: dict[str, Family] = {
     "kimi_linear": _mla(_kimi_linear_settings),
     # DeepseekV3Attention itself (A.X-K1's always with a q LoRA): rope_interleave read
     **{mt: _mla(_latent_settings(mt)) for mt in ("glm4_moe_lite", "youtu", "axk1")},
+    # Issue 44's learned sparse selection: DeepSeek-V3.2 and GLM-5 (its "full" layers)
+    "deepseek_v32": _mla(_indexer_settings("deepseek_v32", "half"), _indexer_to_neutral,
+                         _indexer_from_neutral),
+    "glm_moe_dsa": _mla(_indexer_settings("glm_moe_dsa", "interleaved"), _indexer_to_neutral,
+                        _indexer_from_neutral),
     # Mistral Small 4: with Llama 4's query temperature
     "mistral4": _mla(_mistral4_settings, model_class="Mistral4Model"),
     "longcat_flash": _mla(_longcat_settings, _longcat_to_neutral, _longcat_from_neutral,
