@@ -68,5 +68,21 @@ def main(path="sparse_gpu.json"):
                         json.dump(rows, f, indent=1)
 
 
+def markdown(rows) -> list[str]:
+    """The rows as docs/performance.md's table: per heads, L and part, sparse's and blockwise's
+    medians and blockwise ÷ sparse (above 1: sparse faster); cuDNN's refusals left out."""
+    at = {(r["H"], r["Hkv"], r["L"], r["part"], r["impl"]): r.get("median_ms") for r in rows}
+    lines = ["| H/Hkv | L | part | sparse ms | blockwise ms | blockwise ÷ sparse |",
+             "| ---: | ---: | --- | ---: | ---: | ---: |"]
+    for (h, hkv, length, part, impl), ms in at.items():
+        if impl != "sparse" or ms is None:
+            continue
+        dense = at.get((h, hkv, length, part, "blockwise"))
+        ratio = "—" if dense is None else f"{dense / ms:.2f}"
+        lines.append(f"| {h}/{hkv} | {length} | {part} | {ms:.1f} | "
+                     f"{'—' if dense is None else f'{dense:.1f}'} | {ratio} |")
+    return lines
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:])

@@ -399,9 +399,14 @@ GPU_BLOCKWISE_ABOVE = 2**24
 
 
 ACCELERATORS = {"gpu": ("cudnn", "pallas"), "tpu": ("splash",)}  # preferred there, in order
-# None takes "sparse" first when key_indices chooses k ≤ Lk / SPARSE_UP_TO keys per row: a
-# rule of thumb (the gathered keys a quarter of the dense path's), not yet measured here.
-SPARSE_UP_TO = 4
+# None takes "sparse" first when key_indices chooses k ≤ Lk / SPARSE_UP_TO keys per row, else the
+# dense choice with the (Lq, Lk) mask the selection stands for. Measured (docs/performance.md, "A
+# given selection", 2-core AMD EPYC, k = 2048, D = 128, causal, float32): with 16 query heads on
+# one kv head, at Lk = 8k (k = Lk/4) JAX's masked dense forward beat sparse (1.0 s against
+# 1.25 s), at 16k (k = Lk/8) sparse beat it (4.2 s against 4.6 s) and reads no (L, L) mask; with
+# one head per kv head the masked dense forward stayed 3.5x faster at 16k, but holds that mask
+# (256 MiB per batch row there, 4 GiB at 64k). Hence Lk/8.
+SPARSE_UP_TO = 8
 
 
 def choose(q_shape, k_shape, platform=None, selected=None) -> tuple:

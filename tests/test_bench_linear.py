@@ -102,3 +102,21 @@ def test_performance_table_is_the_committed_report():
     lines = [x for x in linear_markdown(rows["linear"]) if x.startswith("|")]
     doc = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     assert "\n".join(lines) in doc
+
+
+def test_gpu_table_is_the_committed_device_report():
+    """docs/performance.md's GPU table of the gated delta rule is linear_markdown's on the rows
+    the device check committed (bench/results/h200-2026-11-28-issue44/linear.json)."""
+    from golden.bench.linear import linear_markdown
+    path = ROOT / "bench" / "results" / "h200-2026-11-28-issue44" / "linear.json"
+    rows = json.loads(path.read_text())["linear"]
+    lines = [x for x in linear_markdown(rows) if x.startswith("|")]
+    doc = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert "\n".join(lines) in doc
+    ratios = {(r["impl"], r["part"]): [] for r in rows}
+    for r in rows:
+        if r["peer_ratio"] is not None:
+            ratios[r["impl"], r["part"]].append(r["peer_ratio"])
+    forward, both = ratios["jax_chunked", "forward"], ratios["jax_chunked", "forward+backward"]
+    assert (f"{min(forward):.1f}–{max(forward):.1f} times transformers' forward and "
+            f"{min(both):.1f}–{max(both):.1f} times its") in doc.replace("\n  ", " ")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from golden.bench.sparse import (
     causal_selection,
     crossovers,
     run_sparse,
+    sparse_markdown,
 )
 from golden.cli import main
 
@@ -102,3 +104,18 @@ def test_causal_selection_is_k_distinct_causal_keys_per_row():
     assert (s[k:, -1] > s[k:, -1].min()).any()  # not every row the same keys
     with pytest.raises(ValueError, match="selected should be a k in 1 … L = 5, got 6"):
         causal_selection(np.random.default_rng(0), 5, 6)
+
+
+def test_performance_tables_are_the_committed_reports():
+    """docs/performance.md's sparse tables are sparse_markdown's on the committed CPU rows
+    (bench/results/sparse/sparse.json) and bench/device_sparse.py's markdown on the device
+    check's (bench/results/h200-2026-11-28-issue44/sparse_gpu.json), line for line."""
+    import bench.device_sparse as device
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "performance.md").read_text(encoding="utf-8")
+    rows = json.loads((root / "bench" / "results" / "sparse" / "sparse.json").read_text())
+    lines = [x for x in sparse_markdown(rows["sparse"]) if x.startswith("|")]
+    assert "\n".join(lines) in doc
+    gpu = json.loads((root / "bench" / "results" / "h200-2026-11-28-issue44" /
+                      "sparse_gpu.json").read_text())
+    assert "\n".join(device.markdown(gpu)) in doc

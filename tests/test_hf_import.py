@@ -1450,3 +1450,19 @@ def test_chameleon_norm_weight_and_bias_gradients_equal_hfs():
     for name, p in theirs.items():
         g, mine = p.grad.numpy(), getattr(module, name).grad.numpy()
         assert mine.shape == g.shape and rel(mine, g) <= EXACT, (name, rel(mine, g), seed)
+
+
+@pytest.mark.parametrize("mt", sorted(golden.hf.latent.REFUSED))
+def test_issue_44_families_not_converted_yet_are_refused_by_name(mt):
+    with pytest.raises(ValueError, match=rf"model_type {mt!r} is not supported: .*issue 44"):
+        golden.convert.from_hf({"model_type": mt}, {})
+
+
+def test_glm5_shared_indexer_layers_are_refused_by_name():
+    rng, _ = fresh_rng()
+    config, model = build_model(FAMILIES["glm_moe_dsa"], rng)
+    config = dict(config.to_dict(), indexer_types=["shared"])
+    with pytest.raises(ValueError, match=r"model_type 'glm_moe_dsa': layer 0 is an "
+                                         r"indexer_types 'shared' layer"):
+        golden.convert.from_hf(config, state_dict(attention_of(FAMILIES["glm_moe_dsa"], model,
+                                                               0)), layer_idx=0)

@@ -301,9 +301,10 @@ def test_the_accelerator_kernels_refuse_a_selection():
 
 
 @pytest.mark.parametrize("framework", IMPLEMENTATIONS)
-@pytest.mark.parametrize("selected,expected", [(2, "sparse"), (3, None)])
+@pytest.mark.parametrize("selected,expected", [(1, "sparse"), (2, None)])
 def test_the_automatic_choice_takes_sparse_for_few_keys(framework, selected, expected):
-    # Lk = 9: k = 2 ≤ 9 / 4 runs "sparse"; k = 3 the dense choice, with the mask.
+    # Lk = 9: k = 1 ≤ 9 / 8 (SPARSE_UP_TO) runs "sparse"; k = 2 the dense choice, with the
+    # mask.
     twin = TWINS[framework]
     rng, seed = fresh_rng()
     arrays, kw = _case("gqa_shared", rng)

@@ -160,10 +160,14 @@ def _needs_grad(*tensors) -> bool:
 ROW_CHUNKS_ABOVE = 2**24 - 1
 
 
-# None takes "sparse" first when key_indices chooses k ≤ Lk / SPARSE_UP_TO keys per row: a
-# quarter, where the gathered keys are a quarter of the dense path's (a rule of thumb, not yet
-# measured here: docs/core.md).
-SPARSE_UP_TO = 4
+# None takes "sparse" first when key_indices chooses k ≤ Lk / SPARSE_UP_TO keys per row, else the
+# dense choice with the (Lq, Lk) mask the selection stands for. Measured (docs/performance.md, "A
+# given selection", 2-core AMD EPYC, k = 2048, D = 128, causal, float32): with 16 query heads on
+# one kv head, at Lk = 8k (k = Lk/4) JAX's masked dense forward beat sparse (1.0 s against
+# 1.25 s), at 16k (k = Lk/8) sparse beat it (4.2 s against 4.6 s) and reads no (L, L) mask; with
+# one head per kv head the masked dense forward stayed 3.5x faster at 16k, but holds that mask
+# (256 MiB per batch row there, 4 GiB at 64k). Hence Lk/8.
+SPARSE_UP_TO = 8
 
 
 def choose(shape, selected=None) -> tuple:

@@ -130,9 +130,9 @@ def _torch(impl: str, part: str, length: int):
                 q, k, v, is_causal=True, query_offset=offset, key_indices=indices,
                 implementation="sparse")
     else:
-        def f(q, k, v):
+        def f(q, k, v):  # enable_gqa: H / Hkv query heads on each kv head, not broadcast
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=part != "decode")
+                q, k, v, is_causal=part != "decode", enable_gqa=q.shape[1] != k.shape[1])
     if part != "forward+backward":
         def forward(*a):
             with torch.no_grad():

@@ -39,7 +39,7 @@ COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSI
                                           **speech.COMPOSITES}
 # model_types refused by name: {model_type: why}.
 REFUSED: dict[str, str] = {**decoders.REFUSED, **vision.REFUSED, **speech.REFUSED,
-                           **cross.REFUSED}
+                           **cross.REFUSED, **latent.REFUSED}
 
 
 # model_type -> the Family of its linear-attention layers (golden.hf.linear: layer_types

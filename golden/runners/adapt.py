@@ -41,6 +41,19 @@ class NotSupported(Exception):
     """The runner cannot run this fixture; the message says why."""
 
 
+def refuse_pending(fixture, framework: str) -> None:
+    """NotSupported when the fixture sets an option its description marks pending (Arg.pending:
+    golden.reference has it, the twins' modules do not take it yet), naming them."""
+    from golden.specification import variants
+
+    described = variants.lookup(fixture.variant)
+    pending = [a.name for a in getattr(described, "args", ()) if a.pending
+               and a.name in fixture.config]
+    if pending:
+        raise NotSupported(f"{', '.join(pending)}: {framework}'s {described.class_name} does "
+                           f"not take it yet (golden.reference has it)")
+
+
 class Runner:
     """A named runner: ``runner(fixture, dtype) -> result`` (raises NotSupported)."""
 

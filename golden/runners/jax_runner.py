@@ -19,6 +19,7 @@ from flax import nnx
 import jax_attn
 from golden.specification import implementations, variants
 from golden.specification.indexer import INDEX_PARAMS
+from golden.runners.adapt import refuse_pending
 from golden.runners.frameworks import JAX
 from golden.runners import cache, stored
 
@@ -30,6 +31,7 @@ _TRACED: dict = {}
 def run_fixture(fixture, dtype: str = "float32") -> dict:
     """float64 runs inside ``jax.enable_x64(True)``, so the setting does not leak to the
     caller."""
+    refuse_pending(fixture, "jax_attn")
     with JAX.float64(dtype == "float64"):
         directory = cache.programs_directory()
         if directory is not None:

@@ -10,12 +10,14 @@ import torch
 
 import torch_attn
 from golden.specification import implementations, variants
+from golden.runners.adapt import refuse_pending
 from golden.runners.frameworks import TORCH
 from torch_attn.params import export_grads
 
 
 def run_fixture(fixture, dtype: str = "float32") -> dict:
     """Forward with the weights and backward through autograd (the core takes "explicit")."""
+    refuse_pending(fixture, "torch_attn")
     call, _ = _prepared(fixture, dtype, train="dropout_mask" in fixture.inputs)
     return run_module(call, fixture, dtype)
 
@@ -52,6 +54,7 @@ def run_fused(fixture, dtype: str = "float32") -> dict:
     ``implementation="fused"``; a module's core chooses it, being forward-only): {"output",
     "dtype", "core"}, no weights, no gradients. Only for fixtures that ``refuses("fused",
     fixture)`` lets by."""
+    refuse_pending(fixture, "torch_attn")
     call, _ = _prepared(fixture, dtype, train=False)
     if not isinstance(call, torch.nn.Module):
         call = partial(call, implementation="fused")
