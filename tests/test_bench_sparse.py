@@ -119,3 +119,24 @@ def test_performance_tables_are_the_committed_reports():
     gpu = json.loads((root / "bench" / "results" / "h200-2026-11-28-issue44" /
                       "sparse_gpu.json").read_text())
     assert "\n".join(device.markdown(gpu)) in doc
+
+
+def test_readme_figures_are_the_committed_rows():
+    """The README's sparse figures: JAX's 16/1 forward crossover and its ratio at 64k, on the
+    CPU and the GPU rows committed."""
+    import bench.device_sparse  # noqa: F401  (the GPU rows' script)
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text(encoding="utf-8").split())
+    rows = json.loads((root / "bench" / "results" / "sparse" / "sparse.json").read_text())
+    rows = rows["sparse"]
+    cross = next(c for c in crossovers(rows) if (c["framework"], c["part"], c["H"], c["Hkv"])
+                 == ("jax", "forward", 16, 1))
+    at = next(r for r in rows if (r["impl"], r["part"], r["H"], r["L"]) ==
+              ("jax_sparse", "forward", 16, 65536))
+    assert cross["L"] == 32768 and "from L = 32k" in readme
+    assert f"{at['dense_ratio']:.1f} times at 64k" in readme
+    gpu = json.loads((root / "bench" / "results" / "h200-2026-11-28-issue44" /
+                      "sparse_gpu.json").read_text())
+    ms = {r["impl"]: r["median_ms"] for r in gpu if (r["H"], r["L"], r["part"]) ==
+          (16, 65536, "forward") and "median_ms" in r}
+    assert f"{ms['blockwise'] / ms['sparse']:.1f} times on an H200" in readme
