@@ -35,7 +35,7 @@ from jax_attn.explicit import _widened, wide_products
 # Rows per block when block_sizes is None: as many as keep one block's chosen keys (Bq·k) near
 # BLOCK_ELEMENTS, at least one and at most Lq. Measured once on the 2-core AMD EPYC at L = 8192,
 # k = 2048, D = 64: 4, 8 and 16 rows within 5 % of each other (one head's forward 0.45 s, 16
-# heads on one kv head 0.98 s at 8 rows), 64 and 128 rows 30-40 % slower.
+# heads on one kv head 0.98 s at 8 rows), 64 and 128 rows 40-50 % slower.
 BLOCK_ELEMENTS = 2**14
 
 
