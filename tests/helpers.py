@@ -26,6 +26,7 @@ import torch_attn
 from golden import reference
 from golden.specification import variants
 from golden.specification.fixture import Fixture
+from golden.runners.adapt import pending_options
 from golden.runners.frameworks import JAX as JAX_ADAPTER
 from golden.runners.frameworks import TORCH
 from golden.runners import jax_runner, torch_runner
@@ -244,7 +245,7 @@ def missing_option(twin_name, fixture) -> str | None:
     if reason or not variants.lookup(fixture.variant).is_module:
         return reason
     described = variants.lookup(fixture.variant)
-    pending = [a.name for a in described.args if a.pending and a.name in fixture.config]
+    pending = pending_options(fixture)
     if pending:  # the reference's options the twins' constructors do not take yet
         return (f"{', '.join(pending)}: {TWINS[twin_name].lib.__name__}."
                 f"{described.class_name} does not take it yet (issue 44 part 4; "

@@ -41,17 +41,25 @@ class NotSupported(Exception):
     """The runner cannot run this fixture; the message says why."""
 
 
-def refuse_pending(fixture, framework: str) -> None:
-    """NotSupported when the fixture sets an option its description marks pending (Arg.pending:
-    golden.reference has it, the twins' modules do not take it yet), naming them."""
+def pending_options(fixture) -> list[str]:
+    """The options the fixture sets that its description marks pending (Arg.pending:
+    golden.reference has them, the twins' modules do not take them yet), in its order."""
     from golden.specification import variants
 
     described = variants.lookup(fixture.variant)
-    pending = [a.name for a in getattr(described, "args", ()) if a.pending
-               and a.name in fixture.config]
+    return [a.name for a in getattr(described, "args", ()) if a.pending
+            and a.name in fixture.config]
+
+
+def refuse_pending(fixture, framework: str) -> None:
+    """NotSupported when the fixture sets a pending option (``pending_options``), naming them."""
+    from golden.specification import variants
+
+    pending = pending_options(fixture)
     if pending:
-        raise NotSupported(f"{', '.join(pending)}: {framework}'s {described.class_name} does "
-                           f"not take it yet (golden.reference has it)")
+        raise NotSupported(f"{', '.join(pending)}: {framework}'s "
+                           f"{variants.lookup(fixture.variant).class_name} does not take it "
+                           f"yet (golden.reference has it)")
 
 
 class Runner:
