@@ -21,7 +21,9 @@ Implementations (``DELTA_RULE_IMPLEMENTATIONS``, ``LIGHTNING_IMPLEMENTATIONS``;
                segment rather than as a difference of cumulative sums (accurate dg in float32).
                lightning: MiniMax's block form, intra-block (Q Kᵀ ⊙ D) V with D_ij = e^{−s(i−j)}
                (i ≥ j), inter-block (Q ⊙ e^{−s(i+1)}) S, S ← e^{−sT} S + (K ⊙ e^{−s(T−1−i)})ᵀ V.
-               Both: ``lax.scan`` over chunks carrying S; L not a multiple of T padded with
+               Both: ``lax.scan`` over chunks carrying S (the delta rule: every chunk's
+               state-free part side by side on an accelerator, one chunk at a time on a CPU,
+               ``chunks_at_once``); L not a multiple of T padded with
                tokens that leave S unchanged (g = 0, β = 0, k = q = v = 0; lightning: no decay
                step on a padded token); a ``jax.custom_vjp`` keeps only the inputs and the N
                chunk-boundary states and recomputes each chunk in reverse order: O(L) memory.
@@ -256,14 +258,54 @@ def _chunks_backward(residuals, cotangents):
 _chunks_core.defvjp(_chunks_forward, _chunks_backward)
 
 
-def _chunked_head(q, k, v, g, beta, state, chunk_size):
-    """As ``_recurrent_head``, by chunks of ``chunk_size`` tokens (the last padded)."""
-    o, final = _chunks_core(state, _in_chunks((q, k, v, g, beta), chunk_size))
+@jax.custom_vjp
+def _grouped_core(state, groups):
+    """``_chunks_core`` over M groups of G chunks (``groups``: q, k, v, g, beta, each (M, G, T,
+    …)) one group after another: the chunk-parallel work of a group is G chunks wide, not N.
+    The same arithmetic chunk by chunk; the residuals are again the inputs and the states
+    entering each chunk."""
+    return _grouped_forward(state, groups)[0]
+
+
+def _grouped_forward(state, groups):
+    def step(s, group):
+        (o, new), (starts, _) = _chunks_forward(s, group)
+        return new, (o, starts)
+    final, (o, starts) = lax.scan(step, state, groups)
+    return (o, final), (starts, groups)
+
+
+def _grouped_backward(residuals, cotangents):
+    starts, groups = residuals
+    d_o, d_final = cotangents
+
+    def step(d_after, inputs):
+        starts_m, group, d_o_m = inputs
+        d_state, d_group = _chunks_backward((starts_m, group), (d_o_m, d_after))
+        return d_state, d_group
+    d_state, d_groups = lax.scan(step, d_final, (starts, groups, d_o), reverse=True)
+    return d_state, d_groups
+
+
+_grouped_core.defvjp(_grouped_forward, _grouped_backward)
+
+
+def _chunked_head(q, k, v, g, beta, state, chunk_size, group=None):
+    """As ``_recurrent_head``, by chunks of ``chunk_size`` tokens (the last padded), ``group``
+    chunks at a time (None: all at once)."""
+    chunks = _in_chunks((q, k, v, g, beta), chunk_size)
+    n = chunks[0].shape[0]
+    if group is None or group >= n:
+        o, final = _chunks_core(state, chunks)
+    else:  # whole padded chunks leave S unchanged, as padded tokens do
+        groups = _in_chunks(chunks, group)
+        o, final = _grouped_core(state, groups)
+        o = o.reshape((-1,) + o.shape[2:])[:n]
     return o.reshape((-1, v.shape[-1]))[:q.shape[0]], final  # (L, Dv)
 
 
 DELTA_RULE_IMPLEMENTATIONS = {
-    "recurrent": lambda q, k, v, g, beta, state, chunk_size: _recurrent_head(
+    "recurrent": lambda q, k, v, g, beta, state, chunk_size, group=None: _recurrent_head(
         q, k, v, g, beta, state),
     "chunked": _chunked_head,
 }
@@ -390,11 +432,28 @@ def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, implementation=Non
                  implementation=implementation, chunk_size=chunk_size)
 
 
-@jax.jit(static_argnames=("implementation", "chunk_size"))
+def chunks_at_once():
+    """How many chunks the chunked form computes side by side (``_chunked_head``'s ``group``):
+    all of them (None) on an accelerator; one at a time on a CPU, every head of the batch side
+    by side. On a CPU XLA's batched products of many small matrices slow down several times once
+    their operands outgrow the cache: B 1, H 16, D 128, L 4096, all 64 chunks at once took 328 ms
+    for the forward, one at a time 125 ms (2, 4, 8, 16 at a time: 160–201 ms); forward+backward
+    770 against 526 ms (2 at a time 471 ms); one head 14.1 against 6.6 ms; B 4, 1220 against
+    587 ms (bench/results/linear/ has the section's rows)."""
+    return 1 if jax.default_backend() == "cpu" else None
+
+
 def _core(q, k, v, g, beta, state, *, implementation, chunk_size):
+    return _core_jit(q, k, v, g, beta, state, implementation=implementation,
+                     chunk_size=chunk_size, group=chunks_at_once())
+
+
+@jax.jit(static_argnames=("implementation", "chunk_size", "group"))
+def _core_jit(q, k, v, g, beta, state, *, implementation, chunk_size, group):
     head = DELTA_RULE_IMPLEMENTATIONS[implementation]
-    per_batch = jax.vmap(jax.vmap(head, in_axes=(0,) * 6 + (None,)), in_axes=(0,) * 6 + (None,))
-    return per_batch(q, k, v, g, beta, state, chunk_size)
+    fixed = (None, None)  # chunk_size, group
+    per_batch = jax.vmap(jax.vmap(head, in_axes=(0,) * 6 + fixed), in_axes=(0,) * 6 + fixed)
+    return per_batch(q, k, v, g, beta, state, chunk_size, group)
 
 
 def lightning_rule(q, k, v, slope, *, initial_state=None, implementation=None, block_size=256):

@@ -118,6 +118,36 @@ def test_recurrent_equals_chunked_float64(length, chunk_size):
         assert compare(got, want, "float64", "grad", terms=length).ok, seed
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=("per-head", "per-channel"))
+def test_chunks_side_by_side_or_in_groups_agree_float64(per_channel):
+    # The chunked form runs its chunks all at once on an accelerator and one at a time on a CPU
+    # (jax_attn.delta_rule.chunks_at_once); both groupings, and groups of 3 chunks of which the
+    # last is padded (7 chunks of 4), against the recurrent scan: outputs, final state and every
+    # input's gradient. The CPU suite would otherwise never run the accelerators' grouping.
+    from jax_attn import delta_rule
+    assert delta_rule.chunks_at_once() == (1 if jax.default_backend() == "cpu" else None)
+    rng, seed = fresh_rng()
+    length = 26
+    with jax.enable_x64(True):
+        *inputs, state = _core_inputs(rng, 2, 3, length, 4, 5)
+        if per_channel:
+            inputs[3] = -jnp.asarray(np.log1p(np.exp(rng.standard_normal((2, 3, length, 4)))))
+        d_o, d_s = (jnp.asarray(rng.standard_normal(s)) for s in ((2, 3, length, 5), state.shape))
+        results = {}
+        for name, group in (("recurrent", None), ("chunked", None), ("chunked", 1),
+                            ("chunked", 3)):
+            def loss(*a, name=name, group=group):
+                o, final = delta_rule._core_jit(*a, implementation=name, chunk_size=4,
+                                                group=group)
+                return jnp.sum(o * d_o) + jnp.sum(final * d_s), (o, final)
+            grads, outs = jax.grad(loss, argnums=tuple(range(6)), has_aux=True)(*inputs, state)
+            results[name, group] = (*outs, *grads)
+    want = results["recurrent", None]
+    for group in (None, 1, 3):
+        for got, expected in zip(results["chunked", group], want):
+            assert compare(got, expected, "float64", "grad", terms=length).ok, (group, seed)
+
+
 @pytest.mark.parametrize("neg", _quick_first((True, False), ids=("beta-2sigma", "beta")))
 def test_module_implementations_agree_with_left_padding(neg):
     rng, seed = fresh_rng()
