@@ -83,7 +83,7 @@ _LOW = (jnp.bfloat16, jnp.float16)
 
 def _kind(fields):
     """The cache class with these field names (golden.specification.validate.check_any_cache)."""
-    return KVCache if fields == KVCache._fields else LatentCache
+    return LatentCache if "latent" in fields else KVCache
 
 
 def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:

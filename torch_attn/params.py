@@ -90,7 +90,7 @@ def build(variant, config, params):
 
 def _kind(fields):
     """The cache class with these field names (golden.specification.validate.check_any_cache)."""
-    return KVCache if fields == KVCache._fields else LatentCache
+    return LatentCache if "latent" in fields else KVCache
 
 
 def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:

@@ -266,14 +266,17 @@ def check_key_indices(key_indices, lead, lq, lk, k) -> None:
                          f"[{a.min()}, {a.max()}]")
 
 
-def check_index_cache(cache, index_dim, dtype) -> None:
-    """A LatentCache for a layer with the indexer: index_key (B, M, D_I) beside its latent
-    (B, M, kv_lora_rank), in x's ``dtype``."""
+def check_index_cache(cache, index_dim, dtype, option="index_topk") -> None:
+    """A cache for a layer with an indexer: index_key (B, M, D_I) beside a LatentCache's latent
+    (B, M, kv_lora_rank) or a KVCache's key (B, Hkv, M, Dh), in x's ``dtype``. ``option``
+    names the indexer's setting (index_topk, or GroupedQueryAttention's index_blocks)."""
     held = getattr(cache, "index_key", None)
-    want = tuple(cache.latent.shape[:2]) + (index_dim,)
+    lead = (tuple(cache.latent.shape[:2]) if hasattr(cache, "latent")
+            else (cache.key.shape[0], cache.key.shape[2]))
+    want = lead + (index_dim,)
     if held is None:
         raise ValueError(f"cache.index_key should be an array of shape (B, M, index_head_dim) = "
-                         f"{want} with index_topk (the indexer's keys: init_cache makes it), "
+                         f"{want} with {option} (the indexer's keys: init_cache makes it), "
                          f"got None")
     if tuple(held.shape) != want or held.dtype != dtype:
         raise ValueError(f"cache.index_key should be (B, M, index_head_dim) = {want} in x's "

@@ -23,13 +23,17 @@ class KVCache(NamedTuple):
     """A functional KV cache, the same fields and layout in torch and JAX (a pytree in JAX).
 
     key, value: (B, Hkv, M, Dh), row b's first ``lengths[b]`` positions hold its tokens' keys and
-    values (already rotated when the module uses RoPE); lengths: (B,) int32, tokens held per row.
-    A call never changes the cache it is given: it returns a new one.
+    values (already rotated when the module uses RoPE); lengths: (B,) int32, tokens held per row;
+    index_key: (B, M, index_head_dim), a block indexer's keys (GroupedQueryAttention's
+    index_blocks: "max" its keys normed and turned, "mean" its raw keys x W_index_k, pooled at
+    each query), None without one. A call never changes the cache it is given: it returns a
+    new one.
     """
 
     key: Any
     value: Any
     lengths: Any
+    index_key: Any = None
 
 
 class MergedCache(NamedTuple):

@@ -914,7 +914,8 @@ def _expect_cache(cache) -> None:
 
 def check_kv_cache(cache) -> None:
     """A KV cache on its own (export_cache, load_cache): key (B, Hkv, M, Dh) and value (B, Hkv,
-    M, Dv) (Dv = Dh but for a module's v_head_dim) of one float dtype, lengths (B,) integers."""
+    M, Dv) (Dv = Dh but for a module's v_head_dim) (and a block indexer's index_key (B, M,
+    index_head_dim) when it holds one) of one float dtype, lengths (B,) integers."""
     _expect_cache(cache)
     shape = tuple(cache.key.shape)
     if len(shape) != 4:
@@ -924,6 +925,13 @@ def check_kv_cache(cache) -> None:
     _expect_float("cache.key", cache.key)
     _expect_float("cache.value", cache.value, like=dtype_name(cache.key.dtype),
                   whose="cache.key's")
+    index_key = getattr(cache, "index_key", None)
+    if index_key is not None:  # a block indexer's keys (B, M, index_head_dim)
+        _expect_array("cache.index_key", index_key)
+        _expect_shape("cache.index_key", tuple(index_key.shape), ("B", "M", "index_head_dim"),
+                      (shape[0], shape[2], None))
+        _expect_float("cache.index_key", index_key, like=dtype_name(cache.key.dtype),
+                      whose="cache.key's")
     _expect_integers("cache.lengths", cache.lengths, shape[:1], "B")
 
 

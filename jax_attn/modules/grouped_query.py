@@ -303,7 +303,7 @@ class GroupedQueryAttention(_Variant):
                             else context_mask)
         if cache is not None:
             held = _append(KVCache(cache.key, cache.value, cache.lengths), k, v, q_lengths)
-            cache = MergedCache(*held, k_c, v_c, context_mask)
+            cache = MergedCache(held.key, held.value, held.lengths, k_c, v_c, context_mask)
             k, v = held.key, held.value                         # (B, Nkv, M, Dh)
         allowed = merged_allowed(q.shape[-2], k.shape[-2], offset, kv_lengths, context_mask,
                                  self.merged_window, xp=jnp)  # (B, 1, L, Lk + Lc)
