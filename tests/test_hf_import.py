@@ -493,6 +493,12 @@ INDEXED_44 = {
         **INDEXER_44, n_routed_experts=2,
         num_experts_per_tok=1, moe_intermediate_size=8, first_k_dense_replace=1),
         float32="GlmMoeDsaRMSNorm, the indexer's scores"),
+    # HY-V4: rotate-half MLA RoPE, sinks (drawn), a σ gate per feature (eager attention: HF
+    # has no SDPA path with sinks); the indexer turns its last features, scales the weights
+    "hy_v4": Family("HYV4Config", dict(
+        num_hidden_layers=1, **MLA_SIZES, **INDEXER_44, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=8, **TOKENS), attention="eager",
+        float32="HYV4RMSNorm, eager softmax, the indexer's scores and its key's LayerNorm"),
 }
 
 FAMILIES = {
@@ -674,6 +680,8 @@ DISTINCT = {
     # Issue 44: the selection dropped, the indexer's RoPE pairs the other way
     "deepseek_v32": [(0, NO_INDEXER), (0, {"index_rope": "interleaved"})],
     "glm_moe_dsa": [(0, NO_INDEXER), (0, {"index_rope": "half"})],
+    "hy_v4": [(0, {"index_rope_dims": "first"}), (0, {"rope_interleaved": True}),
+              (0, {"sinks": False})],
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs
     "longcat_flash": [(0, {"scale": None}), (1, {"rope_interleaved": False})],
     # Ling 3.0's MLA layers: the gate per head; their pairs

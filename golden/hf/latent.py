@@ -170,7 +170,7 @@ INDEXER_NORMS = {"index_k_norm": "indexer.k_norm.weight",
                  "index_k_norm_bias": "indexer.k_norm.bias"}
 
 
-def _indexer_settings(mt, index_rope):
+def _indexer_settings(mt, index_rope, interleaved=True):
     """DeepSeek-V3.2's latent attention (its MLA RoPE always interleaved, whatever
     rope_interleave says: DeepseekV32Attention calls apply_rotary_pos_emb_interleave) with its
     lightning indexer (DeepseekV32Indexer): index_topk, index_n_heads, index_head_dim from the
@@ -190,13 +190,45 @@ def _indexer_settings(mt, index_rope):
         if not c.get("q_lora_rank"):
             raise ValueError(f"model_type {mt!r}: q_lora_rank should be a positive int (the "
                              f"indexer's wq_b reads the query latent), got {c.get('q_lora_rank')!r}")
-        ours = _latent_settings(mt, interleaved=True)(c, layer_idx, sd)
+        ours = _latent_settings(mt, interleaved=interleaved)(c, layer_idx, sd)
         ours.update(index_topk=int(c["index_topk"]), index_heads=int(c["index_n_heads"]),
                     index_head_dim=int(c["index_head_dim"]), index_rope=index_rope,
                     index_rope_dims="first", index_query="latent", index_scale="scores",
                     index_norm_eps=1e-6)
         return ours
     return settings
+
+
+def _hy_v4_settings(c, layer_idx, sd):
+    """HY-V4 (HYV4Attention, GLM-5's layer and DeepSeek-V3.2's indexer, its "shared" layers
+    refused as GLM-5's): the attention's RoPE rotate-half (apply_rotary_pos_emb, whatever
+    rope_interleave says), per-head sinks (s_aux), the output gated per feature by σ(x W_g)
+    (gate_proj, H·Dv, no bias); the indexer's RoPE rotate-half on the *last* qk_rope_head_dim
+    features of q^I and k^I (HYV4Indexer's "flipped" split), D_I^−1/2 on the head weights
+    (weights · H_I^−1/2 · softmax_scale, the scores unscaled), its key's LayerNorm eps the
+    config's rms_norm_eps."""
+    ours = _indexer_settings("hy_v4", "half", interleaved=False)(c, layer_idx, sd)
+    ours.update(index_rope_dims="last", index_scale="weights",
+                index_norm_eps=float(c["rms_norm_eps"]), sinks=True, output_gate="sigmoid")
+    return ours
+
+
+# HY-V4's arrays beyond DeepSeek-V3.2's: ours, Hugging Face's (the gate (out, in) there).
+HY_V4_NAMES = {"W_gate": "gate_proj.weight", "sinks": "sinks"}
+
+
+def _hy_v4_to_neutral(sd, ours):
+    params = _indexer_to_neutral(sd, ours)
+    params["W_gate"] = np.ascontiguousarray(_read(sd, HY_V4_NAMES["W_gate"], "hy_v4").T)
+    params["sinks"] = _read(sd, HY_V4_NAMES["sinks"], "hy_v4")
+    return params
+
+
+def _hy_v4_from_neutral(params, ours):
+    sd = _indexer_from_neutral(params, ours)
+    sd[HY_V4_NAMES["W_gate"]] = np.ascontiguousarray(np.asarray(params["W_gate"]).T)
+    sd[HY_V4_NAMES["sinks"]] = np.array(params["sinks"])
+    return sd
 
 
 def _indexer_to_neutral(sd, ours):
@@ -225,8 +257,6 @@ REFUSED = {
     "mistral_large4_text": _NOT_YET + "Mistral Large 4's indexer reads LayerNorm(x) with a "
                            "learned per-head temperature, on shared MLA latents with NoPE layers",
     "mistral_large4": _NOT_YET + "its text tower is mistral_large4_text's",
-    "hy_v4": _NOT_YET + "HY-V4's MLA has per-head sinks and an elementwise σ gate, its indexer "
-             "RoPE on the last features and D_I^-1/2 on the head weights",
     "minimax_m3_vl_text": _NOT_YET + "MiniMax M3's block selection (max-pooled key blocks, "
                           "local blocks kept) on grouped-query attention: the twins do not "
                           "take it yet",
@@ -262,6 +292,11 @@ FAMILIES: dict[str, Family] = {
                          _indexer_from_neutral),
     "glm_moe_dsa": _mla(_indexer_settings("glm_moe_dsa", "interleaved"), _indexer_to_neutral,
                         _indexer_from_neutral),
+    # HY-V4's checkpoints name its gate linear_gate and its sinks learnable_sink_param (HF
+    # renames them when loading)
+    "hy_v4": _mla(_hy_v4_settings, _hy_v4_to_neutral, _hy_v4_from_neutral, stacks=(Stack(
+        "layers", "self_attn", renames=(("linear_gate", "gate_proj"),
+                                        ("learnable_sink_param", "sinks"))),)),
     # Mistral Small 4: with Llama 4's query temperature
     "mistral4": _mla(_mistral4_settings, model_class="Mistral4Model"),
     "longcat_flash": _mla(_longcat_settings, _longcat_to_neutral, _longcat_from_neutral,
