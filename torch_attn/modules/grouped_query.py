@@ -395,8 +395,11 @@ class GroupedQueryAttention(nn.Module):
         index_k_norm turned there (what the cache holds), "mean" x W_index_k (pooled per
         query: _block_keys)."""
         c = self.config
-        at = positions if positions is not None else torch.arange(x.shape[-2], device=x.device)
-        at = at.to(x.device) if offset is None else at + offset[:, None]  # (L,) or (B, L)
+        if positions is not None:  # as RoPE reads them: the cache's offset not added
+            at = positions.to(x.device)                                 # (L,) or (B, L)
+        else:
+            at = torch.arange(x.shape[-2], device=x.device)
+            at = at if offset is None else at + offset[:, None]         # (L,) or (B, L)
         q = self.W_index_q(x).unflatten(-1, (c["index_heads"], c["index_head_dim"]))
         q = self._index_rms(q.transpose(-2, -3), self.index_q_norm)  # (..., H_I, L, D_I)
         q = self._index_turn(q, at.unsqueeze(-2) if at.dim() > 1 else at, bound)
