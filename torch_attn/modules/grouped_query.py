@@ -129,6 +129,26 @@ class GroupedQueryAttention(nn.Module):
     context's keys, values and mask in it (Hugging Face's cross-attention cache), later calls
     may omit ``context`` and read them. Causal only; options without a tested meaning here are
     refused (golden.specification.variants.MERGED_IDLE).
+
+    ``index_blocks`` (issue 44 part 4; the options and the rule are golden.specification.
+    indexer's, the maths golden.reference.indexer's): each query attends whole blocks of
+    ``index_block_size`` b keys chosen by a small scorer, ``index_topk_blocks`` of them.
+    "max" (MiniMax M3): q^I = RMS(x W_index_q) · index_q_norm (B, H_I, L, D_I), k^I =
+    RMS(x W_index_k) · index_k_norm (B, L, D_I), both turned by the layer's RoPE (rotate-half,
+    its rotary features, at the tokens' positions); a block's score the max of q^I · k^I over
+    its keys the query may see; ``index_local_blocks`` blocks at the query's own position kept
+    first; one choice per KV group (H_I = Nkv), repeated to its query heads. "mean" (Qwen4-Exp):
+    each query's visible keys cut into complete blocks of b, each block's key RMS(mean of its
+    x W_index_k) · index_k_norm turned at its first key's position, scored Σ_h ReLU(q^I · key)
+    / √D_I, the best kept and the tail (the last < b visible keys); one choice for every head.
+    Equal scores: the lowest block index (stable sorts). The choice runs under no_grad (its
+    parameters get no gradient), in at least float32, among the keys each query may see (the
+    mask, causal, window, chunk, lengths), vectorised (torch_attn.block_indexer), and reaches
+    the core as its mask ANDed with the chosen keys. ``key_indices=`` gives the choice instead,
+    ``return_key_indices=True`` returns it (forward). The cache keeps the indexer's keys as
+    ``index_key`` (B, M, D_I): "max" normed and turned, "mean" raw (so "mean" with a cache
+    takes no explicit ``positions``: a block's first key is at its slot). Not built beside
+    ``kv_shared`` or ``merged_context``.
     """
 
     variant = "grouped_query_attention"
