@@ -111,3 +111,19 @@ def _hf_cos_sin(settings, rd, positions, seq_len, device):
     inv_freq, factor = hf_inv_freq(settings, rd, array, seq_len)
     angles = positions[..., None].float() * inv_freq  # (..., L, rd/2)
     return angles.cos() * factor, angles.sin() * factor
+
+
+def rotary_cos_sin(settings, rd, positions, max_position, dtype):
+    """(cos, sin) (..., rd/2) of the RoPE ``settings`` (checked: golden.specification.validate.
+    rope_settings) for rd rotated features at integer ``positions`` (...), what
+    rotary_embedding turns by, for a caller that turns features of another width
+    (GroupedQueryAttention's block indexer): "exact" from the float64 tables, in ``dtype``
+    (every |position| below ``max_position``); "hf" Hugging Face's float32. One position per
+    token (a multimodal RoPE's text: every axis the same). longrope and dynamic read the
+    largest position (a device sync), as rotary_embedding does."""
+    seq_len = int(positions.max()) + 1 if call_dependent(settings) else None  # a host read
+    if dict(settings)["precision"] == "hf":
+        return _hf_cos_sin(settings, rd, positions, seq_len, positions.device)
+    tables = [torch.tensor(t, dtype=dtype, device=positions.device)  # a copy: they are shared
+              for t in settings_tables(settings, rd, max_position, seq_len)]
+    return rope_cos_sin(tables, positions)

@@ -19,19 +19,23 @@ from golden.specification.decoder import (
     alibi_bias, alibi_slopes, bucket_table, qk_normalize, refuse_renamed, relative_bias,
     sinusoid_table, sliding_window, timing_table, weight_broadcast,
 )
+from golden.specification.indexer import (block_key_shape, check_index_cache,
+                                          check_index_mask, check_key_indices)
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
 from golden.specification.positions import (KVCache, MergedCache, check_fits, distance_index,
-                                            merged_allowed)
+                                            merged_allowed, rope_turn)
 from golden.specification.validate import (
     cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
     rope_axis_count,
-    rope_settings,
+    rope_settings, rotary_dims, window,
 )
-from torch_attn.explicit import LOW_PRECISION, grouped_matmul
+from torch_attn.block_indexer import max_block_keys, mean_block_keys
+from torch_attn.explicit import LOW_PRECISION, Where, grouped_matmul
 from torch_attn.functional import scaled_dot_product_attention
 from torch_attn.modules.base import _config, _dropout_rate, _head_mask, _query_temperature
-from torch_attn.rotary import rotary_embedding
+from torch_attn.rotary import rotary_cos_sin, rotary_embedding
+from torch_attn.sparse import selected_mask
 
 
 class GroupedQueryAttention(nn.Module):
@@ -125,6 +129,26 @@ class GroupedQueryAttention(nn.Module):
     context's keys, values and mask in it (Hugging Face's cross-attention cache), later calls
     may omit ``context`` and read them. Causal only; options without a tested meaning here are
     refused (golden.specification.variants.MERGED_IDLE).
+
+    ``index_blocks`` (issue 44 part 4; the options and the rule are golden.specification.
+    indexer's, the maths golden.reference.indexer's): each query attends whole blocks of
+    ``index_block_size`` b keys chosen by a small scorer, ``index_topk_blocks`` of them.
+    "max" (MiniMax M3): q^I = RMS(x W_index_q) · index_q_norm (B, H_I, L, D_I), k^I =
+    RMS(x W_index_k) · index_k_norm (B, L, D_I), both turned by the layer's RoPE (rotate-half,
+    its rotary features, at the tokens' positions); a block's score the max of q^I · k^I over
+    its keys the query may see; ``index_local_blocks`` blocks at the query's own position kept
+    first; one choice per KV group (H_I = Nkv), repeated to its query heads. "mean" (Qwen4-Exp):
+    each query's visible keys cut into complete blocks of b, each block's key RMS(mean of its
+    x W_index_k) · index_k_norm turned at its first key's position, scored Σ_h ReLU(q^I · key)
+    / √D_I, the best kept and the tail (the last < b visible keys); one choice for every head.
+    Equal scores: the lowest block index (stable sorts). The choice runs under no_grad (its
+    parameters get no gradient), in at least float32, among the keys each query may see (the
+    mask, causal, window, chunk, lengths), vectorised (torch_attn.block_indexer), and reaches
+    the core as its mask ANDed with the chosen keys. ``key_indices=`` gives the choice instead,
+    ``return_key_indices=True`` returns it (forward). The cache keeps the indexer's keys as
+    ``index_key`` (B, M, D_I): "max" normed and turned, "mean" raw (so "mean" with a cache
+    takes no explicit ``positions``: a block's first key is at its slot). Not built beside
+    ``kv_shared`` or ``merged_context``.
     """
 
     variant = "grouped_query_attention"
@@ -145,7 +169,9 @@ class GroupedQueryAttention(nn.Module):
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
                  v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False,
-                 merged_context=False):
+                 merged_context=False, index_blocks=None, index_heads=None, index_head_dim=None,
+                 index_block_size=None, index_topk_blocks=None, index_local_blocks=0,
+                 index_norm_eps=1e-6):
         super().__init__()
         self.config = _config(self.variant, d_in=d_in, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, d_out=d_out,
@@ -170,7 +196,13 @@ class GroupedQueryAttention(nn.Module):
                               output_norm_eps=output_norm_eps, gate_bias=gate_bias,
                               v_head_dim=v_head_dim, value_scale=value_scale,
                               clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared,
-                              merged_context=merged_context)
+                              merged_context=merged_context, index_blocks=index_blocks,
+                              index_heads=index_heads, index_head_dim=index_head_dim,
+                              index_block_size=index_block_size,
+                              index_topk_blocks=index_topk_blocks,
+                              index_local_blocks=index_local_blocks,
+                              index_norm_eps=index_norm_eps)
+        _refuse_blocks_with(self.config)
         self.merged_context = merged_context
         self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
         self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
@@ -207,23 +239,40 @@ class GroupedQueryAttention(nn.Module):
         starts = variants.vector_starts(self.variant, self.config)  # each at its no-op value
         for n in variants.VARIANTS[self.variant].vectors:  # None where the config has none
             setattr(self, n, nn.Parameter(torch.full(*starts[n])) if n in starts else None)
+        shapes = variants.get(self.variant).shapes(self.config)  # the block indexer's, if any
+        for n in ("W_index_q", "W_index_k"):
+            setattr(self, n, nn.Linear(*shapes[n], bias=False) if n in shapes else None)
+        self.index_blocks = index_blocks  # its options are self.config's
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
-        parameters'), lengths zeros (B,) int32, on the parameters' device. A ``kv_shared`` module
-        has no keys of its own to cache: it raises ValueError (make the storing layer's)."""
+        parameters'), lengths zeros (B,) int32, on the parameters' device; with the block indexer
+        (``index_blocks``) also index_key zeros (B, max_length, index_head_dim) (its keys: "max"
+        normed and turned, "mean" raw), else None. A ``kv_shared`` module has no keys of its
+        own to cache: it raises ValueError (make the storing layer's)."""
         _refuse_own_cache(self.kv_shared)
         shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.weight.dtype if dtype is None else dtype
         device = self.W_query.weight.device
         kind = MergedCache if self.merged_context else KVCache  # merged: no context yet
-        return kind(torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape[:-1] + (self.v_head_dim,), dtype=dtype, device=device),
-                    torch.zeros(batch_size, dtype=torch.int32, device=device))
+        cache = kind(torch.zeros(shape, dtype=dtype, device=device),
+                     torch.zeros(shape[:-1] + (self.v_head_dim,), dtype=dtype, device=device),
+                     torch.zeros(batch_size, dtype=torch.int32, device=device))
+        if self.W_index_k is None:
+            return cache
+        return cache._replace(index_key=torch.zeros(
+            batch_size, max_length, self.W_index_k.out_features, dtype=dtype, device=device))
 
     def forward(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
                 dropout_mask=None, return_weights=False, strict=False, max_position=None,
-                context=None, context_mask=None):
+                context=None, context_mask=None, key_indices=None, return_key_indices=False):
+        """The layer (see the class docstring). With the block indexer (``index_blocks``):
+        ``key_indices`` gives the keys each query attends (the indexer is not run: the
+        given-selection mode), integers in [0, Lk) of shape (B, N, Lq, k) for "max" (k =
+        min(index_topk_blocks · b, Lk)) or (B, Lq, k) for "mean" (k = min(index_topk_blocks
+        · b + b − 1, Lk)), unbatched without B; ``return_key_indices=True`` appends the keys
+        used, int32, to what is returned: (y, key_indices) or (y, weights, key_indices), then
+        (that, cache) with a cache."""
         rate = _dropout_rate(self)
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
@@ -233,9 +282,10 @@ class GroupedQueryAttention(nn.Module):
                              temperature=self.query_temperature is not None,
                              kv_shared=self.kv_shared, merged=self.merged_context,
                              context=context, context_mask=context_mask)
+        check_flags(strict=strict, return_key_indices=return_key_indices)
+        self._check_block_call(x, mask, cache, positions, key_indices, return_key_indices)
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
-        check_flags(strict=strict)
         check_positive_or_none("max_position", max_position)
         if strict and cache is not None and not self.kv_shared:  # reads the lengths: a sync
             new = x.shape[-2] if query_seq_lengths is None else query_seq_lengths
@@ -264,6 +314,7 @@ class GroupedQueryAttention(nn.Module):
         if cache is not None:
             positions_of = _shared_positions if self.kv_shared else _cache_positions
             offset, q_lengths, kv_lengths = positions_of(cache, x.shape[1], query_seq_lengths)
+        bound = None  # RoPE's tables reach (0 … bound − 1)
         if self.rotary is not None:
             bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
             if positions is not None:  # positions past the call's tokens (video): a host read
@@ -280,10 +331,21 @@ class GroupedQueryAttention(nn.Module):
             return self._merged(x, q, k, v, (context, context_mask), _head_mask(mask, x),
                                 cache, (offset, q_lengths, kv_lengths),
                                 (rate, dropout_mask, return_weights))
+        index = None
+        if self.index_blocks is not None:  # no gradient reaches the indexer
+            with torch.no_grad():
+                index = self._index_inputs(x, offset, positions, bound)
         if cache is not None:  # kv_shared: the storing layer's cache read, not written
-            cache = cache if self.kv_shared else _append(cache, k, v, q_lengths)
+            cache = cache if self.kv_shared else _append(
+                cache, k, v, q_lengths, None if index is None else index[1])
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
+        if index is not None:
+            if key_indices is None:
+                with torch.no_grad():
+                    key_indices = self._block_keys(index, cache, head_mask, offset,
+                                                   (q_lengths, kv_lengths), bound)
+            head_mask = self._block_mask(head_mask, key_indices, k.shape[-2])
         extra = {n: a for n, a in (("sinks", self.sinks),
                                    ("attention_chunk_size", self.attention_chunk_size))
                  if a is not None}
@@ -307,7 +369,122 @@ class GroupedQueryAttention(nn.Module):
         o, w = o if return_weights else (o, None)
         y = self.out_proj(self._output(o.transpose(-2, -3).flatten(-2), x))  # (B, L, d_out)
         out = (y, w) if return_weights else y
+        if return_key_indices:
+            out = (*(out if return_weights else (out,)), key_indices.to(torch.int32))
         return out if cache is None else (out, cache)
+
+    # ---- the block indexer (golden.reference.indexer's; no gradient through any of it) ----
+
+    def _check_block_call(self, x, mask, cache, positions, key_indices, return_key_indices):
+        """ValueError for a block-indexer argument without the indexer; with it, for
+        multimodal positions, a mask with several heads, a cache without index_key, "mean"
+        with a cache and explicit positions, or given key_indices of another shape, dtype or
+        range (read on the host: a device sync, in the given-selection mode only)."""
+        if self.index_blocks is None:
+            for name, given, got in (("key_indices", key_indices is not None, "an array"),
+                                     ("return_key_indices", return_key_indices, "True")):
+                if given:
+                    raise ValueError(f"{name} should be None/False without index_blocks (no "
+                                     f"block indexer), got {got}")
+            return
+        lead, lk = tuple(x.shape[:-2]), x.shape[-2]
+        if positions is not None and positions.ndim == x.ndim:
+            raise ValueError("positions should be (L,) or (B, L) with index_blocks (the indexer "
+                             "turns by one position per token), got multimodal positions of "
+                             f"shape {tuple(positions.shape)}")
+        check_index_mask(mask, lead, "index_blocks")
+        if cache is not None:
+            check_index_cache(cache, self.W_index_k.out_features, x.dtype, "index_blocks")
+            lk = cache.key.shape[2]
+            if self.index_blocks == "mean" and positions is not None:
+                raise ValueError(f"positions should be None with index_blocks = 'mean' and a "
+                                 f"cache (a block's key turns at its first key's position, "
+                                 f"which the cache does not hold: its slots are the "
+                                 f"positions), got shape {tuple(positions.shape)}")
+        if key_indices is not None:
+            if not isinstance(key_indices, torch.Tensor):
+                raise ValueError(f"key_indices should be a torch.Tensor, got "
+                                 f"{type(key_indices).__name__}")
+            want = block_key_shape(self.config, lead + (self.num_heads, x.shape[-2], lk))
+            check_key_indices(key_indices.detach().cpu(), want[:-2], want[-2], lk, want[-1])
+
+    def _index_inputs(self, x, offset, positions, bound):
+        """(q^I (..., H_I, L, D_I), this call's indexer keys (..., L, D_I), the tokens'
+        positions (L,) or (B, L)); q^I and the keys in x's dtype: q^I = RMS(x W_index_q) ·
+        index_q_norm turned at the tokens' positions; the keys "max" RMS(x W_index_k) ·
+        index_k_norm turned there (what the cache holds), "mean" x W_index_k (pooled per
+        query: _block_keys)."""
+        c = self.config
+        if positions is not None:  # as RoPE reads them: the cache's offset not added
+            at = positions.to(x.device)                                 # (L,) or (B, L)
+        else:
+            at = torch.arange(x.shape[-2], device=x.device)
+            at = at if offset is None else at + offset[:, None]         # (L,) or (B, L)
+        q = self.W_index_q(x).unflatten(-1, (c["index_heads"], c["index_head_dim"]))
+        q = self._index_rms(q.transpose(-2, -3), self.index_q_norm)  # (..., H_I, L, D_I)
+        q = self._index_turn(q, at.unsqueeze(-2) if at.dim() > 1 else at, bound)
+        k = self.W_index_k(x)                                           # (..., L, D_I)
+        if self.index_blocks == "max":
+            k = self._index_turn(self._index_rms(k, self.index_k_norm), at, bound)
+        return q, k, at
+
+    def _block_keys(self, index, cache, head_mask, offset, lengths, bound):
+        """The block indexer's choice (torch_attn.block_indexer): key_indices (..., N, Lq, k)
+        for "max" (each KV group's choice for its query heads), (..., Lq, k) for "mean", among
+        the keys each query may see (``head_mask`` (..., 1, Lq, Lk) or None, causal, window,
+        chunk, lengths), over every key held (the cache's index_key, or this call's); scores
+        in at least float32."""
+        q, keys, at = index
+        c = self.config
+        b, n = c["index_block_size"], c["index_topk_blocks"]
+        keys = keys if cache is None else cache.index_key               # (..., Lk, D_I)
+        lead, lq, lk = tuple(q.shape[:-3]), q.shape[-2], keys.shape[-2]
+        where = Where(bool(self.causal), window(sliding_window(self.sliding_window, self.causal)),
+                      offset, *lengths, self.attention_chunk_size)
+        allowed, _ = where.allowed((lq, lk), head_mask, q.device)       # (..., 1, Lq, Lk)
+        allowed = (torch.ones(lead + (lq, lk), dtype=torch.bool, device=q.device)
+                   if allowed is None else allowed.expand(lead + (1, lq, lk))[..., 0, :, :])
+        compute = torch.float32 if q.dtype in LOW_PRECISION else q.dtype
+        q, keys = q.to(compute), keys.to(compute)
+        if self.index_blocks == "max":
+            chosen = max_block_keys(q, keys.unsqueeze(-3), allowed, at // b, b, n,
+                                    c["index_local_blocks"])            # (..., H_I, Lq, k)
+            return chosen.repeat_interleave(self.num_heads // c["index_heads"], dim=-3)
+        key_at = at if cache is None else torch.arange(lk, device=q.device)
+
+        def block_key(pooled, first):  # RMS-normed, turned at the block's first key
+            return self._index_turn(self._index_rms(pooled, self.index_k_norm), first, bound)
+        return mean_block_keys(q, keys, allowed, key_at, block_key, b, n)
+
+    def _block_mask(self, head_mask, key_indices, lk):
+        """The core's mask: ``head_mask`` (..., 1 or N, Lq, Lk) or None AND the chosen keys,
+        "max" per query head (..., N, Lq, Lk), "mean" one for all (..., 1, Lq, Lk)
+        (golden.reference.modules._block_mask)."""
+        if self.index_blocks == "mean":
+            key_indices = key_indices.unsqueeze(-3)
+        device = key_indices.device if head_mask is None else head_mask.device
+        return selected_mask(key_indices.to(device), head_mask, lk)
+
+    def _index_rms(self, t, weight):
+        """RMSNorm of t (..., D_I) times ``weight`` (index_norm_eps), in at least float32,
+        rounded once to t's dtype."""
+        compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+        return qk_normalize(t.to(compute), "rms", weight.to(compute),
+                            self.config["index_norm_eps"], mean=lambda a: a.mean(-1, keepdim=True),
+                            rsqrt=torch.rsqrt).to(t.dtype)
+
+    def _index_turn(self, t, at, bound):
+        """t (..., D_I) with its first rd features (the layer's rotary features) turned by the
+        layer's RoPE, rotate-half pairs, at positions ``at`` (broadcast against t's leading
+        axes), in at least float32 and rounded once (precision "hf": in t's dtype, as
+        rotary_embedding)."""
+        compute = torch.float32 if t.dtype in LOW_PRECISION else t.dtype
+        cos, sin = rotary_cos_sin(self.rotary, rotary_dims(self.head_dim, self.rotary), at,
+                                  bound, compute)
+        if dict(self.rotary)["precision"] == "hf":
+            cos, sin, compute = cos.to(t.dtype), sin.to(t.dtype), t.dtype
+        return rope_turn(t.to(compute), cos, sin, False, stack=torch.stack,
+                         concat=torch.cat).to(t.dtype)
 
     def _merged(self, x, q, k, v, context, head_mask, cache, lengths, run):
         """merged_context's attention (T5Gemma 2's T5Gemma2MergedAttention): q (B, N, L, Dh)
@@ -544,9 +721,11 @@ def _refuse_own_cache(kv_shared):
                          "as the storing layer's call returned it, as cache=")
 
 
-def _append(cache, k, v, new) -> KVCache:
+def _append(cache, k, v, new, index_key=None) -> KVCache:
     """A new cache: row b's first new[b] keys and values of this call (B, Nkv, L, Dh) written
-    after its lengths[b] held ones (the cache given is not changed)."""
+    after its lengths[b] held ones (the cache given is not changed), and its block indexer's
+    keys ``index_key`` (B, L, D_I) at the same slots of cache.index_key when given (else the
+    cache's index_key as it is)."""
     b, length = k.shape[0], k.shape[2]
     i = torch.arange(length, device=k.device)
     real = i < new[:, None]                                       # (B, L)
@@ -555,4 +734,20 @@ def _append(cache, k, v, new) -> KVCache:
     key, value = cache.key.clone(), cache.value.clone()
     key[rows, :, pos] = k.transpose(1, 2)[real]                   # (n, Nkv, Dh)
     value[rows, :, pos] = v.transpose(1, 2)[real]
-    return KVCache(key, value, (cache.lengths + new).to(cache.lengths.dtype))
+    held = getattr(cache, "index_key", None)
+    if index_key is not None:
+        held = held.clone()
+        held[rows, pos] = index_key.to(held.dtype)[real]          # (n, D_I)
+    return KVCache(key, value, (cache.lengths + new).to(cache.lengths.dtype), held)
+
+
+def _refuse_blocks_with(c) -> None:
+    """ValueError for the block indexer on a layer that attends another layer's keys
+    (kv_shared) or a context (merged_context): not built (the reference has neither)."""
+    if c.get("index_blocks") is None:
+        return
+    for name in ("kv_shared", "merged_context"):
+        if c[name]:
+            raise ValueError(f"{name} should be False with index_blocks = "
+                             f"{c['index_blocks']!r} (a block indexer beside another layer's "
+                             f"keys or a context: not built), got True")
