@@ -544,8 +544,8 @@ _VARIANTS = [
              Arg("index_local_blocks", check_local_blocks, 0, pending=True),
              Arg("index_norm_eps", epsilon, 1e-6, pending=True)),
             shapes=_grouped_query_shapes, check_inputs=_decoder_inputs, dropout=True,
-            # (the block indexer's W_index_q, W_index_k join the layers when the twins hold them)
-            layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos"},
+            layers={**QKV_LAYERS, "out": "out_proj", "gate": "W_gate", "pos": "W_pos",
+                    "index_q": "W_index_q", "index_k": "W_index_k"},  # the block indexer's
             vectors=("q_norm", "k_norm", "q_norm_bias", "k_norm_bias", "sinks",
                      "relative_attention_bias", "bias_u",
                      "bias_v", "relative_key_table", "input_norm_weight", "input_norm_bias",
