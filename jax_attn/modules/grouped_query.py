@@ -688,7 +688,7 @@ class GroupedQueryAttention(_Variant):
                 at = vis[..., r:most * b:b]                          # (B, Lq, C)
                 pooled = pooled + jnp.take_along_axis(raw, at[..., None], axis=-2)
             pooled = pooled / b                                      # (B, Lq, C, D_I)
-            first = jnp.take_along_axis(jnp.broadcast_to(key_pos, allowed.shape),
+            first = jnp.take_along_axis(jnp.broadcast_to(key_pos[..., None, :], allowed.shape),
                                         vis[..., 0:most * b:b], axis=-1)  # (B, Lq, C)
             keys = self._index_turn(self._index_norm(pooled, self.index_k_norm), first, bound)
             dot = jnp.einsum("...htd,...tcd->...thc", q.astype(compute), keys,
