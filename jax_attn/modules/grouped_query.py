@@ -1,8 +1,9 @@
 """GroupedQueryAttention, the twin of torch_attn.modules.grouped_query's: the decoder family and
 its options, with a KV cache that is a pytree written by one scatter (``_cache_positions`` and
 ``_append``, which MultiHeadLatentAttention's latent cache shares) and ``strict`` read on the
-host outside the compiled call. Shape legend as in jax_attn.modules; the class docstring gives
-its own.
+host outside the compiled call; with ``index_blocks`` MiniMax M3's or Qwen4-Exp's block indexer
+chooses the keys each query attends (``_blocks``). Shape legend as in jax_attn.modules; the
+class docstring gives its own.
 """
 
 from __future__ import annotations
@@ -76,6 +77,26 @@ class GroupedQueryAttention(_Variant):
     k_norm); called with ``cache=`` the storing layer's cache as its call on the same tokens
     returned it, read and never written, as torch_attn.GroupedQueryAttention's (its docstring);
     without a cache, and in ``init_cache``, it raises ValueError.
+
+    The block indexer (``index_blocks`` "max", MiniMax M3's, or "mean", Qwen4-Exp's, and the
+    other ``index_*`` options; golden.specification.indexer has the maths and the one selection
+    rule, golden.reference.indexer the float64 reference): its parameters W_index_q (d_in,
+    H_I·D_I), W_index_k (d_in, D_I) (``nnx.Linear``, no bias) and index_q_norm, index_k_norm
+    (D_I,), in the neutral layout of export_params and load_params. Each query keeps whole
+    blocks of b keys, chosen without gradient (``lax.stop_gradient``: the indexer's parameters
+    get zero gradients) among the keys it may see (its mask, causal, the window, the chunks, the
+    lengths), equal scores won by the lowest block index (stable sorts); the projections in x's
+    dtype, norms, RoPE (the layer's, rotate-half, on the first rd features) and scores in at
+    least float32. The choice reaches the core as a mask ANDed into the call's: "max" one per
+    KV group, repeated to its query heads (B, N, Lq, Lk); "mean" one for every head (B, 1, Lq,
+    Lk). ``key_indices`` gives the choice instead (the indexer not run): "max" (B, N, Lq, k),
+    k = min(index_topk_blocks · b, Lk), "mean" (B, Lq, k), k = min(index_topk_blocks · b + b −
+    1, Lk) (golden.specification.indexer.block_key_shape); ``return_key_indices=True`` appends
+    the choice used, int32, to what the call returns: ``(y, key_indices)``, ``(y, weights,
+    key_indices)`` with ``return_weights``. With a cache, ``index_key`` (B, M, D_I) holds each
+    token's indexer key at its key's slot ("max": normed and turned; "mean": raw, pooled per
+    query) and the choice runs over every held key; "mean" then takes no ``positions`` (a
+    block's key turns at its first key's position, which the cache does not hold).
     """
 
     variant = "grouped_query_attention"
@@ -182,12 +203,12 @@ class GroupedQueryAttention(_Variant):
         self.index_topk_blocks = c.get("index_topk_blocks")
         self.index_local_blocks = c.get("index_local_blocks", 0)
         self.index_norm_eps = c.get("index_norm_eps", 1e-6)
-        if self.index_blocks is not None:
-            for name, on in (("merged_context", self.merged_context),
-                             ("kv_shared", self.kv_shared)):
-                if on:
-                    raise ValueError(f"index_blocks should be None with {name}=True (the block "
-                                     f"indexer is not built for it), got {self.index_blocks!r}")
+        if self.index_blocks is not None:  # the reference has neither: not built
+            for name in ("kv_shared", "merged_context"):
+                if c[name]:
+                    raise ValueError(f"{name} should be False with index_blocks = "
+                                     f"{self.index_blocks!r} (a block indexer beside another "
+                                     f"layer's keys or a context: not built), got True")
         self.index_rotary = (None if self.index_blocks is None  # rd, the features turned
                              else rotary_dims(self.head_dim, self.rotary))
         shapes = VARIANTS[self.variant].shapes(c)
@@ -238,12 +259,11 @@ class GroupedQueryAttention(_Variant):
         first keys' positions are not held); ``key_indices`` integers of block_key_shape's
         shape in [0, Lk)."""
         if self.index_blocks is None:
-            if key_indices is not None:
-                raise ValueError("key_indices should be None without index_blocks (no block "
-                                 "indexer), got an array")
-            if return_key_indices:
-                raise ValueError("return_key_indices should be False without index_blocks (no "
-                                 "block indexer), got True")
+            for name, given, got in (("key_indices", key_indices is not None, "an array"),
+                                     ("return_key_indices", return_key_indices, "True")):
+                if given:
+                    raise ValueError(f"{name} should be None/False without index_blocks (no "
+                                     f"block indexer), got {got}")
             return
         lead = tuple(np.shape(x))[:-2]
         check_index_mask(mask, lead, "index_blocks")
@@ -252,10 +272,10 @@ class GroupedQueryAttention(_Variant):
                              f"turns by one position per token), got multimodal positions of "
                              f"shape {tuple(np.shape(positions))}")
         if positions is not None and cache is not None and self.index_blocks == "mean":
-            raise ValueError("positions should be None with a cache and index_blocks = 'mean' "
-                             "(each block's key turns at its first key's position, which the "
-                             "cache does not hold: its keys are at their slots 0 … M − 1), "
-                             "got an array")
+            raise ValueError(f"positions should be None with index_blocks = 'mean' and a "
+                             f"cache (a block's key turns at its first key's position, which "
+                             f"the cache does not hold: its slots are the positions), got shape "
+                             f"{tuple(np.shape(positions))}")
         if key_indices is None:
             return
         lq = np.shape(x)[-2]
@@ -671,23 +691,26 @@ class GroupedQueryAttention(_Variant):
         """Qwen4-Exp's choice (B, Lq, k), k = min(index_topk_blocks · b + b − 1, Lk)
         (golden.reference.indexer.mean_block_keys): each query's visible keys, in order, cut
         into complete blocks of b (C of them at most, C = Lk // b; vis (B, Lq, Lk) the visible
-        keys first), each block's raw keys summed in order and divided by b, normed, turned at
-        its first key's position ``key_pos`` and scored Σ_h ReLU(q·key)/√D_I (in at least
-        float32); the best index_topk_blocks blocks kept, and the tail."""
+        keys first), each block's raw keys summed in order (a loop of b steps, each over every
+        block and query) and divided by b, normed, turned at its first key's position
+        ``key_pos`` and scored Σ_h ReLU(q·key)/√D_I (in at least float32); the best
+        index_topk_blocks blocks kept, and the tail."""
         b, n, lk = self.index_block_size, self.index_topk_blocks, raw.shape[-2]
         count = allowed.sum(-1)                                      # (B, Lq)
         complete = count // b
         vis = jnp.argsort(~allowed, axis=-1, stable=True)           # (B, Lq, Lk)
         most = lk // b
         slots, valid = [], []
-        if most and n:
+        if most:  # a row may hold a complete block
             compute = jnp.promote_types(q.dtype, jnp.float32)
             raw = raw.astype(compute)[..., None, :, :]               # (B, 1, Lk, D_I)
-            pooled = 0
-            for r in range(b):  # each block's r-th key, every block at once
-                at = vis[..., r:most * b:b]                          # (B, Lq, C)
-                pooled = pooled + jnp.take_along_axis(raw, at[..., None], axis=-2)
-            pooled = pooled / b                                      # (B, Lq, C, D_I)
+            starts = jnp.arange(most) * b                            # (C,)
+
+            def add(r, total):  # each block's r-th key, every block at once, in order
+                at = jnp.take(vis, starts + r, axis=-1)              # (B, Lq, C)
+                return total + jnp.take_along_axis(raw, at[..., None], axis=-2)
+            pooled = jax.lax.fori_loop(0, b, add, jnp.zeros(
+                vis.shape[:-1] + (most, raw.shape[-1]), compute)) / b  # (B, Lq, C, D_I)
             first = jnp.take_along_axis(jnp.broadcast_to(key_pos[..., None, :], allowed.shape),
                                         vis[..., 0:most * b:b], axis=-1)  # (B, Lq, C)
             keys = self._index_turn(self._index_norm(pooled, self.index_k_norm), first, bound)
