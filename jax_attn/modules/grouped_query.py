@@ -451,7 +451,9 @@ class GroupedQueryAttention(_Variant):
     def _clip(self, y):
         """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is; a
         kv_shared module's absent keys stay None)."""
-        return y if self.clip_qkv is None or y is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
+        if self.clip_qkv is None or y is None:
+            return y
+        return jnp.clip(y, -self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike; None stays None)."""
