@@ -1,13 +1,15 @@
 """GroupedQueryAttention, the twin of torch_attn.modules.grouped_query's: the decoder family and
 its options, with a KV cache that is a pytree written by one scatter (``_cache_positions`` and
 ``_append``, which MultiHeadLatentAttention's latent cache shares) and ``strict`` read on the
-host outside the compiled call. Shape legend as in jax_attn.modules; the class docstring gives
-its own.
+host outside the compiled call; with ``index_blocks`` MiniMax M3's or Qwen4-Exp's block indexer
+chooses the keys each query attends (``_blocks``). Shape legend as in jax_attn.modules; the
+class docstring gives its own.
 """
 
 from __future__ import annotations
 
 import math
+from functools import reduce
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +22,15 @@ from golden.specification.decoder import (
     timing_table, weight_broadcast,
 )
 from golden.specification.decoder import sliding_window as core_window
+from golden.specification.indexer import (block_key_shape, check_index_cache,
+                                          check_index_mask, check_key_indices)
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
-from golden.specification.positions import (ROPE_BLOCK, KVCache, MergedCache, check_fits,
-                                            merged_allowed)
+from golden.specification.positions import (ROPE_BLOCK, KVCache, MergedCache, allowed_terms,
+                                            check_fits, merged_allowed)
 from golden.specification.validate import (
-    cache_shape, check_decoder_inputs, check_flags, check_positive_or_none, rope_arguments,
-    rope_axis_count,
-    rope_settings,
+    cache_shape, check_cache, check_decoder_inputs, check_flags, check_positive_or_none,
+    rope_arguments, rope_axis_count, rope_settings, rotary_dims,
 )
 from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
@@ -74,6 +77,26 @@ class GroupedQueryAttention(_Variant):
     k_norm); called with ``cache=`` the storing layer's cache as its call on the same tokens
     returned it, read and never written, as torch_attn.GroupedQueryAttention's (its docstring);
     without a cache, and in ``init_cache``, it raises ValueError.
+
+    The block indexer (``index_blocks`` "max", MiniMax M3's, or "mean", Qwen4-Exp's, and the
+    other ``index_*`` options; golden.specification.indexer has the maths and the one selection
+    rule, golden.reference.indexer the float64 reference): its parameters W_index_q (d_in,
+    H_I·D_I), W_index_k (d_in, D_I) (``nnx.Linear``, no bias) and index_q_norm, index_k_norm
+    (D_I,), in the neutral layout of export_params and load_params. Each query keeps whole
+    blocks of b keys, chosen without gradient (``lax.stop_gradient``: the indexer's parameters
+    get zero gradients) among the keys it may see (its mask, causal, the window, the chunks, the
+    lengths), equal scores won by the lowest block index (stable sorts); the projections in x's
+    dtype, norms, RoPE (the layer's, rotate-half, on the first rd features) and scores in at
+    least float32. The choice reaches the core as a mask ANDed into the call's: "max" one per
+    KV group, repeated to its query heads (B, N, Lq, Lk); "mean" one for every head (B, 1, Lq,
+    Lk). ``key_indices`` gives the choice instead (the indexer not run): "max" (B, N, Lq, k),
+    k = min(index_topk_blocks · b, Lk), "mean" (B, Lq, k), k = min(index_topk_blocks · b + b −
+    1, Lk) (golden.specification.indexer.block_key_shape); ``return_key_indices=True`` appends
+    the choice used, int32, to what the call returns: ``(y, key_indices)``, ``(y, weights,
+    key_indices)`` with ``return_weights``. With a cache, ``index_key`` (B, M, D_I) holds each
+    token's indexer key at its key's slot ("max": normed and turned; "mean": raw, pooled per
+    query) and the choice runs over every held key; "mean" then takes no ``positions`` (a
+    block's key turns at its first key's position, which the cache does not hold).
     """
 
     variant = "grouped_query_attention"
@@ -94,7 +117,9 @@ class GroupedQueryAttention(_Variant):
                  relative_max_distance=None, input_norm=None, input_norm_eps=1e-5,
                  key_scale=None, output_norm=None, output_norm_eps=1e-6, gate_bias=None,
                  v_head_dim=None, value_scale=None, clip_qkv_after_norm=False, kv_shared=False,
-                 merged_context=False, *, rngs, precision=DEFAULT_PRECISION):
+                 merged_context=False, index_blocks=None, index_heads=None, index_head_dim=None,
+                 index_block_size=None, index_topk_blocks=None, index_local_blocks=0,
+                 index_norm_eps=1e-6, *, rngs, precision=DEFAULT_PRECISION):
         self._configure(d_in=d_in, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, d_out=d_out, qkv_bias=qkv_bias, out_bias=out_bias,
                         causal=causal, scale=scale, softcap=softcap,
@@ -117,7 +142,10 @@ class GroupedQueryAttention(_Variant):
                         output_norm_eps=output_norm_eps, gate_bias=gate_bias,
                         v_head_dim=v_head_dim, value_scale=value_scale,
                         clip_qkv_after_norm=clip_qkv_after_norm, kv_shared=kv_shared,
-                        merged_context=merged_context)
+                        merged_context=merged_context, index_blocks=index_blocks,
+                        index_heads=index_heads, index_head_dim=index_head_dim,
+                        index_block_size=index_block_size, index_topk_blocks=index_topk_blocks,
+                        index_local_blocks=index_local_blocks, index_norm_eps=index_norm_eps)
         self.merged_context = merged_context  # static, and its window W (an int, or None)
         self.merged_window = sliding_window if merged_context else None
         self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
@@ -162,23 +190,54 @@ class GroupedQueryAttention(_Variant):
         starts = variants.vector_starts(self.variant, self.config)  # each at its no-op value
         for n in VARIANTS[self.variant].vectors:  # None where the config has none
             setattr(self, n, nnx.Param(jnp.full(*starts[n])) if n in starts else None)
+        self._init_blocks(rngs)
+
+    def _init_blocks(self, rngs) -> None:
+        """The block indexer's settings (static) and projections W_index_q (d_in, H_I·D_I),
+        W_index_k (d_in, D_I) (no bias); None without index_blocks (its vectors index_q_norm,
+        index_k_norm are made with the others)."""
+        c = self.config
+        self.index_blocks = c.get("index_blocks")
+        self.index_heads, self.index_head_dim = c.get("index_heads"), c.get("index_head_dim")
+        self.index_block_size = c.get("index_block_size")
+        self.index_topk_blocks = c.get("index_topk_blocks")
+        self.index_local_blocks = c.get("index_local_blocks", 0)
+        self.index_norm_eps = c.get("index_norm_eps", 1e-6)
+        if self.index_blocks is not None:  # the reference has neither: not built
+            for name in ("kv_shared", "merged_context"):
+                if c[name]:
+                    raise ValueError(f"{name} should be False with index_blocks = "
+                                     f"{self.index_blocks!r} (a block indexer beside another "
+                                     f"layer's keys or a context: not built), got True")
+        self.index_rotary = (None if self.index_blocks is None  # rd, the features turned
+                             else rotary_dims(self.head_dim, self.rotary))
+        shapes = VARIANTS[self.variant].shapes(c)
+        for n in ("W_index_q", "W_index_k"):
+            setattr(self, n, None if n not in shapes else _linear(*shapes[n], False, rngs,
+                                                                  self.precision))
 
     def init_cache(self, batch_size, max_length, dtype=None) -> KVCache:
         """An empty cache: key and value zeros (B, Nkv, max_length, Dh) in ``dtype`` (default the
-        parameters'), lengths zeros (B,) int32. A ``kv_shared`` module has no keys of its own to
-        cache: it raises ValueError (make the storing layer's)."""
+        parameters'), lengths zeros (B,) int32; with index_blocks index_key zeros (B,
+        max_length, index_head_dim). A ``kv_shared`` module has no keys of its own to cache: it
+        raises ValueError (make the storing layer's)."""
         _refuse_own_cache(self.kv_shared)
         shape = cache_shape(batch_size, max_length, self.num_kv_heads, self.head_dim)
         dtype = self.W_query.kernel.get_value().dtype if dtype is None else dtype
         kind = MergedCache if self.merged_context else KVCache  # merged: no context yet
-        return kind(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1] + (self.v_head_dim,), dtype),
-                    jnp.zeros((batch_size,), jnp.int32))
+        cache = kind(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1] + (self.v_head_dim,), dtype),
+                     jnp.zeros((batch_size,), jnp.int32))
+        if self.index_blocks is None:
+            return cache
+        return cache._replace(index_key=jnp.zeros((batch_size, max_length,
+                                                   self.index_head_dim), dtype))
 
     def __call__(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
                  dropout_mask=None, return_weights=False, strict=False, max_position=None,
-                 context=None, context_mask=None):
-        check_flags(strict=strict)
+                 context=None, context_mask=None, key_indices=None, return_key_indices=False):
+        check_flags(strict=strict, return_key_indices=return_key_indices)
         check_positive_or_none("max_position", max_position)
+        self._check_blocks(x, mask, cache, positions, key_indices, return_key_indices)
         if strict and cache is not None and not self.kv_shared:  # kv_shared writes nothing
             self._check_fits(x, cache, query_seq_lengths, dropout_mask, mask, context,
                              context_mask)
@@ -190,7 +249,42 @@ class GroupedQueryAttention(_Variant):
         return self._call(x, mask, cache=cache, query_seq_lengths=query_seq_lengths,
                           positions=positions, dropout_mask=dropout_mask,
                           return_weights=return_weights, max_position=max_position,
-                          context=context, context_mask=context_mask)
+                          context=context, context_mask=context_mask, key_indices=key_indices,
+                          return_key_indices=return_key_indices)
+
+    def _check_blocks(self, x, mask, cache, positions, key_indices, return_key_indices) -> None:
+        """The block indexer's arguments, on the host (shapes only, and a given selection's
+        values when concrete): none without index_blocks; a mask with no head axis (or one of
+        size 1); positions of one axis, and none with a cache for "mean" (the cached blocks'
+        first keys' positions are not held); ``key_indices`` integers of block_key_shape's
+        shape in [0, Lk)."""
+        if self.index_blocks is None:
+            for name, given, got in (("key_indices", key_indices is not None, "an array"),
+                                     ("return_key_indices", return_key_indices, "True")):
+                if given:
+                    raise ValueError(f"{name} should be None/False without index_blocks (no "
+                                     f"block indexer), got {got}")
+            return
+        lead = tuple(np.shape(x))[:-2]
+        check_index_mask(mask, lead, "index_blocks")
+        if positions is not None and np.ndim(positions) == np.ndim(x):
+            raise ValueError(f"positions should be (L,) or (B, L) with index_blocks (the indexer "
+                             f"turns by one position per token), got multimodal positions of "
+                             f"shape {tuple(np.shape(positions))}")
+        if positions is not None and cache is not None and self.index_blocks == "mean":
+            raise ValueError(f"positions should be None with index_blocks = 'mean' and a "
+                             f"cache (a block's key turns at its first key's position, which "
+                             f"the cache does not hold: its slots are the positions), got shape "
+                             f"{tuple(np.shape(positions))}")
+        if key_indices is None:
+            return
+        lq = np.shape(x)[-2]
+        lk = lq if cache is None else check_cache(cache, x, self.num_kv_heads, self.head_dim,
+                                                  self.v_head_dim)
+        want = block_key_shape(self.config, lead + (self.num_heads, lq, lk))
+        if isinstance(key_indices, jax.core.Tracer):  # shape and dtype only: values unknown
+            key_indices = np.broadcast_to(np.zeros((), key_indices.dtype), key_indices.shape)
+        check_key_indices(key_indices, want[:-2], lq, lk, want[-1])
 
     def _check_fits(self, x, cache, query_seq_lengths, dropout_mask, mask, context,
                     context_mask):
@@ -209,10 +303,11 @@ class GroupedQueryAttention(_Variant):
                              "strict=False (tokens that do not fit are then dropped)")
         check_fits(np.asarray(cache.lengths), np.asarray(new), cache.key.shape[2], x.shape[-2])
 
-    @nnx.jit(graph=False, static_argnames=("return_weights", "max_position"))
+    @nnx.jit(graph=False, static_argnames=("return_weights", "max_position",
+                                           "return_key_indices"))
     def _call(self, x, mask=None, *, cache=None, query_seq_lengths=None, positions=None,
               dropout_mask=None, return_weights=False, max_position=None, context=None,
-              context_mask=None):
+              context_mask=None, key_indices=None, return_key_indices=False):
         rate = self._rate()
         check_decoder_inputs(x, self.d_in, mask, dropout_mask, query_seq_lengths,
                              heads=self.num_heads, rate=rate, cache=cache,
@@ -222,6 +317,8 @@ class GroupedQueryAttention(_Variant):
                              temperature=self.query_temperature is not None,
                              kv_shared=self.kv_shared, merged=self.merged_context,
                              context=context, context_mask=context_mask)
+        if cache is not None and self.index_blocks is not None:
+            check_index_cache(cache, self.index_head_dim, x.dtype, option="index_blocks")
         if positions is not None and positions.ndim == 2 and x.ndim == 2:  # unbatched (A, L)
             positions = positions[:, None]  # -> (3, 1, L): one row per axis against (N, L, Dh)
         if self.input_norm_weight is not None:  # Granite Speech's pre_norm
@@ -247,9 +344,9 @@ class GroupedQueryAttention(_Variant):
         if cache is not None:
             positions_of = _shared_positions if self.kv_shared else _cache_positions
             offset, q_lengths, kv_lengths = positions_of(cache, x.shape[1], query_seq_lengths)
+        bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
+        bound = max(bound, max_position or 0)  # positions past the call's tokens (video)
         if self.rotary is not None:
-            bound = x.shape[-2] if cache is None else cache.key.shape[2] + x.shape[1]
-            bound = max(bound, max_position or 0)  # positions past the call's tokens (video)
             q, k = (None if t is None else rotary_embedding(
                 t, interleaved=self.rope_interleaved, offset=offset, positions=positions,
                 max_position=bound, **rope_arguments(self.rotary)) for t in (q, k))
@@ -261,10 +358,15 @@ class GroupedQueryAttention(_Variant):
             return self._merged(x, q, k, v, (context, context_mask), _head_mask(mask, x),
                                 cache, (offset, q_lengths, kv_lengths),
                                 (rate, dropout_mask, return_weights))
+        before = cache  # the call's cache (the block indexer's keys appended to it below)
         if cache is not None:  # kv_shared: the storing layer's cache read, not written
             cache = cache if self.kv_shared else _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
+        if self.index_blocks is not None:  # the block indexer's choice, ANDed into the mask
+            head_mask, key_indices, cache = self._blocks(
+                x, mask, head_mask, (before, cache), key_indices,
+                (offset, positions, bound, q_lengths, kv_lengths))
         relative, scale = {}, self.scale
         if self.relative_positions == "conformer_timing":  # the core takes q̃, scale κ
             q, relative = self._conformer(q, k.shape[-2])
@@ -282,7 +384,9 @@ class GroupedQueryAttention(_Variant):
             return_weights=return_weights, precision=self.precision, **self._extra())
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o, lambda m: self._output(m, x))  # (B, L, d_out)
-        out = (y, w) if return_weights else y
+        out = ((y, w) if return_weights else (y,)) + (
+            (key_indices,) if return_key_indices else ())
+        out = out if len(out) > 1 else y
         return out if cache is None else (out, cache)
 
     def _merged(self, x, q, k, v, context, head_mask, cache, lengths, run):
@@ -347,7 +451,9 @@ class GroupedQueryAttention(_Variant):
     def _clip(self, y):
         """MPT's and OLMo's clip_qkv: a projection clamped to [−c, c] (None: as it is; a
         kv_shared module's absent keys stay None)."""
-        return y if self.clip_qkv is None or y is None else jnp.clip(y, -self.clip_qkv, self.clip_qkv)
+        if self.clip_qkv is None or y is None:
+            return y
+        return jnp.clip(y, -self.clip_qkv, self.clip_qkv)
 
     def _split(self, y, heads):
         """(B, L, heads·Dh) -> (B, heads, L, Dh) (the values' Dv alike; None stays None)."""
@@ -463,6 +569,167 @@ class GroupedQueryAttention(_Variant):
         """q times the query temperature at each token's position (_query_temperature)."""
         return _query_temperature(self, q, offset, positions)
 
+    # ---- the block indexer (MiniMax M3's "max", Qwen4-Exp's "mean") ---------------------------
+
+    def _blocks(self, x, mask, head_mask, caches, key_indices, where):
+        """(the core's mask, key_indices int32, the cache): the call's mask (B, 1 or N, Lq, Lk)
+        or None AND the chosen keys, "max" (B, N, Lq, Lk), "mean" (B, 1, Lq, Lk), as the
+        reference's _block_mask; the indexer's keys appended to the cache's index_key at their
+        tokens' slots. No gradient reaches the indexer (lax.stop_gradient)."""
+        (before, cache), (offset, positions, bound, q_lengths, kv_lengths) = caches, where
+        x = jax.lax.stop_gradient(x)
+        pos = positions
+        if pos is None:
+            pos = jnp.arange(x.shape[-2])                            # (L,)
+            pos = pos if offset is None else pos + offset[:, None]  # (B, L)
+        pos = jnp.asarray(pos, jnp.int32)
+        keys = self._index_key(x, pos, bound)                        # (B, L, D_I)
+        if before is not None:
+            keys = _append_rows(before.index_key, keys, before.lengths, q_lengths)
+            cache = cache._replace(index_key=keys)                   # (B, M, D_I)
+        if key_indices is None:
+            lk = keys.shape[-2]
+            allowed = self._allowed(mask, x.shape[:-2] + (x.shape[-2], lk), offset, q_lengths,
+                                    kv_lengths)                      # (B, Lq, Lk)
+            q = self._index_query(x, pos, bound)                     # (B, H_I, Lq, D_I)
+            if self.index_blocks == "max":
+                key_indices = jnp.repeat(self._max_blocks(q, keys, allowed, pos),
+                                         self.num_heads // self.index_heads, axis=-3)
+            else:
+                key_pos = pos if before is None else jnp.arange(lk)  # (B, Lk) or (M,)
+                key_indices = self._mean_blocks(q, keys, allowed, key_pos, bound)
+        key_indices = jax.lax.stop_gradient(jnp.asarray(key_indices, jnp.int32))
+        chosen = jnp.zeros(key_indices.shape[:-1] + (keys.shape[-2],), bool)
+        chosen = jnp.put_along_axis(chosen, key_indices, True, axis=-1, inplace=False)
+        if self.index_blocks == "mean":
+            chosen = chosen[..., None, :, :]                         # (B, 1, Lq, Lk)
+        return (chosen if head_mask is None else head_mask & chosen), key_indices, cache
+
+    def _index_query(self, x, pos, bound):
+        """q^I (B, H_I, L, D_I) = RMS(x W_index_q)·index_q_norm per head, turned at ``pos``."""
+        q = self.W_index_q(x)                                        # (B, L, H_I·D_I)
+        q = q.reshape(q.shape[:-1] + (self.index_heads, self.index_head_dim))
+        q = self._index_norm(jnp.swapaxes(q, -2, -3), self.index_q_norm)  # (B, H_I, L, D_I)
+        return self._index_turn(q, pos[..., None, :], bound)
+
+    def _index_key(self, x, pos, bound):
+        """The indexer's keys (B, L, D_I) as the cache holds them: "max" RMS(x W_index_k)·
+        index_k_norm turned at ``pos``, "mean" x W_index_k raw (pooled per query later)."""
+        k = self.W_index_k(x)
+        if self.index_blocks == "max":
+            k = self._index_turn(self._index_norm(k, self.index_k_norm), pos, bound)
+        return jax.lax.stop_gradient(k)
+
+    def _index_norm(self, t, weight):
+        """RMSNorm of t over its last axis times ``weight`` (ε index_norm_eps), in at least
+        float32, rounded once to t's dtype."""
+        compute = jnp.promote_types(t.dtype, jnp.float32)
+        return qk_normalize(t.astype(compute), "rms", weight.get_value().astype(compute),
+                            self.index_norm_eps, mean=lambda a: a.mean(-1, keepdims=True),
+                            rsqrt=jax.lax.rsqrt).astype(t.dtype)
+
+    def _index_turn(self, t, pos, bound):
+        """t (..., D_I) with its first rd features turned by the layer's RoPE (rotate-half) at
+        the integer positions ``pos`` (broadcast to t's (...)): every vector as one token of a
+        flat sequence (P, Dh), its rd features first and zeros after (rotary_embedding turns
+        the first rd of Dh)."""
+        rd, shape = self.index_rotary, t.shape
+        flat = t.reshape(-1, shape[-1])                              # (P, D_I)
+        wide = jnp.concatenate([flat[:, :rd], jnp.zeros((flat.shape[0], self.head_dim - rd),
+                                                        t.dtype)], -1)  # (P, Dh)
+        turned = rotary_embedding(wide, positions=jnp.broadcast_to(pos, shape[:-1]).reshape(-1),
+                                  max_position=bound, **rope_arguments(self.rotary))
+        return jnp.concatenate([turned[:, :rd], flat[:, rd:]], -1).reshape(shape)
+
+    def _allowed(self, mask, shape, offset, q_lengths, kv_lengths):
+        """Where each query may attend, bool ``shape`` (B, Lq, Lk): the call's mask (its head
+        axis of size 1 dropped), causal, the sliding window and the chunks at the queries'
+        positions (offset + i), the lengths."""
+        if mask is not None and mask.ndim == len(shape) + 1:
+            mask = mask[..., 0, :, :]                                # (B, Lq, Lk)
+        row = jnp.arange(shape[-2])[:, None]                         # (Lq, 1)
+        key = jnp.arange(shape[-1])[None, :]                         # (1, Lk)
+        pos = row if offset is None else row + offset[:, None, None]  # (B, Lq, 1)
+        q_lengths, kv_lengths = (None if n is None else n[..., None, None]
+                                 for n in (q_lengths, kv_lengths))
+        terms = allowed_terms(row, key, pos, is_causal=self.causal,
+                              window=self.local_window_size or (None, None),
+                              chunk=self.attention_chunk_size, q_lengths=q_lengths,
+                              kv_lengths=kv_lengths)
+        terms += [] if mask is None else [mask]
+        return jnp.broadcast_to(reduce(jnp.logical_and, terms, jnp.ones((), bool)), shape)
+
+    def _max_blocks(self, q, k, allowed, pos):
+        """MiniMax M3's choice (B, H_I, Lq, k), k = min(index_topk_blocks · b, Lk)
+        (golden.reference.indexer.max_block_keys): block m's score the max of q·k over its keys
+        the query may see (in at least float32; the keys it may not see at the least score of
+        all, as the reference); the index_local_blocks blocks q_b, q_b − 1, … (q_b = pos // b,
+        clipped at 0) kept, then the best blocks with a visible key."""
+        b, n, lk = self.index_block_size, self.index_topk_blocks, k.shape[-2]
+        blocks = -(-lk // b)
+        compute = jnp.promote_types(q.dtype, jnp.float32)
+        s = jnp.einsum("...htd,...sd->...hts", q.astype(compute), k.astype(compute),
+                       precision=self.precision)                     # (B, H_I, Lq, Lk)
+        low = s.min()  # below every score: the reference's fill for keys not seen
+        seen = allowed[..., None, :, :]                              # (B, 1, Lq, Lk)
+        pad = [(0, 0)] * (s.ndim - 1) + [(0, blocks * b - lk)]
+        s = jnp.pad(jnp.where(seen, s, low), pad, constant_values=low)
+        scores = s.reshape(s.shape[:-1] + (blocks, b)).max(-1)      # (B, H_I, Lq, M)
+        seen = jnp.pad(seen, pad)
+        has = seen.reshape(seen.shape[:-1] + (blocks, b)).any(-1)    # (B, 1, Lq, M)
+        q_block = jnp.broadcast_to(pos, allowed.shape[:-1])[..., None] // b  # (B, Lq, 1)
+        local = jnp.zeros(allowed.shape[:-1] + (blocks,), bool)     # (B, Lq, M)
+        for i in range(self.index_local_blocks):
+            local = local | (jnp.arange(blocks) == jnp.clip(q_block - i, 0, blocks - 1))
+        local = jnp.broadcast_to(local[..., None, :, :], scores.shape)
+        eligible = has | local
+        order = _order(scores, local, eligible)[..., :min(n, blocks)]   # (B, H_I, Lq, n')
+        taken = jnp.take_along_axis(eligible, order, axis=-1)
+        slots = (order[..., None] * b + jnp.arange(b)).reshape(order.shape[:-1] + (-1,))
+        valid = jnp.repeat(taken, b, axis=-1) & (slots < lk)        # (B, H_I, Lq, n'·b)
+        return _compact(slots, valid, min(n * b, lk))
+
+    def _mean_blocks(self, q, raw, allowed, key_pos, bound):
+        """Qwen4-Exp's choice (B, Lq, k), k = min(index_topk_blocks · b + b − 1, Lk)
+        (golden.reference.indexer.mean_block_keys): each query's visible keys, in order, cut
+        into complete blocks of b (C of them at most, C = Lk // b; vis (B, Lq, Lk) the visible
+        keys first), each block's raw keys summed in order (a loop of b steps, each over every
+        block and query) and divided by b, normed, turned at its first key's position
+        ``key_pos`` and scored Σ_h ReLU(q·key)/√D_I (in at least float32); the best
+        index_topk_blocks blocks kept, and the tail."""
+        b, n, lk = self.index_block_size, self.index_topk_blocks, raw.shape[-2]
+        count = allowed.sum(-1)                                      # (B, Lq)
+        complete = count // b
+        vis = jnp.argsort(~allowed, axis=-1, stable=True)           # (B, Lq, Lk)
+        most = lk // b
+        slots, valid = [], []
+        if most:  # a row may hold a complete block
+            compute = jnp.promote_types(q.dtype, jnp.float32)
+            raw = raw.astype(compute)[..., None, :, :]               # (B, 1, Lk, D_I)
+            starts = jnp.arange(most) * b                            # (C,)
+
+            def add(r, total):  # each block's r-th key, every block at once, in order
+                at = jnp.take(vis, starts + r, axis=-1)              # (B, Lq, C)
+                return total + jnp.take_along_axis(raw, at[..., None], axis=-2)
+            pooled = jax.lax.fori_loop(0, b, add, jnp.zeros(
+                vis.shape[:-1] + (most, raw.shape[-1]), compute)) / b  # (B, Lq, C, D_I)
+            first = jnp.take_along_axis(jnp.broadcast_to(key_pos[..., None, :], allowed.shape),
+                                        vis[..., 0:most * b:b], axis=-1)  # (B, Lq, C)
+            keys = self._index_turn(self._index_norm(pooled, self.index_k_norm), first, bound)
+            dot = jnp.einsum("...htd,...tcd->...thc", q.astype(compute), keys,
+                             precision=self.precision)               # (B, Lq, H_I, C)
+            scores = jnp.where(dot > 0, dot, 0).sum(-2) * (1 / np.sqrt(q.shape[-1]))
+            eligible = jnp.arange(most) < complete[..., None]        # (B, Lq, C)
+            order = _order(scores, jnp.zeros_like(eligible), eligible)[..., :min(n, most)]
+            at = (order[..., None] * b + jnp.arange(b)).reshape(order.shape[:-1] + (-1,))
+            slots.append(jnp.take_along_axis(vis, at, axis=-1))      # (B, Lq, n'·b)
+            valid.append(jnp.repeat(jnp.take_along_axis(eligible, order, axis=-1), b, axis=-1))
+        tail = complete[..., None] * b + jnp.arange(b - 1)          # (B, Lq, b − 1)
+        slots.append(jnp.take_along_axis(vis, jnp.minimum(tail, lk - 1), axis=-1))
+        valid.append(tail < count[..., None])
+        return _compact(jnp.concatenate(slots, -1), jnp.concatenate(valid, -1),
+                        min(n * b + b - 1, lk))
+
 
 def _cache_positions(cache, length, query_seq_lengths):
     """(query offset, query lengths, key lengths) of a call of ``length`` tokens appended to
@@ -506,3 +773,33 @@ def _append(cache, k, v, new) -> KVCache:
     key = cache.key.at[rows, :, pos].set(jnp.swapaxes(k, 1, 2), mode="drop")  # (B, L, Nkv, Dh)
     value = cache.value.at[rows, :, pos].set(jnp.swapaxes(v, 1, 2), mode="drop")
     return KVCache(key, value, cache.lengths + new)
+
+
+def _append_rows(held, new, lengths, count):
+    """``held`` (B, M, D) with row b's first count[b] of ``new`` (B, L, D) written after its
+    lengths[b] tokens, by one scatter (as _append; those that do not fit are dropped)."""
+    i = jnp.arange(new.shape[1])
+    pos = jnp.where(i < count[:, None], lengths[:, None] + i, held.shape[1])  # (B, L)
+    rows = jnp.arange(new.shape[0])[:, None]                                 # (B, 1)
+    return held.at[rows, pos].set(new.astype(held.dtype), mode="drop")
+
+
+def _order(scores, kept, eligible):
+    """Block indices (..., M) in the order they are taken (golden.reference.indexer._order): the
+    ``kept`` ones first, then the ``eligible`` ones, each by score, highest first, equal scores
+    by lowest index, then the rest. Two stable sorts: by score (the others tied at 0), then by
+    rank."""
+    by_score = jnp.argsort(jnp.where(eligible, -scores, 0), axis=-1, stable=True)
+    rank = jnp.where(kept, 0, jnp.where(eligible, 1, 2))
+    ranked = jnp.take_along_axis(rank, by_score, axis=-1)
+    return jnp.take_along_axis(by_score, jnp.argsort(ranked, axis=-1, stable=True), axis=-1)
+
+
+def _compact(slots, valid, k):
+    """key_indices (..., k) int32: the ``valid`` ones of ``slots`` (..., S) in order, the rest
+    of the k places repeating the first (0 if none) (golden.reference.indexer._fill)."""
+    order = jnp.argsort(~valid, axis=-1, stable=True)[..., :k]
+    slots = jnp.take_along_axis(slots, order, axis=-1)
+    valid = jnp.take_along_axis(valid, order, axis=-1)
+    first = jnp.where(valid[..., :1], slots[..., :1], 0)
+    return jnp.where(valid, slots, first).astype(jnp.int32)

@@ -27,7 +27,7 @@ from golden.specification.validate import (
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
                                    _Variant)
-from jax_attn.modules.grouped_query import _append, _cache_positions
+from jax_attn.modules.grouped_query import _append, _append_rows, _cache_positions
 from jax_attn.rotary import rotary_embedding
 from jax_attn.sharding import explicit_spec
 
@@ -421,16 +421,6 @@ def _select_keys(scores, allowed, k):
     select: XLA folds x + 0.0 away), and the unseen keys are put at -inf."""
     scores = jnp.where(scores == 0, 0, scores)
     return jax.lax.top_k(jnp.where(allowed, scores, -jnp.inf), k)[1]
-
-
-def _append_rows(held, new, lengths, count):
-    """``held`` (B, M, D) with row b's first count[b] of ``new`` (B, L, D) written after its
-    lengths[b] tokens, by one scatter (as grouped_query's _append; those that do not fit are
-    dropped)."""
-    i = jnp.arange(new.shape[1])
-    pos = jnp.where(i < count[:, None], lengths[:, None] + i, held.shape[1])  # (B, L)
-    rows = jnp.arange(new.shape[0])[:, None]                                 # (B, 1)
-    return held.at[rows, pos].set(new.astype(held.dtype), mode="drop")
 
 
 def _as_kv(cache) -> KVCache:
