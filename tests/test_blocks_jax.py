@@ -31,7 +31,7 @@ from golden.reference.rotary import rope_cos_sin, turn
 from golden.runners import jax_runner
 from golden.specification import variants
 from golden.specification.decoder import sliding_window
-from golden.specification.indexer import BLOCK_DEFAULTS, BLOCK_PARAMS, block_key_shape
+from golden.specification.indexer import BLOCK_PARAMS, block_key_shape
 from golden.specification.tolerances import compare
 from golden.specification.validate import rope_settings
 from tests.helpers import TWINS, count_compiles, matrix
@@ -88,7 +88,7 @@ def _gaps(c, p, x, allowed, positions):
     """Every choice's relative gap between the last kept and the first dropped block score
     (one per query and indexer head for "max", per query for "mean"; only where a block is
     dropped), from the reference's own pieces, written out query by query."""
-    c = {**dict(BLOCK_DEFAULTS), **variants.get(GQA).config(c)}  # pending: not filled in
+    c = variants.get(GQA).config(c)
     h, d, b, n = (c[k] for k in ("index_heads", "index_head_dim", "index_block_size",
                                  "index_topk_blocks"))
     eps = c["index_norm_eps"]
@@ -144,7 +144,7 @@ def _call(module, x, **inputs):
 @pytest.mark.parametrize("name, dtype", FIXTURE_RUNS)
 def test_fixture_and_its_choice(name, dtype):
     """The runner's computation (jax_runner.run_module: forward and jax.grad of the fixture's
-    loss; run_fixture itself still refuses the pending options) within the fixture's
+    loss) within the fixture's
     tolerances, every gradient but the indexer's (which gets none); the module's own choice the
     stored one, which is the reference's block_keys on the fixture's inputs (the fixtures' gaps
     are >= 1e-3, far above float32's error)."""

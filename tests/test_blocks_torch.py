@@ -1,6 +1,6 @@
 """torch_attn's GroupedQueryAttention with the block indexer (issue 44 part 4: MiniMax M3's
 "max", Qwen4-Exp's "mean"; the maths is golden.reference.indexer's): the four gqa_blocks_*
-fixtures and their stored choice (run here, the runners still refuse them as pending), the
+fixtures and their stored choice (through the runner's run_module), the
 choice and the output against the reference's on fresh draws whose block scores are clearly
 apart, exact ties, the given-selection mode, gradients (none for the indexer), decoding through
 the cache's index_key against the full forward, and bad calls refused by name.
@@ -25,9 +25,8 @@ from golden.reference.indexer import max_block_scores
 from golden.reference.norms import normalize
 from golden.reference.rotary import rope_cos_sin, turn
 from golden.runners import torch_runner
-from golden.runners.adapt import pending_options
 from golden.specification import variants
-from golden.specification.indexer import BLOCK_DEFAULTS, BLOCK_PARAMS
+from golden.specification.indexer import BLOCK_PARAMS
 from golden.specification.tolerances import compare
 from golden.specification.validate import rope_settings
 from tests.helpers import matrix
@@ -90,7 +89,7 @@ def least_gap(c, p, x, allowed):
     "max") over the draw, by the reference's own steps (pairs of exact zeros, "mean"'s blocks
     whose every ReLU is 0, are exact ties, left out): above CLEAR, the order of blocks, and so
     key_indices, cannot depend on rounding."""
-    full = {**dict(BLOCK_DEFAULTS), **variants.get(GQA).config(c)}  # the pending ones filled
+    full = variants.get(GQA).config(c)
     b, eps, h, d = c["index_block_size"], full["index_norm_eps"], c["index_heads"], \
         c["index_head_dim"]
     settings = rope_settings(full["rope_theta"], full["rope_parameters"],
@@ -135,14 +134,13 @@ def _reference(c, inputs, p):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("name", FIXTURES)
 def test_fixture_and_its_choice(name, dtype):
-    """Still pending for the runners (run_fixture refuses them): the module built from the
-    fixture's config and params, through the runner's own run_module, matches every expected
+    """The module built from the fixture's config and params (the runners check the fixtures
+    too), through the runner's own run_module, matches every expected
     array within the fixture's tolerances (outputs, weights, the gradients of x and of every
     parameter but the indexer's, which get none); its own choice equals the stored one and the
     reference's block_keys (through its forward) on the fixture's inputs; the stored choice
     given back (no indexer run) gives the same output bit for bit."""
     f = golden.load(name)
-    assert pending_options(f), "unmark the options: the runners test these fixtures now"
     module = torch_runner._prepared(f, dtype, train=False)[0]
     result = torch_runner.run_module(module, f, dtype)
     assert set(result["grads"]) == set(f.grads) and not set(BLOCK_PARAMS) & set(result["grads"])

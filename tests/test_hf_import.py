@@ -483,6 +483,34 @@ NO_INDEXER = {n: None for n in ("index_topk", "index_heads", "index_head_dim", "
                                 "index_rope_dims", "index_query", "index_scale",
                                 "index_norm_eps")}
 INDEXER_44 = dict(index_topk=4, index_n_heads=16, index_head_dim=6)
+# The block indexers (grouped-query attention): MiniMax M3's "max" (one indexer head per KV
+# group, blocks of 2, 2 kept of them, 1 local) and Qwen4-Exp's "mean" (16 indexer heads, as
+# above: a block scores exactly 0 when every head's ReLU is, and HF's torch.topk breaks such
+# ties otherwise than our lowest index); 4 keys kept (and Qwen4-Exp's tail) of L = 9.
+NO_BLOCKS = {n: None for n in ("index_blocks", "index_heads", "index_head_dim",
+                               "index_block_size", "index_topk_blocks")} | {
+    "index_local_blocks": 0}
+BLOCKS_44 = {
+    # MiniMax M3: Gemma-style QK norms per head, 4 of Dh 6 features turned
+    "minimax_m3_vl_text": Family("MiniMaxM3VLTextConfig", dict(
+        num_hidden_layers=1, layer_types=["minimax_m3_sparse"], index_n_heads=2,
+        index_head_dim=6, index_block_size=2, index_topk_blocks=2, index_local_blocks=1,
+        num_local_experts=2, num_experts_per_tok=1, bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "partial_rotary_factor": 2 / 3}),
+        float32="MiniMaxM3VLRMSNorm, the indexer's scores"),
+    # Qwen4-Exp: its indexed layer (1) after a Gated DeltaNet layer (0,
+    # tests/test_hf_import_linear.py); Qwen3.5's gated attention, 2 of Dh 8 features turned
+    "qwen4_exp_text": Family("Qwen4ExpTextConfig", dict(
+        num_hidden_layers=2, head_dim=8, layer_types=["linear_attention", "indexed_attention"],
+        indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=4, indexer_budget=4,
+        indexer_compress_ratio=2, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=8, shared_expert_intermediate_size=8, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4, **TOKENS,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "partial_rotary_factor": 0.25}), layers=(1,),
+        float32="Qwen4ExpTextRMSNorm, the indexer's block means and scores"),
+}
 INDEXED_44 = {
     "deepseek_v32": Family("DeepseekV32Config", dict(
         num_hidden_layers=1, **MLA_SIZES, **INDEXER_44,
@@ -602,6 +630,7 @@ FAMILIES = {
     **HYBRIDS_42,
     **ENCODERS_42,
     **INDEXED_44,
+    **BLOCKS_44,
 }
 
 # The family's distinctive settings, each undone on one layer: (layer, our settings changed).
@@ -682,6 +711,8 @@ DISTINCT = {
     "glm_moe_dsa": [(0, NO_INDEXER), (0, {"index_rope": "half"})],
     "hy_v4": [(0, {"index_rope_dims": "first"}), (0, {"rope_interleaved": True}),
               (0, {"sinks": False})],
+    "minimax_m3_vl_text": [(0, NO_BLOCKS), (0, {"index_local_blocks": 0})],
+    "qwen4_exp_text": [(1, NO_BLOCKS), (1, {"output_gate": False})],
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs
     "longcat_flash": [(0, {"scale": None}), (1, {"rope_interleaved": False})],
     # Ling 3.0's MLA layers: the gate per head; their pairs
@@ -856,6 +887,11 @@ def test_layers_equal_the_models_own_attention(name, twin):
 # on 10⁵ draws at LongCat-Flash's s_kv = √(16 / 6): 13% of the elements off by one ulp, none by
 # more). {model_type: its state-dict keys}.
 ROUNDED_BACK = {"longcat_flash": ("kv_a_layernorm.weight",)}
+# The block indexers' Gemma-style norm weights w, ours the multipliers 1 + w (golden.hf.blocks):
+# to_hf's (1 + w) − 1 is w to within the rounding of 1 + w, at most one ulp of 2 (2⁻⁵¹), an
+# absolute bound (w near 0 loses its low bits relative to itself). {model_type: keys}.
+OFFSET_BACK = {"minimax_m3_vl_text": ("indexer.q_norm.weight", "indexer.k_norm.weight"),
+               "qwen4_exp_text": ("indexer.q_layernorm.weight", "indexer.k_layernorm.weight")}
 # Families whose to_hf cannot give back the module's very arrays, each with why (tested apart).
 NOT_ROUND_TRIPPED = {"zamba2": "each call site's adapters are folded into its projections "
                                "(test_zamba2_adapters_fold_per_call_site_and_moves_far_without)"}
@@ -873,6 +909,9 @@ def test_round_trip_gives_back_the_same_arrays(name):
         for key, a in sd.items():
             if key in ROUNDED_BACK.get(name, ()):
                 np.testing.assert_allclose(back[key], a, rtol=2.0 ** -52, atol=0,
+                                           err_msg=f"{name} {key}")
+            elif key in OFFSET_BACK.get(name, ()):
+                np.testing.assert_allclose(back[key], a, rtol=0, atol=2.0 ** -51,
                                            err_msg=f"{name} {key}")
             else:
                 np.testing.assert_array_equal(back[key], a, err_msg=f"{name} {key}")
@@ -1089,6 +1128,10 @@ def test_prefill_and_decode_with_our_cache_equal_the_full_forward(name, twin):
 LEFT_PAD = 3  # row 1 starts with 3 padding tokens
 # Layers left out of the left-padding test, each with why (docs/hf.md lists them):
 NOT_LEFT_PADDED = {
+    # MiniMax M3's indexer scores every causal key whatever the mask (its padding keys too:
+    # tests/test_indexer_blocks.py), ours the keys the mask lets a query see: the same under
+    # right padding, not under left padding.
+    "minimax_m3_vl_text": {0},
     # HF's eager Gemma 2 gives NaN on the padding's query rows (every key masked, scores
     # soft-capped), and the next layer's every row reads them (NaN · 0 = NaN): layer 0 only.
     "gemma2": {1},

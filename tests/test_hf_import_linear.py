@@ -62,6 +62,13 @@ FAMILIES = {
         LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
         shared_expert_intermediate_size=8), layers=(0,), attention_of=_linear_attn),
+    # Qwen4-Exp: Qwen3.5's linear layer (its softmax layer is indexed: tests/test_hf_import.py)
+    "qwen4_exp_text": Family("Qwen4ExpTextConfig", dict(
+        LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8, head_dim=8,
+        shared_expert_intermediate_size=8, indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2), layers=(0,), attention_of=_linear_attn),
     "olmo_hybrid": Family("OlmoHybridConfig", dict(
         LINEAR_KW, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         linear_allow_neg_eigval=True, pad_token_id=0, eos_token_id=1, bos_token_id=2),
@@ -93,6 +100,7 @@ VARIANT = {**{mt: "kimi_delta_attention" for mt in KDA_FAMILIES},
 # each family's setting undone: the module converted with it changed moves the output far
 UNDONE = {"olmo_hybrid": {"allow_neg_eigval": False}, "qwen3_next": {"norm_eps": 1.0},
           "qwen3_5_text": {"norm_eps": 1.0}, "qwen3_5_moe_text": {"norm_eps": 1.0},
+          "qwen4_exp_text": {"norm_eps": 1.0},
           "kimi_linear": {"forget_gate": "bounded_sigmoid", "decay_lower_bound": -3.0},
           "glm5_next_text": {"forget_gate": "softplus", "decay_lower_bound": None},
           "bailing_hybrid": {"forget_gate": "softplus", "decay_lower_bound": None},

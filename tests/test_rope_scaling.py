@@ -142,6 +142,41 @@ def test_frequencies_and_attention_factor_match_hf(name):
     assert abs(float(oracle_m) - m) <= 4e-16 and abs(exact_m - m) <= 4e-16
 
 
+@pytest.mark.parametrize("kind", ["default", "yarn"])
+def test_learned_frequency_scales_match_mistral_large4(kind):
+    # Mistral Large 4's rotary embedding scales each pair's frequency by e^α, α a learned
+    # buffer: frequency_log_scale. Ours in float64 (spec and reference, exact too) within
+    # float32's rounding of HF's; hf_inv_freq on torch is HF's float32 inv_freq · exp(α) bit
+    # for bit; α = 0 changes nothing.
+    from transformers.models.mistral_large4 import modeling_mistral_large4 as hf
+    rng, seed = fresh_rng()
+    rope = {"rope_type": "default", "rope_theta": 100.0} if kind == "default" else {
+        "rope_type": "yarn", "rope_theta": 50.0, "factor": 4.0,
+        "original_max_position_embeddings": 12, "attention_factor": 1.0}
+    config = transformers.MistralLarge4TextConfig(
+        hidden_size=16, num_attention_heads=2, qk_rope_head_dim=8, head_dim=8,
+        max_position_embeddings=48, rope_parameters=rope, num_hidden_layers=1)
+    rotary = hf.MistralLarge4TextRotaryEmbedding(config)
+    alpha = (0.3 * rng.standard_normal(4)).astype(np.float32)
+    rotary.alpha.copy_(torch.from_numpy(alpha))
+    settings = rope_settings(None, {**rope, "frequency_log_scale": alpha.tolist()})
+    theirs = (rotary.inv_freq.float() * rotary.alpha.float().exp())
+    f, _ = rope_frequencies(settings, 8)
+    assert np.all(np.abs(f - theirs.double().numpy()) <= F32 * f), seed
+    from golden.specification.positions import hf_inv_freq
+    ours32, _ = hf_inv_freq(settings, 8, lambda v: torch.tensor(np.asarray(v),
+                                                                dtype=torch.float32))
+    assert torch.equal(ours32, theirs), seed
+    exact_f, _ = reference.rope_frequencies(settings, 8)
+    with reference.exact_arithmetic():
+        oracle_f, _ = reference.rope_frequencies(settings, 8)
+    np.testing.assert_allclose(exact_f, f, rtol=1e-15, atol=0)
+    np.testing.assert_allclose(np.asarray(oracle_f, np.float64), f, rtol=4e-16, atol=0)
+    plain, _ = rope_frequencies(rope_settings(None, {**rope, "frequency_log_scale": [0.0] * 4}),
+                                8)
+    np.testing.assert_array_equal(plain, rope_frequencies(rope_settings(None, rope), 8)[0])
+
+
 @pytest.mark.parametrize("name", list(HF_CASES))
 def test_rotation_matches_hf_given_its_frequencies(name):
     # HF's apply_rotary_pos_emb on float64 cos and sin of its own inv_freq, against the
@@ -379,6 +414,11 @@ BAD = [
                            "factor": 2.0}),
      r"rope_parameters\['short_factor'\] should have rd / 2 = 3 numbers \(one per rotated "
      r"pair\), got 2"),
+    (dict(rope_parameters={"frequency_log_scale": [0.1, 0.2]}),
+     r"rope_parameters\['frequency_log_scale'\] should have rd / 2 = 3 numbers \(one per "
+     r"rotated pair\), got 2"),
+    (dict(rope_parameters={"frequency_log_scale": [0.1, float("inf"), 0.0]}),
+     r"rope_parameters\['frequency_log_scale'\] should be a list of finite numbers"),
     (dict(rope_parameters={"rope_theta": 50.0}),
      r"rope_theta is given twice and they differ: rope_theta = 100.0, "
      r"rope_parameters\['rope_theta'\] = 50.0"),

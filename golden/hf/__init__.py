@@ -46,6 +46,8 @@ The rooms of the importer, each importing only those above it (NumPy only):
                speech-language models' towers
     cross      cross-attention with a QK norm or a soft cap: Mllama's text model, T5Gemma
                (``Kinds``); T5Gemma 2 and Mllama's vision tower refused
+    blocks     grouped-query attention with a learned block indexer (MiniMax M3, Qwen4-Exp),
+               on decoders' helpers
     linear     the linear-attention layers of hybrid models (gated delta rule: Qwen3-Next,
                Qwen3.5, OLMo hybrid) as recurrent mixers (golden.specification.recurrent);
                ``LINEAR``: model_type -> the Family of its "linear_attention" layers

@@ -1,6 +1,6 @@
 """The conversion: ``FAMILIES`` (every kind's table: golden.hf.decoders, fused, encoders,
-latent, vision, speech, hybrids, cross), the family lookup (a model_type's entry, an encoder-decoder's
-``kind``), and the API: ``from_hf``, ``to_hf``, ``expected_state`` (golden.hf's docstring says
+latent, vision, speech, hybrids, cross, blocks), the family lookup (a model_type's entry, an
+encoder-decoder's ``kind``), and the API: ``from_hf``, ``to_hf``, ``expected_state`` (golden.hf's docstring says
 what each takes).
 """
 
@@ -11,7 +11,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from golden.specification import recurrent, variants
-from golden.hf import cross, decoders, encoders, fused, hybrids, latent, linear, speech, vision
+from golden.hf import (blocks, cross, decoders, encoders, fused, hybrids, latent, linear, speech,
+                       vision)
 from golden.hf.family import Family, HFConfig, Kinds, _as_dict
 from golden.specification.mapping import _numpy
 
@@ -32,7 +33,8 @@ def _tables(*tables) -> dict:
 FAMILIES: dict[str, Family | Kinds] = _tables(decoders.FAMILIES, fused.FAMILIES,
                                               encoders.FAMILIES, latent.FAMILIES,
                                               vision.FAMILIES, speech.FAMILIES,
-                                              hybrids.FAMILIES, cross.FAMILIES)
+                                              hybrids.FAMILIES, cross.FAMILIES,
+                                              blocks.FAMILIES)
 # Composite model_types (not converted themselves: from_hf takes a tower's own config): their
 # towers' sub-configs and key prefixes, {model_type: {sub-config: key prefix}}.
 COMPOSITES: dict[str, dict[str, str]] = {**encoders.COMPOSITES, **vision.COMPOSITES,

@@ -189,7 +189,8 @@ def _indexer_settings(mt, index_rope, interleaved=True):
                              f"choice), which is not supported yet; its full layers are")
         if not c.get("q_lora_rank"):
             raise ValueError(f"model_type {mt!r}: q_lora_rank should be a positive int (the "
-                             f"indexer's wq_b reads the query latent), got {c.get('q_lora_rank')!r}")
+                             f"indexer's wq_b reads the query latent), got "
+                             f"{c.get('q_lora_rank')!r}")
         ours = _latent_settings(mt, interleaved=interleaved)(c, layer_idx, sd)
         ours.update(index_topk=int(c["index_topk"]), index_heads=int(c["index_n_heads"]),
                     index_head_dim=int(c["index_head_dim"]), index_rope=index_rope,
@@ -211,6 +212,93 @@ def _hy_v4_settings(c, layer_idx, sd):
     ours.update(index_rope_dims="last", index_scale="weights",
                 index_norm_eps=float(c["rms_norm_eps"]), sinks=True, output_gate="sigmoid")
     return ours
+
+
+# Mistral Large 4's learned RoPE scales (its rotary embedding's alpha buffer: the model's, beside
+# the layers; from_hf reads it from the layer's state dict under this name, attn-parity hf
+# from the checkpoint's model.rotary_emb.alpha)
+ROPE_ALPHA = "rotary_emb.alpha"
+# Mistral Large 4's arrays beyond DeepSeek-V3.2's: ours, Hugging Face's.
+MISTRAL_LARGE4_NAMES = {"temperature_scale": "softmax_scaling.scale",
+                        "temperature_bias": "softmax_scaling.bias",
+                        "index_q_norm": "indexer.q_input_norm.weight",
+                        "index_q_norm_bias": "indexer.q_input_norm.bias",
+                        "index_temperature_scale": "indexer.softmax_scaling.scale",
+                        "index_temperature_bias": "indexer.softmax_scaling.bias"}
+
+
+# (the file's, the module's) names of Mistral Large 4's checkpoints (transformers' conversion
+# mapping renames them on loading; layers.N.attention is the model's layers.N.self_attn)
+MISTRAL_LARGE4_FILE = (("wq.", "q_proj."), ("wkv_a_with_mqa.", "kv_a_proj_with_mqa."),
+                       ("kv_a_norm.", "kv_a_layernorm."), ("wkv_b.", "kv_b_proj."),
+                       ("ssmax_scaling.s", "softmax_scaling.scale"),
+                       ("ssmax_scaling.b", "softmax_scaling.bias"),
+                       ("indexer.ssmax_scaling.s", "indexer.softmax_scaling.scale"),
+                       ("indexer.ssmax_scaling.b", "indexer.softmax_scaling.bias"))
+
+
+def _mistral_large4_settings(c, layer_idx, sd):
+    """Mistral Large 4's text attention (MistralLarge4TextAttention): DeepSeek-V3's latent
+    attention without a q LoRA (q_proj), its pairs always interleaved, Mistral's learned query
+    temperature s_h·ln(p + 1) + b_h on the whole query after RoPE (softmax_scaling), and the
+    indexer (MistralLarge4TextIndexer): q^I from LayerNorm(x) (q_input_norm, ε 1e-6, with its
+    bias) through wq_b, its own learned temperature before RoPE, interleaved RoPE on the first
+    qk_rope_head_dim features, D_I^−1/2 on the scores, the key's LayerNorm ε 1e-6; the
+    latent's RMSNorm ε rms_norm_eps (not DeepSeek-V3's fixed 1e-6). RoPE (yarn
+    by default) with the model's learned per-pair scales e^α ("LeRoPE": rotary_emb.alpha,
+    ``ROPE_ALPHA`` in the state dict, required: frequency_log_scale when not all 0). Refused by
+    name: its NoPE layers (no_rope_layers 0: no rotary key head, which ours has), layers that
+    read another layer's latents (kv_source_layers) and the indexer's "shared" layers."""
+    mt = "mistral_large4_text"
+    nope = c.get("no_rope_layers")
+    if nope is not None and not nope[layer_idx]:
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a NoPE layer (no_rope_layers "
+                         f"0: its queries and keys have no rotary part, which "
+                         f"MultiHeadLatentAttention requires); its RoPE layers are supported")
+    source = c.get("kv_source_layers")
+    if source is not None and source[layer_idx] != layer_idx:
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} attends layer "
+                         f"{source[layer_idx]}'s latent cache (kv_source_layers), which is not "
+                         f"supported: one layer alone cannot be checked")
+    types = c.get("indexer_types")
+    if types is not None and types[layer_idx] != "full":
+        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is an indexer_types "
+                         f"{types[layer_idx]!r} layer (it reuses the previous layer's top-k "
+                         f"choice), which is not supported yet; its full layers are")
+    ours = _latent_settings(mt, interleaved=True)({**c, "head_dim": None}, layer_idx, sd)
+    ours["rms_norm_eps"] = float(c["rms_norm_eps"])  # its kv_a_layernorm's (DeepSeek's: 1e-6)
+    held = sd.get(ROPE_ALPHA)
+    if held is None:
+        _read(sd, ROPE_ALPHA, mt)  # the error naming it
+    # (expected_state passes placeholders, whose values are not read: α changes no shape)
+    alpha = np.asarray(held, np.float64).reshape(-1) if hasattr(held, "__array__") else None
+    if alpha is not None and np.any(alpha != 0):
+        if "rope_parameters" not in ours:
+            ours["rope_parameters"] = {"rope_theta": ours.pop("rope_theta")}
+        ours["rope_parameters"]["frequency_log_scale"] = [float(a) for a in alpha]
+    ours.update(query_temperature={"kind": "learned"}, index_topk=int(c["index_topk"]),
+                index_heads=int(c["index_n_heads"]), index_head_dim=int(c["index_head_dim"]),
+                index_rope="interleaved", index_rope_dims="first", index_query="layer_norm",
+                index_temperature=True, index_scale="scores", index_norm_eps=1e-6)
+    return ours
+
+
+def _mistral_large4_to_neutral(sd, ours):
+    params = _indexer_to_neutral(sd, ours)
+    for name, key in MISTRAL_LARGE4_NAMES.items():
+        params[name] = _read(sd, key, "mistral_large4_text")
+    return params
+
+
+def _mistral_large4_from_neutral(params, ours):
+    sd = _indexer_from_neutral(params, ours)
+    for name, key in MISTRAL_LARGE4_NAMES.items():
+        sd[key] = np.array(params[name])
+    rope = ours.get("rope_parameters") or {}
+    alpha = rope.get("frequency_log_scale")
+    sd[ROPE_ALPHA] = (np.zeros(ours["qk_rope_head_dim"] // 2) if alpha is None
+                      else np.asarray(alpha, dtype=np.float64))
+    return sd
 
 
 # HY-V4's arrays beyond DeepSeek-V3.2's: ours, Hugging Face's (the gate (out, in) there).
@@ -249,27 +337,26 @@ def _indexer_from_neutral(params, ours):
     return sd
 
 
-# Issue 44's other learned-selection families, not converted yet: refused by name, with what
-# they add (the reference and both twins have the token indexer's options; the block selection
-# is in the reference alone).
-_NOT_YET = "is not converted yet (issue 44): "
+# Issue 44's learned-selection families not converted: refused by name, with what they add.
+
+
+def _composite(text):
+    return (f"its composite checkpoint is not read yet (issue 44); its text tower converts: pass "
+            f"its text_config (model_type {text!r})")
+
+
 REFUSED = {
-    "mistral_large4_text": _NOT_YET + "Mistral Large 4's indexer reads LayerNorm(x) with a "
-                           "learned per-head temperature, on shared MLA latents with NoPE layers",
-    "mistral_large4": _NOT_YET + "its text tower is mistral_large4_text's",
-    "minimax_m3_vl_text": _NOT_YET + "MiniMax M3's block selection (max-pooled key blocks, "
-                          "local blocks kept) on grouped-query attention: the twins do not "
-                          "take it yet",
-    "minimax_m3_vl": _NOT_YET + "its text tower is minimax_m3_vl_text's",
-    "qwen4_exp_text": _NOT_YET + "Qwen4-Exp's block selection (mean-pooled, normalised, "
-                      "rotated key blocks) on grouped-query attention: the twins do not take "
-                      "it yet",
-    "qwen4_exp": _NOT_YET + "its text tower is qwen4_exp_text's",
-    "axk2": _NOT_YET + "A.X-K2's query and output gate come from one q_gate_proj of the query "
-            "latent and its pre-norm input, which MultiHeadLatentAttention does not hold",
-    "dots3_note_text": _NOT_YET + "dots.3-note's text attention is DeepSeek-V3's with GLM-5's "
-                       "indexer, not yet mapped",
-    "dots3_note": _NOT_YET + "its text tower is dots3_note_text's",
+    "mistral_large4": _composite("mistral_large4_text"),
+    "minimax_m3_vl": _composite("minimax_m3_vl_text"),
+    "qwen4_exp": _composite("qwen4_exp_text"),
+    "axk2": "A.X-K2's query and output gate come from one q_gate_proj of the query latent both "
+            "normalised and not ([RMSNorm(c_q) | c_q]), which MultiHeadLatentAttention does not "
+            "hold (issue 44)",
+    "dots3_note_text": "dots.3-note's latent attention RMS-normalises its shared rotary key "
+                       "(k_rope_only_layernorm) and windows some layers, which "
+                       "MultiHeadLatentAttention does not hold (issue 44)",
+    "dots3_note": "its text tower (dots3_note_text) is not converted: " + (
+        "dots.3-note's latent attention RMS-normalises its shared rotary key (issue 44)"),
 }
 
 
@@ -294,6 +381,12 @@ FAMILIES: dict[str, Family] = {
                         _indexer_from_neutral),
     # HY-V4's checkpoints name its gate linear_gate and its sinks learnable_sink_param (HF
     # renames them when loading)
+    # Mistral Large 4's text model: its RoPE's learned scales beside the layers; its files
+    # keep Mistral's own names, which transformers renames on loading
+    "mistral_large4_text": _mla(_mistral_large4_settings, _mistral_large4_to_neutral,
+                                _mistral_large4_from_neutral, stacks=(Stack(
+                                    "layers", "attention", in_model=("layers", "self_attn"),
+                                    beside=(ROPE_ALPHA,), renames=MISTRAL_LARGE4_FILE),)),
     "hy_v4": _mla(_hy_v4_settings, _hy_v4_to_neutral, _hy_v4_from_neutral, stacks=(Stack(
         "layers", "self_attn", renames=(("linear_gate", "gate_proj"),
                                         ("learnable_sink_param", "sinks"))),)),

@@ -66,6 +66,10 @@ def _check_layer(mt, c, layer_idx, sd) -> None:
 def _settings(mt, norm_eps=None):
     def settings(c, layer_idx, sd):
         _check_layer(mt, c, layer_idx, sd)
+        gate = c.get("output_gate_type") or c.get("hidden_act", "silu")  # Qwen4-Exp's option
+        if gate != "silu":
+            raise ValueError(f"model_type {mt!r}: output_gate_type = {gate!r} is not supported "
+                             f"(the gated norm's activation: SiLU in every family we convert)")
         return dict(d_in=int(c["hidden_size"]), num_k_heads=int(c["linear_num_key_heads"]),
                     num_v_heads=int(c["linear_num_value_heads"]),
                     head_k_dim=int(c["linear_key_head_dim"]),
@@ -317,6 +321,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe_text": Family(GDN, _settings("qwen3_5_moe_text"),
                                _qwen3_5_in("qwen3_5_moe_text"), _qwen3_5_out,
                                stacks=LINEAR_ATTN),
+    # Qwen4-Exp's linear layers: Qwen3.5's (its gated norm's activation output_gate_type,
+    # SiLU by default, read above)
+    "qwen4_exp_text": Family(GDN, _settings("qwen4_exp_text"), _qwen3_5_in("qwen4_exp_text"),
+                             _qwen3_5_out, stacks=LINEAR_ATTN),
     "olmo_hybrid": Family(GDN, _settings("olmo_hybrid", norm_eps=1e-5), _olmo_in, _olmo_out,
                           stacks=OLMO_ATTN),
     "kimi_linear": Family(KDA, _kda_settings("kimi_linear", lambda c: None),

@@ -113,9 +113,9 @@ def _rms(x, weight, eps):
 
 
 def _order(scores, kept, eligible):
-    """Block indices (..., M) in the order they are taken: the ``kept`` ones first (by index),
-    then the ``eligible`` ones by score, highest first, equal scores by lowest index, then the
-    rest (never taken). Stable sorts: by score (the others tied at 0), then by rank."""
+    """Block indices (..., M) in the order they are taken: the ``kept`` ones first, then the
+    other ``eligible`` ones, each group by score, highest first, equal scores by lowest index,
+    then the rest (never taken). Stable sorts: by score (the others tied at 0), then by rank."""
     by_score = np.argsort(np.where(eligible, -scores, number(0)), axis=-1, kind="stable")
     rank = np.where(kept, 0, np.where(eligible, 1, 2))
     ranked = np.take_along_axis(rank, by_score, axis=-1)

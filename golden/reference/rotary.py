@@ -51,6 +51,7 @@ def rope_frequencies(settings, rd, seq_len=None):
         axial     A sections of n = rd/2A pairs (one per position axis): section a's pair m
                   θ^(−2(A·m + o_a)/rd), o_a = 0 ("shared"), or a ("split": Pixtral), times
                   axial_scale[a] when given (DINOv3: 2π/H, 2π/W)
+    then, with frequency_log_scale α (any type: Mistral Large 4's learned scales), f_i · e^{α_i}
     with s the factor, L0 original_max_position_embeddings, seq the call's largest position
     + 1. Float64, or exact inside exact_arithmetic()."""
     s = dict(settings)
@@ -87,6 +88,8 @@ def rope_frequencies(settings, rd, seq_len=None):
         f = _power(theta, -(2 * k / number(rd)))
         if s["axial_scale"] is not None:  # section a's frequencies times axial_scale[a]
             f = f * real(np.asarray(s["axial_scale"], np.float64))[np.arange(rd // 2) // n]
+    if s.get("frequency_log_scale") is not None:  # Mistral Large 4's learned α: f_i · e^{α_i}
+        f = f * np.exp(real(np.asarray(s["frequency_log_scale"], np.float64)))
     return f, m
 
 

@@ -24,8 +24,9 @@ class Arg:
     Why not a plain default: config() fills every argument, the twins are built with the whole
     configuration as keywords (their constructors would refuse one they lack), and
     tests/test_modules.py compares the arguments with the twins' signatures; a fixture that
-    gives one is skipped for the twins with the reason (tests/helpers.missing_option). Used by
-    GroupedQueryAttention's block indexer (issue 44 part 4); unmark it when the twins take it."""
+    gives one is skipped for the twins with the reason (tests/helpers.missing_option). For an
+    option the reference has before the twins (GroupedQueryAttention's block indexer was, in
+    issue 44); unmark it when the twins take it. No option is pending now."""
 
     name: str
     check: Callable[[str, object], None]

@@ -28,8 +28,8 @@ The options (constructor arguments of MultiHeadLatentAttention, all inert withou
                       q^I[t, h] · (index_temperature_scale[h] · ln(p_t + 1) +
                       index_temperature_bias[h])
     index_scale       where D_I^−1/2 is applied: "scores" (on q·k, before the ReLU:
-                      DeepSeek-V3.2) or "weights" (on w: HY-V4); equal in exact arithmetic (ReLU(a·x) =
-                      a·ReLU(x), a > 0), rounded differently
+                      DeepSeek-V3.2) or "weights" (on w: HY-V4); equal in exact arithmetic
+                      (ReLU(a·x) = a·ReLU(x), a > 0), rounded differently
     index_norm_eps    ε of the indexer's LayerNorms (1e-6; HY-V4's is its rms_norm_eps)
     index_select      "tokens" (the top-k keys); "blocks" is refused by name here: MiniMax M3's
                       and Qwen4-Exp's block selection sits on grouped-query (softmax) attention,
@@ -193,6 +193,11 @@ def block_shapes(c, rotary) -> dict:
         raise ValueError(f"index_local_blocks should be at most index_topk_blocks = "
                          f"{c['index_topk_blocks']} (the local blocks are among those kept), "
                          f"got {c['index_local_blocks']}")
+    for name in ("kv_shared", "merged_context"):  # the reference has neither: not built
+        if c.get(name):
+            raise ValueError(f"{name} should be False with index_blocks = {kind!r} (a block "
+                             f"indexer beside another layer's keys or a context: not built), "
+                             f"got True")
     if kind == "mean" and c["index_local_blocks"] != 0:
         raise ValueError(f"index_local_blocks should be 0 with index_blocks = 'mean' (Qwen4-Exp "
                          f"keeps its tail, not local blocks: not built), got "

@@ -135,6 +135,8 @@ def rope_frequencies(settings, rd, seq_len=None) -> tuple:
         f = np.where(np.arange(rd // 2) < proportional_pairs(s, rd), f, 0.0) / s_
     elif kind == "axial":  # section a's pair m: θ^(−2(A·m + o_a)/rd) · axial_scale[a]
         f = theta ** -(2 * axial_exponents(s, rd) / rd) * axial_multipliers(s, rd)
+    if s.get("frequency_log_scale") is not None:  # Mistral Large 4's learned α: f·e^α
+        f = f * np.exp(np.asarray(s["frequency_log_scale"], dtype=np.float64))
     return f, m
 
 
@@ -252,7 +254,18 @@ def hf_inv_freq(settings, rd, array, seq_len=None):
     on the caller's framework: ``array(values)`` makes a float32 array of it (torch: HF's own
     bits on the same machine; JAX and NumPy: their float32 power may differ in the last bit).
     ``seq_len``: the call's largest position + 1 (longrope: a Python int; dynamic: an int, or
-    a float32 scalar of the framework, as HF's float32 θ' takes it)."""
+    a float32 scalar of the framework, as HF's float32 θ' takes it). With frequency_log_scale
+    α: the type's inv_freq times e^α in float32 (Mistral Large 4's rotary embedding)."""
+    inv, factor = _hf_type_inv_freq(settings, rd, array, seq_len)
+    alpha = dict(settings).get("frequency_log_scale")
+    if alpha is not None:
+        alpha = array(np.asarray(alpha))  # float32: torch's exp is HF's; NumPy's otherwise
+        inv = inv * (alpha.exp() if hasattr(alpha, "exp") else np.exp(alpha))
+    return inv, factor
+
+
+def _hf_type_inv_freq(settings, rd, array, seq_len=None):
+    """hf_inv_freq of the rope_type alone."""
     s = dict(settings)
     kind, base, factor = s["rope_type"], s["rope_theta"], s.get("factor")
     l0 = s.get("original_max_position_embeddings")

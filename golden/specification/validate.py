@@ -384,6 +384,10 @@ ROPE_PRECISIONS = ("exact", "hf")
 # carry none of the fields. mrope_temporal_last (ours: ERNIE 4.5 VL's layout, which HF writes
 # in its rotary embedding, not its config) puts the temporal pairs after the spatial ones.
 MROPE_FIELDS = ("mrope_section", "mrope_interleaved", "mrope_temporal_last")
+# Taken by every rope_type: each rotated pair's frequency times e^{α_i}, α the field's rd/2
+# numbers (Mistral Large 4's learned "LeRoPE" rotary_emb.alpha, applied after the type's own
+# scaling, as its rotary embedding does).
+SCALE_FIELDS = ("frequency_log_scale",)
 MROPE_AXES = 3
 # Axial RoPE's two choices: "shared": every axis the same rd/(2A) frequencies θ^(−2m·A/rd)
 # (Qwen-VL, Gemma 4, Llama 4), "split": the 1-D RoPE's rd/2 dealt to the axes in turn (Pixtral);
@@ -405,6 +409,11 @@ def _rope_field(name, value) -> None:
                 and all(_real_number(v) and math.isfinite(v) and v > 0 for v in value)):
             raise ValueError(f"{where} should be a list of positive numbers (one per rotated "
                              f"pair), got {value!r}")
+    elif name == "frequency_log_scale":
+        if not (isinstance(value, (list, tuple)) and value
+                and all(_real_number(v) and math.isfinite(v) for v in value)):
+            raise ValueError(f"{where} should be a list of finite numbers (one log-scale per "
+                             f"rotated pair), got {value!r}")
     elif name == "mrope_section":
         if not (isinstance(value, (list, tuple)) and len(value) == MROPE_AXES
                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -452,7 +461,8 @@ def rope_settings(rope_theta=None, rope_parameters=None, partial_rotary_factor=1
         raise ValueError(f"rope_parameters['rope_type'] should be one of "
                          f"{', '.join(ROPE_TYPES)}, got {kind!r}")
     required, optional = ROPE_TYPES[kind]
-    known = ("rope_theta", "partial_rotary_factor") + required + tuple(optional) + MROPE_FIELDS
+    known = (("rope_theta", "partial_rotary_factor") + required + tuple(optional) + MROPE_FIELDS
+             + SCALE_FIELDS)
     for name in given:
         if name not in known:
             raise ValueError(f"rope_parameters has an unknown field {name!r} for rope_type "
@@ -571,7 +581,7 @@ def rotary_dims(head_dim, settings) -> int:
         raise ValueError(f"rope_parameters['mrope_section'] should sum to the rotated pairs rd / "
                          f"2 = {rd // 2}, got {list(s['mrope_section'])} (sum "
                          f"{sum(s['mrope_section'])})")
-    for name in ("short_factor", "long_factor"):
+    for name in ("short_factor", "long_factor", "frequency_log_scale"):
         if name in s and len(s[name]) != rd // 2:
             raise ValueError(f"rope_parameters['{name}'] should have rd / 2 = {rd // 2} numbers "
                              f"(one per rotated pair), got {len(s[name])}")

@@ -208,10 +208,11 @@ def layer_count(config, stack) -> tuple[str, int] | None:
 def is_attention(layer_type) -> bool:
     """Whether a ``layer_types`` entry is a softmax attention layer ("full_attention",
     "sliding_attention", "chunked_attention", a hybrid model's "hybrid" layer with attention
-    beside its Mamba; not Qwen3-Next's or a hybrid's Mamba "linear_attention", nor
-    RecurrentGemma's "recurrent", Nemotron-H's "mlp" or "moe")."""
+    beside its Mamba, MiniMax M3's "minimax_m3_sparse" with its block indexer; not Qwen3-Next's
+    or a hybrid's Mamba "linear_attention", nor RecurrentGemma's "recurrent", Nemotron-H's
+    "mlp" or "moe")."""
     return (isinstance(layer_type, str) and (layer_type.endswith("attention")
-                                             or layer_type == "hybrid")
+                                             or layer_type in ("hybrid", "minimax_m3_sparse"))
             and not layer_type.startswith("linear"))
 
 

@@ -267,9 +267,11 @@ class Models:
                                   f"{', '.join(missing)}")
         attn.load_state_dict({k: torch.from_numpy(np.asarray(state_dict[k])).to(dtype)
                               for k in own}, strict=True)
-        with torch.no_grad():  # the model's arrays beside the stack (Phi-4's position table)
-            for name in stack.beside:
-                model.get_parameter(name).copy_(torch.from_numpy(np.asarray(state_dict[name])))
+        with torch.no_grad():  # the model's arrays beside the stack (Phi-4's position table,
+            for name in stack.beside:  # Mistral Large 4's RoPE scales, a buffer)
+                held = (model.get_parameter(name) if name in dict(model.named_parameters())
+                        else model.get_buffer(name))
+                held.copy_(torch.from_numpy(np.asarray(state_dict[name])))
         whole = torch.from_numpy(np.asarray(inputs["x"])).to(dtype)
         if cotangent is not None:
             whole.requires_grad_(True)

@@ -203,12 +203,6 @@ class GroupedQueryAttention(_Variant):
         self.index_topk_blocks = c.get("index_topk_blocks")
         self.index_local_blocks = c.get("index_local_blocks", 0)
         self.index_norm_eps = c.get("index_norm_eps", 1e-6)
-        if self.index_blocks is not None:  # the reference has neither: not built
-            for name in ("kv_shared", "merged_context"):
-                if c[name]:
-                    raise ValueError(f"{name} should be False with index_blocks = "
-                                     f"{self.index_blocks!r} (a block indexer beside another "
-                                     f"layer's keys or a context: not built), got True")
         self.index_rotary = (None if self.index_blocks is None  # rd, the features turned
                              else rotary_dims(self.head_dim, self.rotary))
         shapes = VARIANTS[self.variant].shapes(c)

@@ -202,7 +202,6 @@ class GroupedQueryAttention(nn.Module):
                               index_topk_blocks=index_topk_blocks,
                               index_local_blocks=index_local_blocks,
                               index_norm_eps=index_norm_eps)
-        _refuse_blocks_with(self.config)
         self.merged_context = merged_context
         self.clip_qkv, self.v_norm, self.kv_shared = clip_qkv, v_norm, kv_shared
         self.clip_after_norm = clip_qkv_after_norm  # OLMoE: q and k clamped after their norm
@@ -739,15 +738,3 @@ def _append(cache, k, v, new, index_key=None) -> KVCache:
         held = held.clone()
         held[rows, pos] = index_key.to(held.dtype)[real]          # (n, D_I)
     return KVCache(key, value, (cache.lengths + new).to(cache.lengths.dtype), held)
-
-
-def _refuse_blocks_with(c) -> None:
-    """ValueError for the block indexer on a layer that attends another layer's keys
-    (kv_shared) or a context (merged_context): not built (the reference has neither)."""
-    if c.get("index_blocks") is None:
-        return
-    for name in ("kv_shared", "merged_context"):
-        if c[name]:
-            raise ValueError(f"{name} should be False with index_blocks = "
-                             f"{c['index_blocks']!r} (a block indexer beside another layer's "
-                             f"keys or a context: not built), got True")
