@@ -43,6 +43,19 @@ def _timed(fn, args, calls=5):
     return 1000 * best
 
 
+def markdown(rows) -> list[str]:
+    """The table docs/performance.md shows of ``rows`` (main's): each part and L, both
+    groupings' min ms and one at a time ÷ all at once."""
+    t = {(r["part"], r["L"], r["group"]): r["ms"] for r in rows if "ms" in r}
+    lines = ["| part | L | all chunks at once (ms) | one chunk at a time (ms) | ratio |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for length in sorted({r["L"] for r in rows}):
+        for part in ("forward", "forward+backward"):
+            both, one = t[(part, length, None)], t[(part, length, 1)]
+            lines.append(f"| {part} | {length} | {both:.2f} | {one:.2f} | {one / both:.1f} |")
+    return lines
+
+
 def main(path):
     rows = []
     for length in (4096, 16384):

@@ -439,7 +439,8 @@ def chunks_at_once():
     their operands outgrow the cache: B 1, H 16, D 128, L 4096, all 64 chunks at once took 328 ms
     for the forward, one at a time 125 ms (2, 4, 8, 16 at a time: 160–201 ms); forward+backward
     770 against 526 ms (2 at a time 471 ms); one head 14.1 against 6.6 ms; B 4, 1220 against
-    587 ms (bench/results/linear/ has the section's rows)."""
+    587 ms (bench/results/linear/ has the section's rows). On an H200 the other way round: one
+    at a time 2.1–3.4 times slower (bench/results/h200-2026-11-28-issue44b/grouping.json)."""
     return 1 if jax.default_backend() == "cpu" else None
 
 

@@ -120,6 +120,19 @@ def test_readme_ratios_are_the_committed_rows():
             f"transformers'") in readme
 
 
+def test_gpu_grouping_table_is_the_committed_device_rows():
+    """docs/performance.md's table of the two chunk groupings on a GPU is
+    bench/device_grouping.py's markdown of the committed rows, and its stated range theirs."""
+    import bench.device_grouping as grouping
+    rows = json.loads((ROOT / "bench" / "results" / "h200-2026-11-28-issue44b"
+                       / "grouping.json").read_text())
+    doc = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert "\n".join(grouping.markdown(rows)) in doc
+    ratios = [float(line.rsplit("|", 2)[-2]) for line in grouping.markdown(rows)[2:]]
+    assert f"one chunk at a time is {min(ratios):.1f}–{max(ratios):.1f}" in " ".join(doc.split())
+    assert all(r["rel_max_diff"] == 0.0 for r in rows if r["part"] == "agreement")
+
+
 def test_gpu_table_is_the_committed_device_report():
     """docs/performance.md's GPU table of the gated delta rule is linear_markdown's on the rows
     the device check committed (bench/results/h200-2026-11-28-issue44/linear.json)."""
