@@ -83,6 +83,42 @@ def test_layer_equals_hfs_attention(twin):
     assert rel(_run(twin, variant, ours, params, x), expected) <= FLOAT32_LEVEL, seed
 
 
+def test_input_gradient_through_the_twins_equals_hfs(twin):
+    # dL/dx of Σ out ⊙ dO: HF's attention called again as the model called it (its masks,
+    # position embeddings and ids), against our module's (the indexer's choice held, no
+    # gradient through it in either).
+    rng, seed = fresh_rng()
+    config, model = _model(rng)
+    calls = {}
+    seen = captured(FAMILY, model, (0,), rng.integers(0, BASE["vocab_size"], (B, L)),
+                    calls=calls, use_cache=False)
+    x, expected = seen[0]
+    d_out = rng.standard_normal(expected.shape)
+    hf = attention_of(FAMILY, model, 0)
+    args, kwargs = calls[0]
+    xt = torch.from_numpy(x.copy()).requires_grad_()
+    kwargs = dict(kwargs, hidden_states=xt) if "hidden_states" in kwargs else kwargs
+    args = args if "hidden_states" in kwargs else (xt,) + tuple(args[1:])
+    (hf(*args, **kwargs)[0] * torch.from_numpy(d_out)).sum().backward()
+    variant, ours, params = golden.convert.from_hf(config.to_dict(), _sd(model))
+    grad = _input_grad(twin, variant, ours, params, x, d_out)
+    assert rel(grad, xt.grad.numpy()) <= FLOAT32_LEVEL, seed
+
+
+def _input_grad(twin, variant, ours, params, x, d_out):
+    """dL/dx of Σ module(x) ⊙ d_out at float64: torch's autograd, JAX's vjp."""
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        module.eval()
+        if twin.name == "torch":
+            xt = torch.from_numpy(x.copy()).requires_grad_()
+            (module(xt) * torch.from_numpy(d_out)).sum().backward()
+            return xt.grad.numpy()
+        import jax
+        _, pull = jax.vjp(lambda a: module(a), twin.array(x))
+        return twin.numpy(pull(twin.array(d_out))[0])
+
+
 def test_prefill_then_decode_through_our_cache_equals_hfs_forward(twin):
     rng, seed = fresh_rng()
     config, model, x, expected = _case(rng)
