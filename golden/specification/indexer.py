@@ -258,6 +258,17 @@ def check_index_mask(mask, lead, option="index_topk") -> None:
                          f"shape {tuple(np.shape(mask))}")
 
 
+def refuse_selection(option, key_indices, return_key_indices) -> None:
+    """A layer without an indexer (``option``, index_topk or index_blocks, None) takes neither
+    a given selection nor returns one: ValueError naming the argument."""
+    if key_indices is not None:
+        raise ValueError(f"key_indices should be None without {option} (no indexer), got an "
+                         f"array")
+    if return_key_indices:
+        raise ValueError(f"return_key_indices should be False without {option} (no indexer), "
+                         f"got True")
+
+
 def check_key_indices(key_indices, lead, lq, lk, k) -> None:
     """A given selection: integers (*lead, Lq, k) in [0, Lk)."""
     a = np.asarray(key_indices)

@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from functools import reduce
+
 from golden.specification import variants
+from golden.specification.positions import allowed_terms
 from golden.specification.temperature import learned_temperature, temperature
 from golden.specification.variants import VARIANTS
 from jax_attn.sharding import explicit_spec
@@ -116,3 +119,21 @@ def _query_temperature(module, q, offset, positions):
     factors = temperature(positions, t, exp=jnp.exp, **functions)
     factors = factors[..., None] if factors.ndim == 1 else factors[:, None, :, None]
     return (q.astype(compute) * factors).astype(q.dtype)  # (L, 1) or (B, 1, L, 1)
+
+
+def selection_allowed(mask, shape, offset, q_lengths, kv_lengths, *, causal,
+                      window=(None, None), chunk=None):
+    """Where each query may attend, bool ``shape`` (B, Lq, Lk), for an indexer's choice: the
+    call's mask (its head axis of size 1 dropped), causality, the sliding ``window`` and the
+    ``chunk``s at the queries' positions (offset + i), the lengths."""
+    if mask is not None and mask.ndim == len(shape) + 1:
+        mask = mask[..., 0, :, :]                                # (B, Lq, Lk)
+    row = jnp.arange(shape[-2])[:, None]                         # (Lq, 1)
+    key = jnp.arange(shape[-1])[None, :]                         # (1, Lk)
+    pos = row if offset is None else row + offset[:, None, None]  # (B, Lq, 1)
+    q_lengths, kv_lengths = (None if n is None else n[..., None, None]
+                             for n in (q_lengths, kv_lengths))
+    terms = allowed_terms(row, key, pos, is_causal=causal, window=window, chunk=chunk,
+                          q_lengths=q_lengths, kv_lengths=kv_lengths)
+    terms += [] if mask is None else [mask]
+    return jnp.broadcast_to(reduce(jnp.logical_and, terms, jnp.ones((), bool)), shape)

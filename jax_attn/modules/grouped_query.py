@@ -9,7 +9,6 @@ class docstring gives its own.
 from __future__ import annotations
 
 import math
-from functools import reduce
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +22,12 @@ from golden.specification.decoder import (
 )
 from golden.specification.decoder import sliding_window as core_window
 from golden.specification.indexer import (block_key_shape, check_index_cache,
-                                          check_index_mask, check_key_indices)
+                                          check_index_mask, check_key_indices,
+                                          refuse_selection)
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
-from golden.specification.positions import (ROPE_BLOCK, KVCache, MergedCache, allowed_terms,
-                                            check_fits, merged_allowed)
+from golden.specification.positions import (ROPE_BLOCK, KVCache, MergedCache, check_fits,
+                                            merged_allowed)
 from golden.specification.validate import (
     cache_shape, check_cache, check_decoder_inputs, check_flags, check_positive_or_none,
     rope_arguments, rope_axis_count, rope_settings, rotary_dims,
@@ -35,7 +35,7 @@ from golden.specification.validate import (
 from golden.specification.variants import VARIANTS
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
-                                   _Variant)
+                                   _Variant, selection_allowed)
 from jax_attn.rotary import rotary_embedding
 
 
@@ -253,11 +253,7 @@ class GroupedQueryAttention(_Variant):
         first keys' positions are not held); ``key_indices`` integers of block_key_shape's
         shape in [0, Lk)."""
         if self.index_blocks is None:
-            for name, given, got in (("key_indices", key_indices is not None, "an array"),
-                                     ("return_key_indices", return_key_indices, "True")):
-                if given:
-                    raise ValueError(f"{name} should be None/False without index_blocks (no "
-                                     f"block indexer), got {got}")
+            refuse_selection("index_blocks", key_indices, return_key_indices)
             return
         lead = tuple(np.shape(x))[:-2]
         check_index_mask(mask, lead, "index_blocks")
@@ -636,22 +632,11 @@ class GroupedQueryAttention(_Variant):
         return jnp.concatenate([turned[:, :rd], flat[:, rd:]], -1).reshape(shape)
 
     def _allowed(self, mask, shape, offset, q_lengths, kv_lengths):
-        """Where each query may attend, bool ``shape`` (B, Lq, Lk): the call's mask (its head
-        axis of size 1 dropped), causal, the sliding window and the chunks at the queries'
-        positions (offset + i), the lengths."""
-        if mask is not None and mask.ndim == len(shape) + 1:
-            mask = mask[..., 0, :, :]                                # (B, Lq, Lk)
-        row = jnp.arange(shape[-2])[:, None]                         # (Lq, 1)
-        key = jnp.arange(shape[-1])[None, :]                         # (1, Lk)
-        pos = row if offset is None else row + offset[:, None, None]  # (B, Lq, 1)
-        q_lengths, kv_lengths = (None if n is None else n[..., None, None]
-                                 for n in (q_lengths, kv_lengths))
-        terms = allowed_terms(row, key, pos, is_causal=self.causal,
-                              window=self.local_window_size or (None, None),
-                              chunk=self.attention_chunk_size, q_lengths=q_lengths,
-                              kv_lengths=kv_lengths)
-        terms += [] if mask is None else [mask]
-        return jnp.broadcast_to(reduce(jnp.logical_and, terms, jnp.ones((), bool)), shape)
+        """selection_allowed with the layer's causality, sliding window and chunks."""
+        return selection_allowed(mask, shape, offset, q_lengths, kv_lengths,
+                                 causal=self.causal,
+                                 window=self.local_window_size or (None, None),
+                                 chunk=self.attention_chunk_size)
 
     def _max_blocks(self, q, k, allowed, pos):
         """MiniMax M3's choice (B, H_I, Lq, k), k = min(index_topk_blocks · b, Lk)

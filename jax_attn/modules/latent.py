@@ -8,7 +8,6 @@ in jax_attn.modules; H_I indexer heads, D_I their width, k the keys kept per que
 
 from __future__ import annotations
 
-from functools import reduce
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +16,17 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
-from golden.specification.indexer import check_index_cache, check_index_mask, check_key_indices
+from golden.specification.indexer import (check_index_cache, check_index_mask, check_key_indices,
+                                          refuse_selection)
 from golden.specification.outputs import gate_kind, gated_output
-from golden.specification.positions import KVCache, LatentCache, allowed_terms
+from golden.specification.positions import KVCache, LatentCache
 from golden.specification.temperature import learned_temperature
 from golden.specification.validate import (
     cache_shape, check_flags, check_latent_cache, check_latent_inputs, rope_arguments,
 )
 from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
-                                   _Variant)
+                                   _Variant, selection_allowed)
 from jax_attn.modules.grouped_query import _append, _append_rows, _cache_positions
 from jax_attn.rotary import rotary_embedding
 from jax_attn.sharding import explicit_spec
@@ -164,12 +164,7 @@ class MultiHeadLatentAttention(_Variant):
         """The indexer's arguments: none without index_topk; a mask with no head axis (or one
         of size 1); ``key_indices`` integers (B, Lq, k) (their range too when concrete)."""
         if self.index_topk is None:
-            if key_indices is not None:
-                raise ValueError("key_indices should be None without index_topk (no indexer), "
-                                 "got an array")
-            if return_key_indices:
-                raise ValueError("return_key_indices should be False without index_topk (no "
-                                 "indexer), got True")
+            refuse_selection("index_topk", key_indices, return_key_indices)
             return
         lead = tuple(np.shape(x))[:-2]
         check_index_mask(mask, lead)
@@ -247,19 +242,8 @@ class MultiHeadLatentAttention(_Variant):
         return _select_keys(scores, allowed, min(self.index_topk, lk))
 
     def _allowed(self, mask, shape, offset, q_lengths, kv_lengths):
-        """Where each query may attend, bool ``shape`` (B, Lq, Lk): the call's mask (its head
-        axis of size 1 dropped), causality at the queries' positions (offset + i), lengths."""
-        if mask is not None and mask.ndim == len(shape) + 1:
-            mask = mask[..., 0, :, :]                            # (B, Lq, Lk)
-        row = jnp.arange(shape[-2])[:, None]                     # (Lq, 1)
-        key = jnp.arange(shape[-1])[None, :]                     # (1, Lk)
-        pos = row if offset is None else row + offset[:, None, None]  # (B, Lq, 1)
-        q_lengths, kv_lengths = (None if n is None else n[..., None, None]
-                                 for n in (q_lengths, kv_lengths))
-        terms = allowed_terms(row, key, pos, is_causal=self.causal, window=(None, None),
-                              q_lengths=q_lengths, kv_lengths=kv_lengths)
-        terms += [] if mask is None else [mask]
-        return jnp.broadcast_to(reduce(jnp.logical_and, terms, jnp.ones((), bool)), shape)
+        """selection_allowed with the layer's causality (no window)."""
+        return selection_allowed(mask, shape, offset, q_lengths, kv_lengths, causal=self.causal)
 
     def _selection_mask(self, mask, key_indices, lk):
         """The call's mask (B, 1 or N, Lq, Lk) or None AND the chosen keys, True at

@@ -20,7 +20,8 @@ from golden.specification.decoder import (
     sinusoid_table, sliding_window, timing_table, weight_broadcast,
 )
 from golden.specification.indexer import (block_key_shape, check_index_cache,
-                                          check_index_mask, check_key_indices)
+                                          check_index_mask, check_key_indices,
+                                          refuse_selection)
 from golden.specification.outputs import (gate_has_bias, gate_kind, gated_output,
                                           normalized_output)
 from golden.specification.positions import (KVCache, MergedCache, check_fits, distance_index,
@@ -380,11 +381,7 @@ class GroupedQueryAttention(nn.Module):
         with a cache and explicit positions, or given key_indices of another shape, dtype or
         range (read on the host: a device sync, in the given-selection mode only)."""
         if self.index_blocks is None:
-            for name, given, got in (("key_indices", key_indices is not None, "an array"),
-                                     ("return_key_indices", return_key_indices, "True")):
-                if given:
-                    raise ValueError(f"{name} should be None/False without index_blocks (no "
-                                     f"block indexer), got {got}")
+            refuse_selection("index_blocks", key_indices, return_key_indices)
             return
         lead, lk = tuple(x.shape[:-2]), x.shape[-2]
         if positions is not None and positions.ndim == x.ndim:

@@ -15,7 +15,7 @@ from torch import nn
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
 from golden.specification.indexer import (INDEX_PARAMS, check_index_cache, check_index_mask,
-                                          check_key_indices)
+                                          check_key_indices, refuse_selection)
 from golden.specification.outputs import gate_kind, gated_output
 from golden.specification.positions import KVCache, LatentCache, allowed_terms
 from golden.specification.temperature import learned_temperature
@@ -230,11 +230,7 @@ class MultiHeadLatentAttention(nn.Module):
         """ValueError for an indexer argument without the indexer, a mask with several heads,
         a cache without index_key, or given key_indices of another shape, dtype or range."""
         if self.W_index_k is None:
-            for name, given, got in (("key_indices", key_indices is not None, "an array"),
-                                     ("return_key_indices", return_key_indices, "True")):
-                if given:
-                    raise ValueError(f"{name} should be None/False without index_topk (no "
-                                     f"indexer), got {got}")
+            refuse_selection("index_topk", key_indices, return_key_indices)
             return
         lead = tuple(x.shape[:-2])
         check_index_mask(mask, lead)
