@@ -35,23 +35,15 @@ from golden.specification.indexer import BLOCK_PARAMS, block_key_shape
 from golden.specification.tolerances import compare
 from golden.specification.validate import rope_settings
 from tests.helpers import TWINS, count_compiles, matrix
+from tests.test_indexer_blocks import FAMILIES as BLOCK_FAMILIES
 
 J = TWINS["jax"]
 GQA = "grouped_query_attention"
 FIXTURES = ["gqa_blocks_minimax_m3", "gqa_blocks_minimax_m3_unbatched", "gqa_blocks_qwen4_exp",
             "gqa_blocks_qwen4_exp_unbatched"]
-# the two families' settings (tests/test_indexer_blocks.py's, against Hugging Face's modules):
+# the two families' settings, tests/test_indexer_blocks.py's (against Hugging Face's modules):
 # "max" keeps 3 blocks of 3 (one local), "mean" 3 blocks of 2 and a tail of at most 1
-FAMILIES = {
-    "max": dict(d_in=6, num_heads=4, num_kv_heads=2, head_dim=6, rope_theta=100.0,
-                partial_rotary_factor=2 / 3, qk_norm="rms_one_plus", index_blocks="max",
-                index_heads=2, index_head_dim=5, index_block_size=3, index_topk_blocks=3,
-                index_local_blocks=1),
-    "mean": dict(d_in=6, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=100.0,
-                 partial_rotary_factor=0.25, qk_norm="rms_one_plus", output_gate="sigmoid",
-                 index_blocks="mean", index_heads=3, index_head_dim=4, index_block_size=2,
-                 index_topk_blocks=3),
-}
+FAMILIES = BLOCK_FAMILIES
 # every fixture at both its dtypes; the unbatched ones' float32 runs (the batched fixtures' code
 # at the other dtype: 2 compilations of ~2 s each) in the whole matrix only
 FIXTURE_RUNS = [pytest.param(n, d, id=f"{n}-{d}", marks=matrix if n.endswith("_unbatched")

@@ -30,6 +30,7 @@ from golden.specification.indexer import BLOCK_PARAMS
 from golden.specification.tolerances import compare
 from golden.specification.validate import rope_settings
 from tests.helpers import matrix
+from tests.test_indexer_blocks import FAMILIES as BLOCK_FAMILIES
 from torch_attn.block_indexer import block_order, fill_keys
 from torch_attn.params import export_grads, export_params
 
@@ -37,18 +38,9 @@ GQA = "grouped_query_attention"
 F64 = torch.float64
 FIXTURES = ["gqa_blocks_minimax_m3", "gqa_blocks_minimax_m3_unbatched", "gqa_blocks_qwen4_exp",
             "gqa_blocks_qwen4_exp_unbatched"]
-# One of each family (the sizes of tests/test_indexer_blocks.py's): "max" keeps 3 blocks of 3
-# (its own, local, and 2 by score), "mean" 3 blocks of 2 and a tail of at most 1.
-FAMILIES = {
-    "max": dict(d_in=6, num_heads=4, num_kv_heads=2, head_dim=6, rope_theta=100.0,
-                partial_rotary_factor=2 / 3, qk_norm="rms_one_plus", index_blocks="max",
-                index_heads=2, index_head_dim=5, index_block_size=3, index_topk_blocks=3,
-                index_local_blocks=1),
-    "mean": dict(d_in=6, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=100.0,
-                 partial_rotary_factor=0.25, qk_norm="rms_one_plus", output_gate="sigmoid",
-                 index_blocks="mean", index_heads=3, index_head_dim=4, index_block_size=2,
-                 index_topk_blocks=3),
-}
+# the two families' settings, tests/test_indexer_blocks.py's (against Hugging Face's modules):
+# "max" keeps 3 blocks of 3 (one local), "mean" 3 blocks of 2 and a tail of at most 1
+FAMILIES = BLOCK_FAMILIES
 CLEAR = 1e-9  # the least relative gap between two block scores that both float64 sums order alike
 
 
