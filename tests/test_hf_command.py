@@ -170,6 +170,26 @@ def test_every_layer_passes(name, tmp_path, capsys):
             report["checkpoint"]["notes"], report["checkpoint"]["notes"]
 
 
+def test_a_layer_kind_not_converted_is_noted_and_the_others_checked(tmp_path, capsys):
+    # GLM-5's "shared" indexer layers reuse the previous layer's choice (LayerNotSupported): a
+    # checkpoint of a full and a shared layer is checked at its full layer, the shared one
+    # named in the notes, not refused whole.
+    family = FAMILIES["glm_moe_dsa"]
+    kw = dict(family.kw, num_hidden_layers=2, indexer_types=["full", "shared"])
+    config = transformers.GlmMoeDsaConfig(**{**BASE, **kw})
+    directory = _save(transformers.AutoModelForCausalLM.from_config(config),
+                      tmp_path / "glm5", 0)
+    report_path = tmp_path / "report.json"
+    assert main(["hf", str(directory), "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert {r["fixture"] for r in report["rows"]} == {"layer 0 (indexed_attention)"}
+    assert all(r["status"] == "pass" for r in report["rows"] if r["implementation"] != "hf"
+               or r["dtype"] == "float32")
+    assert any(n.startswith("layer 1 (indexed_attention): not checked: model_type 'glm_moe_dsa': layer "
+                            "1 is an indexer_types 'shared' layer")
+               for n in report["checkpoint"]["notes"]), report["checkpoint"]["notes"]
+
+
 def config_layers(name):
     """The layers the verifier checks of the family's tiny config: its softmax attention
     layers and, where the family's are converted (golden.hf.LINEAR), its linear_attention

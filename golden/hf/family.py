@@ -25,6 +25,13 @@ ROLES = ("query", "key", "value", "out")
 LLAMA_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "o_proj"}
 
 
+class LayerNotSupported(ValueError):
+    """A layer of a supported model_type that the conversion refuses for its kind, named with
+    why (GLM-5's and HY-V4's "shared" indexer layers, Mistral Large 4's NoPE and KV-sharing
+    layers): from_hf raises it as any ValueError; attn-parity hf notes the layer as not
+    checked and checks the model's other layers."""
+
+
 class HFConfig(dict):
     """Our module's configuration (a plain dict to ``build``), remembering the Hugging Face
     ``model_type`` it came from, which ``to_hf`` reads to name the arrays (and the ``kind`` of

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from golden.hf.family import Family, Stack, _read, _rope, llama4_scaling
+from golden.hf.family import Family, LayerNotSupported, Stack, _read, _rope, llama4_scaling
 from golden.specification import variants
 from golden.specification.mapping import _numpy
 
@@ -170,6 +170,17 @@ INDEXER_NORMS = {"index_k_norm": "indexer.k_norm.weight",
                  "index_k_norm_bias": "indexer.k_norm.bias"}
 
 
+def _refuse_shared_indexer(mt, c, layer_idx) -> None:
+    """LayerNotSupported for a layer whose indexer_types entry is not "full" (GLM-5's, HY-V4's,
+    Mistral Large 4's "shared" layers reuse the previous full layer's choice)."""
+    types = c.get("indexer_types")
+    if types is not None and types[layer_idx] != "full":
+        raise LayerNotSupported(f"model_type {mt!r}: layer {layer_idx} is an indexer_types "
+                                f"{types[layer_idx]!r} layer (it reuses the previous layer's "
+                                f"top-k choice), which is not supported yet; its full layers "
+                                f"are")
+
+
 def _indexer_settings(mt, index_rope, interleaved=True):
     """DeepSeek-V3.2's latent attention (its MLA RoPE always interleaved, whatever
     rope_interleave says: DeepseekV32Attention calls apply_rotary_pos_emb_interleave) with its
@@ -182,11 +193,7 @@ def _indexer_settings(mt, index_rope, interleaved=True):
     be checked)."""
 
     def settings(c, layer_idx, sd):
-        types = c.get("indexer_types")
-        if types is not None and types[layer_idx] != "full":
-            raise ValueError(f"model_type {mt!r}: layer {layer_idx} is an indexer_types "
-                             f"{types[layer_idx]!r} layer (it reuses the previous layer's top-k "
-                             f"choice), which is not supported yet; its full layers are")
+        _refuse_shared_indexer(mt, c, layer_idx)
         if not c.get("q_lora_rank"):
             raise ValueError(f"model_type {mt!r}: q_lora_rank should be a positive int (the "
                              f"indexer's wq_b reads the query latent), got "
@@ -252,19 +259,16 @@ def _mistral_large4_settings(c, layer_idx, sd):
     mt = "mistral_large4_text"
     nope = c.get("no_rope_layers")
     if nope is not None and not nope[layer_idx]:
-        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is a NoPE layer (no_rope_layers "
-                         f"0: its queries and keys have no rotary part, which "
-                         f"MultiHeadLatentAttention requires); its RoPE layers are supported")
+        raise LayerNotSupported(f"model_type {mt!r}: layer {layer_idx} is a NoPE layer "
+                                f"(no_rope_layers 0: its queries and keys have no rotary part, "
+                                f"which MultiHeadLatentAttention requires); its RoPE layers "
+                                f"are supported")
     source = c.get("kv_source_layers")
     if source is not None and source[layer_idx] != layer_idx:
-        raise ValueError(f"model_type {mt!r}: layer {layer_idx} attends layer "
-                         f"{source[layer_idx]}'s latent cache (kv_source_layers), which is not "
-                         f"supported: one layer alone cannot be checked")
-    types = c.get("indexer_types")
-    if types is not None and types[layer_idx] != "full":
-        raise ValueError(f"model_type {mt!r}: layer {layer_idx} is an indexer_types "
-                         f"{types[layer_idx]!r} layer (it reuses the previous layer's top-k "
-                         f"choice), which is not supported yet; its full layers are")
+        raise LayerNotSupported(f"model_type {mt!r}: layer {layer_idx} attends layer "
+                                f"{source[layer_idx]}'s latent cache (kv_source_layers), which "
+                                f"is not supported: one layer alone cannot be checked")
+    _refuse_shared_indexer(mt, c, layer_idx)
     ours = _latent_settings(mt, interleaved=True)({**c, "head_dim": None}, layer_idx, sd)
     ours["rms_norm_eps"] = float(c["rms_norm_eps"])  # its kv_a_layernorm's (DeepSeek's: 1e-6)
     held = sd.get(ROPE_ALPHA)
