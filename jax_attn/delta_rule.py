@@ -121,7 +121,7 @@ def _unit_lower_inverse(m):
     while s < size:
         n = size // (2 * s)
         grid = m.reshape(n, 2, s, n, 2, s)[:, 1, :, :, 0, :]  # (n, s, n, s): block rows × columns
-        below = jnp.moveaxis(jnp.diagonal(grid, axis1=0, axis2=2), -1, 0)  # C of each pair (n, s, s)
+        below = jnp.moveaxis(jnp.diagonal(grid, axis1=0, axis2=2), -1, 0)  # each pair's C (n, s, s)
         upper, lower = blocks[0::2], blocks[1::2]  # A⁻¹, B⁻¹ (n, s, s)
         corner = -_dot("nab,nbc,ncd->nad", lower, below, upper)
         zero = jnp.zeros_like(corner)
@@ -138,7 +138,8 @@ def _chunk_local(q, k, v, g, beta):
         (I + strict_lower((β k) kᵀ ⊙ D)) [U | W] = [β v | β k ⊙ e^Γ],
     returned as (U (T, Dv), W (T, Dk), q ⊙ e^Γ (T, Dk), (q kᵀ) ⊙ D (T, T), k ⊙ e^{Γ_T − Γ}
     (T, Dk), e^{Γ_T} () or (Dk,)). From the state S entering the chunk (``_chunks_core``):
-        V̂ = U − W S;   o = (q ⊙ e^Γ) S + ((q kᵀ) ⊙ D) V̂;   S′ = diag(e^{Γ_T}) S + (k ⊙ e^{Γ_T − Γ})ᵀ V̂."""
+        V̂ = U − W S;   o = (q ⊙ e^Γ) S + ((q kᵀ) ⊙ D) V̂;
+        S′ = diag(e^{Γ_T}) S + (k ⊙ e^{Γ_T − Γ})ᵀ V̂."""
     t = q.shape[0]
     seg = _segment_sums(g)
     cum, tail, inner = seg[1:, 0], seg[-1, 1:], seg[1:, 1:]  # Γ, Γ_T − Γ (T, …); (T, T, …)

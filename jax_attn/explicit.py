@@ -27,8 +27,8 @@ def attend(q, k, v, mask, bias, dropout_mask, rng, offset, q_lengths, kv_lengths
     scalar) or None; distance_bias (2S + 1,) or None, the bias of each key − query distance
     (formed here as an (Lq, Lk) bias); distance_query (Lq, Dr) and distance_keys (2S + 1, Dr)
     or None, the term distance_query[i] · distance_keys[S + j − p_i] of R, inside the cap
-    (the (Lq, 2S + 1) products formed, each key's gathered); ``static`` a blockwise.Static (its blocks unused). rng
-    is unused: a drawn dropout mask comes in as ``dropout_mask``.
+    (the (Lq, 2S + 1) products formed, each key's gathered); ``static`` a blockwise.Static
+    (its blocks unused). rng is unused: a drawn dropout mask comes in as ``dropout_mask``.
     Where the causal bound, the window or the chunks leave each block of query rows a narrower
     range of keys (fixed at trace time: no ``offset``), the rows are taken in tiles of 128 to
     256, each against its keys only (``tiles``), and the weights outside are zeros: causal

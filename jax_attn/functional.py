@@ -409,6 +409,13 @@ ACCELERATORS = {"gpu": ("cudnn", "pallas"), "tpu": ("splash",)}  # preferred the
 SPARSE_UP_TO = 8
 
 
+def takes_sparse(selected, lk, return_weights=False) -> bool:
+    """Whether a module hands its indexer's selection to the core as ``key_indices`` (which
+    ``implementation=None`` then runs "sparse": k ≤ Lk / SPARSE_UP_TO keys per row, no weights
+    asked) rather than as the boolean mask it stands for (static: shapes only)."""
+    return not return_weights and selected * SPARSE_UP_TO <= lk
+
+
 def choose(q_shape, k_shape, platform=None, selected=None) -> tuple:
     """The order of preference of ``implementation=None`` for these shapes on ``platform``
     (default: the default backend): the first that takes the call runs it. On a GPU the

@@ -110,9 +110,9 @@ def _arrays(cache, fields) -> dict:
 def load_cache(cache, dtype=None) -> KVCache | LatentCache | RecurrentCache:
     """A KVCache or LatentCache of NumPy (or any array) fields on the default device, of the
     same class: key and value, or latent and rope_key (and index_key), in ``dtype`` (default
-    theirs; float64 needs ``jax.enable_x64``), lengths int32. A RecurrentCache: conv in ``dtype``, the state in
-    float64 for float64 and float32 otherwise (a recurrence's state is never kept narrower),
-    lengths int32."""
+    theirs; float64 needs ``jax.enable_x64``), lengths int32. A RecurrentCache: conv in
+    ``dtype``, the state in float64 for float64 and float32 otherwise (a recurrence's state is
+    never kept narrower), lengths int32."""
     if isinstance(cache, RecurrentCache):
         wide = None if dtype is None else (np.float64 if jnp.dtype(dtype) == jnp.float64
                                            else np.float32)

@@ -170,6 +170,14 @@ ROW_CHUNKS_ABOVE = 2**24 - 1
 SPARSE_UP_TO = 8
 
 
+def takes_sparse(selected, lk, return_weights=False) -> bool:
+    """Whether a module hands its indexer's selection to the core as ``key_indices`` (which
+    ``implementation=None`` then runs "sparse": k ≤ Lk / SPARSE_UP_TO keys per row, no weights
+    asked) rather than as the boolean mask it stands for. Only then: the core reads the
+    indices to check their range (a device sync), which the mask path does not."""
+    return not return_weights and selected * SPARSE_UP_TO <= lk
+
+
 def choose(shape, selected=None) -> tuple:
     """The order of preference of ``implementation=None`` for weights of ``shape`` (..., H, Lq,
     Lk), given ``selected`` keys per row (key_indices' k; None without a selection): the first

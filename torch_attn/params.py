@@ -107,8 +107,9 @@ def export_cache(cache) -> KVCache | LatentCache | RecurrentCache:
 def load_cache(cache, device=None, dtype=None) -> KVCache | LatentCache | RecurrentCache:
     """A KVCache or LatentCache of NumPy (or any array) fields as tensors (copies) of the same
     class: key and value, or latent and rope_key (and index_key), in ``dtype`` (default
-    theirs), lengths int32, on ``device``. A RecurrentCache: conv in ``dtype``, the state in float64 for float64 and
-    float32 otherwise (a recurrence's state is never kept narrower), as jax_attn's."""
+    theirs), lengths int32, on ``device``. A RecurrentCache: conv in ``dtype``, the state in
+    float64 for float64 and float32 otherwise (a recurrence's state is never kept narrower), as
+    jax_attn's."""
     if isinstance(cache, RecurrentCache):
         wide = None if dtype is None else (torch.float64 if dtype == torch.float64
                                            else torch.float32)

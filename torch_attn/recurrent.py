@@ -95,7 +95,7 @@ def _chunked(q, k, v, g, beta, state, chunk_size):
     return o[:, :, :length], state
 
 
-SUB_CHUNK = 16
+SUB_CHUNK = 16  # the per-channel products' sub-chunk, as flash-linear-attention's chunk_kda
 # HF's arithmetic for the decays (``hf_decay_arithmetic``): G and its differences formed in the
 # compute dtype, as transformers' and flash-linear-attention's chunked kernels form them.
 _HF_DECAYS = contextvars.ContextVar("hf_decays", default=False)
@@ -111,7 +111,7 @@ def hf_decay_arithmetic():
     try:
         yield
     finally:
-        _HF_DECAYS.reset(token)  # the per-channel products' sub-chunk, as flash-linear-attention's chunk_kda
+        _HF_DECAYS.reset(token)
 
 
 def _decayed_products(cum, *pairs):

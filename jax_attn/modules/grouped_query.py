@@ -33,7 +33,7 @@ from golden.specification.validate import (
     rope_arguments, rope_axis_count, rope_settings, rotary_dims,
 )
 from golden.specification.variants import VARIANTS
-from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention, takes_sparse
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
                                    _Variant, selection_allowed)
 from jax_attn.rotary import rotary_embedding
@@ -87,9 +87,10 @@ class GroupedQueryAttention(_Variant):
     get zero gradients) among the keys it may see (its mask, causal, the window, the chunks, the
     lengths), equal scores won by the lowest block index (stable sorts); the projections in x's
     dtype, norms, RoPE (the layer's, rotate-half, on the first rd features) and scores in at
-    least float32. The choice reaches the core as a mask ANDed into the call's: "max" one per
-    KV group, repeated to its query heads (B, N, Lq, Lk); "mean" one for every head (B, 1, Lq,
-    Lk). ``key_indices`` gives the choice instead (the indexer not run): "max" (B, N, Lq, k),
+    least float32. The choice reaches the core as its key_indices ("sparse") when it keeps k ≤
+    Lk / SPARSE_UP_TO keys a row and no weights are asked (jax_attn.functional.takes_sparse),
+    else as a mask ANDed into the call's: "max" one per KV group, repeated to its query heads
+    (B, N, Lq, ·); "mean" one for every head (B, 1, Lq, ·). ``key_indices`` gives the choice instead (the indexer not run): "max" (B, N, Lq, k),
     k = min(index_topk_blocks · b, Lk), "mean" (B, Lq, k), k = min(index_topk_blocks · b + b −
     1, Lk) (golden.specification.indexer.block_key_shape); ``return_key_indices=True`` appends
     the choice used, int32, to what the call returns: ``(y, key_indices)``, ``(y, weights,
@@ -353,10 +354,19 @@ class GroupedQueryAttention(_Variant):
             cache = cache if self.kv_shared else _append(cache, k, v, q_lengths)
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
-        if self.index_blocks is not None:  # the block indexer's choice, ANDed into the mask
-            head_mask, key_indices, cache = self._blocks(
-                x, mask, head_mask, (before, cache), key_indices,
+        chosen = {}  # the block indexer's choice as the core's key_indices, when sparse pays
+        if self.index_blocks is not None:  # else ANDed into the mask
+            key_indices, cache = self._blocks(
+                x, mask, (before, cache), key_indices,
                 (offset, positions, bound, q_lengths, kv_lengths))
+            core = key_indices if self.index_blocks == "max" else key_indices[..., None, :, :]
+            if takes_sparse(key_indices.shape[-1], k.shape[-2], return_weights):
+                chosen = {"key_indices": core}  # "max" (B, N, Lq, k), "mean" (B, 1, Lq, k)
+            else:
+                selected = jnp.put_along_axis(
+                    jnp.zeros(core.shape[:-1] + (k.shape[-2],), bool), core, True, axis=-1,
+                    inplace=False)                                   # (B, N or 1, Lq, Lk)
+                head_mask = selected if head_mask is None else head_mask & selected
         relative, scale = {}, self.scale
         if self.relative_positions == "conformer_timing":  # the core takes q̃, scale κ
             q, relative = self._conformer(q, k.shape[-2])
@@ -371,7 +381,7 @@ class GroupedQueryAttention(_Variant):
             local_window_size=self.local_window_size, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths, dropout_rate=rate,
             dropout_mask=dropout_mask, dropout_rng=self._dropout_key(dropout_mask),
-            return_weights=return_weights, precision=self.precision, **self._extra())
+            return_weights=return_weights, precision=self.precision, **self._extra(), **chosen)
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o, lambda m: self._output(m, x))  # (B, L, d_out)
         out = ((y, w) if return_weights else (y,)) + (
@@ -561,11 +571,12 @@ class GroupedQueryAttention(_Variant):
 
     # ---- the block indexer (MiniMax M3's "max", Qwen4-Exp's "mean") ---------------------------
 
-    def _blocks(self, x, mask, head_mask, caches, key_indices, where):
-        """(the core's mask, key_indices int32, the cache): the call's mask (B, 1 or N, Lq, Lk)
-        or None AND the chosen keys, "max" (B, N, Lq, Lk), "mean" (B, 1, Lq, Lk), as the
-        reference's _block_mask; the indexer's keys appended to the cache's index_key at their
-        tokens' slots. No gradient reaches the indexer (lax.stop_gradient)."""
+    def _blocks(self, x, mask, caches, key_indices, where):
+        """(key_indices int32, "max" (B, N, Lq, k), "mean" (B, Lq, k); the cache): the given or
+        chosen keys (the reference's block_keys), the indexer's keys appended to the cache's
+        index_key at their tokens' slots. The caller ANDs the choice into the core's mask as the
+        reference's _block_mask, or hands it to the core as key_indices. No gradient reaches the
+        indexer (lax.stop_gradient)."""
         (before, cache), (offset, positions, bound, q_lengths, kv_lengths) = caches, where
         x = jax.lax.stop_gradient(x)
         pos = positions
@@ -588,12 +599,7 @@ class GroupedQueryAttention(_Variant):
             else:
                 key_pos = pos if before is None else jnp.arange(lk)  # (B, Lk) or (M,)
                 key_indices = self._mean_blocks(q, keys, allowed, key_pos, bound)
-        key_indices = jax.lax.stop_gradient(jnp.asarray(key_indices, jnp.int32))
-        chosen = jnp.zeros(key_indices.shape[:-1] + (keys.shape[-2],), bool)
-        chosen = jnp.put_along_axis(chosen, key_indices, True, axis=-1, inplace=False)
-        if self.index_blocks == "mean":
-            chosen = chosen[..., None, :, :]                         # (B, 1, Lq, Lk)
-        return (chosen if head_mask is None else head_mask & chosen), key_indices, cache
+        return jax.lax.stop_gradient(jnp.asarray(key_indices, jnp.int32)), cache
 
     def _index_query(self, x, pos, bound):
         """q^I (B, H_I, L, D_I) = RMS(x W_index_q)·index_q_norm per head, turned at ``pos``."""

@@ -24,7 +24,7 @@ from golden.specification.temperature import learned_temperature
 from golden.specification.validate import (
     cache_shape, check_flags, check_latent_cache, check_latent_inputs, rope_arguments,
 )
-from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention
+from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention, takes_sparse
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
                                    _Variant, selection_allowed)
 from jax_attn.modules.grouped_query import _append, _append_rows, _cache_positions
@@ -55,7 +55,9 @@ class MultiHeadLatentAttention(_Variant):
     k = min(index_topk, Lk) best keys it may see, equal scores won by the lowest key index
     (``lax.top_k`` on the scores with -0.0 made 0.0 and the keys it may not see at -inf, which
     also fills a row seeing fewer than k keys with its unseen keys, lowest index first). The
-    chosen keys reach the core as a boolean mask ANDed into the call's (``_selection_mask``).
+    chosen keys reach the core as its key_indices ("sparse") when they are k ≤ Lk /
+    SPARSE_UP_TO a row and no weights are asked (jax_attn.functional.takes_sparse), else as a
+    boolean mask ANDed into the call's (``_selection_mask``).
     ``key_indices`` (B, Lq, k) int (k = min(index_topk, Lk), Lk = L, or the cache's max_length
     M) gives the selection instead (no scores computed); ``return_key_indices=True`` appends the
     selection used, int32 (B, Lq, k), to what the call returns: ``(y, key_indices)``, ``(y,
@@ -210,7 +212,8 @@ class MultiHeadLatentAttention(_Variant):
             latent, k_pe = held.key, held.value                  # (B, 1, M, r), (B, 1, M, Dr)
             cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
-        if self.index_topk is not None:  # the learned indexer's choice, as a mask
+        chosen = None  # the selection as the core's key_indices, when sparse pays
+        if self.index_topk is not None:  # the learned indexer's choice, a mask or key_indices
             index_key = self._index_key(x, offset, positions, bound)  # (B, L, D_I)
             if before is not None:
                 index_key = _append_rows(before.index_key, index_key, before.lengths, q_lengths)
@@ -219,10 +222,13 @@ class MultiHeadLatentAttention(_Variant):
                 key_indices = self._choose(x, q_resid, index_key, mask, offset, positions,
                                            bound, q_lengths, kv_lengths)
             key_indices = jnp.asarray(key_indices, jnp.int32)
-            head_mask = self._selection_mask(head_mask, key_indices, index_key.shape[-2])
+            if takes_sparse(key_indices.shape[-1], index_key.shape[-2], return_weights):
+                chosen = key_indices[..., None, :, :]            # the core's (B, 1, L, k)
+            else:
+                head_mask = self._selection_mask(head_mask, key_indices, index_key.shape[-2])
         attend = self._absorbed if absorb else self._expanded
         o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
-                   kv_lengths, return_weights)                   # (B, N, L, Dv)
+                   kv_lengths, return_weights, chosen)           # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o, None if self.W_gate is None else (  # (B, L, d_out)
             lambda merged: self._gated(merged, x)))
@@ -247,9 +253,8 @@ class MultiHeadLatentAttention(_Variant):
 
     def _selection_mask(self, mask, key_indices, lk):
         """The call's mask (B, 1 or N, Lq, Lk) or None AND the chosen keys, True at
-        ``key_indices`` (B, Lq, k): the one place where the selection reaches the core, as a
-        boolean mask (the reference's and Hugging Face's eager path; the core's own
-        ``key_indices`` argument, gathering only the chosen keys, can take its place here)."""
+        ``key_indices`` (B, Lq, k), as a boolean mask (the reference's and Hugging Face's eager
+        path), where the core's sparse implementation would not pay (__call__)."""
         chosen = jnp.zeros(key_indices.shape[:-1] + (lk,), bool)   # (B, Lq, Lk)
         chosen = jnp.put_along_axis(chosen, key_indices, True, axis=-1, inplace=False)
         chosen = chosen[..., None, :, :]                           # (B, 1, Lq, Lk)
@@ -328,7 +333,7 @@ class MultiHeadLatentAttention(_Variant):
                             bias=bias.get_value().astype(compute)).astype(t.dtype)
 
     def _expanded(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
-                  return_weights):
+                  return_weights, chosen=None):
         """Per-head keys [k_nope | k_pe] (B, N, Lk, Dk) and values (B, N, Lk, Dv) from the
         latent (B, 1, Lk, r) through W_kv_b, then the core."""
         kv = self._split(self.W_kv_b(latent[..., 0, :, :]), self.nope + self.v_head_dim)
@@ -343,10 +348,10 @@ class MultiHeadLatentAttention(_Variant):
             jnp.concatenate([q_nope, q_pe], -1), k, v, mask, is_causal=self.causal,
             scale=self.scale, query_offset=offset, query_seq_lengths=q_lengths,
             key_value_seq_lengths=kv_lengths, return_weights=return_weights,
-            precision=self.precision, **self._sinks())
+            precision=self.precision, key_indices=chosen, **self._sinks())
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
-                  return_weights):
+                  return_weights, chosen=None):
         """W_kv_b's key half W_kb (r, N, Dn) folded into the query, q_lat (B, N, L, r); the
         core on one key-value head, keys [c | k_pe] (B, 1, Lk, r + Dr), values c; the result
         (B, N, L, r) through W_kv_b's value half W_vb (r, N, Dv)."""
@@ -358,7 +363,8 @@ class MultiHeadLatentAttention(_Variant):
             jnp.concatenate([q_lat, q_pe], -1), jnp.concatenate([latent, k_pe], -1), latent,
             mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-            return_weights=return_weights, precision=self.precision, **self._sinks())
+            return_weights=return_weights, precision=self.precision, key_indices=chosen,
+            **self._sinks())
         o, w_ = o if return_weights else (o, None)
         o = jnp.einsum("...nlr,rnv->...nlv", o, w_vb, precision=self.precision)
         return (o, w_) if return_weights else o

@@ -33,7 +33,7 @@ from golden.specification.validate import (
 )
 from torch_attn.block_indexer import max_block_keys, mean_block_keys
 from torch_attn.explicit import LOW_PRECISION, Where, grouped_matmul
-from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.functional import scaled_dot_product_attention, takes_sparse
 from torch_attn.modules.base import _config, _dropout_rate, _head_mask, _query_temperature
 from torch_attn.rotary import rotary_cos_sin, rotary_embedding
 from torch_attn.sparse import selected_mask
@@ -145,7 +145,9 @@ class GroupedQueryAttention(nn.Module):
     Equal scores: the lowest block index (stable sorts). The choice runs under no_grad (its
     parameters get no gradient), in at least float32, among the keys each query may see (the
     mask, causal, window, chunk, lengths), vectorised (torch_attn.block_indexer), and reaches
-    the core as its mask ANDed with the chosen keys. ``key_indices=`` gives the choice instead,
+    the core as its key_indices ("sparse") when it keeps k ≤ Lk / SPARSE_UP_TO keys a row and
+    no weights are asked (torch_attn.functional.takes_sparse), else as its mask ANDed with the
+    chosen keys. ``key_indices=`` gives the choice instead,
     ``return_key_indices=True`` returns it (forward). The cache keeps the indexer's keys as
     ``index_key`` (B, M, D_I): "max" normed and turned, "mean" raw (so "mean" with a cache
     takes no explicit ``positions``: a block's first key is at its slot). Not built beside
@@ -340,15 +342,20 @@ class GroupedQueryAttention(nn.Module):
                 cache, k, v, q_lengths, None if index is None else index[1])
             k, v = cache.key, cache.value                     # (B, Nkv, M, Dh)
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
+        extra = {n: a for n, a in (("sinks", self.sinks),
+                                   ("attention_chunk_size", self.attention_chunk_size))
+                 if a is not None}
         if index is not None:
             if key_indices is None:
                 with torch.no_grad():
                     key_indices = self._block_keys(index, cache, head_mask, offset,
                                                    (q_lengths, kv_lengths), bound)
-            head_mask = self._block_mask(head_mask, key_indices, k.shape[-2])
-        extra = {n: a for n, a in (("sinks", self.sinks),
-                                   ("attention_chunk_size", self.attention_chunk_size))
-                 if a is not None}
+            if takes_sparse(key_indices.shape[-1], k.shape[-2], return_weights):
+                # the core's key_indices, (B, N, L, k) per query head or (B, 1, L, k) shared
+                extra["key_indices"] = (key_indices if self.index_blocks == "max"
+                                        else key_indices.unsqueeze(-3))
+            else:
+                head_mask = self._block_mask(head_mask, key_indices, k.shape[-2])
         bias, scale = self._position_bias(q, k.shape[-2], offset), self.scale
         if self.relative_positions == "conformer_timing":  # the core takes q̃, scale κ
             q, term = self._conformer(q, k.shape[-2], offset)

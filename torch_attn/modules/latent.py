@@ -23,7 +23,7 @@ from golden.specification.validate import (
     cache_shape, check_flags, check_latent_inputs, rope_arguments,
 )
 from torch_attn.explicit import LOW_PRECISION
-from torch_attn.functional import scaled_dot_product_attention
+from torch_attn.functional import scaled_dot_product_attention, takes_sparse
 from torch_attn.modules.base import _config, _head_mask, _query_temperature
 from torch_attn.modules.grouped_query import _append, _cache_positions
 from torch_attn.rotary import rotary_embedding
@@ -67,8 +67,10 @@ class MultiHeadLatentAttention(nn.Module):
     LayerNorm(x) through W_index_q (B, H_I, L, D_I), k^I = LayerNorm(x W_index_k) (B, L, D_I),
     RoPE on qk_rope_head_dim of their features, w = x W_index_weights (B, L, H_I), scores
     Σ_h w · H_I^−1/2 · ReLU(D_I^−1/2 q^I · k^I) in at least float32, all under no_grad (the
-    indexer's parameters get no gradient). The choice reaches the core as a mask ANDed into the
-    call's (``_selection_mask``). ``key_indices`` (B, Lq, k) gives the choice instead;
+    indexer's parameters get no gradient). The choice reaches the core as its key_indices
+    (``implementation=None`` then runs "sparse") when it keeps k ≤ Lk / SPARSE_UP_TO keys a row
+    and no weights are asked (torch_attn.functional.takes_sparse), else as a mask ANDed into
+    the call's (``_selection_mask``). ``key_indices`` (B, Lq, k) gives the choice instead;
     ``return_key_indices=True`` returns it, int32, after the output (and weights). The cache
     keeps k^I after RoPE as ``index_key`` (B, M, D_I).
     """
@@ -197,16 +199,20 @@ class MultiHeadLatentAttention(nn.Module):
             cache = LatentCache(latent[:, 0], k_pe[:, 0], held.lengths,
                                 None if index_key is None else index_key[:, 0])
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
+        chosen = None  # the selection as the core's key_indices (B, 1, L, k), when sparse pays
         if self.W_index_k is not None:
             if key_indices is None:
                 with torch.no_grad():
                     key_indices = self._index_select(
                         x, q_resid, index_key, head_mask, offset, positions, turn,
                         q_lengths, kv_lengths)
-            head_mask = self._selection_mask(head_mask, key_indices, latent.shape[-2])
+            if takes_sparse(key_indices.shape[-1], latent.shape[-2], return_weights):
+                chosen = key_indices.unsqueeze(-3)
+            else:
+                head_mask = self._selection_mask(head_mask, key_indices, latent.shape[-2])
         attend = self._absorbed if absorb else self._expanded
         o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
-                   kv_lengths, return_weights)                   # (B, N, L, Dv)
+                   kv_lengths, return_weights, chosen)           # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
         y = self.out_proj(self._gated(o.transpose(-2, -3).flatten(-2), x))  # (B, L, d_out)
         out = (y, w) if return_weights else y
@@ -314,8 +320,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _selection_mask(self, head_mask, key_indices, lk):
         """The core's mask with the selection: ``head_mask`` (B, 1 or N, Lq, Lk) or None AND
-        the chosen keys ``key_indices`` (B, Lq, k) on every head. The one place the selection
-        reaches the core (to become the core's key_indices= when it takes one)."""
+        the chosen keys ``key_indices`` (B, Lq, k) on every head (where the core's sparse
+        implementation would not pay: forward)."""
         chosen = torch.zeros(key_indices.shape[:-1] + (lk,), dtype=torch.bool,
                              device=key_indices.device)
         chosen = chosen.scatter(-1, key_indices.long(), True).unsqueeze(-3)  # (B, 1, Lq, Lk)
@@ -331,7 +337,7 @@ class MultiHeadLatentAttention(nn.Module):
                             rsqrt=torch.rsqrt).to(t.dtype)
 
     def _expanded(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
-                  return_weights):
+                  return_weights, chosen=None):
         """Per-head keys [k_nope | k_pe] (B, N, Lk, Dk) and values (B, N, Lk, Dv) from the
         latent (B, 1, Lk, r) through W_kv_b, then the core."""
         kv = self._split(self.W_kv_b(latent[..., 0, :, :]), self.nope + self.v_head_dim)
@@ -341,10 +347,10 @@ class MultiHeadLatentAttention(nn.Module):
         return scaled_dot_product_attention(
             q, k, v, mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-            return_weights=return_weights, **self._sinks())
+            return_weights=return_weights, key_indices=chosen, **self._sinks())
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
-                  return_weights):
+                  return_weights, chosen=None):
         """W_kv_b's key half W_kb (r, N, Dn) folded into the query, q_lat (B, N, L, r); the
         core on one key-value head, keys [c | k_pe] (B, 1, Lk, r + Dr), values c; the result
         (B, N, L, r) through W_kv_b's value half W_vb (r, N, Dv)."""
@@ -355,7 +361,7 @@ class MultiHeadLatentAttention(nn.Module):
             torch.cat([q_lat, q_pe], -1), torch.cat([latent, k_pe], -1), latent, mask,
             is_causal=self.causal, scale=self.scale, query_offset=offset,
             query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-            return_weights=return_weights, **self._sinks())
+            return_weights=return_weights, key_indices=chosen, **self._sinks())
         o, w_ = o if return_weights else (o, None)
         o = torch.einsum("...nlr,rnv->...nlv", o, w_vb)
         return (o, w_) if return_weights else o
