@@ -186,12 +186,16 @@ def test_without_alpha_it_says_where_to_find_it():
         golden.convert.from_hf(model.config.to_dict(), sd)
 
 
-def test_attn_parity_hf_checks_a_saved_text_model(tmp_path):
+@pytest.mark.parametrize("layers", [1, 2], ids=["rope", "rope-then-nope"])
+def test_attn_parity_hf_checks_a_saved_text_model(tmp_path, layers):
     # A save_pretrained MistralLarge4TextModel (float32, weights N(0, 1/fan_in), α drawn): the
-    # checkpoint's model.rotary_emb.alpha is read beside the layer; every row passes.
+    # checkpoint's model.rotary_emb.alpha is read beside the layer; every row passes. With a
+    # NoPE layer after it (no_rope_layers [1, 0]) that layer is named in the notes, not
+    # checked, and the RoPE layer still is.
     from golden.cli import main
     rng = np.random.default_rng(0)
-    config = transformers.MistralLarge4TextConfig(**{**BASE, **FAMILY.kw})
+    kw = dict(FAMILY.kw, num_hidden_layers=layers, no_rope_layers=[1, 0][:layers])
+    config = transformers.MistralLarge4TextConfig(**{**BASE, **kw})
     model = transformers.MistralLarge4TextModel(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -210,3 +214,8 @@ def test_attn_parity_hf_checks_a_saved_text_model(tmp_path):
     others = [r for r in rows if r["status"] != "pass"]
     assert [(r["implementation"], r["dtype"], r["status"]) for r in others] == [
         ("hf", "float64", "not supported")], others
+    notes = json.loads(report.read_text())["checkpoint"]["notes"]
+    assert {r["fixture"] for r in rows} == {"layer 0 (indexed_attention)"}
+    assert any(n.startswith("layer 1 (indexed_attention): not checked: model_type "
+                            "'mistral_large4_text': layer 1 is a NoPE layer")
+               for n in notes) == (layers == 2), notes

@@ -111,7 +111,8 @@ FLOAT32_ONLY = ("HF computes RoPE's angles (or ALiBi's slopes, norms) in float32
 
 def layer_only(config, layer_idx):
     """The config as layer ``layer_idx`` sees it: its entries of layer_types, no_rope_layers,
-    mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse), layer_rope_theta (Granite SWA),
+    indexer_types, mlp_layer_types (EXAONE-MoE, Mellum: dense or sparse), layer_rope_theta
+    (Granite SWA), kv_source_layers [0] (Mistral Large 4: its own latents),
     num_attention_heads_per_layer (Laguna) and Gemma 3n's per-layer intermediate_size and
     activation_sparsity_pattern,
     whether it is one of Qwen2.5-VL's full layers or Molmo 2's rope_scaling_layers, its
@@ -122,11 +123,14 @@ def layer_only(config, layer_idx):
     c = dict(config)
     for key in ("layer_types", "no_rope_layers", "mlp_layer_types", "layer_rope_theta",
                 "layers_block_type",  # Nemotron-H's, Zamba's kinds
+                "indexer_types",  # GLM-5's, HY-V4's, Mistral Large 4's full or shared indexers
                 "num_attention_heads_per_layer",  # Laguna's heads
                 "intermediate_size", "activation_sparsity_pattern"):  # Gemma 3n's, per layer
         if isinstance(c.get(key), list):
             c[key] = [c[key][layer_idx]]
     c.update(_hybrid_one_layer(c))
+    if isinstance(c.get("kv_source_layers"), list):  # Mistral Large 4's: the layer owns its
+        c["kv_source_layers"] = [0]  # latents (one reading another's is not converted)
     if isinstance(c.get("rope_scaling_layers"), list):  # Molmo 2's scaled RoPE
         c["rope_scaling_layers"] = [0] if layer_idx in c["rope_scaling_layers"] else []
     if isinstance(c.get("fullatt_block_indexes"), list):  # Qwen2.5-VL's full (not windowed)
