@@ -6,7 +6,8 @@ MiniMaxM3VLAttention(MiniMaxM2Attention), Qwen4ExpTextAttention(Qwen3_5Attention
 
 HF's indexer norms are Gemma-style (x·rsqrt(mean x² + ε)·(1 + w)); our block indexer's norm
 weights are the multipliers themselves: index_q_norm = 1 + w on import, w = index_q_norm − 1 on
-export (one rounding each way, so to_hf gives back w to within 2⁻⁵² absolute, not bit for bit).
+export (1 + w rounded once, so to_hf gives back w to within 2⁻⁵¹ absolute, not bit for bit:
+tests/test_hf_import.py's OFFSET_BACK).
 """
 
 from __future__ import annotations
