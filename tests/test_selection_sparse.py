@@ -30,6 +30,16 @@ CASES = {  # (variant, configuration, keys kept a row k): k·8 ≤ L = 40 for ev
     "mean": (GQA, dict(d_in=6, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=100.0,
                        partial_rotary_factor=0.25, index_blocks="mean", index_heads=3,
                        index_head_dim=4, index_block_size=2, index_topk_blocks=2), 5),
+    # HY-V4's layer: sinks and a gate beside the selection; a window and a soft cap beside it
+    "token-sinks": (MLA, dict(d_in=6, num_heads=3, kv_lora_rank=4, qk_nope_head_dim=2,
+                              qk_rope_head_dim=4, v_head_dim=5, q_lora_rank=7, rope_theta=100.0,
+                              rope_interleaved=False, sinks=True, output_gate="sigmoid",
+                              index_topk=4, index_heads=4, index_head_dim=6,
+                              index_rope_dims="last", index_scale="weights"), 4),
+    "max-window": (GQA, dict(d_in=6, num_heads=4, num_kv_heads=2, head_dim=6, rope_theta=100.0,
+                             sliding_window=9, softcap=3.0, index_blocks="max", index_heads=2,
+                             index_head_dim=6, index_block_size=2, index_topk_blocks=2,
+                             index_local_blocks=1), 4),
 }
 L = 40
 
