@@ -532,7 +532,11 @@ def test_gradients_equal_central_differences(family):
     (dict(index_blocks="mean"), "index_local_blocks should be 0 with index_blocks = 'mean'"),
     (dict(index_head_dim=3), r"index_head_dim should be at least the layer's rotary features "
                              r"= 4 \(the indexer turns that many\), got 3"),
-    (dict(rope_theta=None, partial_rotary_factor=1.0), "index_blocks should be None without rotate-half RoPE"),
+    (dict(rope_theta=None, partial_rotary_factor=1.0),
+     "index_blocks should be None without rotate-half RoPE"),
+    (dict(rope_theta=None, rope_parameters={"rope_theta": 100.0, "partial_rotary_factor": 2 / 3,
+                                            "mrope_section": [1, 1, 0]}),
+     "index_blocks should be None with a multi-axis RoPE"),
     (dict(rope_interleaved=True), "index_blocks should be None without rotate-half RoPE"),
     (dict(index_norm_eps=0), "index_norm_eps should be a positive number, got 0"),
 ])

@@ -183,6 +183,11 @@ def block_shapes(c, rotary) -> dict:
                          f"turn the indexer by the layer's rotate-half RoPE), got {kind!r} with "
                          f"rope_theta = {c['rope_theta']!r}, rope_interleaved = "
                          f"{c['rope_interleaved']!r}")
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type") == "axial" or "mrope_section" in rope:
+        raise ValueError(f"index_blocks should be None with a multi-axis RoPE (the indexer turns "
+                         f"by one position per token, rotate-half), got {kind!r} with "
+                         f"rope_parameters = {dict(rope)!r}")
     if rotary > d:
         raise ValueError(f"index_head_dim should be at least the layer's rotary features = "
                          f"{rotary} (the indexer turns that many), got {d}")
