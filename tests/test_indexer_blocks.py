@@ -553,8 +553,8 @@ def test_bad_calls_are_refused_by_name():
                                        {"x": x, "mask": np.ones((2, 4, 8, 8), bool)}, 0.0)
     forward, _ = reference.pair(GQA)
     three = np.broadcast_to(np.arange(8), (3, 2, 8))             # multimodal positions
-    with pytest.raises(ValueError, match=r"positions should be \(L,\) or \(B, L\) with "
-                                         r"index_blocks"):
+    with pytest.raises(ValueError, match=r"index_blocks should be None with a multi-axis "
+                                         r"RoPE"):  # refused with the configuration already
         forward({**c, "rope_parameters": {"rope_theta": 100.0, "mrope_section": [1, 0, 0]}},
                 {"x": x, "positions": three}, p)
 
