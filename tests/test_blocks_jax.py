@@ -24,7 +24,6 @@ import golden
 import jax_attn
 from golden import reference
 from golden.harness.check import compare_all
-from golden.harness.regenerate import draw_params
 from golden.reference.core import allowed_positions
 from golden.reference.indexer import _rms, max_block_scores
 from golden.reference.rotary import rope_cos_sin, turn
@@ -36,6 +35,7 @@ from golden.specification.tolerances import compare
 from golden.specification.validate import rope_settings
 from tests.helpers import TWINS, count_compiles, matrix
 from tests.test_indexer_blocks import FAMILIES as BLOCK_FAMILIES
+from tests.test_indexer_blocks import draw_family as _draw
 
 J = TWINS["jax"]
 GQA = "grouped_query_attention"
@@ -50,16 +50,6 @@ FIXTURE_RUNS = [pytest.param(n, d, id=f"{n}-{d}", marks=matrix if n.endswith("_u
                              and d == "float32" else ()) for n in FIXTURES
                 for d in ("float32", "float64")]
 CLEAR = 1e-9  # a gap float64's scores cannot cross (their error ~1e-15 of the largest)
-
-
-def _draw(family, seed, lead=(2,), length=20, **config):
-    """(config, float64 parameters, x (*lead, L, d_in), rng): the norms' multipliers near 1."""
-    c = {**FAMILIES[family], **config}
-    rng = np.random.default_rng(seed)
-    p = {n: a.astype(np.float64) for n, a in draw_params(GQA, c, rng).items()}
-    for n in ("index_q_norm", "index_k_norm"):
-        p[n] = 1 + 0.3 * rng.standard_normal(p[n].shape)
-    return c, p, rng.standard_normal(lead + (length, c["d_in"])), rng
 
 
 def _build(c, p, dtype="float64"):

@@ -19,7 +19,6 @@ import golden
 import torch_attn
 from golden import reference
 from golden.harness.check import compare_all
-from golden.harness.regenerate import draw_params
 from golden.reference.block import linear
 from golden.reference.indexer import max_block_scores
 from golden.reference.norms import normalize
@@ -31,6 +30,7 @@ from golden.specification.tolerances import compare
 from golden.specification.validate import rope_settings
 from tests.helpers import matrix
 from tests.test_indexer_blocks import FAMILIES as BLOCK_FAMILIES
+from tests.test_indexer_blocks import draw_family as _draw
 from torch_attn.block_indexer import block_order, fill_keys
 from torch_attn.params import export_grads, export_params
 
@@ -42,17 +42,6 @@ FIXTURES = ["gqa_blocks_minimax_m3", "gqa_blocks_minimax_m3_unbatched", "gqa_blo
 # "max" keeps 3 blocks of 3 (one local), "mean" 3 blocks of 2 and a tail of at most 1
 FAMILIES = BLOCK_FAMILIES
 CLEAR = 1e-9  # the least relative gap between two block scores that both float64 sums order alike
-
-
-def _draw(family, seed, lead=(2,), length=20, **extra):
-    """(config, float64 params, x (*lead, L, d_in), rng): the index norms' multipliers near 1,
-    as in a checkpoint."""
-    c = {**FAMILIES[family], **extra}
-    rng = np.random.default_rng(seed)
-    p = {n: a.astype(np.float64) for n, a in draw_params(GQA, c, rng).items()}
-    for n in ("index_q_norm", "index_k_norm"):
-        p[n] = 1 + 0.3 * rng.standard_normal(p[n].shape)
-    return c, p, rng.standard_normal(lead + (length, c["d_in"])), rng
 
 
 def _module(c, p, dtype=F64):

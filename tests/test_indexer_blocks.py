@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from golden import reference
-from golden.harness.regenerate import build, draw, draw_params
+from golden.harness.regenerate import draw, draw_params
 from golden.reference.rotary import rope_cos_sin
 from golden.specification import variants
 from golden.specification.cases import CASES
@@ -257,6 +257,7 @@ def _hf_minimax(seed):
 def _hf_qwen4(seed):
     torch = pytest.importorskip("torch")
     from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
     from golden.hf.decoders import _gate_split
 
     c = QWEN4
@@ -389,8 +390,10 @@ def test_hugging_face_at_float64(family, length, seed):
 FAMILIES = {"max": MINIMAX, "mean": QWEN4}
 
 
-def _draw(family, seed, lead=(2,), length=11):
-    c = FAMILIES[family]
+def draw_family(family, seed, lead=(2,), length=20, **config):
+    """(config, float64 params, x (*lead, L, d_in), rng) of one family's settings (``config``
+    on top), the index norms' multipliers near 1 (tests/test_blocks_*.py draw with it too)."""
+    c = {**FAMILIES[family], **config}
     rng = np.random.default_rng(seed)
     p = {n: a.astype(np.float64) for n, a in draw_params(GQA, c, rng).items()}
     for n in ("index_q_norm", "index_k_norm"):  # multipliers near 1, as in a checkpoint
@@ -460,7 +463,7 @@ def test_every_block_kept_when_short_equals_dense_attention(family, length):
     """L at most the kept budget (MINIMAX: 3 blocks of 3; QWEN4: 3 blocks of 2 and a tail of
     1): every visible key is kept, and the layer equals dense attention bit for bit, forward
     and backward, with lengths and a mask."""
-    c, p, x, rng = _draw(family, 894, length=length)
+    c, p, x, rng = draw_family(family, 894, length=length)
     inputs = {"x": x, "query_seq_lengths": np.array([length, length - 2], np.int32),
               "mask": (rng.random((2, length, length)) < 0.8) | np.eye(length, dtype=bool)}
     forward, backward = reference.pair(GQA)
@@ -480,7 +483,7 @@ def test_every_block_kept_when_short_equals_dense_attention(family, length):
 def test_the_layer_is_dense_attention_under_the_chosen_mask(family):
     """Above the budget: forward and backward equal the dense layer given the chosen keys as its
     mask, bit for bit (the choice is a constant to the gradient), and the choice drops keys."""
-    c, p, x, rng = _draw(family, 895, length=16)
+    c, p, x, rng = draw_family(family, 895, length=16)
     mask = (rng.random((2, 16, 16)) < 0.9) | np.eye(16, dtype=bool)
     forward, backward = reference.pair(GQA)
     y, w, saved = forward(c, {"x": x, "mask": mask}, p)
@@ -501,7 +504,7 @@ def test_the_layer_is_dense_attention_under_the_chosen_mask(family):
 def test_gradients_equal_central_differences(family):
     """dL/dx and the attention's weights against central differences (step 1e-6), where the
     choice does not flip under the step (checked: the same key_indices both ways)."""
-    c, p, x, rng = _draw(family, 896, length=14)
+    c, p, x, rng = draw_family(family, 896, length=14)
     forward, backward = reference.pair(GQA)
     y, w, saved = forward(c, {"x": x}, p)
     dy, dw = rng.standard_normal(y.shape), rng.standard_normal(w.shape)
@@ -546,7 +549,7 @@ def test_bad_settings_are_refused_by_name(given, match):
 
 
 def test_bad_calls_are_refused_by_name():
-    c, p, x, _ = _draw("mean", 897, length=8)
+    c, p, x, _ = draw_family("mean", 897, length=8)
     with pytest.raises(ValueError, match=r"mask should have no head axis, or one of size 1, "
                                          r"with index_blocks .*got shape \(2, 4, 8, 8\)"):
         variants.get(GQA).check_inputs(variants.get(GQA).config(c),
@@ -565,7 +568,7 @@ def test_ties_in_the_numpy_port_go_to_the_lowest_block_too(family):
     (its own stable argsort); both keep the same, lowest, blocks (after the local ones)."""
     from tests import port_numpy
 
-    c, p, x, rng = _draw(family, 898, lead=(2,), length=13)
+    c, p, x, rng = draw_family(family, 898, lead=(2,), length=13)
     p["W_index_k"] = np.zeros_like(p["W_index_k"])
     forward, _ = reference.pair(GQA)
     _, _, saved = forward(c, {"x": x}, p)
