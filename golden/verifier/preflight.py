@@ -24,23 +24,9 @@ import numpy as np
 
 from golden.hf import expected_state
 from golden.hf.family import LayerNotSupported
-from golden.verifier.checkpoint import (
-    REFUSED,
-    SCALES,
-    CheckpointError,
-    expand_scale,
-    scale_keys,
-)
-from golden.verifier.layout import (
-    expected_layers,
-    is_attention,
-    layer_count,
-    layer_name,
-    other_kind,
-    other_layers,
-    stacks,
-    unread_towers,
-)
+from golden.verifier.checkpoint import REFUSED, SCALES, CheckpointError, expand_scale, scale_keys
+from golden.verifier.layout import (expected_layers, is_attention, layer_count, layer_name,
+                                    other_kind, other_layers, stacks, unread_towers)
 
 SHOWN = 12  # problems listed in the error; the rest counted
 
