@@ -37,6 +37,7 @@ from jax_attn.functional import DEFAULT_PRECISION, scaled_dot_product_attention,
 from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_temperature,
                                    _Variant, selection_allowed)
 from jax_attn.rotary import rotary_embedding
+from jax_attn.sparse import selected_mask
 
 
 class GroupedQueryAttention(_Variant):
@@ -90,9 +91,10 @@ class GroupedQueryAttention(_Variant):
     least float32. The choice reaches the core as its key_indices ("sparse") when it keeps k ≤
     Lk / SPARSE_UP_TO keys a row and no weights are asked (jax_attn.functional.takes_sparse),
     else as a mask ANDed into the call's: "max" one per KV group, repeated to its query heads
-    (B, N, Lq, ·); "mean" one for every head (B, 1, Lq, ·). ``key_indices`` gives the choice instead (the indexer not run): "max" (B, N, Lq, k),
-    k = min(index_topk_blocks · b, Lk), "mean" (B, Lq, k), k = min(index_topk_blocks · b + b −
-    1, Lk) (golden.specification.indexer.block_key_shape); ``return_key_indices=True`` appends
+    (B, N, Lq, ·); "mean" one for every head (B, 1, Lq, ·). ``key_indices`` gives the choice
+    instead (the indexer not run): "max" (B, N, Lq, k), k = min(index_topk_blocks · b, Lk),
+    "mean" (B, Lq, k), k = min(index_topk_blocks · b + b − 1, Lk)
+    (golden.specification.indexer.block_key_shape); ``return_key_indices=True`` appends
     the choice used, int32, to what the call returns: ``(y, key_indices)``, ``(y, weights,
     key_indices)`` with ``return_weights``. With a cache, ``index_key`` (B, M, D_I) holds each
     token's indexer key at its key's slot ("max": normed and turned; "mean": raw, pooled per
@@ -362,11 +364,8 @@ class GroupedQueryAttention(_Variant):
             core = key_indices if self.index_blocks == "max" else key_indices[..., None, :, :]
             if takes_sparse(key_indices.shape[-1], k.shape[-2], return_weights):
                 chosen = {"key_indices": core}  # "max" (B, N, Lq, k), "mean" (B, 1, Lq, k)
-            else:
-                selected = jnp.put_along_axis(
-                    jnp.zeros(core.shape[:-1] + (k.shape[-2],), bool), core, True, axis=-1,
-                    inplace=False)                                   # (B, N or 1, Lq, Lk)
-                head_mask = selected if head_mask is None else head_mask & selected
+            else:  # (B, N or 1, Lq, Lk)
+                head_mask = selected_mask(core, head_mask, k.shape[-2])
         relative, scale = {}, self.scale
         if self.relative_positions == "conformer_timing":  # the core takes q̃, scale κ
             q, relative = self._conformer(q, k.shape[-2])

@@ -29,6 +29,7 @@ from jax_attn.modules.base import (_head_mask, _linear, _merge_heads, _query_tem
                                    _Variant, selection_allowed)
 from jax_attn.modules.grouped_query import _append, _append_rows, _cache_positions
 from jax_attn.rotary import rotary_embedding
+from jax_attn.sparse import selected_mask
 from jax_attn.sharding import explicit_spec
 
 
@@ -255,10 +256,7 @@ class MultiHeadLatentAttention(_Variant):
         """The call's mask (B, 1 or N, Lq, Lk) or None AND the chosen keys, True at
         ``key_indices`` (B, Lq, k), as a boolean mask (the reference's and Hugging Face's eager
         path), where the core's sparse implementation would not pay (__call__)."""
-        chosen = jnp.zeros(key_indices.shape[:-1] + (lk,), bool)   # (B, Lq, Lk)
-        chosen = jnp.put_along_axis(chosen, key_indices, True, axis=-1, inplace=False)
-        chosen = chosen[..., None, :, :]                           # (B, 1, Lq, Lk)
-        return chosen if mask is None else mask & chosen
+        return selected_mask(key_indices[..., None, :, :], mask, lk)  # (B, 1 or N, Lq, Lk)
 
     def _index_key(self, x, offset, positions, bound):
         """k^I (B, L, D_I) = RoPE(LayerNorm(x W_index_k)), no gradient."""

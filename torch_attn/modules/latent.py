@@ -27,6 +27,7 @@ from torch_attn.functional import scaled_dot_product_attention, takes_sparse
 from torch_attn.modules.base import _config, _head_mask, _query_temperature
 from torch_attn.modules.grouped_query import _append, _cache_positions
 from torch_attn.rotary import rotary_embedding
+from torch_attn.sparse import selected_mask
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -322,10 +323,7 @@ class MultiHeadLatentAttention(nn.Module):
         """The core's mask with the selection: ``head_mask`` (B, 1 or N, Lq, Lk) or None AND
         the chosen keys ``key_indices`` (B, Lq, k) on every head (where the core's sparse
         implementation would not pay: forward)."""
-        chosen = torch.zeros(key_indices.shape[:-1] + (lk,), dtype=torch.bool,
-                             device=key_indices.device)
-        chosen = chosen.scatter(-1, key_indices.long(), True).unsqueeze(-3)  # (B, 1, Lq, Lk)
-        return chosen if head_mask is None else head_mask & chosen
+        return selected_mask(key_indices.unsqueeze(-3), head_mask, lk)  # (B, 1 or N, Lq, Lk)
 
     def _layer_norm(self, t, weight, bias):
         """LayerNorm of t (..., width) with weight and bias (index_norm_eps), in at least
