@@ -19,6 +19,7 @@ from golden.specification import recurrent
 from golden.specification.implementations import record
 from golden.specification.recurrent import RecurrentCache
 from golden.specification.tolerances import compare, delta_rule_bound
+from golden.specification.tolerances import RECURRENT_TOLERANCES as RECURRENT
 from jax_attn.recurrent import DELTA_RULE_IMPLEMENTATIONS, gated_delta_rule
 from tests.helpers import fresh_rng, matrix
 from tests.recurrent_checks import assert_low_precision_within_bound, jax_output, x_terms
@@ -159,8 +160,8 @@ def test_module_implementations_agree_with_left_padding(neg):
         y = {n: module(x, mask, implementation=n, chunk_size=4) for n in IMPLEMENTATIONS}
         expected = _reference(config, np.asarray(x), np.asarray(mask),
                               jax_attn.export_params(module))[0]
-    assert compare(y["chunked"], y["recurrent"], "float64").ok, seed
-    assert compare(y["chunked"], expected, "float64").ok, seed
+    assert compare(y["chunked"], y["recurrent"], "float64", table=RECURRENT).ok, seed
+    assert compare(y["chunked"], expected, "float64", table=RECURRENT).ok, seed
 
 
 def test_chunked_backward_keeps_chunk_states_only():

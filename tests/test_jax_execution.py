@@ -28,6 +28,7 @@ from jax_attn import functional
 from tests.helpers import (
     DTYPES,
     JAX,
+    assert_directional_derivative,
     by_name,
     count_compiles,
     fixture_sweep,
@@ -271,10 +272,8 @@ def test_jax_grad_through_module(variant):
             return jnp.sum(module(*args, **kwargs) ** 2)
 
         g = jax.grad(loss_x)(inputs[name])
-        h, d = 1e-5, jnp.asarray(rng.standard_normal(inputs[name].shape))
-        fd = (loss_x(inputs[name] + h * d) - loss_x(inputs[name] - h * d)) / (2 * h)
-        np.testing.assert_allclose(float(jnp.sum(g * d)), float(fd), rtol=1e-6,
-                                   err_msg=f"seed {seed}")
+        d = jnp.asarray(rng.standard_normal(inputs[name].shape))
+        assert_directional_derivative(loss_x, inputs[name], d, g, seed)
 
 
 @pytest.mark.parametrize("variant", by_name(MODULES, share=True))

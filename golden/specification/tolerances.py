@@ -347,10 +347,17 @@ def _errors(actual, expected):
 # outputs 2e-6 = 34u (delta_rule_bound at L = 70 is 28u) elementwise 8e-6 (4 times, as above),
 # gradients 6e-5 = 1000u elementwise 2e-5 = 335u; float64 outputs as TOLERANCES, gradients
 # 2e-13 (1800u). KDA and lightning attention: the same rows until their twins are measured.
+# float64 outputs elementwise: atol 2e-13 (1800u), not the table's 1e-14, because the chunked
+# form's triangular solve (A unit lower triangular, entries β k·k e^{…} up to 1 over 64 tokens)
+# has a heavy tail: torch_attn's KDA module, "chunked" (64) against "recurrent", L 70, 300
+# seeds each of tests/test_linear_mixers_torch.py's two KDA configurations: the largest error
+# relative to max|e| 32u median, 210-220u at the 99th percentile, 489u at most (a CI draw, seed
+# 1787830214, failed the table's row at 470u); its relative error norm at most 85u, within
+# the table's 1e-13 (900u).
 RECURRENT_TOLERANCES = {
     ("float32", "value"): Tolerance(rel_norm=2e-6, rtol=8e-6, atol=8e-6),
     ("float32", "grad"): Tolerance(rel_norm=6e-5, rtol=2e-5, atol=2e-5),
-    ("float64", "value"): TOLERANCES["float64", "value"],
+    ("float64", "value"): Tolerance(rel_norm=1e-13, rtol=1e-13, atol=2e-13),
     ("float64", "grad"): Tolerance(rel_norm=2e-13, rtol=1e-13, atol=1e-14),
 }
 
