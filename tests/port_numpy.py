@@ -748,11 +748,14 @@ class MultiHeadLatentAttention(Module):
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
-                 output_gate=False, index_topk=None, index_heads=None, index_head_dim=None,
+                 output_gate=False, rope_key_norm=False, query_latent="normed",
+                 index_topk=None, index_heads=None, index_head_dim=None,
                  index_rope="half", index_rope_dims="first", index_query="latent",
                  index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
                  index_select="tokens", *, core=None):
         super().__init__(core)
+        self.both = query_latent == "normed_and_raw"  # AXK2's [RMSNorm(c_q) | c_q]
+        self.k_pe_norm = np.ones(qk_rope_head_dim) if rope_key_norm else None  # dots3's
         self.index = None if index_topk is None else dict(  # DeepSeek-V3.2's indexer
             topk=index_topk, heads=index_heads, dim=index_head_dim, rope=index_rope,
             last=index_rope_dims == "last", layer_norm=index_query == "layer_norm",
@@ -774,7 +777,8 @@ class MultiHeadLatentAttention(Module):
         gate = "sigmoid" if output_gate is True else output_gate  # False: none
         self.gate_softplus = bool(gate) and gate.startswith("softplus")
         self.gate_per_head = bool(gate) and gate.endswith("per_head")
-        self.gate_proj = (Linear(d_in, num_heads if self.gate_per_head else num_heads * v_head_dim,
+        self.gate_proj = (Linear(2 * q_lora_rank if self.both else d_in,
+                                 num_heads if self.gate_per_head else num_heads * v_head_dim,
                                  False) if gate else None)
         dk, bias = qk_nope_head_dim + qk_rope_head_dim, attention_bias
         self.temperature, self.use_rope = query_temperature, rope
@@ -796,7 +800,8 @@ class MultiHeadLatentAttention(Module):
         self.q_proj = None if lora else Linear(d_in, num_heads * dk, False)
         self.q_a_proj = Linear(d_in, q_lora_rank, bias) if lora else None
         self.q_a_norm = np.ones(q_lora_rank) if lora else None
-        self.q_b_proj = Linear(q_lora_rank, num_heads * dk, False) if lora else None
+        self.q_b_proj = (Linear((2 if self.both else 1) * q_lora_rank, num_heads * dk, False)
+                         if lora else None)
         self.kv_a_proj_with_mqa = Linear(d_in, kv_lora_rank + qk_rope_head_dim, bias)
         self.kv_a_norm = np.ones(kv_lora_rank)
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False)
@@ -807,12 +812,15 @@ class MultiHeadLatentAttention(Module):
         positions = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
         if positions.ndim == 2:
             positions = positions[:, None]  # (B, L) -> (B, 1, L): the same for every head
-        q_resid = None
+        q_resid, gate_in = None, x
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q_resid = self.rms(self.q_a_proj(x), self.q_a_norm)
-            q = self.q_b_proj(q_resid)
+            c_q = self.q_a_proj(x)
+            q_resid = self.rms(c_q, self.q_a_norm)
+            if self.both:  # AXK2: the query and its gate read [RMSNorm(c_q) | c_q]
+                gate_in = np.concatenate([q_resid, c_q], axis=-1)
+            q = self.q_b_proj(gate_in if self.both else q_resid)
         q = _split(q, self.heads)                                   # (..., N, L, Dk)
         if self.index is not None:  # the attention sees only the keys the indexer chose
             chosen = self.chosen_keys(x, q_resid, mask, query_seq_lengths, positions)
@@ -821,6 +829,8 @@ class MultiHeadLatentAttention(Module):
         kv_a = self.kv_a_proj_with_mqa(x)
         c = self.rms(kv_a[..., :self.rank], self.kv_a_norm)          # (..., L, r)
         k_pe = kv_a[..., None, :, self.rank:]                        # (..., 1, L, Dr)
+        if self.k_pe_norm is not None:  # dots3: RMSNorm of the shared rotary key, then RoPE
+            k_pe = self.rms(k_pe, self.k_pe_norm)
         if self.use_rope:
             k_pe = rope(k_pe, self.rope_settings, self.interleaved, positions)
         kv = _split(self.kv_b_proj(c), self.heads)                  # (..., N, L, Dn + Dv)
@@ -839,7 +849,7 @@ class MultiHeadLatentAttention(Module):
                               sinks=None if self.sinks is None else self.sinks.astype(q.dtype))
         merged = _merge(o)
         if self.gate_proj is not None:  # HY-V4: times σ(x W_gate); Ling 3.0 one per head
-            z = self.gate_proj(x)
+            z = self.gate_proj(gate_in)
             a = np.logaddexp(z, 0).astype(z.dtype) if self.gate_softplus else 1 / (1 + np.exp(-z))
             if self.gate_per_head:  # one value per head: (..., L, N) -> each head's Dv features
                 a = np.repeat(a, merged.shape[-1] // self.heads, axis=-1)
@@ -909,7 +919,8 @@ class MultiHeadLatentAttention(Module):
 
     def mapping(self) -> dict:
         table = super().mapping()
-        table.update({n: (n, "") for n in ("q_a_norm", "kv_a_norm", "temperature_scale",
+        table.update({n: (n, "") for n in ("q_a_norm", "kv_a_norm", "k_pe_norm",
+                                           "temperature_scale",
                                            "temperature_bias", "sinks", *self.index_vectors)
                       if getattr(self, n) is not None})
         return table

@@ -527,6 +527,18 @@ INDEXED_44 = {
         num_hidden_layers=1, **MLA_SIZES, **INDEXER_44, n_routed_experts=2,
         num_experts_per_tok=1, moe_intermediate_size=8, **TOKENS), attention="eager",
         float32="HYV4RMSNorm, eager softmax, the indexer's scores and its key's LayerNorm"),
+    # A.X-K2: the query and its gate per feature from [RMSNorm(c_q) | c_q] (q_gate_proj)
+    "axk2": Family("AXK2Config", dict(
+        num_hidden_layers=1, **{k: v for k, v in MLA_SIZES.items() if k != "head_dim"},
+        **INDEXER_44, num_local_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        **TOKENS), float32="AXK2RMSNorm, the gate's σ, the indexer's scores"),
+    # dots.3-note: an indexed layer and a full one (no indexer); the rotary key normalised, a
+    # gate per head, the latents' scales folded
+    "dots3_note_text": Family("Dots3NoteTextConfig", dict(
+        num_hidden_layers=2, layer_types=["indexed_attention", "full_attention"],
+        **dict(MLA_SIZES, head_dim=6), **INDEXER_44, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=8, **TOKENS), layers=(0, 1),
+        float32="Dots3NoteRMSNorm, the indexer's scores"),
 }
 
 FAMILIES = {
@@ -711,6 +723,9 @@ DISTINCT = {
     "glm_moe_dsa": [(0, NO_INDEXER), (0, {"index_rope": "half"})],
     "hy_v4": [(0, {"index_rope_dims": "first"}), (0, {"rope_interleaved": True}),
               (0, {"sinks": False})],
+    "axk2": [(0, NO_INDEXER), (0, {"output_gate": False})],
+    "dots3_note_text": [(0, NO_INDEXER), (1, {"rope_key_norm": False}),
+                        (1, {"output_gate": False})],
     "minimax_m3_vl_text": [(0, NO_BLOCKS), (0, {"index_local_blocks": 0})],
     "qwen4_exp_text": [(1, NO_BLOCKS), (1, {"output_gate": False})],
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs
@@ -886,7 +901,8 @@ def test_layers_equal_the_models_own_attention(name, twin):
 # ours), which to_hf divides by it again: w·s / s is w to within one rounding, 1 ulp (measured
 # on 10⁵ draws at LongCat-Flash's s_kv = √(16 / 6): 13% of the elements off by one ulp, none by
 # more). {model_type: its state-dict keys}.
-ROUNDED_BACK = {"longcat_flash": ("kv_a_layernorm.weight",)}
+ROUNDED_BACK = {"longcat_flash": ("kv_a_layernorm.weight",),
+                "dots3_note_text": ("q_a_layernorm.weight", "kv_a_layernorm.weight")}
 # The block indexers' Gemma-style norm weights w, ours the multipliers 1 + w (golden.hf.blocks):
 # to_hf's (1 + w) − 1 is w to within the rounding of 1 + w, at most one ulp of 2 (2⁻⁵¹), an
 # absolute bound (w near 0 loses its low bits relative to itself). {model_type: keys}.

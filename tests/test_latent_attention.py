@@ -44,6 +44,10 @@ CONFIGS = {
     "gate_sinks_hy_v4": dict(CONFIG, rope_interleaved=False, sinks=True, output_gate="sigmoid"),
     "gate_per_head_ling": dict(CONFIG, q_lora_rank=None, attention_bias=False,
                                output_gate="sigmoid_per_head"),
+    # issue 44: dots3's RMSNorm of the shared rotary key before RoPE, with its per-head gate;
+    # AXK2's query and gate reading [RMSNorm(c_q) | c_q]
+    "rope_key_norm_dots3": dict(CONFIG, rope_key_norm=True, output_gate="sigmoid_per_head"),
+    "query_latent_axk2": dict(CONFIG, query_latent="normed_and_raw", output_gate="sigmoid"),
 }
 # float64: decoding and the full forward differ only in summation order (GroupedQueryAttention's
 # decode tests use the same bound); plain and absorbed in the order of their products.
@@ -103,8 +107,12 @@ def _held(config, params, x):
     latent = latent / np.sqrt((latent ** 2).mean(-1, keepdims=True) + c["rms_norm_eps"])
     cos, sin = reference.rope_cos_sin(variants.latent_rope(c), c["qk_rope_head_dim"],
                                       np.arange(x.shape[1]))
-    k_pe = reference.turn(kv_a[..., r:], cos, sin, c["rope_interleaved"]) if c["rope"] else (
-        kv_a[..., r:])  # Kimi Linear's: not turned
+    k_pe = kv_a[..., r:]
+    if c["rope_key_norm"]:  # dots3's: RMS-normalised, times k_pe_norm, before RoPE
+        k_pe = k_pe / np.sqrt((k_pe ** 2).mean(-1, keepdims=True) + c["rms_norm_eps"]) * (
+            params["k_pe_norm"])
+    k_pe = reference.turn(k_pe, cos, sin, c["rope_interleaved"]) if c["rope"] else (
+        k_pe)  # Kimi Linear's: not turned
     return latent * params["kv_a_norm"], k_pe
 
 

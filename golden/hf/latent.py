@@ -341,6 +341,136 @@ def _indexer_from_neutral(params, ours):
     return sd
 
 
+# A.X-K2's fused query and gate (AXK2Attention): q_gate_proj (N·(Dk + Dv), 2·r_q) reads
+# [RMSNorm(c_q) | c_q], each head's rows [q (Dk) | gate (Dv)]; ours W_q_b and W_gate, (2·r_q, ·).
+AXK2_FUSED = "q_gate_proj.weight"
+
+
+def _axk2_settings(c, layer_idx, sd):
+    """A.X-K2 (AXK2Attention): DeepSeek-V3.2's latent attention and indexer (interleaved MLA
+    pairs, the indexer's rotate-half on its first features, D_I^−1/2 on the scores), always a q
+    LoRA, without q_b_proj: one q_gate_proj makes the query and an output gate per feature
+    from [RMSNorm(c_q) | c_q] (``query_latent`` "normed_and_raw", ``output_gate`` "sigmoid";
+    HF takes the σ in float32); the indexer's query reads RMSNorm(c_q)."""
+    ours = _indexer_settings("axk2", "half", interleaved=True)(c, layer_idx, sd)
+    ours.update(query_latent="normed_and_raw", output_gate="sigmoid")
+    return ours
+
+
+def _axk2_heads(ours) -> tuple:
+    """(N, Dk, Dv) of A.X-K2's fused rows."""
+    return (ours["num_heads"], ours["qk_nope_head_dim"] + ours["qk_rope_head_dim"],
+            ours["v_head_dim"])
+
+
+def _axk2_to_neutral(sd, ours):
+    params = _indexer_to_neutral(sd, ours)
+    n, dk, dv = _axk2_heads(ours)
+    fused = _read(sd, AXK2_FUSED, "axk2")                     # (N·(Dk + Dv), 2·r_q)
+    expected = (n * (dk + dv), 2 * ours["q_lora_rank"])
+    if fused.shape != expected:
+        raise ValueError(f"model_type 'axk2': {AXK2_FUSED} should be {expected} (N·(Dk + Dv), "
+                         f"2·q_lora_rank), got {fused.shape}")
+    rows = fused.reshape(n, dk + dv, -1)
+    params["W_q_b"] = np.ascontiguousarray(rows[:, :dk].reshape(n * dk, -1).T)
+    params["W_gate"] = np.ascontiguousarray(rows[:, dk:].reshape(n * dv, -1).T)
+    return params
+
+
+def _axk2_from_neutral(params, ours):
+    sd = _indexer_from_neutral({n: a for n, a in params.items() if n not in (
+        "W_q_b", "W_gate")}, ours)
+    n, dk, dv = _axk2_heads(ours)
+    q = np.asarray(params["W_q_b"]).T.reshape(n, dk, -1)
+    gate = np.asarray(params["W_gate"]).T.reshape(n, dv, -1)
+    sd[AXK2_FUSED] = np.ascontiguousarray(np.concatenate([q, gate], axis=1).reshape(
+        n * (dk + dv), -1))
+    return sd
+
+
+# dots.3-note's text attention (Dots3NoteTextAttention): its layers' sizes from per_layer_config
+# (keyed by the layer's index in config.json), its RoPE per layer type.
+def _dots3_layer(c, layer_idx) -> tuple:
+    """(the config with layer ``layer_idx``'s per_layer_config entries applied, its layer
+    type)."""
+    types = c.get("layer_types") or []
+    kind = types[layer_idx] if layer_idx < len(types) else "indexed_attention"
+    per = c.get("per_layer_config") or {}
+    own = per.get(str(layer_idx), per.get(layer_idx, {}))
+    return {**c, **(own.to_dict() if hasattr(own, "to_dict") else dict(own))}, kind
+
+
+def _dots3_settings(c, layer_idx, sd):
+    """dots.3-note's text attention: DeepSeek-V3.2's latent attention (interleaved MLA pairs)
+    and GLM-5's indexer (interleaved indexer RoPE on the first features, D_I^−1/2 on the
+    scores, the key's LayerNorm ε 1e-6) on its "indexed_attention" layers, none on its
+    "full_attention" ones; every norm's ε the config's rms_norm_eps; the shared rotary key
+    RMS-normalised before RoPE (k_rope_only_layernorm: ``rope_key_norm``); an output gate per
+    head σ(x W_g) (g_proj); the normalised latents times √(D / r_q) and √(D / r) (HF's
+    q_lora_scale, kv_lora_scale) folded into q_a_norm's and kv_a_norm's weights (the
+    indexer's query reads the scaled one, as HF's); RoPE θ of the layer's type. Refused by
+    name: its "sliding_attention" layers (a window on latent attention)."""
+    mt = "dots3_note_text"
+    c, kind = _dots3_layer(c, layer_idx)
+    if kind == "sliding_attention":
+        raise LayerNotSupported(f"model_type {mt!r}: layer {layer_idx} is a "
+                                f"'sliding_attention' layer (latent attention in a window of "
+                                f"{c.get('sliding_window')} keys), which is not supported; its "
+                                f"'indexed_attention' and 'full_attention' layers are")
+    if kind not in ("indexed_attention", "full_attention"):
+        raise ValueError(f"model_type {mt!r}: layer_types[{layer_idx}] should be "
+                         f"'indexed_attention', 'full_attention' or 'sliding_attention', got "
+                         f"{kind!r}")
+    rope = dict((c.get("rope_parameters") or {}).get(kind, c.get("rope_parameters")) or {})
+    fraction = rope.pop("partial_rotary_factor", None)
+    dh = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    if fraction is not None and int(dh * fraction) != c["qk_rope_head_dim"]:
+        raise ValueError(f"model_type {mt!r}: head_dim · rope_parameters[{kind!r}]"
+                         f"['partial_rotary_factor'] should be qk_rope_head_dim = "
+                         f"{c['qk_rope_head_dim']} (HF's rotary embedding makes that many "
+                         f"angles), got {dh} · {fraction!r}")
+    flat = {**c, "head_dim": None, "rope_parameters": rope or None}
+    if kind == "indexed_attention":
+        ours = _indexer_settings(mt, "interleaved", interleaved=True)(flat, layer_idx, sd)
+    else:
+        ours = _latent_settings(mt, interleaved=True)(flat, layer_idx, sd)
+    ours.update(rms_norm_eps=float(c["rms_norm_eps"]), rope_key_norm=True,
+                output_gate="sigmoid_per_head")
+    return ours
+
+
+DOTS3_NAMES = {"k_pe_norm": "k_rope_only_layernorm.weight"}  # and its gate, g_proj
+
+
+def _dots3_scales(ours) -> tuple:
+    """(√(D / r_q), √(D / r)): HF's q_lora_scale and kv_lora_scale, the same floats."""
+    return ((ours["d_in"] / ours["q_lora_rank"]) ** 0.5,
+            (ours["d_in"] / ours["kv_lora_rank"]) ** 0.5)
+
+
+def _dots3_to_neutral(sd, ours):
+    mt = "dots3_note_text"
+    to = _indexer_to_neutral if ours.get("index_topk") is not None else _deepseek_to_neutral
+    params = to(sd, ours)
+    s_q, s_kv = _dots3_scales(ours)
+    params["q_a_norm"] = params["q_a_norm"] * s_q
+    params["kv_a_norm"] = params["kv_a_norm"] * s_kv
+    params["k_pe_norm"] = _read(sd, DOTS3_NAMES["k_pe_norm"], mt)
+    params["W_gate"] = np.ascontiguousarray(_read(sd, "g_proj.weight", mt).T)
+    return params
+
+
+def _dots3_from_neutral(params, ours):
+    fr = _indexer_from_neutral if ours.get("index_topk") is not None else _deepseek_from_neutral
+    sd = fr(params, ours)
+    s_q, s_kv = _dots3_scales(ours)
+    sd["q_a_layernorm.weight"] = sd["q_a_layernorm.weight"] / s_q
+    sd["kv_a_layernorm.weight"] = sd["kv_a_layernorm.weight"] / s_kv
+    sd[DOTS3_NAMES["k_pe_norm"]] = np.array(params["k_pe_norm"])
+    sd["g_proj.weight"] = np.ascontiguousarray(np.asarray(params["W_gate"]).T)
+    return sd
+
+
 # Issue 44's learned-selection families not converted: refused by name, with what they add.
 
 
@@ -353,14 +483,7 @@ REFUSED = {
     "mistral_large4": _composite("mistral_large4_text"),
     "minimax_m3_vl": _composite("minimax_m3_vl_text"),
     "qwen4_exp": _composite("qwen4_exp_text"),
-    "axk2": "A.X-K2's query and output gate come from one q_gate_proj of the query latent both "
-            "normalised and not ([RMSNorm(c_q) | c_q]), which MultiHeadLatentAttention does not "
-            "hold (issue 44)",
-    "dots3_note_text": "dots.3-note's latent attention RMS-normalises its shared rotary key "
-                       "(k_rope_only_layernorm) and windows some layers, which "
-                       "MultiHeadLatentAttention does not hold (issue 44)",
-    "dots3_note": "its text tower (dots3_note_text) is not converted: " + (
-        "dots.3-note's latent attention RMS-normalises its shared rotary key (issue 44)"),
+    "dots3_note": _composite("dots3_note_text"),
 }
 
 
@@ -394,6 +517,11 @@ FAMILIES: dict[str, Family] = {
     "hy_v4": _mla(_hy_v4_settings, _hy_v4_to_neutral, _hy_v4_from_neutral, stacks=(Stack(
         "layers", "self_attn", renames=(("linear_gate", "gate_proj"),
                                         ("learnable_sink_param", "sinks"))),)),
+    # A.X-K2: the query and its gate from [RMSNorm(c_q) | c_q]; dots.3-note: the rotary key
+    # normalised, a gate per head, the latents' scales folded (its windowed layers refused)
+    "axk2": _mla(_axk2_settings, _axk2_to_neutral, _axk2_from_neutral, stacks=(Stack(
+        "layers", "self_attn", renames=(("q_b_proj.", "q_gate_proj."),)),)),  # its files' name
+    "dots3_note_text": _mla(_dots3_settings, _dots3_to_neutral, _dots3_from_neutral),
     # Mistral Small 4: with Llama 4's query temperature
     "mistral4": _mla(_mistral4_settings, model_class="Mistral4Model"),
     "longcat_flash": _mla(_longcat_settings, _longcat_to_neutral, _longcat_from_neutral,

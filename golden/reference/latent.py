@@ -78,18 +78,23 @@ def _latent(config, inputs, params):
     head; causal attention of [q_nope | q_pe] on [k_nope | k_pe] at the scale Dk^−1/2 ·
     latent_mscale (or ``scale``), with ``sinks`` (HY-V4) a learned logit per head in every
     softmax row; ``output_gate`` (HY-V4's "sigmoid", Ling 3.0's "sigmoid_per_head") the heads'
-    output times act(x W_gate), from x (not the query's latent), before W_out. The block (block_forward) runs from the
-    query input and the latent: its W_key and W_value are W_kv_b's key and value columns, its
-    stage the RoPE (latent_rope_stage)."""
+    output times act(x W_gate), from x (not the query's latent), before W_out; ``rope_key_norm``
+    (dots.3-note) k_pe RMS-normalised (k_pe_norm) before RoPE; ``query_latent``
+    "normed_and_raw" (A.X-K2) the query and the gate from [RMSNorm(c_q) | c_q], the indexer's
+    query from RMSNorm(c_q). The block (block_forward) runs from the query input and the
+    latent: its W_key and W_value are W_kv_b's key and value columns, its stage the RoPE
+    (latent_rope_stage)."""
     c, x = variants.get("multi_head_latent_attention").config(config), real(inputs["x"])
     p = {n: real(a) for n, a in params.items()}
     heads, nope, r = c["num_heads"], c["qk_nope_head_dim"], c["kv_lora_rank"]
     eps = number(c["rms_norm_eps"])
-    q_norm = None
+    q_norm, both = None, c["query_latent"] == "normed_and_raw"
     if "W_q_a" in p:
-        x_q, q_norm = normalize("rms", linear(x, p["W_q_a"], p.get("b_q_a")), p["q_a_norm"], eps)
+        c_q = linear(x, p["W_q_a"], p.get("b_q_a"))
+        q_resid, q_norm = normalize("rms", c_q, p["q_a_norm"], eps)
+        x_q = np.concatenate([q_resid, c_q], axis=-1) if both else q_resid  # AXK2's: both
     else:
-        x_q = x
+        x_q = q_resid = x
     kv_a = linear(x, p["W_kv_a"], p.get("b_kv_a"))     # (..., L, r + rope)
     latent, kv_norm = normalize("rms", kv_a[..., :r], p["kv_a_norm"], eps)
     positions = inputs.get("positions")
@@ -98,7 +103,9 @@ def _latent(config, inputs, params):
     cos, sin = rope_cos_sin(variants.latent_rope(c), c["qk_rope_head_dim"], positions)
     if not c["rope"]:  # Kimi Linear: no rotation, cos 1 and sin 0 (x·1 − y·0 is x exactly)
         cos, sin = np.ones_like(cos), np.zeros_like(sin)
-    k_pe = kv_a[..., None, :, r:]                       # (..., 1, L, rope)
+    k_pe, pe_norm = kv_a[..., None, :, r:], None         # (..., 1, L, rope)
+    if "k_pe_norm" in p:  # dots3's: RMS-normalised before RoPE
+        k_pe, pe_norm = normalize("rms", k_pe, p["k_pe_norm"], eps)
     stage = latent_rope_stage(k_pe, cos[heads_axis], sin[heads_axis], c["rope_interleaved"],
                               nope)
     stages = [stage]
@@ -111,18 +118,19 @@ def _latent(config, inputs, params):
                                                 p["temperature_bias"]))
     elif t is not None:
         stages.append(temperature_stage(temperature_factors(positions, t)[heads_axis][..., None]))
-    mask, key_indices = _indexed_mask(c, x, x_q, positions, cos, sin, p, inputs)
+    mask, key_indices = _indexed_mask(c, x, q_resid, positions, cos, sin, p, inputs)
     w_k, w_v = _split_kv_b(p["W_kv_b"], heads, nope)
     block = {"W_query": p.get("W_q_b", p.get("W_query")), "W_key": w_k, "W_value": w_v,
              "W_out": p["W_out"], **{n: p[n] for n in ("b_out", "W_gate", "sinks") if n in p}}
     lengths = inputs.get("query_seq_lengths")
     y, weights, saved = block_forward(x_q, latent, latent, block, num_heads=heads,
                                       stages=stages, mask=mask,
-                                      gate=gate_kind(c["output_gate"]), gate_input=x,
+                                      gate=gate_kind(c["output_gate"]),
+                                      gate_input=x_q if both else x,
                                       is_causal=c["causal"], scale=c["scale"],
                                       query_seq_lengths=lengths, key_value_seq_lengths=lengths)
     return y, weights, dict(block=saved, x=x, p=p, q_norm=q_norm, kv_norm=kv_norm, r=r,
-                            heads=heads, key_indices=key_indices)
+                            heads=heads, key_indices=key_indices, pe_norm=pe_norm, both=both)
 
 
 def _indexed_mask(c, x, q_resid, positions, cos, sin, p, inputs):
@@ -165,14 +173,25 @@ def _latent_backward(saved, d_y, d_weights):
         grads["b_out"] = g["b_out"]
     g_c, g_w = normalize_backward("rms", saved["kv_norm"], g["x_key"] + g["x_value"])
     grads["kv_a_norm"] = unbroadcast(g_w, p["kv_a_norm"].shape)
-    g_kv_a = np.concatenate([g_c, g["k_pe"][..., 0, :, :]], axis=-1)  # (..., L, r + rope)
+    g_pe = g["k_pe"]                                     # (..., 1, L, rope)
+    if saved["pe_norm"] is not None:
+        g_pe, g_w = normalize_backward("rms", saved["pe_norm"], g_pe)
+        grads["k_pe_norm"] = unbroadcast(g_w, p["k_pe_norm"].shape)
+    g_kv_a = np.concatenate([g_c, g_pe[..., 0, :, :]], axis=-1)  # (..., L, r + rope)
     g_x = linear_backward(x, p["W_kv_a"], g_kv_a, grads,
-                          ("W_kv_a", "b_kv_a" if "b_kv_a" in p else None)) + g.get("x_gate", 0)
+                          ("W_kv_a", "b_kv_a" if "b_kv_a" in p else None))
     if saved["q_norm"] is None:
         grads["W_query"] = g["W_query"]
-        return dict(grads, x=g_x + g["x_query"])
+        return dict(grads, x=g_x + g["x_query"] + g.get("x_gate", 0))
     grads["W_q_b"] = g["W_query"]
-    g_a, g_w = normalize_backward("rms", saved["q_norm"], g["x_query"])
+    g_q, g_raw = g["x_query"], 0
+    if saved["both"]:  # [RMSNorm(c_q) | c_q], the gate's input too
+        g_q = g_q + g.get("x_gate", 0)
+        g_q, g_raw = g_q[..., :p["q_a_norm"].shape[0]], g_q[..., p["q_a_norm"].shape[0]:]
+    else:
+        g_x = g_x + g.get("x_gate", 0)
+    g_a, g_w = normalize_backward("rms", saved["q_norm"], g_q)
+    g_a = g_a + g_raw
     grads["q_a_norm"] = unbroadcast(g_w, p["q_a_norm"].shape)
     g_x = g_x + linear_backward(x, p["W_q_a"], g_a, grads,
                                 ("W_q_a", "b_q_a" if "b_q_a" in p else None))

@@ -766,6 +766,20 @@ CASES += [
          {"d_in": 7, "num_heads": 4, "kv_lora_rank": 5, "qk_nope_head_dim": 3,
           "qk_rope_head_dim": 2, "v_head_dim": 6, "d_out": 9, "rope_theta": 300.0,
           "output_gate": "sigmoid_per_head"}),
+    # dots3's: the shared rotary key RMS-normalised (k_pe_norm) before RoPE, a gate per head,
+    # padding; AXK2's: the query and its gate per feature read [RMSNorm(c_q) | c_q] (W_q_b and
+    # W_gate 2·q_lora_rank wide), a bias on c_q, a mask (issue 44)
+    Case("mla_rope_key_norm_dots3", MLA, 710,
+         {"x": ("normal", (2, 7, 6)), "query_seq_lengths": _ints([7, 5])},
+         {"d_in": 6, "num_heads": 3, "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 4, "v_head_dim": 3, "q_lora_rank": 5, "rope_theta": 100.0,
+          "rms_norm_eps": 1e-5, "rope_key_norm": True, "output_gate": "sigmoid_per_head"}),
+    Case("mla_query_latent_axk2", MLA, 711,
+         {"x": ("normal", (2, 6, 5)), "mask": ("mask", (2, 6, 6), 0.8, ())},
+         {"d_in": 5, "num_heads": 2, "kv_lora_rank": 3, "qk_nope_head_dim": 3,
+          "qk_rope_head_dim": 2, "v_head_dim": 4, "q_lora_rank": 4, "d_out": 7,
+          "attention_bias": True, "rope_theta": 300.0, "query_latent": "normed_and_raw",
+          "output_gate": "sigmoid"}),
 ]
 
 # The learned indexer (issue 44, golden.specification.indexer): each query attends only the

@@ -332,6 +332,17 @@ def _flag_or_none(name, b) -> None:
         _flag(name, b)
 
 
+QUERY_LATENTS = ("normed", "normed_and_raw")
+
+
+def check_query_latent(name, value) -> None:
+    """MultiHeadLatentAttention's query input: "normed" RMSNorm(c_q) (DeepSeek's), or
+    "normed_and_raw" [RMSNorm(c_q) | c_q] (AXK2's, which its output gate reads too)."""
+    if value not in QUERY_LATENTS:
+        raise ValueError(f"{name} should be one of {', '.join(map(repr, QUERY_LATENTS))}, got "
+                         f"{value!r}")
+
+
 def latent_rope(c):
     """MultiHeadLatentAttention's RoPE settings (golden.specification.validate.rope_settings): θ
     from
@@ -382,19 +393,26 @@ def _latent_shapes(c):
                                          "kv_lora_rank"))
     shapes = {"W_kv_a": (c["d_in"], r + rope), "kv_a_norm": (r,),
               "W_kv_b": (r, n * (nope + dv)), "W_out": (n * dv, s["d_out"])}
+    both = c["query_latent"] == "normed_and_raw"  # AXK2's: W_q_b reads [RMSNorm(c_q) | c_q]
+    if both and c["q_lora_rank"] is None:
+        raise ValueError("query_latent should be 'normed' without q_lora_rank (there is no "
+                         "query latent c_q to read raw), got 'normed_and_raw'")
     if c["q_lora_rank"] is None:
         shapes["W_query"] = (c["d_in"], n * s["qk_head_dim"])
     else:
         shapes.update({"W_q_a": (c["d_in"], c["q_lora_rank"]), "q_a_norm": (c["q_lora_rank"],),
-                       "W_q_b": (c["q_lora_rank"], n * s["qk_head_dim"])})
+                       "W_q_b": ((2 if both else 1) * c["q_lora_rank"],
+                                 n * s["qk_head_dim"])})
+    if c["rope_key_norm"]:  # dots3's RMSNorm of the shared rotary key, before RoPE
+        shapes["k_pe_norm"] = (rope,)
     if c["attention_bias"]:
         shapes.update({"b_kv_a": (r + rope,), "b_out": (s["d_out"],)})
         if c["q_lora_rank"] is not None:
             shapes["b_q_a"] = (c["q_lora_rank"],)
     shapes.update(temperature_shapes(c))  # the learned query temperature's
     gate = gate_kind(c["output_gate"])  # HY-V4's per feature, Ling 3.0's per head; no bias
-    if gate is not None:
-        shapes["W_gate"] = (c["d_in"], n if gate[1] else n * dv)
+    if gate is not None:  # from x, or (AXK2's) from the query's input [RMSNorm(c_q) | c_q]
+        shapes["W_gate"] = (2 * c["q_lora_rank"] if both else c["d_in"], n if gate[1] else n * dv)
     if c["sinks"]:  # HY-V4's: one logit per head in every softmax row
         shapes["sinks"] = (n,)
     shapes.update(index_shapes(c))  # DeepSeek-V3.2's indexer (golden.specification.indexer)
@@ -579,6 +597,8 @@ _VARIANTS = [
              Arg("scale", _scale, None), Arg("query_temperature", check_temperature, None),
              Arg("rope", _flag, True), Arg("sinks", _flag, False),
              Arg("output_gate", check_output_gate, False),
+             Arg("rope_key_norm", _flag, False),
+             Arg("query_latent", check_query_latent, "normed"),
              Arg("index_topk", positive_or_none, None),
              Arg("index_heads", positive_or_none, None),
              Arg("index_head_dim", positive_or_none, None),
@@ -594,7 +614,8 @@ _VARIANTS = [
                     "kv_b": "W_kv_b", "out": "out_proj", "gate": "W_gate",
                     "index_q": "W_index_q", "index_k": "W_index_k",
                     "index_weights": "W_index_weights"},
-            vectors=("q_a_norm", "kv_a_norm", "temperature_scale", "temperature_bias", "sinks",
+            vectors=("q_a_norm", "kv_a_norm", "k_pe_norm", "temperature_scale",
+                     "temperature_bias", "sinks",
                      "index_k_norm", "index_k_norm_bias", "index_q_norm", "index_q_norm_bias",
                      "index_temperature_scale", "index_temperature_bias"),
             sample=dict(d_in=5, num_heads=3, kv_lora_rank=7, qk_nope_head_dim=2,
@@ -712,7 +733,8 @@ def vector_starts(variant, config) -> dict:
     norm = 0.0 if config.get("qk_norm") == "rms_one_plus" else 1.0
     starts = {"q_norm": norm, "k_norm": norm, "input_norm_weight": 1.0,
               "output_norm_weight": 1.0, "temperature_bias": 1.0,  # factor 0·ln(p + 1) + 1
-              "index_k_norm": 1.0, "index_q_norm": 1.0, "index_temperature_bias": 1.0}
+              "index_k_norm": 1.0, "index_q_norm": 1.0, "index_temperature_bias": 1.0,
+              "k_pe_norm": 1.0}
     return {n: (shapes[n], starts.get(n, 0.0)) for n in VARIANTS[variant].vectors if n in shapes}
 
 

@@ -72,7 +72,8 @@ class MultiHeadLatentAttention(_Variant):
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
-                 output_gate=False, index_topk=None, index_heads=None, index_head_dim=None,
+                 output_gate=False, rope_key_norm=False, query_latent="normed",
+                 index_topk=None, index_heads=None, index_head_dim=None,
                  index_rope="half", index_rope_dims="first", index_query="latent",
                  index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
                  index_select="tokens", *, rngs,
@@ -84,8 +85,8 @@ class MultiHeadLatentAttention(_Variant):
                         rope_theta=rope_theta, rope_parameters=rope_parameters,
                         rope_interleaved=rope_interleaved, causal=causal, scale=scale,
                         query_temperature=query_temperature, rope=rope, sinks=sinks,
-                        output_gate=output_gate,
-                        index_topk=index_topk, index_heads=index_heads,
+                        output_gate=output_gate, rope_key_norm=rope_key_norm,
+                        query_latent=query_latent, index_topk=index_topk, index_heads=index_heads,
                         index_head_dim=index_head_dim, index_rope=index_rope,
                         index_rope_dims=index_rope_dims, index_query=index_query,
                         index_temperature=index_temperature, index_scale=index_scale,
@@ -103,7 +104,9 @@ class MultiHeadLatentAttention(_Variant):
         self.W_query = None if lora else _linear(d_in, num_heads * qk, False, rngs, precision)
         self.W_q_a = _linear(d_in, q_lora_rank, bias, rngs, precision) if lora else None
         self.q_a_norm = nnx.Param(jnp.ones((q_lora_rank,))) if lora else None
-        self.W_q_b = _linear(q_lora_rank, num_heads * qk, False, rngs, precision) if lora else None
+        shapes = variants.get(self.variant).shapes(self.config)  # W_q_b's, W_gate's inputs
+        self.both = query_latent == "normed_and_raw"  # AXK2's [RMSNorm(c_q) | c_q]: static
+        self.W_q_b = _linear(*shapes["W_q_b"], False, rngs, precision) if lora else None
         self.W_kv_a = _linear(d_in, kv_lora_rank + qk_rope_head_dim, bias, rngs, precision)
         self.kv_a_norm = nnx.Param(jnp.ones((kv_lora_rank,)))
         self.W_kv_b = _linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False,
@@ -114,13 +117,14 @@ class MultiHeadLatentAttention(_Variant):
             sorted(query_temperature.items())))  # Mistral Small 4's, after RoPE; static
         starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
         for n in ("temperature_scale", "temperature_bias", "sinks",  # sinks: HY-V4's
+                  "k_pe_norm",  # dots3's RMSNorm of the shared rotary key
                   "index_k_norm", "index_k_norm_bias", "index_q_norm", "index_q_norm_bias",
                   "index_temperature_scale", "index_temperature_bias"):  # the indexer's
             setattr(self, n, nnx.Param(jnp.full(*starts[n])) if n in starts else None)
         self._init_indexer(rngs)
         self.gate = gate_kind(output_gate)  # (activation, per head) or None: static
-        self.W_gate = None if self.gate is None else _linear(
-            d_in, num_heads if self.gate[1] else num_heads * v_head_dim, False, rngs, precision)
+        self.W_gate = None if self.gate is None else _linear(*shapes["W_gate"], False, rngs,
+                                                             precision)
 
     def _init_indexer(self, rngs) -> None:
         """The learned indexer's settings (static) and projections; None without index_topk."""
@@ -187,11 +191,13 @@ class MultiHeadLatentAttention(_Variant):
                             rope_dim=self.rope)
         if cache is not None and self.index_topk is not None:
             check_index_cache(cache, self.index_head_dim, x.dtype)
-        q, q_resid = self._query(x)
+        q, q_resid, q_in = self._query(x)
         q = self._split(q, self.nope + self.rope)                # (B, N, L, Dk)
         kv_a = self.W_kv_a(x)                                    # (B, L, r + Dr)
         latent = self._norm(kv_a[..., :self.kv_lora_rank], self.kv_a_norm)  # (B, L, r)
         k_pe = kv_a[..., None, :, self.kv_lora_rank:]            # (B, 1, L, Dr)
+        if self.k_pe_norm is not None:  # dots3's: RMS-normalised before RoPE
+            k_pe = self._norm(k_pe, self.k_pe_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             held = _as_kv(cache)
@@ -232,7 +238,7 @@ class MultiHeadLatentAttention(_Variant):
                    kv_lengths, return_weights, chosen)           # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
         y = _merge_heads(self.out_proj, o, None if self.W_gate is None else (  # (B, L, d_out)
-            lambda merged: self._gated(merged, x)))
+            lambda merged: self._gated(merged, q_in if self.both else x)))
         out = ((y, w) if return_weights else (y,)) + (
             (key_indices,) if return_key_indices else ())
         out = out if len(out) > 1 else y
@@ -380,12 +386,15 @@ class MultiHeadLatentAttention(_Variant):
                                 z.astype(compute)).astype(z.dtype))
 
     def _query(self, x):
-        """(q (B, L, N·Dk), q_resid): x W_query and None, or RMSNorm(x W_q_a + b_q_a) W_q_b and
-        the query's latent q_resid = RMSNorm(x W_q_a + b_q_a) (B, L, q_lora_rank)."""
+        """(q (B, L, N·Dk), q_resid, q_in): x W_query, None, None; or q_in W_q_b, the query's
+        latent q_resid = RMSNorm(c_q), c_q = x W_q_a + b_q_a (B, L, q_lora_rank), and q_in =
+        q_resid (``query_latent`` "normed_and_raw": [q_resid | c_q], AXK2's)."""
         if self.W_query is not None:
-            return self.W_query(x), None
-        q_resid = self._norm(self.W_q_a(x), self.q_a_norm)
-        return self.W_q_b(q_resid), q_resid
+            return self.W_query(x), None, None
+        c_q = self.W_q_a(x)
+        q_resid = self._norm(c_q, self.q_a_norm)
+        q_in = jnp.concatenate([q_resid, c_q], -1) if self.both else q_resid
+        return self.W_q_b(q_in), q_resid, q_in
 
     def _split(self, y, width):
         """(B, L, N·width) -> (B, N, L, width)."""

@@ -47,7 +47,11 @@ class MultiHeadLatentAttention(nn.Module):
     d_out). ``sinks`` (HY-V4): a learned logit per head (N,) joins every softmax row, taking no
     value; ``output_gate`` (golden.specification.outputs: HY-V4's "sigmoid" per feature, W_gate
     (d_in, N·Dv), Ling 3.0's "sigmoid_per_head", W_gate (d_in, N), or the softplus kinds, no
-    bias): the heads' output times act(x W_gate), from x, before out_proj. ``attention_bias``
+    bias): the heads' output times act(x W_gate), from x, before out_proj. ``rope_key_norm``
+    (dots.3-note's): k_pe RMS-normalised (times k_pe_norm (Dr,), ε rms_norm_eps) before RoPE.
+    ``query_latent`` "normed_and_raw" (A.X-K2's, with a q LoRA): W_q_b (2R, N·Dk) and W_gate
+    (2R, ·) read [RMSNorm(c_q) | c_q], c_q = x W_q_a + b_q_a; the indexer's query still reads
+    RMSNorm(c_q). ``attention_bias``
     puts biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output (B, L, d_out), weights
     (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths`` and ``positions``
     as GroupedQueryAttention's.
@@ -82,7 +86,8 @@ class MultiHeadLatentAttention(nn.Module):
                  v_head_dim, q_lora_rank=None, d_out=None, attention_bias=False,
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
-                 output_gate=False, index_topk=None, index_heads=None, index_head_dim=None,
+                 output_gate=False, rope_key_norm=False, query_latent="normed",
+                 index_topk=None, index_heads=None, index_head_dim=None,
                  index_rope="half", index_rope_dims="first", index_query="latent",
                  index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
                  index_select="tokens"):
@@ -95,6 +100,7 @@ class MultiHeadLatentAttention(nn.Module):
                               rope_parameters=rope_parameters, rope_interleaved=rope_interleaved,
                               causal=causal, scale=scale, query_temperature=query_temperature,
                               rope=rope, sinks=sinks, output_gate=output_gate,
+                              rope_key_norm=rope_key_norm, query_latent=query_latent,
                               index_topk=index_topk, index_heads=index_heads,
                               index_head_dim=index_head_dim, index_rope=index_rope,
                               index_rope_dims=index_rope_dims, index_query=index_query,
@@ -112,7 +118,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.W_query = None if lora else nn.Linear(d_in, num_heads * qk, bias=False)
         self.W_q_a = nn.Linear(d_in, q_lora_rank, bias=bias) if lora else None
         self.q_a_norm = nn.Parameter(torch.ones(q_lora_rank)) if lora else None
-        self.W_q_b = nn.Linear(q_lora_rank, num_heads * qk, bias=False) if lora else None
+        shapes = variants.get(self.variant).shapes(self.config)  # W_q_b's, W_gate's inputs
+        self.both = query_latent == "normed_and_raw"  # AXK2's [RMSNorm(c_q) | c_q]
+        self.W_q_b = nn.Linear(*shapes["W_q_b"], bias=False) if lora else None
         self.W_kv_a = nn.Linear(d_in, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_norm = nn.Parameter(torch.ones(kv_lora_rank))
         self.W_kv_b = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
@@ -122,14 +130,13 @@ class MultiHeadLatentAttention(nn.Module):
         self.query_temperature = query_temperature  # Mistral Small 4's, after RoPE
         starts = variants.vector_starts(self.variant, self.config)  # the learned kind's
         for n in ("temperature_scale", "temperature_bias", "sinks",  # sinks: HY-V4's
+                  "k_pe_norm",  # dots3's RMSNorm of the shared rotary key
                   *(n for n in INDEX_PARAMS if not n.startswith("W_"))):  # the indexer's
             setattr(self, n, nn.Parameter(torch.full(*starts[n])) if n in starts else None)
-        shapes = variants.get(self.variant).shapes(self.config)  # the indexer's layers, if any
         for n in ("W_index_q", "W_index_k", "W_index_weights"):
             setattr(self, n, nn.Linear(*shapes[n], bias=False) if n in shapes else None)
         self.gate = gate_kind(output_gate)  # (activation, per head) or None
-        self.W_gate = None if self.gate is None else nn.Linear(
-            d_in, num_heads if self.gate[1] else num_heads * v_head_dim, bias=False)
+        self.W_gate = None if self.gate is None else nn.Linear(*shapes["W_gate"], bias=False)
 
     def init_cache(self, batch_size, max_length, dtype=None) -> LatentCache:
         """An empty cache: latent zeros (B, max_length, kv_lora_rank), rope_key zeros (B,
@@ -170,11 +177,15 @@ class MultiHeadLatentAttention(nn.Module):
                             rope_dim=self.rope)
         check_flags(absorb=absorb, return_key_indices=return_key_indices)
         self._check_index_call(x, mask, cache, key_indices, return_key_indices)
-        q_resid = None if self.W_q_a is None else self._norm(self.W_q_a(x), self.q_a_norm)
-        q = self._split(self._query(x, q_resid), self.nope + self.rope)  # (B, N, L, Dk)
+        c_q = None if self.W_q_a is None else self.W_q_a(x)
+        q_resid = None if c_q is None else self._norm(c_q, self.q_a_norm)
+        q_in = torch.cat([q_resid, c_q], -1) if self.both else q_resid  # AXK2's: both
+        q = self._split(self._query(x, q_in), self.nope + self.rope)  # (B, N, L, Dk)
         kv_a = self.W_kv_a(x)                                    # (B, L, r + Dr)
         latent = self._norm(kv_a[..., :self.kv_lora_rank], self.kv_a_norm)  # (B, L, r)
         k_pe = kv_a[..., None, :, self.kv_lora_rank:]            # (B, 1, L, Dr)
+        if self.k_pe_norm is not None:  # dots3's: RMS-normalised before RoPE
+            k_pe = self._norm(k_pe, self.k_pe_norm)
         offset, q_lengths, kv_lengths = None, query_seq_lengths, query_seq_lengths
         if cache is not None:
             held = _as_kv(cache)
@@ -215,7 +226,8 @@ class MultiHeadLatentAttention(nn.Module):
         o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights, chosen)           # (B, N, L, Dv)
         o, w = o if return_weights else (o, None)
-        y = self.out_proj(self._gated(o.transpose(-2, -3).flatten(-2), x))  # (B, L, d_out)
+        y = self.out_proj(self._gated(o.transpose(-2, -3).flatten(-2),  # (B, L, d_out)
+                                      q_in if self.both else x))
         out = (y, w) if return_weights else y
         if return_key_indices:
             out = (*(out if return_weights else (out,)), key_indices.to(torch.int32))
@@ -381,11 +393,12 @@ class MultiHeadLatentAttention(nn.Module):
                                 z.to(compute).clamp(min=0) + torch.log1p(
                                     torch.exp(-z.to(compute).abs()))).to(z.dtype))
 
-    def _query(self, x, q_resid):
-        """(B, L, N·Dk): x W_query, or q_resid W_q_b, q_resid = RMSNorm(x W_q_a + b_q_a)."""
+    def _query(self, x, q_in):
+        """(B, L, N·Dk): x W_query, or q_in W_q_b, q_in = RMSNorm(c_q) with c_q = x W_q_a +
+        b_q_a (``query_latent`` "normed_and_raw": [RMSNorm(c_q) | c_q])."""
         if self.W_query is not None:
             return self.W_query(x)
-        return self.W_q_b(q_resid)
+        return self.W_q_b(q_in)
 
     def _split(self, y, width, heads=None):
         """(B, L, heads·width) -> (B, heads, L, width); heads default num_heads."""
