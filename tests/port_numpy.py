@@ -749,12 +749,13 @@ class MultiHeadLatentAttention(Module):
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
                  output_gate=False, rope_key_norm=False, query_latent="normed",
-                 index_topk=None, index_heads=None, index_head_dim=None,
+                 sliding_window=None, index_topk=None, index_heads=None, index_head_dim=None,
                  index_rope="half", index_rope_dims="first", index_query="latent",
                  index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
                  index_select="tokens", *, core=None):
         super().__init__(core)
         self.both = query_latent == "normed_and_raw"  # AXK2's [RMSNorm(c_q) | c_q]
+        self.window = sliding_window  # dots.3-note's: W keys, the query's own included
         self.k_pe_norm = np.ones(qk_rope_head_dim) if rope_key_norm else None  # dots3's
         self.index = None if index_topk is None else dict(  # DeepSeek-V3.2's indexer
             topk=index_topk, heads=index_heads, dim=index_head_dim, rope=index_rope,
@@ -843,8 +844,11 @@ class MultiHeadLatentAttention(Module):
             q = q * _temperature_factors(self, positions).astype(q.dtype)
         k = np.concatenate([k_nope, np.broadcast_to(k_pe, k_nope.shape[:-1] + k_pe.shape[-1:])],
                            axis=-1)
+        w_ = self.window
+        window = None if w_ is None else tuple(w_) if isinstance(w_, (tuple, list)) else (
+            w_ - 1, 0 if self.causal else w_ - 1)  # W keys, the query's own included
         o, w = self.core.sdpa(q, k, v, _head_mask(mask), is_causal=self.causal, scale=self.scale,
-                              query_seq_lengths=query_seq_lengths,
+                              local_window_size=window, query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=query_seq_lengths, return_weights=True,
                               sinks=None if self.sinks is None else self.sinks.astype(q.dtype))
         merged = _merge(o)

@@ -532,13 +532,17 @@ INDEXED_44 = {
         num_hidden_layers=1, **{k: v for k, v in MLA_SIZES.items() if k != "head_dim"},
         **INDEXER_44, num_local_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
         **TOKENS), float32="AXK2RMSNorm, the gate's σ, the indexer's scores"),
-    # dots.3-note: an indexed layer and a full one (no indexer); the rotary key normalised, a
-    # gate per head, the latents' scales folded
+    # dots.3-note: an indexed layer, a full one (no indexer) and a windowed one (sizes of its
+    # own, per_layer_config, its RoPE θ its type's); the rotary key normalised, a gate per head,
+    # the latents' scales folded
     "dots3_note_text": Family("Dots3NoteTextConfig", dict(
-        num_hidden_layers=2, layer_types=["indexed_attention", "full_attention"],
+        num_hidden_layers=3,
+        layer_types=["indexed_attention", "full_attention", "sliding_attention"],
         **dict(MLA_SIZES, head_dim=6), **INDEXER_44, n_routed_experts=2,
-        num_experts_per_tok=1, moe_intermediate_size=8, **TOKENS), layers=(0, 1),
-        float32="Dots3NoteRMSNorm, the indexer's scores"),
+        num_experts_per_tok=1, moe_intermediate_size=8, **TOKENS, sliding_window=3,
+        swa_q_lora_rank=5, swa_kv_lora_rank=7, swa_head_dim=5, swa_qk_nope_head_dim=3,
+        swa_v_head_dim=2, swa_num_attention_heads=N, swa_num_key_value_heads=N),
+        layers=(0, 1, 2), float32="Dots3NoteRMSNorm, the indexer's scores"),
 }
 
 FAMILIES = {
@@ -725,7 +729,7 @@ DISTINCT = {
               (0, {"sinks": False})],
     "axk2": [(0, NO_INDEXER), (0, {"output_gate": False})],
     "dots3_note_text": [(0, NO_INDEXER), (1, {"rope_key_norm": False}),
-                        (1, {"output_gate": False})],
+                        (1, {"output_gate": False}), (2, {"sliding_window": None})],
     "minimax_m3_vl_text": [(0, NO_BLOCKS), (0, {"index_local_blocks": 0})],
     "qwen4_exp_text": [(1, NO_BLOCKS), (1, {"output_gate": False})],
     # LongCat-Flash: HF's scaling without s_q; its second attention's pairs

@@ -48,6 +48,8 @@ CONFIGS = {
     # AXK2's query and gate reading [RMSNorm(c_q) | c_q]
     "rope_key_norm_dots3": dict(CONFIG, rope_key_norm=True, output_gate="sigmoid_per_head"),
     "query_latent_axk2": dict(CONFIG, query_latent="normed_and_raw", output_gate="sigmoid"),
+    # dots.3-note's windowed layers: W = 3 keys, the query's own included (L = 10 past it)
+    "window_dots3": dict(CONFIG, sliding_window=3, rope_key_norm=True),
 }
 # float64: decoding and the full forward differ only in summation order (GroupedQueryAttention's
 # decode tests use the same bound); plain and absorbed in the order of their products.
@@ -572,10 +574,26 @@ def test_decoding_matches_transformers_dynamic_cache(twin, name, monkeypatch):
     ("output_gate", "tanh", "output_gate should be False, True (= 'sigmoid') or one of 'sigmoid', "
                             "'sigmoid_per_head', 'softplus', 'softplus_per_head', got 'tanh'"),
     ("sinks", 1, "sinks should be True or False"),
+    # issue 44's options
+    ("rope_key_norm", "yes", "rope_key_norm should be True or False"),
+    ("query_latent", "raw", "query_latent should be one of 'normed', 'normed_and_raw', got 'raw'"),
+    ("sliding_window", 0, "sliding_window should be"),
 ])
 def test_gate_and_sinks_are_validated_by_name(twin, option, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         twin.make(MLA, dict(CONFIG, **{option: value}))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"q_lora_rank": None, "query_latent": "normed_and_raw"},
+     "query_latent should be 'normed' without q_lora_rank (there is no query latent c_q to read "
+     "raw), got 'normed_and_raw'"),
+    ({"sliding_window": 3, "index_topk": 2, "index_heads": 2, "index_head_dim": 4},
+     "sliding_window should be None with index_topk"),
+])
+def test_issue_44_options_that_do_not_fit_are_refused_by_name(twin, change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        twin.make(MLA, dict(CONFIG, **change))
 
 
 @pytest.mark.parametrize("output_gate, width", [("sigmoid", 3 * 11), ("sigmoid_per_head", 3),

@@ -404,20 +404,16 @@ def _dots3_settings(c, layer_idx, sd):
     """dots.3-note's text attention: DeepSeek-V3.2's latent attention (interleaved MLA pairs)
     and GLM-5's indexer (interleaved indexer RoPE on the first features, D_I^−1/2 on the
     scores, the key's LayerNorm ε 1e-6) on its "indexed_attention" layers, none on its
-    "full_attention" ones; every norm's ε the config's rms_norm_eps; the shared rotary key
+    "full_attention" and "sliding_attention" ones (the latter in a window of sliding_window
+    keys, the query's own included); every norm's ε the config's rms_norm_eps; the shared rotary key
     RMS-normalised before RoPE (k_rope_only_layernorm: ``rope_key_norm``); an output gate per
     head σ(x W_g) (g_proj); the normalised latents times √(D / r_q) and √(D / r) (HF's
     q_lora_scale, kv_lora_scale) folded into q_a_norm's and kv_a_norm's weights (the
-    indexer's query reads the scaled one, as HF's); RoPE θ of the layer's type. Refused by
-    name: its "sliding_attention" layers (a window on latent attention)."""
+    indexer's query reads the scaled one, as HF's); RoPE θ of the layer's type; each layer's
+    sizes its per_layer_config entry's (the windowed layers' own heads and ranks)."""
     mt = "dots3_note_text"
     c, kind = _dots3_layer(c, layer_idx)
-    if kind == "sliding_attention":
-        raise LayerNotSupported(f"model_type {mt!r}: layer {layer_idx} is a "
-                                f"'sliding_attention' layer (latent attention in a window of "
-                                f"{c.get('sliding_window')} keys), which is not supported; its "
-                                f"'indexed_attention' and 'full_attention' layers are")
-    if kind not in ("indexed_attention", "full_attention"):
+    if kind not in ("indexed_attention", "full_attention", "sliding_attention"):
         raise ValueError(f"model_type {mt!r}: layer_types[{layer_idx}] should be "
                          f"'indexed_attention', 'full_attention' or 'sliding_attention', got "
                          f"{kind!r}")
@@ -436,6 +432,8 @@ def _dots3_settings(c, layer_idx, sd):
         ours = _latent_settings(mt, interleaved=True)(flat, layer_idx, sd)
     ours.update(rms_norm_eps=float(c["rms_norm_eps"]), rope_key_norm=True,
                 output_gate="sigmoid_per_head")
+    if kind == "sliding_attention":  # W keys, the query's own included (HF's sliding mask)
+        ours["sliding_window"] = int(c["sliding_window"])
     return ours
 
 
@@ -518,7 +516,7 @@ FAMILIES: dict[str, Family] = {
         "layers", "self_attn", renames=(("linear_gate", "gate_proj"),
                                         ("learnable_sink_param", "sinks"))),)),
     # A.X-K2: the query and its gate from [RMSNorm(c_q) | c_q]; dots.3-note: the rotary key
-    # normalised, a gate per head, the latents' scales folded (its windowed layers refused)
+    # normalised, a gate per head, the latents' scales folded, its windowed layers' sizes
     "axk2": _mla(_axk2_settings, _axk2_to_neutral, _axk2_from_neutral, stacks=(Stack(
         "layers", "self_attn", renames=(("q_b_proj.", "q_gate_proj."),)),)),  # its files' name
     "dots3_note_text": _mla(_dots3_settings, _dots3_to_neutral, _dots3_from_neutral),

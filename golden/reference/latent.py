@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from golden.specification import variants
+from golden.specification.decoder import sliding_window
 from golden.specification.outputs import gate_kind
 from golden.reference.arithmetic import number, real
 from golden.reference.block import Stage, block_backward, block_forward, linear, linear_backward
@@ -81,7 +82,8 @@ def _latent(config, inputs, params):
     output times act(x W_gate), from x (not the query's latent), before W_out; ``rope_key_norm``
     (dots.3-note) k_pe RMS-normalised (k_pe_norm) before RoPE; ``query_latent``
     "normed_and_raw" (A.X-K2) the query and the gate from [RMSNorm(c_q) | c_q], the indexer's
-    query from RMSNorm(c_q). The block (block_forward) runs from the query input and the
+    query from RMSNorm(c_q); ``sliding_window`` W (dots.3-note's windowed layers) W keys, the
+    query's own included. The block (block_forward) runs from the query input and the
     latent: its W_key and W_value are W_kv_b's key and value columns, its stage the RoPE
     (latent_rope_stage)."""
     c, x = variants.get("multi_head_latent_attention").config(config), real(inputs["x"])
@@ -128,6 +130,8 @@ def _latent(config, inputs, params):
                                       gate=gate_kind(c["output_gate"]),
                                       gate_input=x_q if both else x,
                                       is_causal=c["causal"], scale=c["scale"],
+                                      local_window_size=sliding_window(c["sliding_window"],
+                                                                       c["causal"]),
                                       query_seq_lengths=lengths, key_value_seq_lengths=lengths)
     return y, weights, dict(block=saved, x=x, p=p, q_norm=q_norm, kv_norm=kv_norm, r=r,
                             heads=heads, key_indices=key_indices, pe_norm=pe_norm, both=both)

@@ -780,6 +780,12 @@ CASES += [
           "qk_rope_head_dim": 2, "v_head_dim": 4, "q_lora_rank": 4, "d_out": 7,
           "attention_bias": True, "rope_theta": 300.0, "query_latent": "normed_and_raw",
           "output_gate": "sigmoid"}),
+    # dots.3-note's windowed layers: 3 keys, the query's own included, L 8 past them, padding
+    Case("mla_window_dots3", MLA, 712,
+         {"x": ("normal", (2, 8, 5)), "query_seq_lengths": _ints([8, 6])},
+         {"d_in": 5, "num_heads": 2, "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 2, "v_head_dim": 3, "q_lora_rank": 3, "rope_theta": 100.0,
+          "sliding_window": 3, "rope_key_norm": True, "output_gate": "sigmoid_per_head"}),
 ]
 
 # The learned indexer (issue 44, golden.specification.indexer): each query attends only the

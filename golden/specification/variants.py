@@ -415,6 +415,10 @@ def _latent_shapes(c):
         shapes["W_gate"] = (2 * c["q_lora_rank"] if both else c["d_in"], n if gate[1] else n * dv)
     if c["sinks"]:  # HY-V4's: one logit per head in every softmax row
         shapes["sinks"] = (n,)
+    if c["sliding_window"] is not None and c["index_topk"] is not None:
+        raise ValueError(f"sliding_window should be None with index_topk (the indexer chooses "
+                         f"among every key the query may see, no family windows it), got "
+                         f"{c['sliding_window']!r}")
     shapes.update(index_shapes(c))  # DeepSeek-V3.2's indexer (golden.specification.indexer)
     return shapes
 
@@ -599,6 +603,7 @@ _VARIANTS = [
              Arg("output_gate", check_output_gate, False),
              Arg("rope_key_norm", _flag, False),
              Arg("query_latent", check_query_latent, "normed"),
+             Arg("sliding_window", check_sliding_window, None),
              Arg("index_topk", positive_or_none, None),
              Arg("index_heads", positive_or_none, None),
              Arg("index_head_dim", positive_or_none, None),

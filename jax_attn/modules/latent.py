@@ -16,6 +16,7 @@ from flax import nnx
 
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
+from golden.specification.decoder import sliding_window as sliding_window_pair
 from golden.specification.indexer import (check_index_cache, check_index_mask, check_key_indices,
                                           refuse_selection)
 from golden.specification.outputs import gate_kind, gated_output
@@ -73,7 +74,7 @@ class MultiHeadLatentAttention(_Variant):
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
                  output_gate=False, rope_key_norm=False, query_latent="normed",
-                 index_topk=None, index_heads=None, index_head_dim=None,
+                 sliding_window=None, index_topk=None, index_heads=None, index_head_dim=None,
                  index_rope="half", index_rope_dims="first", index_query="latent",
                  index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
                  index_select="tokens", *, rngs,
@@ -86,7 +87,8 @@ class MultiHeadLatentAttention(_Variant):
                         rope_interleaved=rope_interleaved, causal=causal, scale=scale,
                         query_temperature=query_temperature, rope=rope, sinks=sinks,
                         output_gate=output_gate, rope_key_norm=rope_key_norm,
-                        query_latent=query_latent, index_topk=index_topk, index_heads=index_heads,
+                        query_latent=query_latent, sliding_window=sliding_window,
+                        index_topk=index_topk, index_heads=index_heads,
                         index_head_dim=index_head_dim, index_rope=index_rope,
                         index_rope_dims=index_rope_dims, index_query=index_query,
                         index_temperature=index_temperature, index_scale=index_scale,
@@ -106,6 +108,7 @@ class MultiHeadLatentAttention(_Variant):
         self.q_a_norm = nnx.Param(jnp.ones((q_lora_rank,))) if lora else None
         shapes = variants.get(self.variant).shapes(self.config)  # W_q_b's, W_gate's inputs
         self.both = query_latent == "normed_and_raw"  # AXK2's [RMSNorm(c_q) | c_q]: static
+        self.window = sliding_window_pair(sliding_window, causal)  # the core's (left, right)
         self.W_q_b = _linear(*shapes["W_q_b"], False, rngs, precision) if lora else None
         self.W_kv_a = _linear(d_in, kv_lora_rank + qk_rope_head_dim, bias, rngs, precision)
         self.kv_a_norm = nnx.Param(jnp.ones((kv_lora_rank,)))
@@ -350,7 +353,8 @@ class MultiHeadLatentAttention(_Variant):
         k = jnp.concatenate([k_nope, k_pe], -1)
         return scaled_dot_product_attention(
             jnp.concatenate([q_nope, q_pe], -1), k, v, mask, is_causal=self.causal,
-            scale=self.scale, query_offset=offset, query_seq_lengths=q_lengths,
+            scale=self.scale, local_window_size=self.window, query_offset=offset,
+            query_seq_lengths=q_lengths,
             key_value_seq_lengths=kv_lengths, return_weights=return_weights,
             precision=self.precision, key_indices=chosen, **self._sinks())
 
@@ -365,8 +369,8 @@ class MultiHeadLatentAttention(_Variant):
         q_lat = jnp.einsum("...nld,rnd->...nlr", q_nope, w_kb, precision=self.precision)
         o = scaled_dot_product_attention(
             jnp.concatenate([q_lat, q_pe], -1), jnp.concatenate([latent, k_pe], -1), latent,
-            mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
-            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            mask, is_causal=self.causal, scale=self.scale, local_window_size=self.window,
+            query_offset=offset, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
             return_weights=return_weights, precision=self.precision, key_indices=chosen,
             **self._sinks())
         o, w_ = o if return_weights else (o, None)

@@ -14,6 +14,7 @@ from torch import nn
 
 from golden.specification import variants
 from golden.specification.decoder import qk_normalize
+from golden.specification.decoder import sliding_window as sliding_window_pair
 from golden.specification.indexer import (INDEX_PARAMS, check_index_cache, check_index_mask,
                                           check_key_indices, refuse_selection)
 from golden.specification.outputs import gate_kind, gated_output
@@ -51,7 +52,8 @@ class MultiHeadLatentAttention(nn.Module):
     (dots.3-note's): k_pe RMS-normalised (times k_pe_norm (Dr,), ε rms_norm_eps) before RoPE.
     ``query_latent`` "normed_and_raw" (A.X-K2's, with a q LoRA): W_q_b (2R, N·Dk) and W_gate
     (2R, ·) read [RMSNorm(c_q) | c_q], c_q = x W_q_a + b_q_a; the indexer's query still reads
-    RMSNorm(c_q). ``attention_bias``
+    RMSNorm(c_q). ``sliding_window`` W (dots.3-note's windowed layers; not with the indexer):
+    each query sees W keys, its own included, as GroupedQueryAttention's. ``attention_bias``
     puts biases on W_q_a, W_kv_a and out_proj, as Hugging Face's. Output (B, L, d_out), weights
     (B, N, L, Lk), Lk = L or the cache's max_length M. ``query_seq_lengths`` and ``positions``
     as GroupedQueryAttention's.
@@ -87,7 +89,7 @@ class MultiHeadLatentAttention(nn.Module):
                  rms_norm_eps=1e-6, rope_theta=None, rope_parameters=None, rope_interleaved=True,
                  causal=True, scale=None, query_temperature=None, rope=True, sinks=False,
                  output_gate=False, rope_key_norm=False, query_latent="normed",
-                 index_topk=None, index_heads=None, index_head_dim=None,
+                 sliding_window=None, index_topk=None, index_heads=None, index_head_dim=None,
                  index_rope="half", index_rope_dims="first", index_query="latent",
                  index_temperature=False, index_scale="scores", index_norm_eps=1e-6,
                  index_select="tokens"):
@@ -101,6 +103,7 @@ class MultiHeadLatentAttention(nn.Module):
                               causal=causal, scale=scale, query_temperature=query_temperature,
                               rope=rope, sinks=sinks, output_gate=output_gate,
                               rope_key_norm=rope_key_norm, query_latent=query_latent,
+                              sliding_window=sliding_window,
                               index_topk=index_topk, index_heads=index_heads,
                               index_head_dim=index_head_dim, index_rope=index_rope,
                               index_rope_dims=index_rope_dims, index_query=index_query,
@@ -120,6 +123,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_a_norm = nn.Parameter(torch.ones(q_lora_rank)) if lora else None
         shapes = variants.get(self.variant).shapes(self.config)  # W_q_b's, W_gate's inputs
         self.both = query_latent == "normed_and_raw"  # AXK2's [RMSNorm(c_q) | c_q]
+        self.window = sliding_window_pair(sliding_window, causal)  # the core's (left, right)
         self.W_q_b = nn.Linear(*shapes["W_q_b"], bias=False) if lora else None
         self.W_kv_a = nn.Linear(d_in, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_norm = nn.Parameter(torch.ones(kv_lora_rank))
@@ -355,9 +359,10 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(k_nope.shape[:-1] + (self.rope,))], -1)
         q = torch.cat([q_nope, q_pe], -1)
         return scaled_dot_product_attention(
-            q, k, v, mask, is_causal=self.causal, scale=self.scale, query_offset=offset,
-            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-            return_weights=return_weights, key_indices=chosen, **self._sinks())
+            q, k, v, mask, is_causal=self.causal, scale=self.scale,
+            local_window_size=self.window, query_offset=offset, query_seq_lengths=q_lengths,
+            key_value_seq_lengths=kv_lengths, return_weights=return_weights, key_indices=chosen,
+            **self._sinks())
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, mask, offset, q_lengths, kv_lengths,
                   return_weights, chosen=None):
@@ -369,8 +374,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_lat = torch.einsum("...nld,rnd->...nlr", q_nope, w_kb)
         o = scaled_dot_product_attention(
             torch.cat([q_lat, q_pe], -1), torch.cat([latent, k_pe], -1), latent, mask,
-            is_causal=self.causal, scale=self.scale, query_offset=offset,
-            query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            is_causal=self.causal, scale=self.scale, local_window_size=self.window,
+            query_offset=offset, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
             return_weights=return_weights, key_indices=chosen, **self._sinks())
         o, w_ = o if return_weights else (o, None)
         o = torch.einsum("...nlr,rnv->...nlv", o, w_vb)
