@@ -170,24 +170,28 @@ def test_every_layer_passes(name, tmp_path, capsys):
             report["checkpoint"]["notes"], report["checkpoint"]["notes"]
 
 
-def test_a_layer_kind_not_converted_is_noted_and_the_others_checked(tmp_path, capsys):
-    # GLM-5's "shared" indexer layers reuse the previous layer's choice (LayerNotSupported): a
-    # checkpoint of a full and a shared layer is checked at its full layer, the shared one
-    # named in the notes, not refused whole.
-    family = FAMILIES["glm_moe_dsa"]
+@pytest.mark.parametrize("name, config_class", [("glm_moe_dsa", "GlmMoeDsaConfig"),
+                                                ("hy_v4", "HYV4Config")])
+def test_shared_indexer_layers_are_checked_on_a_drawn_choice(tmp_path, name, config_class):
+    # GLM-5's and HY-V4's "shared" indexer layers reuse the previous layer's choice: the
+    # verifier checks such a layer on a drawn choice (each query's best of drawn scores among
+    # the keys it sees), given to ours as key_indices and to HF's module as prev_topk_indices;
+    # a checkpoint of a full and a shared layer passes at both.
+    family = FAMILIES[name]
     kw = dict(family.kw, num_hidden_layers=2, indexer_types=["full", "shared"])
-    config = transformers.GlmMoeDsaConfig(**{**BASE, **kw})
+    config = getattr(transformers, config_class)(**{**BASE, **kw})
     directory = _save(transformers.AutoModelForCausalLM.from_config(config),
-                      tmp_path / "glm5", 0)
+                      tmp_path / name, 0)
     report_path = tmp_path / "report.json"
     assert main(["hf", str(directory), "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
-    assert {r["fixture"] for r in report["rows"]} == {"layer 0 (indexed_attention)"}
+    assert {r["fixture"] for r in report["rows"]} == {"layer 0 (indexed_attention)",
+                                                      "layer 1 (indexed_attention)"}
+    assert any(r["implementation"] == "hf" and r["fixture"] == "layer 1 (indexed_attention)"
+               for r in report["rows"])
     assert all(r["status"] == "pass" for r in report["rows"] if r["implementation"] != "hf"
                or r["dtype"] == "float32")
-    assert any(n.startswith("layer 1 (indexed_attention): not checked: model_type 'glm_moe_dsa': layer "
-                            "1 is an indexer_types 'shared' layer")
-               for n in report["checkpoint"]["notes"]), report["checkpoint"]["notes"]
+    assert not report["checkpoint"]["notes"], report["checkpoint"]["notes"]
 
 
 def config_layers(name):

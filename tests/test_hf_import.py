@@ -1529,11 +1529,29 @@ def test_issue_44_families_not_converted_yet_are_refused_by_name(mt):
         golden.convert.from_hf({"model_type": mt}, {})
 
 
-def test_glm5_shared_indexer_layers_are_refused_by_name():
-    rng, _ = fresh_rng()
-    config, model = build_model(FAMILIES["glm_moe_dsa"], rng)
-    config = dict(config.to_dict(), indexer_types=["shared"])
-    with pytest.raises(ValueError, match=r"model_type 'glm_moe_dsa': layer 0 is an "
-                                         r"indexer_types 'shared' layer"):
-        golden.convert.from_hf(config, state_dict(attention_of(FAMILIES["glm_moe_dsa"], model,
-                                                               0)), layer_idx=0)
+@pytest.mark.parametrize("mt", ["glm_moe_dsa", "hy_v4"])
+def test_shared_indexer_layers_take_the_previous_layers_choice(mt, twin):
+    # indexer_types ["full", "shared"]: layer 1 has no indexer and attends the keys layer 0's
+    # chose (HF passes them as prev_topk_indices). Converted as index_select "given", given
+    # the choice HF's layer 1 received, both twins equal HF's layer 1 at HF's float32 floor;
+    # every key allowed instead moves the output far.
+    rng, seed = fresh_rng()
+    family = FAMILIES[mt]
+    family = Family(family.config, dict(family.kw, num_hidden_layers=2,
+                                        indexer_types=["full", "shared"]),
+                    attention=family.attention)
+    config, model = build_model(family, rng)
+    calls = {}
+    x, expected = captured(family, model, (1,), rng.integers(0, BASE["vocab_size"], (B, L)),
+                           calls=calls)[1]
+    chosen = calls[1][1]["prev_topk_indices"].numpy().astype(np.int32)
+    variant, ours, params = golden.convert.from_hf(
+        config, state_dict(attention_of(family, model, 1)), layer_idx=1)
+    assert ours["index_select"] == "given" and not any("index" in n for n in params)
+    with twin.float64():
+        module = twin.build(variant, ours, params)
+        out = twin.numpy(module(twin.array(x), key_indices=twin.array(chosen)))
+        every = {n: v for n, v in ours.items() if n not in ("index_topk", "index_select")}
+        dense = twin.numpy(twin.build(variant, every, params)(twin.array(x)))
+    assert rel(out, expected) <= FLOAT32_LEVEL, seed
+    assert rel(dense, expected) > 1e3 * FLOAT32_LEVEL, seed

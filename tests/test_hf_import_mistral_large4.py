@@ -166,7 +166,8 @@ def test_round_trip_gives_back_the_same_arrays():
 
 @pytest.mark.parametrize("change, match", [
     (dict(no_rope_layers=[0]), r"layer 0 is a NoPE layer"),
-    (dict(indexer_types=["shared"]), r"layer 0 is an indexer_types 'shared' layer"),
+    (dict(indexer_types=["partial"]), r"indexer_types\[0\] should be 'full' or 'shared', "
+                                      r"got 'partial'"),
     (dict(num_hidden_layers=2, kv_source_layers=[0, 0], no_rope_layers=[1, 1],
           indexer_types=["full", "full"]), r"layer 1 attends layer 0's latent cache")])
 def test_refused_layers_are_named(change, match):

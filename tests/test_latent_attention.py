@@ -723,3 +723,66 @@ def test_matches_hy_v4_attention_with_every_key_kept(monkeypatch):
     hf_sparse, _, _ = _hy_v4_module(rng, index_topk=3)
     hf_sparse.load_state_dict(hf.state_dict())  # the same weights
     assert rel(_hy_v4_run(hf_sparse, x, dy, names)[0], y_hf) > 0.01, seed
+
+
+# ---- issue 44: a "shared" layer (index_select "given") takes the previous layer's choice -------
+
+SHARED = dict(CONFIG, index_topk=3, index_select="given")  # GLM-5's indexer_types "shared"
+FULL = dict(CONFIG, index_topk=3, index_heads=2, index_head_dim=4)  # a layer with its own
+
+
+def _causal_choice(rng, batch, length, k):
+    """key_indices (B, L, k): each query's k best of random scores among its causal keys (rows
+    seeing fewer fill with unseen keys, as every implementation does)."""
+    scores = rng.standard_normal((batch, length, length))
+    allowed = np.broadcast_to(np.tril(np.ones((length, length), bool)), scores.shape)
+    return reference.select_keys(scores, allowed, k)
+
+
+def test_a_shared_layer_takes_the_given_choice_and_has_no_indexer(twin):
+    rng, seed = fresh_rng()
+    params = _params(SHARED, rng)
+    assert not any(n.startswith(("W_index", "index_")) for n in params)
+    x = rng.standard_normal((B, L, CONFIG["d_in"]))
+    chosen = _causal_choice(rng, B, L, 3)
+    expected = reference.VARIANTS[MLA][0](SHARED, {"x": x, "key_indices": chosen}, params)[0]
+    full_params = {**_params(FULL, rng), **params}  # the same attention, an indexer beside
+    with twin.float64():
+        module = twin.build(MLA, SHARED, params)
+        given = twin.array(chosen.astype(np.int32))
+        got = twin.numpy(module(twin.array(x), key_indices=given))
+        with_indexer = twin.numpy(twin.build(MLA, FULL, full_params)(twin.array(x),
+                                                                      key_indices=given))
+        with pytest.raises(ValueError, match="key_indices should be given with "
+                                             "index_select='given'"):
+            module(twin.array(x))
+    assert rel(got, expected) <= EXACT, f"seed {seed}"
+    assert np.abs(got - with_indexer).max() == 0, f"seed {seed}"  # the attention alone
+    # the choice matters: every key allowed gives another output
+    assert rel(got, reference.VARIANTS[MLA][0](CONFIG, {"x": x}, params)[0]) > 1e-3, seed
+
+
+def test_a_shared_layer_decodes_with_the_given_choice(twin):
+    rng, seed = fresh_rng()
+    params = _params(SHARED, rng)
+    x = rng.standard_normal((B, L, CONFIG["d_in"]))
+    chosen = _causal_choice(rng, B, L, 3).astype(np.int32)
+    with twin.float64():
+        module = twin.build(MLA, SHARED, params)
+        full = twin.numpy(module(twin.array(x), key_indices=twin.array(chosen)))
+        cache = module.init_cache(B, M)
+        assert cache.index_key is None  # no indexer keys to keep
+        out, cache = module(twin.array(x[:, :4]), key_indices=twin.array(chosen[:, :4]),
+                            cache=cache)
+        steps = [twin.numpy(out)]
+        for t in range(4, L):
+            out, cache = module(twin.array(x[:, t:t + 1]),
+                                key_indices=twin.array(chosen[:, t:t + 1]), cache=cache)
+            steps.append(twin.numpy(out))
+    assert np.abs(np.concatenate(steps, axis=1) - full).max() <= EXACT, f"seed {seed}"
+
+
+@pytest.mark.parametrize("option, value", [("index_heads", 2), ("index_rope", "interleaved")])
+def test_a_shared_layer_refuses_indexer_options_by_name(twin, option, value):
+    with pytest.raises(ValueError, match=f"{option} should be .* with index_select='given'"):
+        twin.make(MLA, dict(SHARED, **{option: value}))

@@ -27,9 +27,8 @@ LLAMA_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "o_
 
 class LayerNotSupported(ValueError):
     """A layer of a supported model_type that the conversion refuses for its kind, named with
-    why (GLM-5's and HY-V4's "shared" indexer layers, Mistral Large 4's NoPE and KV-sharing
-    layers): from_hf raises it as any ValueError; attn-parity hf notes the layer as not
-    checked and checks the model's other layers."""
+    why (Mistral Large 4's NoPE and KV-sharing layers): from_hf raises it as any ValueError;
+    attn-parity hf notes the layer as not checked and checks the model's other layers."""
 
 
 class HFConfig(dict):

@@ -170,15 +170,22 @@ INDEXER_NORMS = {"index_k_norm": "indexer.k_norm.weight",
                  "index_k_norm_bias": "indexer.k_norm.bias"}
 
 
-def _refuse_shared_indexer(mt, c, layer_idx) -> None:
-    """LayerNotSupported for a layer whose indexer_types entry is not "full" (GLM-5's, HY-V4's,
-    Mistral Large 4's "shared" layers reuse the previous full layer's choice)."""
+def _shared_indexer(mt, c, layer_idx) -> bool:
+    """Whether layer ``layer_idx`` is an indexer_types "shared" layer (GLM-5's, HY-V4's, Mistral
+    Large 4's: no indexer of its own, the previous full layer's top-k choice reused; ours
+    index_select "given", the choice passed as key_indices); ValueError for a kind that is
+    neither "full" nor "shared"."""
     types = c.get("indexer_types")
-    if types is not None and types[layer_idx] != "full":
-        raise LayerNotSupported(f"model_type {mt!r}: layer {layer_idx} is an indexer_types "
-                                f"{types[layer_idx]!r} layer (it reuses the previous layer's "
-                                f"top-k choice), which is not supported yet; its full layers "
-                                f"are")
+    kind = "full" if types is None else types[layer_idx]
+    if kind not in ("full", "shared"):
+        raise ValueError(f"model_type {mt!r}: indexer_types[{layer_idx}] should be 'full' or "
+                         f"'shared', got {kind!r}")
+    return kind == "shared"
+
+
+def _given(ours) -> bool:
+    """Whether our settings are a "shared" layer's (index_select "given": no indexer arrays)."""
+    return ours.get("index_select") == "given"
 
 
 def _indexer_settings(mt, index_rope, interleaved=True):
@@ -189,11 +196,14 @@ def _indexer_settings(mt, index_rope, interleaved=True):
     RoPE on the first qk_rope_head_dim features, ``index_rope`` pairs ("half": DeepSeek-V3.2;
     "interleaved": GLM-5's GlmMoeDsaIndexer), D_I^−1/2 on the scores, the key's LayerNorm eps
     1e-6 (nn.LayerNorm(index_head_dim, eps=1e-6)). GLM-5's layers marked "shared" in
-    indexer_types reuse the previous layer's choice: refused by name (one layer alone cannot
-    be checked)."""
+    indexer_types reuse the previous layer's choice: index_select "given", no indexer (each
+    call passes the choice as key_indices)."""
 
     def settings(c, layer_idx, sd):
-        _refuse_shared_indexer(mt, c, layer_idx)
+        if _shared_indexer(mt, c, layer_idx):
+            ours = _latent_settings(mt, interleaved=interleaved)(c, layer_idx, sd)
+            ours.update(index_topk=int(c["index_topk"]), index_select="given")
+            return ours
         if not c.get("q_lora_rank"):
             raise ValueError(f"model_type {mt!r}: q_lora_rank should be a positive int (the "
                              f"indexer's wq_b reads the query latent), got "
@@ -216,8 +226,10 @@ def _hy_v4_settings(c, layer_idx, sd):
     (weights · H_I^−1/2 · softmax_scale, the scores unscaled), its key's LayerNorm eps the
     config's rms_norm_eps."""
     ours = _indexer_settings("hy_v4", "half", interleaved=False)(c, layer_idx, sd)
-    ours.update(index_rope_dims="last", index_scale="weights",
-                index_norm_eps=float(c["rms_norm_eps"]), sinks=True, output_gate="sigmoid")
+    if not _given(ours):
+        ours.update(index_rope_dims="last", index_scale="weights",
+                    index_norm_eps=float(c["rms_norm_eps"]))
+    ours.update(sinks=True, output_gate="sigmoid")
     return ours
 
 
@@ -254,8 +266,9 @@ def _mistral_large4_settings(c, layer_idx, sd):
     latent's RMSNorm ε rms_norm_eps (not DeepSeek-V3's fixed 1e-6). RoPE (yarn
     by default) with the model's learned per-pair scales e^α ("LeRoPE": rotary_emb.alpha,
     ``ROPE_ALPHA`` in the state dict, required: frequency_log_scale when not all 0). Refused by
-    name: its NoPE layers (no_rope_layers 0: no rotary key head, which ours has), layers that
-    read another layer's latents (kv_source_layers) and the indexer's "shared" layers."""
+    name: its NoPE layers (no_rope_layers 0: no rotary key head, which ours has) and layers
+    that read another layer's latents (kv_source_layers); its indexer's "shared" layers take
+    the previous layer's choice (index_select "given"), as GLM-5's."""
     mt = "mistral_large4_text"
     nope = c.get("no_rope_layers")
     if nope is not None and not nope[layer_idx]:
@@ -268,7 +281,7 @@ def _mistral_large4_settings(c, layer_idx, sd):
         raise LayerNotSupported(f"model_type {mt!r}: layer {layer_idx} attends layer "
                                 f"{source[layer_idx]}'s latent cache (kv_source_layers), which "
                                 f"is not supported: one layer alone cannot be checked")
-    _refuse_shared_indexer(mt, c, layer_idx)
+    shared = _shared_indexer(mt, c, layer_idx)
     ours = _latent_settings(mt, interleaved=True)({**c, "head_dim": None}, layer_idx, sd)
     ours["rms_norm_eps"] = float(c["rms_norm_eps"])  # its kv_a_layernorm's (DeepSeek's: 1e-6)
     held = sd.get(ROPE_ALPHA)
@@ -280,23 +293,32 @@ def _mistral_large4_settings(c, layer_idx, sd):
         if "rope_parameters" not in ours:
             ours["rope_parameters"] = {"rope_theta": ours.pop("rope_theta")}
         ours["rope_parameters"]["frequency_log_scale"] = [float(a) for a in alpha]
-    ours.update(query_temperature={"kind": "learned"}, index_topk=int(c["index_topk"]),
-                index_heads=int(c["index_n_heads"]), index_head_dim=int(c["index_head_dim"]),
+    ours.update(query_temperature={"kind": "learned"}, index_topk=int(c["index_topk"]))
+    if shared:  # the previous full layer's choice, given
+        ours["index_select"] = "given"
+        return ours
+    ours.update(index_heads=int(c["index_n_heads"]), index_head_dim=int(c["index_head_dim"]),
                 index_rope="interleaved", index_rope_dims="first", index_query="layer_norm",
                 index_temperature=True, index_scale="scores", index_norm_eps=1e-6)
     return ours
 
 
+def _mistral_large4_names(ours) -> dict:
+    """MISTRAL_LARGE4_NAMES, without the indexer's on a "shared" layer."""
+    return {n: k for n, k in MISTRAL_LARGE4_NAMES.items()
+            if not (_given(ours) and n.startswith("index_"))}
+
+
 def _mistral_large4_to_neutral(sd, ours):
     params = _indexer_to_neutral(sd, ours)
-    for name, key in MISTRAL_LARGE4_NAMES.items():
+    for name, key in _mistral_large4_names(ours).items():
         params[name] = _read(sd, key, "mistral_large4_text")
     return params
 
 
 def _mistral_large4_from_neutral(params, ours):
     sd = _indexer_from_neutral(params, ours)
-    for name, key in MISTRAL_LARGE4_NAMES.items():
+    for name, key in _mistral_large4_names(ours).items():
         sd[key] = np.array(params[name])
     rope = ours.get("rope_parameters") or {}
     alpha = rope.get("frequency_log_scale")
@@ -325,6 +347,8 @@ def _hy_v4_from_neutral(params, ours):
 
 def _indexer_to_neutral(sd, ours):
     params, mt = _deepseek_to_neutral(sd, ours), getattr(ours, "model_type", "deepseek_v32")
+    if _given(ours):  # a "shared" layer: no indexer of its own
+        return params
     for name, hf_name in INDEXER_NAMES.items():
         params[name] = np.ascontiguousarray(_read(sd, f"{hf_name}.weight", mt).T)
     for name, key in INDEXER_NORMS.items():
@@ -334,6 +358,8 @@ def _indexer_to_neutral(sd, ours):
 
 def _indexer_from_neutral(params, ours):
     sd = _deepseek_from_neutral(params, ours)
+    if _given(ours):
+        return sd
     for name, hf_name in INDEXER_NAMES.items():
         sd[f"{hf_name}.weight"] = np.ascontiguousarray(np.asarray(params[name]).T)
     for name, key in INDEXER_NORMS.items():

@@ -18,7 +18,7 @@ from golden.reference.arithmetic import number, real
 from golden.reference.block import Stage, block_backward, block_forward, linear, linear_backward
 from golden.reference.core import allowed_positions, unbroadcast
 from golden.reference.indexer import index_keys, selected_mask
-from golden.specification.indexer import check_key_indices
+from golden.specification.indexer import check_key_indices, require_given
 from golden.reference.rotary import rope_cos_sin, turn
 from golden.reference.norms import normalize, normalize_backward
 from golden.reference.stages import (learned_temperature_stage, temperature_factors,
@@ -155,6 +155,7 @@ def _indexed_mask(c, x, q_resid, positions, cos, sin, p, inputs):
     lengths = inputs.get("query_seq_lengths")
     allowed = allowed_positions(lead + (length, length), flat, c["causal"],
                                 query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    require_given(c, given)
     if given is None:
         key_indices = index_keys(c, x, q_resid, positions, cos, sin, p, allowed)
     else:

@@ -31,9 +31,13 @@ The options (constructor arguments of MultiHeadLatentAttention, all inert withou
                       DeepSeek-V3.2) or "weights" (on w: HY-V4); equal in exact arithmetic
                       (ReLU(a·x) = a·ReLU(x), a > 0), rounded differently
     index_norm_eps    ε of the indexer's LayerNorms (1e-6; HY-V4's is its rms_norm_eps)
-    index_select      "tokens" (the top-k keys); "blocks" is refused by name here: MiniMax M3's
-                      and Qwen4-Exp's block selection sits on grouped-query (softmax) attention,
-                      not latent attention: GroupedQueryAttention's index_blocks (below)
+    index_select      "tokens" (the top-k keys); "given" (GLM-5's, HY-V4's and Mistral Large
+                      4's indexer_types "shared" layers: no indexer of its own, no parameters,
+                      every other index_* option at its default; each call passes key_indices,
+                      the previous full layer's choice, which that layer's
+                      return_key_indices=True gives); "blocks" is refused by name here: MiniMax
+                      M3's and Qwen4-Exp's block selection sits on grouped-query (softmax)
+                      attention, not latent attention: GroupedQueryAttention's index_blocks
 
 The selection rule (one, in every implementation): among the keys a query may see (its mask,
 causal, lengths), the k = min(index_topk, Lk) highest scores, equal scores won by the lowest key
@@ -92,7 +96,7 @@ INDEX_ROPES = ("half", "interleaved", None)
 INDEX_ROPE_DIMS = ("first", "last")
 INDEX_QUERIES = ("latent", "layer_norm")
 INDEX_SCALES = ("scores", "weights")
-INDEX_SELECTS = ("tokens",)
+INDEX_SELECTS = ("tokens", "given")
 REFUSED_SELECTS = {"blocks": "MiniMax M3's and Qwen4-Exp's block selection sits on "
                              "grouped-query attention: GroupedQueryAttention's index_blocks"}
 INDEX_BLOCKS = ("max", "mean", None)
@@ -151,8 +155,8 @@ def check_index_scale(name, value) -> None:
 
 def check_index_select(name, value) -> None:
     if value in REFUSED_SELECTS:
-        raise ValueError(f"{name} should be 'tokens' (the top-k keys), got {value!r}: "
-                         f"{REFUSED_SELECTS[value]}")
+        raise ValueError(f"{name} should be 'tokens' (the top-k keys) or 'given' (the previous "
+                         f"layer's), got {value!r}: {REFUSED_SELECTS[value]}")
     _one_of(name, value, INDEX_SELECTS)
 
 
@@ -228,6 +232,13 @@ def index_shapes(c) -> dict:
     if c["index_topk"] is None:
         _check_inert(c, INDEX_DEFAULTS)
         return {}
+    if c["index_select"] == "given":  # a "shared" layer: the previous layer's choice
+        for name, default in INDEX_DEFAULTS[1:-1]:
+            if c[name] != default:
+                raise ValueError(f"{name} should be {default!r} with index_select='given' (the "
+                                 f"layer has no indexer of its own: it takes the previous "
+                                 f"layer's choice), got {c[name]!r}")
+        return {}
     for name in ("index_heads", "index_head_dim"):
         if c[name] is None:
             raise ValueError(f"{name} should be a positive int with index_topk = "
@@ -261,6 +272,15 @@ def check_index_mask(mask, lead, option="index_topk") -> None:
         raise ValueError(f"mask should have no head axis, or one of size 1, with {option} (the "
                          f"indexer chooses among the keys one mask lets each query see), got "
                          f"shape {tuple(np.shape(mask))}")
+
+
+def require_given(config, key_indices) -> None:
+    """A layer of index_select "given" chooses nothing itself: ValueError when a call gives no
+    key_indices."""
+    if config["index_select"] == "given" and key_indices is None:
+        raise ValueError("key_indices should be given with index_select='given' (the layer takes "
+                         "the previous layer's choice: that layer's return_key_indices=True "
+                         "gives it), got None")
 
 
 def refuse_selection(option, key_indices, return_key_indices) -> None:

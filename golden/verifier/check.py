@@ -99,6 +99,8 @@ def layer_fixture(config, layer, exercise, state_dict, rng, index=None) -> Fixtu
                                np.repeat(p[:, None], rows, axis=1))
     if exercise.mask is not None:  # (L, L) -> (B, L, L)
         inputs["mask"] = np.repeat(exercise.mask[None], rows, axis=0)
+    if full.get("index_select") == "given":  # a "shared" indexer layer: a drawn choice
+        inputs["key_indices"] = _drawn_choice(rng, full, inputs)
     params = {n: np.asarray(a, np.float64) for n, a in params.items()}
     forward, backward = reference.VARIANTS[variant]
     with reference.blas_products():  # float64, its sums in BLAS's order (not stored)
@@ -112,6 +114,22 @@ def layer_fixture(config, layer, exercise, state_dict, rng, index=None) -> Fixtu
                    params=params, cotangents=cot, expected={"output": out, "weights": weights},
                    grads=grads, zero=reference.zero_grads(dict(ours), grads),
                    term_sizes={n: m for n, m in sizes.items() if n in grads})
+
+
+def _drawn_choice(rng, config, inputs) -> np.ndarray:
+    """key_indices (B, L, k) int32 for a layer that takes the previous layer's choice
+    (index_select "given"): each query's k = min(index_topk, L) best of drawn scores among the
+    keys it may see (causal, the exercise's mask), as an indexer would choose, so that the
+    layer's attention is checked on a choice of its own kind."""
+    rows, length = np.shape(inputs["x"])[:2]
+    allowed = np.ones((rows, length, length), bool)
+    if config.get("causal", True):
+        allowed &= np.tril(np.ones((length, length), bool))
+    if "mask" in inputs:
+        allowed &= np.asarray(inputs["mask"], bool)
+    k = min(int(config["index_topk"]), length)
+    return reference.select_keys(rng.standard_normal((rows, length, length)), allowed,
+                                 k).astype(np.int32)
 
 
 HF_ANGLES = ("a RoPE layer past the table: within 2x the error of our float32 torch twin using "

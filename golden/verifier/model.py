@@ -280,6 +280,8 @@ class Models:
         if cotangent is not None:
             whole.requires_grad_(True)
         fed = {"x": whole}
+        if "key_indices" in inputs:  # a "shared" indexer layer: the previous layer's choice,
+            fed["topk"] = torch.from_numpy(np.asarray(inputs["key_indices"]))  # HF's argument
         seen = {}
         speech = encoder(model.config) is not None
         from transformers import Cache
@@ -293,6 +295,8 @@ class Models:
                                    f"{tuple(given.shape)}")
             seen["cache"] = next((a for a in (*args, *kwargs.values())
                                   if isinstance(a, Cache)), None)
+            if "topk" in fed:
+                kwargs = dict(kwargs, prev_topk_indices=fed["topk"])
             if "hidden_states" in kwargs:
                 return args, dict(kwargs, hidden_states=x)
             return (x,) + tuple(args[1:]), kwargs

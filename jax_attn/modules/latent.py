@@ -18,7 +18,7 @@ from golden.specification import variants
 from golden.specification.decoder import qk_normalize
 from golden.specification.decoder import sliding_window as sliding_window_pair
 from golden.specification.indexer import (check_index_cache, check_index_mask, check_key_indices,
-                                          refuse_selection)
+                                          refuse_selection, require_given)
 from golden.specification.outputs import gate_kind, gated_output
 from golden.specification.positions import KVCache, LatentCache
 from golden.specification.temperature import learned_temperature
@@ -147,7 +147,7 @@ class MultiHeadLatentAttention(_Variant):
         (B,) int32; with a learned indexer index_key zeros (B, max_length, index_head_dim)."""
         cache_shape(batch_size, max_length, 1, 1)  # checks the sizes
         dtype = self.W_kv_a.kernel.get_value().dtype if dtype is None else dtype
-        index_key = None if self.index_topk is None else jnp.zeros(
+        index_key = None if self.W_index_k is None else jnp.zeros(
             (batch_size, max_length, self.index_head_dim), dtype)
         return LatentCache(jnp.zeros((batch_size, max_length, self.kv_lora_rank), dtype),
                            jnp.zeros((batch_size, max_length, self.rope), dtype),
@@ -176,6 +176,7 @@ class MultiHeadLatentAttention(_Variant):
         if self.index_topk is None:
             refuse_selection("index_topk", key_indices, return_key_indices)
             return
+        require_given(self.config, key_indices)  # a "shared" layer chooses nothing itself
         lead = tuple(np.shape(x))[:-2]
         check_index_mask(mask, lead)
         if key_indices is None:
@@ -192,7 +193,7 @@ class MultiHeadLatentAttention(_Variant):
         check_latent_inputs(x, self.d_in, mask, query_seq_lengths, heads=self.num_heads,
                             positions=positions, cache=cache, kv_lora_rank=self.kv_lora_rank,
                             rope_dim=self.rope)
-        if cache is not None and self.index_topk is not None:
+        if cache is not None and self.W_index_k is not None:
             check_index_cache(cache, self.index_head_dim, x.dtype)
         q, q_resid, q_in = self._query(x)
         q = self._split(q, self.nope + self.rope)                # (B, N, L, Dk)
@@ -224,18 +225,21 @@ class MultiHeadLatentAttention(_Variant):
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         chosen = None  # the selection as the core's key_indices, when sparse pays
         if self.index_topk is not None:  # the learned indexer's choice, a mask or key_indices
-            index_key = self._index_key(x, offset, positions, bound)  # (B, L, D_I)
-            if before is not None:
-                index_key = _append_rows(before.index_key, index_key, before.lengths, q_lengths)
-                cache = cache._replace(index_key=index_key)      # (B, M, D_I)
+            if self.W_index_k is not None:  # (index_select "given": no indexer of its own)
+                index_key = self._index_key(x, offset, positions, bound)  # (B, L, D_I)
+                if before is not None:
+                    index_key = _append_rows(before.index_key, index_key, before.lengths,
+                                             q_lengths)
+                    cache = cache._replace(index_key=index_key)  # (B, M, D_I)
             if key_indices is None:
                 key_indices = self._choose(x, q_resid, index_key, mask, offset, positions,
                                            bound, q_lengths, kv_lengths)
             key_indices = jnp.asarray(key_indices, jnp.int32)
-            if takes_sparse(key_indices.shape[-1], index_key.shape[-2], return_weights):
+            lk = latent.shape[-2]
+            if takes_sparse(key_indices.shape[-1], lk, return_weights):
                 chosen = key_indices[..., None, :, :]            # the core's (B, 1, L, k)
             else:
-                head_mask = self._selection_mask(head_mask, key_indices, index_key.shape[-2])
+                head_mask = self._selection_mask(head_mask, key_indices, lk)
         attend = self._absorbed if absorb else self._expanded
         o = attend(q_nope, q_pe, latent, k_pe, head_mask, offset, q_lengths,
                    kv_lengths, return_weights, chosen)           # (B, N, L, Dv)

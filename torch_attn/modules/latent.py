@@ -16,7 +16,7 @@ from golden.specification import variants
 from golden.specification.decoder import qk_normalize
 from golden.specification.decoder import sliding_window as sliding_window_pair
 from golden.specification.indexer import (INDEX_PARAMS, check_index_cache, check_index_mask,
-                                          check_key_indices, refuse_selection)
+                                          check_key_indices, refuse_selection, require_given)
 from golden.specification.outputs import gate_kind, gated_output
 from golden.specification.positions import KVCache, LatentCache, allowed_terms
 from golden.specification.temperature import learned_temperature
@@ -216,7 +216,7 @@ class MultiHeadLatentAttention(nn.Module):
                                 None if index_key is None else index_key[:, 0])
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         chosen = None  # the selection as the core's key_indices (B, 1, L, k), when sparse pays
-        if self.W_index_k is not None:
+        if self.config["index_topk"] is not None:
             if key_indices is None:
                 with torch.no_grad():
                     key_indices = self._index_select(
@@ -252,13 +252,14 @@ class MultiHeadLatentAttention(nn.Module):
     def _check_index_call(self, x, mask, cache, key_indices, return_key_indices):
         """ValueError for an indexer argument without the indexer, a mask with several heads,
         a cache without index_key, or given key_indices of another shape, dtype or range."""
-        if self.W_index_k is None:
+        if self.config["index_topk"] is None:
             refuse_selection("index_topk", key_indices, return_key_indices)
             return
+        require_given(self.config, key_indices)  # a "shared" layer chooses nothing itself
         lead = tuple(x.shape[:-2])
         check_index_mask(mask, lead)
         lk = x.shape[-2] if cache is None else cache.latent.shape[1]
-        if cache is not None:
+        if cache is not None and self.W_index_k is not None:
             check_index_cache(cache, self.W_index_k.out_features, x.dtype)
         if key_indices is not None:
             if not isinstance(key_indices, torch.Tensor):
