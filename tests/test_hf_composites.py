@@ -28,6 +28,7 @@ pytest.importorskip("safetensors")
 
 from tests.hf_harness import BASE, assert_gives_back, state_dict  # noqa: E402
 from tests.test_hf_import import DECODERS_42, FAMILIES as DECODERS  # noqa: E402
+from tests.test_hf_import_mistral_large4 import FAMILY as MISTRAL_LARGE4  # noqa: E402
 
 # DeepSeek-V3's MLA as tiny as it builds (Kimi K2.5's text tower), every size distinct
 MLA = dict(q_lora_rank=9, kv_lora_rank=7, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10,
@@ -87,14 +88,25 @@ CASES = {
                           released=(("language_model.model.blocks.", "language_model.model."
                                      "layers."),)),
     "exaone4_5": Composite(notes=("vision_config",)),
+    # issue 44's learned-selection models: Mistral Large 4 (Pixtral), MiniMax M3 and Qwen4-Exp
+    # (vision towers of their own), dots.3-note (vision and audio towers of its own)
+    "mistral_large4": Composite(notes=("vision_config",)),  # Pixtral in Mistral's layout
+    "minimax_m3_vl": Composite(notes=("vision_config",)),
+    "qwen4_exp": Composite(notes=("vision_config",)),
+    "dots3_note": Composite(notes=("audio_config", "vision_config")),
 }
 # Composites whose text tower is refused: PaliGemma's Gemma attends both ways (its config sets
 # use_bidirectional_attention); Molmo 2's checkpoints keep q, k and v fused (Family.unverified)
 REFUSED = {"paligemma": "use_bidirectional_attention = True is not supported",
            "molmo2": "does not check Molmo 2 checkpoints yet"}
 QUICK = ("llava", "mistral3", "idefics2")
-# the text towers' variant: grouped-query attention, but Kimi K2.5's DeepSeek-V3 MLA
-TEXT_VARIANT = {"kimi_k25": "multi_head_latent_attention"}
+# the text towers' variant (their first softmax layer's): grouped-query attention, but these
+TEXT_VARIANT = {mt: "multi_head_latent_attention" for mt in ("kimi_k25", "mistral_large4",
+                                                             "dots3_note")}
+
+
+# the model class where it is not the config's name with ForConditionalGeneration
+CLASSES = {"minimax_m3_vl": "MiniMaxM3SparseForConditionalGeneration"}
 
 
 def _params(names):
@@ -103,7 +115,10 @@ def _params(names):
 
 def _text(mt):
     """A text tower's tiny settings: tests/test_hf_import.py's of its family, two layers."""
-    kw = {**DECODERS, **DECODERS_42}[mt].kw if mt in {**DECODERS, **DECODERS_42} else {}
+    known = {**DECODERS, **DECODERS_42, "mistral_large4_text": MISTRAL_LARGE4}
+    kw = dict(known[mt].kw) if mt in known else {}
+    if kw.get("layer_types"):  # one entry a layer: the family's first two kinds
+        kw["layer_types"] = (list(kw["layer_types"]) * 2)[:2]
     return {**BASE, **kw, **(MLA if mt == "deepseek_v3" else {}), "num_hidden_layers": 2,
             "model_type": mt}
 
@@ -115,7 +130,16 @@ def _config(mt):
     vision = dict(VISION, model_type=default.vision_config.model_type)
     if mt == "molmo2":
         vision = {}
-    return cls(text_config=_text(default.text_config.model_type), vision_config=vision)
+    towers = {}
+    if mt == "dots3_note":  # its vision tower's per-layer settings are for its 42 layers;
+        vision.update(per_layer_config={}, adapter_in_dim=VISION["hidden_size"],  # audio small
+                      adapter_out_dim=BASE["hidden_size"])
+        towers["audio_config"] = dict(adapter_out_dim=BASE["hidden_size"],
+            model_type=default.audio_config.model_type, hidden_size=32, intermediate_size=32,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+            adapter_input_size=32, downsample_hidden_size=16, conv_output_size=96)
+    return cls(text_config=_text(default.text_config.model_type), vision_config=vision,
+               **towers)
 
 
 def _checkpoint(mt, directory):
@@ -126,8 +150,8 @@ def _checkpoint(mt, directory):
     needs = CASES.get(mt, Composite()).needs
     if needs and importlib.util.find_spec(needs) is None:
         return _text_tower_alone(config, directory)
-    model = getattr(transformers, type(config).__name__.replace(
-        "Config", "ForConditionalGeneration"))(config)
+    model = getattr(transformers, CLASSES.get(mt, type(config).__name__.replace(
+        "Config", "ForConditionalGeneration")))(config)
     model.save_pretrained(directory)
     if CASES.get(mt, Composite()).released:
         path = directory / "model.safetensors"
@@ -201,12 +225,16 @@ def test_from_hf_takes_each_composites_text_config(mt):
     model = transformers.AutoModel.from_config(text) if mt != "molmo2" else \
         transformers.Molmo2TextModel(text)
     layers = model.layers if hasattr(model, "layers") else model.model.layers
-    sd = state_dict(layers[0].self_attn)
+    i = next(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))  # Qwen4-Exp: 1
+    sd = state_dict(layers[i].self_attn)
+    rotary = getattr(model, "rotary_emb", None)
+    if hasattr(rotary, "alpha"):  # Mistral Large 4's RoPE scales, beside the layers
+        sd["rotary_emb.alpha"] = rotary.alpha.detach().numpy().copy()
     if mt == "paligemma":
         with pytest.raises(ValueError, match=REFUSED[mt]):
-            golden.convert.from_hf(text, sd, layer_idx=0)
+            golden.convert.from_hf(text, sd, layer_idx=i)
         return
-    variant, ours, params = golden.convert.from_hf(text, sd, layer_idx=0)
+    variant, ours, params = golden.convert.from_hf(text, sd, layer_idx=i)
     assert variant == TEXT_VARIANT.get(mt, "grouped_query_attention")
     assert ours.model_type == text.model_type
     assert_gives_back(sd, golden.convert.to_hf(variant, ours, params))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from golden.hf.decoders import QK_NORMS, _gate_join, _gate_split, _llama_like
-from golden.hf.family import _layer_type, _no_window, _read
+from golden.hf.family import Stack, _layer_type, _no_window, _read
 
 # The block indexers' arrays: ours, Hugging Face's (at the attention's ``indexer.``).
 MINIMAX_INDEXER = {"W_index_q": "indexer.q_proj.weight", "W_index_k": "indexer.k_proj.weight",
@@ -122,9 +122,15 @@ def _qwen4_out(params, ours, sd):
     return sd
 
 
+# (the file's, the module's) names of MiniMax M3's indexer in its composite's checkpoints
+# (transformers renames them on loading minimax_m3_vl)
+MINIMAX_FILE = tuple((f"index_{n}.", f"indexer.{n}.") for n in ("q_proj", "k_proj", "q_norm",
+                                                                  "k_norm"))
+
 FAMILIES = {
     "minimax_m3_vl_text": _llama_like("minimax_m3_vl_text", _minimax_m3, norms=QK_NORMS,
-                                      to_extra=_minimax_in, from_extra=_minimax_out),
+                                      to_extra=_minimax_in, from_extra=_minimax_out,
+                                      stacks=(Stack("layers", "self_attn", renames=MINIMAX_FILE),)),
     "qwen4_exp_text": _llama_like("qwen4_exp_text", _qwen4_exp, norms=QK_NORMS,
                                   to_extra=_qwen4_in, from_extra=_qwen4_out),
 }

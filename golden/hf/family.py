@@ -25,6 +25,11 @@ ROLES = ("query", "key", "value", "out")
 LLAMA_NAMES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "out": "o_proj"}
 
 
+# A Stack's ``within`` for keys at the checkpoint's root ("layers.N.", "model.layers.N."), not
+# under any tower's prefix.
+ROOT = "^"
+
+
 class LayerNotSupported(ValueError):
     """A layer of a supported model_type that the conversion refuses for its kind, named with
     why (Mistral Large 4's NoPE and KV-sharing layers): from_hf raises it as any ValueError;
@@ -95,7 +100,12 @@ class Stack:
     def pattern(self, layer=r"\d+"):
         """A key's match: group 1 the module's prefix (with its dot), group 2 the layer;
         ``within`` anywhere in the prefix before the stack, whole segments ("language_model."
-        in "language_model.model.layers.3." and in "model.language_model.layers.3.")."""
+        in "language_model.model.layers.3." and in "model.language_model.layers.3."); ``ROOT``:
+        the stack at the key's start, or after "model." (a composite whose text tower's keys
+        have no prefix of their own, Mistral Large 4's, beside towers that do)."""
+        if self.within == ROOT:
+            return re.compile(rf"^((?:model\.)?{re.escape(self.stack)}\.({layer})\."
+                              rf"{re.escape(self.module)}\.)")
         within = rf"{re.escape(self.within)}(?:.*\.)?" if self.within else ""
         return re.compile(rf"^(.*?(?:^|\.){within}{re.escape(self.stack)}\.({layer})\."
                           rf"{re.escape(self.module)}\.)")
@@ -103,6 +113,8 @@ class Stack:
     def form(self) -> str:
         """The keys' form, as messages show it: "...layers.N.self_attn.*",
         "...language_model.[...]layers.N.self_attn.*"."""
+        if self.within == ROOT:
+            return f"{self.stack}.N.{self.module}.*"
         within = f"{self.within}[...]" if self.within else ""
         return f"...{within}{self.stack}.N.{self.module}.*"
 

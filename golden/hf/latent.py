@@ -253,7 +253,9 @@ MISTRAL_LARGE4_FILE = (("wq.", "q_proj."), ("wkv_a_with_mqa.", "kv_a_proj_with_m
                        ("ssmax_scaling.s", "softmax_scaling.scale"),
                        ("ssmax_scaling.b", "softmax_scaling.bias"),
                        ("indexer.ssmax_scaling.s", "indexer.softmax_scaling.scale"),
-                       ("indexer.ssmax_scaling.b", "indexer.softmax_scaling.bias"))
+                       ("indexer.ssmax_scaling.b", "indexer.softmax_scaling.bias"),
+                       ("lerope.alpha", ROPE_ALPHA),  # the composite's files: its RoPE scales
+                       ("wo.", "o_proj."))  # and its output projection
 
 
 def _mistral_large4_settings(c, layer_idx, sd):
@@ -495,12 +497,13 @@ def _dots3_from_neutral(params, ours):
     return sd
 
 
-# Issue 44's learned-selection families not converted: refused by name, with what they add.
+# Issue 44's composites: from_hf takes a tower's config (attn-parity hf reads their checkpoints,
+# golden.hf.vision.COMPOSITES).
 
 
 def _composite(text):
-    return (f"its composite checkpoint is not read yet (issue 44); its text tower converts: pass "
-            f"its text_config (model_type {text!r})")
+    return (f"it is a composite model: from_hf converts one tower, so pass its text_config "
+            f"(model_type {text!r}); attn-parity hf reads the composite's checkpoint")
 
 
 REFUSED = {

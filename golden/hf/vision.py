@@ -50,7 +50,7 @@ import math
 
 import numpy as np
 
-from golden.hf.family import (GQA, LLAMA_NAMES, ROLES, Family, Stack, _bias_flags, _dropout,
+from golden.hf.family import (GQA, LLAMA_NAMES, ROLES, ROOT, Family, Stack, _bias_flags, _dropout,
                               _linears_to_neutral, _neutral_to_linears, _read)
 from golden.hf.fused import _fused_family
 from golden.specification.mapping import _numpy
@@ -310,6 +310,20 @@ COMPOSITES: dict[str, dict[str, str]] = {
        for mt in ("internvl", "got_ocr2", "janus", "ovis2", "video_llama_3", "qianfan_ocr",
                   "kimi_k25", "exaone4_5")},
     **{mt: {"text_config": "text_model."} for mt in ("idefics2", "idefics3", "smolvlm")},
+    # Issue 44's learned-selection models: Mistral Large 4 (a Pixtral vision tower), MiniMax M3
+    # and dots.3-note (vision towers of their own, and dots.3-note's audio tower: noted), Qwen4-
+    # Exp (Qwen3.5's layout; its vision tower noted)
+    "mistral_large4": {"text_config": ROOT},  # its files: Mistral's layout, layers.N.attention
+    "minimax_m3_vl": {"text_config": "language_model."},
+    "dots3_note": {"text_config": ROOT},  # its text layers at model.layers.N
+    "qwen4_exp": {"text_config": ""},
+}
+# Why a composite's tower of a converted kind is not read, where the general reason ("its
+# attention is not converted") would mislead: {(model_type, sub-config): why}.
+UNREAD_TOWERS: dict[tuple[str, str], str] = {
+    ("mistral_large4", "vision_config"): "its Pixtral tower is saved in Mistral's own layout "
+                                         "(vision_encoder.transformer.layers.N.attention.wq), "
+                                         "which is not read",
 }
 # Towers a composite's config may leave out (null): Gemma 4's audio encoder (only some Gemma 4
 # models have one).

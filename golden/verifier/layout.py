@@ -27,7 +27,7 @@ from pathlib import Path
 from golden.hf import COMPOSITES, FAMILIES, LINEAR, REFUSED, Stack, _layer_type
 from golden.hf.hybrids import layer_kinds
 from golden.hf.linear import LINEAR as LINEAR_TYPE
-from golden.hf.vision import OPTIONAL_TOWERS
+from golden.hf.vision import OPTIONAL_TOWERS, UNREAD_TOWERS
 from golden.verifier.checkpoint import CheckpointError
 
 __all__ = ["COMPOSITES", "COUNTS", "FLOAT64", "LAYOUTS", "LINEAR_LAYOUTS", "MODELS", "OWN_INDEX",
@@ -170,8 +170,8 @@ def unread_towers(config) -> list[str]:
         if not isinstance(tower, dict) or "model_type" not in tower:
             continue
         why = _unconverted(tower)
-        if sub not in read and why is None:
-            why = "its attention is not converted"  # a converted kind, not where it sits
+        if sub not in read and why is None:  # a converted kind, not where it sits
+            why = UNREAD_TOWERS.get((config["model_type"], sub), "its attention is not converted")
         if why is not None:
             notes.append(f"{sub} ({tower['model_type']}): not checked: {why}")
     return notes

@@ -177,8 +177,10 @@ def _layer(c, stack, i, by_layer, entries, config, problems, notes):
         keys[stack.shared] = by_layer[0][stack.shared]  # T5's table, layer 0's
     base = prefix[:prefix.rindex(f"{stack.stack}.{i}.")]
     for name in stack.beside:  # the model's arrays beside the stack (Phi-4's position table)
-        if base + name in entries:
-            keys[name] = base + name
+        for held in (name, stack.file_name(name)):  # its name, or the file's (Mistral's)
+            if base + held in entries:
+                keys[name] = base + held
+                break
     name = layer_name(c, stack, i)
     try:
         variant, ours, shapes = expected_state(c, {k: entries[pieces(v)[0]]
