@@ -220,3 +220,25 @@ def test_attn_parity_hf_checks_a_saved_text_model(tmp_path, layers):
     assert any(n.startswith("layer 1 (indexed_attention): not checked: model_type "
                             "'mistral_large4_text': layer 1 is a NoPE layer")
                for n in notes) == (layers == 2), notes
+
+
+def test_a_shared_indexer_layer_takes_the_previous_layers_choice(twin):
+    # indexer_types ["full", "shared"]: layer 1 reuses layer 0's choice (HF's
+    # prev_topk_indices); converted as index_select "given" (no indexer arrays read, its
+    # temperature kept), given that choice, both twins equal HF's layer 1 at its float32 floor.
+    rng, seed = fresh_rng()
+    family = Family(FAMILY.config, dict(FAMILY.kw, num_hidden_layers=2,
+                                        indexer_types=["full", "shared"]))
+    config, model = build_model(family, rng)
+    calls = {}
+    x, expected = captured(family, model, (1,), rng.integers(0, BASE["vocab_size"], (B, L)),
+                           calls=calls)[1]
+    chosen = calls[1][1]["prev_topk_indices"].numpy().astype(np.int32)
+    sd = state_dict(attention_of(family, model, 1))
+    sd[ROPE_ALPHA] = model.rotary_emb.alpha.detach().numpy().copy()
+    variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=1)
+    assert ours["index_select"] == "given" and not any("index" in n for n in params)
+    with twin.float64():
+        out = twin.numpy(twin.build(variant, ours, params)(twin.array(x),
+                                                           key_indices=twin.array(chosen)))
+    assert rel(out, expected) <= FLOAT32_LEVEL, seed
