@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import sys
 import zlib
@@ -375,10 +376,18 @@ def one(params: list, keep: str) -> list:
 def fixture_sweep(runs) -> list:
     """pytest parameters (name, dtype), ids "name-dtype", of the fixture runs ``runs``: a
     covering few in the quick suite (``sweep`` over ``fixture_features``), all in the matrix."""
+    return sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in runs],
+                 [fixture_features(fixture_of(n), d) for n, d in runs])
+
+
+@functools.lru_cache(maxsize=None)
+def fixture_of(name):
+    """golden.load(name), loaded once per process: for choosing tests' parameters at collection
+    (its variant, config, dtypes), read only. A test that uses a fixture's arrays loads it
+    itself (golden.load gives fresh arrays)."""
     import golden
 
-    return sweep([pytest.param(n, d, id=f"{n}-{d}") for n, d in runs],
-                 [fixture_features(golden.load(n), d) for n, d in runs])
+    return golden.load(name)
 
 
 def fixture_share(names) -> list:

@@ -27,10 +27,10 @@ from golden.specification import variants
 from golden.specification.implementations import Asked, record
 from golden.specification.tolerances import compare
 from jax_attn import blockwise, functional
-from tests.helpers import JAX, count_compiles, fixture_sweep, fresh_rng, matrix
+from tests.helpers import JAX, count_compiles, fixture_of, fixture_sweep, fresh_rng, matrix
 
 BLOCKS = (2, 3)  # (Bq, Bk): the fixtures' lengths 5, 7, 8, 9 span several blocks
-SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
+SDPA_FIXTURES = [n for n in golden.names() if fixture_of(n).variant == variants.SDPA]
 B, H, HKV, LQ, LK, DK, DV = 2, 6, 2, 7, 11, 4, 3  # every size different; G = 3
 
 
@@ -86,7 +86,7 @@ def _fixture_cases(chosen=FIXTURE_DTYPES):
     (float32 by default) first, a covering few of them in the quick suite, the rest in the
     whole matrix only."""
     first = [(n, chosen.get(n, "float32")) for n in SDPA_FIXTURES]
-    more = [(n, d) for n in SDPA_FIXTURES for d in golden.load(n).dtypes if (n, d) not in first]
+    more = [(n, d) for n in SDPA_FIXTURES for d in fixture_of(n).dtypes if (n, d) not in first]
     return fixture_sweep(first) + [pytest.param(n, d, id=f"{n}-{d}", marks=matrix) for n, d in more]
 
 

@@ -8,6 +8,7 @@ import sys
 
 from golden.cli import main
 from golden.runners import jax_runner
+from tests.helpers import matrix
 
 
 def _rows(out, prefix="sdpa_"):
@@ -81,6 +82,7 @@ def test_check_fails_when_the_reference_no_longer_reproduces_a_fixture(capsys, m
     assert "reproduces 0 of 1 fixtures" in out
 
 
+@matrix  # the whole check again in a fresh interpreter: the quick suite checks it in-process
 def test_regenerate_check_via_python_m():
     done = subprocess.run([sys.executable, "-m", "golden", "--check"], capture_output=True,
                           text=True)

@@ -15,14 +15,15 @@ from golden.specification.cases import CASES
 from golden.harness.check import compare_all
 from golden.harness.regenerate import regenerate
 from golden.specification.tolerances import compare
-from tests.helpers import DTYPES, TWINS, fixture_features, missing_option, sweep
+from tests.helpers import (DTYPES, TWINS, fixture_features, fixture_of, matrix, missing_option,
+                           sweep)
 
 
 def test_every_case_is_shipped():
     assert golden.names() == sorted(c.name for c in CASES)
 
 
-RUNS = [(name, dtype) for name in golden.names() for dtype in golden.load(name).dtypes]
+RUNS = [(name, dtype) for name in golden.names() for dtype in fixture_of(name).dtypes]
 
 
 def test_every_fixture_runs_at_float32_and_float64():
@@ -43,7 +44,7 @@ def test_runners_cover_every_framework():
 # matrix (test_reference_reproduces_fixture below holds every fixture to the reference).
 TWIN_RUNS = [p for t in TWINS for p in sweep(
     [pytest.param(t, n, d, id=f"{t}-{n}-{d}") for n, d in RUNS],
-    [fixture_features(golden.load(n), d) for n, d in RUNS])]
+    [fixture_features(fixture_of(n), d) for n, d in RUNS])]
 
 
 @pytest.mark.parametrize("twin_name, fixture_name, dtype", TWIN_RUNS)
@@ -80,14 +81,16 @@ def test_float64_run_does_not_leak_x64():
     assert jax.numpy.asarray(np.ones(2)).dtype == np.float32
 
 
+@matrix  # the quick suite has each fixture's check (test_reference_reproduces_fixture) and
+# regenerate's --check path (tests/test_fixture_format.py); this is their sum, once more
 def test_regenerate_check_is_clean():
     lines = []
     assert regenerate(check=True, log=lines.append) == 0, "\n".join(lines)
 
 
 # Those torch's "fused" takes (its registry's rule: not dropout nor soft-capping).
-FUSED_RUNS = [(n, d) for n, d in RUNS if not runners.refuses("torch", "fused", golden.load(n))
-              and not missing_option("torch", golden.load(n))]
+FUSED_RUNS = [(n, d) for n, d in RUNS if not runners.refuses("torch", "fused", fixture_of(n))
+              and not missing_option("torch", fixture_of(n))]
 
 
 @pytest.mark.parametrize("fixture_name, dtype", FUSED_RUNS, ids=[f"{n}-{d}" for n, d in FUSED_RUNS])

@@ -21,7 +21,7 @@ from golden.reference.rotary import rope_cos_sin
 from golden.specification import variants
 from golden.specification.tolerances import TOLERANCES
 from tests import port_numpy
-from tests.helpers import selection_central_differences
+from tests.helpers import fixture_of, selection_central_differences
 
 MLA = "multi_head_latent_attention"
 BASE = dict(d_in=6, num_heads=3, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=4,
@@ -34,7 +34,7 @@ KINDS = {  # one of each family's settings
     "mistral_large4": dict(q_lora_rank=None, index_query="layer_norm", index_temperature=True,
                            index_rope="interleaved"),
 }
-FIXTURES = [n for n in golden.names() if golden.load(n).config.get("index_topk") is not None]
+FIXTURES = [n for n in golden.names() if fixture_of(n).config.get("index_topk") is not None]
 MIN_GAP = 1e-3  # the fixtures' smallest k-th to (k+1)-th score gap, relative to the row's largest
 
 

@@ -24,7 +24,7 @@ from golden.runners import torch_runner
 from golden.specification import variants
 from golden.specification.tolerances import TOLERANCES, compare
 from tests.hf_harness import indexer_hf_case, indexer_hf_rope
-from tests.helpers import missing_option, score_gaps
+from tests.helpers import fixture_of, missing_option, score_gaps
 from torch_attn.modules.latent import select_keys
 from torch_attn.params import export_grads
 
@@ -40,7 +40,7 @@ KINDS = {  # one of each family's settings (as tests/test_indexer_reference.py's
     "mistral_large4": dict(q_lora_rank=None, index_query="layer_norm", index_temperature=True,
                            index_rope="interleaved", query_temperature={"kind": "learned"}),
 }
-FIXTURES = [n for n in golden.names() if golden.load(n).config.get("index_topk") is not None]
+FIXTURES = [n for n in golden.names() if fixture_of(n).config.get("index_topk") is not None]
 F64 = torch.float64
 
 

@@ -31,6 +31,7 @@ from tests.helpers import (
     assert_directional_derivative,
     by_name,
     count_compiles,
+    fixture_of,
     fixture_sweep,
     fresh_rng,
     has_params,
@@ -41,7 +42,7 @@ from tests.helpers import (
 )
 
 CORE_FIXTURES = [n for n in golden.names()
-                 if not variants.lookup(golden.load(n).variant).is_module]
+                 if not variants.lookup(fixture_of(n).variant).is_module]
 
 
 def _core_inputs(rng, dtype="float32"):

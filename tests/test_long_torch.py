@@ -27,12 +27,12 @@ import torch_attn.row_chunks as row_chunks
 from golden import reference
 from golden.specification.implementations import Asked, record
 from golden.specification.tolerances import compare
-from tests.helpers import fresh_rng
+from tests.helpers import fixture_of, fresh_rng
 from torch_attn import scaled_dot_product_attention as sdpa
 
 B, H, HKV, LQ, LK, DK, DV = 2, 6, 2, 5, 7, 4, 3
 # (fixture, dtype) for every sdpa fixture and every dtype it is run at.
-SDPA_RUNS = [(n, d) for n in golden.names() if n.startswith("sdpa_") for d in golden.load(n).dtypes]
+SDPA_RUNS = [(n, d) for n in golden.names() if n.startswith("sdpa_") for d in fixture_of(n).dtypes]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 TORCH_SDPA = F.scaled_dot_product_attention  # before any monkeypatch

@@ -20,10 +20,10 @@ from golden.specification.implementations import record
 from golden.reference import allowed_positions
 from golden.specification.tolerances import compare, compare_terms
 from jax_attn import blockwise, explicit, functional
-from tests.helpers import JAX, fixture_sweep, fresh_rng, sweep
+from tests.helpers import JAX, fixture_of, fixture_sweep, fresh_rng, sweep
 from tests.test_blockwise import _grads
 
-SDPA_FIXTURES = [n for n in golden.names() if golden.load(n).variant == variants.SDPA]
+SDPA_FIXTURES = [n for n in golden.names() if fixture_of(n).variant == variants.SDPA]
 
 
 def _static(is_causal=False, window=(None, None), chunk=None):
