@@ -133,17 +133,19 @@ def impl(request):
 
 
 _BUILT = {}
+_BYTES = {}  # id(built fixture) -> (it, its file's bytes)
 
 
 @pytest.fixture
 def cached_builds(monkeypatch):
     """``golden.harness.regenerate.build`` computed once per case in this session: for tests of how
     regenerate writes, checks and replaces files, which call it several times. Each case is
-    built by the real function the first time (the exact arithmetic, about 1 s for all 57);
-    test_fixtures.py and test_reproducibility.py check that arithmetic on fresh builds."""
+    built by the real function the first time (the exact arithmetic) and serialised
+    (``to_bytes``) once; test_fixtures.py and test_reproducibility.py check that arithmetic
+    on fresh builds."""
     from golden.harness import regenerate
 
-    real = regenerate.build
+    real, real_bytes = regenerate.build, regenerate.to_bytes
 
     def build(case):
         key = (case.name, case.variant, case.seed, repr(case.inputs), repr(case.config),
@@ -152,7 +154,14 @@ def cached_builds(monkeypatch):
             _BUILT[key] = real(case)
         return _BUILT[key]
 
+    def to_bytes(fixture):  # a built fixture's file, serialised once (it is never changed)
+        held = _BYTES.get(id(fixture))
+        if held is None or held[0] is not fixture:
+            held = _BYTES[id(fixture)] = (fixture, real_bytes(fixture))
+        return held[1]
+
     monkeypatch.setattr(regenerate, "build", build)
+    monkeypatch.setattr(regenerate, "to_bytes", to_bytes)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -29,6 +29,7 @@ import golden
 from golden.specification import fixture as fx
 from golden.specification.cases import CASES
 from golden.harness.regenerate import build, regenerate
+from tests.helpers import WHOLE
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZED = "multi_head_attention_causal"  # the file of the issue's 300 bit flips
@@ -606,7 +607,7 @@ CHILD = textwrap.dedent("""
     print("start", flush=True)
     module.regenerate(directory=Path(sys.argv[1]), log=lambda line: print(line, flush=True))
 """)
-KILLS = 8
+KILLS = 8 if WHOLE else 3  # runs killed at random moments: the quick suite's few
 
 
 def _run_child(directory, built, kill_after=None):
