@@ -507,6 +507,12 @@ def _composite(text):
 
 
 REFUSED = {
+    # DeepSeek V4 (DeepseekV4Attention): its indexer scores keys compressed by learned pooling
+    # (the CSA and HCA compressors), K = V from one KV head, the output turned back by an
+    # inverse RoPE and projected by a grouped low-rank o_proj, with sinks: none of it is ours
+    "deepseek_v4": "DeepSeek V4's compressed sparse attention (its CSA/HCA key compressors, "
+                   "K = V on one key-value head, the inverse RoPE on the output, a grouped "
+                   "low-rank output projection) is not MultiHeadLatentAttention's",
     "mistral_large4": _composite("mistral_large4_text"),
     "minimax_m3_vl": _composite("minimax_m3_vl_text"),
     "qwen4_exp": _composite("qwen4_exp_text"),
