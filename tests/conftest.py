@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 import golden
-from tests.helpers import FRAMEWORKS, IMPLS, MATRIX_ENV, TWINS, WHOLE
+from tests.helpers import FRAMEWORKS, IMPLS, MATRIX_ENV, TWINS, WHOLE, fixture_of
 
 # `attn-parity check` keeps JAX's compiled programs in a cache under the user's home
 # (golden/runners/cache.py): this session's, and its subprocesses', go to a directory of its
@@ -132,36 +132,28 @@ def impl(request):
     return IMPLS[request.param]
 
 
-_BUILT = {}  # case name -> its shipped fixture (cached_builds)
-_BYTES = {}  # id(built fixture) -> (it, its file's bytes)
+_BYTES = {}  # case name -> its shipped fixture's bytes (cached_builds)
 
 
 @pytest.fixture
 def cached_builds(monkeypatch):
-    """``golden.harness.regenerate.build`` giving each case's shipped fixture (golden.load,
-    once per process) and ``to_bytes`` serialising each once: for tests of how regenerate
+    """``golden.harness.regenerate.build`` giving each case's shipped fixture (fixture_of:
+    loaded once per process) and ``to_bytes`` serialising each once: for tests of how regenerate
     writes, checks and replaces files, which call it several times and need not redo the
     exact arithmetic (a dozen seconds for every case). That arithmetic is checked on fresh
     builds elsewhere: every fixture's reference in tests/test_fixtures.py, regeneration at
     each NumPy dispatch level in tests/test_reproducibility.py, the whole regeneration's
     --check in the matrix."""
-    import golden
     from golden.harness import regenerate
 
     real_bytes = regenerate.to_bytes
 
-    def build(case):
-        if case.name not in _BUILT:
-            _BUILT[case.name] = golden.load(case.name)
-        return _BUILT[case.name]
+    def to_bytes(fixture):  # a shipped fixture's file, serialised once (it is never changed)
+        if fixture.name not in _BYTES:
+            _BYTES[fixture.name] = real_bytes(fixture)
+        return _BYTES[fixture.name]
 
-    def to_bytes(fixture):  # a built fixture's file, serialised once (it is never changed)
-        held = _BYTES.get(id(fixture))
-        if held is None or held[0] is not fixture:
-            held = _BYTES[id(fixture)] = (fixture, real_bytes(fixture))
-        return held[1]
-
-    monkeypatch.setattr(regenerate, "build", build)
+    monkeypatch.setattr(regenerate, "build", lambda case: fixture_of(case.name))
     monkeypatch.setattr(regenerate, "to_bytes", to_bytes)
 
 

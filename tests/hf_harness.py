@@ -266,6 +266,30 @@ def assert_each_undone_moves_the_output(family, config, model, changes, rng, see
         assert rel(out, expected) > 1e3 * FLOAT32_LEVEL, (layer, change, seed)
 
 
+def shared_indexer_case(family, rng, beside=lambda model: {}):
+    """(variant, ours, params, x, expected, chosen) of layer 1 of ``family``'s tiny model with
+    indexer_types ["full", "shared"] (GLM-5's, HY-V4's, Mistral Large 4's): layer 1 has no
+    indexer and attends the keys layer 0 chose, which HF passes it as prev_topk_indices
+    (``chosen``, int32); converted by from_hf from its state dict plus ``beside(model)`` (the
+    model's arrays beside the layers: Mistral Large 4's RoPE scales), checked to be
+    index_select "given" with no indexer arrays; x and expected its captured input and
+    output."""
+    import golden.convert
+
+    family = Family(family.config, dict(family.kw, num_hidden_layers=2,
+                                        indexer_types=["full", "shared"]),
+                    attention=family.attention)
+    config, model = build_model(family, rng)
+    calls = {}
+    x, expected = captured(family, model, (1,), rng.integers(0, BASE["vocab_size"], (B, L)),
+                           calls=calls)[1]
+    chosen = calls[1][1]["prev_topk_indices"].numpy().astype(np.int32)
+    sd = {**state_dict(attention_of(family, model, 1)), **beside(model)}
+    variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=1)
+    assert ours["index_select"] == "given" and not any("index" in n for n in params)
+    return variant, ours, params, x, expected, chosen
+
+
 # ---- Hugging Face's DeepSeek-V3.2 attention with its learned indexer (issue 44) --------------
 
 INDEXER_CONFIG = dict(d_in=6, num_heads=3, kv_lora_rank=4, qk_nope_head_dim=2,

@@ -45,6 +45,7 @@ from tests.hf_harness import (  # noqa: E402
     build_model,
     captured,
     rel,
+    shared_indexer_case,
     state_dict,
 )
 
@@ -1547,18 +1548,7 @@ def test_shared_indexer_layers_take_the_previous_layers_choice(mt, twin):
     # the choice HF's layer 1 received, both twins equal HF's layer 1 at HF's float32 floor;
     # every key allowed instead moves the output far.
     rng, seed = fresh_rng()
-    family = FAMILIES[mt]
-    family = Family(family.config, dict(family.kw, num_hidden_layers=2,
-                                        indexer_types=["full", "shared"]),
-                    attention=family.attention)
-    config, model = build_model(family, rng)
-    calls = {}
-    x, expected = captured(family, model, (1,), rng.integers(0, BASE["vocab_size"], (B, L)),
-                           calls=calls)[1]
-    chosen = calls[1][1]["prev_topk_indices"].numpy().astype(np.int32)
-    variant, ours, params = golden.convert.from_hf(
-        config, state_dict(attention_of(family, model, 1)), layer_idx=1)
-    assert ours["index_select"] == "given" and not any("index" in n for n in params)
+    variant, ours, params, x, expected, chosen = shared_indexer_case(FAMILIES[mt], rng)
     with twin.float64():
         module = twin.build(variant, ours, params)
         out = twin.numpy(module(twin.array(x), key_indices=twin.array(chosen)))

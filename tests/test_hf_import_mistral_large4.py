@@ -21,7 +21,7 @@ import pytest
 import golden.convert
 from golden.hf.latent import ROPE_ALPHA
 from tests.hf_harness import (B, BASE, FLOAT32_LEVEL, L, Family, attention_of, build_model,
-                              captured, rel, state_dict)
+                              captured, rel, shared_indexer_case, state_dict)
 from tests.helpers import fresh_rng
 
 torch = pytest.importorskip("torch")
@@ -227,17 +227,8 @@ def test_a_shared_indexer_layer_takes_the_previous_layers_choice(twin):
     # prev_topk_indices); converted as index_select "given" (no indexer arrays read, its
     # temperature kept), given that choice, both twins equal HF's layer 1 at its float32 floor.
     rng, seed = fresh_rng()
-    family = Family(FAMILY.config, dict(FAMILY.kw, num_hidden_layers=2,
-                                        indexer_types=["full", "shared"]))
-    config, model = build_model(family, rng)
-    calls = {}
-    x, expected = captured(family, model, (1,), rng.integers(0, BASE["vocab_size"], (B, L)),
-                           calls=calls)[1]
-    chosen = calls[1][1]["prev_topk_indices"].numpy().astype(np.int32)
-    sd = state_dict(attention_of(family, model, 1))
-    sd[ROPE_ALPHA] = model.rotary_emb.alpha.detach().numpy().copy()
-    variant, ours, params = golden.convert.from_hf(config, sd, layer_idx=1)
-    assert ours["index_select"] == "given" and not any("index" in n for n in params)
+    variant, ours, params, x, expected, chosen = shared_indexer_case(FAMILY, rng, lambda model: {
+        ROPE_ALPHA: model.rotary_emb.alpha.detach().numpy().copy()})
     with twin.float64():
         out = twin.numpy(twin.build(variant, ours, params)(twin.array(x),
                                                            key_indices=twin.array(chosen)))

@@ -92,11 +92,14 @@ def _mistral4_settings(c, layer_idx, sd):
     return ours
 
 
-def _longcat_scales(c) -> tuple:
-    """LongCat-Flash's (s_q, s_kv) = (√(D / r_q), √(D / r)), HF's mla_scale_q_lora and
-    mla_scale_kv_lora, the same floats."""
-    return ((c["hidden_size"] / c["q_lora_rank"]) ** 0.5,
-            (c["hidden_size"] / c["kv_lora_rank"]) ** 0.5)
+def _lora_scales(ours) -> tuple:
+    """(s_q, s_kv) = (√(D / r_q), √(D / r)) from our settings (d_in, q_lora_rank,
+    kv_lora_rank): the scales LongCat-Flash (mla_scale_q_lora, mla_scale_kv_lora) and
+    dots.3-note (q_lora_scale, kv_lora_scale) put on their normalised latents, the same floats.
+    HF multiplies a normalised latent w ⊙ n(c) by s, which is n(c) times the weight w·s (one
+    rounding each way: to_hf's w·s / s is w to the last bit or next to it)."""
+    return ((ours["d_in"] / ours["q_lora_rank"]) ** 0.5,
+            (ours["d_in"] / ours["kv_lora_rank"]) ** 0.5)
 
 
 def _longcat_settings(c, layer_idx, sd):
@@ -113,7 +116,7 @@ def _longcat_settings(c, layer_idx, sd):
                          f"{c['qk_head_dim']}")
     ours = _latent_settings(mt, interleaved=True)(c, layer_idx, sd)
     scaling = variants.latent_scale(variants.get(MLA).config(ours))
-    ours["scale"] = scaling * _longcat_scales(c)[0]
+    ours["scale"] = scaling * _lora_scales(ours)[0]
     return ours
 
 
@@ -145,21 +148,14 @@ def _deepseek_from_neutral(params, ours):
 
 def _longcat_to_neutral(sd, ours):
     params = _deepseek_to_neutral(sd, ours)
-    params["kv_a_norm"] = params["kv_a_norm"] * _longcat_kv_scale(ours)
+    params["kv_a_norm"] = params["kv_a_norm"] * _lora_scales(ours)[1]
     return params
 
 
 def _longcat_from_neutral(params, ours):
     sd = _deepseek_from_neutral(params, ours)
-    sd["kv_a_layernorm.weight"] = sd["kv_a_layernorm.weight"] / _longcat_kv_scale(ours)
+    sd["kv_a_layernorm.weight"] = sd["kv_a_layernorm.weight"] / _lora_scales(ours)[1]
     return sd
-
-
-def _longcat_kv_scale(ours) -> float:
-    """s_kv = √(D / r) from our settings (d_in, kv_lora_rank), HF's mla_scale_kv_lora: HF
-    multiplies the normalised latent w ⊙ n(c) by it, which is n(c) times the weight w·s_kv
-    (one rounding each way: to_hf's w·s_kv / s_kv is w to the last bit or next to it)."""
-    return (ours["d_in"] / ours["kv_lora_rank"]) ** 0.5
 
 
 # The lightning indexer's arrays (DeepseekV32Indexer, at the attention's ``indexer.``): ours,
@@ -186,6 +182,12 @@ def _shared_indexer(mt, c, layer_idx) -> bool:
 def _given(ours) -> bool:
     """Whether our settings are a "shared" layer's (index_select "given": no indexer arrays)."""
     return ours.get("index_select") == "given"
+
+
+def _has_indexer(ours) -> bool:
+    """Whether the layer holds indexer arrays: index_topk, and not a "shared" layer's (a
+    dots.3-note full layer has none either)."""
+    return ours.get("index_topk") is not None and not _given(ours)
 
 
 def _indexer_settings(mt, index_rope, interleaved=True):
@@ -349,7 +351,7 @@ def _hy_v4_from_neutral(params, ours):
 
 def _indexer_to_neutral(sd, ours):
     params, mt = _deepseek_to_neutral(sd, ours), getattr(ours, "model_type", "deepseek_v32")
-    if _given(ours):  # a "shared" layer: no indexer of its own
+    if not _has_indexer(ours):
         return params
     for name, hf_name in INDEXER_NAMES.items():
         params[name] = np.ascontiguousarray(_read(sd, f"{hf_name}.weight", mt).T)
@@ -360,7 +362,7 @@ def _indexer_to_neutral(sd, ours):
 
 def _indexer_from_neutral(params, ours):
     sd = _deepseek_from_neutral(params, ours)
-    if _given(ours):
+    if not _has_indexer(ours):
         return sd
     for name, hf_name in INDEXER_NAMES.items():
         sd[f"{hf_name}.weight"] = np.ascontiguousarray(np.asarray(params[name]).T)
@@ -468,17 +470,10 @@ def _dots3_settings(c, layer_idx, sd):
 DOTS3_NAMES = {"k_pe_norm": "k_rope_only_layernorm.weight"}  # and its gate, g_proj
 
 
-def _dots3_scales(ours) -> tuple:
-    """(√(D / r_q), √(D / r)): HF's q_lora_scale and kv_lora_scale, the same floats."""
-    return ((ours["d_in"] / ours["q_lora_rank"]) ** 0.5,
-            (ours["d_in"] / ours["kv_lora_rank"]) ** 0.5)
-
-
 def _dots3_to_neutral(sd, ours):
     mt = "dots3_note_text"
-    to = _indexer_to_neutral if ours.get("index_topk") is not None else _deepseek_to_neutral
-    params = to(sd, ours)
-    s_q, s_kv = _dots3_scales(ours)
+    params = _indexer_to_neutral(sd, ours)
+    s_q, s_kv = _lora_scales(ours)
     params["q_a_norm"] = params["q_a_norm"] * s_q
     params["kv_a_norm"] = params["kv_a_norm"] * s_kv
     params["k_pe_norm"] = _read(sd, DOTS3_NAMES["k_pe_norm"], mt)
@@ -487,9 +482,8 @@ def _dots3_to_neutral(sd, ours):
 
 
 def _dots3_from_neutral(params, ours):
-    fr = _indexer_from_neutral if ours.get("index_topk") is not None else _deepseek_from_neutral
-    sd = fr(params, ours)
-    s_q, s_kv = _dots3_scales(ours)
+    sd = _indexer_from_neutral(params, ours)
+    s_q, s_kv = _lora_scales(ours)
     sd["q_a_layernorm.weight"] = sd["q_a_layernorm.weight"] / s_q
     sd["kv_a_layernorm.weight"] = sd["kv_a_layernorm.weight"] / s_kv
     sd[DOTS3_NAMES["k_pe_norm"]] = np.array(params["k_pe_norm"])

@@ -192,7 +192,8 @@ def _latent_backward(saved, d_y, d_weights):
     g_q, g_raw = g["x_query"], 0
     if saved["both"]:  # [RMSNorm(c_q) | c_q], the gate's input too
         g_q = g_q + g.get("x_gate", 0)
-        g_q, g_raw = g_q[..., :p["q_a_norm"].shape[0]], g_q[..., p["q_a_norm"].shape[0]:]
+        rank = p["q_a_norm"].shape[0]
+        g_q, g_raw = g_q[..., :rank], g_q[..., rank:]
     else:
         g_x = g_x + g.get("x_gate", 0)
     g_a, g_w = normalize_backward("rms", saved["q_norm"], g_q)

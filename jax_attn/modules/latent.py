@@ -124,20 +124,21 @@ class MultiHeadLatentAttention(_Variant):
                   "index_k_norm", "index_k_norm_bias", "index_q_norm", "index_q_norm_bias",
                   "index_temperature_scale", "index_temperature_bias"):  # the indexer's
             setattr(self, n, nnx.Param(jnp.full(*starts[n])) if n in starts else None)
-        self._init_indexer(rngs)
+        self._init_indexer(rngs, shapes)
         self.gate = gate_kind(output_gate)  # (activation, per head) or None: static
         self.W_gate = None if self.gate is None else _linear(*shapes["W_gate"], False, rngs,
                                                              precision)
 
-    def _init_indexer(self, rngs) -> None:
-        """The learned indexer's settings (static) and projections; None without index_topk."""
+    def _init_indexer(self, rngs, shapes) -> None:
+        """The learned indexer's settings (static) and projections (of the variant's
+        ``shapes``); None without index_topk."""
         c = self.config
         self.index_topk, self.index_heads, self.index_head_dim = (
             c["index_topk"], c["index_heads"], c["index_head_dim"])
         self.index_options = tuple((n, c[n]) for n in (  # static
             "index_rope", "index_rope_dims", "index_query", "index_temperature", "index_scale",
             "index_norm_eps"))
-        shapes, p = variants.VARIANTS[self.variant].shapes(c), self.precision
+        p = self.precision
         for n in ("W_index_q", "W_index_k", "W_index_weights"):
             setattr(self, n, None if n not in shapes else _linear(*shapes[n], False, rngs, p))
 
@@ -225,7 +226,8 @@ class MultiHeadLatentAttention(_Variant):
         head_mask = _head_mask(mask, x)  # (B, 1 or N, L, Lk)
         chosen = None  # the selection as the core's key_indices, when sparse pays
         if self.index_topk is not None:  # the learned indexer's choice, a mask or key_indices
-            if self.W_index_k is not None:  # (index_select "given": no indexer of its own)
+            index_key = None  # (index_select "given": no indexer of its own)
+            if self.W_index_k is not None:
                 index_key = self._index_key(x, offset, positions, bound)  # (B, L, D_I)
                 if before is not None:
                     index_key = _append_rows(before.index_key, index_key, before.lengths,
